@@ -1,0 +1,134 @@
+"""Side-by-side benchmarking of two implementations inside the same ranks.
+
+Both contenders run in the same processes, on the same model, data and world
+size; repetitions alternate which goes first (so warm caches and background
+load favour neither); we report medians. A contender is a function that
+builds ``(model, optimizer, step_sent_bytes)`` from a fresh model copy.
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import pickle
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise import launch
+from shardwise.stats import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+from shardwise.topology import Topology
+
+# build(model, topo) -> (model, optimizer); after the contender ran, comm_bytes()
+# tells the bytes it sent per step (None when it cannot be observed).
+Build = Callable[[nn.Module, Topology], tuple[nn.Module, torch.optim.Optimizer]]
+
+
+@dataclass
+class Contender:
+    name: str
+    build: Build
+    counts_bytes: bool = True  # False for PyTorch's own (its traffic is not visible to us)
+
+
+@dataclass
+class PairResult:
+    names: tuple[str, str]
+    step_times: dict[str, list[float]] = field(default_factory=dict)   # per repetition, median over steps
+    peak_rss_delta: dict[str, list[int]] = field(default_factory=dict)  # bytes above the pre-build RSS
+    sent_per_step: dict[str, float | None] = field(default_factory=dict)
+
+    def median_time(self, name: str) -> float:
+        return statistics.median(self.step_times[name])
+
+    def median_mem(self, name: str) -> int:
+        return int(statistics.median(self.peak_rss_delta[name]))
+
+
+def _time_contender(c: Contender, base: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor,
+                    loss_fn: Callable[..., torch.Tensor], warmup: int, steps: int) -> tuple[float, int, float]:
+    gc.collect()
+    reset_peak_rss()
+    before = current_rss_bytes()
+    model, opt = c.build(copy.deepcopy(base), topo)
+    times = []
+    sent0 = topo.stats.sent
+    for i in range(warmup + steps):
+        if i == warmup:
+            sent0 = topo.stats.sent
+        topo.comm("world").barrier()
+        t0 = time.perf_counter()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if x.device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    mem = peak_rss_bytes() - before
+    sent = (topo.stats.sent - sent0) / steps
+    del model, opt
+    gc.collect()
+    return statistics.median(times), mem, sent
+
+
+def _bench_worker(rank: int, device: torch.device, blob: bytes, path: str) -> None:
+    job = pickle.loads(blob)
+    topo = Topology.create(device)
+    base: nn.Module = job["model"].to(device)
+    g = torch.Generator().manual_seed(1234 + rank)
+    x = torch.randn(job["local_batch"], *job["in_shape"], generator=g).to(device)
+    y = job["make_target"](x, g).to(device)
+    a, b = job["contenders"]
+    res = PairResult((a.name, b.name), {a.name: [], b.name: []}, {a.name: [], b.name: []})
+    for rep in range(job["reps"]):
+        order = (a, b) if rep % 2 == 0 else (b, a)
+        for c in order:
+            t, mem, sent = _time_contender(c, base, topo, x, y, job["loss_fn"], job["warmup"], job["steps"])
+            res.step_times[c.name].append(t)
+            res.peak_rss_delta[c.name].append(mem)
+            res.sent_per_step[c.name] = sent if c.counts_bytes else None
+    # Rank 0's view is reported; the slowest rank would be the same here (symmetric work).
+    everyone = topo.comm("world").all_gather_object(res, name="bench.gather")
+    if rank == 0:
+        with open(path, "wb") as f:
+            pickle.dump(everyone, f)
+
+
+def run_pair(contenders: tuple[Contender, Contender], model: nn.Module, in_shape: tuple[int, ...],
+             make_target: Callable[[torch.Tensor, torch.Generator], torch.Tensor],
+             loss_fn: Callable[..., torch.Tensor], nprocs: int, local_batch: int, reps: int = 5,
+             warmup: int = 3, steps: int = 10, accelerator: str = "cpu") -> list[PairResult]:
+    """Run both contenders on ``nprocs`` ranks; returns one :class:`PairResult` per rank."""
+    job = dict(model=model, in_shape=in_shape, make_target=make_target, loss_fn=loss_fn,
+               contenders=contenders, local_batch=local_batch, reps=reps, warmup=warmup, steps=steps)
+    with tempfile.TemporaryDirectory(prefix="shardwise-bench-") as tmp:
+        path = os.path.join(tmp, "bench.pkl")
+        launch.spawn(_bench_worker, nprocs, args=(pickle.dumps(job), path), accelerator=accelerator)
+        with open(path, "rb") as f:
+            out: list[PairResult] = pickle.load(f)
+    return out
+
+
+def same_shape_target(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    return torch.randn(x.shape, generator=g)
+
+
+def summarize(results: list[PairResult]) -> dict[str, Any]:
+    """Medians over repetitions, then the worst (slowest, largest) rank."""
+    a, b = results[0].names
+    out: dict[str, Any] = {"names": (a, b)}
+    for n in (a, b):
+        out[n] = {
+            "step_time_s": max(r.median_time(n) for r in results),
+            "peak_rss_delta_bytes": max(r.median_mem(n) for r in results),
+            "sent_per_step": results[0].sent_per_step[n],
+        }
+    return out

@@ -1,0 +1,95 @@
+"""The `shardwise` command: run, demo, verify, bench, plan."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from shardwise.topology import threads_per_rank
+
+
+def _run(argv: list[str]) -> int:
+    """torchrun with all its flags passed through; ``--nproc N`` is short for ``--nproc-per-node N``."""
+    from torch.distributed import run as torchrun
+
+    args = list(argv)
+    for i, a in enumerate(args):
+        if a in ("--nproc", "--nprocs"):
+            args[i] = "--nproc-per-node"
+        elif a.startswith(("--nproc=", "--nprocs=")):
+            args[i] = "--nproc-per-node=" + a.split("=", 1)[1]
+    flags = " ".join(a for a in args if a.startswith("--"))
+    # One node and no rendezvous given: a private c10d rendezvous on loopback.
+    if "--nnodes" not in flags and "--rdzv" not in flags and "--standalone" not in flags \
+            and "--master" not in flags:
+        args.insert(0, "--standalone")
+    nproc = 1
+    for i, a in enumerate(args):
+        if a == "--nproc-per-node" and i + 1 < len(args) and args[i + 1].isdigit():
+            nproc = int(args[i + 1])
+        elif a.startswith("--nproc-per-node=") and a.split("=", 1)[1].isdigit():
+            nproc = int(a.split("=", 1)[1])
+    # torchrun sets 1 thread per rank; share this host's cores instead.
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
+    torchrun.main(args)
+    return 0
+
+
+def _verify(a: argparse.Namespace) -> int:
+    from shardwise.verify import compare, run_pair
+    from shardwise.workloads import load
+
+    work = load(a.model)
+    ref, res = run_pair(work, a.strategy, a.devices, a.steps, accumulate_grad_batches=a.accumulate)
+    c = compare(ref, res)
+    ok = c.within(a.rtol)
+    print(f"verify {a.strategy} on {a.devices} devices, workload {work.name}, {a.steps} steps")
+    print(f"  largest loss difference:      {c.max_loss_diff:.3e} (relative {c.max_loss_rel:.3e})")
+    print(f"  largest parameter difference: {c.max_param_diff:.3e} (relative {c.max_param_rel:.3e}, in {c.worst_param})")
+    print(f"  {'EQUAL' if ok else 'MISMATCH'} at relative tolerance {a.rtol:g}")
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "run":  # everything after `run` belongs to torchrun
+        return _run(argv[1:])
+    p = argparse.ArgumentParser(prog="shardwise", description="Distributed training, every classic way.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("run", help="launch a script on N processes (torchrun; all its flags pass through)")
+    d = sub.add_parser("demo", help="train the digits classifier under every strategy and compare")
+    d.add_argument("--steps", type=int, default=60)
+    v = sub.add_parser("verify", help="check a strategy against single-device training")
+    v.add_argument("--strategy", default="ddp")
+    v.add_argument("--devices", type=int, default=2)
+    v.add_argument("--model", default="digits", help="built-in workload (digits, gpt, mlp1024) or path.py:factory")
+    v.add_argument("--steps", type=int, default=20)
+    v.add_argument("--accumulate", type=int, default=1)
+    v.add_argument("--rtol", type=float, default=1e-5)
+    b = sub.add_parser("bench", help="ours against PyTorch's own implementation, side by side")
+    from shardwise.bench import add_arguments as bench_args
+
+    bench_args(b)
+    pl = sub.add_parser("plan", help="predict memory, communication and step time of every layout")
+    try:
+        from shardwise.plan.cli import add_arguments as plan_args
+        plan_args(pl)
+    except ImportError:  # pragma: no cover - planner not installed
+        pass
+    a = p.parse_args(argv)
+    if a.cmd == "demo":
+        from shardwise.demo import main as demo_main
+        return demo_main(steps=a.steps)
+    if a.cmd == "verify":
+        return _verify(a)
+    if a.cmd == "bench":
+        from shardwise.bench import run as bench_run
+        return bench_run(a)
+    if a.cmd == "plan":
+        from shardwise.plan.cli import run as plan_run
+        return plan_run(a)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

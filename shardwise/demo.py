@@ -1,0 +1,58 @@
+"""`shardwise demo`: every strategy on the digits classifier, one table."""
+from __future__ import annotations
+
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from shardwise.strategy import REGISTRY
+from shardwise.trainer import Trainer
+from shardwise.verify import accuracy, compare
+from shardwise.workloads import digits
+
+# (strategy, devices) in the order shown; entries whose strategy is not
+# registered (yet) are skipped, so the table grows with the library.
+DEMO_RUNS: list[tuple[str, int]] = [
+    ("single", 1), ("ddp", 2), ("dp", 2), ("ps", 3), ("zero1", 2), ("zero2", 2), ("zero3", 2),
+    ("fsdp", 2), ("hsdp", 4), ("tp", 2), ("pp", 2),
+]
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def main(steps: int = 60, devices: int = 2, rtol: float = 1e-4, console: Console | None = None) -> int:
+    console = console or Console()
+    work = digits()
+    table = Table(title=f"shardwise demo: 8x8 digits MLP, {steps} steps, global batch {work.batch_size}, AdamW")
+    for col in ("strategy", "devices", "final loss", "test acc", "equal to single", "median step",
+                "peak RSS / rank", "sent / rank / step"):
+        table.add_column(col, justify="right" if col not in ("strategy",) else "left")
+    ref = None
+    ok = True
+    for name, n in DEMO_RUNS:
+        if name not in REGISTRY:
+            continue
+        n = 1 if name == "single" else (n if devices == 2 else devices)
+        t0 = time.perf_counter()
+        res = Trainer(name, n, accelerator="cpu", progress=False).fit(
+            work.make_model(), work.train, work.loss_fn, work.optimizer(), work.batch_size, steps)
+        model = work.make_model()
+        model.load_state_dict(res.state_dict)
+        if ref is None:
+            ref = res
+        cmp = compare(ref, res)
+        same = cmp.within(rtol)
+        ok &= same
+        table.add_row(name, str(n), f"{res.losses[-1]:.4f}", f"{100 * accuracy(model, work.test):.1f}%",
+                      "yes" if same else f"NO (loss rel {cmp.max_loss_rel:.1e})",
+                      f"{1e3 * max(s['step_time_s'] for s in res.stats):.2f} ms",
+                      _mib(max(s["peak_rss_bytes"] for s in res.stats)),
+                      f"{max(s['comm_bytes_per_step'] for s in res.stats) / 1024:.1f} KiB")
+        console.log(f"{name} on {n} device(s) done in {time.perf_counter() - t0:.1f} s")
+    console.print(table)
+    console.print(f"'equal to single': largest relative difference of any step's loss and any final "
+                  f"weight below {rtol:g}.")
+    return 0 if ok else 1

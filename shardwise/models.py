@@ -1,0 +1,129 @@
+"""Small reference models used by the demo, the tests, the benchmarks and `verify`.
+
+They are deliberately plain PyTorch so that every strategy sees an ordinary
+`nn.Module`; the tensor-parallel plans name their submodules by these paths.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class MLP(nn.Module):
+    """`depth` Linear(width, width) layers with ReLU between, then a classifier head."""
+
+    def __init__(self, in_features: int = 64, width: int = 128, depth: int = 2, classes: int = 10) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        d = in_features
+        for _ in range(depth):
+            layers += [nn.Linear(d, width), nn.ReLU()]
+            d = width
+        layers.append(nn.Linear(d, classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 128
+    block_size: int = 32
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+    dropout: float = 0.0
+    tie_weights: bool = False
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.q = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.k = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.v = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # Heads are inferred from the projection width (-1), so a tensor-parallel
+        # q/k/v that holds n_head / tp heads runs this same code unchanged.
+        q = self.q(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).reshape(b, t, -1)
+        return self.proj(y)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.fc2 = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = Attention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A decoder-only transformer (GPT-2 layout, pre-norm); input token ids (B, T), output logits (B, T, V)."""
+
+    def __init__(self, cfg: GPTConfig | None = None) -> None:
+        super().__init__()
+        cfg = cfg or GPTConfig()
+        if cfg.n_embd % cfg.n_head:
+            raise ValueError(f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_weights:
+            self.head.weight = self.tok_emb.weight
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        pos = torch.arange(t, device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy over every position of the batch."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+

@@ -1,0 +1,1 @@
+"""One module per way of splitting training; each applies itself to a model."""

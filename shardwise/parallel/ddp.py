@@ -1,0 +1,254 @@
+"""Distributed data parallel, written on our communication layer.
+
+Every rank holds the whole model and a different slice of the batch.
+Gradients are averaged over the data-parallel group so every replica takes
+the same optimizer step (Li et al. 2020, "PyTorch Distributed: Experiences on
+Accelerating Data Parallel Training", describe the bucketing and overlap
+reproduced here):
+
+* parameters are grouped into fixed-size buckets in reverse registration
+  order, roughly the order in which backward produces their gradients;
+* each parameter's ``.grad`` is made a view into its bucket's flat buffer, so
+  autograd accumulates straight into the buffer and no copy-out is needed;
+* when the last gradient of a bucket arrives its all-reduce is started
+  asynchronously, overlapping the rest of backward; buckets are always
+  launched in index order so every rank issues identical collectives;
+* the end of backward (an autograd engine callback) waits for the buckets.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.comm import Comm, Handle
+
+AllReduceFn = Callable[[torch.Tensor, Comm, str], Handle]
+
+
+def native_allreduce(t: torch.Tensor, comm: Comm, name: str) -> Handle:
+    handle = comm.all_reduce(t, name=name, async_op=True)
+    assert handle is not None
+    return handle
+
+
+def check_same_parameters(module: nn.Module, comm: Comm) -> None:
+    """Raise on every rank, naming the first difference, if replicas differ in names or shapes.
+
+    Metadata is exchanged with one all-gather, so every rank sees every other
+    rank's list and raises the same error: nobody is left waiting in a later
+    collective.
+    """
+    mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
+    everyone = comm.all_gather_object(mine, name="ddp.check")
+    ref = everyone[0]
+    for r, theirs in enumerate(everyone[1:], start=1):
+        if theirs == ref:
+            continue
+        for i in range(max(len(ref), len(theirs))):
+            a = ref[i] if i < len(ref) else None
+            b = theirs[i] if i < len(theirs) else None
+            if a != b:
+                def fmt(x: Any) -> str:
+                    return "nothing" if x is None else f"'{x[0]}' with shape {list(x[1])} ({x[2]})"
+                raise ValueError(
+                    f"model parameters differ across ranks: parameter #{i} is {fmt(a)} on rank 0 "
+                    f"but {fmt(b)} on rank {comm.global_rank(r)}; every rank must build the same model")
+
+
+def broadcast_module(module: nn.Module, comm: Comm, name: str = "ddp.broadcast") -> None:
+    """Make rank 0's parameters and buffers everyone's (one flat broadcast per dtype)."""
+    tensors = [t for t in list(module.parameters()) + list(module.buffers())]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for ts in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in ts])
+            comm.broadcast(flat, src=0, name=name)
+            off = 0
+            for t in ts:
+                t.copy_(flat[off:off + t.numel()].view_as(t))
+                off += t.numel()
+
+
+class _Bucket:
+    def __init__(self, index: int, params: list[nn.Parameter], device: torch.device, dtype: torch.dtype) -> None:
+        self.index = index
+        self.params = params
+        self.buffer = torch.zeros(sum(p.numel() for p in params), device=device, dtype=dtype)
+        self.views: list[torch.Tensor] = []
+        off = 0
+        for p in params:
+            self.views.append(self.buffer[off:off + p.numel()].view_as(p))
+            off += p.numel()
+        self.pending = len(params)
+        self.handle: Handle | None = None
+
+
+class DDPModule(nn.Module):
+    """Wrap ``module`` so that backward leaves gradients averaged over ``comm``'s group."""
+
+    def __init__(self, module: nn.Module, comm: Comm, bucket_cap_mb: float = 25.0,
+                 find_unused_parameters: bool = False, allreduce: AllReduceFn = native_allreduce) -> None:
+        super().__init__()
+        self.module = module
+        self.comm = comm
+        self.find_unused_parameters = find_unused_parameters
+        self.allreduce = allreduce
+        self._sync = True
+        check_same_parameters(module, comm)
+        broadcast_module(module, comm)
+
+        names = {p: n for n, p in module.named_parameters()}
+        params = [p for p in module.parameters() if p.requires_grad]
+        cap = int(bucket_cap_mb * 1024 * 1024)
+        self.buckets: list[_Bucket] = []
+        current: list[nn.Parameter] = []
+        size = 0
+        # Reverse order: the last layers' gradients are ready first in backward.
+        for p in reversed(params):
+            if current and (size + p.numel() * p.element_size() > cap or p.dtype != current[0].dtype):
+                self.buckets.append(_Bucket(len(self.buckets), current, p.device, current[0].dtype))
+                current, size = [], 0
+            current.append(p)
+            size += p.numel() * p.element_size()
+        if current:
+            self.buckets.append(_Bucket(len(self.buckets), current, current[0].device, current[0].dtype))
+        self._where: dict[nn.Parameter, tuple[_Bucket, torch.Tensor]] = {}
+        for b in self.buckets:
+            for p, v in zip(b.params, b.views):
+                self._where[p] = (b, v)
+        self._names = names
+        self._next = 0
+        self._queued = False
+        self._global_unused: set[nn.Parameter] = set()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    # ---- public ------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: no communication inside this block."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.module(*args, **kwargs)
+        if self._sync and torch.is_grad_enabled():
+            self._reset()
+            if self.find_unused_parameters:
+                self._mark_unused(out)
+        return out
+
+    @property
+    def grad_bytes(self) -> int:
+        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+
+    # ---- internals ---------------------------------------------------
+    def _reset(self) -> None:
+        self._next = 0
+        self._queued = False
+        self._global_unused = set()
+        for b in self.buckets:
+            b.pending = len(b.params)
+            b.handle = None
+
+    def _mark_unused(self, out: Any) -> None:
+        """Find parameters this forward did not reach, and agree across ranks which nobody used.
+
+        Known before backward starts, so a locally unused parameter is treated
+        as a ready zero gradient (its bucket can still launch on time), and a
+        parameter unused on every rank keeps ``grad=None`` exactly as on a
+        single device.
+        """
+        reached: set[int] = set()
+        stack = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
+        seen: set[Any] = set()
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            var = getattr(fn, "variable", None)
+            if var is not None:
+                reached.add(id(var))
+            stack.extend(f for f, _ in fn.next_functions)
+        ordered = list(self._where)
+        used = torch.tensor([1 if id(p) in reached else 0 for p in ordered], dtype=torch.int32,
+                            device=self.buckets[0].buffer.device if self.buckets else None)
+        self.comm.all_reduce(used, name="ddp.unused")
+        for p, u_local, u_global in zip(ordered, [id(p) in reached for p in ordered], used.tolist()):
+            if u_local:
+                continue
+            b, view = self._where[p]
+            view.zero_()
+            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)  # keep what earlier no_sync micro-steps accumulated
+            b.pending -= 1
+            if u_global == 0:
+                self._global_unused.add(p)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._sync:
+            return
+        b, view = self._where[p]  # type: ignore[index]
+        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+            p.grad = view
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        b.pending -= 1
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        n = self.comm.size
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            b = self.buckets[self._next]
+            # Pre-divide, then sum: the average without relying on ReduceOp.AVG,
+            # which gloo lacks (torch DDP divides the same way).
+            b.buffer.div_(n)
+            b.handle = self.allreduce(b.buffer, self.comm, f"ddp.bucket{b.index}")
+            self._next += 1
+
+    def _finish(self) -> None:
+        if self._next < len(self.buckets):
+            missing = [self._names[p] for b in self.buckets[self._next:] for p in b.params
+                       if p.grad is None or p.grad.data_ptr() != self._where[p][1].data_ptr()]
+            raise RuntimeError(
+                "DDP: these parameters received no gradient in this step, so their bucket can never be "
+                f"all-reduced: {missing[:8]}{' ...' if len(missing) > 8 else ''}. Pass "
+                "find_unused_parameters=True (sw.DDP(find_unused_parameters=True)) if parts of the model "
+                "are legitimately unused in some steps.")
+        for b in self.buckets:
+            if b.handle is not None:
+                b.handle.wait()
+        for b in self.buckets:
+            for p, view in zip(b.params, b.views):
+                if p in self._global_unused:
+                    p.grad = None
+                elif p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    p.grad = view
+        self._queued = False
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        return [t for v in out.values() for t in _tensors(v)]
+    if isinstance(out, (list, tuple)):
+        return [t for v in out for t in _tensors(v)]
+    if hasattr(out, "__dataclass_fields__") or hasattr(out, "to_tuple"):
+        try:
+            return _tensors(tuple(out.values()) if hasattr(out, "values") else out.to_tuple())
+        except Exception:  # pragma: no cover - best effort for model output containers
+            return []
+    return []

@@ -1,0 +1,172 @@
+"""Strategy names and objects -> how a model is set up, stepped and gathered.
+
+A strategy object carries its parameters (``sw.DDP(bucket_cap_mb=25)``); a
+name (``"ddp"``) is looked up in :data:`REGISTRY`. Each strategy decides three
+things the trainer does not: the parallel sizes for a device count, how to
+wrap the model and optimizer on a :class:`~shardwise.topology.Topology`, and
+how one optimizer step's forward/backward runs (pipelines schedule their own).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from shardwise.topology import Topology
+
+OptimizerFactory = Callable[..., torch.optim.Optimizer]
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)
+
+
+class Strategy:
+    """Base class: a single replica on one device; subclasses override what they change."""
+
+    name: ClassVar[str] = "single"
+
+    def sizes(self, devices: int) -> dict[str, int]:
+        """Parallel sizes (dp, tp, pp) for ``devices`` processes."""
+        return {"dp": devices, "tp": 1, "pp": 1}
+
+    def processes(self, devices: int) -> int:
+        """How many processes to start for ``devices`` (1 for single-process strategies)."""
+        return devices
+
+    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
+              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = model.to(topo.device)
+        return model, optimizer_fn(model.parameters())
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
+                   topo: Topology) -> torch.Tensor | None:
+        """Forward and backward over the micro-batches of one step; returns this rank's mean loss.
+
+        Each micro-batch's loss is divided by their count, so the accumulated
+        gradient is that of the mean over the whole (local) batch.
+        """
+        k = len(micro_batches)
+        total = torch.zeros((), device=topo.device)
+        for i, (x, y) in enumerate(micro_batches):
+            ctx = self.no_sync(model) if i < k - 1 else contextlib.nullcontext()
+            with ctx:
+                loss = loss_fn(model(x), y)
+                (loss / k).backward()
+            total += loss.detach()
+        return total / k
+
+    def owns_loss(self, topo: Topology) -> bool:
+        """Whether this rank's loss counts in the global mean (one per data-parallel replica)."""
+        return True
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
+        """The unsharded state dict on CPU (a collective for sharded strategies)."""
+        return {k: v.detach().cpu().clone() for k, v in unwrap(model).state_dict().items()}
+
+    def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
+        """Tensors this rank holds for the model state, by kind, for exact byte accounting."""
+        params = list(unwrap(model).parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        states = [v for s in optimizer.state.values() for v in s.values()
+                  if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return {"params": params, "grads": grads, "optimizer": states}
+
+
+@dataclass
+class Single(Strategy):
+    """One process, one device: the reference every other strategy must equal."""
+
+    name: ClassVar[str] = "single"
+
+    def sizes(self, devices: int) -> dict[str, int]:
+        if devices != 1:
+            raise ValueError(f"strategy 'single' runs on exactly one device, got devices={devices}")
+        return {"dp": 1, "tp": 1, "pp": 1}
+
+
+@dataclass
+class DDP(Strategy):
+    """Our distributed data parallel (see :mod:`shardwise.parallel.ddp`)."""
+
+    bucket_cap_mb: float = 25.0
+    find_unused_parameters: bool = False
+    allreduce: str = "native"
+    name: ClassVar[str] = "ddp"
+
+    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
+              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+        from shardwise.parallel.ddp import DDPModule
+
+        model = model.to(topo.device)
+        wrapped = DDPModule(model, topo.comm("dp"), bucket_cap_mb=self.bucket_cap_mb,
+                            find_unused_parameters=self.find_unused_parameters,
+                            allreduce=allreduce_fn(self.allreduce))
+        return wrapped, optimizer_fn(model.parameters())
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        return model.no_sync()  # type: ignore[operator,no-any-return]
+
+    def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
+        out = super().state_tensors(model, optimizer)
+        # Gradients live in the flat buckets for the whole run, whatever .grad shows.
+        out["grads"] = [b.buffer for b in model.buckets]  # type: ignore[union-attr]
+        return out
+
+
+ALLREDUCE: dict[str, Callable[..., Any]] = {}
+
+
+def allreduce_fn(name: str) -> Callable[..., Any]:
+    from shardwise.parallel.ddp import native_allreduce
+
+    table = {"native": native_allreduce, **ALLREDUCE}
+    if name not in table:
+        raise ValueError(f"unknown all-reduce algorithm {name!r}; valid: {sorted(table)}")
+    return table[name]
+
+
+REGISTRY: dict[str, Callable[[], Strategy]] = {
+    "single": Single,
+    "ddp": DDP,
+}
+
+
+def register(name: str, factory: Callable[[], Strategy]) -> None:
+    """Make ``name`` a valid ``strategy=`` string."""
+    REGISTRY[name] = factory
+
+
+def resolve(strategy: str | Strategy) -> Strategy:
+    """A strategy object for a name or an object; unknown names list the valid ones."""
+    if isinstance(strategy, Strategy):
+        return strategy
+    if not isinstance(strategy, str) or strategy not in REGISTRY:
+        raise ValueError(f"unknown strategy {strategy!r}; valid strategies: {', '.join(sorted(REGISTRY))}")
+    return REGISTRY[strategy]()
+
+
+def iter_chunks(x: Any, k: int) -> Iterator[Any]:
+    """Split a batch (tensor or tuple/dict of tensors) into ``k`` equal micro-batches along dim 0."""
+    if isinstance(x, torch.Tensor):
+        yield from x.chunk(k)
+    elif isinstance(x, (list, tuple)):
+        for parts in zip(*(list(iter_chunks(v, k)) for v in x)):
+            yield type(x)(parts) if isinstance(x, tuple) else list(parts)
+    elif isinstance(x, dict):
+        keys = list(x)
+        for parts in zip(*(list(iter_chunks(x[kk], k)) for kk in keys)):
+            yield dict(zip(keys, parts))
+    else:
+        raise TypeError(f"cannot split a batch of type {type(x).__name__} into micro-batches")

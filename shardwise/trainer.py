@@ -1,0 +1,247 @@
+"""The fit loop: the same optimisation problem, whatever the strategy.
+
+``Trainer(strategy, devices).fit(...)`` trains with a GLOBAL batch of
+``batch_size`` per optimizer step. It starts its own worker processes when
+called from a plain python process, or joins the group when torchrun started
+it (``shardwise run``).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import os
+import pickle
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise import launch
+from shardwise.data import GlobalBatches
+from shardwise.stats import peak_rss_bytes, unique_bytes
+from shardwise.strategy import LossFn, OptimizerFactory, Strategy, iter_chunks, resolve
+from shardwise.topology import Topology, pick_device, teardown
+
+
+@dataclass
+class FitResult:
+    """What :meth:`Trainer.fit` returns (the public contract in DESIGN.md)."""
+
+    losses: list[float]
+    state_dict: dict[str, torch.Tensor]
+    stats: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Trainer:
+    """Train one model with any strategy; ``strategy`` and ``devices`` are the whole switch.
+
+    Args:
+        strategy: a name (``"single"``, ``"ddp"``, ...) or a strategy object such as ``sw.DDP(...)``.
+        devices: number of processes (one per device).
+        accelerator: ``"auto"`` (CUDA when present), ``"cpu"`` or ``"cuda"``.
+        accumulate_grad_batches: micro-batches per optimizer step; the global batch is split
+            into this many parts and gradients accumulate without communication until the last.
+        gradient_clip_val: clip the global gradient norm (over all shards) to this value.
+        seed: seeds the data order and torch's RNG; the data order does not depend on ``devices``.
+        progress: ``"auto"`` shows a rich progress bar on rank 0 when stderr is a terminal.
+        metrics_path: write one JSON line per step (rank 0) to this file.
+        timeout_s: how long a collective may wait before the run fails with its name.
+    """
+
+    def __init__(self, strategy: str | Strategy = "single", devices: int = 1, accelerator: str = "auto", *,
+                 accumulate_grad_batches: int = 1, gradient_clip_val: float | None = None, seed: int = 0,
+                 progress: bool | str = "auto", metrics_path: str | os.PathLike[str] | None = None,
+                 timeout_s: float = 300.0) -> None:
+        self.strategy = resolve(strategy)
+        if not isinstance(devices, int) or devices < 1:
+            raise ValueError(f"devices must be a positive integer, got {devices!r}")
+        if accumulate_grad_batches < 1:
+            raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}")
+        self.devices = devices
+        self.accelerator = accelerator
+        self.accumulate_grad_batches = accumulate_grad_batches
+        self.gradient_clip_val = gradient_clip_val
+        self.seed = seed
+        self.progress = progress
+        self.metrics_path = str(metrics_path) if metrics_path is not None else None
+        self.timeout = _dt.timedelta(seconds=timeout_s)
+        self.sizes = self.strategy.sizes(devices)
+
+    # ------------------------------------------------------------------
+    def fit(self, model: nn.Module, dataset: Any, loss_fn: LossFn, optimizer: OptimizerFactory,
+            batch_size: int, max_steps: int) -> FitResult:
+        """Train for ``max_steps`` optimizer steps of global batch ``batch_size``."""
+        self._validate(dataset, batch_size, max_steps)
+        job = _Job(self, model, dataset, loss_fn, optimizer, batch_size, max_steps)
+        nprocs = self.strategy.processes(self.devices)
+        if dist.is_initialized() or launch.under_torchrun():
+            owned = not dist.is_initialized()
+            device = launch.init(self.accelerator, self.timeout)
+            world = dist.get_world_size()
+            if world != nprocs:
+                raise ValueError(f"devices={self.devices} needs {nprocs} processes but the running "
+                                 f"process group has {world}; launch with --nproc {nprocs} or pass devices={world}")
+            try:
+                return job.run(device)
+            finally:
+                if owned:
+                    teardown()
+        if nprocs == 1:
+            return job.run(pick_device(self.accelerator, 0))
+        if self.accelerator in ("auto", "cuda") and torch.cuda.is_available() \
+                and torch.cuda.device_count() < nprocs and self.accelerator == "cuda":
+            raise ValueError(f"devices={nprocs} but only {torch.cuda.device_count()} CUDA devices exist")
+        with launch.result_dir() as tmp:
+            path = os.path.join(tmp, "result.pt")
+            # Plain pickle, not multiprocessing's: torch's multiprocessing pickler
+            # would move the parameters into shared memory, and every rank would
+            # then step the same storage.
+            launch.spawn(_spawned_fit, nprocs, args=(pickle.dumps(job), path), accelerator=self.accelerator, timeout=self.timeout)
+            saved = torch.load(path, weights_only=True)
+        return FitResult(**saved)
+
+    def _validate(self, dataset: Any, batch_size: int, max_steps: int) -> None:
+        if max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+        if len(dataset) == 0:
+            raise ValueError("the dataset is empty: it has no (input, target) pairs to train on")
+        dp, k = self.sizes["dp"], self.accumulate_grad_batches
+        if batch_size % (dp * k):
+            raise ValueError(
+                f"batch_size={batch_size} is not divisible by data-parallel size {dp} x "
+                f"accumulate_grad_batches {k} = {dp * k}; the global batch must split evenly "
+                f"(try batch_size={max(dp * k, batch_size // (dp * k) * dp * k)})")
+
+
+def _spawned_fit(rank: int, device: torch.device, job: bytes, path: str) -> None:
+    result = pickle.loads(job).run(device)
+    if rank == 0:
+        torch.save({"losses": result.losses, "state_dict": result.state_dict, "stats": result.stats}, path)
+
+
+@dataclass
+class _Job:
+    """Everything one rank needs to train; pickled into spawned workers."""
+
+    trainer: Trainer
+    model: nn.Module
+    dataset: Any
+    loss_fn: LossFn
+    optimizer_fn: OptimizerFactory
+    batch_size: int
+    max_steps: int
+
+    def run(self, device: torch.device) -> FitResult:
+        t, strat = self.trainer, self.trainer.strategy
+        topo = Topology.create(device, timeout=t.timeout, **t.sizes)
+        torch.manual_seed(t.seed)
+        model, opt = strat.setup(self.model, self.optimizer_fn, topo)
+        data = GlobalBatches(self.dataset, self.batch_size, topo.size("dp"), topo.coord("dp"), seed=t.seed)
+        k = t.accumulate_grad_batches
+        sent_after_setup = topo.stats.sent
+        rank0 = topo.rank == 0
+        losses: list[torch.Tensor] = []
+        times: list[float] = []
+        state_bytes: dict[str, int] = {}
+        metrics = open(t.metrics_path, "w") if (rank0 and t.metrics_path) else None
+        with _progress(rank0 and _want_progress(t.progress), self.max_steps) as advance:
+            for step in range(self.max_steps):
+                start = time.perf_counter()
+                x, y = data.batch(step, device)
+                micro = list(zip(iter_chunks(x, k), iter_chunks(y, k)))
+                loss = strat.train_step(model, micro, self.loss_fn, topo)
+                if t.gradient_clip_val is not None:
+                    strat.clip_grad_norm(model, t.gradient_clip_val, topo)
+                opt.step()
+                if step == self.max_steps - 1:
+                    state_bytes = _count_state(strat, model, opt)
+                opt.zero_grad(set_to_none=True)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times.append(time.perf_counter() - start)
+                losses.append(loss.detach() if loss is not None else torch.zeros((), device=device))
+                local = float(losses[-1]) if loss is not None else None
+                advance(local, times[-1])
+                if metrics is not None:
+                    metrics.write(json.dumps({"step": step, "loss": local, "step_time_s": times[-1]}) + "\n")
+        if metrics is not None:
+            metrics.close()
+        train_sent = topo.stats.sent - sent_after_setup
+        global_losses = _global_losses(losses, strat, topo)
+        state_dict = strat.full_state_dict(model, topo)
+        mine = {
+            "rank": topo.rank,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "model_state_bytes": sum(state_bytes.values()),
+            **{f"{k}_bytes": v for k, v in state_bytes.items()},
+            "comm_bytes": topo.stats.sent,
+            "comm_bytes_per_step": train_sent / self.max_steps,
+            "comm_by_name": dict(topo.stats.by_name),
+            "step_time_s": statistics.median(times),
+        }
+        stats = topo.comm("world").all_gather_object(mine, name="stats")
+        return FitResult(losses=global_losses, state_dict=state_dict, stats=stats)
+
+
+def _count_state(strat: Strategy, model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
+    return {kind: unique_bytes(ts) for kind, ts in strat.state_tensors(model, opt).items()}
+
+
+def _global_losses(losses: list[torch.Tensor], strat: Strategy, topo: Topology) -> list[float]:
+    """Mean over data-parallel replicas of each step's loss, known on every rank.
+
+    One all-reduce over the world at the end (not one per step): ranks that do
+    not own a loss (non-last pipeline stages, tp ranks > 0) contribute zero.
+    """
+    t = torch.stack(losses).to(torch.float64)
+    t = t / topo.size("dp") if strat.owns_loss(topo) else torch.zeros_like(t)
+    topo.comm("world").all_reduce(t, name="metrics.losses")
+    return [float(v) for v in t.cpu()]
+
+
+def _want_progress(progress: bool | str) -> bool:
+    if progress == "auto":
+        return sys.stderr.isatty()
+    return bool(progress)
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool, total: int) -> Any:
+    """Yield ``advance(loss, step_time)``; a rich bar on rank 0 when enabled, else a no-op."""
+    if not enabled:
+        yield lambda loss, dt: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} steps/s"),
+                  TimeElapsedColumn(), transient=False) as bar:
+        task = bar.add_task("train", total=total, loss="-", rate="-")
+
+        def advance(loss: float | None, dt: float) -> None:
+            bar.update(task, advance=1, loss="-" if loss is None else f"{loss:.4f}",
+                       rate=f"{1.0 / dt:.1f}" if dt > 0 else "-")
+
+        yield advance
+
+
+def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Strategy = "ddp",
+          accelerator: str = "auto") -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Low-level entry for hand-written loops, inside an initialised group (``sw.init()``).
+
+    Returns the wrapped model and optimizer; then use the usual
+    ``loss.backward(); optimizer.step(); optimizer.zero_grad()``.
+    """
+    strat = resolve(strategy)
+    device = launch.init(accelerator)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    topo = Topology.create(device, **strat.sizes(world))
+    return strat.setup(model, optimizer_fn, topo)
+
+

@@ -1,0 +1,60 @@
+"""`shardwise verify`: a strategy against the single-device reference, step by step."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardwise.strategy import Strategy
+from shardwise.trainer import FitResult, Trainer
+from shardwise.workloads import Workload
+
+
+@dataclass
+class Comparison:
+    """Largest differences between a run and the single-device reference."""
+
+    max_loss_diff: float
+    max_loss_rel: float
+    max_param_diff: float
+    max_param_rel: float
+    worst_param: str
+
+    def within(self, rtol: float, atol: float = 1e-7) -> bool:
+        return self.max_loss_rel <= rtol and self.max_param_rel <= rtol
+
+
+def compare(ref: FitResult, run: FitResult, atol: float = 1e-7) -> Comparison:
+    """Relative differences ``|a-b| / (atol + |ref|)``, largest per step and per parameter."""
+    if len(ref.losses) != len(run.losses):
+        raise ValueError(f"runs differ in length: {len(ref.losses)} vs {len(run.losses)} steps")
+    dl = [abs(a - b) for a, b in zip(ref.losses, run.losses)]
+    rl = [d / (atol + abs(a)) for d, a in zip(dl, ref.losses)]
+    missing = set(ref.state_dict) ^ set(run.state_dict)
+    if missing:
+        raise ValueError(f"state dicts differ in keys: {sorted(missing)[:8]}")
+    worst, pdiff, prel = "", 0.0, 0.0
+    for k, a in ref.state_dict.items():
+        b = run.state_dict[k].to(a.dtype)
+        d = (a - b).abs()
+        rel = float((d / (atol + a.abs())).max()) if d.numel() else 0.0
+        if rel > prel:
+            worst, prel = k, rel
+        pdiff = max(pdiff, float(d.max()) if d.numel() else 0.0)
+    return Comparison(max(dl), max(rl), pdiff, prel, worst)
+
+
+def run_pair(work: Workload, strategy: str | Strategy, devices: int, steps: int,
+             **trainer_kwargs: object) -> tuple[FitResult, FitResult]:
+    """Train the workload under ``single`` and under ``strategy`` from the same initial weights."""
+    def fit(strat: str | Strategy, n: int) -> FitResult:
+        return Trainer(strat, n, accelerator="cpu", progress=False, **trainer_kwargs).fit(  # type: ignore[arg-type]
+            work.make_model(), work.train, work.loss_fn, work.optimizer(), work.batch_size, steps)
+    return fit("single", 1), fit(strategy, devices)
+
+
+def accuracy(model: torch.nn.Module, dataset: object) -> float:
+    """Classification accuracy of ``model`` on a (x, y) TensorDataset."""
+    x, y = dataset.tensors  # type: ignore[attr-defined]
+    with torch.no_grad():
+        return float((model(x).argmax(-1) == y).float().mean())

@@ -1,0 +1,165 @@
+"""Built-in workloads (model + data + loss) for the demo, `verify` and `bench`.
+
+All data ships with installed packages: scikit-learn's 8x8 digits and the
+Python standard library's own source files as text. Nothing is downloaded.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+import sysconfig
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import Dataset, TensorDataset
+
+from shardwise.models import GPT, MLP, GPTConfig, lm_loss
+
+
+@dataclass
+class Workload:
+    """A model factory (fresh, identically initialised model per call), its data and its loss."""
+
+    name: str
+    make_model: Callable[[], nn.Module]
+    train: Any
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    test: Any = None
+    batch_size: int = 32
+    lr: float = 1e-3
+
+    def optimizer(self) -> Callable[..., torch.optim.Optimizer]:
+        return functools.partial(torch.optim.AdamW, lr=self.lr)
+
+
+def _seeded(factory: Callable[[], nn.Module], seed: int = 0) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            return factory()
+    return make
+
+
+def digits(hidden: int = 128) -> Workload:
+    """scikit-learn's bundled 8x8 digits (1797 images), 80/20 split, an MLP classifier."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(d.target, dtype=torch.long)
+    g = torch.Generator().manual_seed(0)
+    perm = torch.randperm(len(x), generator=g)
+    cut = int(0.8 * len(x))
+    tr, te = perm[:cut], perm[cut:]
+    return Workload("digits", _seeded(lambda: MLP(64, hidden, 2, 10)), TensorDataset(x[tr], y[tr]),
+                    F.cross_entropy, test=TensorDataset(x[te], y[te]), batch_size=64, lr=3e-3)
+
+
+def mlp1024(samples: int = 1024, width: int = 1024) -> Workload:
+    """4 x Linear(1024) MLP on random regression data (the benchmark model of the issues)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(samples, width, generator=g)
+    y = torch.randn(samples, width, generator=g)
+
+    def make() -> nn.Module:
+        return nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(width, width), nn.ReLU())][:-1])
+
+    return Workload("mlp1024", _seeded(make), TensorDataset(x, y), F.mse_loss, batch_size=64)
+
+
+class CharText(Dataset):
+    """Character-level next-token windows over text (bytes as tokens, vocabulary 128)."""
+
+    def __init__(self, text: str, block: int) -> None:
+        data = torch.tensor(list(text.encode("ascii", "ignore")), dtype=torch.long).clamp_(max=127)
+        self.data, self.block = data, block
+
+    def __len__(self) -> int:
+        return max(0, (len(self.data) - 1) // self.block)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = i * self.block
+        chunk = self.data[s:s + self.block + 1]
+        return chunk[:-1], chunk[1:]
+
+
+def stdlib_text(max_chars: int = 200_000) -> str:
+    """Python's own standard library sources, a corpus every Python install ships."""
+    root = sysconfig.get_paths()["stdlib"]
+    parts, total = [], 0
+    for name in sorted(os.listdir(root)):
+        if name.endswith(".py"):
+            with open(os.path.join(root, name), encoding="utf-8", errors="ignore") as f:
+                t = f.read()
+            parts.append(t)
+            total += len(t)
+            if total >= max_chars:
+                break
+    return "".join(parts)[:max_chars]
+
+
+def gpt(n_layer: int = 2, n_embd: int = 64, n_head: int = 4, block: int = 32, max_chars: int = 100_000) -> Workload:
+    """A tiny character-level GPT on the standard library's source text."""
+    cfg = GPTConfig(vocab_size=128, block_size=block, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+    return Workload("gpt", _seeded(lambda: GPT(cfg)), CharText(stdlib_text(max_chars), block), lm_loss,
+                    batch_size=16, lr=1e-3)
+
+
+BUILTIN: dict[str, Callable[[], Workload]] = {"digits": digits, "mlp1024": mlp1024, "gpt": gpt}
+
+
+def mean_square(out: torch.Tensor, _target: Any) -> torch.Tensor:
+    """A loss for models given without data: the mean squared output."""
+    return out.float().pow(2).mean()
+
+
+def load(spec: str) -> Workload:
+    """A built-in name or ``path.py:factory``.
+
+    The factory returns a model, or a tuple ``(model, dataset)`` or
+    ``(model, dataset, loss_fn)``; it is called once per run, so it must build
+    identically initialised models (we seed before calling it). Without a
+    dataset, random inputs are made for the model's first Linear layer and
+    the loss is the mean squared output.
+    """
+    if spec in BUILTIN:
+        return BUILTIN[spec]()
+    if ":" not in spec:
+        raise ValueError(f"unknown workload {spec!r}; use one of {sorted(BUILTIN)} or path.py:factory")
+    path, fn_name = spec.rsplit(":", 1)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model file {path!r} does not exist")
+    # Imported by its own name from its own folder (added to sys.path), so that
+    # spawned workers, which inherit sys.path, can unpickle its classes.
+    folder, fname = os.path.split(os.path.abspath(path))
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    module = importlib.import_module(os.path.splitext(fname)[0])
+    factory = getattr(module, fn_name, None)
+    if factory is None:
+        raise AttributeError(f"{path} has no function {fn_name!r}")
+    torch.manual_seed(0)
+    out = factory()
+    model, dataset, loss = (out, None, None) if isinstance(out, nn.Module) else (tuple(out) + (None,))[:3]
+    if dataset is None:
+        first = next(m for m in model.modules() if isinstance(m, nn.Linear))
+        g = torch.Generator().manual_seed(0)
+        dataset = TensorDataset(torch.randn(256, first.in_features, generator=g), torch.zeros(256))
+        loss = loss or mean_square
+    loss = loss or F.cross_entropy
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        m = factory()
+        m = m if isinstance(m, nn.Module) else m[0]
+        m.load_state_dict(state)
+        return m
+
+    return Workload(spec, make, dataset, loss)
