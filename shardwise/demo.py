@@ -6,7 +6,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from shardwise.strategy import REGISTRY
+from shardwise.strategy import available_strategies
 from shardwise.trainer import Trainer
 from shardwise.verify import accuracy, compare
 from shardwise.workloads import digits
@@ -32,8 +32,9 @@ def main(steps: int = 60, devices: int = 2, rtol: float = 1e-4, console: Console
         table.add_column(col, justify="right" if col not in ("strategy",) else "left")
     ref = None
     ok = True
+    valid = available_strategies()
     for name, n in DEMO_RUNS:
-        if name not in REGISTRY:
+        if name not in valid:
             continue
         n = 1 if name == "single" else (n if devices == 2 else devices)
         t0 = time.perf_counter()

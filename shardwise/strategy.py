@@ -68,6 +68,18 @@ class Strategy:
         """Whether this rank's loss counts in the global mean (one per data-parallel replica)."""
         return True
 
+    def data_parallel(self, topo: Topology) -> tuple[int, int]:
+        """(number of data shards, this rank's shard): which part of each global batch this rank reads."""
+        return topo.size("dp"), topo.coord("dp")
+
+    def is_server(self, topo: Topology) -> bool:
+        """True on ranks that read no data and run :meth:`serve` instead of the step loop."""
+        return False
+
+    def serve(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology, steps: int) -> list[float]:
+        """The loop of a server rank for ``steps`` optimizer steps; returns per-step times (seconds)."""
+        raise NotImplementedError(f"strategy {self.name!r} has no server ranks")
+
     def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
@@ -137,24 +149,55 @@ def allreduce_fn(name: str) -> Callable[..., Any]:
     return table[name]
 
 
-REGISTRY: dict[str, Callable[[], Strategy]] = {
-    "single": Single,
-    "ddp": DDP,
+# Built-in strategies live with their paradigm in shardwise/parallel/ and are
+# imported only when named, so that the core never imports every paradigm.
+BUILTIN: dict[str, str] = {
+    "single": "shardwise.strategy:Single",
+    "ddp": "shardwise.strategy:DDP",
+    "dp": "shardwise.parallel.dp:DP",
+    "ps": "shardwise.parallel.ps:ParameterServer",
+    "zero1": "shardwise.parallel.zero:ZeRO1",
+    "zero2": "shardwise.parallel.zero:ZeRO2",
+    "zero3": "shardwise.parallel.fsdp:ZeRO3",
+    "fsdp": "shardwise.parallel.fsdp:FSDP",
+    "hsdp": "shardwise.parallel.fsdp:HSDP",
+    "tp": "shardwise.parallel.tp:TP",
+    "pp": "shardwise.parallel.pipeline:PP",
 }
+REGISTRY: dict[str, Callable[[], Strategy]] = {}
 
 
 def register(name: str, factory: Callable[[], Strategy]) -> None:
-    """Make ``name`` a valid ``strategy=`` string."""
+    """Make ``name`` a valid ``strategy=`` string (for user-defined strategies)."""
     REGISTRY[name] = factory
+
+
+def _load_builtin(name: str) -> Callable[[], Strategy] | None:
+    import importlib
+
+    mod, _, attr = BUILTIN[name].partition(":")
+    try:
+        return getattr(importlib.import_module(mod), attr)  # type: ignore[no-any-return]
+    except (ImportError, AttributeError):
+        return None
+
+
+def available_strategies() -> list[str]:
+    """Every name ``strategy=`` accepts, in the order of the table in DESIGN.md."""
+    names = [n for n in BUILTIN if _load_builtin(n) is not None]
+    return names + [n for n in REGISTRY if n not in names]
 
 
 def resolve(strategy: str | Strategy) -> Strategy:
     """A strategy object for a name or an object; unknown names list the valid ones."""
     if isinstance(strategy, Strategy):
         return strategy
-    if not isinstance(strategy, str) or strategy not in REGISTRY:
-        raise ValueError(f"unknown strategy {strategy!r}; valid strategies: {', '.join(sorted(REGISTRY))}")
-    return REGISTRY[strategy]()
+    factory = None
+    if isinstance(strategy, str):
+        factory = REGISTRY.get(strategy) or (_load_builtin(strategy) if strategy in BUILTIN else None)
+    if factory is None:
+        raise ValueError(f"unknown strategy {strategy!r}; valid strategies: {', '.join(available_strategies())}")
+    return factory()
 
 
 def iter_chunks(x: Any, k: int) -> Iterator[Any]:

@@ -142,9 +142,36 @@ class _Job:
         topo = Topology.create(device, timeout=t.timeout, **t.sizes)
         torch.manual_seed(t.seed)
         model, opt = strat.setup(self.model, self.optimizer_fn, topo)
-        data = GlobalBatches(self.dataset, self.batch_size, topo.size("dp"), topo.coord("dp"), seed=t.seed)
-        k = t.accumulate_grad_batches
         sent_after_setup = topo.stats.sent
+        if strat.is_server(topo):
+            times = strat.serve(model, opt, topo, self.max_steps)
+            losses = [torch.zeros((), device=device)] * self.max_steps
+            state_bytes = _count_state(strat, model, opt)
+        else:
+            losses, times, state_bytes = self._loop(model, opt, topo)
+        train_sent = topo.stats.sent - sent_after_setup
+        global_losses = _global_losses(losses, strat, topo)
+        state_dict = strat.full_state_dict(model, topo)
+        mine = {
+            "rank": topo.rank,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "model_state_bytes": sum(state_bytes.values()),
+            **{f"{k}_bytes": v for k, v in state_bytes.items()},
+            "comm_bytes": topo.stats.sent,
+            "comm_bytes_per_step": train_sent / self.max_steps,
+            "comm_by_name": dict(topo.stats.by_name),
+            "step_time_s": statistics.median(times) if times else 0.0,
+        }
+        stats = topo.comm("world").all_gather_object(mine, name="stats")
+        return FitResult(losses=global_losses, state_dict=state_dict, stats=stats)
+
+    def _loop(self, model: nn.Module, opt: torch.optim.Optimizer,
+              topo: Topology) -> tuple[list[torch.Tensor], list[float], dict[str, int]]:
+        """The step loop of a training rank: data, forward/backward, clip, step."""
+        t, strat, device = self.trainer, self.trainer.strategy, topo.device
+        shards, shard = strat.data_parallel(topo)
+        data = GlobalBatches(self.dataset, self.batch_size, shards, shard, seed=t.seed)
+        k = t.accumulate_grad_batches
         rank0 = topo.rank == 0
         losses: list[torch.Tensor] = []
         times: list[float] = []
@@ -160,6 +187,7 @@ class _Job:
                     strat.clip_grad_norm(model, t.gradient_clip_val, topo)
                 opt.step()
                 if step == self.max_steps - 1:
+                    # Counted at the high point of a step: gradients and optimizer states both live.
                     state_bytes = _count_state(strat, model, opt)
                 opt.zero_grad(set_to_none=True)
                 if device.type == "cuda":
@@ -172,21 +200,7 @@ class _Job:
                     metrics.write(json.dumps({"step": step, "loss": local, "step_time_s": times[-1]}) + "\n")
         if metrics is not None:
             metrics.close()
-        train_sent = topo.stats.sent - sent_after_setup
-        global_losses = _global_losses(losses, strat, topo)
-        state_dict = strat.full_state_dict(model, topo)
-        mine = {
-            "rank": topo.rank,
-            "peak_rss_bytes": peak_rss_bytes(),
-            "model_state_bytes": sum(state_bytes.values()),
-            **{f"{k}_bytes": v for k, v in state_bytes.items()},
-            "comm_bytes": topo.stats.sent,
-            "comm_bytes_per_step": train_sent / self.max_steps,
-            "comm_by_name": dict(topo.stats.by_name),
-            "step_time_s": statistics.median(times),
-        }
-        stats = topo.comm("world").all_gather_object(mine, name="stats")
-        return FitResult(losses=global_losses, state_dict=state_dict, stats=stats)
+        return losses, times, state_bytes
 
 
 def _count_state(strat: Strategy, model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
@@ -200,7 +214,8 @@ def _global_losses(losses: list[torch.Tensor], strat: Strategy, topo: Topology) 
     not own a loss (non-last pipeline stages, tp ranks > 0) contribute zero.
     """
     t = torch.stack(losses).to(torch.float64)
-    t = t / topo.size("dp") if strat.owns_loss(topo) else torch.zeros_like(t)
+    shards, _ = strat.data_parallel(topo)
+    t = t / shards if (strat.owns_loss(topo) and not strat.is_server(topo)) else torch.zeros_like(t)
     topo.comm("world").all_reduce(t, name="metrics.losses")
     return [float(v) for v in t.cpu()]
 
