@@ -87,6 +87,30 @@ class Strategy:
         """The unsharded state dict on CPU (a collective for sharded strategies)."""
         return {k: v.detach().cpu().clone() for k, v in unwrap(model).state_dict().items()}
 
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                         topo: Topology) -> dict[str, Any]:
+        """This rank's part of the canonical, resharding-friendly checkpoint state.
+
+        Keys are ``model.<fqn>`` (parameters and buffers) and
+        ``optim.<fqn>.<state name>`` (e.g. ``optim.net.0.weight.exp_avg``);
+        every tensor of a parameter is flattened to 1-D, so a checkpoint does
+        not depend on how a strategy shards. Replicated strategies return plain
+        tensors, sharded ones DTensors (``Shard(0)`` of the flattened tensor over
+        the data-parallel mesh). Every returned tensor is a view of live
+        storage: loading (torch.distributed.checkpoint loads in place) restores
+        the run. Optimizer states must exist (see :func:`shardwise.checkpoint.materialize`).
+        """
+        inner = unwrap(model)
+        out: dict[str, Any] = {}
+        for n, p in inner.named_parameters():
+            out[f"model.{n}"] = p.detach().view(-1)
+            for k, v in optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor):
+                    out[f"optim.{n}.{k}"] = v.view(-1) if v.dim() > 0 else v
+        for n, b in inner.named_buffers():
+            out[f"model.{n}"] = b.view(-1)
+        return out
+
     def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
         """Tensors this rank holds for the model state, by kind, for exact byte accounting."""
         params = list(unwrap(model).parameters())
