@@ -1,0 +1,27 @@
+"""Shared test helpers: every distributed test spawns real gloo processes on CPU."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Tests run ranks as processes on a small machine: one thread each keeps them
+# from fighting over cores (the library divides cores itself; this only makes
+# the single-process reference runs cheap too).
+torch.set_num_threads(1)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def assert_same_run(ref, run, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """Losses of every step and every final weight equal within rtol (and a tiny atol for zeros)."""
+    assert len(ref.losses) == len(run.losses)
+    torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(ref.losses), rtol=rtol, atol=atol)
+    assert set(ref.state_dict) == set(run.state_dict)
+    for k in ref.state_dict:
+        torch.testing.assert_close(run.state_dict[k], ref.state_dict[k], rtol=rtol, atol=atol, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.fixture
+def same_run():
+    return assert_same_run
