@@ -14,12 +14,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def assert_same_run(ref, run, rtol: float = 1e-5, atol: float = 1e-6) -> None:
-    """Losses of every step and every final weight equal within rtol (and a tiny atol for zeros)."""
+    """Losses of every step equal within rtol; every final weight within rtol of its tensor's scale.
+
+    Weights are compared with an absolute tolerance of ``rtol * max|w|`` per
+    tensor (see shardwise.verify.compare for why element-wise relative error
+    is meaningless for near-zero weights under Adam).
+    """
     assert len(ref.losses) == len(run.losses)
     torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(ref.losses), rtol=rtol, atol=atol)
     assert set(ref.state_dict) == set(run.state_dict)
-    for k in ref.state_dict:
-        torch.testing.assert_close(run.state_dict[k], ref.state_dict[k], rtol=rtol, atol=atol, msg=lambda m: f"{k}: {m}")
+    for k, a in ref.state_dict.items():
+        b = run.state_dict[k]
+        scale = float(a.abs().max()) if a.numel() and a.is_floating_point() else 0.0
+        torch.testing.assert_close(b, a, rtol=rtol, atol=atol + rtol * scale, msg=lambda m: f"{k}: {m}")
 
 
 @pytest.fixture
