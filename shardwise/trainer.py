@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise import launch
+from shardwise import checkpoint, launch
 from shardwise.data import GlobalBatches
 from shardwise.stats import peak_rss_bytes, unique_bytes
 from shardwise.strategy import LossFn, OptimizerFactory, Strategy, iter_chunks, resolve
@@ -52,13 +52,25 @@ class Trainer:
         progress: ``"auto"`` shows a rich progress bar on rank 0 when stderr is a terminal.
         metrics_path: write one JSON line per step (rank 0) to this file.
         timeout_s: how long a collective may wait before the run fails with its name.
+        checkpoint_dir: where sharded checkpoints go (torch.distributed.checkpoint, see
+            :mod:`shardwise.checkpoint`); with ``resume=True`` training continues from the newest
+            intact checkpoint there, with any strategy and device count.
+        checkpoint_every: save every this many optimizer steps (and after the last step).
     """
 
     def __init__(self, strategy: str | Strategy = "single", devices: int = 1, accelerator: str = "auto", *,
                  accumulate_grad_batches: int = 1, gradient_clip_val: float | None = None, seed: int = 0,
                  progress: bool | str = "auto", metrics_path: str | os.PathLike[str] | None = None,
-                 timeout_s: float = 300.0) -> None:
+                 timeout_s: float = 300.0, checkpoint_dir: str | os.PathLike[str] | None = None,
+                 checkpoint_every: int | None = None, resume: bool = True) -> None:
         self.strategy = resolve(strategy)
+        if checkpoint_every is not None and checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+        if checkpoint_every is not None and checkpoint_dir is None:
+            raise ValueError("checkpoint_every was given without checkpoint_dir: say where checkpoints go")
+        self.checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
+        self.checkpoint_every = checkpoint_every
+        self.resume = resume
         if not isinstance(devices, int) or devices < 1:
             raise ValueError(f"devices must be a positive integer, got {devices!r}")
         if accumulate_grad_batches < 1:
@@ -141,16 +153,23 @@ class _Job:
         t, strat = self.trainer, self.trainer.strategy
         topo = Topology.create(device, timeout=t.timeout, **t.sizes)
         torch.manual_seed(t.seed)
+        shapes = checkpoint.model_shapes(self.model)
         model, opt = strat.setup(self.model, self.optimizer_fn, topo)
+        prev: list[float] = []
+        if t.checkpoint_dir is not None and t.resume:
+            path = checkpoint.resume_point(t.checkpoint_dir, topo)
+            if path is not None:
+                prev = checkpoint.load(path, strat, model, opt, topo, shapes).losses[:self.max_steps]
         sent_after_setup = topo.stats.sent
         if strat.is_server(topo):
             times = strat.serve(model, opt, topo, self.max_steps)
             losses = [torch.zeros((), device=device)] * self.max_steps
             state_bytes = _count_state(strat, model, opt)
         else:
-            losses, times, state_bytes = self._loop(model, opt, topo)
+            losses, times, state_bytes = self._loop(model, opt, topo, prev, shapes)
+        steps_run = max(1, len(losses))
         train_sent = topo.stats.sent - sent_after_setup
-        global_losses = _global_losses(losses, strat, topo)
+        global_losses = prev + _global_losses(losses, strat, topo)
         state_dict = strat.full_state_dict(model, topo)
         mine = {
             "rank": topo.rank,
@@ -158,16 +177,16 @@ class _Job:
             "model_state_bytes": sum(state_bytes.values()),
             **{f"{k}_bytes": v for k, v in state_bytes.items()},
             "comm_bytes": topo.stats.sent,
-            "comm_bytes_per_step": train_sent / self.max_steps,
+            "comm_bytes_per_step": train_sent / steps_run,
             "comm_by_name": dict(topo.stats.by_name),
             "step_time_s": statistics.median(times) if times else 0.0,
         }
         stats = topo.comm("world").all_gather_object(mine, name="stats")
         return FitResult(losses=global_losses, state_dict=state_dict, stats=stats)
 
-    def _loop(self, model: nn.Module, opt: torch.optim.Optimizer,
-              topo: Topology) -> tuple[list[torch.Tensor], list[float], dict[str, int]]:
-        """The step loop of a training rank: data, forward/backward, clip, step."""
+    def _loop(self, model: nn.Module, opt: torch.optim.Optimizer, topo: Topology, prev: list[float],
+              shapes: dict[str, list[int]]) -> tuple[list[torch.Tensor], list[float], dict[str, int]]:
+        """The step loop of a training rank from step ``len(prev)``: data, forward/backward, clip, step."""
         t, strat, device = self.trainer, self.trainer.strategy, topo.device
         shards, shard = strat.data_parallel(topo)
         data = GlobalBatches(self.dataset, self.batch_size, shards, shard, seed=t.seed)
@@ -178,7 +197,8 @@ class _Job:
         state_bytes: dict[str, int] = {}
         metrics = open(t.metrics_path, "w") if (rank0 and t.metrics_path) else None
         with _progress(rank0 and _want_progress(t.progress), self.max_steps) as advance:
-            for step in range(self.max_steps):
+            advance.skip(len(prev))  # type: ignore[attr-defined]
+            for step in range(len(prev), self.max_steps):
                 start = time.perf_counter()
                 x, y = data.batch(step, device)
                 micro = list(zip(iter_chunks(x, k), iter_chunks(y, k)))
@@ -198,6 +218,11 @@ class _Job:
                 advance(local, times[-1])
                 if metrics is not None:
                     metrics.write(json.dumps({"step": step, "loss": local, "step_time_s": times[-1]}) + "\n")
+                done = step + 1
+                if t.checkpoint_dir is not None and (done == self.max_steps or (
+                        t.checkpoint_every is not None and done % t.checkpoint_every == 0)):
+                    so_far = prev + _global_losses(losses, strat, topo)
+                    checkpoint.save(t.checkpoint_dir, done, so_far, strat, model, opt, topo, shapes)
         if metrics is not None:
             metrics.close()
         return losses, times, state_bytes
@@ -213,6 +238,8 @@ def _global_losses(losses: list[torch.Tensor], strat: Strategy, topo: Topology) 
     One all-reduce over the world at the end (not one per step): ranks that do
     not own a loss (non-last pipeline stages, tp ranks > 0) contribute zero.
     """
+    if not losses:
+        return []
     t = torch.stack(losses).to(torch.float64)
     shards, _ = strat.data_parallel(topo)
     t = t / shards if (strat.owns_loss(topo) and not strat.is_server(topo)) else torch.zeros_like(t)
@@ -230,7 +257,10 @@ def _want_progress(progress: bool | str) -> bool:
 def _progress(enabled: bool, total: int) -> Any:
     """Yield ``advance(loss, step_time)``; a rich bar on rank 0 when enabled, else a no-op."""
     if not enabled:
-        yield lambda loss, dt: None
+        def nothing(loss: float | None, dt: float) -> None:
+            return None
+        nothing.skip = lambda n: None  # type: ignore[attr-defined]
+        yield nothing
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -243,6 +273,7 @@ def _progress(enabled: bool, total: int) -> Any:
             bar.update(task, advance=1, loss="-" if loss is None else f"{loss:.4f}",
                        rate=f"{1.0 / dt:.1f}" if dt > 0 else "-")
 
+        advance.skip = lambda n: bar.update(task, advance=n)  # type: ignore[attr-defined]
         yield advance
 
 

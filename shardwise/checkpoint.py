@@ -1,0 +1,228 @@
+"""Sharded checkpoints through torch.distributed.checkpoint (DCP), resharding on load.
+
+Layout of one checkpoint directory ``<dir>/step_00000010/``:
+
+* the DCP files, written in parallel by every rank (each writes its shards);
+* ``manifest.json``: step, world size, strategy, the model's parameter shapes,
+  and a SHA-256 checksum of every file, written by rank 0 last.
+
+Every strategy describes its state in one canonical layout
+(:meth:`shardwise.strategy.Strategy.checkpoint_state`: each tensor of a
+parameter flattened to 1-D, keyed by the parameter's name). DCP matches keys
+and reshards, so a checkpoint written by zero3 on 4 ranks loads into ddp on 2
+and back.
+
+Writes are atomic: ranks write into ``step_N.tmp`` and rank 0 renames it to
+``step_N`` only after every rank finished and the manifest is on disk, so a
+crash while saving leaves the previous checkpoint as the latest complete one.
+Loading never unpickles arbitrary objects: DCP reads tensors, the manifest is
+JSON, and :func:`export` loads with ``weights_only=True``.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from shardwise.strategy import Strategy, unwrap
+from shardwise.topology import Topology
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class Restored:
+    step: int
+    losses: list[float]
+    path: str
+
+
+def model_shapes(model: nn.Module) -> dict[str, list[int]]:
+    """Shapes of the model's parameters and buffers (meta-device models work too)."""
+    m = unwrap(model)
+    return {n: list(t.shape) for n, t in list(m.named_parameters()) + list(m.named_buffers())}
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns each time it runs without a process group; one process is a case we mean."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _barrier(topo: Topology) -> None:
+    topo.comm("world").barrier("checkpoint")
+
+
+def materialize(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state tensors (so a checkpoint can be loaded into them in place).
+
+    One step with zero gradients through the real torch optimizer (the
+    innermost one, for wrappers that keep it as ``.optimizer``), then the
+    parameters are put back: only the states' existence matters, their values
+    are overwritten by the load.
+    """
+    inner = optimizer
+    while hasattr(inner, "optimizer") and isinstance(getattr(inner, "optimizer"), torch.optim.Optimizer):
+        inner = inner.optimizer
+    params = [p for g in inner.param_groups for p in g["params"]]
+    if all(len(inner.state.get(p, {})) for p in params):
+        return
+    saved = [(p, p.detach().clone(), p.grad) for p in params]
+    with torch.no_grad():
+        for p, _, _ in saved:
+            p.grad = torch.zeros_like(p)
+        inner.step()
+        for p, data, grad in saved:
+            p.copy_(data)
+            p.grad = grad
+
+
+def _state(strat: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology,
+           step: int, losses: list[float]) -> dict[str, Any]:
+    state = strat.checkpoint_state(model, optimizer, topo)
+    state["trainer.step"] = torch.tensor(step, dtype=torch.int64)
+    state["trainer.losses"] = torch.tensor(losses, dtype=torch.float64)
+    state["trainer.rng"] = torch.get_rng_state()
+    return state
+
+
+def save(directory: str, step: int, losses: list[float], strat: Strategy, model: nn.Module,
+         optimizer: torch.optim.Optimizer, topo: Topology, shapes: dict[str, list[int]]) -> str:
+    """Write checkpoint ``step`` (after ``step`` optimizer steps) collectively; returns its path."""
+    final = os.path.join(directory, f"step_{step:08d}")
+    tmp = final + ".tmp"
+    if topo.rank == 0:
+        os.makedirs(directory, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier(topo)
+    with _quiet_single_process():
+        dcp.save(_state(strat, model, optimizer, topo, step, losses), checkpoint_id=tmp)
+    _barrier(topo)
+    if topo.rank == 0:
+        files = {f: _sha256(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))}
+        manifest = {"format": 1, "step": step, "world_size": topo.world_size, "strategy": strat.name,
+                    "shapes": shapes, "files": files}
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)  # atomic on POSIX: the checkpoint appears complete or not at all
+    _barrier(topo)
+    return final
+
+
+def verify(path: str) -> str | None:
+    """Why the checkpoint at ``path`` cannot be used (naming the file), or None if it is intact."""
+    mpath = os.path.join(path, MANIFEST)
+    try:
+        with open(mpath) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"{mpath} is missing or unreadable ({e.__class__.__name__})"
+    for name, digest in manifest.get("files", {}).items():
+        fp = os.path.join(path, name)
+        if not os.path.exists(fp):
+            return f"{fp} is missing"
+        if _sha256(fp) != digest:
+            return f"{fp} is corrupted (checksum mismatch)"
+    return None
+
+
+def checkpoints(directory: str) -> list[str]:
+    """Complete checkpoint directories, oldest first (``.tmp`` leftovers of a crash are ignored)."""
+    if not os.path.isdir(directory):
+        return []
+    return [os.path.join(directory, d) for d in sorted(os.listdir(directory)) if _STEP_DIR.match(d)]
+
+
+def latest_valid(directory: str) -> str | None:
+    """The newest intact checkpoint; corrupted newer ones are skipped with a warning naming the file."""
+    for path in reversed(checkpoints(directory)):
+        problem = verify(path)
+        if problem is None:
+            return path
+        warnings.warn(f"skipping checkpoint {path}: {problem}; falling back to the previous one", stacklevel=2)
+    return None
+
+
+def check_compatible(path: str, shapes: dict[str, list[int]]) -> None:
+    """Reject a checkpoint of a different model, listing mismatched keys and shapes."""
+    with open(os.path.join(path, MANIFEST)) as f:
+        saved = json.load(f)["shapes"]
+    problems = []
+    for k in sorted(set(saved) | set(shapes)):
+        if k not in shapes:
+            problems.append(f"{k}: in the checkpoint {saved[k]}, not in the model")
+        elif k not in saved:
+            problems.append(f"{k}: in the model {shapes[k]}, not in the checkpoint")
+        elif list(saved[k]) != list(shapes[k]):
+            problems.append(f"{k}: checkpoint {saved[k]} vs model {shapes[k]}")
+    if problems:
+        raise ValueError(f"checkpoint {path} was written for a different model; mismatched keys and shapes:\n  "
+                         + "\n  ".join(problems))
+
+
+def load(path: str, strat: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology,
+         shapes: dict[str, list[int]]) -> Restored:
+    """Restore model, optimizer, step, loss history and RNG from ``path`` in place (collective)."""
+    check_compatible(path, shapes)
+    with open(os.path.join(path, MANIFEST)) as f:
+        step = int(json.load(f)["step"])
+    materialize(model, optimizer)
+    state = _state(strat, model, optimizer, topo, 0, [0.0] * step)
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=path)
+    torch.set_rng_state(state["trainer.rng"])
+    return Restored(step=int(state["trainer.step"]), losses=[float(v) for v in state["trainer.losses"]], path=path)
+
+
+def resume_point(directory: str, topo: Topology) -> str | None:
+    """Rank 0 picks the newest intact checkpoint and every rank follows (so all agree)."""
+    choice = latest_valid(directory) if topo.rank == 0 else None
+    if topo.world_size > 1 and dist.is_initialized():
+        return topo.comm("world").all_gather_object(choice, name="checkpoint.pick")[0]  # type: ignore[no-any-return]
+    return choice
+
+
+def export(path: str, out_file: str) -> dict[str, torch.Tensor]:
+    """Write the checkpoint's model as one plain ``state_dict`` file loadable into the bare model."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    problem = verify(path)
+    if problem:
+        raise ValueError(f"cannot export {path}: {problem}")
+    with open(os.path.join(path, MANIFEST)) as f:
+        shapes = json.load(f)["shapes"]
+    with tempfile.TemporaryDirectory() as tmp:
+        flat_file = os.path.join(tmp, "flat.pt")
+        dcp_to_torch_save(path, flat_file)
+        flat = torch.load(flat_file, weights_only=True)
+    sd = {k: flat[f"model.{k}"].reshape(shape).clone() for k, shape in shapes.items()}
+    torch.save(sd, out_file)
+    return sd
