@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import signal
 import tempfile
+import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -41,36 +44,84 @@ def init(accelerator: str = "auto", timeout: _dt.timedelta = _dt.timedelta(minut
 def _worker(rank: int, fn: Callable[..., Any], world: int, port: int, accelerator: str,
             timeout_s: float, args: tuple[Any, ...]) -> None:
     torch.set_num_threads(threads_per_rank(world))
-    device = pick_device(accelerator, rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     timeout = _dt.timedelta(seconds=timeout_s)
     store = dist.TCPStore("127.0.0.1", port, world_size=world, is_master=False, timeout=timeout)
-    dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world, timeout=timeout)
     try:
+        device = pick_device(accelerator, rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world, timeout=timeout)
         fn(rank, device, *args)
+        dist.barrier()  # only on success: on an error path peers may never arrive
+    except BaseException:
+        # The parent hosts the store and reports every rank's error and position.
+        store.set(f"shardwise/error/{rank}", traceback.format_exc())
+        raise SystemExit(1) from None
     finally:
-        # Barrier then destroy; on an error path the barrier may fail, which
-        # must not hide the original exception.
-        try:
-            dist.barrier()
-        except Exception:  # pragma: no cover
-            pass
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class WorkerFailed(RuntimeError):
+    """A spawned rank raised or died; the message holds every rank's error and where each rank was."""
 
 
 def spawn(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), accelerator: str = "cpu",
-          timeout: _dt.timedelta = _dt.timedelta(minutes=5)) -> None:
+          timeout: _dt.timedelta = _dt.timedelta(minutes=5), grace_s: float = 2.0) -> None:
     """Run ``fn(rank, device, *args)`` in ``nprocs`` fresh processes inside one process group.
 
-    An exception on any rank is re-raised here with that rank's traceback
-    (torch.multiprocessing terminates the other ranks).
+    When a rank fails, the others get ``grace_s`` seconds to report their own
+    errors, then are terminated, and :class:`WorkerFailed` is raised here with
+    every rank's traceback and a diagnosis of where each rank was (see
+    :mod:`shardwise.comm.diagnostics`), instead of a bare exit code.
     """
+    from shardwise.comm.diagnostics import diag_store, explain_job
+
     store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False,
                           timeout=timeout)
-    mp.start_processes(_worker, args=(fn, nprocs, store.port, accelerator, timeout.total_seconds(), args),
-                       nprocs=nprocs, join=True, start_method="spawn")
-    del store
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(r, fn, nprocs, store.port, accelerator, timeout.total_seconds(), args),
+                         name=f"shardwise-rank{r}") for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    try:
+        while any(p.exitcode is None for p in procs):
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break
+            procs[0].join(0.05) if procs[0].exitcode is None else time.sleep(0.05)
+        failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if not failed:
+            return
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(p.exitcode is None for p in procs):
+            time.sleep(0.05)
+        parts = []
+        for r, p in enumerate(procs):
+            key = f"shardwise/error/{r}"
+            if store.check([key]):
+                parts.append(f"--- rank {r} raised:\n{store.get(key).decode().rstrip()}")
+            elif p.exitcode not in (None, 0):
+                parts.append(f"--- rank {r} died: {_exit_reason(p.exitcode)}")
+        diagnosis = explain_job(diag_store(store), nprocs, wait_s=0.1)
+        raise WorkerFailed(f"rank(s) {failed} failed\n" + "\n".join(parts) + "\n--- " + diagnosis)
+    finally:
+        for p in procs:
+            if p.exitcode is None:
+                p.terminate()
+        for p in procs:
+            p.join(5)
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def result_dir() -> tempfile.TemporaryDirectory[str]:

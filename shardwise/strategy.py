@@ -72,6 +72,14 @@ class Strategy:
         """(number of data shards, this rank's shard): which part of each global batch this rank reads."""
         return topo.size("dp"), topo.coord("dp")
 
+    def batch_shards(self, devices: int) -> int:
+        """How many parts each global batch is split into on ``devices`` (the ranks that read data)."""
+        return self.sizes(devices)["dp"]
+
+    def rank_stats(self, model: nn.Module, topo: Topology) -> dict[str, Any]:
+        """Extra per-rank entries for ``FitResult.stats`` (e.g. a parameter server's staleness record)."""
+        return {}
+
     def is_server(self, topo: Topology) -> bool:
         """True on ranks that read no data and run :meth:`serve` instead of the step loop."""
         return False
@@ -166,6 +174,7 @@ ALLREDUCE: dict[str, Callable[..., Any]] = {}
 
 def allreduce_fn(name: str) -> Callable[..., Any]:
     from shardwise.parallel.ddp import native_allreduce
+    import shardwise.comm.algorithms  # noqa: F401  (registers "naive" and "ring" in ALLREDUCE)
 
     table = {"native": native_allreduce, **ALLREDUCE}
     if name not in table:

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from shardwise.comm import Comm, CommStats
+from shardwise.comm import Comm, CommStats, Diagnostics
+from shardwise.comm.diagnostics import default_store
 
 DIMS = ("pp", "dp", "tp")
 
@@ -53,7 +54,9 @@ class Topology:
     stats: CommStats = field(default_factory=CommStats)
     timeout: _dt.timedelta = _dt.timedelta(minutes=5)
     mesh: object | None = None  # torch DeviceMesh when distributed
+    diag: Diagnostics | None = None
     _groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
+    _dp_splits: dict[int, object] = field(default_factory=dict)
 
     @staticmethod
     def validate(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1) -> dict[str, int]:
@@ -75,7 +78,7 @@ class Topology:
 
     @classmethod
     def create(cls, device: torch.device, dp: int = -1, tp: int = 1, pp: int = 1,
-               timeout: _dt.timedelta = _dt.timedelta(minutes=5)) -> "Topology":
+               timeout: _dt.timedelta = _dt.timedelta(minutes=5), debug: bool = False) -> "Topology":
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         sizes = cls.validate(world, dp, tp, pp)
@@ -89,6 +92,7 @@ class Topology:
             for d in DIMS:
                 topo._groups[d] = topo.mesh.get_group(d)  # type: ignore[attr-defined]
             topo._groups["world"] = None
+            topo.diag = Diagnostics(rank, default_store(), debug=debug)
         return topo
 
     def size(self, dim: str) -> int:
@@ -106,10 +110,37 @@ class Topology:
         """A communicator on the group of ``dim`` ("pp", "dp", "tp" or "world")."""
         if self.world_size == 1:
             return Comm(None, self.stats, self.timeout)
-        return Comm(self._groups[dim], self.stats, self.timeout)
+        return Comm(self._groups[dim], self.stats, self.timeout, self.diag, label=dim)
+
+    def close(self) -> None:
+        """Stop the diagnostics thread (the process group itself is torn down by :func:`teardown`)."""
+        if self.diag is not None:
+            self.diag.close()
 
     def group(self, dim: str) -> dist.ProcessGroup | None:
         return self._groups.get(dim)
+
+    def dp_split(self, shard: int) -> object:
+        """The data-parallel ranks as a 2-D ``("dp_replicate", "dp_shard")`` DeviceMesh (for HSDP).
+
+        ``shard`` consecutive dp ranks form a sharding group; the groups are
+        replicas of each other. Built from the world mesh ``(pp, dp/shard,
+        shard, tp)``, so it composes with the other dimensions. A collective
+        (creates groups on first use, cached per ``shard``); ``None`` with one process.
+        """
+        dp = self.sizes["dp"]
+        if shard < 1 or dp % shard:
+            raise ValueError(f"HSDP shard size {shard} must be a positive divisor of the data-parallel size {dp}")
+        if self.world_size == 1:
+            return None
+        if shard not in self._dp_splits:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            names = ("pp", "dp_replicate", "dp_shard", "tp")
+            mesh = init_device_mesh(self.device.type, (self.sizes["pp"], dp // shard, shard, self.sizes["tp"]),
+                                    mesh_dim_names=names)
+            self._dp_splits[shard] = mesh["dp_replicate", "dp_shard"]
+        return self._dp_splits[shard]
 
 
 def teardown() -> None:

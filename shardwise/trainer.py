@@ -56,13 +56,15 @@ class Trainer:
             :mod:`shardwise.checkpoint`); with ``resume=True`` training continues from the newest
             intact checkpoint there, with any strategy and device count.
         checkpoint_every: save every this many optimizer steps (and after the last step).
+        debug: before every collective, check that all ranks of its group issue the same one
+            (operation, name, sizes, step) and name the first rank that differs.
     """
 
     def __init__(self, strategy: str | Strategy = "single", devices: int = 1, accelerator: str = "auto", *,
                  accumulate_grad_batches: int = 1, gradient_clip_val: float | None = None, seed: int = 0,
                  progress: bool | str = "auto", metrics_path: str | os.PathLike[str] | None = None,
                  timeout_s: float = 300.0, checkpoint_dir: str | os.PathLike[str] | None = None,
-                 checkpoint_every: int | None = None, resume: bool = True) -> None:
+                 checkpoint_every: int | None = None, resume: bool = True, debug: bool = False) -> None:
         self.strategy = resolve(strategy)
         if checkpoint_every is not None and checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
@@ -71,6 +73,7 @@ class Trainer:
         self.checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
         self.checkpoint_every = checkpoint_every
         self.resume = resume
+        self.debug = debug
         if not isinstance(devices, int) or devices < 1:
             raise ValueError(f"devices must be a positive integer, got {devices!r}")
         if accumulate_grad_batches < 1:
@@ -123,7 +126,7 @@ class Trainer:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
         if len(dataset) == 0:
             raise ValueError("the dataset is empty: it has no (input, target) pairs to train on")
-        dp, k = self.sizes["dp"], self.accumulate_grad_batches
+        dp, k = self.strategy.batch_shards(self.devices), self.accumulate_grad_batches
         if batch_size % (dp * k):
             raise ValueError(
                 f"batch_size={batch_size} is not divisible by data-parallel size {dp} x "
@@ -151,7 +154,14 @@ class _Job:
 
     def run(self, device: torch.device) -> FitResult:
         t, strat = self.trainer, self.trainer.strategy
-        topo = Topology.create(device, timeout=t.timeout, **t.sizes)
+        topo = Topology.create(device, timeout=t.timeout, debug=t.debug, **t.sizes)
+        try:
+            return self._run(topo)
+        finally:
+            topo.close()
+
+    def _run(self, topo: Topology) -> FitResult:
+        t, strat, device = self.trainer, self.trainer.strategy, topo.device
         torch.manual_seed(t.seed)
         shapes = checkpoint.model_shapes(self.model)
         model, opt = strat.setup(self.model, self.optimizer_fn, topo)
@@ -161,6 +171,7 @@ class _Job:
             if path is not None:
                 prev = checkpoint.load(path, strat, model, opt, topo, shapes).losses[:self.max_steps]
         sent_after_setup = topo.stats.sent
+        received_after_setup = topo.stats.received
         if strat.is_server(topo):
             times = strat.serve(model, opt, topo, self.max_steps)
             losses = [torch.zeros((), device=device)] * self.max_steps
@@ -169,6 +180,7 @@ class _Job:
             losses, times, state_bytes = self._loop(model, opt, topo, prev, shapes)
         steps_run = max(1, len(losses))
         train_sent = topo.stats.sent - sent_after_setup
+        train_received = topo.stats.received - received_after_setup
         global_losses = prev + _global_losses(losses, strat, topo)
         state_dict = strat.full_state_dict(model, topo)
         mine = {
@@ -178,8 +190,10 @@ class _Job:
             **{f"{k}_bytes": v for k, v in state_bytes.items()},
             "comm_bytes": topo.stats.sent,
             "comm_bytes_per_step": train_sent / steps_run,
+            "comm_received_bytes_per_step": train_received / steps_run,
             "comm_by_name": dict(topo.stats.by_name),
             "step_time_s": statistics.median(times) if times else 0.0,
+            **strat.rank_stats(model, topo),
         }
         stats = topo.comm("world").all_gather_object(mine, name="stats")
         return FitResult(losses=global_losses, state_dict=state_dict, stats=stats)
@@ -199,6 +213,8 @@ class _Job:
         with _progress(rank0 and _want_progress(t.progress), self.max_steps) as advance:
             advance.skip(len(prev))  # type: ignore[attr-defined]
             for step in range(len(prev), self.max_steps):
+                if topo.diag is not None:
+                    topo.diag.step = step
                 start = time.perf_counter()
                 x, y = data.batch(step, device)
                 micro = list(zip(iter_chunks(x, k), iter_chunks(y, k)))

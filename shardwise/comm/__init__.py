@@ -1,4 +1,5 @@
-"""Collectives with names, byte accounting and timeouts (every strategy talks through here)."""
+"""Collectives with names, byte accounting, timeouts and diagnostics (every strategy talks through here)."""
 from shardwise.comm.collectives import Comm, CommStats, Handle
+from shardwise.comm.diagnostics import CollectiveMismatch, CollectiveTimeout, Diagnostics
 
-__all__ = ["Comm", "CommStats", "Handle"]
+__all__ = ["CollectiveMismatch", "CollectiveTimeout", "Comm", "CommStats", "Diagnostics", "Handle"]

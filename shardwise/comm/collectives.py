@@ -20,10 +20,13 @@ from __future__ import annotations
 import datetime as _dt
 from collections import defaultdict
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from shardwise.comm.diagnostics import CollectiveTimeout, Diagnostics, Record
 
 
 @dataclass
@@ -55,118 +58,147 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class Handle:
-    """An in-flight operation; :meth:`wait` enforces the communicator's timeout."""
+    """An in-flight operation; :meth:`wait` enforces the timeout and explains a failure."""
 
-    def __init__(self, work: Any, name: str, timeout: _dt.timedelta) -> None:
+    def __init__(self, work: Any, name: str, timeout: _dt.timedelta, diag: Diagnostics | None = None,
+                 rec: Record | None = None) -> None:
         self._work = work
         self.name = name
         self._timeout = timeout
+        self._diag = diag
+        self._rec = rec
 
     def wait(self) -> None:
         if self._work is None:
             return
         try:
             self._work.wait(self._timeout)
-        except RuntimeError as e:  # gloo and NCCL both raise RuntimeError on timeout/abort
-            raise RuntimeError(f"collective '{self.name}' failed or timed out after {self._timeout}: {e}") from e
+        except RuntimeError as e:  # gloo and NCCL raise RuntimeError on timeout, abort or a dead peer
+            what = self._rec.describe() if self._rec is not None else f"'{self.name}'"
+            rank = self._rec.rank if self._rec is not None else "?"
+            detail = self._diag.explain(self._rec) if (self._diag and self._rec) else ""
+            raise CollectiveTimeout(f"rank {rank}: {what} did not complete within {self._timeout} "
+                                    f"({str(e).splitlines()[0] if str(e) else type(e).__name__})\n{detail}") from e
         self._work = None
+        if self._diag is not None and self._rec is not None:
+            self._diag.end(self._rec)
 
 
 class Comm:
-    """Collectives on one process group, with names, byte counts and a timeout.
+    """Collectives on one process group, with names, byte counts, a timeout and diagnostics.
 
     ``group=None`` means the default (world) group. A world size of 1 turns
     every collective into a no-op that sends zero bytes, so single-device code
-    runs the same path.
+    runs the same path. ``label`` names the group in diagnostics ("dp", "tp").
     """
 
     def __init__(self, group: dist.ProcessGroup | None, stats: CommStats,
-                 timeout: _dt.timedelta = _dt.timedelta(minutes=5)) -> None:
+                 timeout: _dt.timedelta = _dt.timedelta(minutes=5), diag: Diagnostics | None = None,
+                 label: str = "world") -> None:
         self.group = group
         self.stats = stats
         self.timeout = timeout
+        self.diag = diag
+        self.label = label
         self.size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.ranks = dist.get_process_group_ranks(group) if (dist.is_initialized() and group is not None) \
+            else list(range(self.size))
 
     # ---- helpers -----------------------------------------------------
     def global_rank(self, group_rank: int) -> int:
         """The world rank of ``group_rank`` in this communicator's group."""
-        if self.group is None or not dist.is_initialized():
-            return group_rank
-        return dist.get_global_rank(self.group, group_rank)
+        return self.ranks[group_rank]
 
-    def _done(self, work: Any, name: str, async_op: bool) -> Handle | None:
-        h = Handle(work, name, self.timeout)
+    def _issue(self, op: str, name: str, tensors: list[torch.Tensor], start: Callable[[], Any],
+               async_op: bool, ranks: list[int] | None = None) -> Handle | None:
+        rec = None
+        if self.diag is not None:
+            rec = self.diag.begin(op, name, self.label, ranks or self.ranks, [list(t.shape) for t in tensors])
+        h = Handle(start(), name, self.timeout, self.diag, rec)
         if async_op:
             return h
         h.wait()
         return None
 
+    def _noop(self, name: str, async_op: bool) -> Handle | None:
+        return Handle(None, name, self.timeout) if async_op else None
+
     # ---- collectives -------------------------------------------------
     def all_reduce(self, t: torch.Tensor, name: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                    async_op: bool = False) -> Handle | None:
         if self.size == 1:
-            return Handle(None, name, self.timeout) if async_op else None
+            return self._noop(name, async_op)
         n, s = self.size, _nbytes(t)
         self.stats.add(name, 2 * (n - 1) * s // n, 2 * (n - 1) * s // n)
-        return self._done(dist.all_reduce(t, op=op, group=self.group, async_op=True), name, async_op)
+        return self._issue("all_reduce", name, [t],
+                           lambda: dist.all_reduce(t, op=op, group=self.group, async_op=True), async_op)
 
     def broadcast(self, t: torch.Tensor, src: int, name: str, async_op: bool = False) -> Handle | None:
         """Broadcast from group rank ``src``."""
         if self.size == 1:
-            return Handle(None, name, self.timeout) if async_op else None
+            return self._noop(name, async_op)
         s = _nbytes(t)
         self.stats.add(name, s if self.rank == src else 0, 0 if self.rank == src else s)
-        work = dist.broadcast(t, src=self.global_rank(src), group=self.group, async_op=True)
-        return self._done(work, name, async_op)
+        return self._issue("broadcast", name, [t], lambda: dist.broadcast(
+            t, src=self.global_rank(src), group=self.group, async_op=True), async_op)
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, name: str, async_op: bool = False) -> Handle | None:
         """Concatenate every rank's ``shard`` (equal sizes) into ``out`` along dim 0."""
         if self.size == 1:
             out.copy_(shard.reshape(out.shape))
-            return Handle(None, name, self.timeout) if async_op else None
+            return self._noop(name, async_op)
         s = _nbytes(shard)
         self.stats.add(name, (self.size - 1) * s, (self.size - 1) * s)
-        work = dist.all_gather_into_tensor(out, shard, group=self.group, async_op=True)
-        return self._done(work, name, async_op)
+        return self._issue("all_gather", name, [shard], lambda: dist.all_gather_into_tensor(
+            out, shard, group=self.group, async_op=True), async_op)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, name: str,
                        op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = False) -> Handle | None:
         """Reduce ``full`` over ranks and leave rank r's 1/N slice in ``out``."""
         if self.size == 1:
             out.copy_(full.reshape(out.shape))
-            return Handle(None, name, self.timeout) if async_op else None
+            return self._noop(name, async_op)
         s = _nbytes(out)
         self.stats.add(name, (self.size - 1) * s, (self.size - 1) * s)
-        work = dist.reduce_scatter_tensor(out, full, op=op, group=self.group, async_op=True)
-        return self._done(work, name, async_op)
-
-    def send(self, t: torch.Tensor, dst: int, name: str) -> None:
-        """Blocking send to group rank ``dst`` (exact bytes)."""
-        self.stats.add(name, _nbytes(t), 0)
-        dist.send(t, dst=self.global_rank(dst), group=self.group)
-
-    def recv(self, t: torch.Tensor, src: int, name: str) -> None:
-        """Blocking receive from group rank ``src`` (exact bytes)."""
-        self.stats.add(name, 0, _nbytes(t))
-        dist.recv(t, src=self.global_rank(src), group=self.group)
+        return self._issue("reduce_scatter", name, [full], lambda: dist.reduce_scatter_tensor(
+            out, full, op=op, group=self.group, async_op=True), async_op)
 
     def isend(self, t: torch.Tensor, dst: int, name: str) -> Handle:
+        """Send to group rank ``dst`` (exact bytes); wait on the handle."""
         self.stats.add(name, _nbytes(t), 0)
-        return Handle(dist.isend(t, dst=self.global_rank(dst), group=self.group), name, self.timeout)
+        peer = self.global_rank(dst)
+        h = self._issue("send", name, [t], lambda: dist.isend(t, dst=peer, group=self.group), True,
+                        ranks=[self.global_rank(self.rank), peer])
+        assert h is not None
+        return h
 
     def irecv(self, t: torch.Tensor, src: int, name: str) -> Handle:
+        """Receive from group rank ``src`` (exact bytes); wait on the handle."""
         self.stats.add(name, 0, _nbytes(t))
-        return Handle(dist.irecv(t, src=self.global_rank(src), group=self.group), name, self.timeout)
+        peer = self.global_rank(src)
+        h = self._issue("recv", name, [t], lambda: dist.irecv(t, src=peer, group=self.group), True,
+                        ranks=[self.global_rank(self.rank), peer])
+        assert h is not None
+        return h
+
+    def send(self, t: torch.Tensor, dst: int, name: str) -> None:
+        self.isend(t, dst, name).wait()
+
+    def recv(self, t: torch.Tensor, src: int, name: str) -> None:
+        self.irecv(t, src, name).wait()
 
     def all_gather_object(self, obj: Any, name: str) -> list[Any]:
         """Small Python objects (metadata checks, stats); not counted as training traffic."""
         if self.size == 1:
             return [obj]
         out: list[Any] = [None] * self.size
+        rec = self.diag.begin("all_gather_object", name, self.label, self.ranks, []) if self.diag else None
         dist.all_gather_object(out, obj, group=self.group)
+        if self.diag is not None and rec is not None:
+            self.diag.end(rec)
         return out
 
     def barrier(self, name: str = "barrier") -> None:
         if self.size > 1:
-            dist.barrier(group=self.group)
+            self._issue("barrier", name, [], lambda: dist.barrier(group=self.group, async_op=True), False)
