@@ -35,10 +35,29 @@ def init(accelerator: str = "auto", timeout: _dt.timedelta = _dt.timedelta(minut
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized() and under_torchrun():
-        dist.init_process_group(backend_for(device), timeout=timeout)
+        dist.init_process_group(backend_for(device), store=_torchrun_store(timeout), rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     return device
+
+
+def _torchrun_store(timeout: _dt.timedelta) -> dist.Store:
+    """The job store torchrun describes, under a prefix unique to this restart attempt.
+
+    torchrun restarts every worker after a failure; gloo's address exchange
+    must not see the previous attempt's keys. Seen on torch 2.13: with the
+    plain ``env://`` initialisation the restarted workers read the dead
+    attempt's gloo addresses ("connectFullMesh failed ... Connection
+    refused"), so we namespace by run id and restart count ourselves.
+    """
+    env = os.environ
+    agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "False") == "True"
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=int(env["WORLD_SIZE"]),
+                          is_master=(not agent_store and env["RANK"] == "0"), timeout=timeout,
+                          wait_for_workers=False)
+    prefix = f"shardwise/{env.get('TORCHELASTIC_RUN_ID', 'run')}/attempt{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return dist.PrefixStore(prefix, store)
 
 
 def _worker(rank: int, fn: Callable[..., Any], world: int, port: int, accelerator: str,

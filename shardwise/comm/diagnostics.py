@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import threading
 import time
 from collections import defaultdict, deque
@@ -71,8 +72,9 @@ def default_store() -> Any:
 
 
 def diag_store(store: Any) -> Any:
-    """Our namespace in a job store."""
-    return dist.PrefixStore("shardwise/diag/", store)
+    """Our namespace in a job store, one per torchrun restart attempt (the store outlives attempts)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"shardwise/diag/{attempt}/", store)
 
 
 class Diagnostics:

@@ -1,0 +1,59 @@
+"""Run under `shardwise run`: trains digits with checkpoints; optionally SIGKILLs one worker mid-run.
+
+--kill-rank R --kill-step S: on the first attempt (torchrun's TORCHELASTIC_RESTART_COUNT == 0),
+rank R kills itself with SIGKILL at step S (a real, uncatchable death, as an OOM kill would be).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import signal
+
+import torch
+
+import shardwise as sw
+from shardwise.strategy import resolve
+from shardwise.workloads import digits
+
+
+class KillOnce:
+    """Wraps a strategy's train_step with a SIGKILL of one rank at one step, on the first attempt only."""
+
+    def __init__(self, inner, rank: int, step: int) -> None:
+        self.inner, self.rank, self.step, self.count = inner, rank, step, 0
+
+    def __call__(self, model, micro, loss_fn, topo):
+        if (topo.rank == self.rank and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+                and topo.diag is not None and topo.diag.step == self.step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.inner(model, micro, loss_fn, topo)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--strategy", default="ddp")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--checkpoint-dir", required=True)
+    p.add_argument("--checkpoint-every", type=int, default=2)
+    p.add_argument("--kill-rank", type=int, default=-1)
+    p.add_argument("--kill-step", type=int, default=-1)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    strategy = resolve(a.strategy)
+    if a.kill_rank >= 0:
+        strategy.train_step = KillOnce(strategy.train_step, a.kill_rank, a.kill_step)  # type: ignore[method-assign]
+    work = digits()
+    result = sw.Trainer(strategy, int(os.environ["WORLD_SIZE"]), accelerator="cpu", progress=False,
+                        checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every, timeout_s=30).fit(
+        work.make_model(), work.train, work.loss_fn, functools.partial(torch.optim.AdamW, lr=1e-3),
+        batch_size=64, max_steps=a.steps)
+    if int(os.environ["RANK"]) == 0:
+        with open(a.out, "w") as f:
+            json.dump({"losses": result.losses,
+                       "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}, f)
+
+
+if __name__ == "__main__":
+    main()

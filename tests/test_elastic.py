@@ -1,0 +1,50 @@
+"""Elastic restart: SIGKILL of a worker under --max-restarts 1 ends with the uninterrupted losses."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "scripts", "train_and_crash.py")
+
+
+def launch(tmp_path, name):
+    out = tmp_path / f"{name}.json"
+    cmd = [sys.executable, "-m", "shardwise", "run", "--nproc", "2", SCRIPT,
+           "--checkpoint-dir", str(tmp_path / f"ck-{name}"), "--out", str(out)]
+    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True,
+                       timeout=280)
+    return r, out
+
+
+def test_sigkill_then_restart_resumes_with_identical_losses(tmp_path):
+    r, out = launch(tmp_path, "plain")
+    assert r.returncode == 0, r.stderr[-3000:]
+    uninterrupted = json.loads(out.read_text())
+    killed_args = ["--kill-rank", "1", "--kill-step", "7"]
+    cmd_out = tmp_path / "killed.json"
+    cmd = [sys.executable, "-m", "shardwise", "run", "--nproc", "2", "--max-restarts", "1", SCRIPT,
+           "--checkpoint-dir", str(tmp_path / "ck-killed"), "--out", str(cmd_out), *killed_args]
+    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True,
+                       timeout=280)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "SIGKILL" in r.stderr or "Signals.SIGKILL" in r.stderr or "-9" in r.stderr
+    resumed = json.loads(cmd_out.read_text())
+    assert resumed["restart"] == 1  # it really was the restarted attempt that finished
+    assert resumed["losses"] == uninterrupted["losses"]  # exactly, not approximately: same ranks, same order
+
+
+def test_without_restarts_the_kill_fails_the_job(tmp_path):
+    out = tmp_path / "x.json"
+    cmd = [sys.executable, "-m", "shardwise", "run", "--nproc", "2", SCRIPT, "--checkpoint-dir",
+           str(tmp_path / "ck"), "--out", str(out), "--kill-rank", "1", "--kill-step", "3"]
+    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True,
+                       timeout=280)
+    assert r.returncode != 0
+    assert not out.exists()
