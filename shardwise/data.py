@@ -22,13 +22,7 @@ class GlobalBatches:
     def __init__(self, dataset: Any, global_batch: int, replicas: int, rank: int, seed: int = 0,
                  shuffle: bool = True) -> None:
         n = len(dataset)
-        if n == 0:
-            raise ValueError("the dataset is empty: it has no (input, target) pairs to train on")
-        if global_batch < 1:
-            raise ValueError(f"batch_size must be >= 1, got {global_batch}")
-        if n < global_batch:
-            raise ValueError(f"the dataset has {n} samples, fewer than one global batch "
-                             f"(batch_size={global_batch}); lower batch_size or use more data")
+        check_dataset(n, global_batch)
         self.dataset = dataset
         self.local_batch = global_batch // replicas
         self.steps_per_epoch = n // global_batch
@@ -48,6 +42,17 @@ class GlobalBatches:
 
     def batch(self, step: int, device: torch.device) -> Any:
         return to_device(collate([self.dataset[i] for i in self.indices(step)]), device)
+
+
+def check_dataset(n: int, global_batch: int) -> None:
+    """A dataset must hold at least one whole global batch."""
+    if n == 0:
+        raise ValueError("the dataset is empty: it has no (input, target) pairs to train on")
+    if global_batch < 1:
+        raise ValueError(f"batch_size must be >= 1, got {global_batch}")
+    if n < global_batch:
+        raise ValueError(f"the dataset has {n} samples, fewer than one global batch "
+                         f"(batch_size={global_batch}); lower batch_size or use more data")
 
 
 def collate(samples: Sequence[Any]) -> Any:

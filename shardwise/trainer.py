@@ -15,6 +15,7 @@ import pickle
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise import checkpoint, launch
-from shardwise.data import GlobalBatches
+from shardwise.data import GlobalBatches, check_dataset
 from shardwise.stats import peak_rss_bytes, unique_bytes
 from shardwise.strategy import LossFn, OptimizerFactory, Strategy, iter_chunks, resolve
 from shardwise.topology import Topology, pick_device, teardown
@@ -58,13 +59,16 @@ class Trainer:
         checkpoint_every: save every this many optimizer steps (and after the last step).
         debug: before every collective, check that all ranks of its group issue the same one
             (operation, name, sizes, step) and name the first rank that differs.
+        on_nonfinite: a NaN/inf loss either stops training (``"error"``, naming step and rank) or
+            skips that optimizer step on every rank (``"skip"``; costs one tiny all-reduce per step).
     """
 
     def __init__(self, strategy: str | Strategy = "single", devices: int = 1, accelerator: str = "auto", *,
                  accumulate_grad_batches: int = 1, gradient_clip_val: float | None = None, seed: int = 0,
                  progress: bool | str = "auto", metrics_path: str | os.PathLike[str] | None = None,
                  timeout_s: float = 300.0, checkpoint_dir: str | os.PathLike[str] | None = None,
-                 checkpoint_every: int | None = None, resume: bool = True, debug: bool = False) -> None:
+                 checkpoint_every: int | None = None, resume: bool = True, debug: bool = False,
+                 on_nonfinite: str = "error") -> None:
         self.strategy = resolve(strategy)
         if checkpoint_every is not None and checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
@@ -74,6 +78,9 @@ class Trainer:
         self.checkpoint_every = checkpoint_every
         self.resume = resume
         self.debug = debug
+        if on_nonfinite not in ("error", "skip"):
+            raise ValueError(f"on_nonfinite must be 'error' or 'skip', got {on_nonfinite!r}")
+        self.on_nonfinite = on_nonfinite
         if not isinstance(devices, int) or devices < 1:
             raise ValueError(f"devices must be a positive integer, got {devices!r}")
         if accumulate_grad_batches < 1:
@@ -92,7 +99,7 @@ class Trainer:
     def fit(self, model: nn.Module, dataset: Any, loss_fn: LossFn, optimizer: OptimizerFactory,
             batch_size: int, max_steps: int) -> FitResult:
         """Train for ``max_steps`` optimizer steps of global batch ``batch_size``."""
-        self._validate(dataset, batch_size, max_steps)
+        self._validate(dataset, batch_size, max_steps, optimizer)
         job = _Job(self, model, dataset, loss_fn, optimizer, batch_size, max_steps)
         nprocs = self.strategy.processes(self.devices)
         if dist.is_initialized() or launch.under_torchrun():
@@ -109,9 +116,6 @@ class Trainer:
                     teardown()
         if nprocs == 1:
             return job.run(pick_device(self.accelerator, 0))
-        if self.accelerator in ("auto", "cuda") and torch.cuda.is_available() \
-                and torch.cuda.device_count() < nprocs and self.accelerator == "cuda":
-            raise ValueError(f"devices={nprocs} but only {torch.cuda.device_count()} CUDA devices exist")
         with launch.result_dir() as tmp:
             path = os.path.join(tmp, "result.pt")
             # Plain pickle, not multiprocessing's: torch's multiprocessing pickler
@@ -121,17 +125,39 @@ class Trainer:
             saved = torch.load(path, weights_only=True)
         return FitResult(**saved)
 
-    def _validate(self, dataset: Any, batch_size: int, max_steps: int) -> None:
+    def _validate(self, dataset: Any, batch_size: int, max_steps: int, optimizer: OptimizerFactory) -> None:
+        """Everything that can be checked before any process starts or blocks."""
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
-        if len(dataset) == 0:
-            raise ValueError("the dataset is empty: it has no (input, target) pairs to train on")
+        check_dataset(len(dataset), batch_size)
         dp, k = self.strategy.batch_shards(self.devices), self.accumulate_grad_batches
         if batch_size % (dp * k):
             raise ValueError(
                 f"batch_size={batch_size} is not divisible by data-parallel size {dp} x "
                 f"accumulate_grad_batches {k} = {dp * k}; the global batch must split evenly "
                 f"(try batch_size={max(dp * k, batch_size // (dp * k) * dp * k)})")
+        self._check_devices()
+        probe = optimizer([nn.Parameter(torch.zeros(1))])
+        if not isinstance(probe, torch.optim.Optimizer):
+            raise TypeError("optimizer must be a factory that returns a torch.optim.Optimizer when called with "
+                            "parameters, e.g. functools.partial(torch.optim.AdamW, lr=1e-3); got "
+                            f"{type(probe).__name__}")
+        self.strategy.check_optimizer(probe)
+
+    def _check_devices(self) -> None:
+        nprocs = self.strategy.processes(self.devices)
+        if self.accelerator == "cuda" and not torch.cuda.is_available():
+            raise ValueError("accelerator='cuda' but no CUDA device is available; use accelerator='cpu' "
+                             "(or 'auto', which picks CUDA only when present)")
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", nprocs)) if launch.under_torchrun() else nprocs
+        cuda = self.accelerator == "cuda" or (self.accelerator == "auto" and torch.cuda.is_available())
+        if cuda and local > torch.cuda.device_count():
+            raise ValueError(f"devices={self.devices} needs {local} CUDA devices on this machine but only "
+                             f"{torch.cuda.device_count()} exist; lower devices or add machines (--nnodes)")
+        cores = os.cpu_count() or 1
+        if not cuda and local > cores:
+            warnings.warn(f"devices={self.devices} starts {local} processes on {cores} CPU cores: ranks will "
+                          "share cores, which is correct but slower than fewer ranks", stacklevel=3)
 
 
 def _spawned_fit(rank: int, device: torch.device, job: bytes, path: str) -> None:
@@ -219,6 +245,11 @@ class _Job:
                 x, y = data.batch(step, device)
                 micro = list(zip(iter_chunks(x, k), iter_chunks(y, k)))
                 loss = strat.train_step(model, micro, self.loss_fn, topo)
+                if not _finite(loss, step, t.on_nonfinite, topo):
+                    opt.zero_grad(set_to_none=True)
+                    times.append(time.perf_counter() - start)
+                    losses.append(loss.detach() if loss is not None else torch.zeros((), device=device))
+                    continue
                 if t.gradient_clip_val is not None:
                     strat.clip_grad_norm(model, t.gradient_clip_val, topo)
                 opt.step()
@@ -242,6 +273,23 @@ class _Job:
         if metrics is not None:
             metrics.close()
         return losses, times, state_bytes
+
+
+def _finite(loss: torch.Tensor | None, step: int, mode: str, topo: Topology) -> bool:
+    """Whether to take this step; raises in ``"error"`` mode on a non-finite local loss.
+
+    In ``"skip"`` mode every rank must agree (a rank that steps alone would
+    desynchronise the replicas), hence one all-reduce of a flag.
+    """
+    bad = loss is not None and not bool(torch.isfinite(loss.detach()).all())
+    if mode == "error":
+        if bad:
+            raise FloatingPointError(f"non-finite loss {float(loss):g} at step {step} on rank {topo.rank}; "
+                                     "pass Trainer(on_nonfinite='skip') to skip such steps instead")
+        return True
+    flag = torch.tensor([1.0 if bad else 0.0], device=topo.device)
+    topo.comm("world").all_reduce(flag, name="metrics.nonfinite")
+    return float(flag) == 0.0
 
 
 def _count_state(strat: Strategy, model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:

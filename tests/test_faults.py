@@ -79,3 +79,79 @@ def test_debug_mode_names_the_rank_that_differs():
 
 def test_debug_mode_passes_a_correct_run(same_run):
     same_run(_fit("single", 1, steps=3), _fit("ddp", 2, steps=3, debug=True))
+
+
+# ---- bad input, caught before any process starts --------------------------------
+def _trainer_error(exc, **kw):
+    work = digits()
+    args = dict(strategy="ddp", devices=2, dataset=work.train, batch_size=64, optimizer=ADAMW)
+    args.update(kw)
+    t0 = time.perf_counter()
+    with pytest.raises(exc) as e:
+        sw.Trainer(args["strategy"], args["devices"], accelerator=kw.get("accelerator", "cpu")).fit(
+            work.make_model(), args["dataset"], work.loss_fn, args["optimizer"], args["batch_size"], 2)
+    assert time.perf_counter() - t0 < 5  # no process was started, nothing waited
+    return str(e.value)
+
+
+def test_empty_dataset():
+    empty = torch.utils.data.TensorDataset(torch.zeros(0, 64), torch.zeros(0, dtype=torch.long))
+    assert _trainer_error(ValueError, dataset=empty) == \
+        "the dataset is empty: it has no (input, target) pairs to train on"
+
+
+def test_dataset_smaller_than_a_batch():
+    small = torch.utils.data.TensorDataset(torch.zeros(10, 64), torch.zeros(10, dtype=torch.long))
+    assert _trainer_error(ValueError, dataset=small) == \
+        "the dataset has 10 samples, fewer than one global batch (batch_size=64); lower batch_size or use more data"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_cuda_asked_for_without_cuda():
+    assert "accelerator='cuda' but no CUDA device is available" in _trainer_error(ValueError, accelerator="cuda")
+
+
+def test_unsupported_optimizer():
+    msg = _trainer_error(ValueError, optimizer=functools.partial(torch.optim.LBFGS, lr=1.0))
+    assert msg.startswith("strategy 'ddp' does not support torch.optim.LBFGS: it needs a closure")
+
+
+def test_optimizer_that_is_not_a_factory():
+    msg = _trainer_error(TypeError, optimizer=lambda params: "not an optimizer")
+    assert msg.startswith("optimizer must be a factory that returns a torch.optim.Optimizer")
+
+
+def test_sizes_not_matching_world_size():
+    with pytest.raises(ValueError) as e:
+        Topology.validate(8, dp=2, tp=2, pp=3)
+    assert str(e.value) == ("dp*tp*pp = 2*2*3 = 12 does not equal the world size 8; choose sizes whose product "
+                            "is 8 (or pass devices=12)")
+
+
+# ---- non-finite loss ----------------------------------------------------------------
+def _poisoned(index: int):
+    work = digits()
+    x, y = work.train.tensors
+    x = x.clone()
+    x[index] = float("nan")
+    return work, torch.utils.data.TensorDataset(x, y)
+
+
+def test_nonfinite_loss_stops_with_step_and_rank():
+    work, data = _poisoned(0)
+    with pytest.raises(Exception) as e:
+        sw.Trainer("ddp", 2, accelerator="cpu", progress=False).fit(
+            work.make_model(), data, work.loss_fn, ADAMW, batch_size=64, max_steps=30)
+    assert __import__("re").search(r"non-finite loss nan at step \d+ on rank [01]; pass "
+                                   r"Trainer\(on_nonfinite='skip'\)", str(e.value))
+
+
+def test_nonfinite_loss_skip_equals_single(same_run):
+    work, data = _poisoned(0)
+    runs = [sw.Trainer(s, n, accelerator="cpu", progress=False, on_nonfinite="skip").fit(
+        work.make_model(), data, work.loss_fn, ADAMW, batch_size=64, max_steps=30) for s, n in (("single", 1), ("ddp", 2))]
+    nan_steps = [i for i, v in enumerate(runs[0].losses) if v != v]
+    assert nan_steps and nan_steps == [i for i, v in enumerate(runs[1].losses) if v != v]
+    for r in runs:
+        r.losses = [0.0 if v != v else v for v in r.losses]
+    same_run(*runs)
