@@ -80,6 +80,12 @@ class Strategy:
         """Extra per-rank entries for ``FitResult.stats`` (e.g. a parameter server's staleness record)."""
         return {}
 
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Reject, before any process starts, an optimizer this strategy cannot drive."""
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError(f"strategy {self.name!r} does not support torch.optim.LBFGS: it needs a closure that "
+                             "re-evaluates the loss several times per step, which the Trainer's step does not provide")
+
     def is_server(self, topo: Topology) -> bool:
         """True on ranks that read no data and run :meth:`serve` instead of the step loop."""
         return False
