@@ -111,8 +111,13 @@ def _state(strat: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer, 
 
 
 def save(directory: str, step: int, losses: list[float], strat: Strategy, model: nn.Module,
-         optimizer: torch.optim.Optimizer, topo: Topology, shapes: dict[str, list[int]]) -> str:
-    """Write checkpoint ``step`` (after ``step`` optimizer steps) collectively; returns its path."""
+         optimizer: torch.optim.Optimizer, topo: Topology, shapes: dict[str, list[int]],
+         keep: int | None = None) -> str:
+    """Write checkpoint ``step`` (after ``step`` optimizer steps) collectively; returns its path.
+
+    With ``keep``, older checkpoints beyond the newest ``keep`` are deleted once
+    the new one is complete.
+    """
     final = os.path.join(directory, f"step_{step:08d}")
     tmp = final + ".tmp"
     if topo.rank == 0:
@@ -133,6 +138,9 @@ def save(directory: str, step: int, losses: list[float], strat: Strategy, model:
             os.fsync(f.fileno())
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)  # atomic on POSIX: the checkpoint appears complete or not at all
+        if keep is not None:
+            for old in checkpoints(directory)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
     _barrier(topo)
     return final
 

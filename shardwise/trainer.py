@@ -25,7 +25,7 @@ from torch import nn
 
 from shardwise import checkpoint, launch
 from shardwise.data import GlobalBatches, check_dataset
-from shardwise.stats import peak_rss_bytes, unique_bytes
+from shardwise.stats import current_rss_bytes, peak_rss_bytes, unique_bytes
 from shardwise.strategy import LossFn, OptimizerFactory, Strategy, iter_chunks, resolve
 from shardwise.topology import Topology, pick_device, teardown
 
@@ -57,6 +57,7 @@ class Trainer:
             :mod:`shardwise.checkpoint`); with ``resume=True`` training continues from the newest
             intact checkpoint there, with any strategy and device count.
         checkpoint_every: save every this many optimizer steps (and after the last step).
+        checkpoint_keep: how many of the newest checkpoints to keep (None keeps all).
         debug: before every collective, check that all ranks of its group issue the same one
             (operation, name, sizes, step) and name the first rank that differs.
         on_nonfinite: a NaN/inf loss either stops training (``"error"``, naming step and rank) or
@@ -68,7 +69,7 @@ class Trainer:
                  progress: bool | str = "auto", metrics_path: str | os.PathLike[str] | None = None,
                  timeout_s: float = 300.0, checkpoint_dir: str | os.PathLike[str] | None = None,
                  checkpoint_every: int | None = None, resume: bool = True, debug: bool = False,
-                 on_nonfinite: str = "error") -> None:
+                 on_nonfinite: str = "error", checkpoint_keep: int | None = 3) -> None:
         self.strategy = resolve(strategy)
         if checkpoint_every is not None and checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
@@ -77,6 +78,9 @@ class Trainer:
         self.checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
         self.checkpoint_every = checkpoint_every
         self.resume = resume
+        if checkpoint_keep is not None and checkpoint_keep < 1:
+            raise ValueError(f"checkpoint_keep must be >= 1 (or None to keep all), got {checkpoint_keep}")
+        self.checkpoint_keep = checkpoint_keep
         self.debug = debug
         if on_nonfinite not in ("error", "skip"):
             raise ValueError(f"on_nonfinite must be 'error' or 'skip', got {on_nonfinite!r}")
@@ -200,7 +204,7 @@ class _Job:
         received_after_setup = topo.stats.received
         if strat.is_server(topo):
             times = strat.serve(model, opt, topo, self.max_steps)
-            losses = [torch.zeros((), device=device)] * self.max_steps
+            losses = [0.0] * self.max_steps
             state_bytes = _count_state(strat, model, opt)
         else:
             losses, times, state_bytes = self._loop(model, opt, topo, prev, shapes)
@@ -225,14 +229,14 @@ class _Job:
         return FitResult(losses=global_losses, state_dict=state_dict, stats=stats)
 
     def _loop(self, model: nn.Module, opt: torch.optim.Optimizer, topo: Topology, prev: list[float],
-              shapes: dict[str, list[int]]) -> tuple[list[torch.Tensor], list[float], dict[str, int]]:
+              shapes: dict[str, list[int]]) -> tuple[list[float], list[float], dict[str, int]]:
         """The step loop of a training rank from step ``len(prev)``: data, forward/backward, clip, step."""
         t, strat, device = self.trainer, self.trainer.strategy, topo.device
         shards, shard = strat.data_parallel(topo)
         data = GlobalBatches(self.dataset, self.batch_size, shards, shard, seed=t.seed)
         k = t.accumulate_grad_batches
         rank0 = topo.rank == 0
-        losses: list[torch.Tensor] = []
+        losses: list[float] = []  # floats, not tensors: a long run must not accumulate tensor objects
         times: list[float] = []
         state_bytes: dict[str, int] = {}
         metrics = open(t.metrics_path, "w") if (rank0 and t.metrics_path) else None
@@ -248,7 +252,7 @@ class _Job:
                 if not _finite(loss, step, t.on_nonfinite, topo):
                     opt.zero_grad(set_to_none=True)
                     times.append(time.perf_counter() - start)
-                    losses.append(loss.detach() if loss is not None else torch.zeros((), device=device))
+                    losses.append(float(loss) if loss is not None else 0.0)
                     continue
                 if t.gradient_clip_val is not None:
                     strat.clip_grad_norm(model, t.gradient_clip_val, topo)
@@ -260,16 +264,18 @@ class _Job:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 times.append(time.perf_counter() - start)
-                losses.append(loss.detach() if loss is not None else torch.zeros((), device=device))
-                local = float(losses[-1]) if loss is not None else None
+                local = float(loss) if loss is not None else None
+                losses.append(0.0 if local is None else local)
                 advance(local, times[-1])
                 if metrics is not None:
-                    metrics.write(json.dumps({"step": step, "loss": local, "step_time_s": times[-1]}) + "\n")
+                    metrics.write(json.dumps({"step": step, "loss": local, "step_time_s": times[-1],
+                                              "rss_bytes": current_rss_bytes()}) + "\n")
                 done = step + 1
                 if t.checkpoint_dir is not None and (done == self.max_steps or (
                         t.checkpoint_every is not None and done % t.checkpoint_every == 0)):
                     so_far = prev + _global_losses(losses, strat, topo)
-                    checkpoint.save(t.checkpoint_dir, done, so_far, strat, model, opt, topo, shapes)
+                    checkpoint.save(t.checkpoint_dir, done, so_far, strat, model, opt, topo, shapes,
+                                    keep=t.checkpoint_keep)
         if metrics is not None:
             metrics.close()
         return losses, times, state_bytes
@@ -296,7 +302,7 @@ def _count_state(strat: Strategy, model: nn.Module, opt: torch.optim.Optimizer) 
     return {kind: unique_bytes(ts) for kind, ts in strat.state_tensors(model, opt).items()}
 
 
-def _global_losses(losses: list[torch.Tensor], strat: Strategy, topo: Topology) -> list[float]:
+def _global_losses(losses: list[float], strat: Strategy, topo: Topology) -> list[float]:
     """Mean over data-parallel replicas of each step's loss, known on every rank.
 
     One all-reduce over the world at the end (not one per step): ranks that do
@@ -304,7 +310,7 @@ def _global_losses(losses: list[torch.Tensor], strat: Strategy, topo: Topology) 
     """
     if not losses:
         return []
-    t = torch.stack(losses).to(torch.float64)
+    t = torch.tensor(losses, dtype=torch.float64, device=topo.device)
     shards, _ = strat.data_parallel(topo)
     t = t / shards if (strat.owns_loss(topo) and not strat.is_server(topo)) else torch.zeros_like(t)
     topo.comm("world").all_reduce(t, name="metrics.losses")

@@ -84,3 +84,10 @@ def test_different_model_is_rejected_with_keys_and_shapes(tmp_path):
     msg = str(e.value)
     assert "was written for a different model; mismatched keys and shapes:" in msg
     assert "net.0.weight: checkpoint [128, 64] vs model [96, 64]" in msg
+
+
+def test_only_the_newest_checkpoints_are_kept(tmp_path):
+    ckpt = str(tmp_path / "ck")
+    sw.Trainer("single", 1, accelerator="cpu", progress=False, checkpoint_dir=ckpt, checkpoint_every=1,
+               checkpoint_keep=2).fit(digits().make_model(), digits().train, digits().loss_fn, ADAMW, 64, 5)
+    assert [os.path.basename(p) for p in checkpoint.checkpoints(ckpt)] == ["step_00000004", "step_00000005"]
