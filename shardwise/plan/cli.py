@@ -1,0 +1,238 @@
+"""``shardwise plan``: every layout of a model on a cluster, as a table or as JSON.
+
+The lead CLI registers this module's :func:`add_arguments` on its ``plan``
+sub-parser and calls :func:`run`; ``python -m shardwise.plan`` does the same alone.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from shardwise.plan.estimate import Estimate, plan, recommend
+from shardwise.plan.fit import fmt_bytes
+from shardwise.plan.model import KNOWN_MODELS, ModelSpec, known_model, short_count
+from shardwise.plan.specs import GPU_PRESETS, OFFLOADS, OPTIMIZERS, PRECISIONS, SCHEDULES, ClusterSpec, TrainingSpec
+from shardwise.plan.trace import trace_factory
+
+_SI = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12, "P": 1e15}
+_BYTES = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
+          "TIB": 2**40}
+_SECONDS = {"": 1, "s": 1, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def _number(text: str, units: dict[str, float], what: str, upper: bool = False) -> float:
+    m = re.fullmatch(r"\s*([0-9._]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-zµ]*)\s*", text)
+    unit = (m.group(2).upper() if upper else m.group(2)) if m else ""
+    if not m or unit not in units:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} as {what} (units: {', '.join(u for u in units if u)})")
+    return float(m.group(1).replace("_", "")) * units[unit]
+
+
+def parse_count(text: str) -> int:
+    """``7.5e9``, ``7B``, ``350M``, ``1T`` -> an integer count."""
+    return int(round(_number(text, _SI, "a count")))
+
+
+def parse_bytes(text: str) -> int:
+    """``80GB`` (10^9), ``80GiB`` (2^30), ``8e10`` -> bytes."""
+    return int(round(_number(text, _BYTES, "a size", upper=True)))
+
+
+def parse_rate(text: str) -> float:
+    """``450GB/s``, ``4.5e11`` -> bytes per second."""
+    return float(_number(text.removesuffix("/s"), _BYTES, "a bandwidth", upper=True))
+
+
+def parse_seconds(text: str) -> float:
+    """``3us``, ``0.01ms``, ``3e-6`` -> seconds."""
+    return _number(text, _SECONDS, "a duration")
+
+
+def parse_flops(text: str) -> float:
+    """``989T``, ``9.89e14`` -> FLOP/s."""
+    return _number(text.removesuffix("FLOP/s").removesuffix("/s"), _SI, "FLOP/s")
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(d) for d in text.replace("x", ",").split(",") if d.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a shape like 8,64") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the planner's flags on ``parser``."""
+    m = parser.add_argument_group("model (one of --model, --params, or a shape)")
+    m.add_argument("--model", help=f"known shape ({', '.join(KNOWN_MODELS)}) or path.py:factory (traced on meta)")
+    m.add_argument("--params", type=parse_count, help="parameter count, e.g. 7.5e9 or 7B")
+    m.add_argument("--layers", type=int)
+    m.add_argument("--hidden", type=int)
+    m.add_argument("--heads", type=int)
+    m.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 50257)")
+    m.add_argument("--ffn-hidden", type=int, default=0, help="MLP inner size (default 4 x hidden)")
+    m.add_argument("--kv-heads", type=int, default=0, help="key/value heads (grouped-query attention)")
+    m.add_argument("--gated-mlp", action="store_true", help="SwiGLU-style MLP (three matrices)")
+    m.add_argument("--input-shape", type=parse_shape, help="factory input shape with batch first, e.g. 8,64")
+    m.add_argument("--input-dtype", default="float", help="factory input dtype: float, long, bf16...")
+    c = parser.add_argument_group("cluster")
+    c.add_argument("--gpu", default="h100-80gb", choices=sorted(GPU_PRESETS), help="device preset (default h100-80gb)")
+    c.add_argument("--devices", type=int, help="devices in total (default one node)")
+    c.add_argument("--devices-per-node", type=int, default=8)
+    c.add_argument("--nodes", type=int, help="nodes (instead of --devices)")
+    c.add_argument("--device-memory", type=parse_bytes, help="per device, e.g. 80GB or 80GiB")
+    c.add_argument("--intra-bw", type=parse_rate, help="per device inside a node, e.g. 450GB/s")
+    c.add_argument("--inter-bw", type=parse_rate, help="per device across nodes, e.g. 50GB/s")
+    c.add_argument("--intra-latency", type=parse_seconds, help="e.g. 3us")
+    c.add_argument("--inter-latency", type=parse_seconds, help="e.g. 10us")
+    c.add_argument("--peak-flops", type=parse_flops, help="dense 16-bit peak per device, e.g. 989T")
+    c.add_argument("--efficiency", type=float, help="fraction of peak the matmuls reach (default 0.5)")
+    c.add_argument("--reserve", type=parse_bytes, help="memory lost to the CUDA context, NCCL, fragmentation "
+                   "(preset: 1GB, at most a tenth of --device-memory)")
+    t = parser.add_argument_group("training")
+    t.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: micro-batch x devices)")
+    t.add_argument("--micro-batch", type=int, default=1)
+    t.add_argument("--seq-len", type=int, help="default: the model's, else 2048")
+    t.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
+    t.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
+    t.add_argument("--activation-checkpointing", action="store_true", help="full recomputation of every layer")
+    t.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism with tp")
+    t.add_argument("--flash-attention", action="store_true", help="attention scores are never stored")
+    t.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule")
+    t.add_argument("--fp32-grads", action="store_true", help="keep gradients in fp32 (as DeepSpeed's ZeRO does)")
+    t.add_argument("--offload", default="none", choices=OFFLOADS, help="ZeRO-Offload of optimizer (or everything)")
+    t.add_argument("--no-sync", action="store_true",
+                   help="accumulate unreduced gradients over micro-batches, reduce once per step")
+    o = parser.add_argument_group("output")
+    o.add_argument("--format", default="table", choices=("table", "json"))
+    o.add_argument("--strategies", help="comma-separated subset of ddp,zero1,zero2,zero3,fsdp,hsdp")
+    o.add_argument("--max-tp", type=int, help="largest tensor-parallel size (default devices per node)")
+    o.add_argument("--top", type=int, default=25, help="rows of the table (0: all)")
+    o.add_argument("--width", type=int, help="table width in characters")
+
+
+def build_model(a: argparse.Namespace) -> ModelSpec:
+    if a.model and ":" in a.model and a.model.split(":")[0].endswith(".py"):
+        if not a.input_shape:
+            raise ValueError("a traced factory needs --input-shape (batch first), e.g. --input-shape 8,64")
+        return trace_factory(a.model, a.input_shape, a.input_dtype)
+    if a.model:
+        spec = known_model(a.model)
+        return spec.replace(params=a.params) if a.params else spec
+    if a.layers or a.hidden or a.heads:
+        if not (a.layers and a.hidden and a.heads):
+            raise ValueError("a transformer shape needs --layers, --hidden and --heads")
+        return ModelSpec.transformer(a.layers, a.hidden, a.heads, vocab=a.vocab if a.vocab is not None else 50257,
+                                     seq_len=a.seq_len or 2048, params=a.params, ffn_hidden=a.ffn_hidden,
+                                     kv_heads=a.kv_heads, gated_mlp=a.gated_mlp)
+    if a.params:
+        return ModelSpec.from_params(a.params, seq_len=a.seq_len or 2048)
+    raise ValueError("describe the model: --model NAME or path.py:factory, --params N, or --layers/--hidden/--heads")
+
+
+def build_cluster(a: argparse.Namespace) -> ClusterSpec:
+    kw: dict[str, object] = dict(GPU_PRESETS[a.gpu])
+    for flag, key in (("device_memory", "device_memory_bytes"), ("intra_bw", "intra_bw"), ("inter_bw", "inter_bw"),
+                      ("intra_latency", "intra_latency_s"), ("inter_latency", "inter_latency_s"),
+                      ("peak_flops", "peak_flops"), ("efficiency", "compute_efficiency"),
+                      ("reserve", "reserved_bytes")):
+        if getattr(a, flag) is not None:
+            kw[key] = getattr(a, flag)
+    if a.reserve is None and a.device_memory is not None:
+        # The preset's reserve is for a real GPU; never let it eat more than a tenth of a smaller memory.
+        kw["reserved_bytes"] = min(int(GPU_PRESETS[a.gpu].get("reserved_bytes", 0)), a.device_memory // 10)
+    devices = a.nodes * a.devices_per_node if a.nodes else (a.devices or a.devices_per_node)
+    return ClusterSpec.with_devices(devices, a.devices_per_node, name=a.gpu, **kw)
+
+
+def build_training(a: argparse.Namespace) -> TrainingSpec:
+    return TrainingSpec(global_batch=a.global_batch, micro_batch=a.micro_batch, seq_len=a.seq_len,
+                        precision=a.precision, optimizer=a.optimizer,
+                        activation_checkpointing=a.activation_checkpointing, sequence_parallel=a.sequence_parallel,
+                        flash_attention=a.flash_attention, schedule=a.schedule, fp32_grads=a.fp32_grads,
+                        offload=a.offload, no_sync=a.no_sync)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the planner for parsed ``args``; 0 when some layout fits, 1 when none does, 2 on bad input."""
+    try:
+        model, cluster, training = build_model(args), build_cluster(args), build_training(args)
+        strategies = [s.strip() for s in args.strategies.split(",")] if args.strategies else None
+        ests = plan(model, cluster, training, strategies, args.max_tp)
+    except (ValueError, KeyError, FileNotFoundError, AttributeError, argparse.ArgumentTypeError) as e:
+        print(f"shardwise plan: error: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
+    best = recommend(ests)
+    if args.format == "json":
+        rows = [dict(e.to_dict(), recommended=e is best) for e in ests]
+        print(json.dumps(rows, indent=2))
+    else:
+        print_table(ests, best, model, cluster, training, args.top, args.width)
+    return 0 if best is not None else 1
+
+
+def print_table(ests: list[Estimate], best: Estimate | None, model: ModelSpec, cluster: ClusterSpec,
+                training: TrainingSpec, top: int = 25, width: int | None = None) -> None:
+    """The readable report: inputs, recommendation, then one row per layout."""
+    con = Console(width=width, highlight=False)
+    e0 = ests[0] if ests else None
+    shape = (f", {model.layers} layers, hidden {model.hidden}, {model.heads} heads"
+             + (" (guessed)" if model.shape_inferred else "")) if model.is_transformer else ""
+    named = "" if model.name.endswith(" params") else f"{model.name}: "  # from --params: the count is the name
+    con.print(f"[bold]model[/] {named}{short_count(model.params)} parameters{shape}")
+    if model.trace is not None:
+        tr = model.trace
+        largest = max(tr.layer_outputs, key=lambda kv: kv[1], default=("-", 0))
+        con.print(f"[bold]traced[/] on meta with input {tr.input_shape} {tr.input_dtype}: {len(tr.layer_outputs)} "
+                  f"leaf layers, largest output {largest[0]} {fmt_bytes(largest[1])}; autograd keeps "
+                  f"{fmt_bytes(tr.saved_bytes)} for backward; {tr.flops / tr.batch:.3g} FLOPs per sample")
+    con.print(f"[bold]cluster[/] {cluster.devices} x {cluster.name} ({cluster.nodes} node(s) of "
+              f"{cluster.devices_per_node}), {fmt_bytes(cluster.device_memory_bytes)} each, "
+              f"{fmt_bytes(cluster.reserved_bytes)} reserved")
+    if e0 is not None:
+        con.print(f"[bold]training[/] {training.precision}, {training.optimizer}, global batch {e0.global_batch} x "
+                  f"{e0.seq_len} tokens, micro-batch {training.micro_batch}"
+                  + (", activation checkpointing" if training.activation_checkpointing else "")
+                  + (", sequence parallel" if training.sequence_parallel else "")
+                  + (", flash attention" if training.flash_attention else ""))
+    if not ests:
+        con.print("[red]no valid layout[/] (check the global batch against the device count)")
+        return
+    if best is not None:
+        con.print(f"[bold green]Recommended: {best.layout.label}[/] - {best.step_time_s:.3g} s/step, "
+                  f"{best.tokens_per_s:,.0f} tokens/s, MFU {best.mfu:.0%}, {fmt_bytes(best.total_bytes)} of "
+                  f"{fmt_bytes(best.available_bytes)} per device")
+    else:
+        least = min(ests, key=lambda e: e.total_bytes)
+        con.print(f"[bold red]Nothing fits.[/] The leanest layout, {least.layout.label}, needs "
+                  f"{fmt_bytes(least.total_bytes)} of {fmt_bytes(least.available_bytes)} per device.")
+    mem_unit, mem_scale = _unit(max(e.total_bytes for e in ests))
+    comm_unit, comm_scale = _unit(max(e.comm_bytes_per_step for e in ests))
+    table = Table(caption=f"fitting layouts first, each group by predicted step time; per device; "
+                          f"1 {mem_unit} = {mem_scale:.0e} bytes".replace("e+0", "e"), header_style="bold")
+    for col in ("#", "layout", "fits", f"memory {mem_unit}", "states", "activ.", "buffers",
+                f"comm {comm_unit}/step", "step s", "MFU"):
+        table.add_column(col, justify="left" if col in ("layout", "fits") else "right")
+    shown = ests if top <= 0 else ests[:top]
+    for i, e in enumerate(shown, 1):
+        table.add_row(str(i), e.layout.label, "yes" if e.fits else "[red]no[/]", f"{e.total_bytes / mem_scale:.1f}",
+                      f"{e.model_states_bytes / mem_scale:.1f}", f"{e.activation_bytes / mem_scale:.1f}",
+                      f"{e.buffer_bytes / mem_scale:.2f}", f"{e.comm_bytes_per_step / comm_scale:.1f}",
+                      f"{e.step_time_s:.3g}", f"{e.mfu:.0%}", style="green" if e is best else None)
+    con.print(table)
+    if len(shown) < len(ests):
+        con.print(f"... {len(ests) - len(shown)} more layouts (--top 0 shows all)")
+    for note in sorted({n for e in ests for n in e.notes}):
+        con.print(f"note: {note}")
+
+
+def _unit(largest: float) -> tuple[str, float]:
+    """The decimal unit that keeps a column's numbers readable."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if largest >= scale:
+            return unit, scale
+    return "B", 1.0

@@ -1,0 +1,244 @@
+"""One estimate per layout, every layout of a cluster, and the recommendation."""
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardwise.plan.comm import (NETWORK_KINDS, Collective, data_parallel_collectives, model_parallel_collectives,
+                                 offload_copies)
+from shardwise.plan.memory import activation_bytes, buffer_bytes, bytes_per_param, model_state_bytes
+from shardwise.plan.model import ModelSpec
+from shardwise.plan.specs import STRATEGIES, ClusterSpec, Layout, TrainingSpec, divisors
+from shardwise.plan.timing import StepTime, model_flops_per_step, step_time
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Memory, communication and time of one layout, for the busiest device. Bytes are per device."""
+
+    layout: Layout
+    model: str
+    global_batch: int
+    micro_batch: int
+    microbatches: int  # per data-parallel rank per step (pipeline micro-batches or accumulation steps)
+    seq_len: int
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    buffers: dict[str, int]
+    host_bytes: int
+    device_memory_bytes: int
+    reserved_bytes: int
+    collectives: tuple[Collective, ...]
+    time: StepTime
+    model_flops: float
+    peak_flops: float  # all devices together, at the training precision, before efficiency
+    notes: tuple[str, ...] = field(default=())
+
+    # ---- the layout --------------------------------------------------
+    @property
+    def strategy(self) -> str:
+        return self.layout.strategy
+
+    @property
+    def dp(self) -> int:
+        return self.layout.dp
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def devices(self) -> int:
+        return self.layout.devices
+
+    # ---- memory --------------------------------------------------------
+    @property
+    def model_states_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(self.buffers.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return self.model_states_bytes + self.activation_bytes + self.buffer_bytes
+
+    @property
+    def available_bytes(self) -> int:
+        return self.device_memory_bytes - self.reserved_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.available_bytes
+
+    # ---- communication and time ----------------------------------------
+    @property
+    def comm_bytes_by_kind(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for c in self.collectives:
+            if c.kind in NETWORK_KINDS:
+                out[c.kind] += c.bytes_sent
+        return dict(out)
+
+    @property
+    def comm_bytes_per_step(self) -> int:
+        return sum(self.comm_bytes_by_kind.values())
+
+    @property
+    def step_time_s(self) -> float:
+        return self.time.total_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.global_batch * self.seq_len / self.step_time_s
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation: useful FLOPs over the devices' peak (Chowdhery et al. 2022)."""
+        return self.model_flops / (self.step_time_s * self.peak_flops)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (the ``--format json`` schema)."""
+        t = self.time
+        return {
+            "strategy": self.strategy, "dp": self.dp, "tp": self.tp, "pp": self.pp, "devices": self.devices,
+            "shard_group": self.layout.shard_size if self.strategy == "hsdp" else None, "label": self.layout.label,
+            "model": self.model, "global_batch": self.global_batch, "micro_batch": self.micro_batch,
+            "microbatches": self.microbatches, "seq_len": self.seq_len,
+            "params_bytes": self.params_bytes, "grads_bytes": self.grads_bytes,
+            "optimizer_bytes": self.optimizer_bytes, "model_states_bytes": self.model_states_bytes,
+            "activation_bytes": self.activation_bytes, "buffer_bytes": self.buffer_bytes, "buffers": self.buffers,
+            "host_bytes": self.host_bytes, "total_bytes": self.total_bytes, "available_bytes": self.available_bytes,
+            "fits": self.fits, "comm_bytes_per_step": self.comm_bytes_per_step,
+            "comm_bytes_by_kind": self.comm_bytes_by_kind,
+            "collectives": [{"kind": c.kind, "group": c.group, "purpose": c.purpose, "ranks": c.ranks,
+                             "calls": c.calls, "bytes_sent": c.bytes_sent, "time_s": c.time_s, "overlap": c.overlap}
+                            for c in self.collectives],
+            "compute_time_s": t.compute_s, "model_parallel_comm_time_s": t.slot_comm_s, "bubble_time_s": t.bubble_s,
+            "exposed_comm_time_s": t.exposed_dp_s, "optimizer_time_s": t.optimizer_s, "step_time_s": t.total_s,
+            "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "notes": list(self.notes),
+        }
+
+
+def check_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, layout: Layout) -> str | None:
+    """Why ``layout`` cannot run this model/recipe on this cluster, or None when it can."""
+    if layout.devices > cluster.devices:
+        return f"needs {layout.devices} devices, the cluster has {cluster.devices}"
+    if (layout.tp > 1 or layout.pp > 1) and not model.is_transformer:
+        return "tensor and pipeline parallelism need a transformer shape (layers, hidden, heads)"
+    if model.is_transformer and model.heads % layout.tp:
+        return f"tp={layout.tp} does not divide {model.heads} attention heads"
+    if model.is_transformer and layout.pp > model.layers:
+        return f"pp={layout.pp} exceeds the {model.layers} layers"
+    if layout.pp > 1 and layout.zero_stage >= 2:
+        # DeepSpeed and Megatron-LM refuse these: each micro-batch would re-gather or re-reduce.
+        return f"{layout.strategy} does not combine with pipeline parallelism (use ddp or zero1 over dp)"
+    gb = training.resolved_global_batch(cluster.devices)
+    if gb % (layout.dp * training.micro_batch):
+        return f"global batch {gb} is not a multiple of dp x micro-batch = {layout.dp * training.micro_batch}"
+    return None
+
+
+def estimate(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, layout: Layout) -> Estimate:
+    """Memory per device, bytes sent per step and predicted step time of ``layout``."""
+    problem = check_layout(model, cluster, training, layout)
+    if problem:
+        raise ValueError(f"{layout.label}: {problem}")
+    notes: list[str] = []
+    gb = training.resolved_global_batch(cluster.devices)
+    m = gb // (layout.dp * training.micro_batch)
+    s = _seq_len(model, training)
+    bpp = bytes_per_param(training.precision, training.optimizer, training.fp32_grads)
+    local = model.stage_params(layout.tp, layout.pp)
+    # A real module's parameter sizes make the shards exact (padding is per parameter); else one flat buffer.
+    numels = model.param_numels if (model.param_numels and layout.tp == layout.pp == 1) else local
+    states = model_state_bytes(numels, layout.strategy, layout.shard_size, bpp, training.offload,
+                               full_grads=training.no_sync and m > 1)
+    act = activation_bytes(model, training, layout, s, m)
+    bufs = buffer_bytes(model, training, layout, s, local, bpp)
+    comms = (data_parallel_collectives(model, cluster, training, layout, numels, bpp, m)
+             + model_parallel_collectives(model, cluster, training, layout, s, m)
+             + offload_copies(cluster, training, layout, numels, bpp))
+    t = step_time(model, cluster, training, layout, s, m, numels, bpp, comms)
+    if model.shape_inferred:
+        notes.append(f"shape guessed from the parameter count ({model.layers} layers, hidden {model.hidden}, "
+                     f"{model.heads} heads)")
+    if not model.is_transformer and model.trace is None:
+        notes.append("activations not estimated: give a transformer shape or a traced factory")
+    if model.trace is not None and training.activation_checkpointing:
+        notes.append("activation checkpointing is not modelled for traced models (activations shown without it)")
+    if layout.pp > 1 and m < layout.pp:
+        notes.append(f"only {m} micro-batches for {layout.pp} stages: the bubble dominates")
+    return Estimate(layout=layout, model=model.name, global_batch=gb, micro_batch=training.micro_batch,
+                    microbatches=m, seq_len=s, params_bytes=states.params, grads_bytes=states.grads,
+                    optimizer_bytes=states.optimizer, activation_bytes=act, buffers=bufs, host_bytes=states.host,
+                    device_memory_bytes=cluster.device_memory_bytes, reserved_bytes=cluster.reserved_bytes,
+                    collectives=tuple(comms), time=t, model_flops=model_flops_per_step(model, s, gb),
+                    peak_flops=layout.devices * cluster.flops(training.precision) / cluster.compute_efficiency,
+                    notes=tuple(notes))
+
+
+def _seq_len(model: ModelSpec, training: TrainingSpec) -> int:
+    if model.trace is not None:
+        shape = model.trace.input_shape  # token ids (batch, seq): tokens per sample; otherwise one per sample
+        return shape[1] if len(shape) == 2 and "int" in model.trace.input_dtype else 1
+    return training.seq_len or model.seq_len or 2048
+
+
+def enumerate_layouts(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+                      strategies: Iterable[str] | None = None, max_tp: int | None = None) -> list[Layout]:
+    """Every valid layout on all of the cluster's devices.
+
+    dp x tp x pp over the divisors of the device count, tp inside a node (at
+    most ``max_tp``, default devices per node), ZeRO stage 0-3 and FSDP over
+    dp when pp = 1, ddp/zero1 over dp with pipelines; HSDP (shard inside a
+    node, replicate across nodes) when dp spans nodes.
+    """
+    wanted = set(strategies or STRATEGIES)
+    unknown = wanted - set(STRATEGIES)
+    if unknown:
+        raise ValueError(f"unknown strategies {sorted(unknown)}; use {', '.join(STRATEGIES)}")
+    d, g = cluster.devices, cluster.devices_per_node
+    out: list[Layout] = []
+    for tp in divisors(d):
+        if tp > (max_tp or g):
+            continue
+        for pp in divisors(d // tp):
+            dp = d // (tp * pp)
+            names = ["ddp", "zero1"] if pp > 1 else ["ddp", "zero1", "zero2", "zero3", "fsdp"]
+            if dp == 1:  # nothing to shard over: every ZeRO stage is plain replication
+                names = ["ddp"]
+            candidates = [Layout(n, dp, tp, pp) for n in names if n in wanted]
+            shard = g // tp if g % tp == 0 else 0
+            if "hsdp" in wanted and pp == 1 and 1 < shard < dp and dp % shard == 0:
+                candidates.append(Layout("hsdp", dp, tp, pp, shard_group=shard))
+            out += [c for c in candidates if check_layout(model, cluster, training, c) is None]
+    return out
+
+
+def plan(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, strategies: Iterable[str] | None = None,
+         max_tp: int | None = None) -> list[Estimate]:
+    """Estimates of every layout: those that fit first, each group by predicted step time."""
+    ests = [estimate(model, cluster, training, lay)
+            for lay in enumerate_layouts(model, cluster, training, strategies, max_tp)]
+    return sorted(ests, key=_rank)
+
+
+def recommend(estimates: Sequence[Estimate]) -> Estimate | None:
+    """The fastest layout that fits (ties: less memory), or None when nothing fits."""
+    fitting = [e for e in estimates if e.fits]
+    return min(fitting, key=_rank) if fitting else None
+
+
+def _rank(e: Estimate) -> tuple[bool, float, int]:
+    return (not e.fits, round(e.step_time_s, 12), e.total_bytes)
+

@@ -1,0 +1,213 @@
+"""Memory per device: model states (ZeRO), activations (Korthikanti et al.) and temporary buffers.
+
+Model states follow Rajbhandari et al. 2020, "ZeRO: Memory Optimizations
+Toward Training Trillion Parameter Models", section 3.1 and Table 1: with
+Psi parameters, 16-bit weights (2 Psi) and gradients (2 Psi) plus K Psi of
+optimizer states (K = 12 for mixed-precision Adam: fp32 master weights,
+momentum, variance). Sharded over N data-parallel ranks, ZeRO-1 divides the
+optimizer term by N, ZeRO-2 also the gradients, ZeRO-3 everything.
+Shards are ``ceil(numel / N)`` elements, as our flat buffers are padded.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shardwise.plan.model import ModelSpec
+from shardwise.plan.specs import Layout, TrainingSpec
+
+
+def shard_numel(numel: int, n: int) -> int:
+    """Elements each of ``n`` ranks holds of a flat buffer of ``numel`` padded to a multiple of ``n``."""
+    if n < 1:
+        raise ValueError("n must be at least 1")
+    return -(-numel // n)
+
+
+Numels = int | Sequence[int]
+
+
+def sharded_numel(numels: Numels, n: int) -> int:
+    """Elements per rank when one buffer (an int) or each parameter (a sequence) is padded to a multiple of n.
+
+    Our ZeRO and FSDP pad every parameter separately (shardwise.parallel.sharding),
+    so given the model's parameter sizes the prediction is exact to the element.
+    """
+    if isinstance(numels, int):
+        return shard_numel(numels, n)
+    return sum(shard_numel(x, n) for x in numels)
+
+
+def total_numel(numels: Numels) -> int:
+    return numels if isinstance(numels, int) else sum(numels)
+
+
+@dataclass(frozen=True)
+class BytesPerParam:
+    """Bytes per parameter of the three model states for one precision/optimizer pair."""
+
+    param: int
+    grad: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.param + self.grad + self.optimizer
+
+
+def bytes_per_param(precision: str, optimizer: str, fp32_grads: bool = False) -> BytesPerParam:
+    """fp32: 4 + 4 + states; bf16-mixed: 2 + 2 + fp32 master copy and states (ZeRO's K)."""
+    states = {"adamw": 2, "sgd-momentum": 1, "sgd": 0}[optimizer]  # fp32 tensors per parameter
+    if precision == "fp32":
+        return BytesPerParam(4, 4, 4 * states)
+    if precision == "bf16-mixed":
+        return BytesPerParam(2, 4 if fp32_grads else 2, 4 + 4 * states)  # master weights + states
+    raise ValueError(f"unknown precision {precision!r}")
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Model-state bytes of one device (``host`` is what ZeRO-Offload keeps in host memory instead)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    host: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def model_state_bytes(numel: Numels, strategy: str, shard: int, bpp: BytesPerParam, offload: str = "none",
+                      full_grads: bool = False) -> StateBytes:
+    """Per-device bytes of parameters, gradients and optimizer states for ``numel`` local parameters.
+
+    ``numel`` is a count (one flat buffer) or the parameters' sizes (padded
+    one by one); ``strategy`` is ddp, zero1, zero2, zero3, fsdp or hsdp;
+    ``shard`` the number of ranks the states are sharded over. The
+    conventions are the ones our training code counts: ddp ``P + G + O``,
+    zero1 ``P + G + O/N``, zero2 ``P + (G + O)/N``, zero3 ``(P + G + O)/N``.
+    ``full_grads``: ZeRO-2/3 accumulating micro-batches under ``no_sync``
+    also hold the full, unreduced gradients (in the working precision).
+    """
+    part = sharded_numel(numel, shard)
+    numel = total_numel(numel)
+    stage = {"ddp": 0, "zero1": 1, "zero2": 2}.get(strategy, 3)
+    p = bpp.param * (part if stage >= 3 else numel)
+    g = bpp.grad * (part if stage >= 2 else numel) + (bpp.param * numel if full_grads and stage >= 2 else 0)
+    o = bpp.optimizer * (part if stage >= 1 else numel)
+    if offload == "none" or stage == 0:
+        return StateBytes(p, g, o)
+    # ZeRO-Offload: the optimizer (with its fp32 gradient partition) runs on the host;
+    # "all" (ZeRO-Infinity style) also parks the parameter shards there.
+    host = o + (g if stage >= 2 else 0)
+    if offload == "all" and stage >= 3:
+        return StateBytes(0, 0, 0, host + p)
+    return StateBytes(p, 0 if stage >= 2 else g, 0, host)
+
+
+# ---- activations -----------------------------------------------------------
+# Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+# Transformer Models" (arXiv:2205.05198): bytes stored per transformer layer for one
+# micro-batch of b sequences of length s, 16-bit activations, 1-byte dropout
+# masks, a heads, hidden size h, tensor-parallel size t:
+#   no parallelism           s*b*h*(34 + 5*a*s/h)
+#   tensor parallel          s*b*h*(10 + 24/t + 5*a*s/(h*t))
+#   tensor + sequence par.   s*b*h*(34/t + 5*a*s/(h*t))
+#   full recomputation       s*b*h*2            (only the layer input is kept; /t when it is
+#                                                sequence-parallel, as Megatron-LM stores it)
+# The 34 is 11 (attention) + 19 (MLP with 4h inner size) + 4 (two layernorms);
+# 10 of it is outside the tensor-parallel region (norm and block inputs,
+# dropout masks). We generalise the MLP's 16 (GeLU input and output, 2*s*b*4h
+# bytes each) to other inner sizes and to gated MLPs (gate, up, activation and
+# product: four tensors of the inner size), so the formula is exact for GPT-style
+# models and reasonable for Llama-style ones.
+
+def layer_coefficient(model: ModelSpec) -> float:
+    """The paper's 34 for this model (per s*b*h bytes, attention scores excluded)."""
+    inner = model.ffn / model.hidden
+    return 18 + (8 if model.gated_mlp else 4) * inner
+
+
+def layer_activation_bytes(model: ModelSpec, s: int, b: int, tp: int = 1, sequence_parallel: bool = False,
+                           recompute: bool = False, flash_attention: bool = False) -> float:
+    """Bytes one transformer layer keeps for backward for one micro-batch (16-bit activations)."""
+    h, a = model.hidden, model.heads
+    sbh = s * b * h
+    sp = sequence_parallel and tp > 1
+    if recompute:
+        return 2 * sbh / (tp if sp else 1)
+    c = layer_coefficient(model)
+    # Flash attention never stores the a*s*s score matrices, only a per-row fp32 log-sum-exp.
+    scores = 4 * a / h if flash_attention else 5 * a * s / h
+    if sp:
+        return sbh * (c / tp + scores / tp)
+    return sbh * (10 + (c - 10) / tp + scores / tp)
+
+
+def output_activation_bytes(model: ModelSpec, s: int, b: int, tp: int = 1, sequence_parallel: bool = False) -> float:
+    """Final norm and output-layer inputs (4*s*b*h) plus fp32 logits kept for cross entropy (4*s*b*V/t)."""
+    sp = sequence_parallel and tp > 1
+    return 4 * s * b * model.hidden / (tp if sp else 1) + 4 * s * b * model.vocab / tp
+
+
+def in_flight_microbatches(schedule: str, pp: int, microbatches: int) -> int:
+    """Micro-batches whose activations the first stage holds at its peak.
+
+    1F1B (Narayanan et al. 2021, PipeDream-Flush) starts the backward of the
+    first micro-batch after p forwards, so the first stage holds p of them;
+    GPipe runs all m forwards first and holds m.
+    """
+    if pp == 1:
+        return 1
+    return microbatches if schedule == "gpipe" else min(pp, microbatches)
+
+
+def activation_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, s: int, microbatches: int) -> int:
+    """Peak activation bytes of the busiest device, or 0 when the model has neither shape nor trace."""
+    b, tp, pp = training.micro_batch, layout.tp, layout.pp
+    act_scale = 2 if training.precision == "fp32" else 1  # the formulas count 16-bit activations
+    if model.trace is not None:
+        tr = model.trace
+        per_sample = tr.saved_bytes - (tr.saved_float_bytes / 2 if training.precision != "fp32" else 0)
+        return math.ceil(per_sample / tr.batch * b)
+    if not model.is_transformer:
+        return 0
+    per_layer = layer_activation_bytes(model, s, b, tp, training.sequence_parallel,
+                                       training.activation_checkpointing, training.flash_attention)
+    layers = math.ceil(model.layers / pp)
+    first = in_flight_microbatches(training.schedule, pp, microbatches) * layers * per_layer
+    last_inflight = microbatches if (training.schedule == "gpipe" and pp > 1) else 1
+    last = last_inflight * (layers * per_layer + output_activation_bytes(model, s, b, tp, training.sequence_parallel))
+    return math.ceil(act_scale * max(first, last))
+
+
+def buffer_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, s: int, local_numel: int,
+                 bpp: BytesPerParam) -> dict[str, int]:
+    """Temporary buffers alive at the peak, by purpose."""
+    out: dict[str, int] = {}
+    act_bytes = 4 if training.precision == "fp32" else 2
+    comm_grad = bpp.param  # gradients travel in the working precision
+    # DDP and ZeRO-1 keep full gradients, and those are the communication buckets themselves (our DDP, and
+    # torch's with gradient_as_bucket_view=True), so they need nothing extra. ZeRO-2 keeps only a shard:
+    # the unsharded buckets being filled and reduce-scattered are extra, two in flight.
+    if layout.zero_stage == 2 and layout.shard_size > 1:
+        out["gradient buckets"] = min(2 * training.bucket_bytes, local_numel * comm_grad)
+    if layout.zero_stage >= 3:
+        # The gathered unit's 16-bit parameters and its unsharded gradient before reduce-scatter;
+        # FSDP prefetches the next unit, so two are alive.
+        live = 2 if layout.strategy in ("fsdp", "hsdp") else 1
+        unit = math.ceil(model.unit_params / layout.tp)
+        out["gathered units"] = live * unit * (bpp.param + comm_grad)
+    if model.is_transformer and model.trace is None:
+        b = training.micro_batch
+        if training.activation_checkpointing:
+            # Backward recomputes one layer at a time: that layer's full activations come back.
+            full = layer_activation_bytes(model, s, b, layout.tp, training.sequence_parallel, False,
+                                          training.flash_attention)
+            out["recomputed layer"] = math.ceil(full * act_bytes / 2)
+        if layout.pp > 1:
+            out["pipeline send/recv"] = 2 * math.ceil(s * b * model.hidden * act_bytes / layout.tp)
+    return out

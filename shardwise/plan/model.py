@@ -1,0 +1,242 @@
+"""Model descriptions: a parameter count, a transformer shape, a known shape or a traced module."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from torch import nn
+
+from shardwise.plan.known import ALIASES, SHAPES
+
+
+@dataclass(frozen=True)
+class Trace:
+    """What tracing a module on the meta device found (see :mod:`shardwise.plan.trace`).
+
+    Byte counts are for the traced input (``batch`` samples) at the traced
+    dtype (normally fp32). ``saved_bytes`` is what autograd keeps for the
+    backward pass, parameters excluded; ``layer_outputs`` is each leaf
+    module's output size; ``flops`` counts forward plus backward.
+    """
+
+    input_shape: tuple[int, ...]
+    input_dtype: str
+    batch: int
+    saved_bytes: int
+    saved_float_bytes: int
+    layer_outputs: tuple[tuple[str, int], ...]
+    flops: float
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as the planner sees it.
+
+    ``params`` is authoritative. A transformer shape (``layers``, ``hidden``,
+    ``heads``...) is what activations, tensor-parallel traffic and stage
+    splits are computed from; without one only the data-parallel family of
+    layouts applies. ``shape_inferred`` marks a shape guessed from the
+    parameter count. ``largest_layer_params`` is the largest unit ZeRO-3 /
+    FSDP gathers at once. ``param_numels`` (filled for real modules) lets
+    shards be padded per parameter, exactly as our ZeRO and FSDP lay them out.
+    """
+
+    name: str
+    params: int
+    layers: int = 0
+    hidden: int = 0
+    heads: int = 0
+    vocab: int = 0
+    seq_len: int = 0
+    ffn_hidden: int = 0
+    kv_heads: int = 0
+    gated_mlp: bool = False
+    tied_embeddings: bool = True
+    learned_positions: bool = True
+    norm: str = "layernorm"
+    bias: bool = True
+    largest_layer_params: int = 0
+    param_numels: tuple[int, ...] = ()
+    shape_inferred: bool = False
+    trace: Trace | None = None
+
+    def __post_init__(self) -> None:
+        if self.params < 1:
+            raise ValueError("a model needs at least one parameter")
+        if self.is_transformer and self.hidden % self.heads:
+            raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.heads}")
+
+    # ---- shape-derived quantities ------------------------------------
+    @property
+    def is_transformer(self) -> bool:
+        return self.layers > 0 and self.hidden > 0 and self.heads > 0
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden or 4 * self.hidden
+
+    @property
+    def unit_params(self) -> int:
+        """Parameters of the largest unit ZeRO-3/FSDP gathers (a block, or the embedding)."""
+        if self.largest_layer_params:
+            return self.largest_layer_params
+        if self.is_transformer:
+            return max(self.layer_params(), self.vocab * self.hidden)
+        return self.params
+
+    def layer_params(self) -> int:
+        """Parameters of one transformer block (attention, MLP, two norms)."""
+        h, f = self.hidden, self.ffn
+        kv = (self.kv_heads or self.heads) * (h // self.heads)
+        attn = 2 * h * h + 2 * h * kv + (2 * h + 2 * kv if self.bias else 0)
+        mlp = (3 if self.gated_mlp else 2) * h * f + ((2 if self.gated_mlp else 1) * f + h if self.bias else 0)
+        return attn + mlp + 2 * self._norm_params()
+
+    def _norm_params(self) -> int:
+        return (2 if self.norm == "layernorm" else 1) * self.hidden
+
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden + (self.seq_len * self.hidden if self.learned_positions else 0)
+
+    def shape_params(self) -> int:
+        """The parameter count the shape implies.
+
+        Narayanan et al. 2021's 12 l h^2 (1 + 13/(12h) + (V+s)/(12lh)) for GPT,
+        generalised to other MLP widths, gated MLPs, grouped-query attention,
+        RMSNorm, no biases and untied output layers.
+        """
+        head = 0 if self.tied_embeddings else self.vocab * self.hidden
+        return self.layers * self.layer_params() + self.embedding_params() + head + self._norm_params()
+
+    def stage_params(self, tp: int = 1, pp: int = 1) -> int:
+        """Parameters held by one device of the heaviest pipeline stage, split tp ways.
+
+        The first stage holds the embeddings, the last the final norm and the
+        output layer; with tied embeddings and pp > 1 the last stage keeps its
+        own copy (as Megatron-LM does). Matrices split tp ways; the small norm
+        vectors are replicated, which we ignore. Scaled to ``params`` so that
+        a guessed shape never changes the declared count.
+        """
+        if not self.is_transformer or (tp == 1 and pp == 1):
+            return math.ceil(self.params / (tp * pp))
+        per_stage = math.ceil(self.layers / pp) * self.layer_params()
+        head = self.vocab * self.hidden if (not self.tied_embeddings or pp > 1) else 0
+        first = per_stage + self.embedding_params() + (head + self._norm_params() if pp == 1 else 0)
+        last = per_stage + head + self._norm_params()
+        heaviest = max(first, last) if pp > 1 else first
+        return math.ceil(self.params * heaviest / self.shape_params() / tp)
+
+    def stage_flops_share(self, pp: int = 1) -> float:
+        """Fraction of the model's FLOPs that the busiest of ``pp`` pipeline stages does.
+
+        Blocks cost the same each; the output layer's matrix multiply (V x h)
+        runs on the last stage; the input embedding is a lookup and costs nothing.
+        """
+        if pp == 1:
+            return 1.0
+        if not self.is_transformer:
+            return 1 / pp
+        blocks = self.layers * self.layer_params()
+        head = self.vocab * self.hidden
+        return (math.ceil(self.layers / pp) * self.layer_params() + head) / (blocks + head)
+
+    def replace(self, **kw: object) -> ModelSpec:
+        return replace(self, **kw)  # type: ignore[arg-type]
+
+    # ---- constructors --------------------------------------------------
+    @classmethod
+    def transformer(cls, layers: int, hidden: int, heads: int, vocab: int = 50257, seq_len: int = 2048,
+                    name: str | None = None, params: int | None = None, **shape: object) -> ModelSpec:
+        """A decoder-only transformer; ``params`` defaults to the count its shape implies."""
+        probe = cls(name="", params=1, layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq_len=seq_len,
+                    **shape)  # type: ignore[arg-type]
+        return replace(probe, name=name or f"transformer l{layers} h{hidden}",
+                       params=params if params is not None else probe.shape_params())
+
+    @classmethod
+    def from_params(cls, params: float, seq_len: int = 2048, name: str | None = None,
+                    infer_shape: bool = True) -> ModelSpec:
+        """A model known only by its parameter count.
+
+        With ``infer_shape`` a GPT-style shape is guessed so that activations
+        and tensor/pipeline layouts can be estimated: head size 128 and the
+        width/depth ratio of GPT-3 and Llama (hidden ~ 128 x layers), the
+        hidden size rounded to a multiple of 1024 (8 heads, so tp up to 8
+        divides them), the depth then chosen to match the count.
+        """
+        n = int(round(params))
+        label = name or f"{short_count(n)} params"
+        if not infer_shape:
+            return cls(name=label, params=n)
+        vocab = 50257
+        ideal_h = 128 * (n / 196608) ** (1 / 3)  # 12 l h^2 = n with h = 128 l
+        step = 1024 if ideal_h >= 1024 else 128
+        h = max(128, int(round(ideal_h / step)) * step)
+        if vocab * h > n / 2:  # small models: an embedding would dwarf the blocks
+            vocab = 0
+        layers = max(1, int(round((n - vocab * h) / (12 * h * h + 13 * h))))
+        return cls(name=label, params=n, layers=layers, hidden=h, heads=max(1, h // 128), vocab=vocab,
+                   seq_len=seq_len, shape_inferred=True)
+
+    @classmethod
+    def from_module(cls, model: nn.Module, seq_len: int | None = None, name: str | None = None) -> ModelSpec:
+        """Exact parameter count of ``model``, and its transformer shape when its config names one.
+
+        Recognised configs: ``model.cfg`` / ``model.config`` with GPT-2 names
+        (n_layer, n_embd, n_head) or Llama names (num_hidden_layers,
+        hidden_size, num_attention_heads, intermediate_size).
+        """
+        numels = tuple(p.numel() for p in model.parameters())
+        params = sum(numels)
+        largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+        label = name or type(model).__name__
+        cfg = getattr(model, "cfg", None)
+        cfg = getattr(model, "config", None) if cfg is None else cfg
+        shape = _shape_from_config(cfg) if cfg is not None else None
+        if shape is None:
+            return cls(name=label, params=params, largest_layer_params=largest, param_numels=numels)
+        if seq_len:
+            shape["seq_len"] = seq_len
+        return cls(name=label, params=params, largest_layer_params=largest, param_numels=numels,
+                   **shape)  # type: ignore[arg-type]
+
+
+def _shape_from_config(cfg: object) -> dict[str, object] | None:
+    def get(*names: str) -> int:
+        for n in names:
+            v = getattr(cfg, n, None)
+            if isinstance(v, int) and v > 0:
+                return v
+        return 0
+
+    layers = get("n_layer", "num_hidden_layers", "num_layers")
+    hidden = get("n_embd", "hidden_size", "d_model")
+    heads = get("n_head", "num_attention_heads")
+    if not (layers and hidden and heads) or hidden % heads:
+        return None
+    llama_like = "llama" in type(cfg).__name__.lower()  # RoPE, RMSNorm, SwiGLU, no biases
+    tied = getattr(cfg, "tie_weights", getattr(cfg, "tie_word_embeddings", True))
+    return dict(layers=layers, hidden=hidden, heads=heads, vocab=get("vocab_size"),
+                seq_len=get("block_size", "n_positions", "max_position_embeddings") or 2048,
+                ffn_hidden=get("n_inner", "intermediate_size"), kv_heads=get("num_key_value_heads"),
+                gated_mlp=llama_like, learned_positions=not llama_like, bias=not llama_like,
+                norm="rmsnorm" if llama_like else "layernorm", tied_embeddings=bool(tied))
+
+
+def known_model(name: str) -> ModelSpec:
+    """One of :data:`KNOWN_MODELS` by name (or a common alias)."""
+    key = ALIASES.get(name.lower(), name.lower())
+    if key not in SHAPES:
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(SHAPES)}")
+    return ModelSpec.transformer(name=key, **SHAPES[key])  # type: ignore[arg-type]
+
+
+def short_count(n: float) -> str:
+    """7.5e9 -> "7.5B"."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(int(n))
+
+
+KNOWN_MODELS: dict[str, ModelSpec] = {k: known_model(k) for k in SHAPES}

@@ -1,0 +1,193 @@
+"""What the planner is asked about: the cluster, the training recipe and one parallel layout.
+
+The model is described in :mod:`shardwise.plan.model`. Everything here is plain
+data; the arithmetic lives in ``memory``, ``comm`` and ``timing``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+PRECISIONS = ("fp32", "bf16-mixed")
+OPTIMIZERS = ("adamw", "sgd", "sgd-momentum")
+SCHEDULES = ("1f1b", "gpipe")
+OFFLOADS = ("none", "optimizer", "all")
+# Names of the data-parallel treatment of the model states; tp and pp are sizes of a layout.
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Devices and the links between them.
+
+    Bandwidths are unidirectional bytes/s *per device*: ``intra_bw`` over the
+    node's fabric (NVLink), ``inter_bw`` through the device's own network card
+    (one NIC per device, as on DGX-class nodes). Latencies are seconds per
+    algorithm step. ``peak_flops`` is the dense 16-bit peak; fp32 training runs
+    at ``fp32_peak_flops`` (TF32 tensor cores: half the 16-bit peak when not given).
+    ``compute_efficiency`` is the fraction of peak that the matrix multiplies
+    reach; ``reserved_bytes`` is memory the framework takes before any tensor
+    (CUDA context, NCCL buffers, allocator fragmentation).
+    """
+
+    devices_per_node: int = 8
+    nodes: int = 1
+    device_memory_bytes: int = 80 * 10**9
+    intra_bw: float = 450e9
+    inter_bw: float = 50e9
+    intra_latency_s: float = 3e-6
+    inter_latency_s: float = 10e-6
+    peak_flops: float = 989e12
+    fp32_peak_flops: float | None = None
+    compute_efficiency: float = 0.5
+    reserved_bytes: int = 0
+    memory_bw: float = 3.35e12  # device memory: the optimizer step is bound by it
+    host_bw: float = 25e9  # device <-> host (PCIe), for offloaded optimizer states
+    host_memory_bw: float = 25e9  # this device's share of host memory bandwidth (CPU optimizer step)
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        if self.devices_per_node < 1 or self.nodes < 1:
+            raise ValueError("devices_per_node and nodes must be at least 1")
+        if self.device_memory_bytes <= 0:
+            raise ValueError("device_memory_bytes must be positive")
+        if min(self.intra_bw, self.inter_bw, self.peak_flops, self.memory_bw, self.host_bw, self.host_memory_bw) <= 0:
+            raise ValueError("bandwidths and peak_flops must be positive")
+        if not 0 < self.compute_efficiency <= 1:
+            raise ValueError("compute_efficiency must be in (0, 1]")
+
+    @property
+    def devices(self) -> int:
+        return self.devices_per_node * self.nodes
+
+    def flops(self, precision: str) -> float:
+        """Sustained FLOP/s of one device at ``precision``."""
+        peak = self.peak_flops if precision != "fp32" else (self.fp32_peak_flops or self.peak_flops / 2)
+        return peak * self.compute_efficiency
+
+    @classmethod
+    def with_devices(cls, devices: int, devices_per_node: int = 8, **kw: object) -> ClusterSpec:
+        """``devices`` in total, filling nodes of ``devices_per_node`` (fewer means one partial node)."""
+        if devices < 1:
+            raise ValueError("devices must be at least 1")
+        per_node = min(devices, devices_per_node)
+        if devices % per_node:
+            raise ValueError(f"{devices} devices do not fill whole nodes of {devices_per_node}")
+        return cls(devices_per_node=per_node, nodes=devices // per_node, **kw)  # type: ignore[arg-type]
+
+    def replace(self, **kw: object) -> ClusterSpec:
+        return replace(self, **kw)  # type: ignore[arg-type]
+
+
+# Public data sheets (SXM parts, dense 16-bit peak); bandwidths unidirectional
+# per device: NVLink 3 = 300 GB/s, NVLink 4 = 450 GB/s; NICs HDR 200 Gb/s and
+# NDR 400 Gb/s, one per GPU; PCIe 4 = 25 GB/s, PCIe 5 = 50 GB/s. reserved_bytes:
+# ~1 GB for the CUDA context and NCCL buffers a real device loses before the first tensor.
+GPU_PRESETS: dict[str, dict[str, float | int]] = {
+    "a100-40gb": dict(device_memory_bytes=40 * 10**9, intra_bw=300e9, inter_bw=25e9, peak_flops=312e12,
+                      memory_bw=1.555e12, host_bw=25e9, reserved_bytes=10**9),
+    "a100-80gb": dict(device_memory_bytes=80 * 10**9, intra_bw=300e9, inter_bw=25e9, peak_flops=312e12,
+                      memory_bw=2.039e12, host_bw=25e9, reserved_bytes=10**9),
+    "h100-80gb": dict(device_memory_bytes=80 * 10**9, intra_bw=450e9, inter_bw=50e9, peak_flops=989e12,
+                      memory_bw=3.35e12, host_bw=50e9, reserved_bytes=10**9),
+    "h200-141gb": dict(device_memory_bytes=141 * 10**9, intra_bw=450e9, inter_bw=50e9, peak_flops=989e12,
+                       memory_bw=4.8e12, host_bw=50e9, reserved_bytes=10**9),
+}
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """The recipe, identical for every layout: same global batch, same optimizer, same precision.
+
+    ``global_batch`` is in samples (sequences) per optimizer step; ``None``
+    means one micro-batch per device. ``seq_len`` ``None`` takes the model's.
+    ``fp32_grads`` keeps the (sharded) gradients in fp32 as DeepSpeed's ZeRO
+    does; ``offload`` moves optimizer states (and gradients), or everything,
+    to host memory (ZeRO-Offload), and only applies to ZeRO layouts.
+    ``no_sync`` accumulates unreduced gradients over a step's micro-batches
+    and reduces once (what our trainer does); otherwise ZeRO-2/3 reduce-scatter
+    every micro-batch (DeepSpeed's and FSDP2's default) and keep only shards.
+    """
+
+    global_batch: int | None = None
+    micro_batch: int = 1
+    seq_len: int | None = None
+    precision: str = "bf16-mixed"
+    optimizer: str = "adamw"
+    activation_checkpointing: bool = False
+    sequence_parallel: bool = False
+    flash_attention: bool = False
+    schedule: str = "1f1b"
+    fp32_grads: bool = False
+    offload: str = "none"
+    no_sync: bool = False
+    bucket_bytes: int = 25 * 2**20  # DDP's default bucket_cap_mb=25
+
+    def __post_init__(self) -> None:
+        for name, value, allowed in (("precision", self.precision, PRECISIONS),
+                                     ("optimizer", self.optimizer, OPTIMIZERS),
+                                     ("schedule", self.schedule, SCHEDULES),
+                                     ("offload", self.offload, OFFLOADS)):
+            if value not in allowed:
+                raise ValueError(f"unknown {name} {value!r}; use one of {', '.join(allowed)}")
+        if self.micro_batch < 1 or (self.global_batch is not None and self.global_batch < 1):
+            raise ValueError("micro_batch and global_batch must be at least 1")
+
+    def resolved_global_batch(self, devices: int) -> int:
+        return self.global_batch if self.global_batch is not None else devices * self.micro_batch
+
+    def replace(self, **kw: object) -> TrainingSpec:
+        return replace(self, **kw)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to place the model: ``strategy`` over the data-parallel dimension of a dp x tp x pp mesh.
+
+    The mesh is ordered tp (innermost, neighbouring devices), then dp, then pp,
+    as Megatron-LM orders it, so tensor-parallel groups stay inside a node.
+    ``shard_group`` is HSDP's sharding group size (replicas = dp / shard_group).
+    """
+
+    strategy: str
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    shard_group: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.strategy!r}; use one of {', '.join(STRATEGIES)}")
+        if min(self.dp, self.tp, self.pp) < 1:
+            raise ValueError("dp, tp and pp must be at least 1")
+        if self.strategy == "hsdp":
+            s = self.shard_group or self.dp
+            if self.dp % s:
+                raise ValueError(f"hsdp shard group {s} does not divide dp={self.dp}")
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def zero_stage(self) -> int:
+        return {"ddp": 0, "zero1": 1, "zero2": 2}.get(self.strategy, 3)
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks over which model states are sharded (1 for ddp's replicated states)."""
+        if self.strategy == "hsdp":
+            return self.shard_group or self.dp
+        return self.dp
+
+    @property
+    def label(self) -> str:
+        dims = [f"dp{self.dp}"] + [f"tp{self.tp}"] * (self.tp > 1) + [f"pp{self.pp}"] * (self.pp > 1)
+        extra = f" (shard {self.shard_size})" if self.strategy == "hsdp" else ""
+        return f"{self.strategy} {'x'.join(dims)}{extra}"
+
+
+def divisors(n: int) -> list[int]:
+    """Divisors of ``n`` in increasing order."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))

@@ -1,0 +1,108 @@
+"""Step time: compute from FLOPs, the pipeline bubble, and only the communication that cannot overlap.
+
+FLOPs follow Kaplan et al. 2020 / Narayanan et al. 2021: a training step
+costs 6 x parameters x tokens (2 forward, 4 backward) plus the attention
+score products (4*s*h per layer per token in forward), and full activation
+recomputation adds one more forward, 8 x parameters x tokens in all, which
+is the 8 of Narayanan et al.'s equation 4, time ~ 8 T P / (n X).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from shardwise.plan.comm import Collective
+from shardwise.plan.memory import BytesPerParam, Numels, sharded_numel, total_numel
+from shardwise.plan.model import ModelSpec
+from shardwise.plan.specs import ClusterSpec, Layout, TrainingSpec
+
+SECONDS_PER_DAY = 86400.0
+
+
+def training_time_s(tokens: float, params: float, devices: int, flops_per_device: float,
+                    recompute: bool = True) -> float:
+    """Narayanan et al. 2021, equation 4: end-to-end time ~ 8 T P / (n X) (6 without recomputation).
+
+    ``flops_per_device`` is the *achieved* throughput X (the paper's 140
+    TFLOP/s for GPT-3 on 1024 A100s), not the peak.
+    """
+    return (8 if recompute else 6) * tokens * params / (devices * flops_per_device)
+
+
+def forward_flops_per_sample(model: ModelSpec, s: int) -> float:
+    """Forward FLOPs of one sequence of ``s`` tokens (one traced sample for traced models)."""
+    if model.trace is not None:
+        return model.trace.flops / model.trace.batch / 3  # traced forward + backward; backward ~ 2x forward
+    attention = 4 * model.layers * model.hidden * s * s if model.is_transformer else 0
+    return 2 * model.params * s + attention
+
+
+def model_flops_per_step(model: ModelSpec, s: int, global_batch: int) -> float:
+    """Useful FLOPs of one optimizer step (recomputation excluded), the numerator of MFU."""
+    return 3 * forward_flops_per_sample(model, s) * global_batch
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Where one optimizer step's time goes, on the busiest device."""
+
+    forward_s: float  # one micro-batch
+    backward_s: float  # one micro-batch, recomputation included
+    compute_s: float  # all micro-batches, compute only
+    slot_comm_s: float  # tensor/pipeline-parallel traffic on the critical path, all micro-batches
+    bubble_s: float
+    exposed_dp_s: float  # data-parallel and host traffic that nothing hides
+    optimizer_s: float
+    total_s: float
+
+
+def step_time(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, layout: Layout, s: int,
+              microbatches: int, numels: Numels, bpp: BytesPerParam, comms: list[Collective]) -> StepTime:
+    """Compose compute, bubble and exposed communication into one step's time."""
+    speed = cluster.flops(training.precision)
+    # The busiest device does its stage's share of the work, split tp ways.
+    share = model.stage_flops_share(layout.pp) / layout.tp
+    fwd = forward_flops_per_sample(model, s) * training.micro_batch * share / speed
+    bwd = 2 * fwd + (fwd if training.activation_checkpointing else 0)
+    slot_comm = sum(c.time_s for c in comms if c.overlap == "slot")
+    slot = fwd + bwd + slot_comm / microbatches
+    m, p = microbatches, layout.pp
+    # Both GPipe and 1F1B idle (p - 1) slots per step (Narayanan et al. 2021, section 2.2).
+    bubble = (p - 1) * slot if p > 1 else 0.0
+    exposed = _exposed(comms, fwd, bwd, m)
+    updated = total_numel(numels) if layout.zero_stage == 0 else sharded_numel(numels, layout.shard_size)
+    touched = updated * (2 * bpp.param + bpp.grad + 2 * bpp.optimizer)  # read-modify-write of every state
+    on_host = training.offload != "none" and layout.zero_stage > 0
+    optimizer = touched / (cluster.host_memory_bw if on_host else cluster.memory_bw)
+    total = m * slot + bubble + exposed + optimizer
+    return StepTime(fwd, bwd, m * (fwd + bwd), slot_comm, bubble, exposed, optimizer, total)
+
+
+def _exposed(comms: list[Collective], fwd: float, bwd: float, m: int) -> float:
+    """Data-parallel (and host) time left over after hiding what can hide behind compute.
+
+    Traffic that overlaps backward (gradient buckets, ZeRO-3's second gather)
+    hides behind the backward of the micro-batch it belongs to; ZeRO-3's
+    forward gathers behind the forward. Once-per-step traffic shares the last
+    micro-batch's window with that micro-batch's own traffic. The first gather
+    and the last bucket can never hide, so at least one call is always exposed.
+    """
+    total = sum(c.time_s for c in comms if c.overlap == "none")
+    for overlap, window in (("forward", fwd), ("backward", bwd)):
+        per = [c for c in comms if c.overlap == overlap and c.per_microbatch]
+        once = [c for c in comms if c.overlap == overlap and not c.per_microbatch]
+        per_busy = sum(c.time_s for c in per) / m
+        if per:
+            total += m * max(max(c.call_time_s for c in per), per_busy - window)
+        if once:
+            left = max(0.0, window - per_busy)
+            total += max(max(c.call_time_s for c in once), sum(c.time_s for c in once) - left)
+    return total
+
+
+def days(seconds: float) -> float:
+    return seconds / SECONDS_PER_DAY
+
+
+def steps_for_tokens(tokens: float, global_batch: int, s: int) -> int:
+    return math.ceil(tokens / (global_batch * s))
