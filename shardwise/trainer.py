@@ -58,6 +58,11 @@ class Trainer:
             intact checkpoint there, with any strategy and device count.
         checkpoint_every: save every this many optimizer steps (and after the last step).
         checkpoint_keep: how many of the newest checkpoints to keep (None keeps all).
+        memory_check: before starting, the planner (:mod:`shardwise.plan`) predicts the per-device
+            memory of this layout; ``"error"`` stops with its breakdown when it will not fit,
+            ``"warn"`` warns, ``"off"`` skips the check.
+        device_memory: bytes per device for that check (default: the GPU's memory, or this
+            machine's RAM divided by the processes on it).
         debug: before every collective, check that all ranks of its group issue the same one
             (operation, name, sizes, step) and name the first rank that differs.
         on_nonfinite: a NaN/inf loss either stops training (``"error"``, naming step and rank) or
@@ -69,7 +74,8 @@ class Trainer:
                  progress: bool | str = "auto", metrics_path: str | os.PathLike[str] | None = None,
                  timeout_s: float = 300.0, checkpoint_dir: str | os.PathLike[str] | None = None,
                  checkpoint_every: int | None = None, resume: bool = True, debug: bool = False,
-                 on_nonfinite: str = "error", checkpoint_keep: int | None = 3) -> None:
+                 on_nonfinite: str = "error", checkpoint_keep: int | None = 3, memory_check: str = "error",
+                 device_memory: int | None = None) -> None:
         self.strategy = resolve(strategy)
         if checkpoint_every is not None and checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
@@ -81,6 +87,10 @@ class Trainer:
         if checkpoint_keep is not None and checkpoint_keep < 1:
             raise ValueError(f"checkpoint_keep must be >= 1 (or None to keep all), got {checkpoint_keep}")
         self.checkpoint_keep = checkpoint_keep
+        if memory_check not in ("error", "warn", "off"):
+            raise ValueError(f"memory_check must be 'error', 'warn' or 'off', got {memory_check!r}")
+        self.memory_check = memory_check
+        self.device_memory = device_memory
         self.debug = debug
         if on_nonfinite not in ("error", "skip"):
             raise ValueError(f"on_nonfinite must be 'error' or 'skip', got {on_nonfinite!r}")
@@ -103,7 +113,7 @@ class Trainer:
     def fit(self, model: nn.Module, dataset: Any, loss_fn: LossFn, optimizer: OptimizerFactory,
             batch_size: int, max_steps: int) -> FitResult:
         """Train for ``max_steps`` optimizer steps of global batch ``batch_size``."""
-        self._validate(dataset, batch_size, max_steps, optimizer)
+        self._validate(model, dataset, batch_size, max_steps, optimizer)
         job = _Job(self, model, dataset, loss_fn, optimizer, batch_size, max_steps)
         nprocs = self.strategy.processes(self.devices)
         if dist.is_initialized() or launch.under_torchrun():
@@ -129,7 +139,8 @@ class Trainer:
             saved = torch.load(path, weights_only=True)
         return FitResult(**saved)
 
-    def _validate(self, dataset: Any, batch_size: int, max_steps: int, optimizer: OptimizerFactory) -> None:
+    def _validate(self, model: nn.Module, dataset: Any, batch_size: int, max_steps: int,
+                  optimizer: OptimizerFactory) -> None:
         """Everything that can be checked before any process starts or blocks."""
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
@@ -147,6 +158,29 @@ class Trainer:
                             "parameters, e.g. functools.partial(torch.optim.AdamW, lr=1e-3); got "
                             f"{type(probe).__name__}")
         self.strategy.check_optimizer(probe)
+        if self.memory_check != "off":
+            self._check_memory(model, probe, batch_size)
+
+    def _check_memory(self, model: nn.Module, probe: torch.optim.Optimizer, batch_size: int) -> None:
+        """Ask the planner whether this layout fits before anything starts."""
+        from shardwise.plan import check_fit
+
+        sizes, nprocs = self.sizes, self.strategy.processes(self.devices)
+        opt = "adamw"
+        if isinstance(probe, torch.optim.SGD):
+            opt = "sgd-momentum" if probe.param_groups[0].get("momentum", 0) else "sgd"
+        memory = self.device_memory or _device_memory(self.accelerator, nprocs)
+        try:
+            fits, msg = check_fit(model, self.strategy.name, sizes["dp"], sizes["tp"], sizes["pp"], memory,
+                                  max(1, batch_size // max(1, self.strategy.batch_shards(self.devices))),
+                                  "fp32", opt)
+        except (ValueError, NotImplementedError):  # a layout the planner does not model: no prediction
+            return
+        if not fits:
+            text = f"the planner predicts this run will not fit in device memory: {msg}"
+            if self.memory_check == "error":
+                raise MemoryError(text + " (Trainer(memory_check='warn') to try anyway)")
+            warnings.warn(text, stacklevel=3)
 
     def _check_devices(self) -> None:
         nprocs = self.strategy.processes(self.devices)
@@ -162,6 +196,16 @@ class Trainer:
         if not cuda and local > cores:
             warnings.warn(f"devices={self.devices} starts {local} processes on {cores} CPU cores: ranks will "
                           "share cores, which is correct but slower than fewer ranks", stacklevel=3)
+
+
+def _device_memory(accelerator: str, nprocs: int) -> int:
+    if accelerator in ("cuda", "auto") and torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        ram = 1 << 40  # unknown: do not block
+    return int(ram // max(1, nprocs))
 
 
 def _spawned_fit(rank: int, device: torch.device, job: bytes, path: str) -> None:

@@ -155,3 +155,21 @@ def test_nonfinite_loss_skip_equals_single(same_run):
     for r in runs:
         r.losses = [0.0 if v != v else v for v in r.losses]
     same_run(*runs)
+
+
+def test_planner_stops_a_layout_that_does_not_fit():
+    work = digits()
+    with pytest.raises(MemoryError) as e:
+        sw.Trainer("ddp", 2, accelerator="cpu", device_memory=100_000).fit(
+            work.make_model(), work.train, work.loss_fn, ADAMW, 64, 2)
+    msg = str(e.value)
+    assert msg.startswith("the planner predicts this run will not fit in device memory: does not fit: ddp on dp=2")
+    assert "parameters 104.49 kB, gradients 104.49 kB, optimizer 208.98 kB" in msg
+
+
+def test_planner_check_can_be_a_warning(same_run):
+    work = digits()
+    with pytest.warns(UserWarning, match="the planner predicts this run will not fit"):
+        run = sw.Trainer("single", 1, accelerator="cpu", progress=False, device_memory=100_000,
+                         memory_check="warn").fit(work.make_model(), work.train, work.loss_fn, ADAMW, 64, 2)
+    assert len(run.losses) == 2

@@ -23,10 +23,18 @@ from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
 from shardwise.comm.diagnostics import CollectiveTimeout, Diagnostics, Record
+
+
+# torch 2.13 deprecates the *_tensor collectives in favour of *_single names that
+# torch 2.11 (the GPU machines' version) does not have; we keep the names both have.
+warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor).* is deprecated",
+                        category=FutureWarning)
 
 
 @dataclass
