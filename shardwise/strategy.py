@@ -30,6 +30,15 @@ class Strategy:
     """Base class: a single replica on one device; subclasses override what they change."""
 
     name: ClassVar[str] = "single"
+    # Set by the Trainer before setup (not a dataclass field: a property of the run, not of the strategy).
+    precision: str = "32"
+    loss_scale: float = 1.0
+
+    def forward_context(self, topo: Topology) -> contextlib.AbstractContextManager[object]:
+        """Autocast for mixed precision (forward and loss only; backward runs outside it)."""
+        from shardwise.precision import autocast
+
+        return autocast(self.precision, topo.device)
 
     def sizes(self, devices: int) -> dict[str, int]:
         """Parallel sizes (dp, tp, pp) for ``devices`` processes."""
@@ -59,9 +68,10 @@ class Strategy:
         for i, (x, y) in enumerate(micro_batches):
             ctx = self.no_sync(model) if i < k - 1 else contextlib.nullcontext()
             with ctx:
-                loss = loss_fn(model(x), y)
-                (loss / k).backward()
-            total += loss.detach()
+                with self.forward_context(topo):
+                    loss = loss_fn(model(x), y)
+                (loss.float() * (self.loss_scale / k)).backward()
+            total += loss.detach().float()
         return total / k
 
     def owns_loss(self, topo: Topology) -> bool:
@@ -153,6 +163,7 @@ class DDP(Strategy):
     bucket_cap_mb: float = 25.0
     find_unused_parameters: bool = False
     allreduce: str = "native"
+    reduce_dtype: str | None = None  # e.g. "bfloat16": gradients travel in this dtype
     name: ClassVar[str] = "ddp"
 
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
@@ -162,7 +173,8 @@ class DDP(Strategy):
         model = model.to(topo.device)
         wrapped = DDPModule(model, topo.comm("dp"), bucket_cap_mb=self.bucket_cap_mb,
                             find_unused_parameters=self.find_unused_parameters,
-                            allreduce=allreduce_fn(self.allreduce))
+                            allreduce=allreduce_fn(self.allreduce),
+                            reduce_dtype=getattr(torch, self.reduce_dtype) if self.reduce_dtype else None)
         return wrapped, optimizer_fn(model.parameters())
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:

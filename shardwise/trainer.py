@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise import checkpoint, launch
+from shardwise import precision as precision_mod
 from shardwise.data import GlobalBatches, check_dataset
 from shardwise.stats import current_rss_bytes, peak_rss_bytes, unique_bytes
 from shardwise.strategy import LossFn, OptimizerFactory, Strategy, iter_chunks, resolve
@@ -61,6 +62,11 @@ class Trainer:
         memory_check: before starting, the planner (:mod:`shardwise.plan`) predicts the per-device
             memory of this layout; ``"error"`` stops with its breakdown when it will not fit,
             ``"warn"`` warns, ``"off"`` skips the check.
+        precision: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"``: autocast for the forward and loss,
+            fp32 master weights (the parameters; sharded under ZeRO), and for fp16 a dynamic
+            loss scaler whose overflow check is agreed by every rank.
+        activation_checkpointing: recompute each block's forward in backward instead of keeping its
+            activations: ``True`` for every entry of the model's ModuleLists, or a tuple of block classes.
         device_memory: bytes per device for that check (default: the GPU's memory, or this
             machine's RAM divided by the processes on it).
         debug: before every collective, check that all ranks of its group issue the same one
@@ -75,7 +81,8 @@ class Trainer:
                  timeout_s: float = 300.0, checkpoint_dir: str | os.PathLike[str] | None = None,
                  checkpoint_every: int | None = None, resume: bool = True, debug: bool = False,
                  on_nonfinite: str = "error", checkpoint_keep: int | None = 3, memory_check: str = "error",
-                 device_memory: int | None = None) -> None:
+                 device_memory: int | None = None, precision: str = "32",
+                 activation_checkpointing: bool | tuple[type[nn.Module], ...] = False) -> None:
         self.strategy = resolve(strategy)
         if checkpoint_every is not None and checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
@@ -90,6 +97,9 @@ class Trainer:
         if memory_check not in ("error", "warn", "off"):
             raise ValueError(f"memory_check must be 'error', 'warn' or 'off', got {memory_check!r}")
         self.memory_check = memory_check
+        self.precision = precision_mod.check(precision)
+        self.strategy.precision = self.precision
+        self.activation_checkpointing = activation_checkpointing
         self.device_memory = device_memory
         self.debug = debug
         if on_nonfinite not in ("error", "skip"):
@@ -238,6 +248,11 @@ class _Job:
         t, strat, device = self.trainer, self.trainer.strategy, topo.device
         torch.manual_seed(t.seed)
         shapes = checkpoint.model_shapes(self.model)
+        if t.activation_checkpointing:
+            from shardwise.parallel.checkpointing import apply_activation_checkpointing
+
+            classes = None if t.activation_checkpointing is True else t.activation_checkpointing
+            apply_activation_checkpointing(self.model, classes)  # type: ignore[arg-type]
         model, opt = strat.setup(self.model, self.optimizer_fn, topo)
         prev: list[float] = []
         if t.checkpoint_dir is not None and t.resume:
@@ -284,6 +299,9 @@ class _Job:
         times: list[float] = []
         state_bytes: dict[str, int] = {}
         metrics = open(t.metrics_path, "w") if (rank0 and t.metrics_path) else None
+        scaler = precision_mod.LossScaler() if t.precision == "16-mixed" else None
+        if scaler is not None:
+            strat.loss_scale = scaler.scale
         with _progress(rank0 and _want_progress(t.progress), self.max_steps) as advance:
             advance.skip(len(prev))  # type: ignore[attr-defined]
             for step in range(len(prev), self.max_steps):
@@ -293,6 +311,11 @@ class _Job:
                 x, y = data.batch(step, device)
                 micro = list(zip(iter_chunks(x, k), iter_chunks(y, k)))
                 loss = strat.train_step(model, micro, self.loss_fn, topo)
+                if scaler is not None and _overflow(scaler, opt, strat, topo):
+                    opt.zero_grad(set_to_none=True)  # fp16 overflow: skip, with a smaller scale next time
+                    times.append(time.perf_counter() - start)
+                    losses.append(float(loss) if loss is not None else 0.0)
+                    continue
                 if not _finite(loss, step, t.on_nonfinite, topo):
                     opt.zero_grad(set_to_none=True)
                     times.append(time.perf_counter() - start)
@@ -323,6 +346,17 @@ class _Job:
         if metrics is not None:
             metrics.close()
         return losses, times, state_bytes
+
+
+def _overflow(scaler: precision_mod.LossScaler, opt: torch.optim.Optimizer, strat: Strategy,
+              topo: Topology) -> bool:
+    """Unscale fp16 gradients; every rank learns whether any rank overflowed (one flag all-reduce)."""
+    flag = torch.tensor([1.0 if scaler.unscale(opt) else 0.0], device=topo.device)
+    topo.comm("world").all_reduce(flag, name="metrics.overflow")
+    found = float(flag) > 0
+    scaler.update(found)
+    strat.loss_scale = scaler.scale
+    return found
 
 
 def _finite(loss: torch.Tensor | None, step: int, mode: str, topo: Topology) -> bool:

@@ -88,14 +88,19 @@ class _Bucket:
             off += p.numel()
         self.pending = len(params)
         self.handle: Handle | None = None
+        self.wire: torch.Tensor | None = None  # the narrower copy in flight when reduce_dtype is set
 
 
 class DDPModule(nn.Module):
     """Wrap ``module`` so that backward leaves gradients averaged over ``comm``'s group."""
 
     def __init__(self, module: nn.Module, comm: Comm, bucket_cap_mb: float = 25.0,
-                 find_unused_parameters: bool = False, allreduce: AllReduceFn = native_allreduce) -> None:
+                 find_unused_parameters: bool = False, allreduce: AllReduceFn = native_allreduce,
+                 reduce_dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        # Gradients can travel in a narrower dtype than they are kept in (bf16 halves
+        # the bytes); they are averaged in that dtype and widened back afterwards.
+        self.reduce_dtype = reduce_dtype
         self.module = module
         self.comm = comm
         self.find_unused_parameters = find_unused_parameters
@@ -215,7 +220,10 @@ class DDPModule(nn.Module):
             # Pre-divide, then sum: the average without relying on ReduceOp.AVG,
             # which gloo lacks (torch DDP divides the same way).
             b.buffer.div_(n)
-            b.handle = self.allreduce(b.buffer, self.comm, f"ddp.bucket{b.index}")
+            wire = b.buffer
+            if self.reduce_dtype is not None and self.reduce_dtype != b.buffer.dtype:
+                wire = b.wire = b.buffer.to(self.reduce_dtype)
+            b.handle = self.allreduce(wire, self.comm, f"ddp.bucket{b.index}")
             self._next += 1
 
     def _finish(self) -> None:
@@ -230,6 +238,9 @@ class DDPModule(nn.Module):
         for b in self.buckets:
             if b.handle is not None:
                 b.handle.wait()
+            if b.wire is not None:
+                b.buffer.copy_(b.wire)
+                b.wire = None
         for b in self.buckets:
             for p, view in zip(b.params, b.views):
                 if p in self._global_unused:
