@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import json
+import math
 import os
 import pickle
 import statistics
@@ -52,7 +53,11 @@ class Trainer:
         gradient_clip_val: clip the global gradient norm (over all shards) to this value.
         seed: seeds the data order and torch's RNG; the data order does not depend on ``devices``.
         progress: ``"auto"`` shows a rich progress bar on rank 0 when stderr is a terminal.
-        metrics_path: write one JSON line per step (rank 0) to this file.
+        metrics_path: write one JSON line per step (rank 0) to this file: loss, step time, tokens/s
+            (for integer token inputs), model FLOPs utilisation (with ``peak_flops``), resident memory.
+        tensorboard_dir: also log those scalars to TensorBoard (when tensorboard is installed).
+        peak_flops: peak FLOP/s of ONE device, for model FLOPs utilisation (6 x parameters x tokens,
+            Kaplan et al. 2020, divided by the peak of all devices).
         timeout_s: how long a collective may wait before the run fails with its name.
         checkpoint_dir: where sharded checkpoints go (torch.distributed.checkpoint, see
             :mod:`shardwise.checkpoint`); with ``resume=True`` training continues from the newest
@@ -82,7 +87,8 @@ class Trainer:
                  checkpoint_every: int | None = None, resume: bool = True, debug: bool = False,
                  on_nonfinite: str = "error", checkpoint_keep: int | None = 3, memory_check: str = "error",
                  device_memory: int | None = None, precision: str = "32",
-                 activation_checkpointing: bool | tuple[type[nn.Module], ...] = False) -> None:
+                 activation_checkpointing: bool | tuple[type[nn.Module], ...] = False,
+                 tensorboard_dir: str | os.PathLike[str] | None = None, peak_flops: float | None = None) -> None:
         self.strategy = resolve(strategy)
         if checkpoint_every is not None and checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
@@ -100,6 +106,8 @@ class Trainer:
         self.precision = precision_mod.check(precision)
         self.strategy.precision = self.precision
         self.activation_checkpointing = activation_checkpointing
+        self.tensorboard_dir = os.fspath(tensorboard_dir) if tensorboard_dir is not None else None
+        self.peak_flops = peak_flops
         self.device_memory = device_memory
         self.debug = debug
         if on_nonfinite not in ("error", "skip"):
@@ -298,7 +306,8 @@ class _Job:
         losses: list[float] = []  # floats, not tensors: a long run must not accumulate tensor objects
         times: list[float] = []
         state_bytes: dict[str, int] = {}
-        metrics = open(t.metrics_path, "w") if (rank0 and t.metrics_path) else None
+        log = StepLog(t.metrics_path, t.tensorboard_dir, t.peak_flops, _numel(shapes), topo.world_size) \
+            if rank0 and (t.metrics_path or t.tensorboard_dir) else None
         scaler = precision_mod.LossScaler() if t.precision == "16-mixed" else None
         if scaler is not None:
             strat.loss_scale = scaler.scale
@@ -311,41 +320,83 @@ class _Job:
                 x, y = data.batch(step, device)
                 micro = list(zip(iter_chunks(x, k), iter_chunks(y, k)))
                 loss = strat.train_step(model, micro, self.loss_fn, topo)
-                if scaler is not None and _overflow(scaler, opt, strat, topo):
-                    opt.zero_grad(set_to_none=True)  # fp16 overflow: skip, with a smaller scale next time
-                    times.append(time.perf_counter() - start)
-                    losses.append(float(loss) if loss is not None else 0.0)
-                    continue
-                if not _finite(loss, step, t.on_nonfinite, topo):
-                    opt.zero_grad(set_to_none=True)
-                    times.append(time.perf_counter() - start)
-                    losses.append(float(loss) if loss is not None else 0.0)
-                    continue
-                if t.gradient_clip_val is not None:
-                    strat.clip_grad_norm(model, t.gradient_clip_val, topo)
-                opt.step()
-                if step == self.max_steps - 1:
-                    # Counted at the high point of a step: gradients and optimizer states both live.
-                    state_bytes = _count_state(strat, model, opt)
+                # Both checks agree across ranks, so every rank skips the same steps.
+                skip = (scaler is not None and _overflow(scaler, opt, strat, topo)) or \
+                    not _finite(loss, step, t.on_nonfinite, topo)
+                if not skip:
+                    if t.gradient_clip_val is not None:
+                        strat.clip_grad_norm(model, t.gradient_clip_val, topo)
+                    opt.step()
+                    if step == self.max_steps - 1:
+                        # Counted at the high point of a step: gradients and optimizer states both live.
+                        state_bytes = _count_state(strat, model, opt)
                 opt.zero_grad(set_to_none=True)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 times.append(time.perf_counter() - start)
                 local = float(loss) if loss is not None else None
                 losses.append(0.0 if local is None else local)
+                tokens = _tokens(x) * shards
                 advance(local, times[-1])
-                if metrics is not None:
-                    metrics.write(json.dumps({"step": step, "loss": local, "step_time_s": times[-1],
-                                              "rss_bytes": current_rss_bytes()}) + "\n")
+                if log is not None:
+                    log.write(step, local, times[-1], tokens)
                 done = step + 1
                 if t.checkpoint_dir is not None and (done == self.max_steps or (
                         t.checkpoint_every is not None and done % t.checkpoint_every == 0)):
                     so_far = prev + _global_losses(losses, strat, topo)
                     checkpoint.save(t.checkpoint_dir, done, so_far, strat, model, opt, topo, shapes,
                                     keep=t.checkpoint_keep)
-        if metrics is not None:
-            metrics.close()
+        if log is not None:
+            log.close()
         return losses, times, state_bytes
+
+
+def _tokens(x: Any) -> int:
+    """Tokens in this rank's batch when the input is integer token ids (B, T); 0 otherwise."""
+    if isinstance(x, torch.Tensor) and x.dim() >= 2 and not x.is_floating_point():
+        return x.numel()
+    return 0
+
+
+def _numel(shapes: dict[str, list[int]]) -> int:
+    return sum(math.prod(s) for s in shapes.values())
+
+
+class StepLog:
+    """Per-step metrics of rank 0: a JSONL file and/or TensorBoard scalars."""
+
+    def __init__(self, path: str | None, tensorboard_dir: str | None, peak_flops: float | None, params: int,
+                 devices: int) -> None:
+        self._file = open(path, "w") if path else None
+        self._tb = None
+        if tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self._tb = SummaryWriter(tensorboard_dir)
+            except ImportError:
+                warnings.warn("tensorboard_dir was given but tensorboard is not installed (pip install tensorboard); "
+                              "logging to the JSONL file only", stacklevel=2)
+        self._peak = peak_flops * devices if peak_flops else None
+        self._params = params
+
+    def write(self, step: int, loss: float | None, dt: float, tokens: int) -> None:
+        row: dict[str, Any] = {"step": step, "loss": loss, "step_time_s": dt, "rss_bytes": current_rss_bytes()}
+        if tokens and dt > 0:
+            row["tokens_per_s"] = tokens / dt
+            if self._peak:
+                row["mfu"] = 6.0 * self._params * tokens / dt / self._peak
+        if self._file is not None:
+            self._file.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for k, v in row.items():
+                if k != "step" and v is not None:
+                    self._tb.add_scalar(f"train/{k}", v, step)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
 
 
 def _overflow(scaler: precision_mod.LossScaler, opt: torch.optim.Optimizer, strat: Strategy,
@@ -414,12 +465,13 @@ def _progress(enabled: bool, total: int) -> Any:
 
     with Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} steps/s"),
+                  TextColumn("RSS {task.fields[mem]}"),
                   TimeElapsedColumn(), transient=False) as bar:
-        task = bar.add_task("train", total=total, loss="-", rate="-")
+        task = bar.add_task("train", total=total, loss="-", rate="-", mem="-")
 
         def advance(loss: float | None, dt: float) -> None:
             bar.update(task, advance=1, loss="-" if loss is None else f"{loss:.4f}",
-                       rate=f"{1.0 / dt:.1f}" if dt > 0 else "-")
+                       rate=f"{1.0 / dt:.1f}" if dt > 0 else "-", mem=f"{current_rss_bytes() / 2**20:.0f} MiB")
 
         advance.skip = lambda n: bar.update(task, advance=n)  # type: ignore[attr-defined]
         yield advance

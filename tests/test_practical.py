@@ -81,3 +81,18 @@ def test_activation_checkpointing_lowers_saved_activations():
     after = saved_activation_bytes(model, x)
     print(f"saved activation bytes: {before} without, {after} with checkpointing ({after / before:.2%})")
     assert after < before / 3
+
+
+def test_metrics_jsonl_has_tokens_and_mfu(tmp_path):
+    import json
+
+    path = tmp_path / "m.jsonl"
+    run = fit("ddp", 2, metrics_path=path, peak_flops=1e12)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert all(r["loss"] > 0 for r in rows)  # rank 0's own loss (its share of the batch)
+    params = sum(v.numel() for v in run.state_dict.values())
+    for r in rows:
+        assert r["tokens_per_s"] == pytest.approx(16 * 16 / r["step_time_s"])  # global batch x block
+        assert r["mfu"] == pytest.approx(6 * params * r["tokens_per_s"] / (2 * 1e12))
+        assert r["rss_bytes"] > 0
