@@ -18,6 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=10, help="timed steps per repetition")
     p.add_argument("--batch", type=int, default=64, help="global batch")
     p.add_argument("--accelerator", default="cpu")
+    p.add_argument("--plot", dest="plot_dir", default=None, metavar="DIR",
+                   help="also save each comparison's PNG picture under DIR")
 
 
 def run(a: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import functools
 from collections.abc import Callable
 
@@ -64,4 +65,22 @@ def ddp_pair(a: argparse.Namespace) -> Table:
                       summarize(res), 2 * (n - 1) / n * grad_bytes, "2(N-1)/N x grad bytes")
 
 
-PAIRS: dict[str, Callable[[argparse.Namespace], Table]] = {"ddp": ddp_pair}
+def _lazy(target: str) -> Callable[[argparse.Namespace], Table]:
+    """A pair that lives in another module, imported only when asked for (they pull in pipelining, DTensor...)."""
+    def run(a: argparse.Namespace) -> Table:
+        mod, _, fn = target.partition(":")
+        return getattr(importlib.import_module(mod), fn)(a)  # type: ignore[no-any-return]
+    return run
+
+
+PAIRS: dict[str, Callable[[argparse.Namespace], Table]] = {
+    "ddp": ddp_pair,
+    "zero1": _lazy("shardwise.bench.zero:zero1_pair"),
+    "zero3": _lazy("shardwise.bench.zero:zero3_pair"),
+    "fsdp": _lazy("shardwise.bench.zero:fsdp_pair"),
+    "pp": _lazy("shardwise.bench.mp:pp_pair"),
+    "tp": _lazy("shardwise.bench.mp:tp_pair"),
+    "dp-vs-ddp": _lazy("shardwise.bench.classic:dp_vs_ddp"),
+    "ps-vs-ddp": _lazy("shardwise.bench.classic:ps_vs_ddp"),
+    "allreduce": _lazy("shardwise.bench.classic:allreduce_algorithms"),
+}

@@ -1,0 +1,139 @@
+"""Benchmark pairs for the sharded strategies: ours against PyTorch's own, same ranks, same data.
+
+* ``zero1``: our ZeRO-1 against ``torch.distributed.optim.ZeroRedundancyOptimizer``
+  (with torch DDP for the gradients, its documented use);
+* ``zero3`` and ``fsdp``: ours against FSDP2 ``torch.distributed.fsdp.fully_shard``
+  applied to the same units (bottom-up, then the root), on the CPU/gloo path
+  that FSDP2 supports.
+
+Each pair runs the 4 x Linear(1024) MLP and a small GPT. Both sides use
+AdamW(lr=1e-3) in fp32. Our bytes are counted; torch's are not observable.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+from collections.abc import Callable
+
+import torch
+from rich.table import Table
+from torch import nn
+from torch.nn import functional as F
+
+from shardwise.bench.harness import Contender, run_pair, same_shape_target, summarize
+from shardwise.models import GPT, GPTConfig, lm_loss
+from shardwise.topology import Topology
+from shardwise.workloads import mlp1024
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
+GPT_CFG = GPTConfig(vocab_size=128, block_size=64, n_layer=4, n_head=4, n_embd=128)
+
+
+class TokenGPT(nn.Module):
+    """A GPT fed by the harness's float inputs: each value is turned into a token id."""
+
+    def __init__(self, cfg: GPTConfig = GPT_CFG) -> None:
+        super().__init__()
+        self.gpt = GPT(cfg)
+        self.vocab = cfg.vocab_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        idx = (x.abs() * 1000).long() % self.vocab
+        return self.gpt(idx)
+
+
+def _token_target(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, GPT_CFG.vocab_size, x.shape, generator=g)
+
+
+# ---- contenders ---------------------------------------------------------------
+def ours_zero1(model: nn.Module, topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from shardwise.parallel.zero import ZeRO1
+
+    return ZeRO1().setup(model, ADAMW, topo)
+
+
+def torch_zero1(model: nn.Module, topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [topo.device.index] if topo.device.type == "cuda" else None
+    ddp = DistributedDataParallel(model, device_ids=ids, process_group=topo.group("dp"))
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                  process_group=topo.group("dp"), lr=1e-3)
+    return ddp, opt
+
+
+def ours_sharded(strategy: str, model: nn.Module, topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Our ``strategy`` ("zero3", "fsdp") set up on ``model`` (bind the name with functools.partial)."""
+    from shardwise.strategy import resolve
+
+    return resolve(strategy).setup(model, ADAMW, topo)
+
+
+def torch_fully_shard(strategy: str, model: nn.Module, topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """FSDP2 on the same units our ``strategy`` picks, every unit resharded after forward (as ours)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from shardwise.parallel.fsdp import unit_modules
+    from shardwise.strategy import resolve
+
+    mesh = topo.mesh["dp"]  # type: ignore[index]
+    # Bottom-up (the root is last): a unit's parameters are those not already in a unit below it.
+    for m in unit_modules(model, resolve(strategy).wrap):  # type: ignore[attr-defined]
+        fully_shard(m, mesh=mesh, reshard_after_forward=True)
+    return model, ADAMW(model.parameters())
+
+
+# ---- tables -------------------------------------------------------------------
+def _workloads() -> list[tuple[str, nn.Module, tuple[int, ...], Callable[..., torch.Tensor],
+                               Callable[..., torch.Tensor]]]:
+    torch.manual_seed(0)
+    return [("4 x Linear(1024) MLP", mlp1024().make_model(), (1024,), same_shape_target, F.mse_loss),
+            (f"GPT {GPT_CFG.n_layer}x{GPT_CFG.n_embd}, T={GPT_CFG.block_size}", TokenGPT(), (GPT_CFG.block_size,),
+             _token_target, lm_loss)]
+
+
+def _pair_rows(title: str, a: argparse.Namespace, ours: Contender, theirs: Contender, factor: int) -> Table:
+    """Run the pair on both workloads; one table, two rows per workload."""
+    n = a.nproc
+    t = Table(title=f"{title}: {n} ranks, global batch {a.batch}, AdamW fp32")
+    for col in ("model", "implementation", "median step", "throughput vs torch", "peak RSS increase",
+                "memory vs torch", "sent / rank / step", f"{factor}(N-1)/N x grad bytes"):
+        t.add_column(col, justify="left" if col in ("model", "implementation") else "right")
+    for label, model, in_shape, target, loss in _workloads():
+        grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        res = summarize(run_pair((ours, theirs), model, in_shape, target, loss, nprocs=n, local_batch=a.batch // n,
+                                 reps=a.reps, steps=a.steps, accelerator=a.accelerator))
+        base_t = res[theirs.name]["step_time_s"]
+        base_m = max(1, res[theirs.name]["peak_rss_delta_bytes"])
+        for c in (ours, theirs):
+            s = res[c.name]
+            sent = s["sent_per_step"]
+            t.add_row(label, c.name, f"{1e3 * s['step_time_s']:.2f} ms", f"{base_t / s['step_time_s']:.3f}x",
+                      f"{s['peak_rss_delta_bytes'] / 2**20:.2f} MiB", f"{s['peak_rss_delta_bytes'] / base_m:.3f}x",
+                      "(not observable)" if sent is None else f"{sent:,.0f} B",
+                      f"{factor * (n - 1) / n * grad_bytes:,.0f} B")
+    return t
+
+
+def zero1_pair(a: argparse.Namespace) -> Table:
+    """Our ZeRO-1 against torch DDP + ZeroRedundancyOptimizer."""
+    return _pair_rows("ZeRO-1", a, Contender("shardwise zero1", ours_zero1),
+                      Contender("torch DDP + ZeroRedundancyOptimizer", torch_zero1, counts_bytes=False), 2)
+
+
+def zero3_pair(a: argparse.Namespace) -> Table:
+    """Our ZeRO-3 (size-based units) against FSDP2 fully_shard on the same units."""
+    return _pair_rows("ZeRO-3", a, Contender("shardwise zero3", functools.partial(ours_sharded, "zero3")),
+                      Contender("torch fully_shard", functools.partial(torch_fully_shard, "zero3"), counts_bytes=False), 3)
+
+
+def fsdp_pair(a: argparse.Namespace) -> Table:
+    """Our FSDP (a unit per block/layer) against FSDP2 fully_shard on the same units."""
+    return _pair_rows("FSDP", a, Contender("shardwise fsdp", functools.partial(ours_sharded, "fsdp")),
+                      Contender("torch fully_shard", functools.partial(torch_fully_shard, "fsdp"), counts_bytes=False), 3)
+
+
+PAIRS: dict[str, Callable[[argparse.Namespace], Table]] = {
+    "zero1": zero1_pair, "zero3": zero3_pair, "fsdp": fsdp_pair}

@@ -1,0 +1,724 @@
+"""ZeRO-3, FSDP and HSDP: parameters, gradients and optimizer states all sharded, in units.
+
+ZeRO stage 3 (Rajbhandari et al. 2020, section 5.3, P_os+g+p) keeps only
+``1/N`` of every parameter on each rank and gathers a layer's parameters just
+before they are used. PyTorch FSDP (Zhao et al. 2023, "PyTorch FSDP:
+Experiences on Scaling Fully Sharded Data Parallel", VLDB) organises this in
+*units* of modules:
+
+* before a unit's forward its parameters are all-gathered (the next unit's
+  gather is started at the same time: forward prefetch), and freed after it
+  unless ``reshard_after_forward=False``;
+* before the unit's backward they are all-gathered again (the previous unit
+  in forward order is prefetched), and once every gradient of the unit has
+  accumulated the gradients are reduce-scattered and the full ones freed.
+
+Per step that is 3 x (N-1)/N x Psi bytes per rank (ZeRO paper section 7.2.2:
+two all-gathers and one reduce-scatter), 2 x with ``reshard_after_forward=False``.
+
+HSDP (the "hybrid" sharding strategy of the FSDP paper, section 3.2.2) shards
+inside groups of ``shard_size`` ranks and keeps the groups as replicas: after
+the reduce-scatter inside a group, each piece is all-reduced across groups.
+
+Mechanics. The module keeps its original ``nn.Parameter`` objects (so its
+code, hooks and state-dict names are untouched); each one's storage is a
+padded flat buffer that is resized to zero bytes while the unit is sharded
+and refilled by the all-gather (the storage trick of FSDP's first version:
+autograd's saved references to the parameter see the refilled data in
+backward). The sharded truth lives in one flat rank-major row per unit
+(see :mod:`shardwise.parallel.sharding`), and the real torch optimizer steps
+views of it.
+
+A model built on the meta device is materialised one module at a time:
+each module's own parameters are allocated, initialised (``param_init_fn`` or
+the module's ``reset_parameters``), copied into this rank's shard and freed
+before the next module, so no rank ever holds more than one module's full
+parameters plus its shards.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from shardwise.comm import Comm, Handle
+from shardwise.parallel.ddp import _tensors, check_same_parameters
+from shardwise.parallel.sharding import FlatLayout, broadcast_inplace, comm_on, local_numel, sharded_dtensor
+from shardwise.parallel.zero import ShardedOptimizer, zero_clip_grad_norm
+from shardwise.strategy import OptimizerFactory, Strategy, unwrap
+from shardwise.topology import Topology
+
+WrapPolicy = Any  # "auto" | int | set/tuple/list of module classes | Callable[[str, nn.Module], bool]
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
+# ---- which modules become units ------------------------------------------
+def unit_modules(root: nn.Module, wrap: WrapPolicy) -> list[nn.Module]:
+    """The modules that become units under ``wrap`` (the root is always one, listed last).
+
+    * ``"auto"``: every child of an ``nn.Sequential`` or ``nn.ModuleList`` that has
+      parameters (transformer blocks, the layers of an MLP); if there is none,
+      every direct child with parameters;
+    * an ``int``: size-based, bottom-up: a module becomes a unit when the
+      parameters not already in a unit below it number at least ``wrap``;
+    * module classes (a set, tuple or list): every module of those classes;
+    * a callable ``(qualified_name, module) -> bool``.
+
+    Containers without a forward (``ModuleList``, ``ModuleDict``) never are units:
+    their hooks would never run.
+    """
+    named = [(n, m) for n, m in root.named_modules() if m is not root and not isinstance(m, _CONTAINERS)]
+
+    def has_params(m: nn.Module) -> bool:
+        return any(p.requires_grad for p in m.parameters())
+
+    if wrap == "auto":
+        picked = [c for m in root.modules() if isinstance(m, (nn.Sequential, nn.ModuleList))
+                  for c in m.children() if has_params(c) and not isinstance(c, _CONTAINERS)]
+        if not picked:
+            picked = [c for c in root.children() if has_params(c) and not isinstance(c, _CONTAINERS)]
+        seen: set[int] = set()
+        units = [m for m in picked if not (id(m) in seen or seen.add(id(m)))]  # type: ignore[func-returns-value]
+    elif isinstance(wrap, bool):
+        raise TypeError("wrap must be 'auto', an int, module classes or a callable, not a bool")
+    elif isinstance(wrap, int):
+        units = []
+        left: dict[int, int] = {}
+
+        def visit(m: nn.Module) -> int:
+            n = sum(p.numel() for p in m.parameters(recurse=False) if p.requires_grad)
+            n += sum(visit(c) for c in m.children())
+            if m is not root and not isinstance(m, _CONTAINERS) and n >= wrap:
+                units.append(m)
+                n = 0
+            left[id(m)] = n
+            return n
+        visit(root)
+    elif isinstance(wrap, (set, frozenset, tuple, list)):
+        classes = tuple(wrap)
+        units = [m for _, m in named if isinstance(m, classes)]
+    elif callable(wrap):
+        units = [m for n, m in named if wrap(n, m)]
+    else:
+        raise TypeError(f"unknown wrap policy {wrap!r}; use 'auto', an int, module classes or a callable")
+    return [m for m in units if m is not root] + [root]
+
+
+# ---- one unit ---------------------------------------------------------------
+# Parameters at least this big travel in collectives of their own, straight
+# into and out of their own storage; smaller ones share one collective per
+# unit through a packed buffer (one copy in, one copy out).
+DIRECT_BYTES = 1 << 20
+
+
+class _Group:
+    """Parameters of a unit that travel in one collective, and where their pieces sit in the unit's row."""
+
+    def __init__(self, members: list[int], numels: list[int], world: int, start: int) -> None:
+        self.members = members
+        self.layout = FlatLayout(numels, world)
+        self.start = start
+        self.end = start + self.layout.shard_numel
+        self.direct = len(members) == 1
+
+
+class _Unit:
+    """One FSDP unit: its parameters' layout, this rank's shard row, and their gathered state."""
+
+    def __init__(self, index: int, fqn: str, params: list[tuple[str, nn.Parameter]], comm: Comm) -> None:
+        self.index = index
+        self.fqn = fqn
+        self.names = [n for n, _ in params]
+        self.params = [p for _, p in params]
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) > 1:
+            raise ValueError(f"unit '{fqn or '<root>'}' mixes parameter dtypes {sorted(map(str, dtypes))}; "
+                             "every parameter of a unit must share one dtype (wrap its modules separately)")
+        self.dtype = self.params[0].dtype
+        self.comm = comm
+        n = comm.size
+        big = [i for i, p in enumerate(self.params) if p.numel() * p.element_size() >= DIRECT_BYTES]
+        small = [i for i in range(len(self.params)) if i not in big]
+        self.groups: list[_Group] = []
+        start = 0
+        for members in ([small] if small else []) + [[i] for i in big]:
+            g = _Group(members, [self.params[i].numel() for i in members], n, start)
+            self.groups.append(g)
+            start = g.end
+        self.row_numel = start
+        self.chunk = [0] * len(self.params)   # padded piece of each parameter
+        self.offset = [0] * len(self.params)  # where it starts in the row
+        for g in self.groups:
+            for j, i in enumerate(g.members):
+                self.chunk[i] = g.layout.chunks[j]
+                self.offset[i] = g.start + g.layout.offsets[j]
+        self.device = torch.device("cpu")
+        self.shard = torch.empty(0)
+        self.padded: list[torch.Tensor] = []
+        self.shard_params: list[nn.Parameter] = []
+        self.grad_shard: torch.Tensor | None = None
+        self.state = "sharded"  # "sharded" | "gathering" | "unsharded"
+        self._gather: list[tuple[_Group, torch.Tensor | None, Handle | None]] = []
+        self.pending = 0
+        self.backward_started = False
+        self.got_grad = False
+
+    def padded_views(self, row: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's padded piece in a row (the shard, or the gradient shard), as views."""
+        return [row[off:off + c] for off, c in zip(self.offset, self.chunk)]
+
+    def allocate(self, device: torch.device) -> None:
+        """The shard row and each parameter's (empty) padded full storage on ``device``."""
+        self.device = device
+        self.shard = torch.zeros(self.row_numel, dtype=self.dtype, device=device)
+        # The optimizer steps padded pieces (states of ceil(numel/N) elements on
+        # every rank); the padding holds zeros with zero gradients, which every
+        # element-wise optimizer leaves at zero, and is never read back anyway.
+        self.shard_params = [nn.Parameter(v) for v in self.padded_views(self.shard)]
+        self.padded = [torch.empty(self.comm.size * c, dtype=self.dtype, device=device) for c in self.chunk]
+        for buf in self.padded:
+            buf.untyped_storage().resize_(0)
+
+    def take_shard(self, i: int, full: torch.Tensor) -> None:
+        """Copy this rank's piece of parameter ``i`` (a full tensor) into the shard row."""
+        r, c, off = self.comm.rank, self.chunk[i], self.offset[i]
+        k = local_numel(self.params[i].numel(), self.comm.size, r)
+        if k:
+            self.shard[off:off + k].copy_(full.reshape(-1)[r * c:r * c + k])
+
+    def point_to_padded(self, i: int) -> None:
+        """Make parameter ``i`` a view of its padded storage (then freed): the full tensor is released."""
+        p, buf = self.params[i], self.padded[i]
+        storage = buf.untyped_storage()
+        # A view can only be made of a storage big enough for it: allocate, view, free.
+        storage.resize_(buf.numel() * buf.element_size())
+        p.data = buf[:p.numel()].view(p.shape)
+        storage.resize_(0)
+
+    # ---- gather / free -----------------------------------------------------
+    def start_gather(self) -> None:
+        """Start the all-gathers of this unit's parameters (no-op when gathered or in flight)."""
+        if self.state != "sharded":
+            return
+        n = self.comm.size
+        for buf, c in zip(self.padded, self.chunk):
+            if buf.untyped_storage().nbytes() == 0:
+                buf.untyped_storage().resize_(n * c * buf.element_size())
+        for g in self.groups:
+            # A lone parameter's rank-major buffer *is* its padded storage: gather straight into it.
+            out = self.padded[g.members[0]] if g.direct else torch.empty(
+                n * g.layout.shard_numel, dtype=self.dtype, device=self.device)
+            h = self.comm.all_gather(out, self.shard[g.start:g.end], name=f"fsdp_all_gather.u{self.index}",
+                                     async_op=True)
+            self._gather.append((g, None if g.direct else out, h))
+        self.state = "gathering"
+
+    def unshard(self) -> None:
+        """Full parameters available (waits for a prefetch in flight)."""
+        if self.state == "unsharded":
+            return
+        if self.state == "sharded":
+            self.start_gather()
+        pending, self._gather = self._gather, []
+        for g, buf, h in pending:
+            if h is not None:
+                h.wait()
+            if buf is not None:
+                with torch.no_grad():
+                    g.layout.unpack_padded(buf, [self.padded[i] for i in g.members])
+        self.state = "unsharded"
+
+    def reshard(self) -> None:
+        """Free the full parameters (their storage shrinks to zero bytes)."""
+        if self.state == "gathering":
+            self.unshard()  # never free memory a collective is still writing into
+        if self.state == "unsharded":
+            for buf in self.padded:
+                buf.untyped_storage().resize_(0)
+            self.state = "sharded"
+
+    @torch.no_grad()
+    def start_reduce(self) -> tuple[torch.Tensor, list[Any]]:
+        """Reduce-scatter the full gradients into a new gradient row; returns (row, in-flight work)."""
+        n = self.comm.size
+        out = torch.empty(self.row_numel, dtype=self.dtype, device=self.device)
+        work: list[Any] = []
+        for g in self.groups:
+            grads = [self.params[i].grad for i in g.members]
+            g0 = grads[0]
+            if g.layout.identity and g0 is not None and g0.is_contiguous():
+                staging = g0.view(-1)  # already rank-major: no packed copy
+            else:
+                staging = g.layout.pack(grads, torch.empty(n * g.layout.shard_numel, dtype=self.dtype,
+                                                           device=self.device))
+            h = self.comm.reduce_scatter(out[g.start:g.end], staging, name=f"fsdp_reduce_scatter.u{self.index}",
+                                         async_op=True)
+            work.append((staging, h))  # the input must outlive the collective
+        for p in self.params:
+            p.grad = None
+        return out, work
+
+    def gather_full(self) -> list[torch.Tensor]:
+        """Every parameter's full tensor, newly allocated (a blocking collective)."""
+        fulls = [torch.empty(p.shape, dtype=p.dtype, device=self.device) for p in self.params]
+        for g in self.groups:
+            buf = torch.empty(self.comm.size * g.layout.shard_numel, dtype=self.dtype, device=self.device)
+            self.comm.all_gather(buf, self.shard[g.start:g.end], name=f"fsdp_state_dict.u{self.index}")
+            g.layout.unpack(buf, [fulls[i] for i in g.members])
+        return fulls
+
+    def set_grad_shard(self, buf: torch.Tensor | None) -> None:
+        self.grad_shard = buf
+        views = self.padded_views(buf) if buf is not None else [None] * len(self.params)
+        for s, v in zip(self.shard_params, views):
+            s.grad = v
+
+
+# ---- the wrapper --------------------------------------------------------------
+class FSDPModule(nn.Module):
+    """Shard ``module``'s parameters over ``comm``'s group in units and run them FSDP-style.
+
+    ``replicate`` (HSDP) is the group across which the shards are replicas:
+    gradients reduce-scattered over ``comm`` are then all-reduced over it;
+    ``dp_comm`` spans both (the whole data-parallel group) for the setup checks.
+    """
+
+    def __init__(self, module: nn.Module, comm: Comm, wrap: WrapPolicy = "auto", reshard_after_forward: bool = True,
+                 replicate: Comm | None = None, param_init_fn: Callable[[nn.Module], None] | None = None,
+                 device: torch.device | None = None, dp_comm: Comm | None = None) -> None:
+        super().__init__()
+        self.module = module
+        self.comm = comm
+        self.replicate = replicate
+        self.reshard_after_forward = reshard_after_forward
+        self.dp_size = comm.size * (replicate.size if replicate is not None else 1)
+        self._sync = True
+        on_meta = any(t.device.type == "meta" for t in list(module.parameters()) + list(module.buffers()))
+        device = device or next((t.device for t in module.parameters() if t.device.type != "meta"),
+                                torch.device("cpu"))
+        if not on_meta:
+            # Every rank must start from the same weights: rank 0's, as in DDP. (A
+            # meta-device model is initialised identically on every rank instead,
+            # from the same seed, so nothing full ever exists to broadcast.)
+            everyone = dp_comm or comm
+            check_same_parameters(module, everyone)
+            broadcast_inplace(module, everyone, name="fsdp_broadcast")
+
+        self.units = self._build_units(module, wrap)
+        self.unit_of = {p: u for u in self.units for p in u.params}
+        for u in self.units:
+            u.allocate(device)
+        self.materialize_peak_bytes = 0
+        if on_meta:
+            self._materialize(module, device, param_init_fn)
+        else:
+            with torch.no_grad():
+                for u in self.units:
+                    for i, p in enumerate(u.params):
+                        u.take_shard(i, p.detach())
+                        u.point_to_padded(i)
+        self.shard_params = [s for u in self.units for s in u.shard_params]
+        self.shard_names = {s: n for u in self.units for s, n in zip(u.shard_params, u.names)}
+        self.numel_of = {s: p.numel() for u in self.units for s, p in zip(u.shard_params, u.params)}
+        self.local_of = {s: local_numel(n, comm.size, comm.rank) for s, n in self.numel_of.items()}
+
+        self._order: list[_Unit] = []
+        self._prev_order: list[_Unit] = []
+        self._queued = False
+        self._rs: deque[tuple[_Unit, torch.Tensor, list[Any]]] = deque()
+        self._ar: deque[tuple[_Unit, torch.Tensor, Handle | None]] = deque()
+        self._hooks: list[Any] = []
+        for u in self.units:
+            m = self._module_of[u.index]
+            self._hooks.append(m.register_forward_pre_hook(self._pre_forward_hook(u)))
+            self._hooks.append(m.register_forward_hook(self._post_forward_hook(u)))
+            for p in u.params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    # ---- construction ----------------------------------------------------
+    def _build_units(self, root: nn.Module, wrap: WrapPolicy) -> list[_Unit]:
+        mods = unit_modules(root, wrap)
+        is_unit = {id(m) for m in mods}
+        names = {id(m): n for n, m in root.named_modules()}
+        # Each module's nearest enclosing unit, and each unit's parent unit.
+        enclosing: dict[int, nn.Module] = {}
+        parent: dict[int, nn.Module | None] = {id(root): None}
+
+        def walk(m: nn.Module, unit: nn.Module) -> None:
+            for c in m.children():
+                if id(c) in enclosing:
+                    continue
+                if id(c) in is_unit:
+                    parent[id(c)] = unit
+                    enclosing[id(c)] = c
+                    walk(c, c)
+                else:
+                    enclosing[id(c)] = unit
+                    walk(c, unit)
+        enclosing[id(root)] = root
+        walk(root, root)
+
+        def chain(u: nn.Module) -> list[int]:
+            out = []
+            cur: nn.Module | None = u
+            while cur is not None:
+                out.append(id(cur))
+                cur = parent.get(id(cur))
+            return out
+
+        # A parameter shared by modules of different units belongs to their
+        # lowest common ancestor unit, which stays gathered over every use.
+        owner: dict[nn.Parameter, nn.Module] = {}
+        for m in root.modules():
+            for p in m.parameters(recurse=False):
+                if not p.requires_grad:
+                    continue
+                u = enclosing[id(m)]
+                if p in owner and owner[p] is not u:
+                    mine = chain(u)
+                    common = next(x for x in chain(owner[p]) if x in mine)
+                    owner[p] = next(mm for mm in mods if id(mm) == common)
+                else:
+                    owner[p] = u
+        fqn = {p: n for n, p in root.named_parameters()}
+        for p, n in fqn.items():
+            if not p.is_contiguous():
+                raise ValueError(f"parameter '{n}' is not contiguous; FSDP shards flattened parameters")
+        units: list[_Unit] = []
+        self._module_of: dict[int, nn.Module] = {}
+        # Units in module order (root first), parameters in named_parameters order: the same on every rank.
+        order = sorted(mods, key=lambda m: list(names).index(id(m)))
+        for m in order:
+            params = [(n, p) for n, p in root.named_parameters() if owner.get(p) is m]
+            if not params:
+                continue
+            u = _Unit(len(units), names[id(m)], params, self.comm)
+            self._module_of[u.index] = m
+            units.append(u)
+        return units
+
+    @torch.no_grad()
+    def _materialize(self, root: nn.Module, device: torch.device,
+                     init: Callable[[nn.Module], None] | None) -> None:
+        """Allocate, initialise, shard and free one module's parameters at a time (meta-device models)."""
+        where = {p: (u, i) for u in self.units for i, p in enumerate(u.params)}
+        done: set[nn.Parameter] = set()
+        for name, m in root.named_modules():
+            own = [p for p in m.parameters(recurse=False) if p.device.type == "meta" and p not in done]
+            bufs = [(k, b) for k, b in m.named_buffers(recurse=False) if b is not None and b.device.type == "meta"]
+            if not own and not bufs:
+                continue
+            if init is None and not hasattr(m, "reset_parameters"):
+                raise ValueError(
+                    f"module '{name}' ({type(m).__name__}) has tensors on the meta device but no reset_parameters(); "
+                    "pass param_init_fn= to initialise it")
+            for p in own:
+                p.data = torch.empty(p.shape, dtype=p.dtype, device=device)
+            # A parameter shared with an earlier module is already sharded (its
+            # storage freed): give it scratch memory so this module's initialiser
+            # cannot write into freed memory; its first initialisation stands.
+            shared = [p for p in m.parameters(recurse=False) if p in done and p in where]
+            for p in shared:
+                p.data = torch.empty(p.shape, dtype=p.dtype, device=device)
+            for k, b in bufs:
+                m._buffers[k] = torch.empty(b.shape, dtype=b.dtype, device=device)
+            (init or (lambda mod: mod.reset_parameters()))(m)  # type: ignore[operator]
+            for p in shared:
+                u, i = where[p]
+                u.point_to_padded(i)
+            self.materialize_peak_bytes = max(self.materialize_peak_bytes,
+                                              sum(p.numel() * p.element_size() for p in own))
+            for p in own:
+                done.add(p)
+                if p in where:
+                    u, i = where[p]
+                    u.take_shard(i, p.detach())
+                    u.point_to_padded(i)
+
+    # ---- public --------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate full gradients locally: no reduce-scatter inside this block.
+
+        Parameters stay sharded, so each micro-batch still all-gathers them.
+        """
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            if self._order:
+                self._prev_order = self._order
+            self._order = []
+            for u in self.units:
+                u.pending = len(u.params)
+                u.backward_started = False
+                u.got_grad = False
+        return self.module(*args, **kwargs)
+
+    def shard_grads(self) -> list[torch.Tensor]:
+        return [u.grad_shard for u in self.units if u.grad_shard is not None]
+
+    def gather_full(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Every parameter's full value on CPU (a collective over the shard group)."""
+        out: dict[nn.Parameter, torch.Tensor] = {}
+        with torch.no_grad():
+            for u in self.units:
+                for p, f in zip(u.params, u.gather_full()):
+                    out[p] = f.cpu()
+        return out
+
+    # ---- called by ShardedOptimizer -----------------------------------
+    def before_step(self) -> None:
+        self._flush()
+
+    def after_step(self) -> None:
+        """Nothing to spread: the next forward gathers the updated shards."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for u in self.units:
+            for p in u.params:
+                p.grad = None
+            if set_to_none:
+                u.set_grad_shard(None)
+            elif u.grad_shard is not None:
+                u.grad_shard.zero_()
+
+    # ---- hooks -----------------------------------------------------------
+    def _pre_forward_hook(self, u: _Unit) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            u.unshard()
+            if torch.is_grad_enabled():
+                self._order.append(u)
+                # Forward prefetch: start the gather of the unit that ran next last iteration.
+                i = len(self._order)
+                if i < len(self._prev_order):
+                    self._prev_order[i].start_gather()
+        return hook
+
+    def _post_forward_hook(self, u: _Unit) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if not torch.is_grad_enabled():
+                u.reshard()
+                return
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(self._pre_backward_hook(u))
+            if self.reshard_after_forward:
+                u.reshard()
+        return hook
+
+    def _pre_backward_hook(self, u: _Unit) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if u.backward_started:
+                return
+            u.backward_started = True
+            if not self._queued:
+                self._queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            # The reductions still in flight finish before this unit's gradients
+            # are computed: at most one unit's full gradients exist at a time.
+            self._flush()
+            u.unshard()
+            # Backward prefetch: the unit before this one in forward order is needed
+            # next, unless its backward is already over (an enclosing unit whose
+            # own parameters came last in forward, first in backward).
+            if u in self._order:
+                i = self._order.index(u)
+                if i > 0 and self._order[i - 1].pending > 0:
+                    self._order[i - 1].start_gather()
+        return hook
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        u = self.unit_of[p]  # type: ignore[index]
+        u.got_grad = True
+        u.pending -= 1
+        if u.pending == 0:
+            self._post_backward(u)
+
+    # ---- gradient reduction --------------------------------------------
+    @torch.no_grad()
+    def _post_backward(self, u: _Unit) -> None:
+        if not self._sync:
+            u.reshard()  # keep the full gradients, free the full parameters
+            return
+        out, work = u.start_reduce()
+        u.reshard()
+        self._rs.append((u, out, work))
+        # It runs while the next unit's parameters are gathered; that unit's
+        # pre-backward hook waits for it (see _pre_backward_hook).
+
+    def _drain_rs(self) -> None:
+        u, out, work = self._rs.popleft()
+        for _staging, h in work:
+            if h is not None:
+                h.wait()
+        if self.replicate is not None and self.replicate.size > 1:
+            h2 = self.replicate.all_reduce(out, name=f"hsdp_all_reduce.u{u.index}", async_op=True)
+            self._ar.append((u, out, h2))
+        else:
+            self._accumulate(u, out)
+
+    def _drain_ar(self) -> None:
+        u, out, h = self._ar.popleft()
+        if h is not None:
+            h.wait()
+        self._accumulate(u, out)
+
+    def _accumulate(self, u: _Unit, out: torch.Tensor) -> None:
+        out.div_(self.dp_size)  # sum then divide: the mean without ReduceOp.AVG (gloo lacks it)
+        if u.grad_shard is None:
+            u.set_grad_shard(out)
+        else:
+            u.grad_shard.add_(out)
+
+    def _flush(self) -> None:
+        while self._rs:
+            self._drain_rs()
+        while self._ar:
+            self._drain_ar()
+
+    def _finish(self) -> None:
+        """End of backward: reduce units some of whose parameters got no gradient, wait, free."""
+        if self._sync:
+            for u in self.units:
+                # In unit order, so that every rank issues the same collectives.
+                if u.pending > 0 and (u.got_grad or u.backward_started):
+                    u.pending = 0
+                    self._post_backward(u)
+            self._flush()
+        for u in self.units:
+            u.reshard()
+        self._queued = False
+
+
+# ---- strategies ------------------------------------------------------------
+@dataclass
+class FSDP(Strategy):
+    """Fully sharded data parallel: ZeRO-3 in units, one per block/layer by default (``wrap="auto"``).
+
+    Args:
+        wrap: which modules are units (see :func:`unit_modules`).
+        reshard_after_forward: free each unit's parameters after its forward
+            (3 x Psi per step); ``False`` keeps them until its backward (2 x Psi, more memory).
+        param_init_fn: initialises one module of a meta-device model in place
+            (default: the module's ``reset_parameters()``).
+    """
+
+    wrap: WrapPolicy = "auto"
+    reshard_after_forward: bool = True
+    param_init_fn: Callable[[nn.Module], None] | None = None
+    name: ClassVar[str] = "fsdp"
+
+    def _groups(self, topo: Topology) -> tuple[Comm, Comm | None, Any, list[Any]]:
+        """(shard comm, replicate comm, checkpoint mesh, placements)."""
+        from torch.distributed.tensor import Shard
+
+        mesh = topo.mesh["dp"] if topo.mesh is not None else None  # type: ignore[index]
+        return topo.comm("dp"), None, mesh, [Shard(0)]
+
+    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
+              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+        if all(p.device.type != "meta" for p in model.parameters()):
+            model = model.to(topo.device)
+        shard, rep, _, _ = self._groups(topo)
+        wrapped = FSDPModule(model, shard, wrap=self.wrap, reshard_after_forward=self.reshard_after_forward,
+                             replicate=rep, param_init_fn=self.param_init_fn, device=topo.device,
+                             dp_comm=topo.comm("dp"))
+        return wrapped, ShardedOptimizer(optimizer_fn(wrapped.shard_params), wrapped)
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        return model.no_sync()  # type: ignore[operator,no-any-return]
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
+        fm: FSDPModule = model  # type: ignore[assignment]
+        fm.before_step()
+        # Replicas hold identical pieces after the all-reduce: sum squares over the shard group only.
+        return zero_clip_grad_norm(fm.shard_grads(), max_norm, fm.comm, "fsdp_clip")
+
+    def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
+        fm: FSDPModule = model  # type: ignore[assignment]
+        full = fm.gather_full()
+        out: dict[str, torch.Tensor] = {}
+        for k, v in unwrap(model).state_dict(keep_vars=True).items():
+            out[k] = full[v].clone() if v in full else v.detach().cpu().clone()  # type: ignore[index]
+        return out
+
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                         topo: Topology) -> dict[str, Any]:
+        """Parameters and optimizer states as DTensors of the flattened parameters (views of the shards)."""
+        fm: FSDPModule = model  # type: ignore[assignment]
+        _, _, mesh, placements = self._groups(topo)
+        out: dict[str, Any] = {}
+        for s, n in fm.shard_names.items():
+            numel, k = fm.numel_of[s], fm.local_of[s]
+            out[f"model.{n}"] = sharded_dtensor(s.detach()[:k], numel, mesh, placements)
+            for key, v in optimizer.state.get(s, {}).items():
+                if isinstance(v, torch.Tensor):
+                    out[f"optim.{n}.{key}"] = v if v.dim() == 0 else \
+                        sharded_dtensor(v.view(-1)[:k], numel, mesh, placements)
+        inner = unwrap(model)
+        sharded = set(fm.unit_of)
+        for n, p in inner.named_parameters():
+            if p not in sharded:  # frozen parameters stay whole on every rank
+                out[f"model.{n}"] = p.detach().view(-1)
+        for n, b in inner.named_buffers():
+            out[f"model.{n}"] = b.view(-1)
+        return out
+
+    def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
+        fm: FSDPModule = model  # type: ignore[assignment]
+        # Shard rows, plus any unit gathered at this moment (zero bytes once resharded).
+        params = [u.shard for u in fm.units] + [b for u in fm.units for b in u.padded]
+        params += [p for p in unwrap(model).parameters() if p not in fm.unit_of]
+        grads = fm.shard_grads() + [p.grad for u in fm.units for p in u.params if p.grad is not None]
+        states = [v for s in optimizer.state.values() for v in s.values()
+                  if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return {"params": params, "grads": grads, "optimizer": states}
+
+
+@dataclass
+class ZeRO3(FSDP):
+    """ZeRO stage 3: FSDP with size-based units (a module becomes a unit at ``wrap`` parameters)."""
+
+    wrap: WrapPolicy = 100_000
+    name: ClassVar[str] = "zero3"
+
+
+@dataclass
+class HSDP(FSDP):
+    """Hybrid sharding: shard inside groups of ``shard_size`` data-parallel ranks, replicate across groups.
+
+    The modern form of "shard inside a node, data parallel across nodes": the
+    all-gathers and reduce-scatters stay inside a group (a node's fast links),
+    and only one all-reduce of each ``1/shard_size`` gradient piece crosses groups.
+    ``shard_size`` defaults to 2 (1 when the data-parallel size is odd).
+    """
+
+    shard_size: int | None = None
+    name: ClassVar[str] = "hsdp"
+
+    def _shard(self, topo: Topology) -> int:
+        dp = topo.size("dp")
+        s = self.shard_size if self.shard_size is not None else (2 if dp % 2 == 0 else 1)
+        if s < 1 or dp % s:
+            raise ValueError(f"HSDP shard_size={s} must divide the data-parallel size {dp}")
+        return s
+
+    def _groups(self, topo: Topology) -> tuple[Comm, Comm | None, Any, list[Any]]:
+        from torch.distributed.tensor import Replicate, Shard
+
+        mesh = topo.dp_split(self._shard(topo))
+        if mesh is None:
+            return topo.comm("dp"), None, None, [Replicate(), Shard(0)]
+        shard = comm_on(topo, mesh.get_group("dp_shard"), "dp_shard")  # type: ignore[attr-defined]
+        rep = comm_on(topo, mesh.get_group("dp_replicate"), "dp_replicate")  # type: ignore[attr-defined]
+        return shard, rep, mesh, [Replicate(), Shard(0)]

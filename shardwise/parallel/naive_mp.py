@@ -1,0 +1,155 @@
+"""Naive model parallelism: one process, consecutive layers on a list of devices.
+
+The textbook form of model parallelism (the ``cuda:0`` / ``cuda:1`` example of
+PyTorch's "Single-Machine Model Parallel" tutorial): the layers of the model
+are cut into as many contiguous groups as there are devices (the same cut as
+a pipeline, :func:`shardwise.parallel.pipeline.stage_starts`), each group lives
+on its device, and the activation is moved to the next device between
+groups. Autograd moves the gradients back by itself. Only one device works at
+a time, which is the problem pipelining (GPipe's micro-batches) solves; what
+it buys is memory: each device holds only its layers' weights and
+optimizer states.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from shardwise.parallel.pipeline import pipeline_layers, stage_starts
+from shardwise.strategy import LossFn, OptimizerFactory, Strategy
+from shardwise.topology import Topology
+
+
+def _move(x: Any, device: torch.device) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_move(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: _move(v, device) for k, v in x.items()}
+    return x
+
+
+class NaiveModelParallel(nn.Module):
+    """``model``'s layers spread over ``devices`` in order; ``forward`` hops devices between groups.
+
+    Args:
+        model: anything :func:`~shardwise.parallel.pipeline.pipeline_layers` can flatten.
+        devices: one device per group, e.g. ``["cuda:0", "cuda:1"]`` (``["cpu", "cpu"]`` works too).
+        split_points: layer names where groups 1.. begin; None balances parameter counts.
+
+    ``moves`` counts the activations moved between groups and ``moved_bytes`` their
+    bytes (forward only), so the cost of the hops is visible even on CPU.
+    """
+
+    def __init__(self, model: nn.Module, devices: Sequence[str | torch.device],
+                 split_points: Sequence[str] | None = None) -> None:
+        super().__init__()
+        if not devices:
+            raise ValueError("naive model parallel needs at least one device")
+        self.devices = [torch.device(d) for d in devices]
+        layers = pipeline_layers(model)
+        starts = stage_starts(layers, len(self.devices), split_points) + [len(layers)]
+        self.groups = nn.ModuleList()
+        self.names: list[list[str]] = []
+        for i, dev in enumerate(self.devices):
+            part = layers[starts[i]:starts[i + 1]]
+            self.groups.append(nn.Sequential(*[m for _, m in part]).to(dev))
+            self.names.append([n for n, _ in part])
+        self._check_no_sharing()
+        # State-dict keys of the original model, to give back its layout.
+        self._keys = {id(t): k for k, t in model.state_dict(keep_vars=True).items()}
+        self._order = list(model.state_dict().keys())
+        self.moves = 0
+        self.moved_bytes = 0
+
+    def _check_no_sharing(self) -> None:
+        seen: dict[int, int] = {}
+        for i, g in enumerate(self.groups):
+            for p in g.parameters():
+                j = seen.setdefault(id(p), i)
+                if j != i:
+                    raise ValueError(f"a parameter of shape {list(p.shape)} is used by layer groups {j} and {i} "
+                                     f"(a tied weight); it cannot live on both {self.devices[j]} and "
+                                     f"{self.devices[i]}: untie it or choose split points that keep its users together")
+
+    def forward(self, x: Any) -> Any:
+        for dev, g in zip(self.devices, self.groups):
+            if isinstance(x, torch.Tensor) and x.device != dev:
+                self.moves += 1
+                self.moved_bytes += x.numel() * x.element_size()
+            x = _move(x, dev)
+            x = g(x)
+        return x
+
+    @property
+    def output_device(self) -> torch.device:
+        return self.devices[-1]
+
+    def device_of(self, group: int) -> torch.device:
+        return self.devices[group]
+
+    def original_state_dict(self) -> dict[str, torch.Tensor]:
+        """The state dict in the original model's keys, on CPU."""
+        out: dict[str, torch.Tensor] = {}
+        for t in list(self.parameters()) + list(self.buffers()):
+            k = self._keys.get(id(t))
+            if k is not None:
+                out[k] = t.detach().cpu().clone()
+        # Tied or aliased entries share one tensor: give each key its value.
+        return {k: out[k] for k in self._order if k in out}
+
+
+@dataclass
+class NaiveMP(Strategy):
+    """Naive model parallel as a strategy: one process, the model spread over ``devices``.
+
+    ``devices=None`` takes every CUDA device (at least two), else two CPU
+    "devices" (same code path, no speed-up: a way to test it anywhere).
+    """
+
+    devices: list[str] | None = None
+    split_points: list[str] | None = None
+    name: ClassVar[str] = "naive_mp"
+
+    def _devices(self) -> list[str]:
+        if self.devices:
+            return list(self.devices)
+        n = torch.cuda.device_count()
+        return [f"cuda:{i}" for i in range(n)] if n >= 2 else ["cpu", "cpu"]
+
+    def sizes(self, devices: int) -> dict[str, int]:
+        return {"dp": 1, "tp": 1, "pp": 1}
+
+    def processes(self, devices: int) -> int:
+        return 1
+
+    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
+              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+        nmp = NaiveModelParallel(model, self._devices(), self.split_points)
+        return nmp, optimizer_fn(nmp.parameters())
+
+    def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
+                   topo: Topology) -> torch.Tensor | None:
+        out_dev = model.output_device  # type: ignore[union-attr]
+        k = len(micro_batches)
+        total = torch.zeros((), device=out_dev)
+        for x, y in micro_batches:
+            loss = loss_fn(model(x), _move(y, out_dev))
+            (loss / k).backward()
+            total += loss.detach()
+        return (total / k).to(topo.device)
+
+    def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
+        return model.original_state_dict()  # type: ignore[operator,no-any-return]
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+__all__ = ["NaiveModelParallel", "NaiveMP"]

@@ -1,0 +1,279 @@
+"""Pipeline schedules: which forward and backward each stage runs, in which order.
+
+A schedule is a pure function ``(stages, microbatches, stage) -> [Action]``;
+it knows nothing about models or communication (partitioning lives in
+:mod:`shardwise.parallel.pipeline`). :func:`execute` runs a list of actions
+through a *runner* that does the receiving, computing and sending; the
+:class:`Recorder` keeps one :class:`Event` per action, from which bubbles,
+activation memory and pictures are computed. :func:`simulate` replays the
+same action lists on a model clock, which checks a schedule for deadlocks and
+gives its ideal timeline.
+
+* GPipe (Huang et al. 2019, "GPipe: Efficient Training of Giant Neural
+  Networks using Pipeline Parallelism"): all forwards, then all backwards.
+  Every stage holds the activations of all ``m`` micro-batches; the bubble is
+  ``(p - 1) / (m + p - 1)`` of the step.
+* 1F1B (Narayanan et al. 2019, PipeDream; the flush variant of Narayanan et
+  al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
+  Using Megatron-LM", section 2.2): stage ``s`` runs ``p - s - 1`` warm-up
+  forwards, then alternates one forward and one backward. Same bubble, but
+  at most ``p - s`` micro-batches are in flight on stage ``s``.
+* Interleaved 1F1B (same paper, section 2.2.2): each rank holds ``v`` model
+  chunks (virtual stages ``r, r + p, ...``); the bubble shrinks by ``v`` at
+  the price of ``v`` times more point-to-point messages. Needs ``m % p == 0``.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class Action:
+    """Forward (``"F"``) or backward (``"B"``) of micro-batch ``mb`` on model chunk ``chunk``."""
+
+    kind: str
+    mb: int
+    chunk: int = 0
+
+    def __repr__(self) -> str:
+        return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
+
+
+def gpipe(stages: int, microbatches: int, stage: int, chunks: int = 1) -> list[Action]:
+    """All forwards, then all backwards (in micro-batch order)."""
+    _check(stages, microbatches, stage, chunks, "gpipe")
+    return [Action("F", i) for i in range(microbatches)] + [Action("B", i) for i in range(microbatches)]
+
+
+def one_f_one_b(stages: int, microbatches: int, stage: int, chunks: int = 1) -> list[Action]:
+    """PipeDream-Flush: ``p - s - 1`` warm-up forwards, then one forward / one backward, then drain."""
+    _check(stages, microbatches, stage, chunks, "1f1b")
+    warm = min(stages - stage - 1, microbatches)
+    acts = [Action("F", i) for i in range(warm)]
+    for f in range(warm, microbatches):
+        acts += [Action("F", f), Action("B", f - warm)]
+    return acts + [Action("B", b) for b in range(microbatches - warm, microbatches)]
+
+
+def interleaved_1f1b(stages: int, microbatches: int, stage: int, chunks: int = 2) -> list[Action]:
+    """Megatron's interleaved 1F1B over ``chunks`` model chunks per rank (requires ``m % p == 0``).
+
+    Forwards go through chunks in groups of ``p`` micro-batches (chunk 0 for
+    micro-batches 0..p-1, chunk 1 for the same, ..., then the next group);
+    backwards visit the chunks in reverse. Warm-up is ``2(p - s - 1) + (v - 1)p``
+    forwards (all of them when ``m == p``).
+    """
+    _check(stages, microbatches, stage, chunks, "interleaved")
+    p, v, m = stages, chunks, microbatches
+    if m % p:
+        raise ValueError(f"interleaved 1F1B needs the number of micro-batches ({m}) to be a multiple of the "
+                         f"pipeline size ({p}): micro-batches move through the chunks in groups of {p}")
+    total = m * v
+
+    def which(k: int, forward: bool) -> tuple[int, int]:
+        c = (k // p) % v
+        return (k // (p * v)) * p + k % p, (c if forward else v - 1 - c)
+
+    warm = total if m == p else min(total, 2 * (p - stage - 1) + (v - 1) * p)
+    acts = [Action("F", *which(k, True)) for k in range(warm)]
+    for k in range(total - warm):
+        acts += [Action("F", *which(warm + k, True)), Action("B", *which(k, False))]
+    return acts + [Action("B", *which(k, False)) for k in range(total - warm, total)]
+
+
+def _check(stages: int, microbatches: int, stage: int, chunks: int, name: str) -> None:
+    if stages < 1 or microbatches < 1:
+        raise ValueError(f"{name}: stages ({stages}) and micro-batches ({microbatches}) must be >= 1")
+    if not 0 <= stage < stages:
+        raise ValueError(f"{name}: stage {stage} is outside 0..{stages - 1}")
+    if chunks != 1 and name != "interleaved":
+        raise ValueError(f"{name} runs one model chunk per stage, got chunks={chunks}; use schedule='interleaved'")
+
+
+Schedule = Callable[[int, int, int, int], list[Action]]
+SCHEDULES: dict[str, Schedule] = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b}
+
+
+def get_schedule(name: str) -> Schedule:
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; valid: {', '.join(SCHEDULES)}")
+    return SCHEDULES[name]
+
+
+@functools.lru_cache(maxsize=64)
+def check_message_order(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> None:
+    """Raise unless, between every two ranks, messages are received in the order they are sent.
+
+    Point-to-point messages between a pair of ranks are matched in order
+    (gloo without tags, NCCL always), so a schedule is only runnable when the
+    sender's order of sends equals the receiver's order of receives.
+    """
+    p, v, m = stages, chunks, microbatches
+    last = p * v - 1
+    sent: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+    got: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+    for r in range(p):
+        for a in get_schedule(schedule)(p, m, r, v):
+            k = a.chunk * p + r
+            if a.kind == "F":
+                if k > 0:
+                    got.setdefault(((k - 1) % p, r), []).append(("act", a.mb, k - 1))
+                if k < last:
+                    sent.setdefault((r, (k + 1) % p), []).append(("act", a.mb, k))
+            else:
+                if k < last:
+                    got.setdefault(((k + 1) % p, r), []).append(("grad", a.mb, k))
+                if k > 0:
+                    sent.setdefault((r, (k - 1) % p), []).append(("grad", a.mb, k - 1))
+    for pair in sorted(set(sent) | set(got)):
+        if sent.get(pair, []) != got.get(pair, []):
+            raise ValueError(f"schedule {schedule!r} with {p} stages, {m} micro-batches, {v} chunks sends "
+                             f"messages from rank {pair[0]} to rank {pair[1]} in a different order than they "
+                             "are received; it cannot run on ordered point-to-point channels")
+
+
+# ---- recording -------------------------------------------------------------------
+@dataclass
+class Event:
+    """One action as it ran: compute time only (waiting for a neighbour is not busy time)."""
+
+    stage: int
+    mb: int
+    kind: str
+    start: float
+    end: float
+    chunk: int = 0
+    step: int = 0
+    in_flight: int = 0          # micro-batches with a forward done and backward pending, after this action
+    saved_bytes: int = 0        # activation bytes saved for backward on this rank, after this action
+
+
+@dataclass
+class Recorder:
+    """Collects pipeline events; clocks are ``time.perf_counter`` (one host: comparable across ranks).
+
+    With ``track_saved`` the runner counts the bytes autograd saves for
+    backward (activations; parameters excluded) through saved-tensor hooks.
+    """
+
+    track_saved: bool = False
+    events: list[Event] = field(default_factory=list)
+    step: int = 0
+    peak_saved_bytes: int = 0
+
+    def add(self, e: Event) -> None:
+        e.step = self.step
+        self.events.append(e)
+
+    def gather(self, comm: Any) -> list[Event]:
+        """Every rank's events of ``comm``'s group (all ranks get all)."""
+        got = comm.all_gather_object([asdict(e) for e in self.events], name="pp.events")
+        return [Event(**d) for part in got for d in part]
+
+
+def bubble_fraction(events: list[Event]) -> float:
+    """Idle share of the step, averaged over stages: ``1 - busy / span`` with one span for all."""
+    stages = sorted({e.stage for e in events})
+    t0, t1 = min(e.start for e in events), max(e.end for e in events)
+    span = t1 - t0
+    busy = [sum(e.end - e.start for e in events if e.stage == s) for s in stages]
+    return 1.0 - sum(busy) / (len(stages) * span)
+
+
+def peak_in_flight(events: list[Event]) -> dict[int, int]:
+    """Most micro-batches whose activations a stage held at once, per stage."""
+    out: dict[int, int] = {}
+    for e in events:
+        out[e.stage] = max(out.get(e.stage, 0), e.in_flight)
+    return out
+
+
+def gpipe_bubble(stages: int, microbatches: int) -> float:
+    """GPipe's ideal bubble ``(p - 1) / (m + p - 1)`` (Huang et al. 2019)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+# ---- running ---------------------------------------------------------------------
+class Runner(Protocol):
+    """What :func:`execute` drives: p2p around each compute, and the compute itself."""
+
+    def recv_forward(self, a: Action) -> None: ...
+    def forward(self, a: Action) -> None: ...
+    def send_forward(self, a: Action) -> None: ...
+    def recv_backward(self, a: Action) -> None: ...
+    def backward(self, a: Action, last: bool) -> None: ...
+    def send_backward(self, a: Action) -> None: ...
+    def in_flight(self) -> int: ...
+    def saved_bytes(self) -> int: ...
+
+
+def execute(actions: list[Action], runner: Runner, stage: int, recorder: Recorder | None = None) -> None:
+    """Run ``actions`` in order; ``last`` marks the final backward of each chunk (gradient sync point)."""
+    last_b = {a.chunk: i for i, a in enumerate(actions) if a.kind == "B"}
+    for i, a in enumerate(actions):
+        if a.kind == "F":
+            runner.recv_forward(a)
+            t0 = time.perf_counter()
+            runner.forward(a)
+            t1 = time.perf_counter()
+            runner.send_forward(a)
+        else:
+            runner.recv_backward(a)
+            t0 = time.perf_counter()
+            runner.backward(a, last=last_b[a.chunk] == i)
+            t1 = time.perf_counter()
+            runner.send_backward(a)
+        if recorder is not None:
+            recorder.add(Event(stage, a.mb, a.kind, t0, t1, a.chunk, in_flight=runner.in_flight(),
+                               saved_bytes=runner.saved_bytes()))
+
+
+def simulate(schedule: str | Schedule, stages: int, microbatches: int, chunks: int = 1, t_f: float = 1.0,
+             t_b: float = 2.0) -> list[Event]:
+    """Replay the schedule on a model clock (forward ``t_f``, backward ``t_b`` per chunk, free messages).
+
+    Each rank runs its actions in order; an action starts when the rank is
+    free and its inputs exist (the previous virtual stage's forward, or the
+    next one's backward). Raises if the schedule can deadlock.
+    """
+    fn = get_schedule(schedule) if isinstance(schedule, str) else schedule
+    p, v, m = stages, chunks, microbatches
+    plans = [fn(p, m, s, v) for s in range(p)]
+    pos = [0] * p
+    clock = [0.0] * p
+    done: dict[tuple[str, int, int], float] = {}  # (kind, mb, virtual stage) -> end time
+    held = [0] * p
+    events: list[Event] = []
+    last = p * v - 1
+    while any(pos[s] < len(plans[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            if pos[s] >= len(plans[s]):
+                continue
+            a = plans[s][pos[s]]
+            k = a.chunk * p + s  # virtual stage
+            need = [("F", a.mb, k - 1)] if a.kind == "F" and k > 0 else []
+            if a.kind == "B":
+                need = [("F", a.mb, k)] + ([("B", a.mb, k + 1)] if k < last else [])
+            if any(n not in done for n in need):
+                continue
+            start = max([clock[s]] + [done[n] for n in need])
+            end = start + (t_f if a.kind == "F" else t_b)
+            done[(a.kind, a.mb, k)] = end
+            held[s] += 1 if a.kind == "F" else -1
+            events.append(Event(s, a.mb, a.kind, start, end, a.chunk, in_flight=held[s]))
+            clock[s] = end
+            pos[s] += 1
+            progressed = True
+        if not progressed:
+            stuck = {s: plans[s][pos[s]] for s in range(p) if pos[s] < len(plans[s])}
+            raise RuntimeError(f"schedule deadlocks: every stage waits ({stuck})")
+    return events
+
+
+__all__ = ["Action", "Event", "Recorder", "SCHEDULES", "Runner", "bubble_fraction", "check_message_order", "execute",
+           "get_schedule", "gpipe", "gpipe_bubble", "interleaved_1f1b", "one_f_one_b", "peak_in_flight", "simulate"]

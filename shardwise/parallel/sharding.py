@@ -1,0 +1,168 @@
+"""Per-parameter flat sharding shared by ZeRO-1/2/3, FSDP and HSDP.
+
+Every parameter is flattened to 1-D and cut into ``N`` equal pieces of
+``c = ceil(numel / N)`` elements, zero-padded at the end; rank ``r`` owns
+elements ``[r*c, (r+1)*c)`` (FSDP2's per-parameter sharding, Zhao et al. 2023,
+"PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel", and the
+torch.distributed ``fully_shard`` redesign). Without the padding, rank ``r``
+holds ``torch.chunk`` of the flattened parameter: the last ranks may hold fewer
+elements, or none. That is exactly a ``Shard(0)`` DTensor of the flattened
+parameter, which is how checkpoints see every sharded strategy.
+
+Several parameters travel in one collective through a *rank-major* flat
+buffer: ``N`` rows of ``S = sum(c_i)`` elements, row ``r`` holding rank ``r``'s
+piece of every parameter one after the other. An all-gather of the ``S``-element
+shards fills exactly this buffer, and a reduce-scatter of it leaves each rank its
+row. :class:`FlatLayout` packs full tensors into that buffer and unpacks them out.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.comm import Comm
+from shardwise.topology import Topology
+
+
+def chunk_numel(numel: int, n: int) -> int:
+    """Padded piece size ``ceil(numel / n)`` of a parameter sharded over ``n`` ranks."""
+    return -(-numel // n)
+
+
+def local_numel(numel: int, n: int, rank: int) -> int:
+    """Unpadded elements rank ``rank`` holds (``torch.chunk`` semantics: the last ranks may hold fewer or none)."""
+    c = chunk_numel(numel, n)
+    return max(0, min(c, numel - rank * c))
+
+
+class FlatLayout:
+    """Where each of a group of parameters lives in a rank-major flat buffer.
+
+    ``chunks[i]`` is the padded piece of parameter ``i`` on every rank and
+    ``offsets[i]`` its start inside a rank's row of ``shard_numel`` elements.
+    """
+
+    def __init__(self, numels: Sequence[int], world: int) -> None:
+        self.numels = list(numels)
+        self.world = world
+        self.chunks = [chunk_numel(n, world) for n in self.numels]
+        self.offsets: list[int] = []
+        off = 0
+        for c in self.chunks:
+            self.offsets.append(off)
+            off += c
+        self.shard_numel = off
+        # One parameter that splits evenly: its flat tensor already *is* the
+        # rank-major buffer, so collectives can read and write it in place.
+        self.identity = len(self.numels) == 1 and self.numels[0] == world * self.chunks[0]
+
+    def __len__(self) -> int:
+        return len(self.numels)
+
+    def local_numels(self, rank: int) -> list[int]:
+        return [local_numel(n, self.world, rank) for n in self.numels]
+
+    # ---- full tensors <-> rank-major buffer ------------------------------
+    def pack(self, tensors: Sequence[torch.Tensor | None], out: torch.Tensor) -> torch.Tensor:
+        """Write full tensors into ``out`` (``world * shard_numel``) rank-major; padding and ``None`` become 0."""
+        grid = out.view(self.world, self.shard_numel)
+        for t, numel, c, off in zip(tensors, self.numels, self.chunks, self.offsets):
+            if c == 0:
+                continue
+            dst = grid[:, off:off + c]
+            if t is None:
+                dst.zero_()
+                continue
+            flat = t.reshape(-1)
+            rows, rem = divmod(numel, c)
+            if rows:
+                dst[:rows].copy_(flat[:rows * c].view(rows, c))
+            if rows < self.world:
+                if rem:
+                    dst[rows, :rem].copy_(flat[rows * c:])
+                    dst[rows, rem:].zero_()
+                    dst[rows + 1:].zero_()
+                else:
+                    dst[rows:].zero_()
+        return out
+
+    def unpack(self, src: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+        """Copy a gathered rank-major buffer into full (unpadded, contiguous) tensors."""
+        grid = src.view(self.world, self.shard_numel)
+        for t, numel, c, off in zip(outs, self.numels, self.chunks, self.offsets):
+            if c == 0:
+                continue
+            flat = t.view(-1)
+            rows, rem = divmod(numel, c)
+            if rows:
+                flat[:rows * c].view(rows, c).copy_(grid[:rows, off:off + c])
+            if rem:
+                flat[rows * c:].copy_(grid[rows, off:off + rem])
+
+    def unpack_padded(self, src: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+        """Like :meth:`unpack` into padded flat tensors of ``world * chunks[i]`` elements: one copy kernel."""
+        grid = src.view(self.world, self.shard_numel)
+        torch.split_with_sizes_copy(grid, self.chunks, dim=1,
+                                    out=[o.view(self.world, c) for o, c in zip(outs, self.chunks)])
+
+    # ---- one rank's row ----------------------------------------------------
+    def shard_from_full(self, tensors: Sequence[torch.Tensor], rank: int, out: torch.Tensor) -> torch.Tensor:
+        """Write rank ``rank``'s pieces of full tensors into ``out`` (``shard_numel``), zero padding."""
+        for t, numel, c, off in zip(tensors, self.numels, self.chunks, self.offsets):
+            n = local_numel(numel, self.world, rank)
+            piece = out[off:off + c]
+            if n:
+                piece[:n].copy_(t.reshape(-1)[rank * c:rank * c + n])
+            if n < c:
+                piece[n:].zero_()
+        return out
+
+    def padded_views(self, row: torch.Tensor) -> list[torch.Tensor]:
+        """Views of each parameter's padded piece (``chunks[i]`` elements) inside a rank's row."""
+        return [row[off:off + c] for off, c in zip(self.offsets, self.chunks)]
+
+
+@torch.no_grad()
+def broadcast_inplace(module: nn.Module, comm: Comm, name: str) -> None:
+    """Make rank 0's parameters and buffers everyone's, one tensor at a time, in place.
+
+    Unlike one flat broadcast this needs no second copy of the model, which
+    matters to strategies whose point is that a rank holds less than a model.
+    """
+    for t in list(module.parameters()) + list(module.buffers()):
+        if t.device.type == "meta":
+            continue
+        if t.is_contiguous():
+            comm.broadcast(t.data, src=0, name=name)
+        else:
+            tmp = t.detach().contiguous()
+            comm.broadcast(tmp, src=0, name=name)
+            t.copy_(tmp)
+
+
+def comm_on(topo: Topology, group: Any, label: str) -> Comm:
+    """A communicator on an explicit group (HSDP's shard and replicate groups), counted in ``topo.stats``."""
+    if topo.world_size == 1:
+        return Comm(None, topo.stats, topo.timeout)
+    return Comm(group, topo.stats, topo.timeout, getattr(topo, "diag", None), label=label)
+
+
+def sharded_dtensor(local: torch.Tensor, numel: int, mesh: Any, placements: Sequence[Any]) -> Any:
+    """``local`` (this rank's unpadded piece, a view of live storage) as a DTensor of the flattened parameter.
+
+    With no mesh (one process) the piece is the whole tensor and is returned as is.
+    """
+    if mesh is None:
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, mesh, list(placements), run_check=False, shape=torch.Size((numel,)),
+                              stride=(1,))
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_'s factor: ``max_norm / (norm + 1e-6)`` clamped to at most 1."""
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)

@@ -1,0 +1,516 @@
+"""Tensor parallelism: every large matrix multiply split across the ranks of the tp group.
+
+The layout is Megatron-LM's (Shoeybi et al. 2019, section 3): in each
+transformer block the first linear layer of a pair is *column-parallel* (each
+rank owns a slice of the output features, so an elementwise nonlinearity or
+whole attention heads can follow without communication) and the second is
+*row-parallel* (each rank owns the matching slice of the input features and
+produces a partial sum). One all-reduce joins the pair in forward (``g``) and
+one in backward (``f``), so a block with attention and an MLP costs two
+all-reduces forward and two backward. The embedding is split over the
+vocabulary (section 3, "input embedding"), and the output head is
+column-parallel with its logits gathered for the loss.
+
+A *plan* says which submodule becomes what, by name pattern (``*`` matches one
+path segment)::
+
+    {"blocks.*.attn.q": "colwise", "blocks.*.attn.proj": "rowwise", "tok_emb": "vocab"}
+
+Built-in plans exist for :class:`shardwise.models.GPT` and for Hugging Face
+GPT-2 and Llama models. Sharded parameters keep their original names (with a
+shard's shape), so :func:`full_state_dict` restores the original keys.
+"""
+from __future__ import annotations
+
+import math
+import re
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from shardwise.comm import Comm
+from shardwise.comm.autograd import copy_to_parallel, gather_from_parallel, reduce_from_parallel
+from shardwise.strategy import OptimizerFactory, Strategy, unwrap
+from shardwise.topology import Topology
+
+# A sharded parameter carries (dim, parts): split along ``dim``, where the
+# full tensor is ``parts`` equal pieces (fused q|k|v) each split separately.
+SPEC_ATTR = "_shardwise_tp"
+
+
+@dataclass(frozen=True)
+class Style:
+    """How one module is split: ``colwise``, ``rowwise`` or ``vocab``.
+
+    ``gather_output`` all-gathers a column-parallel output (for heads whose
+    logits feed the loss); ``parts`` > 1 splits a fused projection (GPT-2's
+    ``c_attn`` holds q|k|v) piece by piece so each rank keeps whole heads of each.
+    """
+
+    kind: str
+    gather_output: bool = False
+    parts: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("colwise", "rowwise", "vocab"):
+            raise ValueError(f"unknown tensor-parallel style kind {self.kind!r}; valid: colwise, rowwise, vocab")
+
+
+STYLES: dict[str, Style] = {
+    "colwise": Style("colwise"),
+    "rowwise": Style("rowwise"),
+    "vocab": Style("vocab"),
+    "colwise_gather": Style("colwise", gather_output=True),
+    "colwise_qkv": Style("colwise", parts=3),
+}
+
+
+def as_style(s: str | Style) -> Style:
+    if isinstance(s, Style):
+        return s
+    if s not in STYLES:
+        raise ValueError(f"unknown tensor-parallel style {s!r}; valid: {', '.join(STYLES)} (or a Style object)")
+    return STYLES[s]
+
+
+# ---- sharding and gathering of one tensor ---------------------------------
+def shard_tensor(full: torch.Tensor, dim: int, parts: int, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank``'s slice of ``full`` along ``dim`` (of each of ``parts`` pieces)."""
+    t = full.movedim(dim, 0)
+    n, rest = t.shape[0], t.shape[1:]
+    t = t.reshape(parts, size, n // (parts * size), *rest)[:, rank]
+    return t.reshape(n // size, *rest).movedim(0, dim).contiguous()
+
+
+def gather_tensor(shard: torch.Tensor, dim: int, parts: int, comm: Comm, name: str = "tp.state") -> torch.Tensor:
+    """Inverse of :func:`shard_tensor`, a collective on ``comm``'s group."""
+    if comm.size == 1:
+        return shard
+    t = shard.movedim(dim, 0).contiguous()
+    n, rest = t.shape[0], t.shape[1:]
+    out = torch.empty((comm.size * n, *rest), dtype=t.dtype, device=t.device)
+    comm.all_gather(out, t, name=name)
+    out = out.reshape(comm.size, parts, n // parts, *rest).transpose(0, 1)
+    return out.reshape(comm.size * n, *rest).movedim(0, dim)
+
+
+def _mark(p: nn.Parameter, dim: int, parts: int) -> nn.Parameter:
+    setattr(p, SPEC_ATTR, (dim, parts))
+    return p
+
+
+def tp_spec(t: torch.Tensor) -> tuple[int, int] | None:
+    """(dim, parts) of a tensor-parallel shard, None for a replicated tensor."""
+    return getattr(t, SPEC_ATTR, None)
+
+
+# ---- the parallel layers ----------------------------------------------------
+class _FOnce:
+    """One Megatron ``f`` per input tensor, shared by the column-parallel layers that read it.
+
+    q, k and v (or Llama's gate and up projections) read the same normalised
+    activation. Megatron fuses them into one GEMM behind one ``f``; with
+    separate modules, reusing the first layer's ``f`` output gives the same
+    single all-reduce in backward (autograd sums the three gradients before
+    ``f``'s backward runs) instead of three. The input is held weakly; the
+    ``f`` output (a view of it) only until the input is gone or the next
+    input arrives.
+    """
+
+    def __init__(self) -> None:
+        self._x: weakref.ref[torch.Tensor] | None = None
+        self._y: torch.Tensor | None = None
+
+    def _drop(self, ref: Any) -> None:
+        if ref is self._x:
+            self._x, self._y = None, None
+
+    def __call__(self, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+        if self._x is not None and self._y is not None and self._x() is x:
+            return self._y
+        y = copy_to_parallel(x, comm, "tp.f")
+        self._x, self._y = weakref.ref(x, self._drop), y
+        return y
+
+
+class _Shared:
+    """Shards already made, by the id of the original parameter: tied weights stay tied."""
+
+    def __init__(self) -> None:
+        self.made: dict[int, tuple[tuple[int, int], nn.Parameter, str]] = {}
+        self.f = _FOnce()
+
+    def shard(self, p: nn.Parameter, dim: int, parts: int, comm: Comm, where: str) -> nn.Parameter:
+        got = self.made.get(id(p))
+        if got is not None:
+            if got[0] != (dim, parts):
+                raise ValueError(f"tensor parallel: '{where}' shares its weight with '{got[2]}' but the plan "
+                                 f"splits them differently ({(dim, parts)} vs {got[0]}); tied weights must be "
+                                 "split the same way (vocab embedding + colwise head)")
+            return got[1]
+        s = _mark(nn.Parameter(shard_tensor(p.detach(), dim, parts, comm.rank, comm.size),
+                               requires_grad=p.requires_grad), dim, parts)
+        self.made[id(p)] = ((dim, parts), s, where)
+        return s
+
+
+def _linear_shape(mod: nn.Module) -> tuple[int, int, bool]:
+    """(in, out, transposed) of an nn.Linear or a GPT-2 style Conv1D (weight stored (in, out))."""
+    if isinstance(mod, nn.Linear):
+        return mod.in_features, mod.out_features, False
+    if type(mod).__name__ == "Conv1D" and hasattr(mod, "nf") and hasattr(mod, "nx"):
+        return mod.nx, mod.nf, True
+    raise TypeError(f"tensor parallel: cannot split a {type(mod).__name__}; colwise/rowwise need nn.Linear "
+                    "(or a transformers Conv1D)")
+
+
+def _check_split(n: int, size: int, parts: int, where: str, what: str, why: str) -> None:
+    if n % (size * parts):
+        unit = f"{parts} x tp = {parts * size}" if parts > 1 else f"tp={size}"
+        raise ValueError(f"tensor parallel: {what} of '{where}' is {n}, not divisible by {unit} "
+                         f"({n} % {parts * size} = {n % (parts * size)}): {why}")
+
+
+class _TPLinear(nn.Module):
+    """Shared state of the column- and row-parallel layers."""
+
+    def __init__(self, comm: Comm, transposed: bool) -> None:
+        super().__init__()
+        self.comm = comm
+        self.transposed = transposed
+
+    def _mm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if not self.transposed:
+            return F.linear(x, self.weight, bias)
+        # Conv1D's own arithmetic (addmm on the flattened input), so the
+        # unsplit case reproduces it bit for bit.
+        x2 = x.reshape(-1, x.shape[-1])
+        y = torch.addmm(bias, x2, self.weight) if bias is not None else x2 @ self.weight
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class ColumnParallelLinear(_TPLinear):
+    """Output features split over the tp group; input replicated (Megatron's ``f`` in front).
+
+    With ``gather_output`` the output is all-gathered back to full width.
+    """
+
+    def __init__(self, mod: nn.Module, comm: Comm, shared: _Shared, where: str, gather_output: bool = False,
+                 parts: int = 1) -> None:
+        n_in, n_out, transposed = _linear_shape(mod)
+        super().__init__(comm, transposed)
+        _check_split(n_out, comm.size, parts, where, "the output size",
+                     "a column-parallel layer gives every rank an equal slice of the output features")
+        if gather_output and parts > 1:
+            raise ValueError(f"tensor parallel: '{where}': gather_output with a fused ({parts}-part) "
+                             "projection would interleave the parts")
+        self.in_features, self.out_features = n_in, n_out // comm.size
+        self.gather_output = gather_output
+        self.f = shared.f
+        self.weight = shared.shard(mod.weight, 1 if transposed else 0, parts, comm, where)
+        self.bias = shared.shard(mod.bias, 0, parts, comm, where) if getattr(mod, "bias", None) is not None \
+            else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._mm(self.f(x, self.comm), self.bias)
+        return gather_from_parallel(y, self.comm, "tp.gather") if self.gather_output else y
+
+
+class RowParallelLinear(_TPLinear):
+    """Input features split over the tp group; partial outputs summed by Megatron's ``g``.
+
+    The bias is replicated and added after the sum (adding it on every rank
+    before the all-reduce would count it tp times).
+    """
+
+    def __init__(self, mod: nn.Module, comm: Comm, shared: _Shared, where: str) -> None:
+        n_in, n_out, transposed = _linear_shape(mod)
+        super().__init__(comm, transposed)
+        _check_split(n_in, comm.size, 1, where, "the input size",
+                     "a row-parallel layer gives every rank an equal slice of the input features")
+        self.in_features, self.out_features = n_in // comm.size, n_out
+        self.weight = shared.shard(mod.weight, 0 if transposed else 1, 1, comm, where)
+        self.bias = mod.bias if getattr(mod, "bias", None) is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_parallel(self._mm(x, None), self.comm, "tp.g")
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows of the embedding table split over the tp group (Megatron section 3).
+
+    Each rank looks up the ids in its own row range, writes zeros for the
+    others, and ``g`` sums the partial lookups into the full embedding.
+    """
+
+    def __init__(self, mod: nn.Embedding, comm: Comm, shared: _Shared, where: str) -> None:
+        super().__init__()
+        if not isinstance(mod, nn.Embedding):
+            raise TypeError(f"tensor parallel: 'vocab' applies to nn.Embedding, '{where}' is {type(mod).__name__}")
+        if mod.max_norm is not None or mod.sparse:
+            raise ValueError(f"tensor parallel: '{where}': max_norm and sparse embeddings are not supported")
+        v = mod.num_embeddings
+        if v % comm.size:
+            up = math.ceil(v / comm.size) * comm.size
+            raise ValueError(f"tensor parallel: the vocabulary size of '{where}' is {v}, not divisible by "
+                             f"tp={comm.size} ({v} % {comm.size} = {v % comm.size}): a vocabulary-parallel "
+                             f"embedding gives every rank an equal range of rows; pad the vocabulary to {up}")
+        self.comm = comm
+        self.num_embeddings, self.embedding_dim = v // comm.size, mod.embedding_dim
+        self.start = comm.rank * self.num_embeddings
+        pad = mod.padding_idx
+        self.padding_idx = pad - self.start if pad is not None and 0 <= pad - self.start < self.num_embeddings \
+            else None
+        self.weight = shared.shard(mod.weight, 0, 1, comm, where)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        outside = (idx < self.start) | (idx >= self.start + self.num_embeddings)
+        local = (idx - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight, self.padding_idx)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_parallel(out, self.comm, "tp.g")
+
+
+# ---- plans ----------------------------------------------------------------------
+@dataclass
+class Plan:
+    """Module-name patterns -> styles, plus model-level checks and fix-ups.
+
+    ``check(model, tp)`` raises before anything is split (head counts);
+    ``fixup(model, tp)`` adjusts attributes that depend on local widths.
+    """
+
+    styles: dict[str, str | Style]
+    check: Callable[[nn.Module, int], None] | None = None
+    fixup: Callable[[nn.Module, int], None] | None = None
+    name: str = "custom"
+
+
+def _pattern(p: str) -> re.Pattern[str]:
+    return re.compile("^" + ".".join("[^.]+" if s == "*" else re.escape(s) for s in p.split(".")) + "$")
+
+
+def _divisible(what: str, n: int, tp: int, why: str) -> None:
+    if n % tp:
+        raise ValueError(f"tensor parallel: {what}={n} is not divisible by tp={tp} ({n} % {tp} = {n % tp}): {why}")
+
+
+_HEADS = "attention is split by heads, so every rank must hold the same whole number of heads"
+_VOCAB = "the embedding and output head are split by vocabulary rows, an equal range per rank"
+_HIDDEN = "the MLP's hidden features are split evenly over the ranks"
+
+
+def _check_gpt(model: nn.Module, tp: int) -> None:
+    c = model.cfg  # type: ignore[attr-defined]
+    _divisible("n_head", c.n_head, tp, _HEADS)
+    _divisible("MLP hidden size 4*n_embd", 4 * c.n_embd, tp, _HIDDEN)
+    _divisible("vocab_size", c.vocab_size, tp, _VOCAB)
+
+
+def _check_hf(model: nn.Module, tp: int) -> None:
+    c = model.config  # type: ignore[attr-defined]
+    _divisible("num_attention_heads", c.num_attention_heads, tp, _HEADS)
+    kv = getattr(c, "num_key_value_heads", None)
+    if kv is not None:
+        _divisible("num_key_value_heads", kv, tp, _HEADS + " (key/value heads too)")
+    inner = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * c.hidden_size
+    _divisible("intermediate size", inner, tp, _HIDDEN)
+    _divisible("vocab_size", c.vocab_size, tp, _VOCAB)
+
+
+def _fix_gpt2(model: nn.Module, tp: int) -> None:
+    # GPT2Attention splits the fused q|k|v output at ``split_size`` (= hidden
+    # size); each rank now holds hidden/tp of each part.
+    for m in model.modules():
+        if type(m).__name__ == "GPT2Attention" and isinstance(getattr(m, "c_attn", None), ColumnParallelLinear):
+            m.split_size = m.embed_dim // tp
+            m.num_heads = m.num_heads // tp
+
+
+def gpt_plan() -> Plan:
+    """For :class:`shardwise.models.GPT`."""
+    return Plan({"tok_emb": "vocab", "blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise",
+                 "blocks.*.attn.v": "colwise", "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.fc1": "colwise",
+                 "blocks.*.mlp.fc2": "rowwise", "head": "colwise_gather"}, _check_gpt, None, "gpt")
+
+
+def gpt2_plan(prefix: str = "transformer.") -> Plan:
+    """For Hugging Face ``GPT2LMHeadModel`` (``prefix=""`` for a bare ``GPT2Model``)."""
+    h = prefix + "h.*."
+    styles: dict[str, str | Style] = {prefix + "wte": "vocab", h + "attn.c_attn": "colwise_qkv",
+                                      h + "attn.c_proj": "rowwise", h + "mlp.c_fc": "colwise",
+                                      h + "mlp.c_proj": "rowwise"}
+    if prefix:
+        styles["lm_head"] = "colwise_gather"
+    return Plan(styles, _check_hf, _fix_gpt2, "gpt2")
+
+
+def llama_plan(prefix: str = "model.") -> Plan:
+    """For Hugging Face ``LlamaForCausalLM`` (``prefix=""`` for a bare ``LlamaModel``)."""
+    L = prefix + "layers.*."
+    styles: dict[str, str | Style] = {prefix + "embed_tokens": "vocab"}
+    for n in ("q_proj", "k_proj", "v_proj"):
+        styles[L + "self_attn." + n] = "colwise"
+    styles[L + "self_attn.o_proj"] = "rowwise"
+    styles[L + "mlp.gate_proj"] = "colwise"
+    styles[L + "mlp.up_proj"] = "colwise"
+    styles[L + "mlp.down_proj"] = "rowwise"
+    if prefix:
+        styles["lm_head"] = "colwise_gather"
+    return Plan(styles, _check_hf, None, "llama")
+
+
+def plan_for(model: nn.Module) -> Plan:
+    """The built-in plan for ``model``'s type."""
+    from shardwise.models import GPT
+
+    kind = type(model).__name__
+    if isinstance(model, GPT):
+        return gpt_plan()
+    if kind in ("GPT2LMHeadModel", "GPT2Model"):
+        return gpt2_plan("transformer." if kind == "GPT2LMHeadModel" else "")
+    if kind in ("LlamaForCausalLM", "LlamaModel"):
+        return llama_plan("model." if kind == "LlamaForCausalLM" else "")
+    raise ValueError(f"no built-in tensor-parallel plan for {kind}; pass plan={{'<module pattern>': "
+                     "'colwise' | 'rowwise' | 'vocab' | 'colwise_gather', ...}")
+
+
+def resolve_plan(plan: Plan | dict[str, str | Style] | str | None, model: nn.Module) -> Plan:
+    if plan is None or plan == "auto":
+        return plan_for(model)
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, str):
+        table = {"gpt": gpt_plan, "gpt2": gpt2_plan, "llama": llama_plan}
+        if plan not in table:
+            raise ValueError(f"unknown built-in plan {plan!r}; valid: auto, {', '.join(table)}")
+        return table[plan]()
+    return Plan(dict(plan))
+
+
+def parallelize(model: nn.Module, plan: Plan | dict[str, str | Style] | str | None, comm: Comm,
+                keep: Callable[[str], bool] | None = None) -> nn.Module:
+    """Replace the modules ``plan`` names by their tensor-parallel versions, in place.
+
+    ``keep(name)`` limits the change to some modules (a pipeline stage's own);
+    every pattern must match at least one module of the whole model.
+    """
+    p = resolve_plan(plan, model)
+    if p.check is not None:
+        p.check(model, comm.size)
+    pats = [(k, _pattern(k), as_style(v)) for k, v in p.styles.items()]
+    found: dict[str, tuple[nn.Module, Style]] = {}
+    hits = {k: 0 for k, _, _ in pats}
+    for name, mod in model.named_modules():
+        for k, rx, style in pats:
+            if rx.match(name):
+                if name in found:
+                    raise ValueError(f"tensor parallel: module '{name}' matches more than one plan pattern")
+                found[name] = (mod, style)
+                hits[k] += 1
+    missing = [k for k, n in hits.items() if n == 0]
+    if missing:
+        raise ValueError(f"tensor parallel: plan pattern(s) {missing} match no module of {type(model).__name__}")
+    shared = _Shared()
+    for name, (mod, style) in found.items():
+        if keep is not None and not keep(name):
+            continue
+        new: nn.Module
+        if style.kind == "colwise":
+            new = ColumnParallelLinear(mod, comm, shared, name, style.gather_output, style.parts)
+        elif style.kind == "rowwise":
+            new = RowParallelLinear(mod, comm, shared, name)
+        else:
+            new = VocabParallelEmbedding(mod, comm, shared, name)  # type: ignore[arg-type]
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    if p.fixup is not None:
+        p.fixup(model, comm.size)
+    return model
+
+
+# ---- whole-model helpers shared with pipeline and composition ---------------------
+def gather_state(module: nn.Module, comm: Comm) -> dict[str, torch.Tensor]:
+    """``module``'s state dict with every tp shard gathered to full size, on CPU (a collective)."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in module.state_dict(keep_vars=True).items():
+        spec = tp_spec(v)
+        t = gather_tensor(v.detach(), spec[0], spec[1], comm) if spec is not None else v.detach()
+        out[k] = t.cpu().clone()
+    return out
+
+
+def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, tp: Comm | None = None,
+                    pp: Comm | None = None, count_elsewhere: set[int] | None = None) -> torch.Tensor:
+    """Clip by the norm of the gradient of the whole (unsplit) model, the same on every rank.
+
+    tp shards are summed over the tp group; replicated parameters count once
+    (tp rank 0); parameters in ``count_elsewhere`` (a tied copy counted on
+    another pipeline stage) are scaled but not counted; stages are summed over
+    ``pp``. The coefficient is torch's: ``max_norm / (norm + 1e-6)``, at most 1.
+    """
+    every = list(params)
+    ps = [p for p in every if p.grad is not None]
+    skip = count_elsewhere or set()
+    device = every[0].device if every else torch.device("cpu")
+    sq = torch.zeros((), device=device, dtype=torch.float32)
+    for p in ps:
+        if id(p) in skip:
+            continue
+        if tp_spec(p) is not None or tp is None or tp.rank == 0:
+            sq += p.grad.detach().float().norm() ** 2  # type: ignore[union-attr]
+    if tp is not None:
+        tp.all_reduce(sq, name="tp.clip")
+    if pp is not None:
+        pp.all_reduce(sq, name="pp.clip")
+    norm = sq.sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in ps:
+        p.grad.detach().mul_(coef.to(p.grad.dtype))  # type: ignore[union-attr]
+    return norm
+
+
+@dataclass
+class TP(Strategy):
+    """Tensor parallelism over all devices (``tp = devices``); see the module docstring.
+
+    Args:
+        plan: module-pattern -> style dict, a :class:`Plan`, a built-in name
+            (``"gpt"``, ``"gpt2"``, ``"llama"``) or None to pick by model type.
+    """
+
+    plan: Plan | dict[str, str | Style] | str | None = None
+    name: ClassVar[str] = "tp"
+
+    def sizes(self, devices: int) -> dict[str, int]:
+        return {"dp": 1, "tp": devices, "pp": 1}
+
+    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
+              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = parallelize(model.to(topo.device), self.plan, topo.comm("tp"))
+        return model, optimizer_fn(model.parameters())
+
+    def owns_loss(self, topo: Topology) -> bool:
+        return topo.coord("tp") == 0
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
+        return clip_grad_norm_(unwrap(model).parameters(), max_norm, tp=topo.comm("tp"))
+
+    def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
+        return gather_state(unwrap(model), topo.comm("tp"))
+
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                         topo: Topology) -> dict[str, Any]:
+        raise NotImplementedError("checkpoints of tensor-parallel runs are not supported yet "
+                                  "(the canonical layout needs each shard as a DTensor)")
+
+
+__all__ = ["TP", "Plan", "Style", "STYLES", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+           "parallelize", "plan_for", "gpt_plan", "gpt2_plan", "llama_plan", "gather_state", "clip_grad_norm_",
+           "shard_tensor", "gather_tensor", "tp_spec"]
