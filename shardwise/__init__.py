@@ -15,6 +15,7 @@ _LAZY = {
     "ZeRO1": "shardwise.parallel.zero", "ZeRO2": "shardwise.parallel.zero",
     "ZeRO3": "shardwise.parallel.fsdp", "FSDP": "shardwise.parallel.fsdp", "HSDP": "shardwise.parallel.fsdp",
     "TP": "shardwise.parallel.tp", "PP": "shardwise.parallel.pipeline", "Parallel": "shardwise.parallel.compose",
+    "NaiveMP": "shardwise.parallel.naive_mp", "NaiveModelParallel": "shardwise.parallel.naive_mp",
 }
 
 

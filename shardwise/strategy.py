@@ -96,6 +96,9 @@ class Strategy:
             raise ValueError(f"strategy {self.name!r} does not support torch.optim.LBFGS: it needs a closure that "
                              "re-evaluates the loss several times per step, which the Trainer's step does not provide")
 
+    def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int) -> None:
+        """Reject (or warn about), before any process starts, a model or batch this layout cannot use well."""
+
     def is_server(self, topo: Topology) -> bool:
         """True on ranks that read no data and run :meth:`serve` instead of the step loop."""
         return False

@@ -169,6 +169,7 @@ class Trainer:
                 f"batch_size={batch_size} is not divisible by data-parallel size {dp} x "
                 f"accumulate_grad_batches {k} = {dp * k}; the global batch must split evenly "
                 f"(try batch_size={max(dp * k, batch_size // (dp * k) * dp * k)})")
+        self.strategy.check_model(model, self.devices, batch_size, self.accumulate_grad_batches)
         self._check_devices()
         probe = optimizer([nn.Parameter(torch.zeros(1))])
         if not isinstance(probe, torch.optim.Optimizer):

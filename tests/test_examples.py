@@ -29,12 +29,12 @@ def first_and_final(stdout: str) -> tuple[float, float]:
 
 def test_digits_example(tmp_path):
     out = tmp_path / "losses.json"
-    r = run("examples/digits.py", "--strategy", "ddp", "--devices", "2", "--steps", "20", "--out", str(out))
+    r = run("examples/digits.py", "--strategy", "ddp", "--devices", "2", "--steps", "50", "--out", str(out))
     losses = json.loads(out.read_text())
-    assert len(losses) == 20
-    assert losses[-1] < 0.8 * losses[0]
+    assert len(losses) == 50
+    assert losses[-1] < 0.6 * losses[0]
     accuracy = float(re.search(r"test accuracy ([0-9.]+)%", r.stdout).group(1))  # type: ignore[union-attr]
-    assert accuracy > 20.0  # ten classes: chance is 10%
+    assert accuracy > 50.0  # ten classes: chance is 10%
 
 
 def test_char_gpt_example():

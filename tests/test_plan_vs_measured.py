@@ -26,8 +26,10 @@ def test_predicted_bytes_equal_counted(strategy, devices):
     est = estimate(ModelSpec.from_module(work.make_model()), ClusterSpec.with_devices(devices),
                    TrainingSpec(precision="fp32", optimizer="adamw", global_batch=64, micro_batch=64 // devices),
                    Layout(strategy, devices))
+    # The planner predicts the busiest rank: ZeRO-1/2 keep small padded copies of
+    # pieces cut short by a parameter's end, and which rank holds them varies.
+    assert max(s["params_bytes"] for s in run.stats) == est.params_bytes
     for s in run.stats:
-        assert s["params_bytes"] == est.params_bytes
         assert s["optimizer_bytes"] == est.optimizer_bytes
         assert s["grads_bytes"] == est.grads_bytes
         assert s["comm_bytes_per_step"] == est.comm_bytes_per_step

@@ -232,7 +232,7 @@ def tp_pair(a: argparse.Namespace) -> Table:
                       "(2 x blocks - 1) all-reduces")
 
 
-__all__ = ["StepContender", "megatron_mlp", "mlp", "pp_pair", "run_steps", "tp_pair"]
+__all__ = ["StepContender", "ascii_timeline", "megatron_mlp", "mlp", "pp_pair", "run_steps", "tp_pair"]
 
 
 # ---- measurements for docs/model_parallel.md ------------------------------------------
@@ -366,14 +366,30 @@ def measure_tp_block_bytes(sizes: list[int]) -> list[tuple[int, int, int, int]]:
     return rows
 
 
+def ascii_timeline(events: list[Any], unit: float = 1.0) -> str:
+    """One line per stage, one character per ``unit`` of time: the micro-batch number for a forward,
+    a letter (a = 0, b = 1, ...) for a backward, ``.`` for idle."""
+    stages = sorted({e.stage for e in events})
+    width = int(round(max(e.end for e in events) / unit))
+    lines = []
+    for s in stages:
+        row = ["."] * width
+        for e in (e for e in events if e.stage == s):
+            ch = str(e.mb % 10) if e.kind == "F" else chr(ord("a") + e.mb % 26)
+            for i in range(int(round(e.start / unit)), int(round(e.end / unit))):
+                row[i] = ch
+        lines.append(f"stage {s}: " + "".join(row))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m shardwise.bench.mp {bubble,memory,tpbytes,pairs}``: the numbers in docs/model_parallel.md."""
+    """``python -m shardwise.bench.mp {bubble,memory,tpbytes,pairs,timeline}``: the numbers in docs/model_parallel.md."""
     from rich.console import Console
 
     from shardwise.parallel.schedules import gpipe_bubble
 
     ap = argparse.ArgumentParser(prog="python -m shardwise.bench.mp")
-    ap.add_argument("what", choices=["bubble", "memory", "tpbytes", "pairs"])
+    ap.add_argument("what", choices=["bubble", "memory", "tpbytes", "pairs", "timeline"])
     ap.add_argument("--stages", default="2,4,8")
     ap.add_argument("--micro", default="1,2,4,8,16")
     ap.add_argument("--schedule", default="gpipe")
@@ -417,6 +433,18 @@ def main(argv: list[str] | None = None) -> int:
         for n, sent, calls, act in measure_tp_block_bytes(stages):
             t.add_row(str(n), str(calls), f"{sent:,}", f"{4 * (2 * (n - 1) * act // n):,}")
         console.print(t)
+    elif a.what == "timeline":
+        from shardwise.parallel.schedules import bubble_fraction, peak_in_flight, simulate
+
+        for p in stages:
+            for m in [int(x) for x in a.micro.split(",")]:
+                chunks = 2 if a.schedule == "interleaved" else 1
+                ev = simulate(a.schedule, p, m, chunks, t_f=1.0 / chunks, t_b=2.0 / chunks)
+                print(f"{a.schedule}, p={p}, m={m} (forward 1, backward 2 time units per micro-batch"
+                      f"{', 2 chunks per rank' if chunks > 1 else ''}): simulated bubble "
+                      f"{bubble_fraction(ev):.4f}, (p-1)/(m+p-1) = {gpipe_bubble(p, m):.4f}, "
+                      f"peak in flight {peak_in_flight(ev)}")
+                print(ascii_timeline(ev, 1.0 / chunks))
     else:
         for pair in (pp_pair, tp_pair):
             console.print(pair(a))

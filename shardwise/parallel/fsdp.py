@@ -279,6 +279,20 @@ class _Unit:
             s.grad = v
 
 
+def _to_device(p: nn.Parameter, device: torch.device) -> None:
+    """Give ``p`` uninitialised memory on ``device``, keeping the Parameter object (hooks and names refer to it).
+
+    ``p.data = ...`` cannot move a meta tensor to a real device (autograd
+    rejects the change of tensor type), so a meta parameter swaps its whole
+    contents with a fresh parameter instead.
+    """
+    fresh = torch.empty(p.shape, dtype=p.dtype, device=device)
+    if p.device.type == "meta":
+        torch.utils.swap_tensors(p, nn.Parameter(fresh, requires_grad=p.requires_grad))
+    else:
+        p.data = fresh
+
+
 # ---- the wrapper --------------------------------------------------------------
 class FSDPModule(nn.Module):
     """Shard ``module``'s parameters over ``comm``'s group in units and run them FSDP-style.
@@ -418,7 +432,7 @@ class FSDPModule(nn.Module):
                     f"module '{name}' ({type(m).__name__}) has tensors on the meta device but no reset_parameters(); "
                     "pass param_init_fn= to initialise it")
             for p in own:
-                p.data = torch.empty(p.shape, dtype=p.dtype, device=device)
+                _to_device(p, device)
             # A parameter shared with an earlier module is already sharded (its
             # storage freed): give it scratch memory so this module's initialiser
             # cannot write into freed memory; its first initialisation stands.

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -619,6 +620,34 @@ class PP(Strategy):
         x = micro_batches[0][0]
         n, p = (x.shape[0] if isinstance(x, torch.Tensor) else 0), topo.size("pp")
         return p if p > 1 and n % p == 0 else None
+
+    def effective_microbatches(self, local_batch: int, stages: int, accumulate_grad_batches: int = 1) -> int:
+        """How many micro-batches a step feeds the pipeline (what :meth:`_micro` will choose)."""
+        if self.microbatches is not None:
+            return self.microbatches
+        if accumulate_grad_batches > 1:
+            return accumulate_grad_batches
+        return stages if stages > 1 and local_batch % stages == 0 else 1
+
+    def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int) -> None:
+        """Before any process starts: every stage gets a layer, the batch splits, the stages can all fill.
+
+        The same checks run again inside each rank, but there a mistake would surface
+        once per process, after the process group was formed; here it costs nothing.
+        """
+        p = self.sizes(devices)["pp"]
+        stage_starts(pipeline_layers(model), p * self.chunks, self.split_points)  # too few layers: ValueError
+        local = batch_size // self.batch_shards(devices)
+        m = self.effective_microbatches(local, p, accumulate_grad_batches)
+        if self.microbatches is not None and (m < 1 or local % m):
+            raise ValueError(f"pipeline: the local batch of {local} samples does not split into microbatches={m} "
+                             f"equal micro-batches (the mean loss needs equal sizes); choose a divisor of {local}")
+        get_schedule(self.schedule)(p, m, 0, self.chunks)  # the schedule's own rules (interleaved: m % p == 0)
+        if 1 < p and m < p:
+            # GPipe, section 2.2: the idle share is (p-1)/(m+p-1); with m < p some stage never overlaps another.
+            warnings.warn(f"pipeline: {m} micro-batch(es) per step for {p} stages: fewer micro-batches than stages "
+                          f"leaves stages idle (bubble (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.0%} of the step); "
+                          f"use microbatches >= {p}", stacklevel=4)
 
     def owns_loss(self, topo: Topology) -> bool:
         return topo.coord("pp") == topo.size("pp") - 1 and topo.coord("tp") == 0

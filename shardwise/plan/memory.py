@@ -39,6 +39,27 @@ def sharded_numel(numels: Numels, n: int) -> int:
     return sum(shard_numel(x, n) for x in numels)
 
 
+def padded_copy_numel(numels: Numels, n: int) -> int:
+    """Elements of the padded piece copies ZeRO-1/2 keep on the busiest of ``n`` ranks.
+
+    ZeRO-1/2 hand the optimizer a view of the full parameter wherever a rank's
+    piece is whole; a piece cut short by the parameter's end (``numel`` not a
+    multiple of the piece size ``c = ceil(numel/n)``, or past the end) is a
+    ``c``-element copy (shardwise.parallel.zero). Which rank holds it depends
+    on the parameter, so this is the maximum over ranks of the copies' sizes.
+    Zero for one flat buffer (an int): a single padded buffer has no pieces.
+    """
+    if isinstance(numels, int) or n == 1:
+        return 0
+    per_rank = [0] * n
+    for x in numels:
+        c = shard_numel(x, n)
+        for r in range(n):
+            if max(0, min(c, x - r * c)) < c:
+                per_rank[r] += c
+    return max(per_rank)
+
+
 def total_numel(numels: Numels) -> int:
     return numels if isinstance(numels, int) else sum(numels)
 
@@ -93,9 +114,9 @@ def model_state_bytes(numel: Numels, strategy: str, shard: int, bpp: BytesPerPar
     also hold the full, unreduced gradients (in the working precision).
     """
     part = sharded_numel(numel, shard)
-    numel = total_numel(numel)
+    numel_list, numel = numel, total_numel(numel)
     stage = {"ddp": 0, "zero1": 1, "zero2": 2}.get(strategy, 3)
-    p = bpp.param * (part if stage >= 3 else numel)
+    p = bpp.param * (part if stage >= 3 else numel + (padded_copy_numel(numel_list, shard) if stage >= 1 else 0))
     g = bpp.grad * (part if stage >= 2 else numel) + (bpp.param * numel if full_grads and stage >= 2 else 0)
     o = bpp.optimizer * (part if stage >= 1 else numel)
     if offload == "none" or stage == 0:
