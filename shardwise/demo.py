@@ -2,20 +2,32 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from rich.console import Console
 from rich.table import Table
 
-from shardwise.strategy import available_strategies
+from shardwise.strategy import Strategy, available_strategies
 from shardwise.trainer import Trainer
 from shardwise.verify import accuracy, compare
 from shardwise.workloads import digits
 
-# (strategy, devices) in the order shown; entries whose strategy is not
-# registered (yet) are skipped, so the table grows with the library.
-DEMO_RUNS: list[tuple[str, int]] = [
-    ("single", 1), ("ddp", 2), ("dp", 2), ("ps", 3), ("zero1", 2), ("zero2", 2), ("zero3", 2),
-    ("fsdp", 2), ("hsdp", 4), ("tp", 2), ("pp", 2),
+
+
+def _three_d() -> Strategy:
+    """dp=2 x tp=2 x pp=2 with ZeRO-1 over dp on the digits MLP: stage 0 is net.0, stage 1 net.2..net.4,
+    whose two Linear layers are split Megatron-style (column then row)."""
+    from shardwise.parallel.compose import Parallel
+    return Parallel(dp=2, tp=2, pp=2, zero=1, split_points=["net.2"],
+                    tp_plan={"net.2": "colwise", "net.4": "rowwise"}, microbatches=2)
+
+
+# (label, strategy name or factory, devices) in the order shown. With --devices
+# other than 2, the rows of 2 devices use that many instead; the others keep theirs.
+DEMO_RUNS: list[tuple[str, str | Callable[[], Strategy], int]] = [
+    ("single", "single", 1), ("ddp", "ddp", 2), ("dp", "dp", 2), ("ps", "ps", 3), ("zero1", "zero1", 2),
+    ("zero2", "zero2", 2), ("zero3", "zero3", 2), ("fsdp", "fsdp", 2), ("hsdp", "hsdp", 4), ("tp", "tp", 2),
+    ("pp", "pp", 2), ("3d 2x2x2+zero1", _three_d, 8),
 ]
 
 
@@ -33,12 +45,13 @@ def main(steps: int = 60, devices: int = 2, rtol: float = 1e-4, console: Console
     ref = None
     ok = True
     valid = available_strategies()
-    for name, n in DEMO_RUNS:
-        if name not in valid:
+    for name, spec, n in DEMO_RUNS:
+        if isinstance(spec, str) and spec not in valid:
             continue
-        n = 1 if name == "single" else (n if devices == 2 else devices)
+        n = n if n != 2 else devices
+        strategy = spec if isinstance(spec, str) else spec()
         t0 = time.perf_counter()
-        res = Trainer(name, n, accelerator="cpu", progress=False).fit(
+        res = Trainer(strategy, n, accelerator="cpu", progress=False).fit(
             work.make_model(), work.train, work.loss_fn, work.optimizer(), work.batch_size, steps)
         model = work.make_model()
         model.load_state_dict(res.state_dict)

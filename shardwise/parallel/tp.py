@@ -366,13 +366,29 @@ def llama_plan(prefix: str = "model.") -> Plan:
     return Plan(styles, _check_hf, None, "llama")
 
 
+def mlp_plan(model: nn.Module) -> Plan:
+    """For :class:`shardwise.models.MLP`: hidden Linear layers in Megatron pairs, column- then row-parallel.
+
+    A pair costs one all-reduce in forward and one in backward (the ReLU between
+    them is element-wise, so it runs on the column shards). The classifier head
+    and an unpaired last hidden layer stay replicated.
+    """
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][:-1]
+    styles: dict[str, str | Style] = {}
+    for col, row in zip(linears[0::2], linears[1::2]):
+        styles[col], styles[row] = "colwise", "rowwise"
+    return Plan(styles, None, None, "mlp")
+
+
 def plan_for(model: nn.Module) -> Plan:
     """The built-in plan for ``model``'s type."""
-    from shardwise.models import GPT
+    from shardwise.models import GPT, MLP
 
     kind = type(model).__name__
     if isinstance(model, GPT):
         return gpt_plan()
+    if isinstance(model, MLP):
+        return mlp_plan(model)
     if kind in ("GPT2LMHeadModel", "GPT2Model"):
         return gpt2_plan("transformer." if kind == "GPT2LMHeadModel" else "")
     if kind in ("LlamaForCausalLM", "LlamaModel"):

@@ -247,3 +247,19 @@ def test_indivisible_hidden_size_in_a_custom_plan():
         parallelize(net, {"0": "diagonal"}, FAKE4)
     with pytest.raises(ValueError, match=r"no built-in tensor-parallel plan for Sequential"):
         parallelize(net, None, FAKE4)
+
+
+def test_mlp_builtin_plan_pairs_hidden_layers_and_trains_like_single(same_run):
+    from shardwise.models import MLP
+    from shardwise.parallel.tp import plan_for
+    from shardwise.workloads import digits
+
+    assert plan_for(MLP(depth=3)).styles == {"net.0": "colwise", "net.2": "rowwise"}  # net.4 unpaired, head replicated
+    assert plan_for(MLP(depth=2)).styles == {"net.0": "colwise", "net.2": "rowwise"}
+    work = digits()
+
+    def fit(strategy, devices):
+        return sw.Trainer(strategy, devices, accelerator="cpu", progress=False).fit(
+            work.make_model(), work.train, work.loss_fn, ADAMW, batch_size=64, max_steps=4)
+
+    same_run(fit("single", 1), fit("tp", 2))
