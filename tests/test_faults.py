@@ -10,6 +10,8 @@ import torch
 import shardwise as sw
 from shardwise import launch
 from shardwise.comm import collectives
+from shardwise.parallel.fsdp import ZeRO3
+from shardwise.parallel.pipeline import PP
 from shardwise.strategy import DDP
 from shardwise.topology import Topology
 from shardwise.workloads import digits
@@ -43,6 +45,18 @@ class SkippingDDP(DDP):
         return super().setup(model, optimizer_fn, topo)
 
 
+class SkippingZeRO3(ZeRO3):
+    def setup(self, model, optimizer_fn, topo):
+        skip_one_collective_on_rank1(topo)
+        return super().setup(model, optimizer_fn, topo)
+
+
+class SkippingPP(PP):
+    def setup(self, model, optimizer_fn, topo):
+        skip_one_collective_on_rank1(topo)
+        return super().setup(model, optimizer_fn, topo)
+
+
 def _fit(strategy, devices=2, steps=5, timeout_s=6.0, debug=False):
     work = digits()
     return sw.Trainer(strategy, devices, accelerator="cpu", progress=False, timeout_s=timeout_s, debug=debug).fit(
@@ -59,6 +73,24 @@ def test_skipped_collective_is_diagnosed_within_the_timeout():
     assert "where every rank is:" in msg
     assert "rank(s) [1] never arrived at all_reduce 'ddp.bucket0'" in msg
     assert elapsed < 60  # bounded by the timeout, not by a watchdog minutes later
+
+
+@pytest.mark.parametrize("strategy,missing", [
+    (SkippingZeRO3(), "rank(s) [1] never arrived at all_gather 'fsdp_all_gather.u0'"),
+    # Rank 1 (the last stage) skips its first send of step 2: a gradient back to stage 0.
+    (SkippingPP(split_points=["net.2"], microbatches=2),
+     "rank(s) [1] never arrived at the matching send of recv 'pp.grad' (step 2; rank 0 is waiting)"),
+])
+def test_skipped_collective_under_zero3_and_pp(strategy, missing):
+    t0 = time.perf_counter()
+    with pytest.raises(Exception) as e:
+        _fit(strategy)
+    elapsed = time.perf_counter() - t0
+    msg = str(e.value)
+    assert "did not complete within 0:00:06" in msg
+    assert "where every rank is:" in msg
+    assert missing in msg
+    assert elapsed < 60
 
 
 def _mismatch(rank, device):

@@ -79,6 +79,8 @@ class Handle:
     def wait(self) -> None:
         if self._work is None:
             return
+        if self._diag is not None and self._rec is not None:
+            self._diag.wait_on(self._rec)
         try:
             self._work.wait(self._timeout)
         except RuntimeError as e:  # gloo and NCCL raise RuntimeError on timeout, abort or a dead peer

@@ -40,6 +40,11 @@ class Record:
     sizes: list[list[int]]
     started: float = field(default_factory=time.time)
     done: bool = False
+    # True while the rank blocks in this operation's wait(). A send posted
+    # asynchronously stays "not done" until someone waits on it, even when the
+    # peer has long received it, so the oldest pending record is not always
+    # where the rank is stuck; the one it waits in is.
+    waiting: bool = False
 
     def describe(self) -> str:
         return f"{self.op} '{self.name}' (seq {self.seq} on group {self.group}, step {self.step})"
@@ -107,8 +112,13 @@ class Diagnostics:
             self._check_same(rec)
         return rec
 
+    def wait_on(self, rec: Record) -> None:
+        rec.waiting = True
+        self._dirty = True
+
     def end(self, rec: Record) -> None:
         rec.done = True
+        rec.waiting = False
         self._dirty = True
 
     def close(self) -> None:
@@ -185,10 +195,13 @@ def explain_job(store: Any, world: int, wait_s: float = 2.0) -> str:
             lines.append(f"  rank {r}: not in any communication" +
                          (f" (last finished: {last.describe()})" if last else ""))
             continue
-        stuck = min(pending, key=lambda h: h.started)
+        blocked = [h for h in pending if h.waiting]
+        stuck = min(blocked or pending, key=lambda h: h.started)
         lines.append(f"  rank {r}: waiting in {stuck.describe()} for {time.time() - stuck.started:.1f} s")
         verdicts.append(_who_is_missing(stuck, infos))
-    return "where every rank is:\n" + "\n".join(lines) + "\n" + "\n".join(v for v in verdicts if v)
+    # Ranks stuck on the two sides of one divergence reach the same verdict: say it once.
+    unique = list(dict.fromkeys(v for v in verdicts if v))
+    return "where every rank is:\n" + "\n".join(lines) + "\n" + "\n".join(unique)
 
 
 def _who_is_missing(stuck: Record, infos: dict[int, dict[str, list[Record]] | None]) -> str:
@@ -198,10 +211,10 @@ def _who_is_missing(stuck: Record, infos: dict[int, dict[str, list[Record]] | No
         other = infos.get(peer)
         want = "recv" if stuck.op == "send" else "send"
         matched = other is not None and any(
-            h.op == want and h.name == stuck.name and not h.done and stuck.rank in h.ranks
+            h.op == want and h.name == stuck.name and h.step == stuck.step and not h.done and stuck.rank in h.ranks
             for hist in other.values() for h in hist)
         return "" if matched else (f"rank(s) [{peer}] never arrived at the matching {want} of "
-                                   f"{stuck.op} '{stuck.name}' (rank {stuck.rank} is waiting)")
+                                   f"{stuck.op} '{stuck.name}' (step {stuck.step}; rank {stuck.rank} is waiting)")
     missing, instead = [], []
     for r in stuck.ranks:
         info = infos.get(r)
@@ -218,9 +231,64 @@ def _who_is_missing(stuck: Record, infos: dict[int, dict[str, list[Record]] | No
             instead.append(f"    at that position rank {r} issued {same[0].describe()}")
     if not missing:
         return f"every rank arrived at {stuck.describe()}; the backend itself is stuck or slow"
+    if instead:
+        culprit = _who_diverged(stuck, infos)
+        if culprit is not None:
+            return culprit
     return (f"rank(s) {missing} never arrived at {stuck.op} '{stuck.name}' (seq {stuck.seq} on group "
             f"{stuck.group}, step {stuck.step}), which rank {stuck.rank} is waiting in"
             + ("\n" + "\n".join(instead) if instead else ""))
+
+
+def _deviation(hist: list[Record], at: Record) -> tuple[Record, Record] | None:
+    """(what this rank issued, what its previous step issued there) if step ``at.step`` breaks the pattern.
+
+    Training steps repeat one sequence of collectives, so a rank whose
+    operations in this step are not a prefix of its previous step's is the one
+    that skipped or reordered one. None when it follows the pattern or no
+    earlier step is in the (bounded) history.
+    """
+    earlier = [h for h in hist if h.step < at.step]
+    if not earlier:
+        return None
+    prev_step = max(h.step for h in earlier)
+    before = sorted((h for h in hist if h.step == prev_step), key=lambda h: h.seq)
+    now = sorted((h for h in hist if h.step == at.step and h.seq <= at.seq), key=lambda h: h.seq)
+    if len(hist) >= HISTORY and before[0].seq == min(h.seq for h in hist):
+        return None  # the history may have dropped the start of the previous step: no reliable pattern
+    for got, want in zip(now, before):
+        if (got.op, got.name) != (want.op, want.name):
+            return got, want
+    return None
+
+
+def _who_diverged(stuck: Record, infos: dict[int, dict[str, list[Record]] | None]) -> str | None:
+    """When ranks disagree at one position, name the rank(s) that broke their own step pattern."""
+    culprits: dict[int, tuple[Record, Record]] = {}
+    faithful: list[int] = []
+    for r in stuck.ranks:
+        info = infos.get(r)
+        if info is None:
+            return None
+        hist = info.get(stuck.group, [])
+        mine = [h for h in hist if h.seq == stuck.seq]
+        if not mine:
+            return None
+        dev = _deviation(hist, mine[0])
+        if dev is None:
+            faithful.append(r)
+        else:
+            culprits[r] = dev
+    if not culprits or not faithful:
+        return None
+    expected = next(h for h in (infos[faithful[0]] or {}).get(stuck.group, []) if h.seq == stuck.seq)
+    lines = [f"rank(s) {sorted(culprits)} never arrived at {expected.op} '{expected.name}' (seq {stuck.seq} on group "
+             f"{stuck.group}, step {stuck.step}), which rank(s) {faithful} are waiting in: they skipped or "
+             f"reordered a collective"]
+    for r, (got, want) in sorted(culprits.items()):
+        lines.append(f"    rank {r} issued {got.op} '{got.name}' at seq {got.seq} where its previous step "
+                     f"issued {want.op} '{want.name}'")
+    return "\n".join(lines)
 
 
 def _sig(s: dict[str, Any]) -> str:
