@@ -52,8 +52,11 @@ class PairResult:
 
 
 def _time_contender(c: Contender, base: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor,
-                    loss_fn: Callable[..., torch.Tensor], warmup: int, steps: int) -> tuple[float, int, float]:
+                    loss_fn: Callable[..., torch.Tensor], warmup: int, steps: int,
+                    trim: bool = False) -> tuple[float, int, float]:
     gc.collect()
+    if trim:
+        trim_malloc()
     reset_peak_rss()
     before = current_rss_bytes()
     model, opt = c.build(copy.deepcopy(base), topo)
@@ -79,6 +82,22 @@ def _time_contender(c: Contender, base: nn.Module, topo: Topology, x: torch.Tens
     return statistics.median(times), mem, sent
 
 
+def trim_malloc() -> bool:
+    """Give the heap's free memory back to the OS (glibc ``malloc_trim(0)``); False where unavailable.
+
+    Without it, memory freed by the contender that ran before stays mapped and
+    the next one reuses it: that one's RSS increase reads too low, and depends
+    on who ran first. Called between contenders only, so step times are untouched.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        return bool(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def _bench_worker(rank: int, device: torch.device, blob: bytes, path: str) -> None:
     job = pickle.loads(blob)
     topo = Topology.create(device)
@@ -86,18 +105,30 @@ def _bench_worker(rank: int, device: torch.device, blob: bytes, path: str) -> No
     g = torch.Generator().manual_seed(1234 + rank)
     x = torch.randn(job["local_batch"], *job["in_shape"], generator=g).to(device)
     y = job["make_target"](x, g).to(device)
-    a, b = job["contenders"]
+    res = alternate(job["contenders"], job["reps"], lambda c: _time_contender(
+        c, base, topo, x, y, job["loss_fn"], job["warmup"], job["steps"], trim=job.get("exact_rss", False)))
+    gather_results(res, topo, path)
+
+
+def alternate(contenders: tuple[Any, Any], reps: int,
+              time_one: Callable[[Any], tuple[float, float, float]]) -> PairResult:
+    """Time two contenders ``reps`` times each, alternating which goes first (so warm caches and
+    allocator state favour neither); ``time_one(c)`` returns (median step s, peak RSS increase, sent/step)."""
+    a, b = contenders
     res = PairResult((a.name, b.name), {a.name: [], b.name: []}, {a.name: [], b.name: []})
-    for rep in range(job["reps"]):
-        order = (a, b) if rep % 2 == 0 else (b, a)
-        for c in order:
-            t, mem, sent = _time_contender(c, base, topo, x, y, job["loss_fn"], job["warmup"], job["steps"])
+    for rep in range(reps):
+        for c in ((a, b) if rep % 2 == 0 else (b, a)):
+            t, mem, sent = time_one(c)
             res.step_times[c.name].append(t)
             res.peak_rss_delta[c.name].append(mem)
             res.sent_per_step[c.name] = sent if c.counts_bytes else None
-    # Rank 0's view is reported; the slowest rank would be the same here (symmetric work).
+    return res
+
+
+def gather_results(res: PairResult, topo: Topology, path: str) -> None:
+    """Every rank's result, written by rank 0 to ``path`` for the spawning process to read."""
     everyone = topo.comm("world").all_gather_object(res, name="bench.gather")
-    if rank == 0:
+    if topo.rank == 0:
         with open(path, "wb") as f:
             pickle.dump(everyone, f)
 
@@ -105,10 +136,15 @@ def _bench_worker(rank: int, device: torch.device, blob: bytes, path: str) -> No
 def run_pair(contenders: tuple[Contender, Contender], model: nn.Module, in_shape: tuple[int, ...],
              make_target: Callable[[torch.Tensor, torch.Generator], torch.Tensor],
              loss_fn: Callable[..., torch.Tensor], nprocs: int, local_batch: int, reps: int = 5,
-             warmup: int = 3, steps: int = 10, accelerator: str = "cpu") -> list[PairResult]:
-    """Run both contenders on ``nprocs`` ranks; returns one :class:`PairResult` per rank."""
+             warmup: int = 3, steps: int = 10, accelerator: str = "cpu", exact_rss: bool = False) -> list[PairResult]:
+    """Run both contenders on ``nprocs`` ranks; returns one :class:`PairResult` per rank.
+
+    ``exact_rss``: give freed heap memory back to the OS before each contender
+    (see :func:`trim_malloc`), so that peak RSS increases compare fairly.
+    """
     job = dict(model=model, in_shape=in_shape, make_target=make_target, loss_fn=loss_fn,
-               contenders=contenders, local_batch=local_batch, reps=reps, warmup=warmup, steps=steps)
+               contenders=contenders, local_batch=local_batch, reps=reps, warmup=warmup, steps=steps,
+               exact_rss=exact_rss)
     with tempfile.TemporaryDirectory(prefix="shardwise-bench-") as tmp:
         path = os.path.join(tmp, "bench.pkl")
         launch.spawn(_bench_worker, nprocs, args=(pickle.dumps(job), path), accelerator=accelerator)

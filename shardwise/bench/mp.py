@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from shardwise import launch
-from shardwise.bench.harness import PairResult, summarize
+from shardwise.bench.harness import PairResult, alternate, gather_results, summarize
 from shardwise.stats import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from shardwise.topology import Topology
 
@@ -164,18 +164,9 @@ def _worker(rank: int, device: torch.device, blob: bytes, path: str) -> None:
     g = torch.Generator().manual_seed(1234)  # the same batch on every rank: one model replica
     x = torch.randn(job["batch"], job["width"], generator=g).to(device)
     y = torch.randn(job["batch"], job["width"], generator=g).to(device)
-    a, b = job["contenders"]
-    res = PairResult((a.name, b.name), {a.name: [], b.name: []}, {a.name: [], b.name: []})
-    for rep in range(job["reps"]):
-        for c in ((a, b) if rep % 2 == 0 else (b, a)):
-            t, mem, sent = _time(c, job["model"], topo, x, y, job["microbatches"], job["warmup"], job["steps"])
-            res.step_times[c.name].append(t)
-            res.peak_rss_delta[c.name].append(mem)
-            res.sent_per_step[c.name] = sent if c.counts_bytes else None
-    everyone = topo.comm("world").all_gather_object(res, name="bench.gather")
-    if rank == 0:
-        with open(path, "wb") as f:
-            pickle.dump(everyone, f)
+    res = alternate(job["contenders"], job["reps"], lambda c: _time(
+        c, job["model"], topo, x, y, job["microbatches"], job["warmup"], job["steps"]))
+    gather_results(res, topo, path)
 
 
 def run_steps(contenders: tuple[StepContender, StepContender], model: nn.Module, sizes: dict[str, int],
