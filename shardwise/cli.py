@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("run", help="launch a script on N processes (torchrun; all its flags pass through)")
     d = sub.add_parser("demo", help="train the digits classifier under every strategy and compare")
     d.add_argument("--steps", type=int, default=60)
+    d.add_argument("--plot", dest="plot_dir", default=None, metavar="DIR",
+                   help="also write throughput, memory and pipeline-timeline PNGs under DIR")
     v = sub.add_parser("verify", help="check a strategy against single-device training")
     v.add_argument("--strategy", default="ddp")
     v.add_argument("--devices", type=int, default=2)
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.cmd == "demo":
         from shardwise.demo import main as demo_main
-        return demo_main(steps=a.steps)
+        return demo_main(steps=a.steps, plot_dir=a.plot_dir)
     if a.cmd == "verify":
         return _verify(a)
     if a.cmd == "bench":

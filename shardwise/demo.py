@@ -35,7 +35,8 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def main(steps: int = 60, devices: int = 2, rtol: float = 1e-4, console: Console | None = None) -> int:
+def main(steps: int = 60, devices: int = 2, rtol: float = 1e-4, console: Console | None = None,
+         plot_dir: str | None = None) -> int:
     console = console or Console()
     work = digits()
     table = Table(title=f"shardwise demo: 8x8 digits MLP, {steps} steps, global batch {work.batch_size}, AdamW")
@@ -45,6 +46,7 @@ def main(steps: int = 60, devices: int = 2, rtol: float = 1e-4, console: Console
     ref = None
     ok = True
     valid = available_strategies()
+    finished: dict[str, tuple[object, int, int]] = {}  # label -> (result, devices, batch), for --plot
     for name, spec, n in DEMO_RUNS:
         if isinstance(spec, str) and spec not in valid:
             continue
@@ -66,7 +68,13 @@ def main(steps: int = 60, devices: int = 2, rtol: float = 1e-4, console: Console
                       _mib(max(s["peak_rss_bytes"] for s in res.stats)),
                       f"{max(s['comm_bytes_per_step'] for s in res.stats) / 1024:.1f} KiB")
         console.log(f"{name} on {n} device(s) done in {time.perf_counter() - t0:.1f} s")
+        finished[name] = (res, n, work.batch_size)
     console.print(table)
+    if plot_dir is not None:
+        from shardwise import plots
+
+        for path in plots.write_demo(plot_dir, finished):
+            console.print(f"wrote {path}")
     console.print(f"'equal to single': largest relative difference of any step's loss and any final "
                   f"weight below {rtol:g}.")
     return 0 if ok else 1

@@ -291,6 +291,7 @@ class _Job:
             "comm_received_bytes_per_step": train_received / steps_run,
             "comm_by_name": dict(topo.stats.by_name),
             "step_time_s": statistics.median(times) if times else 0.0,
+            "activation_bytes": getattr(self, "activation_bytes", 0),
             **strat.rank_stats(model, topo),
         }
         stats = topo.comm("world").all_gather_object(mine, name="stats")
@@ -320,7 +321,16 @@ class _Job:
                 start = time.perf_counter()
                 x, y = data.batch(step, device)
                 micro = list(zip(iter_chunks(x, k), iter_chunks(y, k)))
-                loss = strat.train_step(model, micro, self.loss_fn, topo)
+                if step == len(prev):
+                    # Once, on the first step: the peak bytes autograd holds for backward
+                    # (activations; parameters and the batch excluded), FitResult.stats["activation_bytes"].
+                    from shardwise.parallel.checkpointing import track_saved_activations
+
+                    with track_saved_activations(model.parameters(), [x, y]) as saved:
+                        loss = strat.train_step(model, micro, self.loss_fn, topo)
+                    self.activation_bytes = saved.peak
+                else:
+                    loss = strat.train_step(model, micro, self.loss_fn, topo)
                 # Both checks agree across ranks, so every rank skips the same steps.
                 skip = (scaler is not None and _overflow(scaler, opt, strat, topo)) or \
                     not _finite(loss, step, t.on_nonfinite, topo)

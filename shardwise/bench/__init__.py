@@ -34,6 +34,11 @@ def run(a: argparse.Namespace) -> int:
     for n in names:
         table = PAIRS[n](a)
         console.print(table)
+    if getattr(a, "plot_dir", None):
+        from shardwise import plots
+
+        for path in plots.write_all(a.plot_dir, max_devices=a.nproc, steps=a.steps):
+            console.print(f"wrote {path}")
     return 0
 
 

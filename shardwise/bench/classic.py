@@ -141,17 +141,32 @@ def dp_vs_ddp(a: argparse.Namespace) -> Table:
     """Single-process DP (threads) against our DDP (processes) on the same devices and global batch."""
     counts = sorted({1, 2, a.nproc})
     rows: list[tuple[int, float, float]] = []
+    spread: dict[int, tuple[float, float, float, float]] = {}
     for n in counts:
-        dp_t = _spawn_collect(_dp_worker, 1, a.accelerator, n, a.batch, a.reps, a.steps)
-        ddp_t = dp_t if n == 1 else _spawn_collect(_ddp_worker, n, a.accelerator, a.batch, a.reps, a.steps)
-        rows.append((n, dp_t, ddp_t))
+        # One repetition per launch, alternating which goes first, so that load from
+        # other work on the machine falls on both alike (the ratio stays fair).
+        times: dict[str, list[float]] = {"dp": [], "ddp": []}
+        for rep in range(a.reps):
+            order = ("dp", "ddp") if rep % 2 == 0 else ("ddp", "dp")
+            for which in order:
+                if which == "dp":
+                    times["dp"].append(_spawn_collect(_dp_worker, 1, a.accelerator, n, a.batch, 1, a.steps))
+                elif n > 1:
+                    times["ddp"].append(_spawn_collect(_ddp_worker, n, a.accelerator, a.batch, 1, a.steps))
+        if n == 1:
+            # With one device DDP has nothing to communicate: it is the single-device run, as is DP.
+            times["ddp"] = times["dp"]
+        rows.append((n, statistics.median(times["dp"]), statistics.median(times["ddp"])))
+        spread[n] = (min(times["dp"]), max(times["dp"]), min(times["ddp"]), max(times["ddp"]))
     t = Table(title=f"DP (1 process, N threads) vs DDP (N processes): 4 x Linear(1024) MLP, global batch "
-                    f"{a.batch}, AdamW, {a.accelerator}")
+                    f"{a.batch}, AdamW, {a.accelerator}, median (min-max) of {a.reps} alternating launches")
     for col in ("devices N", "DP step", "DP samples/s", "DDP step", "DDP samples/s", "DDP / DP throughput"):
         t.add_column(col, justify="right")
     for n, dp_t, ddp_t in rows:
-        t.add_row(str(n), f"{1e3 * dp_t:.1f} ms", f"{a.batch / dp_t:,.0f}", f"{1e3 * ddp_t:.1f} ms",
-                  f"{a.batch / ddp_t:,.0f}", f"{dp_t / ddp_t:.2f}x")
+        lo, hi, dlo, dhi = spread[n]
+        t.add_row(str(n), f"{1e3 * dp_t:.1f} ms ({1e3 * lo:.0f}-{1e3 * hi:.0f})", f"{a.batch / dp_t:,.0f}",
+                  f"{1e3 * ddp_t:.1f} ms ({1e3 * dlo:.0f}-{1e3 * dhi:.0f})", f"{a.batch / ddp_t:,.0f}",
+                  f"{dp_t / ddp_t:.2f}x")
     path = plot_path(a, "dp_vs_ddp.png")
     if path:
         plt = _pyplot()
@@ -191,32 +206,49 @@ def ps_vs_ddp(a: argparse.Namespace) -> Table:
     p_bytes = sum(p.numel() * p.element_size() for p in work.make_model().parameters())
     results: dict[str, list[tuple[int, float, float]]] = {}
     t = Table(title=f"Parameter server vs DDP: 4 x Linear(1024) MLP ({_mib(p_bytes)} of fp32 weights), "
-                    f"global batch {a.batch}, AdamW, {a.steps} steps, {a.accelerator}")
-    for col in ("configuration", "workers", "processes", "worker step", "samples/s",
+                    f"global batch {a.batch}, AdamW, {a.steps} steps, {a.accelerator}; median (min-max) of "
+                    f"{a.reps} runs, configurations alternating")
+    for col in ("configuration", "workers", "processes", "worker step", "samples/s", "max staleness",
                 "busiest rank receives / step", "formula"):
         t.add_column(col, justify="left" if col == "configuration" else "right")
     for w in workers_list:
-        for series, label, strat, procs in _ps_configs(w):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                run = sw.Trainer(strat, procs, accelerator=a.accelerator, progress=False).fit(
-                    work.make_model(), work.train, work.loss_fn, ADAMW, batch_size=a.batch, max_steps=a.steps)
-            workers_stats = [s for s in run.stats if s.get("role", "worker") == "worker"]
-            if label.startswith("PS async"):
-                # Workers run free: the job's rate is the sum of every worker's own rate.
-                rate = sum((a.batch / w) / s["step_time_s"] for s in workers_stats)
-            else:
-                rate = a.batch / max(s["step_time_s"] for s in workers_stats)
-            busiest = max(s["comm_received_bytes_per_step"] for s in run.stats)
-            if label == "DDP":
+        configs = _ps_configs(w)
+        seen: dict[str, list[tuple[float, float, float, int]]] = {c[1]: [] for c in configs}
+        for rep in range(a.reps):
+            # Rotate the order every repetition so that background load falls on every configuration alike.
+            for _, label, strat, procs in configs[rep % len(configs):] + configs[:rep % len(configs)]:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    run = sw.Trainer(strat, procs, accelerator=a.accelerator, progress=False).fit(
+                        work.make_model(), work.train, work.loss_fn, ADAMW, batch_size=a.batch,
+                        max_steps=a.steps)
+                workers_stats = [s for s in run.stats if s.get("role", "worker") == "worker"]
+                step = statistics.median(s["step_time_s"] for s in workers_stats)
+                if label.startswith("PS async"):
+                    # Workers run free: the job's rate is the sum of every worker's own rate.
+                    rate = sum((a.batch / w) / s["step_time_s"] for s in workers_stats)
+                else:
+                    rate = a.batch / max(s["step_time_s"] for s in workers_stats)
+                busiest = max(s["comm_received_bytes_per_step"] for s in run.stats)
+                stale = max((max(s["staleness"]) for s in run.stats if s.get("role") == "server"), default=-1)
+                seen[label].append((step, rate, busiest, stale))
+        for series, label, strat, procs in configs:
+            runs = seen[label]
+            steps_t, rates = [r[0] for r in runs], [r[1] for r in runs]
+            busiest, stale = max(r[2] for r in runs), max(r[3] for r in runs)
+            servers = getattr(strat, "servers", 0)
+            if not servers:
                 formula, text = 2 * (w - 1) * p_bytes / w, "2(N-1)/N x P"
-            elif "2 servers" in label:
-                formula, text = w * (p_bytes / 2 + 16), "W x (P/2 + 16)"
             else:
-                formula, text = w * (p_bytes + 16), "W x (P + 16)"
-            results.setdefault(series, []).append((w, rate, busiest))
-            step = statistics.median(s["step_time_s"] for s in workers_stats)
-            t.add_row(label, str(w), str(procs), f"{1e3 * step:.1f} ms", f"{rate:,.0f}", _mib(busiest),
+                # A server receives W pushes of its shard plus a header; a worker pulls the whole model.
+                shard = p_bytes / servers
+                formula = max(w * (shard + 16), p_bytes)
+                text = ("W x (P + 16)" if servers == 1 else f"W x (P/{servers} + 16)") \
+                    if w * (shard + 16) >= p_bytes else "P (a worker's pull)"
+            results.setdefault(series, []).append((w, statistics.median(rates), busiest))
+            step_cell = f"{1e3 * statistics.median(steps_t):.1f} ms ({1e3 * min(steps_t):.0f}-{1e3 * max(steps_t):.0f})"
+            t.add_row(label, str(w), str(procs), step_cell,
+                      f"{statistics.median(rates):,.0f}", "-" if stale < 0 else str(stale), _mib(busiest),
                       f"{text} = {_mib(formula)}")
     path = plot_path(a, "ps_vs_ddp.png")
     if path:

@@ -8,12 +8,18 @@
 
 Each pair runs the 4 x Linear(1024) MLP and a small GPT. Both sides use
 AdamW(lr=1e-3) in fp32. Our bytes are counted; torch's are not observable.
+
+``python -m shardwise.bench.zero bytes 2 4`` prints counted per-rank bytes of
+real Trainer runs next to the ZeRO formulas; ``python -m shardwise.bench.zero
+collectives`` times gloo's reduce-scatter and all-gather against the pairwise
+exchange (both in docs/zero.md).
 """
 from __future__ import annotations
 
 import argparse
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from rich.table import Table
@@ -104,7 +110,7 @@ def _pair_rows(title: str, a: argparse.Namespace, ours: Contender, theirs: Conte
     for label, model, in_shape, target, loss in _workloads():
         grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         res = summarize(run_pair((ours, theirs), model, in_shape, target, loss, nprocs=n, local_batch=a.batch // n,
-                                 reps=a.reps, steps=a.steps, accelerator=a.accelerator))
+                                 reps=a.reps, steps=a.steps, accelerator=a.accelerator, exact_rss=True))
         base_t = res[theirs.name]["step_time_s"]
         base_m = max(1, res[theirs.name]["peak_rss_delta_bytes"])
         for c in (ours, theirs):
@@ -137,3 +143,126 @@ def fsdp_pair(a: argparse.Namespace) -> Table:
 
 PAIRS: dict[str, Callable[[argparse.Namespace], Table]] = {
     "zero1": zero1_pair, "zero3": zero3_pair, "fsdp": fsdp_pair}
+
+
+# ---- counted bytes against the ZeRO paper's formulas ---------------------------------
+def _even_mlp() -> nn.Module:
+    """A digits classifier whose every parameter numel divides by 2 and 4 (no padding: formulas hold exactly)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 12))
+
+
+def _formula(strategy: str, offload: str, p: int, n: int) -> tuple[int, int, int, int]:
+    """(device params, device grads, device optimizer, host) bytes per rank: Rajbhandari et al. 2020, section 5."""
+    stage = {"ddp": 0, "zero1": 1, "zero2": 2}.get(strategy, 3)
+    params = p if stage < 3 else p // n
+    grads = p if stage < 2 else p // n
+    opt = 2 * p if stage == 0 else 2 * p // n  # AdamW: exp_avg and exp_avg_sq
+    if offload == "none":
+        return params, grads, opt, 0
+    host = p // n + (grads if stage >= 2 else 0) + opt  # master row + gradient shard + states
+    dev_params = 0 if offload == "all" else params
+    return dev_params, (0 if stage >= 2 else grads), 0, host
+
+
+def bytes_table(devices: list[int], steps: int = 3) -> Table:
+    """Counted model-state bytes and bytes sent per rank (``result.stats`` of real Trainer runs), and the formulas."""
+    import shardwise as sw
+    from shardwise.workloads import digits
+
+    work = digits()
+    p = 4 * sum(q.numel() for q in _even_mlp().parameters())
+    t = Table(title=f"Per-rank bytes, AdamW fp32, P = {p:,} B of parameters (digits MLP 64-128-64-12), "
+                    f"after {steps} steps; formula / counted")
+    for col in ("strategy", "N", "params", "grads", "optimizer", "host (offload)", "sent / step",
+                "sent formula"):
+        t.add_column(col, justify="left" if col == "strategy" else "right")
+    runs: list[tuple[str, Any, str]] = [
+        ("ddp", "ddp", "none"), ("zero1", "zero1", "none"), ("zero2", "zero2", "none"),
+        ("zero3", "zero3", "none"), ("fsdp", "fsdp", "none"),
+        ("zero2 offload=optimizer", sw.ZeRO2(offload="optimizer"), "optimizer"),
+        ("fsdp offload=all", sw.FSDP(offload="all"), "all")]
+    for n in devices:
+        for label, strategy, offload in runs:
+            name = strategy if isinstance(strategy, str) else strategy.name
+            res = sw.Trainer(strategy, n, accelerator="cpu", progress=False).fit(
+                _even_mlp(), work.train, work.loss_fn, ADAMW, batch_size=64, max_steps=steps)
+            s = max(res.stats, key=lambda d: d["model_state_bytes"])
+            host = sum(v for k, v in s.items() if k.startswith("host_") and k.endswith("_bytes"))
+            fp, fg, fo, fh = _formula(name, offload, p, n)
+            factor = 3 if name in ("zero3", "fsdp", "hsdp") else 2
+            t.add_row(label, str(n), f"{fp:,} / {s['params_bytes']:,}", f"{fg:,} / {s['grads_bytes']:,}",
+                      f"{fo:,} / {s['optimizer_bytes']:,}", f"{fh:,} / {host:,}",
+                      f"{s['comm_bytes_per_step']:,.0f}", f"{factor}(N-1)/N x P = {factor * (n - 1) * p // n:,}")
+    return t
+
+
+# ---- the collectives themselves: native against pairwise exchange -------------------
+def _collectives_worker(rank: int, device: torch.device, mib: int, reps: int, path: str) -> None:
+    import statistics
+    import time
+
+    from shardwise.parallel.sharding import all_gather, reduce_scatter
+
+    topo = Topology.create(device)
+    comm = topo.comm("dp")
+    n = mib * 2**20 // 4
+    full = torch.randn(n, device=device)
+    piece = torch.empty(n // comm.size, device=device)
+    gathered = torch.empty(n, device=device)
+
+    def timed(fn: Callable[[], Any]) -> float:
+        times = []
+        for i in range(reps + 2):
+            comm.barrier()
+            t0 = time.perf_counter()
+            fn()
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    rows = {}
+    for how in ("native", "p2p"):
+        rows[f"reduce-scatter {how}"] = timed(lambda: reduce_scatter(comm, piece, full, "rs", how).wait())
+        rows[f"all-gather {how}"] = timed(lambda: all_gather(comm, gathered, piece, "ag", how).wait())
+    rows["all-reduce native"] = timed(lambda: comm.all_reduce(full, "ar"))
+    if rank == 0:
+        import pickle
+
+        with open(path, "wb") as f:
+            pickle.dump(rows, f)
+
+
+def collectives_table(nproc: int = 2, mib: int = 16, reps: int = 15) -> Table:
+    """Median time of one reduce-scatter / all-gather of ``mib`` MiB, backend-native against pairwise exchange."""
+    import os
+    import pickle
+    import tempfile
+
+    from shardwise import launch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "rows.pkl")
+        launch.spawn(_collectives_worker, nproc, args=(mib, reps, path))
+        with open(path, "rb") as f:
+            rows = pickle.load(f)
+    t = Table(title=f"{mib} MiB fp32 over {nproc} ranks, median of {reps}")
+    t.add_column("operation")
+    t.add_column("median", justify="right")
+    for k, v in rows.items():
+        t.add_row(k, f"{1e3 * v:.2f} ms")
+    return t
+
+
+if __name__ == "__main__":
+    import sys
+
+    from rich.console import Console
+
+    what, args = (sys.argv[1], sys.argv[2:]) if len(sys.argv) > 1 else ("bytes", [])
+    if what == "bytes":
+        Console(width=200).print(bytes_table([int(a) for a in args] or [2, 4]))
+    elif what == "collectives":
+        Console(width=200).print(collectives_table(*(int(a) for a in args)))
+    else:
+        raise SystemExit("usage: python -m shardwise.bench.zero bytes [N ...] | collectives [nproc [MiB [reps]]]")

@@ -8,8 +8,9 @@ dict keys, tensor-parallel plans and FSDP units keep the model's own names.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -65,3 +66,71 @@ def saved_activation_bytes(model: nn.Module, *inputs: Any) -> int:
         out = model(*inputs)
     del out
     return sum(seen.values())
+
+
+class SavedActivations:
+    """Live and peak bytes of the distinct storages autograd holds for backward.
+
+    Parameters and the given input tensors are not activations and are left
+    out. Parameter storages are looked up at every save, because sharded
+    strategies (ZeRO-3/FSDP) refill a parameter's storage on each gather, at a
+    new address. A saved tensor is released when autograd drops it (after its
+    backward, or when the graph is freed), so ``peak`` is the high-water mark
+    of one step, whatever the schedule (pipeline 1F1B interleaves backwards).
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor], inputs: Iterable[Any] = ()) -> None:
+        self._params = list(params)
+        self._inputs = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+        self._live: dict[int, list[int]] = {}  # storage address -> [bytes, references]
+        self.current = 0
+        self.peak = 0
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        try:
+            s = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # tensors without a plain storage
+            return t
+        ptr = s.data_ptr()
+        if ptr == 0 or ptr in self._inputs or ptr in {p.untyped_storage().data_ptr() for p in self._params}:
+            return t
+        entry = self._live.setdefault(ptr, [s.nbytes(), 0])
+        if entry[1] == 0:
+            self.current += entry[0]
+            self.peak = max(self.peak, self.current)
+        entry[1] += 1
+        return _Held(t, ptr, self)
+
+    @staticmethod
+    def _unpack(h: Any) -> torch.Tensor:
+        return h.t if isinstance(h, _Held) else h
+
+    def _release(self, ptr: int) -> None:
+        entry = self._live[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self._live[ptr]
+
+
+class _Held:
+    __slots__ = ("t", "ptr", "owner")
+
+    def __init__(self, t: torch.Tensor, ptr: int, owner: SavedActivations) -> None:
+        self.t, self.ptr, self.owner = t, ptr, owner
+
+    def __del__(self) -> None:
+        self.owner._release(self.ptr)
+
+
+@contextlib.contextmanager
+def track_saved_activations(params: Iterable[torch.Tensor], inputs: Iterable[Any] = ()) -> Iterator[SavedActivations]:
+    """Count what autograd saves for backward inside the block (forward and backward of a step).
+
+    Saved-tensor hooks are innermost-wins: regions that install their own (a
+    checkpointed block, a pipeline recorder with ``track_saved``) are counted
+    by what those regions save outside themselves.
+    """
+    counter = SavedActivations(params, inputs)
+    with torch.autograd.graph.saved_tensors_hooks(counter._pack, counter._unpack):
+        yield counter

@@ -48,8 +48,9 @@ from torch import nn
 
 from shardwise.comm import Comm, Handle
 from shardwise.parallel.ddp import _tensors, check_same_parameters
-from shardwise.parallel.sharding import FlatLayout, broadcast_inplace, comm_on, local_numel, sharded_dtensor
-from shardwise.parallel.zero import ShardedOptimizer, zero_clip_grad_norm
+from shardwise.parallel.sharding import (FlatLayout, Waitable, all_gather, broadcast_inplace, comm_on, local_numel,
+                                         pick_collectives, reduce_scatter, sharded_dtensor)
+from shardwise.parallel.zero import ShardedOptimizer, check_offload, zero_clip_grad_norm
 from shardwise.strategy import OptimizerFactory, Strategy, unwrap
 from shardwise.topology import Topology
 
@@ -130,8 +131,10 @@ class _Group:
 class _Unit:
     """One FSDP unit: its parameters' layout, this rank's shard row, and their gathered state."""
 
-    def __init__(self, index: int, fqn: str, params: list[tuple[str, nn.Parameter]], comm: Comm) -> None:
+    def __init__(self, index: int, fqn: str, params: list[tuple[str, nn.Parameter]], comm: Comm,
+                 how: str = "native") -> None:
         self.index = index
+        self.how = how  # "native" or "p2p" collectives (see sharding.pick_collectives)
         self.fqn = fqn
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
@@ -162,8 +165,13 @@ class _Unit:
         self.padded: list[torch.Tensor] = []
         self.shard_params: list[nn.Parameter] = []
         self.grad_shard: torch.Tensor | None = None
+        # ZeRO-Offload: the optimizer's row lives here (None: it is ``shard`` itself).
+        self.host: torch.Tensor | None = None
+        self.host_version = -1
+        self.offload_all = False
+        self._src: torch.Tensor | None = None
         self.state = "sharded"  # "sharded" | "gathering" | "unsharded"
-        self._gather: list[tuple[_Group, torch.Tensor | None, Handle | None]] = []
+        self._gather: list[tuple[_Group, torch.Tensor | None, Waitable | None]] = []
         self.pending = 0
         self.backward_started = False
         self.got_grad = False
@@ -200,6 +208,29 @@ class _Unit:
         p.data = buf[:p.numel()].view(p.shape)
         storage.resize_(0)
 
+    def offload_to(self, device: torch.device, everything: bool) -> None:
+        """Move the optimizer's row to ``device``; ``everything``: keep no shard on the training device."""
+        self.host = self.shard.to(device, copy=True)
+        self.shard_params = [nn.Parameter(v) for v in self.padded_views(self.host)]
+        self.host_version = self.host._version
+        self.offload_all = everything
+        if everything:
+            self.shard = torch.empty(0, dtype=self.dtype, device=self.device)
+
+    @torch.no_grad()
+    def source(self) -> torch.Tensor:
+        """This rank's up-to-date shard row on the training device, ready to be sent."""
+        if self.host is None:
+            return self.shard
+        if self.offload_all:
+            return self.host.to(self.device)  # a temporary copy, freed after the gather
+        # The row's version counter moves whenever the optimizer steps it or a
+        # checkpoint loads into it: only then does the device copy need refreshing.
+        if self.host._version != self.host_version:
+            self.shard.copy_(self.host)
+            self.host_version = self.host._version
+        return self.shard
+
     # ---- gather / free -----------------------------------------------------
     def start_gather(self) -> None:
         """Start the all-gathers of this unit's parameters (no-op when gathered or in flight)."""
@@ -209,12 +240,12 @@ class _Unit:
         for buf, c in zip(self.padded, self.chunk):
             if buf.untyped_storage().nbytes() == 0:
                 buf.untyped_storage().resize_(n * c * buf.element_size())
+        self._src = src = self.source()
         for g in self.groups:
             # A lone parameter's rank-major buffer *is* its padded storage: gather straight into it.
             out = self.padded[g.members[0]] if g.direct else torch.empty(
                 n * g.layout.shard_numel, dtype=self.dtype, device=self.device)
-            h = self.comm.all_gather(out, self.shard[g.start:g.end], name=f"fsdp_all_gather.u{self.index}",
-                                     async_op=True)
+            h = all_gather(self.comm, out, src[g.start:g.end], f"fsdp_all_gather.u{self.index}", self.how)
             self._gather.append((g, None if g.direct else out, h))
         self.state = "gathering"
 
@@ -231,6 +262,7 @@ class _Unit:
             if buf is not None:
                 with torch.no_grad():
                     g.layout.unpack_padded(buf, [self.padded[i] for i in g.members])
+        self._src = None
         self.state = "unsharded"
 
     def reshard(self) -> None:
@@ -256,8 +288,8 @@ class _Unit:
             else:
                 staging = g.layout.pack(grads, torch.empty(n * g.layout.shard_numel, dtype=self.dtype,
                                                            device=self.device))
-            h = self.comm.reduce_scatter(out[g.start:g.end], staging, name=f"fsdp_reduce_scatter.u{self.index}",
-                                         async_op=True)
+            h = reduce_scatter(self.comm, out[g.start:g.end], staging, f"fsdp_reduce_scatter.u{self.index}",
+                               self.how)
             work.append((staging, h))  # the input must outlive the collective
         for p in self.params:
             p.grad = None
@@ -266,9 +298,10 @@ class _Unit:
     def gather_full(self) -> list[torch.Tensor]:
         """Every parameter's full tensor, newly allocated (a blocking collective)."""
         fulls = [torch.empty(p.shape, dtype=p.dtype, device=self.device) for p in self.params]
+        src = self.source()
         for g in self.groups:
             buf = torch.empty(self.comm.size * g.layout.shard_numel, dtype=self.dtype, device=self.device)
-            self.comm.all_gather(buf, self.shard[g.start:g.end], name=f"fsdp_state_dict.u{self.index}")
+            self.comm.all_gather(buf, src[g.start:g.end], name=f"fsdp_state_dict.u{self.index}")
             g.layout.unpack(buf, [fulls[i] for i in g.members])
         return fulls
 
@@ -304,10 +337,14 @@ class FSDPModule(nn.Module):
 
     def __init__(self, module: nn.Module, comm: Comm, wrap: WrapPolicy = "auto", reshard_after_forward: bool = True,
                  replicate: Comm | None = None, param_init_fn: Callable[[nn.Module], None] | None = None,
-                 device: torch.device | None = None, dp_comm: Comm | None = None) -> None:
+                 device: torch.device | None = None, dp_comm: Comm | None = None,
+                 collectives: str = "auto", offload: str = "none",
+                 offload_device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.module = module
         self.comm = comm
+        self.how = pick_collectives(collectives, comm)
+        self.offload = offload
         self.replicate = replicate
         self.reshard_after_forward = reshard_after_forward
         self.dp_size = comm.size * (replicate.size if replicate is not None else 1)
@@ -336,6 +373,9 @@ class FSDPModule(nn.Module):
                     for i, p in enumerate(u.params):
                         u.take_shard(i, p.detach())
                         u.point_to_padded(i)
+        if offload != "none":
+            for u in self.units:
+                u.offload_to(torch.device(offload_device), everything=offload == "all")
         self.shard_params = [s for u in self.units for s in u.shard_params]
         self.shard_names = {s: n for u in self.units for s, n in zip(u.shard_params, u.names)}
         self.numel_of = {s: p.numel() for u in self.units for s, p in zip(u.shard_params, u.params)}
@@ -411,7 +451,7 @@ class FSDPModule(nn.Module):
             params = [(n, p) for n, p in root.named_parameters() if owner.get(p) is m]
             if not params:
                 continue
-            u = _Unit(len(units), names[id(m)], params, self.comm)
+            u = _Unit(len(units), names[id(m)], params, self.comm, self.how)
             self._module_of[u.index] = m
             units.append(u)
         return units
@@ -589,6 +629,8 @@ class FSDPModule(nn.Module):
 
     def _accumulate(self, u: _Unit, out: torch.Tensor) -> None:
         out.div_(self.dp_size)  # sum then divide: the mean without ReduceOp.AVG (gloo lacks it)
+        if u.host is not None:
+            out = out.to(u.host.device)  # ZeRO-Offload: the gradient shard goes where the optimizer runs
         if u.grad_shard is None:
             u.set_grad_shard(out)
         else:
@@ -625,12 +667,28 @@ class FSDP(Strategy):
             (3 x Psi per step); ``False`` keeps them until its backward (2 x Psi, more memory).
         param_init_fn: initialises one module of a meta-device model in place
             (default: the module's ``reset_parameters()``).
+        collectives: ``"native"`` (the backend's all-gather and reduce-scatter),
+            ``"p2p"`` (pairwise isend/irecv exchange, same bytes) or ``"auto"``
+            (p2p on gloo, whose reduce-scatter is slow; native otherwise).
+        offload: ``"optimizer"``: each unit's optimizer row, gradient shard and
+            optimizer states live on ``offload_device`` and the update runs
+            there; the training device keeps a shard copy that is refreshed
+            only after the row changed. ``"all"``: the training device keeps no
+            shard at all, each gather copies the row over first (ZeRO-Offload,
+            Ren et al. 2021; ZeRO-Infinity, Rajbhandari et al. 2021). ``"none"``: default.
+        offload_device: where offloaded state lives (default ``"cpu"``).
     """
 
     wrap: WrapPolicy = "auto"
     reshard_after_forward: bool = True
     param_init_fn: Callable[[nn.Module], None] | None = None
+    collectives: str = "auto"
+    offload: str = "none"
+    offload_device: str = "cpu"
     name: ClassVar[str] = "fsdp"
+
+    def __post_init__(self) -> None:
+        check_offload(self.offload, self.name, 3)
 
     def _groups(self, topo: Topology) -> tuple[Comm, Comm | None, Any, list[Any]]:
         """(shard comm, replicate comm, checkpoint mesh, placements)."""
@@ -646,7 +704,8 @@ class FSDP(Strategy):
         shard, rep, _, _ = self._groups(topo)
         wrapped = FSDPModule(model, shard, wrap=self.wrap, reshard_after_forward=self.reshard_after_forward,
                              replicate=rep, param_init_fn=self.param_init_fn, device=topo.device,
-                             dp_comm=topo.comm("dp"))
+                             dp_comm=topo.comm("dp"), collectives=self.collectives, offload=self.offload,
+                             offload_device=self.offload_device)
         return wrapped, ShardedOptimizer(optimizer_fn(wrapped.shard_params), wrapped)
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
@@ -656,7 +715,7 @@ class FSDP(Strategy):
         fm: FSDPModule = model  # type: ignore[assignment]
         fm.before_step()
         # Replicas hold identical pieces after the all-reduce: sum squares over the shard group only.
-        return zero_clip_grad_norm(fm.shard_grads(), max_norm, fm.comm, "fsdp_clip")
+        return zero_clip_grad_norm(fm.shard_grads(), max_norm, fm.comm, "fsdp_clip", device=topo.device)
 
     def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
         fm: FSDPModule = model  # type: ignore[assignment]
@@ -696,7 +755,12 @@ class FSDP(Strategy):
         grads = fm.shard_grads() + [p.grad for u in fm.units for p in u.params if p.grad is not None]
         states = [v for s in optimizer.state.values() for v in s.values()
                   if isinstance(v, torch.Tensor) and v.dim() > 0]
-        return {"params": params, "grads": grads, "optimizer": states}
+        if fm.offload == "none":
+            return {"params": params, "grads": grads, "optimizer": states}
+        # Offloaded: the optimizer's rows, gradient shards and states are host memory.
+        return {"params": params, "grads": [p.grad for u in fm.units for p in u.params if p.grad is not None],
+                "optimizer": [], "host_params": [u.host for u in fm.units if u.host is not None],
+                "host_grads": fm.shard_grads(), "host_optimizer": states}
 
 
 @dataclass

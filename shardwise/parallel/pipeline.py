@@ -359,8 +359,14 @@ class _Runner:
     """Receives, computes and sends for :func:`shardwise.parallel.schedules.execute`."""
 
     def __init__(self, pm: PipelineModel, comm: Comm, mbs: Sequence[tuple[Any, Any]], loss_fn: LossFn,
-                 saved: _SavedBytes | None) -> None:
+                 saved: _SavedBytes | None,
+                 forward_context: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
+                 loss_scale: float = 1.0) -> None:
         self.pm, self.comm, self.mbs, self.loss_fn = pm, comm, mbs, loss_fn
+        # Mixed precision: each stage's forward (and the loss) runs under the strategy's
+        # autocast, like Strategy.train_step; fp16's loss scale multiplies the loss.
+        self.forward_context = forward_context or contextlib.nullcontext
+        self.loss_scale = loss_scale
         self.p, self.r, self.v = pm.stages, pm.rank, len(pm.chunks)
         self.last = self.p * self.v - 1
         self.x: dict[tuple[int, int], Any] = {}
@@ -401,12 +407,12 @@ class _Runner:
         key = (a.chunk, a.mb)
         ctx = torch.autograd.graph.saved_tensors_hooks(self.saved.pack, self.saved.unpack) \
             if self.saved is not None else contextlib.nullcontext()
-        with ctx:
+        with ctx, self.forward_context():
             out = self.pm(self.x[key], chunk=a.chunk)
             if self._k(a) == self.last:
                 loss = self.loss_fn(out, self.mbs[a.mb][1])
-                self.losses.append(loss.detach())
-                out = loss / len(self.mbs)
+                self.losses.append(loss.detach().float())
+                out = loss.float() * (self.loss_scale / len(self.mbs))
         self.out[key] = out
 
     def send_forward(self, a: Action) -> None:
@@ -507,8 +513,14 @@ def sync_ties(pm: PipelineModel, comm: Comm) -> None:
 
 def pipeline_step(pm: PipelineModel, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn, topo: Topology,
                   schedule: str = "1f1b", microbatches: int | None = None,
-                  recorder: Recorder | None = None) -> torch.Tensor | None:
-    """One optimizer step's forwards and backwards; the mean loss on the last stage, None elsewhere."""
+                  recorder: Recorder | None = None,
+                  forward_context: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
+                  loss_scale: float = 1.0) -> torch.Tensor | None:
+    """One optimizer step's forwards and backwards; the mean loss on the last stage, None elsewhere.
+
+    ``forward_context`` (e.g. autocast for mixed precision) wraps every stage forward
+    and the loss; ``loss_scale`` multiplies the loss before backward (fp16).
+    """
     mbs = resplit(micro_batches, microbatches)
     acts = get_schedule(schedule)(pm.stages, len(mbs), pm.rank, len(pm.chunks))
     check_message_order(schedule, pm.stages, len(mbs), len(pm.chunks))
@@ -517,7 +529,7 @@ def pipeline_step(pm: PipelineModel, micro_batches: Sequence[tuple[Any, Any]], l
         # Parameters and the batch itself are not activations (micro-batches are views of one batch).
         data = [t for xy in mbs for t in xy if isinstance(t, torch.Tensor)]
         saved = _SavedBytes({t.untyped_storage().data_ptr() for t in list(pm.parameters()) + data})
-    runner = _Runner(pm, topo.comm("pp"), mbs, loss_fn, saved)
+    runner = _Runner(pm, topo.comm("pp"), mbs, loss_fn, saved, forward_context, loss_scale)
     execute(acts, runner, pm.rank, recorder)
     runner.finish()
     if recorder is not None:
@@ -610,7 +622,8 @@ class PP(Strategy):
     def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
                    topo: Topology) -> torch.Tensor | None:
         return pipeline_step(model, micro_batches, loss_fn, topo, self.schedule,  # type: ignore[arg-type]
-                             self._micro(micro_batches, topo), self.recorder)
+                             self._micro(micro_batches, topo), self.recorder,
+                             lambda: self.forward_context(topo), self.loss_scale)
 
     def _micro(self, micro_batches: Sequence[tuple[Any, Any]], topo: Topology) -> int | None:
         if self.microbatches is not None or len(micro_batches) > 1:

@@ -31,9 +31,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from shardwise.comm import Comm, Handle
+from shardwise.comm import Comm
 from shardwise.parallel.ddp import check_same_parameters
-from shardwise.parallel.sharding import FlatLayout, broadcast_inplace, clip_coefficient, sharded_dtensor
+from shardwise.parallel.sharding import (FlatLayout, Waitable, all_gather, broadcast_inplace, clip_coefficient,
+                                         pick_collectives, reduce_scatter, sharded_dtensor)
 from shardwise.strategy import OptimizerFactory, Strategy, unwrap
 from shardwise.topology import Topology
 
@@ -99,10 +100,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
 class _Bucket:
     """Parameters reduced and gathered together, with their shard layout and in-flight buffers."""
 
-    def __init__(self, index: int, params: list[nn.Parameter], world: int, rank: int) -> None:
+    def __init__(self, index: int, params: list[nn.Parameter], world: int, rank: int,
+                 offload: torch.device | None = None) -> None:
         self.index = index
         self.params = params
         self.layout = FlatLayout([p.numel() for p in params], world)
+        self.rank = rank
         # This rank's padded piece of each parameter, for the optimizer. Where
         # the piece is whole it is a view of the full parameter (no memory of
         # its own, and the update lands in place); only a piece cut short by
@@ -111,7 +114,15 @@ class _Bucket:
         self.locals = self.layout.local_numels(rank)
         self.copies: list[nn.Parameter] = []
         self.shards: list[nn.Parameter] = []
-        for p, c, k in zip(params, self.layout.chunks, self.locals):
+        # ZeRO-Offload: the optimizer steps a master row of this rank's pieces on the offload device.
+        self.host: torch.Tensor | None = None
+        if offload is not None:
+            p0 = params[0]
+            self.host = torch.zeros(self.layout.shard_numel, dtype=p0.dtype, device=offload)
+            self.layout.shard_from_full([p.detach() for p in params], rank, self.host)
+            self.shards = [nn.Parameter(v) for v in self.layout.padded_views(self.host)]
+            self.versions = self.param_versions()
+        for p, c, k in zip(params if offload is None else [], self.layout.chunks, self.locals):
             flat = p.detach().view(-1)
             if k == c:
                 self.shards.append(nn.Parameter(flat[rank * c:rank * c + c]))
@@ -124,21 +135,39 @@ class _Bucket:
         self.pending = len(params)
         self.launched = False
 
+    def param_versions(self) -> list[int]:
+        """The full parameters' in-place version counters: a change means someone wrote them."""
+        return [p._version for p in self.params]
+
+    @torch.no_grad()
+    def refresh_host(self) -> None:
+        """Re-read the offloaded master row if the full parameters were written since (e.g. a checkpoint load)."""
+        if self.host is not None and self.param_versions() != self.versions:
+            self.layout.shard_from_full([p.detach() for p in self.params], self.rank, self.host)
+            self.versions = self.param_versions()
+
 
 class ZeROModule(nn.Module):
     """Wrap ``module`` for ZeRO stage 1 or 2 over ``comm``'s data-parallel group.
 
     Parameters are bucketed in reverse registration order (backward produces
     their gradients roughly in that order), as in :mod:`shardwise.parallel.ddp`.
-    Stage 2 starts a bucket's reduce-scatter from a post-accumulate-grad hook
-    as soon as all its gradients exist, frees the full gradients, and keeps at
-    most one bucket in flight while packing the next (so the full gradients of
-    at most two buckets exist at any time). Stage 1 reduces at the optimizer
-    step (or the clip), from the full gradients every rank keeps.
+    Both stages start a bucket's reduce-scatter from a post-accumulate-grad
+    hook as soon as all its gradients exist, so the communication overlaps the
+    rest of backward, and keep at most one bucket in flight while packing the
+    next. Stage 2 then frees the full gradients (so the full gradients of at
+    most two buckets exist at any time); stage 1 keeps them, and its reduced
+    pieces are *replaced* (not added to) by each reduction, since they are
+    reduced from the full, already accumulated gradients. When no backward
+    reduced them (every backward ran under ``no_sync``), stage 1 reduces at
+    the optimizer step (or the clip) instead.
     """
 
-    def __init__(self, module: nn.Module, comm: Comm, stage: int = 2, bucket_cap_mb: float = 4.0) -> None:
+    def __init__(self, module: nn.Module, comm: Comm, stage: int = 2, bucket_cap_mb: float = 4.0,
+                 collectives: str = "auto", offload_device: torch.device | str | None = None) -> None:
         super().__init__()
+        self.how = pick_collectives(collectives, comm)
+        self.offload = torch.device(offload_device) if offload_device is not None else None
         if stage not in (1, 2):
             raise ValueError(f"ZeROModule implements stages 1 and 2, got stage={stage}")
         self.module = module
@@ -159,23 +188,23 @@ class ZeROModule(nn.Module):
         size = 0
         for _, p in reversed(named):
             if current and (size + p.numel() * p.element_size() > cap or p.dtype != current[0].dtype):
-                self.buckets.append(_Bucket(len(self.buckets), current, comm.size, comm.rank))
+                self.buckets.append(_Bucket(len(self.buckets), current, comm.size, comm.rank, self.offload))
                 current, size = [], 0
             current.append(p)
             size += p.numel() * p.element_size()
         if current:
-            self.buckets.append(_Bucket(len(self.buckets), current, comm.size, comm.rank))
+            self.buckets.append(_Bucket(len(self.buckets), current, comm.size, comm.rank, self.offload))
         self._where = {p: b for b in self.buckets for p in b.params}
         shard_of = {p: s for b in self.buckets for p, s in zip(b.params, b.shards)}
         # Model order, so that a factory that builds parameter groups by position sees the model's order.
         self.shard_params: list[nn.Parameter] = [shard_of[p] for _, p in named]
         self.shard_names = {shard_of[p]: n for n, p in named}
         self._reduced = False
+        self._armed = False
         self._next = 0
         self._queued = False
-        self._inflight: tuple[_Bucket, torch.Tensor, torch.Tensor, Handle | None] | None = None
-        if stage == 2:
-            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
+        self._inflight: tuple[_Bucket, torch.Tensor, torch.Tensor, Waitable | None] | None = None
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
 
     # ---- public --------------------------------------------------------
     @contextlib.contextmanager
@@ -188,8 +217,12 @@ class ZeROModule(nn.Module):
             self._sync = old
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.stage == 2 and self._sync and torch.is_grad_enabled():
+        if self._sync and torch.is_grad_enabled():
             self._reset()
+            # Only a backward that follows a forward through this wrapper reduces in
+            # its hooks (their bucket counts were just reset); any other gradient
+            # (e.g. pipeline chunks run directly, composition) is reduced at the step.
+            self._armed = True
         return self.module(*args, **kwargs)
 
     def shard_grads(self) -> list[torch.Tensor]:
@@ -209,21 +242,33 @@ class ZeROModule(nn.Module):
     @torch.no_grad()
     def after_step(self) -> None:
         """All-gather every rank's updated pieces into the full parameters (one bucket in flight)."""
-        n, r = self.comm.size, self.comm.rank
-        prev: tuple[_Bucket, torch.Tensor, torch.Tensor | None, Handle | None] | None = None
+        n = self.comm.size
+        prev: tuple[_Bucket, torch.Tensor, torch.Tensor | None, Waitable | None] | None = None
         for b in self.buckets:
             p0 = b.params[0]
-            # The optimizer's pieces, padding included, are what every rank sends.
-            send = torch.empty(b.layout.shard_numel, dtype=p0.dtype, device=p0.device)
-            for dst, piece in zip(b.layout.padded_views(send), b.shards):
-                dst.copy_(piece.detach())
-            if b.layout.identity:
-                # Gather straight into the parameter: no receive buffer, no copy out.
-                h = self.comm.all_gather(p0.data.view(-1), send, name=f"zero_all_gather.b{b.index}", async_op=True)
+            name = f"zero_all_gather.b{b.index}"
+            if b.host is not None:
+                # Offloaded: the updated master row comes back to the device, then travels.
+                send = b.host.to(p0.device)
+                if b.layout.identity:
+                    h = all_gather(self.comm, p0.data.view(-1), send, name, self.how)
+                    recv = None
+                else:
+                    recv = torch.empty(n * b.layout.shard_numel, dtype=p0.dtype, device=p0.device)
+                    h = all_gather(self.comm, recv, send, name, self.how)
+            elif b.layout.identity:
+                # The optimizer updated this rank's slot of the parameter in place: gather
+                # the other slots around it, with no send or receive buffer and no copy.
+                send = b.shards[0].detach()
+                h = all_gather(self.comm, p0.data.view(-1), send, name, self.how)
                 recv = None
             else:
+                # The optimizer's pieces, padding included, are what every rank sends.
+                send = torch.empty(b.layout.shard_numel, dtype=p0.dtype, device=p0.device)
+                for dst, piece in zip(b.layout.padded_views(send), b.shards):
+                    dst.copy_(piece.detach())
                 recv = torch.empty(n * b.layout.shard_numel, dtype=p0.dtype, device=p0.device)
-                h = self.comm.all_gather(recv, send, name=f"zero_all_gather.b{b.index}", async_op=True)
+                h = all_gather(self.comm, recv, send, name, self.how)
             if prev is not None:
                 self._unpack(prev)
             prev = (b, send, recv, h)
@@ -233,6 +278,9 @@ class ZeROModule(nn.Module):
             # Stage 1's reduced pieces live only for the step: the full gradients are what it keeps.
             for b in self.buckets:
                 self._set_shard_grads(b, None)
+        for b in self.buckets:
+            if b.host is not None:
+                b.versions = b.param_versions()  # our own write: the master row is already this
         self._reduced = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -255,11 +303,14 @@ class ZeROModule(nn.Module):
         """Re-read the padded copies from the full parameters, which are the truth (e.g. after a checkpoint load)."""
         r = self.comm.rank
         for b in self.buckets:
+            if b.host is not None:
+                b.refresh_host()
+                continue
             for p, s, c, k in zip(b.params, b.shards, b.layout.chunks, b.locals):
                 if k < c and k:
                     s[:k].copy_(p.detach().view(-1)[r * c:r * c + k])
 
-    def _unpack(self, item: tuple[_Bucket, torch.Tensor, torch.Tensor | None, Handle | None]) -> None:
+    def _unpack(self, item: tuple[_Bucket, torch.Tensor, torch.Tensor | None, Waitable | None]) -> None:
         b, _send, recv, h = item
         if h is not None:
             h.wait()
@@ -280,7 +331,9 @@ class ZeROModule(nn.Module):
             b.launched = False
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        if not self._sync:
+        if not self._sync or (self.stage == 1 and not self._armed):
+            # Stage 1's full gradients changed after any earlier reduction: reduce again at the step.
+            self._reduced = False
             return
         b = self._where[p]  # type: ignore[index]
         if not self._queued:
@@ -306,7 +359,7 @@ class ZeROModule(nn.Module):
             for p in b.params:
                 p.grad = None  # the point of stage 2: the full gradient is gone once sent
         out = torch.empty(b.layout.shard_numel, dtype=p0.dtype, device=p0.device)
-        h = self.comm.reduce_scatter(out, staging, name=f"zero_reduce_scatter.b{b.index}", async_op=True)
+        h = reduce_scatter(self.comm, out, staging, f"zero_reduce_scatter.b{b.index}", self.how)
         b.launched = True
         self._drain()
         self._inflight = (b, staging, out, h)
@@ -321,7 +374,9 @@ class ZeROModule(nn.Module):
             h.wait()
         # Sum then divide: the mean over ranks without ReduceOp.AVG, which gloo lacks.
         out.div_(self.comm.size)
-        if b.grad_shard is None:
+        if self.offload is not None:
+            out = out.to(self.offload)  # ZeRO-Offload: the gradient shard goes where the optimizer runs
+        if b.grad_shard is None or self.stage == 1:
             self._set_shard_grads(b, out)
         else:
             b.grad_shard.add_(out)
@@ -335,6 +390,21 @@ class ZeROModule(nn.Module):
             self._next += 1
         self._drain()
         self._queued = False
+        self._reduced = True
+        self._armed = False
+
+
+OFFLOADS = ("none", "optimizer", "all")
+
+
+def check_offload(offload: str, strategy: str, stage: int) -> None:
+    """Reject an unknown offload, or one this stage cannot do, when the strategy object is made."""
+    if offload not in OFFLOADS:
+        raise ValueError(f"unknown offload {offload!r}; use one of {', '.join(OFFLOADS)}")
+    if offload == "all" and stage < 3:
+        raise ValueError(f"offload='all' moves the parameter shards to the host too, but strategy {strategy!r} "
+                         "keeps full parameters on every device; use offload='optimizer' with it, or "
+                         "'zero3'/'fsdp'/'hsdp' for offload='all'")
 
 
 def _check_not_meta(model: nn.Module, name: str) -> None:
@@ -343,17 +413,22 @@ def _check_not_meta(model: nn.Module, name: str) -> None:
                          "on the meta device; use 'zero3' or 'fsdp', which materialise it shard by shard")
 
 
-def zero_clip_grad_norm(grads: Sequence[torch.Tensor], max_norm: float, comm: Comm, name: str) -> torch.Tensor:
+def zero_clip_grad_norm(grads: Sequence[torch.Tensor], max_norm: float, comm: Comm, name: str,
+                        device: torch.device | None = None) -> torch.Tensor:
     """Clip sharded gradients by the norm of the whole (global) gradient.
 
     Each rank holds disjoint pieces (padding is zero), so the squared norms add
-    up over ``comm``'s group: one all-reduce of a scalar.
+    up over ``comm``'s group: one all-reduce of a scalar, on ``device`` (the
+    communication device; offloaded gradients live elsewhere).
     """
-    device = grads[0].device if grads else torch.device("cpu")
-    sq = torch.zeros((), dtype=torch.float32, device=device)
+    here = grads[0].device if grads else (device or torch.device("cpu"))
+    sq = torch.zeros((), dtype=torch.float32, device=here)
     for g in grads:
         sq += g.detach().float().pow(2).sum()
+    if device is not None and device != here:
+        sq = sq.to(device)
     comm.all_reduce(sq, name=name)
+    sq = sq.to(here)
     total = sq.sqrt()
     coef = clip_coefficient(total, max_norm)
     for g in grads:
@@ -365,20 +440,43 @@ def zero_clip_grad_norm(grads: Sequence[torch.Tensor], max_norm: float, comm: Co
 class ZeRO1(Strategy):
     """ZeRO stage 1: optimizer states sharded; full parameters and gradients on every rank.
 
-    Gradients accumulate locally and are reduce-scattered at the optimizer step
-    (or at gradient clipping, which needs them first), so accumulation needs
-    no ``no_sync``: nothing is sent until the step.
+    Gradients are reduce-scattered in buckets while backward runs (overlapping
+    it, as DDP's all-reduce does) and every rank keeps its full local
+    gradients as well. Under ``no_sync`` nothing is sent and the last
+    micro-batch's backward reduces the accumulated gradients; if every
+    backward ran under ``no_sync`` the reduction happens at the optimizer step
+    (or at gradient clipping, which needs it first).
+
+    Args:
+        bucket_cap_mb: parameters are reduced and gathered in buckets of about this size.
+        collectives: ``"native"`` (the backend's reduce-scatter and all-gather),
+            ``"p2p"`` (pairwise isend/irecv exchange, same bytes) or ``"auto"``
+            (p2p on gloo, whose reduce-scatter is slow; native otherwise).
+        offload: ``"optimizer"`` keeps this rank's master pieces, gradient
+            pieces and optimizer states on ``offload_device`` and runs the
+            update there (ZeRO-Offload, Ren et al. 2021); ``"none"`` (default)
+            keeps everything on the training device. ``"all"`` needs sharded
+            parameters (``ZeRO3``/``FSDP``/``HSDP``) and is an error here.
+        offload_device: where offloaded state lives (default ``"cpu"``).
     """
 
     bucket_cap_mb: float = 4.0
+    collectives: str = "auto"
+    offload: str = "none"
+    offload_device: str = "cpu"
     name: ClassVar[str] = "zero1"
     stage: ClassVar[int] = 1
+
+    def __post_init__(self) -> None:
+        check_offload(self.offload, self.name, self.stage)
 
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
         _check_not_meta(model, self.name)
         model = model.to(topo.device)
-        wrapped = ZeROModule(model, topo.comm("dp"), stage=self.stage, bucket_cap_mb=self.bucket_cap_mb)
+        wrapped = ZeROModule(model, topo.comm("dp"), stage=self.stage, bucket_cap_mb=self.bucket_cap_mb,
+                             collectives=self.collectives,
+                             offload_device=self.offload_device if self.offload == "optimizer" else None)
         return wrapped, ShardedOptimizer(optimizer_fn(wrapped.shard_params), wrapped)
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
@@ -387,7 +485,7 @@ class ZeRO1(Strategy):
     def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
         zm: ZeROModule = model  # type: ignore[assignment]
         zm.before_step()
-        return zero_clip_grad_norm(zm.shard_grads(), max_norm, zm.comm, "zero_clip")
+        return zero_clip_grad_norm(zm.shard_grads(), max_norm, zm.comm, "zero_clip", device=topo.device)
 
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                          topo: Topology) -> dict[str, Any]:
@@ -419,7 +517,13 @@ class ZeRO1(Strategy):
         params += [c for b in zm.buckets for c in b.copies]
         states = [v for s in optimizer.state.values() for v in s.values()
                   if isinstance(v, torch.Tensor) and v.dim() > 0]
-        return {"params": params, "grads": grads, "optimizer": states}
+        if zm.offload is None:
+            return {"params": params, "grads": grads, "optimizer": states}
+        # Offloaded: the master rows, gradient shards and optimizer states are host memory.
+        host_grads = zm.shard_grads()
+        return {"params": params, "grads": [p.grad for p in unwrap(model).parameters() if p.grad is not None],
+                "optimizer": [], "host_params": [b.host for b in zm.buckets if b.host is not None],
+                "host_grads": host_grads, "host_optimizer": states}
 
 
 @dataclass

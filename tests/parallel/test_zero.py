@@ -185,3 +185,45 @@ def _dcp_round_trip(rank, device, strategy, path):
 @pytest.mark.parametrize("strategy", ["zero1", "zero2"])
 def test_dcp_round_trip_in_place(tmp_path, strategy):
     launch.spawn(_dcp_round_trip, 2, args=(strategy, str(tmp_path / "ck")))
+
+
+# ---- collectives: native or pairwise exchange; stage 1 overlaps backward ----------------
+@pytest.mark.parametrize("strategy", [ZeRO1(collectives="native"), ZeRO2(collectives="p2p"),
+                                      sw.FSDP(collectives="native")], ids=["zero1-native", "zero2-p2p", "fsdp-native"])
+def test_either_collectives_equal_single(reference, same_run, strategy):
+    # "auto" picks p2p on gloo (the runs above); the backend's own collectives must train the same.
+    same_run(reference, fit(strategy, 2))
+
+
+def test_unknown_collectives_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"^unknown collectives 'mpi'; use one of auto, native, p2p$"):
+        ZeRO2(collectives="mpi").setup(_small(), ADAMW, Topology.create(torch.device("cpu")))
+
+
+def _when_zero1_reduces(rank, device, path):
+    topo = Topology.create(device)
+    model, opt = ZeRO1().setup(_small(), ADAMW, topo)
+    g = torch.Generator().manual_seed(rank)
+
+    def backward():
+        F.cross_entropy(model(torch.randn(8, 16, generator=g)), torch.randint(0, 5, (8,), generator=g)).backward()
+
+    sent = {}
+    with model.no_sync():
+        backward()
+    sent["after no_sync backward"] = topo.stats.by_name.get("zero_reduce_scatter", 0)
+    backward()
+    sent["after synced backward"] = topo.stats.by_name.get("zero_reduce_scatter", 0)
+    opt.step()
+    sent["after step"] = topo.stats.by_name.get("zero_reduce_scatter", 0)
+    if rank == 0:
+        torch.save(sent, path)
+
+
+def test_zero1_reduces_while_backward_runs(tmp_path):
+    """Stage 1 reduce-scatters from the last backward's hooks (overlapping it), not at the step, and never twice."""
+    path = str(tmp_path / "s.pt")
+    launch.spawn(_when_zero1_reduces, 2, args=(path,))
+    sent = torch.load(path)
+    piece = 4 * sum(chunk_numel(p.numel(), 2) for p in _small().parameters())
+    assert sent == {"after no_sync backward": 0, "after synced backward": piece, "after step": piece}

@@ -1,0 +1,321 @@
+"""Pictures of real runs: throughput against device count, memory per rank, pipeline timelines.
+
+Three figures, each drawn from numbers a run measured (nothing here is modelled):
+
+* :func:`throughput_figure`: samples per second against the number of devices,
+  one line per strategy, from :func:`measure_throughput` (Trainer runs; the
+  rate is the global batch over the median step time of the slowest rank).
+* :func:`memory_figure`: one stacked bar per rank per strategy, split into
+  parameters, gradients, optimizer states (exact tensor bytes the strategy
+  holds, ``FitResult.stats`` keys ``params_bytes``, ``grads_bytes``,
+  ``optimizer_bytes``) and activations (``activation_bytes``: the peak bytes
+  autograd held for backward during the first step, counted by saved-tensor
+  hooks).
+* :func:`timeline_figure`: pipeline schedules side by side, one row per stage,
+  one box per forward and per backward of each micro-batch, placed at the
+  times the :class:`~shardwise.parallel.schedules.Recorder` saw them; the gaps
+  are the bubble (GPipe, Huang et al. 2019: ``(p - 1) / (m + p - 1)`` of the step).
+
+matplotlib runs on its Agg backend (no display needed). :func:`write_all` makes
+the set of PNGs that ``shardwise demo --plot DIR`` and ``shardwise bench --plot DIR``
+write.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from shardwise import launch
+from shardwise.topology import Topology
+
+KINDS = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer states"),
+         ("activation", "activations"))
+_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activation": "#c44e52",
+           "F": "#8fbce6", "B": "#f2a65a"}
+BOX = "box"  # gid of each forward/backward box in a timeline, so tests can count them
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _unit(max_bytes: float) -> tuple[float, str]:
+    for scale, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if max_bytes >= scale:
+            return float(scale), name
+    return 1.0, "B"
+
+
+def save(fig: Any, path: str | os.PathLike[str], dpi: int = 100) -> str:
+    """Write ``fig`` as a PNG (creating the folder) and close it; returns the path."""
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=dpi, format="png")
+    _plt().close(fig)
+    return path
+
+
+# ---- throughput ----------------------------------------------------------------------------------
+def throughput_figure(records: Iterable[Mapping[str, Any]], title: str = "Throughput against device count") -> Any:
+    """Samples/s against devices, one line per strategy; records have ``strategy``, ``devices``, ``samples_per_s``."""
+    plt = _plt()
+    by: dict[str, list[tuple[int, float]]] = {}
+    for r in records:
+        by.setdefault(str(r["strategy"]), []).append((int(r["devices"]), float(r["samples_per_s"])))
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, pts in by.items():
+        pts.sort()
+        ax.plot([d for d, _ in pts], [s for _, s in pts], marker="o", label=name)
+    ax.set_xticks(sorted({d for pts in by.values() for d, _ in pts}))
+    ax.set_title(title)
+    ax.set_xlabel("devices (processes)")
+    ax.set_ylabel("samples / s (global batch / median step)")
+    ax.grid(alpha=0.3)
+    ax.legend(title="strategy", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def _fit(strategy: str, devices: int, workload: str, steps: int) -> Any:
+    from shardwise.trainer import Trainer
+    from shardwise.workloads import load
+
+    work = load(workload)
+    return Trainer(strategy, devices, accelerator="cpu", progress=False, memory_check="off").fit(
+        work.make_model(), work.train, work.loss_fn, work.optimizer(), work.batch_size, steps), work.batch_size
+
+
+def measure_throughput(strategies: Sequence[str], devices: Sequence[int], workload: str = "gpt",
+                       steps: int = 8) -> list[dict[str, Any]]:
+    """One Trainer run per (strategy, devices); samples/s = global batch / median step time of the slowest rank."""
+    out = []
+    for s in strategies:
+        for n in devices:
+            res, batch = _fit(s, n, workload, steps)
+            step = max(st["step_time_s"] for st in res.stats)
+            out.append({"strategy": s, "devices": n, "samples_per_s": batch / step, "step_time_s": step})
+    return out
+
+
+# ---- memory --------------------------------------------------------------------------------------
+def memory_rows(results: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Per rank of each labelled FitResult: the four byte counts the memory figure stacks."""
+    rows = []
+    for label, res in results.items():
+        for st in res.stats:
+            rows.append({"strategy": label, "rank": st["rank"],
+                         **{k: int(st.get(f"{k}_bytes", 0)) for k, _ in KINDS}})
+    return rows
+
+
+def memory_figure(rows: Sequence[Mapping[str, Any]], title: str = "Memory per rank") -> Any:
+    """Stacked bars, one per rank per strategy: parameters, gradients, optimizer states, activations."""
+    plt = _plt()
+    totals = [sum(r[k] for k, _ in KINDS) for r in rows]
+    scale, unit = _unit(max(totals, default=1))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * len(rows) + 2), 4.4))
+    x = list(range(len(rows)))
+    bottom = [0.0] * len(rows)
+    for key, label in KINDS:
+        h = [r[key] / scale for r in rows]
+        ax.bar(x, h, bottom=bottom, color=_COLORS[key], label=label, width=0.7)
+        bottom = [b + v for b, v in zip(bottom, h)]
+    ax.set_xticks(x, [f"{r['strategy']}\nrank {r['rank']}" for r in rows], fontsize=8)
+    ax.set_title(title)
+    ax.set_xlabel("strategy and rank")
+    ax.set_ylabel(f"bytes held ({unit})")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def measure_memory(strategies: Sequence[str], devices: int = 2, workload: str = "digits",
+                   steps: int = 3) -> dict[str, Any]:
+    """FitResults of short runs, keyed by strategy name (their stats feed :func:`memory_rows`)."""
+    return {s: _fit(s, devices, workload, steps)[0] for s in strategies}
+
+
+# ---- pipeline timeline ---------------------------------------------------------------------------
+_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B"}
+
+
+def timeline_figure(runs: Mapping[str, Sequence[Any]], title: str = "Pipeline schedules") -> Any:
+    """Schedules side by side; each stage a row, each forward/backward of a micro-batch a labelled box.
+
+    ``runs`` maps a schedule name to the :class:`~shardwise.parallel.schedules.Event`
+    list of ONE step (all stages); times are shifted so the step starts at 0.
+    """
+    from matplotlib.patches import Patch
+
+    from shardwise.parallel.schedules import bubble_fraction
+
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(runs), figsize=(6.0 * len(runs), 0.6 * _stages(runs) + 2.8), squeeze=False,
+                             sharey=True)
+    span = max((e.end for ev in runs.values() for e in ev), default=1.0) - \
+        min((e.start for ev in runs.values() for e in ev), default=0.0)
+    ms = 1e3 if span < 10 else 1.0  # real clocks are seconds; show ms. Simulated clocks are units.
+    for ax, (name, events) in zip(axes[0], runs.items()):
+        t0 = min(e.start for e in events)
+        for e in events:
+            left, width = (e.start - t0) * ms, (e.end - e.start) * ms
+            bar = ax.barh(e.stage, width, left=left, height=0.7, color=_COLORS[e.kind], edgecolor="black",
+                          linewidth=0.6)
+            bar.patches[0].set_gid(BOX)
+            ax.text(left + width / 2, e.stage, f"{e.kind}{e.mb}", ha="center", va="center", fontsize=7)
+        stages = sorted({e.stage for e in events})
+        ax.set_yticks(stages, [f"stage {s}" for s in stages])
+        if not ax.yaxis_inverted():  # stage 0 on top (axes are shared: invert once)
+            ax.invert_yaxis()
+        ax.set_title(f"{_NAMES.get(name, name)}: bubble {bubble_fraction(list(events)):.0%}")
+        ax.set_xlabel("time in the step (ms)" if ms != 1.0 else "time (model units)")
+        ax.set_ylabel("pipeline stage (rank)")
+        ax.legend(handles=[Patch(color=_COLORS["F"], label="forward of micro-batch i (Fi)"),
+                           Patch(color=_COLORS["B"], label="backward of micro-batch i (Bi)")], fontsize=8,
+                  loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def _stages(runs: Mapping[str, Sequence[Any]]) -> int:
+    return max((e.stage + 1 for ev in runs.values() for e in ev), default=1)
+
+
+def count_boxes_in(ax: Any) -> int:
+    """Forward/backward boxes drawn on one axes of a timeline figure."""
+    return sum(1 for p in ax.patches if p.get_gid() == BOX)
+
+
+def count_boxes(fig: Any) -> int:
+    """Forward/backward boxes drawn in a timeline figure (all schedules)."""
+    return sum(count_boxes_in(ax) for ax in fig.axes)
+
+
+def _timeline_worker(rank: int, device: torch.device, schedules: list[str], m: int, width: int, batch: int,
+                     path: str) -> None:
+    from shardwise.parallel.pipeline import build_pipeline, pipeline_step
+    from shardwise.parallel.schedules import Recorder
+
+    p = torch.distributed.get_world_size()
+    topo = Topology.create(device, dp=1, tp=1, pp=p)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, width, generator=g)
+    out = {}
+    for schedule in schedules:
+        torch.manual_seed(0)
+        layers = [mod for _ in range(2 * p) for mod in (torch.nn.Linear(width, width), torch.nn.ReLU())][:-1]
+        pm = build_pipeline(torch.nn.Sequential(*layers).to(device), topo)
+        rec = Recorder()
+        for step in range(3):  # the first step exchanges shapes; the last one is drawn
+            topo.comm("world").barrier(name="plots.barrier")
+            pipeline_step(pm, [(x, torch.zeros_like(x))], F.mse_loss, topo, schedule, m, rec)
+        events = [e for e in rec.gather(topo.comm("pp")) if e.step == rec.step - 1]
+        out[schedule] = events
+    if rank == 0:
+        with open(path, "wb") as f:
+            pickle.dump(out, f)
+    topo.close()
+
+
+def record_pipeline(schedules: Sequence[str] = ("gpipe", "1f1b"), stages: int = 2, microbatches: int = 4,
+                    width: int = 256, batch: int = 256) -> dict[str, list[Any]]:
+    """Recorded events of one real pipeline step per schedule (``stages`` processes, an MLP of Linear(width))."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "events.pkl")
+        launch.spawn(_timeline_worker, stages, args=(list(schedules), microbatches, width, batch, path))
+        with open(path, "rb") as f:
+            return pickle.load(f)  # type: ignore[no-any-return]
+
+
+# ---- everything ----------------------------------------------------------------------------------
+def write_all(plot_dir: str | os.PathLike[str], max_devices: int = 2, steps: int = 6, tag: str = "strategies",
+              memory_results: Mapping[str, Any] | None = None,
+              throughput_records: Sequence[Mapping[str, Any]] | None = None) -> list[str]:
+    """Measure (unless given) and write ``throughput_<tag>.png``, ``memory_<tag>.png``, ``pipeline_timeline.png``."""
+    devices = [n for n in (1, 2, 4, 8) if n <= max_devices]
+    if throughput_records is None:
+        throughput_records = measure_throughput(["ddp", "zero1", "zero2", "zero3", "fsdp", "tp", "pp"], devices,
+                                                "gpt", steps)
+    if memory_results is None:
+        memory_results = measure_memory(["ddp", "zero1", "zero2", "zero3"], 2, "digits", min(steps, 3))
+    paths = [
+        save(throughput_figure(throughput_records, "Throughput against device count (tiny GPT, global batch 16)"),
+             os.path.join(plot_dir, f"throughput_{tag}.png")),
+        save(memory_figure(memory_rows(memory_results), "Memory per rank by kind"),
+             os.path.join(plot_dir, f"memory_{tag}.png")),
+        save(timeline_figure(record_pipeline(), "Recorded pipeline step: 2 stages, 4 micro-batches"),
+             os.path.join(plot_dir, "pipeline_timeline.png")),
+    ]
+    return paths
+
+
+def write_demo(plot_dir: str | os.PathLike[str], finished: Mapping[str, tuple[Any, int, int]]) -> list[str]:
+    """The demo's pictures from its own runs (``label -> (FitResult, devices, global batch)``), plus a timeline."""
+    results = {label: r for label, (r, _, _) in finished.items()}
+    return [
+        save(throughput_figure(samples_per_s(finished), "shardwise demo: throughput (digits MLP)"),
+             os.path.join(plot_dir, "throughput_demo.png")),
+        save(memory_figure(memory_rows(results), "shardwise demo: memory per rank by kind (digits MLP)"),
+             os.path.join(plot_dir, "memory_demo.png")),
+        save(timeline_figure(record_pipeline(), "Recorded pipeline step: 2 stages, 4 micro-batches"),
+             os.path.join(plot_dir, "pipeline_demo.png")),
+    ]
+
+
+def samples_per_s(results: Mapping[str, tuple[Any, int, int]]) -> list[dict[str, Any]]:
+    """Throughput records from finished runs: ``label -> (FitResult, devices, global batch)``."""
+    out = []
+    for label, (res, n, batch) in results.items():
+        step = max(st["step_time_s"] for st in res.stats)
+        out.append({"strategy": label, "devices": n, "samples_per_s": batch / step if step > 0 else 0.0})
+    return out
+
+
+__all__ = ["count_boxes", "count_boxes_in", "measure_memory", "measure_throughput", "memory_figure", "memory_rows",
+           "record_pipeline", "samples_per_s", "save", "throughput_figure", "timeline_figure", "write_all",
+           "write_demo"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m shardwise.plots DIR``: the PNGs of docs/pictures.md (real runs, plus a simulated timeline)."""
+    import argparse
+
+    from shardwise.parallel.schedules import simulate
+
+    ap = argparse.ArgumentParser(prog="python -m shardwise.plots")
+    ap.add_argument("dir")
+    ap.add_argument("--max-devices", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=6)
+    a = ap.parse_args(argv)
+    devices = [n for n in (1, 2, 4, 8) if n <= a.max_devices]
+    records = measure_throughput(["ddp", "zero1", "zero2", "zero3", "fsdp", "tp", "pp"], devices, "gpt", a.steps)
+    for r in records:
+        print(f"throughput {r['strategy']:6s} devices={r['devices']}: {r['samples_per_s']:8.1f} samples/s "
+              f"(median step {1e3 * r['step_time_s']:.2f} ms)")
+    memory = measure_memory(["ddp", "zero1", "zero2", "zero3"], 2, "digits", min(a.steps, 3))
+    for r in memory_rows(memory):
+        print(f"memory {r['strategy']:6s} rank {r['rank']}: " + ", ".join(f"{k} {r[k]:,} B" for k, _ in KINDS))
+    for path in write_all(a.dir, a.max_devices, a.steps, memory_results=memory, throughput_records=records):
+        print(f"wrote {path}")
+    sim = {s: simulate(s, 4, 8, t_f=1.0, t_b=2.0) for s in ("gpipe", "1f1b")}
+    print("wrote " + save(timeline_figure(sim, "Simulated schedules: 4 stages, 8 micro-batches, backward = 2 x forward"),
+                          os.path.join(a.dir, "pipeline_simulated.png")))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
