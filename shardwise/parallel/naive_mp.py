@@ -140,9 +140,12 @@ class NaiveMP(Strategy):
         k = len(micro_batches)
         total = torch.zeros((), device=out_dev)
         for x, y in micro_batches:
-            loss = loss_fn(model(x), _move(y, out_dev))
-            (loss / k).backward()
-            total += loss.detach()
+            # Autocast of the primary device's type covers every device of that type (all CUDA
+            # devices, or the CPU list of the tests); the loss scale is the fp16 scaler's.
+            with self.forward_context(topo):
+                loss = loss_fn(model(x), _move(y, out_dev))
+            (loss.float() * (self.loss_scale / k)).backward()
+            total += loss.detach().float()
         return (total / k).to(topo.device)
 
     def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:

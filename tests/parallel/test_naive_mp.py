@@ -67,6 +67,20 @@ def test_trainer_with_naive_mp_equals_single(same_run):
     same_run(ref, run, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_naive_mp_honours_mixed_precision(precision):
+    """The same operations as single-device training under autocast: exactly the same losses, and not fp32's."""
+    work = digits()
+
+    def fit(strategy, precision):
+        return sw.Trainer(strategy, 1, accelerator="cpu", progress=False, precision=precision).fit(
+            work.make_model(), work.train, work.loss_fn, ADAMW, batch_size=64, max_steps=3)
+
+    ref, run = fit("single", precision), fit(NaiveMP(devices=["cpu", "cpu"]), precision)
+    assert ref.losses == run.losses
+    assert run.losses != fit("single", "32").losses
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_on_two_gpus():
     torch.manual_seed(0)
