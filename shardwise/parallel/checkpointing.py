@@ -86,7 +86,7 @@ class SavedActivations:
         self.current = 0
         self.peak = 0
 
-    def _pack(self, t: torch.Tensor) -> Any:
+    def pack(self, t: torch.Tensor) -> Any:
         try:
             s = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # tensors without a plain storage
@@ -102,7 +102,7 @@ class SavedActivations:
         return _Held(t, ptr, self)
 
     @staticmethod
-    def _unpack(h: Any) -> torch.Tensor:
+    def unpack(h: Any) -> torch.Tensor:
         return h.t if isinstance(h, _Held) else h
 
     def _release(self, ptr: int) -> None:
@@ -132,5 +132,5 @@ def track_saved_activations(params: Iterable[torch.Tensor], inputs: Iterable[Any
     by what those regions save outside themselves.
     """
     counter = SavedActivations(params, inputs)
-    with torch.autograd.graph.saved_tensors_hooks(counter._pack, counter._unpack):
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
         yield counter

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from shardwise.comm import Comm, Handle
+from shardwise.parallel.checkpointing import SavedActivations
 from shardwise.parallel.schedules import Action, Recorder, check_message_order, execute, get_schedule
 from shardwise.strategy import LossFn, OptimizerFactory, Strategy
 from shardwise.topology import Topology
@@ -314,52 +315,11 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
 _META = 10  # header: ndim, dtype code, up to 8 dims
 
 
-class _SavedBytes:
-    """Bytes of distinct storages autograd holds for backward (parameters excluded)."""
-
-    def __init__(self, exclude: set[int]) -> None:
-        self.exclude = exclude
-        self.live: dict[int, list[int]] = {}
-        self.current = self.peak = 0
-
-    def pack(self, t: torch.Tensor) -> Any:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in self.exclude or ptr == 0:
-            return t
-        entry = self.live.setdefault(ptr, [t.untyped_storage().nbytes(), 0])
-        if entry[1] == 0:
-            self.current += entry[0]
-            self.peak = max(self.peak, self.current)
-        entry[1] += 1
-        return _Held(t, ptr, self)
-
-    @staticmethod
-    def unpack(h: Any) -> torch.Tensor:
-        return h.t if isinstance(h, _Held) else h
-
-    def release(self, ptr: int) -> None:
-        entry = self.live[ptr]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.current -= entry[0]
-            del self.live[ptr]
-
-
-class _Held:
-    __slots__ = ("t", "ptr", "owner")
-
-    def __init__(self, t: torch.Tensor, ptr: int, owner: _SavedBytes) -> None:
-        self.t, self.ptr, self.owner = t, ptr, owner
-
-    def __del__(self) -> None:
-        self.owner.release(self.ptr)
-
-
 class _Runner:
     """Receives, computes and sends for :func:`shardwise.parallel.schedules.execute`."""
 
     def __init__(self, pm: PipelineModel, comm: Comm, mbs: Sequence[tuple[Any, Any]], loss_fn: LossFn,
-                 saved: _SavedBytes | None,
+                 saved: SavedActivations | None,
                  forward_context: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
                  loss_scale: float = 1.0) -> None:
         self.pm, self.comm, self.mbs, self.loss_fn = pm, comm, mbs, loss_fn
@@ -528,7 +488,7 @@ def pipeline_step(pm: PipelineModel, micro_batches: Sequence[tuple[Any, Any]], l
     if recorder is not None and recorder.track_saved:
         # Parameters and the batch itself are not activations (micro-batches are views of one batch).
         data = [t for xy in mbs for t in xy if isinstance(t, torch.Tensor)]
-        saved = _SavedBytes({t.untyped_storage().data_ptr() for t in list(pm.parameters()) + data})
+        saved = SavedActivations(pm.parameters(), data)
     runner = _Runner(pm, topo.comm("pp"), mbs, loss_fn, saved, forward_context, loss_scale)
     execute(acts, runner, pm.rank, recorder)
     runner.finish()
