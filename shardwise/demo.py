@@ -27,7 +27,7 @@ def _three_d() -> Strategy:
 DEMO_RUNS: list[tuple[str, str | Callable[[], Strategy], int]] = [
     ("single", "single", 1), ("ddp", "ddp", 2), ("dp", "dp", 2), ("ps", "ps", 3), ("zero1", "zero1", 2),
     ("zero2", "zero2", 2), ("zero3", "zero3", 2), ("fsdp", "fsdp", 2), ("hsdp", "hsdp", 4), ("tp", "tp", 2),
-    ("pp", "pp", 2), ("3d 2x2x2+zero1", _three_d, 8),
+    ("pp", "pp", 2), ("3d+zero1", _three_d, 8),
 ]
 
 
@@ -75,6 +75,7 @@ def main(steps: int = 60, devices: int = 2, rtol: float = 1e-4, console: Console
 
         for path in plots.write_demo(plot_dir, finished):
             console.print(f"wrote {path}")
+    console.print("3d+zero1: dp=2 x tp=2 x pp=2 on one mesh, ZeRO-1 over dp, tp inside pipeline stage 1.")
     console.print(f"'equal to single': largest relative difference of any step's loss and any final "
                   f"weight below {rtol:g}.")
     return 0 if ok else 1
