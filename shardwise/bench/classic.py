@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from shardwise import launch
+from shardwise.bench.harness import optimizer_step, timed_steps
 from shardwise.topology import Topology
 from shardwise.workloads import mlp1024
 
@@ -74,18 +75,10 @@ def _spawn_collect(fn: Callable[..., None], nprocs: int, accelerator: str, *args
 
 def _timed_steps(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
                  warmup: int, steps: int, before: Callable[[], None]) -> list[float]:
-    times = []
-    for i in range(warmup + steps):
-        before()
-        t0 = time.perf_counter()
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if x.device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return times
+    step = optimizer_step(model, opt, F.mse_loss, x, y)
+    cuda = x.device.type == "cuda"
+    timed_steps(step, warmup, before, cuda)
+    return timed_steps(step, steps, before, cuda)
 
 
 # ---- DP against DDP ------------------------------------------------------------------------------

@@ -51,35 +51,62 @@ class PairResult:
         return int(statistics.median(self.peak_rss_delta[name]))
 
 
-def _time_contender(c: Contender, base: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor,
-                    loss_fn: Callable[..., torch.Tensor], warmup: int, steps: int,
-                    trim: bool = False) -> tuple[float, int, float]:
+Step = Callable[[], None]
+
+
+def optimizer_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
+                   x: torch.Tensor, y: torch.Tensor) -> Step:
+    """One training step on a fixed batch, as a closure: forward, loss, backward, update, clear."""
+    def step() -> None:
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def timed_steps(step: Step, n: int, before: Step, cuda: bool) -> list[float]:
+    """Seconds each of ``n`` calls of ``step`` took; ``before`` runs untimed first (a barrier lines
+    the ranks up, so a step's time is not another rank's lateness)."""
+    times = []
+    for _ in range(n):
+        before()
+        t0 = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def measure(build: Callable[[], Step], topo: Topology, cuda: bool, warmup: int, steps: int,
+            trim: bool = False) -> tuple[float, int, float]:
+    """Build a contender's step and time it: (median step s, peak RSS increase, bytes sent per step).
+
+    The RSS baseline is taken before ``build``, so the wrapped model, its
+    optimizer state and buffers all count; bytes are counted after warm-up.
+    """
     gc.collect()
     if trim:
         trim_malloc()
     reset_peak_rss()
     before = current_rss_bytes()
-    model, opt = c.build(copy.deepcopy(base), topo)
-    times = []
+    step = build()
+    barrier = topo.comm("world").barrier
+    timed_steps(step, warmup, barrier, cuda)
     sent0 = topo.stats.sent
-    for i in range(warmup + steps):
-        if i == warmup:
-            sent0 = topo.stats.sent
-        topo.comm("world").barrier()
-        t0 = time.perf_counter()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if x.device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+    times = timed_steps(step, steps, barrier, cuda)
     mem = peak_rss_bytes() - before
     sent = (topo.stats.sent - sent0) / steps
-    del model, opt
+    del step
     gc.collect()
     return statistics.median(times), mem, sent
+
+
+def _time_contender(c: Contender, base: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor,
+                    loss_fn: Callable[..., torch.Tensor], warmup: int, steps: int,
+                    trim: bool = False) -> tuple[float, int, float]:
+    return measure(lambda: optimizer_step(*c.build(copy.deepcopy(base), topo), loss_fn, x, y),
+                   topo, x.device.type == "cuda", warmup, steps, trim)
 
 
 def trim_malloc() -> bool:

@@ -13,10 +13,8 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import gc
 import os
 import pickle
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -29,8 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from shardwise import launch
-from shardwise.bench.harness import PairResult, alternate, gather_results, summarize
-from shardwise.stats import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+from shardwise.bench.harness import PairResult, alternate, gather_results, measure, optimizer_step, summarize
 from shardwise.topology import Topology
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
@@ -108,13 +105,7 @@ def ours_tp(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, 
     from shardwise.parallel.tp import parallelize
 
     model = parallelize(model.to(topo.device), _tp_plan(model), topo.comm("tp"))  # type: ignore[arg-type]
-    opt = ADAMW(model.parameters())
-
-    def step() -> None:
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return step
+    return optimizer_step(model, ADAMW(model.parameters()), F.mse_loss, x, y)
 
 
 def torch_tp(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int) -> Step:
@@ -123,39 +114,13 @@ def torch_tp(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor,
     styles = {k: ColwiseParallel() if v == "colwise" else RowwiseParallel()
               for k, v in _tp_plan(model).items()}  # type: ignore[arg-type]
     model = parallelize_module(model.to(topo.device), topo.mesh["tp"], styles)  # type: ignore[index]
-    opt = ADAMW(model.parameters())
-
-    def step() -> None:
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return step
+    return optimizer_step(model, ADAMW(model.parameters()), F.mse_loss, x, y)
 
 
 # ---- the runner ---------------------------------------------------------------------
 def _time(c: StepContender, base: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int,
           warmup: int, steps: int) -> tuple[float, int, float]:
-    gc.collect()
-    reset_peak_rss()
-    before = current_rss_bytes()
-    step = c.build(copy.deepcopy(base), topo, x, y, m)
-    times: list[float] = []
-    sent0 = topo.stats.sent
-    for i in range(warmup + steps):
-        if i == warmup:
-            sent0 = topo.stats.sent
-        topo.comm("world").barrier()
-        t0 = time.perf_counter()
-        step()
-        if x.device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    mem = peak_rss_bytes() - before
-    sent = (topo.stats.sent - sent0) / steps
-    del step
-    gc.collect()
-    return statistics.median(times), mem, sent
+    return measure(lambda: c.build(copy.deepcopy(base), topo, x, y, m), topo, x.device.type == "cuda", warmup, steps)
 
 
 def _worker(rank: int, device: torch.device, blob: bytes, path: str) -> None:
