@@ -91,7 +91,27 @@ class _Bucket:
         self.wire: torch.Tensor | None = None  # the narrower copy in flight when reduce_dtype is set
 
 
-class DDPModule(nn.Module):
+class GradSync:
+    """``no_sync()`` for a wrapper whose gradient hooks communicate only while ``self._sync`` is set.
+
+    Shared by DDP, ZeRO-1/2 and FSDP: inside the block each micro-batch's
+    gradients accumulate locally and nothing is sent; the backward after the
+    block sends the accumulated sum once.
+    """
+
+    _sync: bool = True
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: no gradient communication inside this block."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+
+class DDPModule(GradSync, nn.Module):
     """Wrap ``module`` so that backward leaves gradients averaged over ``comm``'s group."""
 
     def __init__(self, module: nn.Module, comm: Comm, bucket_cap_mb: float = 25.0,
@@ -135,15 +155,6 @@ class DDPModule(nn.Module):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     # ---- public ------------------------------------------------------
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally: no communication inside this block."""
-        old, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = old
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self.module(*args, **kwargs)
         if self._sync and torch.is_grad_enabled():

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from shardwise.comm import Comm, Handle
-from shardwise.parallel.ddp import _tensors, check_same_parameters
+from shardwise.parallel.ddp import GradSync, _tensors, check_same_parameters
 from shardwise.parallel.sharding import (FlatLayout, Waitable, all_gather, broadcast_inplace, comm_on, local_numel,
                                          pick_collectives, reduce_scatter, sharded_dtensor)
 from shardwise.parallel.zero import ShardedOptimizer, check_offload, zero_clip_grad_norm
@@ -327,7 +327,7 @@ def _to_device(p: nn.Parameter, device: torch.device) -> None:
 
 
 # ---- the wrapper --------------------------------------------------------------
-class FSDPModule(nn.Module):
+class FSDPModule(GradSync, nn.Module):
     """Shard ``module``'s parameters over ``comm``'s group in units and run them FSDP-style.
 
     ``replicate`` (HSDP) is the group across which the shards are replicas:
@@ -495,17 +495,8 @@ class FSDPModule(nn.Module):
                     u.point_to_padded(i)
 
     # ---- public --------------------------------------------------------
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate full gradients locally: no reduce-scatter inside this block.
-
-        Parameters stay sharded, so each micro-batch still all-gathers them.
-        """
-        old, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = old
+    # no_sync() (GradSync): full gradients accumulate locally, no reduce-scatter. Parameters
+    # stay sharded, so each micro-batch still all-gathers them.
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():

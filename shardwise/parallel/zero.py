@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from shardwise.comm import Comm
-from shardwise.parallel.ddp import check_same_parameters
+from shardwise.parallel.ddp import GradSync, check_same_parameters
 from shardwise.parallel.sharding import (FlatLayout, Waitable, all_gather, broadcast_inplace, clip_coefficient,
                                          pick_collectives, reduce_scatter, sharded_dtensor)
 from shardwise.strategy import OptimizerFactory, Strategy, unwrap
@@ -147,7 +147,7 @@ class _Bucket:
             self.versions = self.param_versions()
 
 
-class ZeROModule(nn.Module):
+class ZeROModule(GradSync, nn.Module):
     """Wrap ``module`` for ZeRO stage 1 or 2 over ``comm``'s data-parallel group.
 
     Parameters are bucketed in reverse registration order (backward produces
@@ -207,15 +207,7 @@ class ZeROModule(nn.Module):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
 
     # ---- public --------------------------------------------------------
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate full gradients locally: no communication inside this block."""
-        old, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = old
-
+    # no_sync() (GradSync): the full gradients accumulate locally, nothing is reduce-scattered.
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._sync and torch.is_grad_enabled():
             self._reset()
