@@ -54,7 +54,11 @@ class Strategy:
         return model, optimizer_fn(model.parameters())
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
+        """Suppress gradient communication for a non-final micro-batch: the wrapper's own
+        ``no_sync`` (DDP, ZeRO-1/2, FSDP); nothing for models that communicate no gradients."""
+        from shardwise.parallel.ddp import GradSync
+
+        return model.no_sync() if isinstance(model, GradSync) else contextlib.nullcontext()
 
     def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
                    topo: Topology) -> torch.Tensor | None:
@@ -179,9 +183,6 @@ class DDP(Strategy):
                             allreduce=allreduce_fn(self.allreduce),
                             reduce_dtype=getattr(torch, self.reduce_dtype) if self.reduce_dtype else None)
         return wrapped, optimizer_fn(model.parameters())
-
-    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
-        return model.no_sync()  # type: ignore[operator,no-any-return]
 
     def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
         out = super().state_tensors(model, optimizer)

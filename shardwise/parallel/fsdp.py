@@ -37,7 +37,6 @@ parameters plus its shards.
 """
 from __future__ import annotations
 
-import contextlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -698,9 +697,6 @@ class FSDP(Strategy):
                              dp_comm=topo.comm("dp"), collectives=self.collectives, offload=self.offload,
                              offload_device=self.offload_device)
         return wrapped, ShardedOptimizer(optimizer_fn(wrapped.shard_params), wrapped)
-
-    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
-        return model.no_sync()  # type: ignore[operator,no-any-return]
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
         fm: FSDPModule = model  # type: ignore[assignment]

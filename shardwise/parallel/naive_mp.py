@@ -12,7 +12,6 @@ optimizer states.
 """
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -150,9 +149,6 @@ class NaiveMP(Strategy):
 
     def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
         return model.original_state_dict()  # type: ignore[operator,no-any-return]
-
-    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
 
 
 __all__ = ["NaiveModelParallel", "NaiveMP"]

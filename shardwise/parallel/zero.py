@@ -22,7 +22,6 @@ full parameter before the all-gather spreads it.
 """
 from __future__ import annotations
 
-import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -470,9 +469,6 @@ class ZeRO1(Strategy):
                              collectives=self.collectives,
                              offload_device=self.offload_device if self.offload == "optimizer" else None)
         return wrapped, ShardedOptimizer(optimizer_fn(wrapped.shard_params), wrapped)
-
-    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
-        return model.no_sync()  # type: ignore[operator,no-any-return]
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
         zm: ZeROModule = model  # type: ignore[assignment]
