@@ -6,6 +6,8 @@ import os
 import pytest
 import torch
 
+from shardwise import launch
+
 # Tests run ranks as processes on a small machine: one thread each keeps them
 # from fighting over cores (the library divides cores itself; this only makes
 # the single-process reference runs cheap too).
@@ -32,3 +34,19 @@ def assert_same_run(ref, run, rtol: float = 1e-5, atol: float = 1e-6) -> None:
 @pytest.fixture
 def same_run():
     return assert_same_run
+
+
+class Spawned(Exception):
+    """Raised instead of starting worker processes under the ``no_spawn`` fixture."""
+
+
+@pytest.fixture
+def no_spawn(monkeypatch):
+    """Make starting worker processes an error, for checks that must fire before any process starts.
+
+    Yields the exception class, so a test can expect the spawn attempt itself.
+    """
+    def spawn(*args, **kwargs):
+        raise Spawned("processes were started")
+    monkeypatch.setattr(launch, "spawn", spawn)
+    return Spawned

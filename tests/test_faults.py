@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import time
 
 import pytest
 import torch
@@ -63,16 +62,15 @@ def _fit(strategy, devices=2, steps=5, timeout_s=6.0, debug=False):
         work.make_model(), work.train, work.loss_fn, ADAMW, batch_size=64, max_steps=steps)
 
 
+# The 60 s bound: the timeout (6 s) ends the job, not a watchdog minutes later.
+@pytest.mark.timeout(60)
 def test_skipped_collective_is_diagnosed_within_the_timeout():
-    t0 = time.perf_counter()
     with pytest.raises(Exception) as e:
         _fit(SkippingDDP())
-    elapsed = time.perf_counter() - t0
     msg = str(e.value)
     assert "did not complete within 0:00:06" in msg
     assert "where every rank is:" in msg
     assert "rank(s) [1] never arrived at all_reduce 'ddp.bucket0'" in msg
-    assert elapsed < 60  # bounded by the timeout, not by a watchdog minutes later
 
 
 @pytest.mark.parametrize("strategy,missing", [
@@ -85,16 +83,14 @@ def test_skipped_collective_is_diagnosed_within_the_timeout():
     (SkippingPP(split_points=["net.2"], microbatches=2),
      "rank(s) [1] never arrived at the matching send of recv 'pp.grad' (step 2; rank 0 is waiting)"),
 ])
+@pytest.mark.timeout(60)
 def test_skipped_collective_under_zero3_and_pp(strategy, missing):
-    t0 = time.perf_counter()
     with pytest.raises(Exception) as e:
         _fit(strategy)
-    elapsed = time.perf_counter() - t0
     msg = str(e.value)
     assert "did not complete within 0:00:06" in msg
     assert "where every rank is:" in msg
     assert missing in msg
-    assert elapsed < 60
 
 
 def _mismatch(rank, device):
@@ -122,37 +118,35 @@ def _trainer_error(exc, **kw):
     work = digits()
     args = dict(strategy="ddp", devices=2, dataset=work.train, batch_size=64, optimizer=ADAMW)
     args.update(kw)
-    t0 = time.perf_counter()
-    with pytest.raises(exc) as e:
+    with pytest.raises(exc) as e:  # tests using this take no_spawn: starting a process would raise instead
         sw.Trainer(args["strategy"], args["devices"], accelerator=kw.get("accelerator", "cpu")).fit(
             work.make_model(), args["dataset"], work.loss_fn, args["optimizer"], args["batch_size"], 2)
-    assert time.perf_counter() - t0 < 5  # no process was started, nothing waited
     return str(e.value)
 
 
-def test_empty_dataset():
+def test_empty_dataset(no_spawn):
     empty = torch.utils.data.TensorDataset(torch.zeros(0, 64), torch.zeros(0, dtype=torch.long))
     assert _trainer_error(ValueError, dataset=empty) == \
         "the dataset is empty: it has no (input, target) pairs to train on"
 
 
-def test_dataset_smaller_than_a_batch():
+def test_dataset_smaller_than_a_batch(no_spawn):
     small = torch.utils.data.TensorDataset(torch.zeros(10, 64), torch.zeros(10, dtype=torch.long))
     assert _trainer_error(ValueError, dataset=small) == \
         "the dataset has 10 samples, fewer than one global batch (batch_size=64); lower batch_size or use more data"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
-def test_cuda_asked_for_without_cuda():
+def test_cuda_asked_for_without_cuda(no_spawn):
     assert "accelerator='cuda' but no CUDA device is available" in _trainer_error(ValueError, accelerator="cuda")
 
 
-def test_unsupported_optimizer():
+def test_unsupported_optimizer(no_spawn):
     msg = _trainer_error(ValueError, optimizer=functools.partial(torch.optim.LBFGS, lr=1.0))
     assert msg.startswith("strategy 'ddp' does not support torch.optim.LBFGS: it needs a closure")
 
 
-def test_optimizer_that_is_not_a_factory():
+def test_optimizer_that_is_not_a_factory(no_spawn):
     msg = _trainer_error(TypeError, optimizer=lambda params: "not an optimizer")
     assert msg.startswith("optimizer must be a factory that returns a torch.optim.Optimizer")
 

@@ -115,18 +115,6 @@ def test_balanced_partition_minimises_the_largest_stage():
         stage_starts(layers, 5)
 
 
-class _Spawned(Exception):
-    pass
-
-
-@pytest.fixture
-def no_spawn(monkeypatch):
-    """Make starting worker processes an error: the checks below must fire before that."""
-    def spawn(*args, **kwargs):
-        raise _Spawned("processes were started")
-    monkeypatch.setattr(launch, "spawn", spawn)
-
-
 def test_fewer_layers_than_stages_is_an_error_before_any_process_starts(no_spawn):
     with pytest.raises(ValueError, match=r"^the model has 4 pipeline layers \(\['embed', 'blocks.0', 'blocks.1', "
                                          r"'head'\]\), fewer than the 8 stages asked for; every stage needs at least "
@@ -140,10 +128,10 @@ def test_fewer_layers_than_stages_is_an_error_before_any_process_starts(no_spawn
 def test_fewer_micro_batches_than_stages_warns_before_any_process_starts(no_spawn):
     msg = (r"^pipeline: 2 micro-batch\(es\) per step for 4 stages: fewer micro-batches than stages leaves stages "
            r"idle \(bubble \(p-1\)/\(m\+p-1\) = 60% of the step\); use microbatches >= 4$")
-    with pytest.warns(UserWarning, match=msg), pytest.raises(_Spawned):
+    with pytest.warns(UserWarning, match=msg), pytest.raises(no_spawn):
         fit(PP(microbatches=2), 4, steps=1)
     # Without microbatches=, the trainer's accumulation chunks are the micro-batches.
-    with pytest.warns(UserWarning, match=msg), pytest.raises(_Spawned):
+    with pytest.warns(UserWarning, match=msg), pytest.raises(no_spawn):
         fit(PP(), 4, steps=1, accumulate=2)
     with pytest.raises(ValueError, match=r"^pipeline: the local batch of 8 samples does not split into "
                                          r"microbatches=3 equal micro-batches"):
@@ -153,7 +141,7 @@ def test_fewer_micro_batches_than_stages_warns_before_any_process_starts(no_spaw
     with warnings.catch_warnings():
         # Enough micro-batches (the default: one per stage): no pipeline warning.
         warnings.filterwarnings("error", message="pipeline:")
-        with pytest.raises(_Spawned):
+        with pytest.raises(no_spawn):
             fit(PP(), 4, steps=1)
 
 
