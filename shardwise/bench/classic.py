@@ -15,7 +15,6 @@ import functools
 import os
 import pickle
 import statistics
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -26,8 +25,7 @@ from rich.table import Table
 from torch import nn
 from torch.nn import functional as F
 
-from shardwise import launch
-from shardwise.bench.harness import optimizer_step, timed_steps
+from shardwise.bench.harness import optimizer_step, spawn_collect, timed_steps
 from shardwise.topology import Topology
 from shardwise.workloads import mlp1024
 
@@ -64,15 +62,6 @@ def _size(b: int) -> str:
     return f"{b // (KB * KB)} MB" if b >= KB * KB else f"{b // KB} KB"
 
 
-def _spawn_collect(fn: Callable[..., None], nprocs: int, accelerator: str, *args: Any) -> Any:
-    """Run ``fn(rank, device, path, *args)`` on ``nprocs`` ranks; rank 0 pickles its result to ``path``."""
-    with tempfile.TemporaryDirectory(prefix="shardwise-classic-") as tmp:
-        path = os.path.join(tmp, "out.pkl")
-        launch.spawn(fn, nprocs, args=(path, *args), accelerator=accelerator)
-        with open(path, "rb") as f:
-            return pickle.load(f)
-
-
 def _timed_steps(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
                  warmup: int, steps: int, before: Callable[[], None]) -> list[float]:
     step = optimizer_step(model, opt, F.mse_loss, x, y)
@@ -89,7 +78,7 @@ def _one_core_per_device(device: torch.device) -> None:
         torch.set_num_threads(1)
 
 
-def _dp_worker(rank: int, device: torch.device, path: str, n: int, batch: int, reps: int, steps: int) -> None:
+def _dp_worker(rank: int, device: torch.device, n: int, batch: int, reps: int, steps: int, path: str) -> None:
     from shardwise.parallel.dp import DP
 
     _one_core_per_device(device)
@@ -107,7 +96,7 @@ def _dp_worker(rank: int, device: torch.device, path: str, n: int, batch: int, r
         pickle.dump(statistics.median(reps_t), f)
 
 
-def _ddp_worker(rank: int, device: torch.device, path: str, batch: int, reps: int, steps: int) -> None:
+def _ddp_worker(rank: int, device: torch.device, batch: int, reps: int, steps: int, path: str) -> None:
     from shardwise.parallel.ddp import DDPModule
 
     _one_core_per_device(device)
@@ -143,9 +132,9 @@ def dp_vs_ddp(a: argparse.Namespace) -> Table:
             order = ("dp", "ddp") if rep % 2 == 0 else ("ddp", "dp")
             for which in order:
                 if which == "dp":
-                    times["dp"].append(_spawn_collect(_dp_worker, 1, a.accelerator, n, a.batch, 1, a.steps))
+                    times["dp"].append(spawn_collect(_dp_worker, 1, n, a.batch, 1, a.steps, accelerator=a.accelerator))
                 elif n > 1:
-                    times["ddp"].append(_spawn_collect(_ddp_worker, n, a.accelerator, a.batch, 1, a.steps))
+                    times["ddp"].append(spawn_collect(_ddp_worker, n, a.batch, 1, a.steps, accelerator=a.accelerator))
         if n == 1:
             # With one device DDP has nothing to communicate: it is the single-device run, as is DP.
             times["ddp"] = times["dp"]
@@ -267,7 +256,7 @@ def ps_vs_ddp(a: argparse.Namespace) -> Table:
 
 
 # ---- all-reduce algorithms ----------------------------------------------------------------------
-def _allreduce_worker(rank: int, device: torch.device, path: str, sizes: tuple[int, ...], reps: int) -> None:
+def _allreduce_worker(rank: int, device: torch.device, sizes: tuple[int, ...], reps: int, path: str) -> None:
     from shardwise.comm.algorithms import naive_allreduce, ring_allreduce
 
     topo = Topology.create(device)
@@ -309,7 +298,7 @@ def allreduce_algorithms(a: argparse.Namespace) -> Table:
     sizes = tuple(getattr(a, "allreduce_sizes", ALLREDUCE_SIZES))
     rows: list[dict[str, Any]] = []
     for n in worlds:
-        rows += _spawn_collect(_allreduce_worker, n, a.accelerator, sizes, a.reps)
+        rows += spawn_collect(_allreduce_worker, n, sizes, a.reps, accelerator=a.accelerator)
     t = Table(title=f"All-reduce algorithms on {a.accelerator} (gloo for 'native'), fp32, median of {a.reps} "
                     f"(slowest rank each)")
     for col in ("N", "size S", "algorithm", "time", "algbw", "busiest sends", "busiest receives",

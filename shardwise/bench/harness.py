@@ -175,12 +175,17 @@ def run_pair(contenders: tuple[Contender, Contender], model: nn.Module, in_shape
     job = dict(model=model, in_shape=in_shape, make_target=make_target, loss_fn=loss_fn,
                contenders=contenders, local_batch=local_batch, reps=reps, warmup=warmup, steps=steps,
                exact_rss=exact_rss)
-    with tempfile.TemporaryDirectory(prefix="shardwise-bench-") as tmp:
-        path = os.path.join(tmp, "bench.pkl")
-        launch.spawn(_bench_worker, nprocs, args=(pickle.dumps(job), path), accelerator=accelerator)
-        with open(path, "rb") as f:
-            out: list[PairResult] = pickle.load(f)
+    out: list[PairResult] = spawn_collect(_bench_worker, nprocs, pickle.dumps(job), accelerator=accelerator)
     return out
+
+
+def spawn_collect(fn: Callable[..., None], nprocs: int, *args: Any, accelerator: str = "cpu") -> Any:
+    """Run ``fn(rank, device, *args, path)`` on ``nprocs`` fresh ranks and return what rank 0 pickled to ``path``."""
+    with tempfile.TemporaryDirectory(prefix="shardwise-bench-") as tmp:
+        path = os.path.join(tmp, "out.pkl")
+        launch.spawn(fn, nprocs, args=(*args, path), accelerator=accelerator)
+        with open(path, "rb") as f:
+            return pickle.load(f)
 
 
 def same_shape_target(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:

@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import os
 import pickle
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,8 +24,8 @@ from rich.table import Table
 from torch import nn
 from torch.nn import functional as F
 
-from shardwise import launch
-from shardwise.bench.harness import PairResult, alternate, gather_results, measure, optimizer_step, summarize
+from shardwise.bench.harness import (PairResult, alternate, gather_results, measure, optimizer_step, spawn_collect,
+                                     summarize)
 from shardwise.topology import Topology
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
@@ -141,11 +139,7 @@ def run_steps(contenders: tuple[StepContender, StepContender], model: nn.Module,
     job = dict(contenders=contenders, model=model, sizes=sizes, batch=batch, width=width,
                microbatches=microbatches, reps=reps, warmup=warmup, steps=steps)
     n = sizes["dp"] * sizes["tp"] * sizes["pp"]
-    with tempfile.TemporaryDirectory(prefix="shardwise-bench-") as tmp:
-        path = os.path.join(tmp, "bench.pkl")
-        launch.spawn(_worker, n, args=(pickle.dumps(job), path), accelerator=accelerator)
-        with open(path, "rb") as f:
-            out: list[PairResult] = pickle.load(f)
+    out: list[PairResult] = spawn_collect(_worker, n, pickle.dumps(job), accelerator=accelerator)
     return out
 
 
@@ -250,11 +244,7 @@ def measure_bubbles(stages: list[int], micro: list[int], schedule: str = "gpipe"
     """(p, m, schedule, layer kind, measured bubble) from the event recorder, one spawn per p."""
     rows: list[tuple[int, int, str, str, float]] = []
     for p in stages:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "b.pkl")
-            launch.spawn(_bubble_worker, p, args=([(m, schedule, t_f, t_b) for m in micro], path))
-            with open(path, "rb") as f:
-                rows += pickle.load(f)
+        rows += spawn_collect(_bubble_worker, p, [(m, schedule, t_f, t_b) for m in micro])
     return rows
 
 
@@ -283,11 +273,7 @@ def _memory_worker(rank: int, device: torch.device, m: int, path: str) -> None:
 
 def measure_activation_memory(p: int, m: int) -> dict[str, tuple[dict[int, int], list[int]]]:
     """Per schedule: (peak micro-batches in flight per stage, peak saved activation bytes per stage)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "m.pkl")
-        launch.spawn(_memory_worker, p, args=(m, path))
-        with open(path, "rb") as f:
-            return pickle.load(f)  # type: ignore[no-any-return]
+    return spawn_collect(_memory_worker, p, m)  # type: ignore[no-any-return]
 
 
 def _tp_bytes_worker(rank: int, device: torch.device, path: str) -> None:
@@ -314,11 +300,7 @@ def measure_tp_block_bytes(sizes: list[int]) -> list[tuple[int, int, int, int]]:
     """(tp, bytes sent per rank for one block's forward+backward, all-reduce calls, activation bytes)."""
     rows = []
     for n in sizes:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "t.pkl")
-            launch.spawn(_tp_bytes_worker, n, args=(path,))
-            with open(path, "rb") as f:
-                rows.append(pickle.load(f))
+        rows.append(spawn_collect(_tp_bytes_worker, n))
     return rows
 
 

@@ -235,17 +235,9 @@ def _collectives_worker(rank: int, device: torch.device, mib: int, reps: int, pa
 
 def collectives_table(nproc: int = 2, mib: int = 16, reps: int = 15) -> Table:
     """Median time of one reduce-scatter / all-gather of ``mib`` MiB, backend-native against pairwise exchange."""
-    import os
-    import pickle
-    import tempfile
+    from shardwise.bench.harness import spawn_collect
 
-    from shardwise import launch
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "rows.pkl")
-        launch.spawn(_collectives_worker, nproc, args=(mib, reps, path))
-        with open(path, "rb") as f:
-            rows = pickle.load(f)
+    rows = spawn_collect(_collectives_worker, nproc, mib, reps)
     t = Table(title=f"{mib} MiB fp32 over {nproc} ranks, median of {reps}")
     t.add_column("operation")
     t.add_column("median", justify="right")
