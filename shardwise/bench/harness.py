@@ -79,7 +79,7 @@ def timed_steps(step: Step, n: int, before: Step, cuda: bool) -> list[float]:
 
 
 def measure(build: Callable[[], Step], topo: Topology, cuda: bool, warmup: int, steps: int,
-            trim: bool = False) -> tuple[float, int, float]:
+            trim: bool = True) -> tuple[float, int, float]:
     """Build a contender's step and time it: (median step s, peak RSS increase, bytes sent per step).
 
     The RSS baseline is taken before ``build``, so the wrapped model, its
