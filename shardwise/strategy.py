@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from shardwise.layout import RunLayout
 from shardwise.topology import Topology
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
@@ -26,23 +27,40 @@ def unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
 
 
-class Strategy:
-    """Base class: a single replica on one device; subclasses override what they change."""
+@dataclass(frozen=True)
+class StepRun:
+    """What the run, not the strategy, decides about one step: passed in, never stored in a strategy.
 
-    name: ClassVar[str] = "single"
-    # Set by the Trainer before setup (not a dataclass field: a property of the run, not of the strategy).
+    ``precision``: autocast for forward and loss (backward runs outside it);
+    ``loss_scale``: the fp16 loss scaler's current factor (1 otherwise).
+    """
+
     precision: str = "32"
     loss_scale: float = 1.0
 
-    def forward_context(self, topo: Topology) -> contextlib.AbstractContextManager[object]:
-        """Autocast for mixed precision (forward and loss only; backward runs outside it)."""
+    def forward_context(self, device: torch.device) -> contextlib.AbstractContextManager[object]:
         from shardwise.precision import autocast
 
-        return autocast(self.precision, topo.device)
+        return autocast(self.precision, device)
+
+
+class Strategy:
+    """Base class: a single replica on one device; subclasses override what they change.
+
+    A strategy object holds only its own options: the run's state (precision,
+    the loss scale) reaches :meth:`train_step` as a :class:`StepRun`.
+    """
+
+    name: ClassVar[str] = "single"
 
     def sizes(self, devices: int) -> dict[str, int]:
         """Parallel sizes (dp, tp, pp) for ``devices`` processes."""
         return {"dp": devices, "tp": 1, "pp": 1}
+
+    def describe(self, devices: int) -> RunLayout:
+        """The whole layout this strategy builds on ``devices`` (for the planner); subclasses add their options."""
+        s = self.sizes(devices)
+        return RunLayout(self.name, s["dp"], s["tp"], s["pp"])
 
     def processes(self, devices: int) -> int:
         """How many processes to start for ``devices`` (1 for single-process strategies)."""
@@ -61,7 +79,7 @@ class Strategy:
         return model.no_sync() if isinstance(model, GradSync) else contextlib.nullcontext()
 
     def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
-                   topo: Topology) -> torch.Tensor | None:
+                   topo: Topology, run: StepRun = StepRun()) -> torch.Tensor | None:
         """Forward and backward over the micro-batches of one step; returns this rank's mean loss.
 
         Each micro-batch's loss is divided by their count, so the accumulated
@@ -72,9 +90,9 @@ class Strategy:
         for i, (x, y) in enumerate(micro_batches):
             ctx = self.no_sync(model) if i < k - 1 else contextlib.nullcontext()
             with ctx:
-                with self.forward_context(topo):
+                with run.forward_context(topo.device):
                     loss = loss_fn(model(x), y)
-                (loss.float() * (self.loss_scale / k)).backward()
+                (loss.float() * (run.loss_scale / k)).backward()
             total += loss.detach().float()
         return total / k
 
@@ -143,12 +161,12 @@ class Strategy:
         return out
 
     def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
-        """Tensors this rank holds for the model state, by kind, for exact byte accounting."""
-        params = list(unwrap(model).parameters())
-        grads = [p.grad for p in params if p.grad is not None]
-        states = [v for s in optimizer.state.values() for v in s.values()
-                  if isinstance(v, torch.Tensor) and v.dim() > 0]
-        return {"params": params, "grads": grads, "optimizer": states}
+        """Tensors this rank holds for the model state, by kind, for exact byte accounting.
+
+        A data-parallel wrapper reports its own (``model_state_tensors``: flat
+        buckets, shard rows, host copies); the optimizer's states are added here.
+        """
+        return with_optimizer_states(model_state_tensors(model), optimizer)
 
 
 @dataclass
@@ -175,30 +193,22 @@ class DDP(Strategy):
 
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
-        from shardwise.parallel.ddp import DDPModule
+        from shardwise.parallelize import DataParallelOptions, wrap_module
 
         model = model.to(topo.device)
-        wrapped = DDPModule(model, topo.comm("dp"), bucket_cap_mb=self.bucket_cap_mb,
-                            find_unused_parameters=self.find_unused_parameters,
-                            allreduce=allreduce_fn(self.allreduce),
-                            reduce_dtype=getattr(torch, self.reduce_dtype) if self.reduce_dtype else None)
-        return wrapped, optimizer_fn(model.parameters())
-
-    def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
-        out = super().state_tensors(model, optimizer)
-        # Gradients live in the flat buckets for the whole run, whatever .grad shows.
-        out["grads"] = [b.buffer for b in model.buckets]  # type: ignore[union-attr]
-        return out
-
-
-ALLREDUCE: dict[str, Callable[..., Any]] = {}
+        opts = DataParallelOptions(zero=0, bucket_cap_mb=self.bucket_cap_mb,
+                                   find_unused_parameters=self.find_unused_parameters,
+                                   allreduce=allreduce_fn(self.allreduce),
+                                   reduce_dtype=getattr(torch, self.reduce_dtype) if self.reduce_dtype else None)
+        return wrap_module(model, topo, opts), optimizer_fn(model.parameters())
 
 
 def allreduce_fn(name: str) -> Callable[..., Any]:
+    """DDP's all-reduce algorithm by name: ``"native"`` (the backend's), ``"naive"`` or ``"ring"``."""
+    from shardwise.comm.algorithms import ALGORITHMS
     from shardwise.parallel.ddp import native_allreduce
-    import shardwise.comm.algorithms  # noqa: F401  (registers "naive" and "ring" in ALLREDUCE)
 
-    table = {"native": native_allreduce, **ALLREDUCE}
+    table = {"native": native_allreduce, **ALGORITHMS}
     if name not in table:
         raise ValueError(f"unknown all-reduce algorithm {name!r}; valid: {sorted(table)}")
     return table[name]
@@ -217,7 +227,14 @@ BUILTIN: dict[str, str] = {
     "fsdp": "shardwise.parallel.fsdp:FSDP",
     "hsdp": "shardwise.parallel.fsdp:HSDP",
     "tp": "shardwise.parallel.tp:TP",
-    "pp": "shardwise.parallel.pipeline:PP",
+    "pp": "shardwise.parallel.compose:PP",
+    "parallel": "shardwise.parallel.compose:Parallel",
+}
+# Strategy classes reachable as ``sw.<Name>`` without a name of their own in BUILTIN.
+CLASSES: dict[str, str] = {
+    **{target.partition(":")[2]: target for target in BUILTIN.values()},
+    "NaiveMP": "shardwise.parallel.naive_mp:NaiveMP",
+    "NaiveModelParallel": "shardwise.parallel.naive_mp:NaiveModelParallel",
 }
 REGISTRY: dict[str, Callable[[], Strategy]] = {}
 
@@ -227,20 +244,22 @@ def register(name: str, factory: Callable[[], Strategy]) -> None:
     REGISTRY[name] = factory
 
 
-def _load_builtin(name: str) -> Callable[[], Strategy] | None:
+def load(target: str) -> Any:
+    """``"module:Attr"`` imported. An ImportError inside a strategy's module propagates with its traceback:
+    it is a broken installation or a bug, not an unknown strategy."""
     import importlib
 
-    mod, _, attr = BUILTIN[name].partition(":")
-    try:
-        return getattr(importlib.import_module(mod), attr)  # type: ignore[no-any-return]
-    except (ImportError, AttributeError):
-        return None
+    mod, _, attr = target.partition(":")
+    return getattr(importlib.import_module(mod), attr)
+
+
+def _load_builtin(name: str) -> Callable[[], Strategy]:
+    return load(BUILTIN[name])  # type: ignore[no-any-return]
 
 
 def available_strategies() -> list[str]:
-    """Every name ``strategy=`` accepts, in the order of the table in DESIGN.md."""
-    names = [n for n in BUILTIN if _load_builtin(n) is not None]
-    return names + [n for n in REGISTRY if n not in names]
+    """Every name ``strategy=`` accepts, in the order of the table in DESIGN.md, then registered ones."""
+    return list(BUILTIN) + [n for n in REGISTRY if n not in BUILTIN]
 
 
 def resolve(strategy: str | Strategy) -> Strategy:
@@ -253,6 +272,25 @@ def resolve(strategy: str | Strategy) -> Strategy:
     if factory is None:
         raise ValueError(f"unknown strategy {strategy!r}; valid strategies: {', '.join(available_strategies())}")
     return factory()
+
+
+def model_state_tensors(module: nn.Module) -> dict[str, list[torch.Tensor]]:
+    """Parameter and gradient tensors ``module`` holds: its wrapper's account, or its parameters and ``.grad``."""
+    if hasattr(module, "model_state_tensors"):
+        return module.model_state_tensors()  # type: ignore[no-any-return,operator]
+    params = list(module.parameters())
+    return {"params": params, "grads": [p.grad for p in params if p.grad is not None]}
+
+
+def with_optimizer_states(parts: dict[str, list[torch.Tensor]],
+                          optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
+    """``parts`` plus the optimizer's state tensors (host memory when the wrapper offloads)."""
+    out: dict[str, list[torch.Tensor]] = {"params": [], "grads": [], "optimizer": []}
+    for k, v in parts.items():
+        out.setdefault(k, []).extend(v)
+    states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    out.setdefault("host_optimizer" if "host_params" in out else "optimizer", []).extend(states)
+    return out
 
 
 def iter_chunks(x: Any, k: int) -> Iterator[Any]:

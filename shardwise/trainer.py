@@ -28,7 +28,7 @@ from shardwise import checkpoint, launch
 from shardwise import precision as precision_mod
 from shardwise.data import GlobalBatches, check_dataset
 from shardwise.stats import current_rss_bytes, peak_rss_bytes, unique_bytes
-from shardwise.strategy import LossFn, OptimizerFactory, Strategy, iter_chunks, resolve
+from shardwise.strategy import LossFn, OptimizerFactory, StepRun, Strategy, iter_chunks, resolve
 from shardwise.topology import Topology, pick_device, teardown
 
 
@@ -104,7 +104,6 @@ class Trainer:
             raise ValueError(f"memory_check must be 'error', 'warn' or 'off', got {memory_check!r}")
         self.memory_check = memory_check
         self.precision = precision_mod.check(precision)
-        self.strategy.precision = self.precision
         self.activation_checkpointing = activation_checkpointing
         self.tensorboard_dir = os.fspath(tensorboard_dir) if tensorboard_dir is not None else None
         self.peak_flops = peak_flops
@@ -290,6 +289,7 @@ class _Job:
             "comm_bytes_per_step": train_sent / steps_run,
             "comm_received_bytes_per_step": train_received / steps_run,
             "comm_by_name": dict(topo.stats.by_name),
+            "comm_by_group": dict(topo.stats.by_group),
             "step_time_s": statistics.median(times) if times else 0.0,
             "activation_bytes": getattr(self, "activation_bytes", 0),
             **strat.rank_stats(model, topo),
@@ -311,8 +311,6 @@ class _Job:
         log = StepLog(t.metrics_path, t.tensorboard_dir, t.peak_flops, _numel(shapes), topo.world_size) \
             if rank0 and (t.metrics_path or t.tensorboard_dir) else None
         scaler = precision_mod.LossScaler() if t.precision == "16-mixed" else None
-        if scaler is not None:
-            strat.loss_scale = scaler.scale
         with _progress(rank0 and _want_progress(t.progress), self.max_steps) as advance:
             advance.skip(len(prev))  # type: ignore[attr-defined]
             for step in range(len(prev), self.max_steps):
@@ -321,18 +319,19 @@ class _Job:
                 start = time.perf_counter()
                 x, y = data.batch(step, device)
                 micro = list(zip(iter_chunks(x, k), iter_chunks(y, k)))
+                run = StepRun(t.precision, scaler.scale if scaler is not None else 1.0)
                 if step == len(prev):
                     # Once, on the first step: the peak bytes autograd holds for backward
                     # (activations; parameters and the batch excluded), FitResult.stats["activation_bytes"].
                     from shardwise.parallel.checkpointing import track_saved_activations
 
                     with track_saved_activations(model.parameters(), [x, y]) as saved:
-                        loss = strat.train_step(model, micro, self.loss_fn, topo)
+                        loss = strat.train_step(model, micro, self.loss_fn, topo, run)
                     self.activation_bytes = saved.peak
                 else:
-                    loss = strat.train_step(model, micro, self.loss_fn, topo)
+                    loss = strat.train_step(model, micro, self.loss_fn, topo, run)
                 # Both checks agree across ranks, so every rank skips the same steps.
-                skip = (scaler is not None and _overflow(scaler, opt, strat, topo)) or \
+                skip = (scaler is not None and _overflow(scaler, opt, topo)) or \
                     not _finite(loss, step, t.on_nonfinite, topo)
                 if not skip:
                     if t.gradient_clip_val is not None:
@@ -410,14 +409,12 @@ class StepLog:
             self._tb.close()
 
 
-def _overflow(scaler: precision_mod.LossScaler, opt: torch.optim.Optimizer, strat: Strategy,
-              topo: Topology) -> bool:
+def _overflow(scaler: precision_mod.LossScaler, opt: torch.optim.Optimizer, topo: Topology) -> bool:
     """Unscale fp16 gradients; every rank learns whether any rank overflowed (one flag all-reduce)."""
     flag = torch.tensor([1.0 if scaler.unscale(opt) else 0.0], device=topo.device)
     topo.comm("world").all_reduce(flag, name="metrics.overflow")
     found = float(flag) > 0
     scaler.update(found)
-    strat.loss_scale = scaler.scale
     return found
 
 

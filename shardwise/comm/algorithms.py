@@ -34,8 +34,7 @@ Both functions match the ``fn(tensor, comm, name) -> Handle`` signature that
 :class:`~shardwise.parallel.ddp.DDPModule` calls per bucket. They run
 synchronously and return a completed handle: DDP then waits on nothing, at
 the price of no overlap between these all-reduces and the rest of backward.
-Importing this module registers them in :data:`shardwise.strategy.ALLREDUCE`
-as ``"naive"`` and ``"ring"``.
+:data:`ALGORITHMS` names them ``"naive"`` and ``"ring"`` for ``sw.DDP(allreduce=...)``.
 """
 from __future__ import annotations
 
@@ -196,13 +195,7 @@ def ring_allreduce(t: torch.Tensor, comm: Comm, name: str, op: str = "sum",
     return _done(t, flat, comm, name)
 
 
-def _register() -> None:
-    from shardwise.strategy import ALLREDUCE
+# The algorithms DDP can be told to use by name (besides the backend's own, "native").
+ALGORITHMS = {"naive": naive_allreduce, "ring": ring_allreduce}
 
-    ALLREDUCE.setdefault("naive", naive_allreduce)
-    ALLREDUCE.setdefault("ring", ring_allreduce)
-
-
-_register()
-
-__all__ = ["OPS", "chunk_sizes", "naive_allreduce", "naive_bytes", "ring_allreduce", "ring_bytes"]
+__all__ = ["ALGORITHMS", "OPS", "chunk_sizes", "naive_allreduce", "naive_bytes", "ring_allreduce", "ring_bytes"]

@@ -45,20 +45,25 @@ class CommStats:
     received: int = 0
     calls: int = 0
     by_name: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    by_group: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
-    def add(self, name: str, sent: int, received: int) -> None:
+    def add(self, name: str, sent: int, received: int, group: str = "world") -> None:
         self.sent += sent
         self.received += received
         self.calls += 1
         # Group per-call names like "ddp.bucket3" under their prefix "ddp".
         self.by_name[name.split(".", 1)[0]] += sent
+        # And by the mesh group it crossed ("dp", "tp", "pp", "dp_shard", ...): what the planner predicts.
+        self.by_group[group] += sent
 
     def snapshot(self) -> dict[str, Any]:
-        return {"sent": self.sent, "received": self.received, "calls": self.calls, "by_name": dict(self.by_name)}
+        return {"sent": self.sent, "received": self.received, "calls": self.calls, "by_name": dict(self.by_name),
+                "by_group": dict(self.by_group)}
 
     def reset(self) -> None:
         self.sent = self.received = self.calls = 0
         self.by_name = defaultdict(int)
+        self.by_group = defaultdict(int)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -140,7 +145,7 @@ class Comm:
         if self.size == 1:
             return self._noop(name, async_op)
         n, s = self.size, _nbytes(t)
-        self.stats.add(name, 2 * (n - 1) * s // n, 2 * (n - 1) * s // n)
+        self.stats.add(name, 2 * (n - 1) * s // n, 2 * (n - 1) * s // n, self.label)
         return self._issue("all_reduce", name, [t],
                            lambda: dist.all_reduce(t, op=op, group=self.group, async_op=True), async_op)
 
@@ -149,7 +154,7 @@ class Comm:
         if self.size == 1:
             return self._noop(name, async_op)
         s = _nbytes(t)
-        self.stats.add(name, s if self.rank == src else 0, 0 if self.rank == src else s)
+        self.stats.add(name, s if self.rank == src else 0, 0 if self.rank == src else s, self.label)
         return self._issue("broadcast", name, [t], lambda: dist.broadcast(
             t, src=self.global_rank(src), group=self.group, async_op=True), async_op)
 
@@ -159,7 +164,7 @@ class Comm:
             out.copy_(shard.reshape(out.shape))
             return self._noop(name, async_op)
         s = _nbytes(shard)
-        self.stats.add(name, (self.size - 1) * s, (self.size - 1) * s)
+        self.stats.add(name, (self.size - 1) * s, (self.size - 1) * s, self.label)
         return self._issue("all_gather", name, [shard], lambda: dist.all_gather_into_tensor(
             out, shard, group=self.group, async_op=True), async_op)
 
@@ -170,13 +175,13 @@ class Comm:
             out.copy_(full.reshape(out.shape))
             return self._noop(name, async_op)
         s = _nbytes(out)
-        self.stats.add(name, (self.size - 1) * s, (self.size - 1) * s)
+        self.stats.add(name, (self.size - 1) * s, (self.size - 1) * s, self.label)
         return self._issue("reduce_scatter", name, [full], lambda: dist.reduce_scatter_tensor(
             out, full, op=op, group=self.group, async_op=True), async_op)
 
     def isend(self, t: torch.Tensor, dst: int, name: str) -> Handle:
         """Send to group rank ``dst`` (exact bytes); wait on the handle."""
-        self.stats.add(name, _nbytes(t), 0)
+        self.stats.add(name, _nbytes(t), 0, self.label)
         peer = self.global_rank(dst)
         h = self._issue("send", name, [t], lambda: dist.isend(t, dst=peer, group=self.group), True,
                         ranks=[self.global_rank(self.rank), peer])
@@ -185,7 +190,7 @@ class Comm:
 
     def irecv(self, t: torch.Tensor, src: int, name: str) -> Handle:
         """Receive from group rank ``src`` (exact bytes); wait on the handle."""
-        self.stats.add(name, 0, _nbytes(t))
+        self.stats.add(name, 0, _nbytes(t), self.label)
         peer = self.global_rank(src)
         h = self._issue("recv", name, [t], lambda: dist.irecv(t, src=peer, group=self.group), True,
                         ranks=[self.global_rank(self.rank), peer])

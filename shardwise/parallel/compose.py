@@ -1,160 +1,247 @@
 """Composition: data x tensor x pipeline parallelism on one 3-D device mesh.
 
-``sw.Parallel(dp=2, tp=2, pp=2, zero=1, schedule="1f1b", microbatches=8)``
+``sw.Parallel(dp=2, tp=2, pp=2, zero=3, schedule="1f1b", microbatches=8)``
 lays the world out as the mesh ``(pp, dp, tp)`` of
 :class:`~shardwise.topology.Topology` (tp innermost: a tensor-parallel group is
-made of neighbouring ranks, the ones that talk most). The order in which the
-parallelisms are applied is fixed here and only here, as torchtitan fixes it
-(``parallelize_llama``) and as Narayanan et al. 2021 ("Efficient Large-Scale
-Language Model Training on GPU Clusters Using Megatron-LM", section 3)
-compose them:
+made of neighbouring ranks, the ones that talk most). The model is built by
+:func:`shardwise.parallelize.parallelize`, the one place that fixes the order
+(pipeline split, tensor parallel, then the data-parallel family over dp).
 
-1. pipeline split: each pp rank keeps its stage's layers
-   (:func:`shardwise.parallel.pipeline.build_pipeline`);
-2. tensor parallelism on the modules of that stage only
-   (:func:`shardwise.parallel.tp.parallelize` on the tp group);
-3. data parallelism over the dp group, wrapping each stage: our DDP
-   (``zero=0``) or ZeRO (``zero=1``/``2``, :mod:`shardwise.parallel.zero`).
-
-Data is sharded over dp only: every rank of a (pp, tp) slice of one replica
-reads the same batch (inputs are used by the first stage, targets by the last).
+``zero`` picks the data-parallel form over dp: 0 DDP, 1/2 ZeRO stage 1/2,
+3 FSDP (parameters, gradients and optimizer states sharded in units, gathered
+just in time inside each stage's schedule); ``replicate=R`` with ``zero=3`` is
+HSDP (R replicas of ``dp/R`` shards). :class:`PP` is the preset of this
+strategy with every device a pipeline stage.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from shardwise.parallel.pipeline import PP, PipelineModel, build_pipeline
-from shardwise.parallel.tp import Plan, Style, clip_grad_norm_, parallelize, tp_spec
-from shardwise.strategy import OptimizerFactory
+from shardwise.layout import RunLayout
+from shardwise.parallel.pipeline import (PipelineModel, find_ties, gather_full_state, pipeline_layers,
+                                         pipeline_step, stage_starts)
+from shardwise.parallel.schedules import Recorder, get_schedule
+from shardwise.parallel.tp import Plan, Style, tp_spec
+from shardwise.parallelize import DataParallelOptions, Owners, parallelize
+from shardwise.strategy import (LossFn, OptimizerFactory, StepRun, Strategy, model_state_tensors,
+                                with_optimizer_states)
 from shardwise.topology import Topology
-
-DPWrap = Callable[[PipelineModel, OptimizerFactory, Topology, "Parallel"], torch.optim.Optimizer]
-
-
-def _wrap_none(pm: PipelineModel, optimizer_fn: OptimizerFactory, topo: Topology,
-               cfg: Parallel) -> torch.optim.Optimizer:
-    return optimizer_fn(pm.parameters())
-
-
-def _wrap_ddp(pm: PipelineModel, optimizer_fn: OptimizerFactory, topo: Topology,
-              cfg: Parallel) -> torch.optim.Optimizer:
-    from shardwise.parallel.ddp import DDPModule
-
-    if topo.size("dp") == 1:
-        return _wrap_none(pm, optimizer_fn, topo, cfg)
-    # One DDP per model chunk: a chunk's final backward is where its buckets reduce.
-    for c in range(len(pm.chunks)):
-        pm.chunks[c] = DDPModule(pm.chunks[c], topo.comm("dp"), bucket_cap_mb=cfg.bucket_cap_mb)
-    return optimizer_fn(pm.parameters())
-
-
-def _wrap_zero(pm: PipelineModel, optimizer_fn: OptimizerFactory, topo: Topology,
-               cfg: Parallel) -> torch.optim.Optimizer:
-    from shardwise.parallel.zero import ShardedOptimizer, ZeROModule
-
-    if cfg.zero == 1:
-        # Stage 1 reduces at the optimizer step, so one wrapper can own every chunk.
-        zm = ZeROModule(nn.ModuleList(list(pm.chunks)), topo.comm("dp"), stage=1)
-    else:
-        if len(pm.chunks) != 1:
-            raise ValueError("zero=2 reduces in each chunk's backward; use zero=1 with interleaved chunks")
-        zm = ZeROModule(pm.chunks[0], topo.comm("dp"), stage=2)
-        pm.chunks[0] = zm
-    pm.__dict__["dp_owner"] = zm  # not a submodule: its parameters are the chunks' own
-    return ShardedOptimizer(optimizer_fn(zm.shard_params), zm)
-
-
-DP_WRAPPERS: dict[int, DPWrap] = {0: _wrap_ddp, 1: _wrap_zero, 2: _wrap_zero}
 
 
 @dataclass
-class Parallel(PP):
-    """dp x tp x pp with ZeRO over dp; see the module docstring for the order.
+class Parallel(Strategy):
+    """dp x tp x pp with the data-parallel family over dp; see the module docstring.
 
     Args:
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (with ``chunks`` > 1).
+        microbatches: micro-batches per step (the local batch is re-split); None
+            uses the trainer's ``accumulate_grad_batches`` chunks, or one micro-batch
+            per stage when the trainer gives a single chunk.
+        split_points: names of the layers where stages 1.. begin (see
+            :func:`~shardwise.parallel.pipeline.pipeline_layers`); None balances parameter counts.
+        chunks: model chunks per rank (interleaved schedule; 2 when ``schedule="interleaved"`` and unset).
+        tied: ``"sync"`` keeps weights tied across stages in sync; ``"error"`` rejects them.
+        recorder: collects an :class:`~shardwise.parallel.schedules.Event` per action.
         dp, tp, pp: mesh sizes (``dp=-1``: the devices left over).
-        zero: 0 = DDP over dp, 1 = ZeRO-1, 2 = ZeRO-2 (one chunk per rank).
+        zero: 0 = DDP over dp, 1 = ZeRO-1, 2 = ZeRO-2, 3 = FSDP (ZeRO-3 in units).
+        replicate: with ``zero=3``, HSDP: ``replicate`` replicas of ``dp/replicate`` shards.
         tp_plan: tensor-parallel plan (None: the built-in plan for the model type).
-        schedule, microbatches, split_points, chunks, tied, recorder: as in
-            :class:`~shardwise.parallel.pipeline.PP`.
+        bucket_cap_mb: DDP/ZeRO bucket size (None: each one's default).
+        collectives, offload, offload_device, wrap, reshard_after_forward: as in
+            :class:`~shardwise.parallel.fsdp.FSDP` (offload and collectives for ZeRO-1/2 too).
     """
 
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+    split_points: list[str] | None = None
+    chunks: int = 1
+    tied: str = "sync"
+    recorder: Recorder | None = None
     dp: int = -1
     tp: int = 1
     pp: int = 1
     zero: int = 0
+    replicate: int = 1
     tp_plan: Plan | dict[str, str | Style] | str | None = None
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float | None = None
+    collectives: str = "auto"
+    offload: str = "none"
+    offload_device: str = "cpu"
+    wrap: Any = "auto"
+    reshard_after_forward: bool = True
     name: ClassVar[str] = "parallel"
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.zero not in DP_WRAPPERS:
-            raise ValueError(f"zero={self.zero}: valid are {sorted(DP_WRAPPERS)} (0 = DDP over dp, 1/2 = ZeRO "
-                             "stage 1/2); for parameter sharding use strategy 'zero3'/'fsdp' without tp/pp")
+        from shardwise.parallel.zero import check_offload
+
+        get_schedule(self.schedule)
+        self.data_options()  # zero / replicate checked here, before any process starts
+        check_offload(self.offload, self.name, 3 if self.zero == 0 else self.zero)
+        if self.offload != "none" and self.zero == 0:
+            raise ValueError(f"offload={self.offload!r} needs zero >= 1 (sharded optimizer states); "
+                             "DDP keeps the optimizer on every rank")
+
+    # ---- layout ---------------------------------------------------------------
+    def n_chunks(self) -> int:
+        """Model chunks per pipeline rank (the interleaved schedule needs at least 2)."""
+        return max(self.chunks, 2) if self.schedule == "interleaved" else self.chunks
+
+    def data_options(self) -> DataParallelOptions:
+        return DataParallelOptions(zero=self.zero, replicate=self.replicate, bucket_cap_mb=self.bucket_cap_mb,
+                                   collectives=self.collectives, offload=self.offload,
+                                   offload_device=self.offload_device, wrap=self.wrap,
+                                   reshard_after_forward=self.reshard_after_forward)
 
     def sizes(self, devices: int) -> dict[str, int]:
-        return Topology.validate(devices, self.dp, self.tp, self.pp)
+        sizes = Topology.validate(devices, self.dp, self.tp, self.pp)
+        if sizes["dp"] % self.replicate:
+            raise ValueError(f"replicate={self.replicate} must divide the data-parallel size dp={sizes['dp']} "
+                             f"(HSDP: {self.replicate} replicas of dp/replicate shards)")
+        return sizes
+
+    def describe(self, devices: int) -> RunLayout:
+        s = self.sizes(devices)
+        return RunLayout(self.name, s["dp"], s["tp"], s["pp"], zero=self.zero, replicate=self.replicate,
+                         offload=self.offload, wrap=self.wrap if self.zero == 3 else None,
+                         schedule=self.schedule, microbatches=self.microbatches, chunks=self.n_chunks())
 
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
-        tp_comm = topo.comm("tp")
+        return parallelize(model, optimizer_fn, topo, tp_plan=self.tp_plan, split_points=self.split_points,
+                           chunks=self.n_chunks(), tied=self.tied, data=self.data_options())
 
-        def apply_tp(m: nn.Module, keep: Callable[[str], bool]) -> nn.Module:
-            return parallelize(m, self.tp_plan, tp_comm, keep)
+    def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int) -> None:
+        """Before any process starts: every stage gets a layer, the batch splits, the stages can all fill.
 
-        pm = build_pipeline(model.to(topo.device), topo, self.split_points, self.chunks, self.tied,
-                            apply_tp if topo.size("tp") > 1 else None)
-        return pm, DP_WRAPPERS[self.zero](pm, optimizer_fn, topo, self)
+        The same checks run again inside each rank, but there a mistake would surface
+        once per process, after the process group was formed; here it costs nothing.
+        """
+        p, v = self.sizes(devices)["pp"], self.n_chunks()
+        layers = pipeline_layers(model)
+        starts = stage_starts(layers, p * v, self.split_points) + [len(layers)]  # too few layers: ValueError
+        if self.zero == 2 and p > 1:
+            parts = [layers[starts[i]:starts[i + 1]] for i in range(p * v)]
+            if find_ties(model, parts, p, v, "sync"):
+                raise ValueError("zero=2 with weights tied across pipeline stages is not supported: ZeRO-2 frees "
+                                 "the full gradients in backward, and its pieces of a tied weight do not line up "
+                                 "across stages; use zero=1 or zero=3")
+        local = batch_size // self.batch_shards(devices)
+        m = self.effective_microbatches(local, p, accumulate_grad_batches)
+        if self.microbatches is not None and (m < 1 or local % m):
+            raise ValueError(f"pipeline: the local batch of {local} samples does not split into microbatches={m} "
+                             f"equal micro-batches (the mean loss needs equal sizes); choose a divisor of {local}")
+        get_schedule(self.schedule)(p, m, 0, v)  # the schedule's own rules (interleaved: m % p == 0)
+        if 1 < p and m < p:
+            # GPipe, section 2.2: the idle share is (p-1)/(m+p-1); with m < p some stage never overlaps another.
+            warnings.warn(f"pipeline: {m} micro-batch(es) per step for {p} stages: fewer micro-batches than stages "
+                          f"leaves stages idle (bubble (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.0%} of the step); "
+                          f"use microbatches >= {p}", stacklevel=4)
 
+    # ---- a step ----------------------------------------------------------------
+    def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
+                   topo: Topology, run: StepRun = StepRun()) -> torch.Tensor | None:
+        return pipeline_step(model, micro_batches, loss_fn, topo, self.schedule,  # type: ignore[arg-type]
+                             self._micro(micro_batches, topo), self.recorder,
+                             lambda: run.forward_context(topo.device), run.loss_scale)
+
+    def _micro(self, micro_batches: Sequence[tuple[Any, Any]], topo: Topology) -> int | None:
+        if self.microbatches is not None or len(micro_batches) > 1:
+            return self.microbatches
+        # One chunk from the trainer would leave every stage but one idle: by default
+        # feed as many micro-batches as there are stages, when the batch divides evenly.
+        x = micro_batches[0][0]
+        n, p = (x.shape[0] if isinstance(x, torch.Tensor) else 0), topo.size("pp")
+        return p if p > 1 and n % p == 0 else None
+
+    def effective_microbatches(self, local_batch: int, stages: int, accumulate_grad_batches: int = 1) -> int:
+        """How many micro-batches a step feeds the pipeline (what :meth:`_micro` will choose)."""
+        if self.microbatches is not None:
+            return self.microbatches
+        if accumulate_grad_batches > 1:
+            return accumulate_grad_batches
+        return stages if stages > 1 and local_batch % stages == 0 else 1
+
+    def owns_loss(self, topo: Topology) -> bool:
+        return topo.coord("pp") == topo.size("pp") - 1 and topo.coord("tp") == 0
+
+    # ---- gradients and state ----------------------------------------------------
     def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
+        from shardwise.parallel.sharding import clip_global_norm
+
         pm: PipelineModel = model  # type: ignore[assignment]
+        owner: Owners | None = pm.data
         tp = topo.comm("tp") if topo.size("tp") > 1 else None
-        zm = pm.__dict__.get("dp_owner")
-        if zm is None:
+        elsewhere = pm.elsewhere()
+
+        def counted(p: torch.Tensor) -> bool:
+            # A tied copy another stage counts; a tp-replicated parameter once per tp group.
+            return id(p) not in elsewhere and (tp is None or tp_spec(p) is not None or tp.rank == 0)
+
+        groups: list[tuple[Any, str]] = [(tp, "tp.clip"), (topo.comm("pp"), "pp.clip")]
+        if owner is None:
             # DDP has averaged the gradients: they are equal over dp, so dp takes no part in the norm.
-            return clip_grad_norm_(pm.parameters(), max_norm, tp=tp, pp=topo.comm("pp"),
-                                   count_elsewhere=pm.elsewhere())
-        return _clip_zero(pm, zm, max_norm, topo, tp)
+            pieces = [(p.grad, p) for p in pm.parameters() if p.grad is not None]
+            every = [g for g, _ in pieces]
+        else:
+            owner.before_step()  # reduce now: the norm needs the averaged gradient
+            pieces = owner.grad_pieces()
+            every = owner.shard_grads()
+            # The pieces are disjoint over the shard group (HSDP replicas hold equal ones).
+            groups.insert(0, (owner.shard_comm, "zero_clip"))
+        return clip_global_norm([g for g, p in pieces if counted(p)], every, max_norm, groups, topo.device)
+
+    def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
+        pm: PipelineModel = model  # type: ignore[assignment]
+        units = [u for c in pm.chunks for u in getattr(c, "units", [])]
+        with torch.no_grad():
+            for u in units:  # FSDP: every parameter whole again for the gather (a collective over its shard group)
+                u.unshard()
+            try:
+                return gather_full_state(pm, topo)
+            finally:
+                for u in units:
+                    u.reshard()
+
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                         topo: Topology) -> dict[str, Any]:
+        raise NotImplementedError("checkpoints of pipeline- and tensor-parallel compositions are not supported "
+                                  "yet; use a data-parallel strategy (ddp, zero1-3, fsdp, hsdp) to checkpoint")
 
     def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
         pm: PipelineModel = model  # type: ignore[assignment]
-        params = list(pm.parameters())
-        grads = [p.grad for p in params if p.grad is not None]
-        zm = pm.__dict__.get("dp_owner")
-        if zm is not None:
-            grads += zm.shard_grads()
-        grads += [b.buffer for c in pm.chunks for b in getattr(c, "buckets", []) if hasattr(b, "buffer")]
-        states = [v for s in optimizer.state.values() for v in s.values()
-                  if isinstance(v, torch.Tensor) and v.dim() > 0]
-        return {"params": params, "grads": grads, "optimizer": states}
+        # Each chunk's wrapper accounts for itself; ZeRO-1 has one wrapper over every chunk instead.
+        holders = pm.data.wrappers if pm.data is not None and pm.data.wrappers[0] not in pm.chunks else pm.chunks
+        parts: dict[str, list[torch.Tensor]] = {}
+        for h in holders:
+            for k, v in model_state_tensors(h).items():
+                parts.setdefault(k, []).extend(v)
+        return with_optimizer_states(parts, optimizer)
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # the pipeline's runner suppresses each chunk's sync itself
 
 
-def _clip_zero(pm: PipelineModel, zm: Any, max_norm: float, topo: Topology, tp: Any) -> torch.Tensor:
-    """Global-norm clipping over ZeRO's reduced gradient pieces (disjoint over dp), tp shards and stages."""
-    from shardwise.parallel.sharding import clip_coefficient
+@dataclass
+class PP(Parallel):
+    """Pipeline parallelism over all devices (``pp = devices``): the preset of :class:`Parallel`."""
 
-    zm.before_step()  # reduce-scatter now: the norm needs the averaged gradient
-    elsewhere = pm.elsewhere()
-    pieces = [(s.grad, p) for b in zm.buckets for p, s in zip(b.params, b.shards) if s.grad is not None]
-    sq = torch.zeros((), dtype=torch.float32, device=topo.device)
-    for g, p in pieces:
-        if id(p) not in elsewhere and (tp_spec(p) is not None or tp is None or tp.rank == 0):
-            sq += g.detach().float().pow(2).sum()
-    topo.comm("dp").all_reduce(sq, name="zero_clip")
-    if tp is not None:
-        tp.all_reduce(sq, name="tp.clip")
-    topo.comm("pp").all_reduce(sq, name="pp.clip")
-    total = sq.sqrt()
-    coef = clip_coefficient(total, max_norm)
-    for g in zm.shard_grads():
-        g.detach().mul_(coef.to(g.dtype))
-    return total
+    name: ClassVar[str] = "pp"
+
+    def __post_init__(self) -> None:
+        if (self.dp, self.tp, self.pp, self.zero) != (-1, 1, 1, 0):
+            raise ValueError("PP puts every device in the pipeline; for dp/tp/zero use sw.Parallel(dp=, tp=, pp=, "
+                             "zero=)")
+        super().__post_init__()
+
+    def sizes(self, devices: int) -> dict[str, int]:
+        return {"dp": 1, "tp": 1, "pp": devices}
 
 
-__all__ = ["DP_WRAPPERS", "Parallel"]
+__all__ = ["PP", "Parallel"]

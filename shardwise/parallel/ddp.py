@@ -155,6 +155,10 @@ class DDPModule(GradSync, nn.Module):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     # ---- public ------------------------------------------------------
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Parameters, and the flat buckets the gradients live in for the whole run (whatever .grad shows)."""
+        return {"params": list(self.module.parameters()), "grads": [b.buffer for b in self.buckets]}
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self.module(*args, **kwargs)
         if self._sync and torch.is_grad_enabled():

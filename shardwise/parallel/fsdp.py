@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -47,9 +47,10 @@ from torch import nn
 
 from shardwise.comm import Comm, Handle
 from shardwise.parallel.ddp import GradSync, _tensors, check_same_parameters
-from shardwise.parallel.sharding import (FlatLayout, Waitable, all_gather, broadcast_inplace, comm_on, local_numel,
+from shardwise.parallel.sharding import (FlatLayout, Waitable, all_gather, broadcast_inplace, local_numel,
                                          pick_collectives, reduce_scatter, sharded_dtensor)
 from shardwise.parallel.zero import ShardedOptimizer, check_offload, zero_clip_grad_norm
+from shardwise.layout import RunLayout
 from shardwise.strategy import OptimizerFactory, Strategy, unwrap
 from shardwise.topology import Topology
 
@@ -386,6 +387,7 @@ class FSDPModule(GradSync, nn.Module):
         self._rs: deque[tuple[_Unit, torch.Tensor, list[Any]]] = deque()
         self._ar: deque[tuple[_Unit, torch.Tensor, Handle | None]] = deque()
         self._hooks: list[Any] = []
+        self._reset_backward()
         for u in self.units:
             m = self._module_of[u.index]
             self._hooks.append(m.register_forward_pre_hook(self._pre_forward_hook(u)))
@@ -502,11 +504,46 @@ class FSDPModule(GradSync, nn.Module):
             if self._order:
                 self._prev_order = self._order
             self._order = []
-            for u in self.units:
-                u.pending = len(u.params)
-                u.backward_started = False
-                u.got_grad = False
+            self._reset_backward()
         return self.module(*args, **kwargs)
+
+    def _reset_backward(self) -> None:
+        """Per-backward bookkeeping, reset before each backward pass (at a forward and at each backward's end:
+        a pipeline runs several forwards before their backwards, each backward a pass of its own)."""
+        for u in self.units:
+            u.pending = len(u.params)
+            u.backward_started = False
+            u.got_grad = False
+
+    def grad_piece(self, p: nn.Parameter) -> torch.Tensor:
+        """This rank's (padded) piece of ``p``'s reduced gradient, created as zeros if none exists yet.
+
+        Every rank of the shard group holds elements ``[r*c, r*c+c)`` of the
+        flattened parameter whatever else its unit holds, so the pieces of one
+        parameter line up across models that shard it alike (weights tied
+        across pipeline stages are summed piece by piece).
+        """
+        u = self.unit_of[p]
+        if u.grad_shard is None:
+            u.set_grad_shard(torch.zeros(u.row_numel, dtype=u.dtype,
+                                         device=u.host.device if u.host is not None else u.device))
+        i = next(i for i, q in enumerate(u.params) if q is p)  # by identity: == would compare values
+        return u.shard_params[i].grad  # type: ignore[return-value]
+
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Shard rows, any unit gathered at this moment (zero bytes once resharded), gradients; host rows if offloaded."""
+        params = [u.shard for u in self.units] + [b for u in self.units for b in u.padded]
+        params += [p for p in self.module.parameters() if p not in self.unit_of]
+        full = [p.grad for u in self.units for p in u.params if p.grad is not None]
+        if self.offload == "none":
+            return {"params": params, "grads": self.shard_grads() + full}
+        # Offloaded: the optimizer's rows, gradient shards and states are host memory.
+        return {"params": params, "grads": full, "host_params": [u.host for u in self.units if u.host is not None],
+                "host_grads": self.shard_grads()}
+
+    def grad_pieces(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """(reduced gradient piece, the parameter it belongs to) for every piece this rank holds."""
+        return [(s.grad, p) for u in self.units for s, p in zip(u.shard_params, u.params) if s.grad is not None]
 
     def shard_grads(self) -> list[torch.Tensor]:
         return [u.grad_shard for u in self.units if u.grad_shard is not None]
@@ -644,6 +681,7 @@ class FSDPModule(GradSync, nn.Module):
         for u in self.units:
             u.reshard()
         self._queued = False
+        self._reset_backward()
 
 
 # ---- strategies ------------------------------------------------------------
@@ -676,26 +714,36 @@ class FSDP(Strategy):
     offload: str = "none"
     offload_device: str = "cpu"
     name: ClassVar[str] = "fsdp"
+    hybrid: ClassVar[bool] = False  # HSDP's 2-D (replicate, shard) groups
 
     def __post_init__(self) -> None:
         check_offload(self.offload, self.name, 3)
 
+    def describe(self, devices: int) -> RunLayout:
+        return replace(super().describe(devices), zero=3, offload=self.offload, wrap=self.wrap)
+
+    def _replicas(self, topo: Topology) -> int:
+        """HSDP replicas over dp (1: shard over all of dp)."""
+        return 1
+
     def _groups(self, topo: Topology) -> tuple[Comm, Comm | None, Any, list[Any]]:
         """(shard comm, replicate comm, checkpoint mesh, placements)."""
-        from torch.distributed.tensor import Shard
+        from shardwise.parallelize import fsdp_groups
 
-        mesh = topo.mesh["dp"] if topo.mesh is not None else None  # type: ignore[index]
-        return topo.comm("dp"), None, mesh, [Shard(0)]
+        return fsdp_groups(topo, self._replicas(topo), hybrid=self.hybrid)
 
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+        from shardwise.parallelize import DataParallelOptions, wrap_module
+
         if all(p.device.type != "meta" for p in model.parameters()):
             model = model.to(topo.device)
-        shard, rep, _, _ = self._groups(topo)
-        wrapped = FSDPModule(model, shard, wrap=self.wrap, reshard_after_forward=self.reshard_after_forward,
-                             replicate=rep, param_init_fn=self.param_init_fn, device=topo.device,
-                             dp_comm=topo.comm("dp"), collectives=self.collectives, offload=self.offload,
-                             offload_device=self.offload_device)
+        opts = DataParallelOptions(zero=3, replicate=self._replicas(topo), hybrid=self.hybrid,
+                                   collectives=self.collectives,
+                                   offload=self.offload, offload_device=self.offload_device, wrap=self.wrap,
+                                   reshard_after_forward=self.reshard_after_forward,
+                                   param_init_fn=self.param_init_fn)
+        wrapped = wrap_module(model, topo, opts)
         return wrapped, ShardedOptimizer(optimizer_fn(wrapped.shard_params), wrapped)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
@@ -734,20 +782,6 @@ class FSDP(Strategy):
             out[f"model.{n}"] = b.view(-1)
         return out
 
-    def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
-        fm: FSDPModule = model  # type: ignore[assignment]
-        # Shard rows, plus any unit gathered at this moment (zero bytes once resharded).
-        params = [u.shard for u in fm.units] + [b for u in fm.units for b in u.padded]
-        params += [p for p in unwrap(model).parameters() if p not in fm.unit_of]
-        grads = fm.shard_grads() + [p.grad for u in fm.units for p in u.params if p.grad is not None]
-        states = [v for s in optimizer.state.values() for v in s.values()
-                  if isinstance(v, torch.Tensor) and v.dim() > 0]
-        if fm.offload == "none":
-            return {"params": params, "grads": grads, "optimizer": states}
-        # Offloaded: the optimizer's rows, gradient shards and states are host memory.
-        return {"params": params, "grads": [p.grad for u in fm.units for p in u.params if p.grad is not None],
-                "optimizer": [], "host_params": [u.host for u in fm.units if u.host is not None],
-                "host_grads": fm.shard_grads(), "host_optimizer": states}
 
 
 @dataclass
@@ -770,20 +804,20 @@ class HSDP(FSDP):
 
     shard_size: int | None = None
     name: ClassVar[str] = "hsdp"
+    hybrid: ClassVar[bool] = True
+
+    def describe(self, devices: int) -> RunLayout:
+        out = super().describe(devices)
+        return replace(out, replicate=out.dp // self._shard_of(out.dp))
 
     def _shard(self, topo: Topology) -> int:
-        dp = topo.size("dp")
+        return self._shard_of(topo.size("dp"))
+
+    def _shard_of(self, dp: int) -> int:
         s = self.shard_size if self.shard_size is not None else (2 if dp % 2 == 0 else 1)
         if s < 1 or dp % s:
             raise ValueError(f"HSDP shard_size={s} must divide the data-parallel size {dp}")
         return s
 
-    def _groups(self, topo: Topology) -> tuple[Comm, Comm | None, Any, list[Any]]:
-        from torch.distributed.tensor import Replicate, Shard
-
-        mesh = topo.dp_split(self._shard(topo))
-        if mesh is None:
-            return topo.comm("dp"), None, None, [Replicate(), Shard(0)]
-        shard = comm_on(topo, mesh.get_group("dp_shard"), "dp_shard")  # type: ignore[attr-defined]
-        rep = comm_on(topo, mesh.get_group("dp_replicate"), "dp_replicate")  # type: ignore[attr-defined]
-        return shard, rep, mesh, [Replicate(), Shard(0)]
+    def _replicas(self, topo: Topology) -> int:
+        return topo.size("dp") // self._shard(topo)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from shardwise.parallel.pipeline import pipeline_layers, stage_starts
-from shardwise.strategy import LossFn, OptimizerFactory, Strategy
+from shardwise.strategy import LossFn, OptimizerFactory, StepRun, Strategy
 from shardwise.topology import Topology
 
 
@@ -134,16 +134,16 @@ class NaiveMP(Strategy):
         return nmp, optimizer_fn(nmp.parameters())
 
     def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
-                   topo: Topology) -> torch.Tensor | None:
+                   topo: Topology, run: StepRun = StepRun()) -> torch.Tensor | None:
         out_dev = model.output_device  # type: ignore[union-attr]
         k = len(micro_batches)
         total = torch.zeros((), device=out_dev)
         for x, y in micro_batches:
             # Autocast of the primary device's type covers every device of that type (all CUDA
             # devices, or the CPU list of the tests); the loss scale is the fp16 scaler's.
-            with self.forward_context(topo):
+            with run.forward_context(topo.device):
                 loss = loss_fn(model(x), _move(y, out_dev))
-            (loss.float() * (self.loss_scale / k)).backward()
+            (loss.float() * (run.loss_scale / k)).backward()
             total += loss.detach().float()
         return (total / k).to(topo.device)
 

@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,7 +34,7 @@ from torch import nn
 from shardwise.comm import Comm, Handle
 from shardwise.parallel.checkpointing import SavedActivations
 from shardwise.parallel.schedules import Action, Recorder, check_message_order, execute, get_schedule
-from shardwise.strategy import LossFn, OptimizerFactory, Strategy
+from shardwise.strategy import LossFn
 from shardwise.topology import Topology
 
 
@@ -220,6 +219,19 @@ class PipelineModel(nn.Module):
         self.ties = ties
         self.meta_sent: set[Any] = set()
         self.meta_recv: dict[Any, tuple[tuple[int, ...], torch.dtype]] = {}
+        # Where a tied parameter's gradient lives once the step's backwards are over:
+        # its .grad, unless a data-parallel wrapper keeps only a reduced piece (FSDP).
+        self.tie_grad: Callable[[nn.Parameter], torch.Tensor] | None = None
+        # The data-parallel wrappers of the chunks (shardwise.parallelize.Owners; None: DDP or none).
+        self.data: Any = None
+
+    def grad_of_tie(self, p: nn.Parameter) -> torch.Tensor:
+        """The tensor holding this rank's gradient of tied parameter ``p`` (zeros if it got none)."""
+        if self.tie_grad is not None:
+            return self.tie_grad(p)
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        return p.grad
 
     def stage(self, chunk: int) -> PipelineStage:
         c = self.chunks[chunk]
@@ -264,7 +276,7 @@ def build_pipeline(model: nn.Module, topo: Topology, split_points: Sequence[str]
     starts = stage_starts(layers, p * v, split_points) + [len(layers)]
     parts = [layers[starts[i]:starts[i + 1]] for i in range(p * v)]
     mine = [r + c * p for c in range(v)]
-    ties = _find_ties(model, parts, p, v, tied)
+    ties = find_ties(model, parts, p, v, tied)
     my_modules = {id(m) for k in mine for _, layer in parts[k] for m in layer.modules()}
     if transform is not None:
         transform(model, lambda name: id(model.get_submodule(name)) in my_modules)
@@ -278,7 +290,7 @@ def build_pipeline(model: nn.Module, topo: Topology, split_points: Sequence[str]
     return PipelineModel(stages, r, p, list(state), claimed, my_ties, topo.device)
 
 
-def _find_ties(model: nn.Module, parts: list[list[tuple[str, nn.Module]]], p: int, v: int,
+def find_ties(model: nn.Module, parts: list[list[tuple[str, nn.Module]]], p: int, v: int,
                tied: str) -> dict[int, list[tuple[str, str, list[int]]]]:
     """Parameters used by more than one stage: per rank, (canonical name, name on that rank, owner ranks)."""
     names: dict[int, list[str]] = {}
@@ -452,7 +464,7 @@ def resplit(micro_batches: Sequence[tuple[Any, Any]], m: int | None) -> list[tup
 def sync_ties(pm: PipelineModel, comm: Comm) -> None:
     """Sum the gradients of tied copies over the stages holding them (same order everywhere: same sum)."""
     for t in pm.ties:
-        g = t.param.grad if t.param.grad is not None else torch.zeros_like(t.param)
+        g = pm.grad_of_tie(t.param)
         others = [o for o in t.owners if o != pm.rank]
         bufs = {o: torch.empty_like(g) for o in others}
         hs = [comm.isend(g.contiguous(), o, "pp.tied") for o in others]
@@ -464,11 +476,8 @@ def sync_ties(pm: PipelineModel, comm: Comm) -> None:
         for o in t.owners:
             part = g if o == pm.rank else bufs[o]
             total = part.clone() if total is None else total + part
-        if t.param.grad is None:
-            t.param.grad = total
-        else:
-            # In place: a data-parallel wrapper may keep .grad as a view of its bucket.
-            t.param.grad.copy_(total)
+        # In place: a data-parallel wrapper may keep the gradient as a view of its bucket or shard.
+        g.copy_(total)
 
 
 def pipeline_step(pm: PipelineModel, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn, topo: Topology,
@@ -542,103 +551,14 @@ def gather_full_state(pm: PipelineModel, topo: Topology) -> dict[str, torch.Tens
     return {k: out[k] for k in pm.keys}
 
 
-@dataclass
-class PP(Strategy):
-    """Pipeline parallelism over all devices (``pp = devices``).
+def __getattr__(name: str) -> Any:
+    # The PP strategy is a preset of the composition (shardwise.parallel.compose), which imports this module.
+    if name == "PP":
+        from shardwise.parallel.compose import PP
 
-    Args:
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (with ``chunks`` > 1).
-        microbatches: micro-batches per step (the local batch is re-split); None
-            uses the trainer's ``accumulate_grad_batches`` chunks, or one micro-batch
-            per stage when the trainer gives a single chunk.
-        split_points: names of the layers where stages 1.. begin (see
-            :func:`pipeline_layers`); None balances parameter counts.
-        chunks: model chunks per rank (interleaved schedule).
-        tied: ``"sync"`` keeps weights tied across stages in sync; ``"error"`` rejects them.
-        recorder: collects an :class:`~shardwise.parallel.schedules.Event` per action.
-    """
-
-    schedule: str = "1f1b"
-    microbatches: int | None = None
-    split_points: list[str] | None = None
-    chunks: int = 1
-    tied: str = "sync"
-    recorder: Recorder | None = None
-    name: ClassVar[str] = "pp"
-
-    def __post_init__(self) -> None:
-        get_schedule(self.schedule)
-        if self.schedule == "interleaved" and self.chunks < 2:
-            self.chunks = 2
-
-    def sizes(self, devices: int) -> dict[str, int]:
-        return {"dp": 1, "tp": 1, "pp": devices}
-
-    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
-              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
-        pm = build_pipeline(model.to(topo.device), topo, self.split_points, self.chunks, self.tied)
-        return pm, optimizer_fn(pm.parameters())
-
-    def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
-                   topo: Topology) -> torch.Tensor | None:
-        return pipeline_step(model, micro_batches, loss_fn, topo, self.schedule,  # type: ignore[arg-type]
-                             self._micro(micro_batches, topo), self.recorder,
-                             lambda: self.forward_context(topo), self.loss_scale)
-
-    def _micro(self, micro_batches: Sequence[tuple[Any, Any]], topo: Topology) -> int | None:
-        if self.microbatches is not None or len(micro_batches) > 1:
-            return self.microbatches
-        # One chunk from the trainer would leave every stage but one idle: by default
-        # feed as many micro-batches as there are stages, when the batch divides evenly.
-        x = micro_batches[0][0]
-        n, p = (x.shape[0] if isinstance(x, torch.Tensor) else 0), topo.size("pp")
-        return p if p > 1 and n % p == 0 else None
-
-    def effective_microbatches(self, local_batch: int, stages: int, accumulate_grad_batches: int = 1) -> int:
-        """How many micro-batches a step feeds the pipeline (what :meth:`_micro` will choose)."""
-        if self.microbatches is not None:
-            return self.microbatches
-        if accumulate_grad_batches > 1:
-            return accumulate_grad_batches
-        return stages if stages > 1 and local_batch % stages == 0 else 1
-
-    def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int) -> None:
-        """Before any process starts: every stage gets a layer, the batch splits, the stages can all fill.
-
-        The same checks run again inside each rank, but there a mistake would surface
-        once per process, after the process group was formed; here it costs nothing.
-        """
-        p = self.sizes(devices)["pp"]
-        stage_starts(pipeline_layers(model), p * self.chunks, self.split_points)  # too few layers: ValueError
-        local = batch_size // self.batch_shards(devices)
-        m = self.effective_microbatches(local, p, accumulate_grad_batches)
-        if self.microbatches is not None and (m < 1 or local % m):
-            raise ValueError(f"pipeline: the local batch of {local} samples does not split into microbatches={m} "
-                             f"equal micro-batches (the mean loss needs equal sizes); choose a divisor of {local}")
-        get_schedule(self.schedule)(p, m, 0, self.chunks)  # the schedule's own rules (interleaved: m % p == 0)
-        if 1 < p and m < p:
-            # GPipe, section 2.2: the idle share is (p-1)/(m+p-1); with m < p some stage never overlaps another.
-            warnings.warn(f"pipeline: {m} micro-batch(es) per step for {p} stages: fewer micro-batches than stages "
-                          f"leaves stages idle (bubble (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.0%} of the step); "
-                          f"use microbatches >= {p}", stacklevel=4)
-
-    def owns_loss(self, topo: Topology) -> bool:
-        return topo.coord("pp") == topo.size("pp") - 1 and topo.coord("tp") == 0
-
-    def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
-        from shardwise.parallel.tp import clip_grad_norm_
-
-        tp = topo.comm("tp") if topo.size("tp") > 1 else None
-        return clip_grad_norm_(model.parameters(), max_norm, tp=tp, pp=topo.comm("pp"),
-                               count_elsewhere=model.elsewhere())  # type: ignore[operator]
-
-    def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
-        return gather_full_state(model, topo)  # type: ignore[arg-type]
-
-    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                         topo: Topology) -> dict[str, Any]:
-        raise NotImplementedError("checkpoints of pipeline-parallel runs are not supported yet")
+        return PP
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["PP", "PipelineModel", "PipelineStage", "balanced_starts", "build_pipeline", "gather_full_state",
+__all__ = ["PipelineModel", "PipelineStage", "balanced_starts", "build_pipeline", "find_ties", "gather_full_state",
            "pipeline_layers", "pipeline_step", "resplit", "stage_starts", "sync_ties"]

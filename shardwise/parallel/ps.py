@@ -40,7 +40,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -48,7 +48,8 @@ from torch import nn
 
 from shardwise.comm import Comm, Handle
 from shardwise.parallel.ddp import check_same_parameters
-from shardwise.strategy import LossFn, OptimizerFactory, Strategy, unwrap
+from shardwise.layout import RunLayout
+from shardwise.strategy import LossFn, OptimizerFactory, StepRun, Strategy, unwrap, with_optimizer_states
 from shardwise.topology import Topology
 
 HEADER = 16  # bytes: float64 (worker step, clipping bound or -1)
@@ -476,6 +477,9 @@ class ParameterServer(Strategy):
             if self.max_staleness < 0:
                 raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
 
+    def describe(self, devices: int) -> RunLayout:
+        return replace(super().describe(devices), servers=self.servers)
+
     def sizes(self, devices: int) -> dict[str, int]:
         if devices < self.servers + 1:
             raise ValueError(f"the parameter server with servers={self.servers} needs at least "
@@ -525,10 +529,10 @@ class ParameterServer(Strategy):
         return PSModule(model, worker), _PushOptimizer(layout.params, worker)
 
     def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
-                   topo: Topology) -> torch.Tensor | None:
+                   topo: Topology, run: StepRun = StepRun()) -> torch.Tensor | None:
         role = model.role  # type: ignore[union-attr]
         role.pull()  # fresh weights first; the push happens in optimizer.step()
-        return super().train_step(model, micro_batches, loss_fn, topo)
+        return super().train_step(model, micro_batches, loss_fn, topo, run)
 
     def serve(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology, steps: int) -> list[float]:
         role: _Server = model.role  # type: ignore[assignment,union-attr]
@@ -586,9 +590,7 @@ class ParameterServer(Strategy):
     def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
         role = model.role  # type: ignore[union-attr]
         if isinstance(role, _Server):
-            states = [v for st in optimizer.state.values() for v in st.values()
-                      if isinstance(v, torch.Tensor) and v.dim() > 0]
-            return {"params": [role.shard], "grads": [role.shard.grad], "optimizer": states}
+            return with_optimizer_states({"params": [role.shard], "grads": [role.shard.grad]}, optimizer)
         params = role.layout.params
         return {"params": params, "grads": [p.grad for p in params if p.grad is not None], "optimizer": []}
 

@@ -256,3 +256,32 @@ def sharded_dtensor(local: torch.Tensor, numel: int, mesh: Any, placements: Sequ
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_'s factor: ``max_norm / (norm + 1e-6)`` clamped to at most 1."""
     return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+
+
+def clip_global_norm(counted: Sequence[torch.Tensor], every: Sequence[torch.Tensor], max_norm: float,
+                     groups: Sequence[tuple[Comm | None, str]], device: torch.device) -> torch.Tensor:
+    """Clip gradients by the norm of the whole model's gradient, however it is split.
+
+    The one clipper of every layout. ``counted`` are the gradient pieces whose
+    squares this rank contributes: together, over the ranks of ``groups``,
+    they cover every element of the unsplit gradient exactly once (a ZeRO or
+    FSDP shard over its shard group, a tensor-parallel slice over tp, a
+    pipeline stage over pp; a piece replicated over a group is counted by one
+    of its ranks only, and not summed over a group where every rank holds the
+    same values, such as DDP's dp or HSDP's replicas); each group comes with the
+name its all-reduce is counted under. ``every`` are all the
+    gradients this rank holds, scaled by the common coefficient. Returns the
+    total norm, the same on every rank. The coefficient is torch's
+    (``max_norm / (norm + 1e-6)``, at most 1).
+    """
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    for g in counted:
+        sq += g.detach().float().pow(2).sum().to(device)
+    for comm, name in groups:
+        if comm is not None and comm.size > 1:
+            comm.all_reduce(sq, name=name)
+    total = sq.sqrt()
+    coef = clip_coefficient(total, max_norm)
+    for g in every:
+        g.detach().mul_(coef.to(device=g.device, dtype=g.dtype))
+    return total

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -34,6 +34,7 @@ from shardwise.comm import Comm
 from shardwise.parallel.ddp import GradSync, check_same_parameters
 from shardwise.parallel.sharding import (FlatLayout, Waitable, all_gather, broadcast_inplace, clip_coefficient,
                                          pick_collectives, reduce_scatter, sharded_dtensor)
+from shardwise.layout import RunLayout
 from shardwise.strategy import OptimizerFactory, Strategy, unwrap
 from shardwise.topology import Topology
 
@@ -219,6 +220,22 @@ class ZeROModule(GradSync, nn.Module):
     def shard_grads(self) -> list[torch.Tensor]:
         """This rank's reduced gradient pieces (one flat padded buffer per bucket)."""
         return [b.grad_shard for b in self.buckets if b.grad_shard is not None]
+
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Full parameters and gradients, the reduced pieces, and (offloaded) the host rows."""
+        full = list(self.module.parameters())
+        # The padded copies of pieces cut short by a parameter's end are parameter memory too.
+        params = full + [c for b in self.buckets for c in b.copies]
+        grads = [p.grad for p in full if p.grad is not None]
+        if self.offload is None:
+            return {"params": params, "grads": grads + self.shard_grads()}
+        # Offloaded: the master rows, gradient shards and optimizer states are host memory.
+        return {"params": params, "grads": grads, "host_params": [b.host for b in self.buckets if b.host is not None],
+                "host_grads": self.shard_grads()}
+
+    def grad_pieces(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """(reduced gradient piece, the parameter it belongs to) for every piece this rank holds."""
+        return [(s.grad, p) for b in self.buckets for p, s in zip(b.params, b.shards) if s.grad is not None]
 
     # ---- called by ShardedOptimizer ------------------------------------
     def before_step(self) -> None:
@@ -461,13 +478,17 @@ class ZeRO1(Strategy):
     def __post_init__(self) -> None:
         check_offload(self.offload, self.name, self.stage)
 
+    def describe(self, devices: int) -> RunLayout:
+        return replace(super().describe(devices), zero=self.stage, offload=self.offload)
+
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+        from shardwise.parallelize import DataParallelOptions, wrap_module
+
         _check_not_meta(model, self.name)
-        model = model.to(topo.device)
-        wrapped = ZeROModule(model, topo.comm("dp"), stage=self.stage, bucket_cap_mb=self.bucket_cap_mb,
-                             collectives=self.collectives,
-                             offload_device=self.offload_device if self.offload == "optimizer" else None)
+        opts = DataParallelOptions(zero=self.stage, bucket_cap_mb=self.bucket_cap_mb, collectives=self.collectives,
+                                   offload=self.offload, offload_device=self.offload_device)
+        wrapped = wrap_module(model.to(topo.device), topo, opts)
         return wrapped, ShardedOptimizer(optimizer_fn(wrapped.shard_params), wrapped)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
@@ -496,22 +517,6 @@ class ZeRO1(Strategy):
         for n, buf in inner.named_buffers():
             out[f"model.{n}"] = buf.view(-1)
         return out
-
-    def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
-        zm: ZeROModule = model  # type: ignore[assignment]
-        params = list(unwrap(model).parameters())
-        grads = [p.grad for p in params if p.grad is not None] + zm.shard_grads()
-        # The padded copies of pieces cut short by a parameter's end are parameter memory too.
-        params += [c for b in zm.buckets for c in b.copies]
-        states = [v for s in optimizer.state.values() for v in s.values()
-                  if isinstance(v, torch.Tensor) and v.dim() > 0]
-        if zm.offload is None:
-            return {"params": params, "grads": grads, "optimizer": states}
-        # Offloaded: the master rows, gradient shards and optimizer states are host memory.
-        host_grads = zm.shard_grads()
-        return {"params": params, "grads": [p.grad for p in unwrap(model).parameters() if p.grad is not None],
-                "optimizer": [], "host_params": [b.host for b in zm.buckets if b.host is not None],
-                "host_grads": host_grads, "host_optimizer": states}
 
 
 @dataclass

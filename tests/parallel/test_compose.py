@@ -66,5 +66,5 @@ def test_sizes_and_options_are_checked():
     assert Parallel(tp=2, pp=2).sizes(8) == {"pp": 2, "dp": 2, "tp": 2}
     with pytest.raises(ValueError, match=r"dp\*tp\*pp = 2\*2\*2 = 8 does not equal the world size 4"):
         sw.Trainer(Parallel(dp=2, tp=2, pp=2), 4)
-    with pytest.raises(ValueError, match=r"zero=3: valid are \[0, 1, 2\]"):
-        Parallel(zero=3)
+    with pytest.raises(ValueError, match=r"zero=4: valid are 0 \(DDP over dp\), 1, 2 \(ZeRO stage 1/2\) and 3"):
+        Parallel(zero=4)

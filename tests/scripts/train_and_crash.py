@@ -24,11 +24,11 @@ class KillOnce:
     def __init__(self, inner, rank: int, step: int) -> None:
         self.inner, self.rank, self.step, self.count = inner, rank, step, 0
 
-    def __call__(self, model, micro, loss_fn, topo):
+    def __call__(self, model, micro, loss_fn, topo, *run):
         if (topo.rank == self.rank and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
                 and topo.diag is not None and topo.diag.step == self.step):
             os.kill(os.getpid(), signal.SIGKILL)
-        return self.inner(model, micro, loss_fn, topo)
+        return self.inner(model, micro, loss_fn, topo, *run)
 
 
 def main() -> None:

@@ -1,0 +1,208 @@
+"""The one place that fixes the order a model is parallelized in.
+
+Every layout is built by :func:`parallelize`, in this order (torchtitan's
+``parallelize_llama`` and Narayanan et al. 2021, "Efficient Large-Scale
+Language Model Training on GPU Clusters Using Megatron-LM", section 3):
+
+1. **pipeline split** (pp > 1, or interleaved chunks): each pipeline rank keeps
+   its stage's layers (:func:`shardwise.parallel.pipeline.build_pipeline`).
+   First, because everything after it should only touch this rank's layers.
+2. **tensor parallel** (tp > 1) on the modules of that stage only
+   (:func:`shardwise.parallel.tp.parallelize` on the tp group). Before data
+   parallelism, because the data-parallel wrappers shard, bucket and reduce
+   the parameters as they are *after* the tp split (a rank's tp slice).
+3. **the data-parallel family** over the dp ranks of each (pp, tp) slice, one
+   wrapper per model chunk (:func:`data_parallel`): DDP (``zero=0``), ZeRO-1/2
+   (``zero=1|2``), FSDP/ZeRO-3 (``zero=3``) or HSDP (``zero=3, replicate=R``).
+   Last, because it must see the final parameters and wraps each chunk's
+   forward and backward (FSDP's gathers run inside the stage's schedule).
+
+Activation checkpointing is applied by the trainer before step 1, on the
+unsplit model (it only wraps blocks' forwards, so it survives every split).
+
+Data is sharded over dp only: every rank of a (pp, tp) slice of one replica
+reads the same batch (inputs are used by the first stage, targets by the last).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.comm import Comm
+from shardwise.strategy import OptimizerFactory
+from shardwise.topology import Topology
+
+
+@dataclass(frozen=True)
+class DataParallelOptions:
+    """The data-parallel family over dp, with each member's options.
+
+    ``zero``: 0 DDP, 1/2 ZeRO stage 1/2, 3 FSDP (ZeRO-3 in units). ``replicate``
+    (with zero=3): HSDP, ``replicate`` replicas of ``dp // replicate`` shards.
+    """
+
+    zero: int = 0
+    replicate: int = 1
+    bucket_cap_mb: float | None = None   # None: each wrapper's default (DDP 25, ZeRO 4)
+    collectives: str = "auto"            # ZeRO/FSDP: "native", "p2p" or "auto"
+    offload: str = "none"
+    offload_device: str = "cpu"
+    wrap: Any = "auto"                   # FSDP unit policy
+    reshard_after_forward: bool = True
+    param_init_fn: Callable[[nn.Module], None] | None = None
+    allreduce: Callable[..., Any] | None = None  # DDP's all-reduce algorithm (None: the backend's)
+    reduce_dtype: torch.dtype | None = None
+    find_unused_parameters: bool = False
+    hybrid: bool = False                 # HSDP's 2-D dp groups even with replicate=1 (see fsdp_groups)
+
+    def __post_init__(self) -> None:
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero={self.zero}: valid are 0 (DDP over dp), 1, 2 (ZeRO stage 1/2) "
+                             "and 3 (FSDP: parameters, gradients and optimizer states sharded)")
+        if self.replicate < 1:
+            raise ValueError(f"replicate={self.replicate}: must be >= 1")
+        if self.replicate > 1 and self.zero != 3:
+            raise ValueError(f"replicate={self.replicate} (HSDP) needs zero=3: it replicates shards of the "
+                             "parameters; with zero<3 every dp rank already holds the full parameters")
+
+
+class Owners:
+    """Several data-parallel wrappers (one per model chunk) driven as one by a ShardedOptimizer."""
+
+    def __init__(self, wrappers: Sequence[Any]) -> None:
+        self.wrappers = list(wrappers)
+
+    def before_step(self) -> None:
+        for w in self.wrappers:
+            w.before_step()
+
+    def after_step(self) -> None:
+        for w in self.wrappers:
+            w.after_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for w in self.wrappers:
+            w.zero_grad(set_to_none)
+
+    def shard_grads(self) -> list[torch.Tensor]:
+        return [g for w in self.wrappers for g in w.shard_grads()]
+
+    def grad_pieces(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        return [gp for w in self.wrappers for gp in w.grad_pieces()]
+
+    @property
+    def shard_comm(self) -> Comm:
+        """The group the reduced pieces are disjoint over (all of dp; HSDP: the shard group)."""
+        return self.wrappers[0].comm  # type: ignore[no-any-return]
+
+
+def fsdp_groups(topo: Topology, replicate: int, hybrid: bool = False) -> tuple[Comm, Comm | None, Any, list[Any]]:
+    """(shard comm, replicate comm or None, checkpoint mesh, DTensor placements) for FSDP/HSDP over dp.
+
+    ``hybrid`` (the ``hsdp`` strategy) uses the 2-D (replicate, shard) split of
+    dp even with one replica, so its groups and checkpoints look alike at every size.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    from shardwise.parallel.sharding import comm_on
+
+    if replicate == 1 and not hybrid:
+        mesh = topo.mesh["dp"] if topo.mesh is not None else None  # type: ignore[index]
+        return topo.comm("dp"), None, mesh, [Shard(0)]
+    hmesh = topo.dp_split(topo.size("dp") // replicate)
+    if hmesh is None:
+        return topo.comm("dp"), None, None, [Replicate(), Shard(0)]
+    shard = comm_on(topo, hmesh.get_group("dp_shard"), "dp_shard")  # type: ignore[attr-defined]
+    rep = comm_on(topo, hmesh.get_group("dp_replicate"), "dp_replicate")  # type: ignore[attr-defined]
+    return shard, rep, hmesh, [Replicate(), Shard(0)]
+
+
+def wrap_module(module: nn.Module, topo: Topology, opts: DataParallelOptions) -> nn.Module:
+    """One module (a whole model, or one pipeline chunk) wrapped by the data-parallel family member."""
+    if opts.zero == 0:
+        from shardwise.parallel.ddp import DDPModule, native_allreduce
+
+        return DDPModule(module, topo.comm("dp"), bucket_cap_mb=opts.bucket_cap_mb or 25.0,
+                         find_unused_parameters=opts.find_unused_parameters,
+                         allreduce=opts.allreduce or native_allreduce, reduce_dtype=opts.reduce_dtype)
+    if opts.zero in (1, 2):
+        from shardwise.parallel.zero import ZeROModule
+
+        return ZeROModule(module, topo.comm("dp"), stage=opts.zero, bucket_cap_mb=opts.bucket_cap_mb or 4.0,
+                          collectives=opts.collectives,
+                          offload_device=opts.offload_device if opts.offload == "optimizer" else None)
+    from shardwise.parallel.fsdp import FSDPModule
+
+    shard, rep, _, _ = fsdp_groups(topo, opts.replicate, opts.hybrid)
+    return FSDPModule(module, shard, wrap=opts.wrap, reshard_after_forward=opts.reshard_after_forward,
+                      replicate=rep, param_init_fn=opts.param_init_fn, device=topo.device,
+                      dp_comm=topo.comm("dp"), collectives=opts.collectives, offload=opts.offload,
+                      offload_device=opts.offload_device)
+
+
+def data_parallel(chunks: nn.ModuleList, optimizer_fn: OptimizerFactory, topo: Topology,
+                  opts: DataParallelOptions) -> tuple[Owners | None, torch.optim.Optimizer]:
+    """Wrap each chunk in place (``chunks[c]`` becomes its wrapper); returns (owner, optimizer).
+
+    The owner is None for DDP (the optimizer steps the chunks' own parameters),
+    else the :class:`Owners` a :class:`~shardwise.parallel.zero.ShardedOptimizer` drives.
+    ZeRO-1 reduces at the optimizer step, so one wrapper owns every chunk;
+    ZeRO-2 and FSDP reduce inside each chunk's backward, so each chunk gets its own.
+    """
+    from shardwise.parallel.zero import ShardedOptimizer, ZeROModule
+
+    if opts.zero == 0:
+        if topo.size("dp") > 1:
+            # One DDP per chunk: a chunk's final backward is where its buckets reduce.
+            for c in range(len(chunks)):
+                chunks[c] = wrap_module(chunks[c], topo, opts)
+        return None, optimizer_fn([p for c in chunks for p in c.parameters()])
+    if opts.zero == 1:
+        zm = ZeROModule(nn.ModuleList(list(chunks)), topo.comm("dp"), stage=1,
+                        bucket_cap_mb=opts.bucket_cap_mb or 4.0, collectives=opts.collectives,
+                        offload_device=opts.offload_device if opts.offload == "optimizer" else None)
+        # Its parameters are the chunks' own: it reduces at the optimizer step (or the clip).
+        owner = Owners([zm])
+    else:
+        for c in range(len(chunks)):
+            chunks[c] = wrap_module(chunks[c], topo, opts)
+        owner = Owners(list(chunks))
+    params = [s for w in owner.wrappers for s in w.shard_params]
+    return owner, ShardedOptimizer(optimizer_fn(params), owner)
+
+
+def parallelize(model: nn.Module, optimizer_fn: OptimizerFactory, topo: Topology, *,
+                tp_plan: Any = None, split_points: Sequence[str] | None = None, chunks: int = 1, tied: str = "sync",
+                data: DataParallelOptions = DataParallelOptions()) -> tuple[Any, torch.optim.Optimizer]:
+    """``model`` split, tensor-parallelized and data-parallel-wrapped for ``topo``, in the order of the module
+    docstring; returns (this rank's :class:`~shardwise.parallel.pipeline.PipelineModel`, its optimizer).
+
+    Every size-1 dimension is a no-op, so the same function builds pp-only,
+    tp x pp, dp x pp, dp x tp and dp x tp x pp layouts.
+    """
+    from shardwise.parallel.pipeline import build_pipeline
+    from shardwise.parallel.tp import parallelize as tensor_parallel
+
+    if data.zero == 3 and any(p.device.type == "meta" for p in model.parameters()):
+        raise ValueError("a meta-device model is supported by the fsdp/zero3/hsdp strategies, not yet when "
+                         "composed with tensor or pipeline parallelism (it needs real weights to split)")
+    tp = topo.comm("tp")
+
+    def apply_tp(m: nn.Module, keep: Callable[[str], bool]) -> nn.Module:
+        return tensor_parallel(m, tp_plan, tp, keep)
+
+    pm = build_pipeline(model.to(topo.device), topo, split_points, chunks, tied,
+                        apply_tp if topo.size("tp") > 1 else None)
+    owner, optimizer = data_parallel(pm.chunks, optimizer_fn, topo, data)
+    pm.data = owner
+    if data.zero == 3:
+        fsdp = {p: w for w in owner.wrappers for p in w.unit_of}  # type: ignore[union-attr]
+        pm.tie_grad = lambda p: fsdp[p].grad_piece(p)
+    return pm, optimizer
+
+
+__all__ = ["DataParallelOptions", "Owners", "data_parallel", "fsdp_groups", "parallelize", "wrap_module"]
