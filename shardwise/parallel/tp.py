@@ -471,25 +471,15 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, tp: Comm | 
     another pipeline stage) are scaled but not counted; stages are summed over
     ``pp``. The coefficient is torch's: ``max_norm / (norm + 1e-6)``, at most 1.
     """
+    from shardwise.parallel.sharding import clip_global_norm
+
     every = list(params)
     ps = [p for p in every if p.grad is not None]
     skip = count_elsewhere or set()
+    counted = [p.grad for p in ps if id(p) not in skip and (tp_spec(p) is not None or tp is None or tp.rank == 0)]
     device = every[0].device if every else torch.device("cpu")
-    sq = torch.zeros((), device=device, dtype=torch.float32)
-    for p in ps:
-        if id(p) in skip:
-            continue
-        if tp_spec(p) is not None or tp is None or tp.rank == 0:
-            sq += p.grad.detach().float().norm() ** 2  # type: ignore[union-attr]
-    if tp is not None:
-        tp.all_reduce(sq, name="tp.clip")
-    if pp is not None:
-        pp.all_reduce(sq, name="pp.clip")
-    norm = sq.sqrt()
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for p in ps:
-        p.grad.detach().mul_(coef.to(p.grad.dtype))  # type: ignore[union-attr]
-    return norm
+    return clip_global_norm(counted, [p.grad for p in ps], max_norm,  # type: ignore[misc]
+                            [(tp, "tp.clip"), (pp, "pp.clip")], device)
 
 
 @dataclass

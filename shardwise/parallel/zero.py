@@ -32,7 +32,7 @@ from torch import nn
 
 from shardwise.comm import Comm
 from shardwise.parallel.ddp import GradSync, check_same_parameters
-from shardwise.parallel.sharding import (FlatLayout, Waitable, all_gather, broadcast_inplace, clip_coefficient,
+from shardwise.parallel.sharding import (FlatLayout, Waitable, all_gather, broadcast_inplace,
                                          pick_collectives, reduce_scatter, sharded_dtensor)
 from shardwise.layout import RunLayout
 from shardwise.strategy import OptimizerFactory, Strategy, unwrap
@@ -429,19 +429,10 @@ def zero_clip_grad_norm(grads: Sequence[torch.Tensor], max_norm: float, comm: Co
     up over ``comm``'s group: one all-reduce of a scalar, on ``device`` (the
     communication device; offloaded gradients live elsewhere).
     """
+    from shardwise.parallel.sharding import clip_global_norm
+
     here = grads[0].device if grads else (device or torch.device("cpu"))
-    sq = torch.zeros((), dtype=torch.float32, device=here)
-    for g in grads:
-        sq += g.detach().float().pow(2).sum()
-    if device is not None and device != here:
-        sq = sq.to(device)
-    comm.all_reduce(sq, name=name)
-    sq = sq.to(here)
-    total = sq.sqrt()
-    coef = clip_coefficient(total, max_norm)
-    for g in grads:
-        g.detach().mul_(coef.to(g.dtype))
-    return total
+    return clip_global_norm(grads, grads, max_norm, [(comm, name)], device or here)
 
 
 @dataclass

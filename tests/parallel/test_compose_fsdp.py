@@ -18,6 +18,7 @@ import shardwise as sw
 from shardwise.models import GPT, GPTConfig, lm_loss
 from shardwise.parallel.compose import Parallel
 from shardwise.workloads import CharText, stdlib_text
+from tiny_hf import gpt2, llama, logits_loss
 
 pytestmark = pytest.mark.timeout(300)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,30 +40,6 @@ def gpt(tie: bool = False) -> nn.Module:
 
 def tied_gpt() -> nn.Module:
     return gpt(tie=True)
-
-
-def gpt2() -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    m = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
-                                   embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
-    for b in m.transformer.h:
-        b.attn.c_attn.bias.requires_grad_(False)  # its key part's gradient is identically zero
-    return m
-
-
-def llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-                                        bos_token_id=0, eos_token_id=0))
-
-
-def logits_loss(out, y):
-    return lm_loss(out.logits if hasattr(out, "logits") else out, y)
 
 
 def fit(strategy, devices: int, make) -> sw.FitResult:
