@@ -23,7 +23,6 @@ gradients are summed between those stages, so all take the same step
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,95 +32,10 @@ from torch import nn
 
 from shardwise.comm import Comm, Handle
 from shardwise.parallel.checkpointing import SavedActivations
+from shardwise.parallel.pipeline_layers import pipeline_layers
 from shardwise.parallel.schedules import Action, Recorder, check_message_order, execute, get_schedule
 from shardwise.strategy import LossFn
 from shardwise.topology import Topology
-
-
-# ---- a model as a list of layers -------------------------------------------------
-class _GPTEmbed(nn.Module):
-    def __init__(self, tok_emb: nn.Module, pos_emb: nn.Module) -> None:
-        super().__init__()
-        self.tok_emb, self.pos_emb = tok_emb, pos_emb
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
-
-
-class _Head(nn.Module):
-    """Final norm then output projection (shardwise GPT, GPT-2, Llama alike)."""
-
-    def __init__(self, norm: nn.Module, head: nn.Module) -> None:
-        super().__init__()
-        self.norm, self.head = norm, head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(x))
-
-
-class _GPT2Embed(nn.Module):
-    def __init__(self, wte: nn.Module, wpe: nn.Module, drop: nn.Module) -> None:
-        super().__init__()
-        self.wte, self.wpe, self.drop = wte, wpe, drop
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
-        return self.drop(self.wte(ids) + self.wpe(pos))
-
-
-def _causal_mask(layer: nn.Module, config: Any, h: torch.Tensor, pos: torch.Tensor) -> Any:
-    # The mask helper of the model's own modeling file, called as the model's
-    # forward calls it (None for SDPA's is_causal fast path).
-    make = getattr(sys.modules[type(layer).__module__], "create_causal_mask")
-    return make(config=config, inputs_embeds=h, attention_mask=None, past_key_values=None, position_ids=pos)
-
-
-class _HFBlock(nn.Module):
-    """A Hugging Face decoder layer as a tensor -> tensor layer (causal mask, positions, rotary)."""
-
-    def __init__(self, layer: nn.Module, config: Any, rotary: nn.Module | None = None) -> None:
-        super().__init__()
-        self.layer, self.rotary = layer, rotary
-        self.config = config
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        kw: dict[str, Any] = {"attention_mask": _causal_mask(self.layer, self.config, h, pos), "position_ids": pos,
-                              "past_key_values": None, "use_cache": False}
-        if self.rotary is not None:
-            kw["position_embeddings"] = self.rotary(h, position_ids=pos)
-        out = self.layer(h, **kw)
-        return out[0] if isinstance(out, tuple) else out
-
-
-def pipeline_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``model`` as ``[(name, layer)]`` whose composition is ``model``'s forward (tensor in, tensor out)."""
-    from shardwise.models import GPT, MLP
-
-    if hasattr(model, "pipeline_layers"):
-        return list(model.pipeline_layers())
-    if isinstance(model, nn.Sequential):
-        return list(model.named_children())
-    if isinstance(model, MLP):
-        return [(f"net.{n}", m) for n, m in model.net.named_children()]
-    if isinstance(model, GPT):
-        return ([("embed", _GPTEmbed(model.tok_emb, model.pos_emb))]
-                + [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
-                + [("head", _Head(model.ln_f, model.head))])
-    kind = type(model).__name__
-    if kind == "GPT2LMHeadModel":
-        t = model.transformer
-        return ([("embed", _GPT2Embed(t.wte, t.wpe, t.drop))]
-                + [(f"h.{i}", _HFBlock(b, model.config)) for i, b in enumerate(t.h)]
-                + [("head", _Head(t.ln_f, model.lm_head))])
-    if kind == "LlamaForCausalLM":
-        m = model.model
-        return ([("embed", m.embed_tokens)]
-                + [(f"layers.{i}", _HFBlock(b, model.config, m.rotary_emb)) for i, b in enumerate(m.layers)]
-                + [("head", _Head(m.norm, model.lm_head))])
-    raise ValueError(f"cannot split a {kind} into pipeline stages: use nn.Sequential, shardwise's MLP or GPT, "
-                     "GPT2LMHeadModel or LlamaForCausalLM, or give the model a pipeline_layers() method "
-                     "returning [(name, module)] whose composition is its forward")
 
 
 # ---- partitioning ------------------------------------------------------------------
