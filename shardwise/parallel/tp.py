@@ -35,47 +35,14 @@ from torch.nn import functional as F
 
 from shardwise.comm import Comm
 from shardwise.comm.autograd import copy_to_parallel, gather_from_parallel, reduce_from_parallel
+from shardwise.parallel.tp_plans import (STYLES, Plan, Style, as_style, gpt2_plan, gpt_plan, llama_plan, mlp_plan,
+                                         plan_for, resolve_plan)
 from shardwise.strategy import OptimizerFactory, Strategy, unwrap
 from shardwise.topology import Topology
 
 # A sharded parameter carries (dim, parts): split along ``dim``, where the
 # full tensor is ``parts`` equal pieces (fused q|k|v) each split separately.
 SPEC_ATTR = "_shardwise_tp"
-
-
-@dataclass(frozen=True)
-class Style:
-    """How one module is split: ``colwise``, ``rowwise`` or ``vocab``.
-
-    ``gather_output`` all-gathers a column-parallel output (for heads whose
-    logits feed the loss); ``parts`` > 1 splits a fused projection (GPT-2's
-    ``c_attn`` holds q|k|v) piece by piece so each rank keeps whole heads of each.
-    """
-
-    kind: str
-    gather_output: bool = False
-    parts: int = 1
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("colwise", "rowwise", "vocab"):
-            raise ValueError(f"unknown tensor-parallel style kind {self.kind!r}; valid: colwise, rowwise, vocab")
-
-
-STYLES: dict[str, Style] = {
-    "colwise": Style("colwise"),
-    "rowwise": Style("rowwise"),
-    "vocab": Style("vocab"),
-    "colwise_gather": Style("colwise", gather_output=True),
-    "colwise_qkv": Style("colwise", parts=3),
-}
-
-
-def as_style(s: str | Style) -> Style:
-    if isinstance(s, Style):
-        return s
-    if s not in STYLES:
-        raise ValueError(f"unknown tensor-parallel style {s!r}; valid: {', '.join(STYLES)} (or a Style object)")
-    return STYLES[s]
 
 
 # ---- sharding and gathering of one tensor ---------------------------------
@@ -277,137 +244,9 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_parallel(out, self.comm, "tp.g")
 
 
-# ---- plans ----------------------------------------------------------------------
-@dataclass
-class Plan:
-    """Module-name patterns -> styles, plus model-level checks and fix-ups.
-
-    ``check(model, tp)`` raises before anything is split (head counts);
-    ``fixup(model, tp)`` adjusts attributes that depend on local widths.
-    """
-
-    styles: dict[str, str | Style]
-    check: Callable[[nn.Module, int], None] | None = None
-    fixup: Callable[[nn.Module, int], None] | None = None
-    name: str = "custom"
-
-
+# ---- applying a plan -----------------------------------------------------------
 def _pattern(p: str) -> re.Pattern[str]:
     return re.compile("^" + ".".join("[^.]+" if s == "*" else re.escape(s) for s in p.split(".")) + "$")
-
-
-def _divisible(what: str, n: int, tp: int, why: str) -> None:
-    if n % tp:
-        raise ValueError(f"tensor parallel: {what}={n} is not divisible by tp={tp} ({n} % {tp} = {n % tp}): {why}")
-
-
-_HEADS = "attention is split by heads, so every rank must hold the same whole number of heads"
-_VOCAB = "the embedding and output head are split by vocabulary rows, an equal range per rank"
-_HIDDEN = "the MLP's hidden features are split evenly over the ranks"
-
-
-def _check_gpt(model: nn.Module, tp: int) -> None:
-    c = model.cfg  # type: ignore[attr-defined]
-    _divisible("n_head", c.n_head, tp, _HEADS)
-    _divisible("MLP hidden size 4*n_embd", 4 * c.n_embd, tp, _HIDDEN)
-    _divisible("vocab_size", c.vocab_size, tp, _VOCAB)
-
-
-def _check_hf(model: nn.Module, tp: int) -> None:
-    c = model.config  # type: ignore[attr-defined]
-    _divisible("num_attention_heads", c.num_attention_heads, tp, _HEADS)
-    kv = getattr(c, "num_key_value_heads", None)
-    if kv is not None:
-        _divisible("num_key_value_heads", kv, tp, _HEADS + " (key/value heads too)")
-    inner = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * c.hidden_size
-    _divisible("intermediate size", inner, tp, _HIDDEN)
-    _divisible("vocab_size", c.vocab_size, tp, _VOCAB)
-
-
-def _fix_gpt2(model: nn.Module, tp: int) -> None:
-    # GPT2Attention splits the fused q|k|v output at ``split_size`` (= hidden
-    # size); each rank now holds hidden/tp of each part.
-    for m in model.modules():
-        if type(m).__name__ == "GPT2Attention" and isinstance(getattr(m, "c_attn", None), ColumnParallelLinear):
-            m.split_size = m.embed_dim // tp
-            m.num_heads = m.num_heads // tp
-
-
-def gpt_plan() -> Plan:
-    """For :class:`shardwise.models.GPT`."""
-    return Plan({"tok_emb": "vocab", "blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise",
-                 "blocks.*.attn.v": "colwise", "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.fc1": "colwise",
-                 "blocks.*.mlp.fc2": "rowwise", "head": "colwise_gather"}, _check_gpt, None, "gpt")
-
-
-def gpt2_plan(prefix: str = "transformer.") -> Plan:
-    """For Hugging Face ``GPT2LMHeadModel`` (``prefix=""`` for a bare ``GPT2Model``)."""
-    h = prefix + "h.*."
-    styles: dict[str, str | Style] = {prefix + "wte": "vocab", h + "attn.c_attn": "colwise_qkv",
-                                      h + "attn.c_proj": "rowwise", h + "mlp.c_fc": "colwise",
-                                      h + "mlp.c_proj": "rowwise"}
-    if prefix:
-        styles["lm_head"] = "colwise_gather"
-    return Plan(styles, _check_hf, _fix_gpt2, "gpt2")
-
-
-def llama_plan(prefix: str = "model.") -> Plan:
-    """For Hugging Face ``LlamaForCausalLM`` (``prefix=""`` for a bare ``LlamaModel``)."""
-    L = prefix + "layers.*."
-    styles: dict[str, str | Style] = {prefix + "embed_tokens": "vocab"}
-    for n in ("q_proj", "k_proj", "v_proj"):
-        styles[L + "self_attn." + n] = "colwise"
-    styles[L + "self_attn.o_proj"] = "rowwise"
-    styles[L + "mlp.gate_proj"] = "colwise"
-    styles[L + "mlp.up_proj"] = "colwise"
-    styles[L + "mlp.down_proj"] = "rowwise"
-    if prefix:
-        styles["lm_head"] = "colwise_gather"
-    return Plan(styles, _check_hf, None, "llama")
-
-
-def mlp_plan(model: nn.Module) -> Plan:
-    """For :class:`shardwise.models.MLP`: hidden Linear layers in Megatron pairs, column- then row-parallel.
-
-    A pair costs one all-reduce in forward and one in backward (the ReLU between
-    them is element-wise, so it runs on the column shards). The classifier head
-    and an unpaired last hidden layer stay replicated.
-    """
-    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][:-1]
-    styles: dict[str, str | Style] = {}
-    for col, row in zip(linears[0::2], linears[1::2]):
-        styles[col], styles[row] = "colwise", "rowwise"
-    return Plan(styles, None, None, "mlp")
-
-
-def plan_for(model: nn.Module) -> Plan:
-    """The built-in plan for ``model``'s type."""
-    from shardwise.models import GPT, MLP
-
-    kind = type(model).__name__
-    if isinstance(model, GPT):
-        return gpt_plan()
-    if isinstance(model, MLP):
-        return mlp_plan(model)
-    if kind in ("GPT2LMHeadModel", "GPT2Model"):
-        return gpt2_plan("transformer." if kind == "GPT2LMHeadModel" else "")
-    if kind in ("LlamaForCausalLM", "LlamaModel"):
-        return llama_plan("model." if kind == "LlamaForCausalLM" else "")
-    raise ValueError(f"no built-in tensor-parallel plan for {kind}; pass plan={{'<module pattern>': "
-                     "'colwise' | 'rowwise' | 'vocab' | 'colwise_gather', ...}")
-
-
-def resolve_plan(plan: Plan | dict[str, str | Style] | str | None, model: nn.Module) -> Plan:
-    if plan is None or plan == "auto":
-        return plan_for(model)
-    if isinstance(plan, Plan):
-        return plan
-    if isinstance(plan, str):
-        table = {"gpt": gpt_plan, "gpt2": gpt2_plan, "llama": llama_plan}
-        if plan not in table:
-            raise ValueError(f"unknown built-in plan {plan!r}; valid: auto, {', '.join(table)}")
-        return table[plan]()
-    return Plan(dict(plan))
 
 
 def parallelize(model: nn.Module, plan: Plan | dict[str, str | Style] | str | None, comm: Comm,
@@ -518,5 +357,5 @@ class TP(Strategy):
 
 
 __all__ = ["TP", "Plan", "Style", "STYLES", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "parallelize", "plan_for", "gpt_plan", "gpt2_plan", "llama_plan", "gather_state", "clip_grad_norm_",
-           "shard_tensor", "gather_tensor", "tp_spec"]
+           "parallelize", "plan_for", "gpt_plan", "gpt2_plan", "llama_plan", "mlp_plan", "gather_state",
+           "clip_grad_norm_", "shard_tensor", "gather_tensor", "tp_spec"]
