@@ -91,6 +91,22 @@ class _Bucket:
         self.wire: torch.Tensor | None = None  # the narrower copy in flight when reduce_dtype is set
 
 
+def bucket_params(params: list[nn.Parameter], cap_mb: float) -> list[list[nn.Parameter]]:
+    """``params`` in order, cut into buckets of one dtype and at most ``cap_mb`` MiB each (a bigger parameter
+    alone): the one bucketer of DDP and ZeRO-1/2 (one collective per bucket)."""
+    cap = int(cap_mb * 1024 * 1024)
+    out: list[list[nn.Parameter]] = []
+    size = 0
+    for p in params:
+        if out and out[-1] and size + p.numel() * p.element_size() <= cap and p.dtype == out[-1][0].dtype:
+            out[-1].append(p)
+            size += p.numel() * p.element_size()
+        else:
+            out.append([p])
+            size = p.numel() * p.element_size()
+    return out
+
+
 class GradSync:
     """``no_sync()`` for a wrapper whose gradient hooks communicate only while ``self._sync`` is set.
 
@@ -100,6 +116,17 @@ class GradSync:
     """
 
     _sync: bool = True
+    _queued: bool = False
+
+    def _finish(self) -> None:
+        raise NotImplementedError
+
+    def _finish_at_backward_end(self) -> None:
+        """Run ``self._finish`` once when the current backward pass ends (the wrapper's end-of-backward work:
+        launch what is left, wait, reset); ``_finish`` clears ``_queued``."""
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -131,19 +158,9 @@ class DDPModule(GradSync, nn.Module):
 
         names = {p: n for n, p in module.named_parameters()}
         params = [p for p in module.parameters() if p.requires_grad]
-        cap = int(bucket_cap_mb * 1024 * 1024)
-        self.buckets: list[_Bucket] = []
-        current: list[nn.Parameter] = []
-        size = 0
         # Reverse order: the last layers' gradients are ready first in backward.
-        for p in reversed(params):
-            if current and (size + p.numel() * p.element_size() > cap or p.dtype != current[0].dtype):
-                self.buckets.append(_Bucket(len(self.buckets), current, p.device, current[0].dtype))
-                current, size = [], 0
-            current.append(p)
-            size += p.numel() * p.element_size()
-        if current:
-            self.buckets.append(_Bucket(len(self.buckets), current, current[0].device, current[0].dtype))
+        self.buckets = [_Bucket(i, ps, ps[0].device, ps[0].dtype)
+                        for i, ps in enumerate(bucket_params(list(reversed(params)), bucket_cap_mb))]
         self._where: dict[nn.Parameter, tuple[_Bucket, torch.Tensor]] = {}
         for b in self.buckets:
             for p, v in zip(b.params, b.views):
@@ -222,9 +239,7 @@ class DDPModule(GradSync, nn.Module):
         if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
             view.copy_(p.grad)
             p.grad = view
-        if not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        self._finish_at_backward_end()
         b.pending -= 1
         self._launch_ready()
 

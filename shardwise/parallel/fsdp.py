@@ -331,9 +331,7 @@ class FSDPModule(GradSync, nn.Module):
             if u.backward_started:
                 return
             u.backward_started = True
-            if not self._queued:
-                self._queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._finish_at_backward_end()
             # The reductions still in flight finish before this unit's gradients
             # are computed: at most one unit's full gradients exist at a time.
             self._flush()

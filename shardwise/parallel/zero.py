@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from shardwise.comm import Comm
-from shardwise.parallel.ddp import GradSync, check_same_parameters
+from shardwise.parallel.ddp import GradSync, bucket_params, check_same_parameters
 from shardwise.parallel.sharding import (FlatLayout, Waitable, all_gather, broadcast_inplace,
                                          pick_collectives, reduce_scatter, sharded_dtensor)
 from shardwise.layout import RunLayout
@@ -182,18 +182,8 @@ class ZeROModule(GradSync, nn.Module):
             if not p.is_contiguous():
                 raise ValueError(f"parameter '{n}' is not contiguous; ZeRO shards flattened parameters")
         self.names = {p: n for n, p in named}
-        cap = int(bucket_cap_mb * 1024 * 1024)
-        self.buckets: list[_Bucket] = []
-        current: list[nn.Parameter] = []
-        size = 0
-        for _, p in reversed(named):
-            if current and (size + p.numel() * p.element_size() > cap or p.dtype != current[0].dtype):
-                self.buckets.append(_Bucket(len(self.buckets), current, comm.size, comm.rank, self.offload))
-                current, size = [], 0
-            current.append(p)
-            size += p.numel() * p.element_size()
-        if current:
-            self.buckets.append(_Bucket(len(self.buckets), current, comm.size, comm.rank, self.offload))
+        self.buckets = [_Bucket(i, ps, comm.size, comm.rank, self.offload)
+                        for i, ps in enumerate(bucket_params([p for _, p in reversed(named)], bucket_cap_mb))]
         self._where = {p: b for b in self.buckets for p in b.params}
         shard_of = {p: s for b in self.buckets for p, s in zip(b.params, b.shards)}
         # Model order, so that a factory that builds parameter groups by position sees the model's order.
@@ -344,9 +334,7 @@ class ZeROModule(GradSync, nn.Module):
             self._reduced = False
             return
         b = self._where[p]  # type: ignore[index]
-        if not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        self._finish_at_backward_end()
         b.pending -= 1
         # Buckets always start in index order, so every rank issues the same collectives.
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
