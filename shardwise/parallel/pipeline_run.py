@@ -1,0 +1,222 @@
+"""Pipeline parallelism, running a step: one optimizer step's forwards, backwards and messages.
+
+:func:`pipeline_step` executes a schedule's actions (from
+:mod:`shardwise.parallel.schedules`) on this rank's stage(s) of a
+:class:`~shardwise.parallel.pipeline.PipelineModel`: :class:`_Runner`
+receives a boundary's activations (their shape and dtype sent once, as a
+small header: ``_DTYPES``, ``_META``), computes, and sends activations
+forward and their gradients backward; :func:`resplit` cuts the local batch
+into equal micro-batches and :func:`sync_ties` sums the gradients of weights
+tied across stages.
+
+It is separate from ``pipeline.py`` (partitioning a model into stages) to
+keep each module small (issue 11). It needs ``PipelineModel`` for type
+annotations only, so it imports nothing from ``pipeline.py`` at run time;
+``pipeline.py`` re-exports :func:`pipeline_step`, :func:`resplit` and
+:func:`sync_ties`.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shardwise.comm import Comm, Handle
+from shardwise.parallel.checkpointing import SavedActivations
+from shardwise.parallel.schedules import Action, Recorder, check_message_order, execute, get_schedule
+from shardwise.strategy import LossFn
+from shardwise.topology import Topology
+
+if TYPE_CHECKING:
+    from shardwise.parallel.pipeline import PipelineModel
+
+
+# ---- running a step ------------------------------------------------------------
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
+_META = 10  # header: ndim, dtype code, up to 8 dims
+
+
+class _Runner:
+    """Receives, computes and sends for :func:`shardwise.parallel.schedules.execute`."""
+
+    def __init__(self, pm: PipelineModel, comm: Comm, mbs: Sequence[tuple[Any, Any]], loss_fn: LossFn,
+                 saved: SavedActivations | None,
+                 forward_context: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
+                 loss_scale: float = 1.0) -> None:
+        self.pm, self.comm, self.mbs, self.loss_fn = pm, comm, mbs, loss_fn
+        # Mixed precision: each stage's forward (and the loss) runs under the strategy's
+        # autocast, like Strategy.train_step; fp16's loss scale multiplies the loss.
+        self.forward_context = forward_context or contextlib.nullcontext
+        self.loss_scale = loss_scale
+        self.p, self.r, self.v = pm.stages, pm.rank, len(pm.chunks)
+        self.last = self.p * self.v - 1
+        self.x: dict[tuple[int, int], Any] = {}
+        self.out: dict[tuple[int, int], torch.Tensor] = {}
+        self.grad: dict[tuple[int, int], torch.Tensor] = {}
+        self.losses: list[torch.Tensor] = []
+        self.sends: list[Handle] = []
+        self.saved = saved
+
+    def _k(self, a: Action) -> int:
+        return a.chunk * self.p + self.r
+
+    def _key(self, a: Action) -> Any:
+        # Every rank of a replica reads the same batch, so the shape of the
+        # micro-batch input is known everywhere: the activation shape behind a
+        # boundary is sent once per distinct input shape and cached.
+        x = self.mbs[a.mb][0]
+        return (a.chunk, tuple(x.shape) if isinstance(x, torch.Tensor) else repr(type(x)))
+
+    # -- forward
+    def recv_forward(self, a: Action) -> None:
+        k, key = self._k(a), (a.chunk, a.mb)
+        if k == 0:
+            self.x[key] = self.mbs[a.mb][0]
+            return
+        src, mk = (k - 1) % self.p, self._key(a)
+        if mk not in self.pm.meta_recv:
+            head = torch.empty(_META, dtype=torch.int64, device=self._device())
+            self.comm.irecv(head, src, "pp.meta").wait()
+            n = int(head[0])
+            self.pm.meta_recv[mk] = (tuple(int(d) for d in head[2:2 + n]), _DTYPES[int(head[1])])
+        shape, dtype = self.pm.meta_recv[mk]
+        buf = torch.empty(shape, dtype=dtype, device=self._device())
+        self.comm.irecv(buf, src, "pp.act").wait()
+        self.x[key] = buf.requires_grad_() if buf.is_floating_point() else buf
+
+    def forward(self, a: Action) -> None:
+        key = (a.chunk, a.mb)
+        ctx = torch.autograd.graph.saved_tensors_hooks(self.saved.pack, self.saved.unpack) \
+            if self.saved is not None else contextlib.nullcontext()
+        with ctx, self.forward_context():
+            out = self.pm(self.x[key], chunk=a.chunk)
+            if self._k(a) == self.last:
+                loss = self.loss_fn(out, self.mbs[a.mb][1])
+                self.losses.append(loss.detach().float())
+                out = loss.float() * (self.loss_scale / len(self.mbs))
+        self.out[key] = out
+
+    def send_forward(self, a: Action) -> None:
+        k = self._k(a)
+        if k == self.last:
+            return
+        out, dst, mk = self.out[(a.chunk, a.mb)], (k + 1) % self.p, self._key(a)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"pipeline stage {k} returned a {type(out).__name__}; stages must pass one tensor")
+        if mk not in self.pm.meta_sent:
+            if out.dim() > _META - 2:
+                raise ValueError(f"activations with {out.dim()} dims cannot be sent (at most {_META - 2})")
+            head = torch.zeros(_META, dtype=torch.int64, device=out.device)
+            head[0], head[1] = out.dim(), _DTYPES.index(out.dtype)
+            head[2:2 + out.dim()] = torch.tensor(out.shape, dtype=torch.int64)
+            self.sends.append(self.comm.isend(head, dst, "pp.meta"))
+            self.pm.meta_sent.add(mk)
+        self.sends.append(self.comm.isend(out.detach().contiguous(), dst, "pp.act"))
+
+    # -- backward
+    def recv_backward(self, a: Action) -> None:
+        k, key = self._k(a), (a.chunk, a.mb)
+        if k == self.last:
+            return
+        out = self.out[key]
+        g = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        self.comm.irecv(g, (k + 1) % self.p, "pp.grad").wait()
+        self.grad[key] = g
+
+    def backward(self, a: Action, last: bool) -> None:
+        key = (a.chunk, a.mb)
+        chunk = self.pm.chunks[a.chunk]
+        # Data-parallel wrappers reduce gradients only in a chunk's final backward.
+        ctx = chunk.no_sync() if (not last and hasattr(chunk, "no_sync")) else contextlib.nullcontext()
+        out = self.out.pop(key)
+        with ctx:
+            torch.autograd.backward(out, self.grad.pop(key, None))
+
+    def send_backward(self, a: Action) -> None:
+        k, key = self._k(a), (a.chunk, a.mb)
+        x = self.x.pop(key)
+        if k == 0:
+            return
+        g = x.grad if x.grad is not None else torch.zeros_like(x)
+        self.sends.append(self.comm.isend(g, (k - 1) % self.p, "pp.grad"))
+
+    def in_flight(self) -> int:
+        return len(self.out)
+
+    def saved_bytes(self) -> int:
+        return self.saved.current if self.saved is not None else 0
+
+    def _device(self) -> torch.device:
+        return self.pm.device
+
+    def finish(self) -> None:
+        for h in self.sends:
+            h.wait()
+        self.sends.clear()
+
+
+def resplit(micro_batches: Sequence[tuple[Any, Any]], m: int | None) -> list[tuple[Any, Any]]:
+    """The trainer's micro-batches, or the same local batch cut into ``m`` equal ones."""
+    from shardwise.strategy import iter_chunks
+
+    if m is None:
+        return list(micro_batches)
+    xs, ys = [x for x, _ in micro_batches], [y for _, y in micro_batches]
+    x, y = (torch.cat(xs) if len(xs) > 1 else xs[0]), (torch.cat(ys) if len(ys) > 1 else ys[0])
+    n = x.shape[0]
+    if m < 1 or n % m:
+        raise ValueError(f"pipeline: the local batch of {n} samples does not split into microbatches={m} "
+                         f"equal micro-batches (the mean loss needs equal sizes); choose a divisor of {n}")
+    return list(zip(iter_chunks(x, m), iter_chunks(y, m)))
+
+
+def sync_ties(pm: PipelineModel, comm: Comm) -> None:
+    """Sum the gradients of tied copies over the stages holding them (same order everywhere: same sum)."""
+    for t in pm.ties:
+        g = pm.grad_of_tie(t.param)
+        others = [o for o in t.owners if o != pm.rank]
+        bufs = {o: torch.empty_like(g) for o in others}
+        hs = [comm.isend(g.contiguous(), o, "pp.tied") for o in others]
+        for o in others:
+            comm.irecv(bufs[o], o, "pp.tied").wait()
+        for h in hs:
+            h.wait()
+        total = None
+        for o in t.owners:
+            part = g if o == pm.rank else bufs[o]
+            total = part.clone() if total is None else total + part
+        # In place: a data-parallel wrapper may keep the gradient as a view of its bucket or shard.
+        g.copy_(total)
+
+
+def pipeline_step(pm: PipelineModel, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn, topo: Topology,
+                  schedule: str = "1f1b", microbatches: int | None = None,
+                  recorder: Recorder | None = None,
+                  forward_context: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
+                  loss_scale: float = 1.0) -> torch.Tensor | None:
+    """One optimizer step's forwards and backwards; the mean loss on the last stage, None elsewhere.
+
+    ``forward_context`` (e.g. autocast for mixed precision) wraps every stage forward
+    and the loss; ``loss_scale`` multiplies the loss before backward (fp16).
+    """
+    mbs = resplit(micro_batches, microbatches)
+    acts = get_schedule(schedule)(pm.stages, len(mbs), pm.rank, len(pm.chunks))
+    check_message_order(schedule, pm.stages, len(mbs), len(pm.chunks))
+    saved = None
+    if recorder is not None and recorder.track_saved:
+        # Parameters and the batch itself are not activations (micro-batches are views of one batch).
+        data = [t for xy in mbs for t in xy if isinstance(t, torch.Tensor)]
+        saved = SavedActivations(pm.parameters(), data)
+    runner = _Runner(pm, topo.comm("pp"), mbs, loss_fn, saved, forward_context, loss_scale)
+    execute(acts, runner, pm.rank, recorder)
+    runner.finish()
+    if recorder is not None:
+        recorder.step += 1
+        if saved is not None:
+            recorder.peak_saved_bytes = max(recorder.peak_saved_bytes, saved.peak)
+    sync_ties(pm, topo.comm("pp"))
+    if not runner.losses:
+        return None
+    return torch.stack(runner.losses).mean()
