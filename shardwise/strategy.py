@@ -108,10 +108,6 @@ class Strategy:
         """How many parts each global batch is split into on ``devices`` (the ranks that read data)."""
         return self.sizes(devices)["dp"]
 
-    def rank_stats(self, model: nn.Module, topo: Topology) -> dict[str, Any]:
-        """Extra per-rank entries for ``FitResult.stats`` (e.g. a parameter server's staleness record)."""
-        return {}
-
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Reject, before any process starts, an optimizer this strategy cannot drive."""
         if isinstance(optimizer, torch.optim.LBFGS):
@@ -120,14 +116,6 @@ class Strategy:
 
     def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int) -> None:
         """Reject (or warn about), before any process starts, a model or batch this layout cannot use well."""
-
-    def is_server(self, topo: Topology) -> bool:
-        """True on ranks that read no data and run :meth:`serve` instead of the step loop."""
-        return False
-
-    def serve(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology, steps: int) -> list[float]:
-        """The loop of a server rank for ``steps`` optimizer steps; returns per-step times (seconds)."""
-        raise NotImplementedError(f"strategy {self.name!r} has no server ranks")
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -167,6 +155,26 @@ class Strategy:
         buckets, shard rows, host copies); the optimizer's states are added here.
         """
         return with_optimizer_states(model_state_tensors(model), optimizer)
+
+
+class HasServers(Strategy):
+    """A strategy some of whose ranks serve instead of training (the parameter server).
+
+    Only such strategies carry a server loop; the trainer asks
+    ``isinstance(strategy, HasServers)`` before calling it.
+    """
+
+    def is_server(self, topo: Topology) -> bool:
+        """True on ranks that read no data and run :meth:`serve` instead of the step loop."""
+        return False
+
+    def serve(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology, steps: int) -> list[float]:
+        """The loop of a server rank for ``steps`` optimizer steps; returns per-step times (seconds)."""
+        raise NotImplementedError
+
+    def rank_stats(self, model: nn.Module, topo: Topology) -> dict[str, Any]:
+        """Extra per-rank entries for ``FitResult.stats`` (e.g. a parameter server's staleness record)."""
+        return {}
 
 
 @dataclass

@@ -51,7 +51,7 @@ from torch import nn
 from shardwise.parallel.ddp import check_same_parameters
 from shardwise.parallel.ps_roles import APPLY, HEADER, PULL, StalenessGate, _Layout, _PushOptimizer, _Server, _Worker
 from shardwise.layout import RunLayout
-from shardwise.strategy import LossFn, OptimizerFactory, StepRun, Strategy, unwrap, with_optimizer_states
+from shardwise.strategy import HasServers, LossFn, OptimizerFactory, StepRun, unwrap, with_optimizer_states
 from shardwise.topology import Topology
 
 MODES = ("sync", "async")
@@ -73,7 +73,7 @@ class PSModule(nn.Module):
 
 
 @dataclass
-class ParameterServer(Strategy):
+class ParameterServer(HasServers):
     """Parameter server (``strategy="ps"``): ``servers`` server ranks plus ``devices - servers`` workers.
 
     Args:
