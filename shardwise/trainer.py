@@ -28,7 +28,7 @@ from shardwise import checkpoint, launch
 from shardwise import precision as precision_mod
 from shardwise.data import GlobalBatches, check_dataset
 from shardwise.stats import current_rss_bytes, peak_rss_bytes, unique_bytes
-from shardwise.strategy import LossFn, OptimizerFactory, StepRun, Strategy, iter_chunks, resolve
+from shardwise.strategy import HasServers, LossFn, OptimizerFactory, StepRun, Strategy, iter_chunks, resolve
 from shardwise.topology import Topology, pick_device, teardown
 
 
@@ -269,8 +269,9 @@ class _Job:
                 prev = checkpoint.load(path, strat, model, opt, topo, shapes).losses[:self.max_steps]
         sent_after_setup = topo.stats.sent
         received_after_setup = topo.stats.received
-        if strat.is_server(topo):
-            times = strat.serve(model, opt, topo, self.max_steps)
+        server = isinstance(strat, HasServers) and strat.is_server(topo)
+        if server:
+            times = strat.serve(model, opt, topo, self.max_steps)  # type: ignore[attr-defined]
             losses = [0.0] * self.max_steps
             state_bytes = _count_state(strat, model, opt)
         else:
@@ -292,7 +293,7 @@ class _Job:
             "comm_by_group": dict(topo.stats.by_group),
             "step_time_s": statistics.median(times) if times else 0.0,
             "activation_bytes": getattr(self, "activation_bytes", 0),
-            **strat.rank_stats(model, topo),
+            **(strat.rank_stats(model, topo) if isinstance(strat, HasServers) else {}),
         }
         stats = topo.comm("world").all_gather_object(mine, name="stats")
         return FitResult(losses=global_losses, state_dict=state_dict, stats=stats)
@@ -449,7 +450,7 @@ def _global_losses(losses: list[float], strat: Strategy, topo: Topology) -> list
         return []
     t = torch.tensor(losses, dtype=torch.float64, device=topo.device)
     shards, _ = strat.data_parallel(topo)
-    t = t / shards if (strat.owns_loss(topo) and not strat.is_server(topo)) else torch.zeros_like(t)
+    t = t / shards if strat.owns_loss(topo) else torch.zeros_like(t)  # server ranks own no loss
     topo.comm("world").all_reduce(t, name="metrics.losses")
     return [float(v) for v in t.cpu()]
 
