@@ -180,22 +180,32 @@ class Trainer:
             self._check_memory(model, probe, batch_size)
 
     def _check_memory(self, model: nn.Module, probe: torch.optim.Optimizer, batch_size: int) -> None:
-        """Ask the planner whether this layout fits before anything starts."""
-        from shardwise.plan import check_fit
+        """Ask the planner whether exactly this run fits before anything starts.
 
-        sizes, nprocs = self.sizes, self.strategy.processes(self.devices)
-        opt = "adamw"
-        if isinstance(probe, torch.optim.SGD):
-            opt = "sgd-momentum" if probe.param_groups[0].get("momentum", 0) else "sgd"
-        memory = self.device_memory or _device_memory(self.accelerator, nprocs)
+        The strategy describes its whole layout (sizes, zero stage, HSDP
+        replicas, offload, pipeline micro-batches); the run adds precision and
+        activation checkpointing. The planner lays the model states out rank by
+        rank on a meta copy of the model (exact, see :mod:`shardwise.plan.states`)
+        and adds activations and buffers for this batch. A run it cannot model
+        is said so in a warning, never silently waved through.
+        """
+        from shardwise.plan import NotModelled, plan_run
+
+        layout = self.strategy.describe(self.devices).with_run(self.precision, bool(self.activation_checkpointing))
+        memory = self.device_memory or _device_memory(self.accelerator, self.strategy.processes(self.devices))
+        # How the strategy will split this model: not part of RunLayout (they describe the model, not the run).
+        tp_plan = getattr(self.strategy, "tp_plan", None) or getattr(self.strategy, "plan", None)
         try:
-            fits, msg = check_fit(model, self.strategy.name, sizes["dp"], sizes["tp"], sizes["pp"], memory,
-                                  max(1, batch_size // max(1, self.strategy.batch_shards(self.devices))),
-                                  "fp32", opt)
-        except (ValueError, NotImplementedError):  # a layout the planner does not model: no prediction
+            plan = plan_run(model, layout, memory, batch_size, probe,
+                            accumulate_grad_batches=self.accumulate_grad_batches,
+                            batch_shards=self.strategy.batch_shards(self.devices), tp_plan=tp_plan,
+                            split_points=getattr(self.strategy, "split_points", None))
+        except NotModelled as e:
+            warnings.warn(f"memory check skipped: the planner cannot model this run ({e}); "
+                          "Trainer(memory_check='off') silences this", stacklevel=3)
             return
-        if not fits:
-            text = f"the planner predicts this run will not fit in device memory: {msg}"
+        if not plan.fits:
+            text = f"the planner predicts this run will not fit in device memory: {plan.message()}"
             if self.memory_check == "error":
                 raise MemoryError(text + " (Trainer(memory_check='warn') to try anyway)")
             warnings.warn(text, stacklevel=3)
@@ -217,13 +227,16 @@ class Trainer:
 
 
 def _device_memory(accelerator: str, nprocs: int) -> int:
+    """Bytes one rank may use: its GPU's memory, or this machine's RAM shared by the ranks on this machine."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", nprocs)) if launch.under_torchrun() else nprocs
     if accelerator in ("cuda", "auto") and torch.cuda.is_available():
-        return int(torch.cuda.get_device_properties(0).total_memory)
+        index = int(os.environ.get("LOCAL_RANK", 0)) % max(1, torch.cuda.device_count())
+        return int(torch.cuda.get_device_properties(index).total_memory)
     try:
         ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         ram = 1 << 40  # unknown: do not block
-    return int(ram // max(1, nprocs))
+    return int(ram // max(1, local))
 
 
 def _spawned_fit(rank: int, device: torch.device, job: bytes, path: str) -> None:

@@ -104,6 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--flash-attention", action="store_true", help="attention scores are never stored")
     t.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule")
     t.add_argument("--fp32-grads", action="store_true", help="keep gradients in fp32 (as DeepSpeed's ZeRO does)")
+    t.add_argument("--autocast", action="store_true",
+                   help="mixed precision as torch.amp and shardwise's Trainer run it: fp32 model states, "
+                        "16-bit activations")
     t.add_argument("--offload", default="none", choices=OFFLOADS, help="ZeRO-Offload of optimizer (or everything)")
     t.add_argument("--no-sync", action="store_true",
                    help="accumulate unreduced gradients over micro-batches, reduce once per step")
@@ -113,6 +116,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--max-tp", type=int, help="largest tensor-parallel size (default devices per node)")
     o.add_argument("--top", type=int, default=25, help="rows of the table (0: all)")
     o.add_argument("--width", type=int, help="table width in characters")
+    o.add_argument("--explain", type=int, default=3,
+                   help="memory breakdown (why it fits or not) of the first N layouts (default 3)")
 
 
 def build_model(a: argparse.Namespace) -> ModelSpec:
@@ -154,7 +159,7 @@ def build_training(a: argparse.Namespace) -> TrainingSpec:
                         precision=a.precision, optimizer=a.optimizer,
                         activation_checkpointing=a.activation_checkpointing, sequence_parallel=a.sequence_parallel,
                         flash_attention=a.flash_attention, schedule=a.schedule, fp32_grads=a.fp32_grads,
-                        offload=a.offload, no_sync=a.no_sync)
+                        offload=a.offload, no_sync=a.no_sync, autocast=a.autocast)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -171,13 +176,13 @@ def run(args: argparse.Namespace) -> int:
         rows = [dict(e.to_dict(), recommended=e is best) for e in ests]
         print(json.dumps(rows, indent=2))
     else:
-        print_table(ests, best, model, cluster, training, args.top, args.width)
+        print_table(ests, best, model, cluster, training, args.top, args.width, args.explain)
     return 0 if best is not None else 1
 
 
 def print_table(ests: list[Estimate], best: Estimate | None, model: ModelSpec, cluster: ClusterSpec,
-                training: TrainingSpec, top: int = 25, width: int | None = None) -> None:
-    """The readable report: inputs, recommendation, then one row per layout."""
+                training: TrainingSpec, top: int = 25, width: int | None = None, explain: int = 3) -> None:
+    """The readable report: inputs, recommendation, one row per layout, then why the first ones fit or not."""
     con = Console(width=width, highlight=False)
     e0 = ests[0] if ests else None
     shape = (f", {model.layers} layers, hidden {model.hidden}, {model.heads} heads"
@@ -196,6 +201,7 @@ def print_table(ests: list[Estimate], best: Estimate | None, model: ModelSpec, c
     if e0 is not None:
         con.print(f"[bold]training[/] {training.precision}, {training.optimizer}, global batch {e0.global_batch} x "
                   f"{e0.seq_len} tokens, micro-batch {training.micro_batch}"
+                  + (" (autocast: fp32 model states)" if training.autocast else "")
                   + (", activation checkpointing" if training.activation_checkpointing else "")
                   + (", sequence parallel" if training.sequence_parallel else "")
                   + (", flash attention" if training.flash_attention else ""))
@@ -210,24 +216,48 @@ def print_table(ests: list[Estimate], best: Estimate | None, model: ModelSpec, c
         least = min(ests, key=lambda e: e.total_bytes)
         con.print(f"[bold red]Nothing fits.[/] The leanest layout, {least.layout.label}, needs "
                   f"{fmt_bytes(least.total_bytes)} of {fmt_bytes(least.available_bytes)} per device.")
-    mem_unit, mem_scale = _unit(max(e.total_bytes for e in ests))
+    # Device memory sets the unit: a layout needing 100x the device still reads in the same unit.
+    mem_unit, mem_scale = _unit(cluster.device_memory_bytes)
     comm_unit, comm_scale = _unit(max(e.comm_bytes_per_step for e in ests))
     table = Table(caption=f"fitting layouts first, each group by predicted step time; per device; "
-                          f"1 {mem_unit} = {mem_scale:.0e} bytes".replace("e+0", "e"), header_style="bold")
-    for col in ("#", "layout", "fits", f"memory {mem_unit}", "states", "activ.", "buffers",
+                          f"1 {mem_unit} = {mem_scale:.0e} bytes; fits: no (the largest term)".replace("e+0", "e"),
+                  header_style="bold")
+    for col in ("#", "layout", "fits", f"memory {mem_unit}", "params", "grads", "optim.", "activ.", "buffers",
                 f"comm {comm_unit}/step", "step s", "MFU"):
         table.add_column(col, justify="left" if col in ("layout", "fits") else "right")
     shown = ests if top <= 0 else ests[:top]
     for i, e in enumerate(shown, 1):
-        table.add_row(str(i), e.layout.label, "yes" if e.fits else "[red]no[/]", f"{e.total_bytes / mem_scale:.1f}",
-                      f"{e.model_states_bytes / mem_scale:.1f}", f"{e.activation_bytes / mem_scale:.1f}",
-                      f"{e.buffer_bytes / mem_scale:.2f}", f"{e.comm_bytes_per_step / comm_scale:.1f}",
-                      f"{e.step_time_s:.3g}", f"{e.mfu:.0%}", style="green" if e is best else None)
+        table.add_row(str(i), e.layout.label, "yes" if e.fits else f"[red]no[/] ({_SHORT.get(e.largest_term, 'buf.')})",
+                      *(f"{v / mem_scale:.1f}" for v in (e.total_bytes, e.params_bytes, e.grads_bytes,
+                                                         e.optimizer_bytes, e.activation_bytes, e.buffer_bytes)),
+                      f"{e.comm_bytes_per_step / comm_scale:.1f}", f"{e.step_time_s:.3g}", f"{e.mfu:.0%}",
+                      style="green" if e is best else None)
     con.print(table)
     if len(shown) < len(ests):
         con.print(f"... {len(ests) - len(shown)} more layouts (--top 0 shows all)")
+    if explain > 0:
+        con.print("[bold]why[/] (per device):")
+        for i, e in enumerate(shown[:explain], 1):
+            con.print(f"{i:>3}. {explain_memory(e)}")
     for note in sorted({n for e in ests for n in e.notes}):
         con.print(f"note: {note}")
+
+
+_SHORT = {"parameters": "params", "gradients": "grads", "optimizer": "optim.", "activations": "activ."}
+
+
+def explain_memory(e: Estimate) -> str:
+    """One layout's verdict with every term of its per-device memory, as code the Trainer accepts."""
+    gb = 1e9
+    verdict = (f"fits, {(e.available_bytes - e.total_bytes) / gb:.1f} GB free" if e.fits else
+               f"does not fit, {(e.total_bytes - e.available_bytes) / gb:.1f} GB over; the largest term is "
+               f"{e.largest_term}")
+    held = ""
+    if e.pp > 1 and e.layout.zero_stage >= 2 and e.microbatches > 1:
+        held = " (whole gradients of the stage held while micro-batches accumulate)"
+    terms = ", ".join(f"{k} {v / gb:.2f}" for k, v in e.memory_terms.items())
+    return (f"{e.layout.label} = {e.layout.code(e.schedule)}: {e.total_bytes / gb:.2f} of "
+            f"{e.available_bytes / gb:.2f} GB, {verdict}. In GB: {terms}{held}")
 
 
 def _unit(largest: float) -> tuple[str, float]:

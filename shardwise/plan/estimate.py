@@ -37,6 +37,7 @@ class Estimate:
     model_flops: float
     peak_flops: float  # all devices together, at the training precision, before efficiency
     notes: tuple[str, ...] = field(default=())
+    schedule: str = "1f1b"
 
     # ---- the layout --------------------------------------------------
     @property
@@ -80,6 +81,17 @@ class Estimate:
     def fits(self) -> bool:
         return self.total_bytes <= self.available_bytes
 
+    @property
+    def memory_terms(self) -> dict[str, int]:
+        """Every term of the per-device total, by name (buffers by purpose)."""
+        return {"parameters": self.params_bytes, "gradients": self.grads_bytes, "optimizer": self.optimizer_bytes,
+                "activations": self.activation_bytes, **self.buffers}
+
+    @property
+    def largest_term(self) -> str:
+        """The term that weighs most: why a layout does not fit."""
+        return max(self.memory_terms.items(), key=lambda kv: kv[1])[0]
+
     # ---- communication and time ----------------------------------------
     @property
     def comm_bytes_by_kind(self) -> dict[str, int]:
@@ -112,6 +124,7 @@ class Estimate:
         return {
             "strategy": self.strategy, "dp": self.dp, "tp": self.tp, "pp": self.pp, "devices": self.devices,
             "shard_group": self.layout.shard_size if self.strategy == "hsdp" else None, "label": self.layout.label,
+            "zero": self.layout.zero_stage, "code": self.layout.code(self.schedule), "largest_term": self.largest_term,
             "model": self.model, "global_batch": self.global_batch, "micro_batch": self.micro_batch,
             "microbatches": self.microbatches, "seq_len": self.seq_len,
             "params_bytes": self.params_bytes, "grads_bytes": self.grads_bytes,
@@ -139,9 +152,9 @@ def check_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
         return f"tp={layout.tp} does not divide {model.heads} attention heads"
     if model.is_transformer and layout.pp > model.layers:
         return f"pp={layout.pp} exceeds the {model.layers} layers"
-    if layout.pp > 1 and layout.zero_stage >= 2:
-        # DeepSpeed and Megatron-LM refuse these: each micro-batch would re-gather or re-reduce.
-        return f"{layout.strategy} does not combine with pipeline parallelism (use ddp or zero1 over dp)"
+    if layout.pp > 1 and layout.strategy == "zero3":
+        # Our pipelines shard with FSDP units (one per pipeline layer): the size-based ZeRO-3 preset is "fsdp" there.
+        return "zero3 (size-based units) does not combine with pipeline parallelism; fsdp does (units per layer)"
     gb = training.resolved_global_batch(cluster.devices)
     if gb % (layout.dp * training.micro_batch):
         return f"global batch {gb} is not a multiple of dp x micro-batch = {layout.dp * training.micro_batch}"
@@ -157,7 +170,11 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, lay
     gb = training.resolved_global_batch(cluster.devices)
     m = gb // (layout.dp * training.micro_batch)
     s = _seq_len(model, training)
-    bpp = bytes_per_param(training.precision, training.optimizer, training.fp32_grads)
+    if layout.pp > 1 and layout.zero_stage >= 2:
+        # A pipeline runs a step's micro-batches with each chunk's gradient sync off until the last one
+        # (shardwise.parallel.pipeline_run, as torchtitan does with FSDP2): whole gradients are held, reduced once.
+        training = training.replace(no_sync=True)
+    bpp = bytes_per_param(training.states_precision, training.optimizer, training.fp32_grads)
     local = model.stage_params(layout.tp, layout.pp)
     # A real module's parameter sizes make the shards exact (padding is per parameter); else one flat buffer.
     numels = model.param_numels if (model.param_numels and layout.tp == layout.pp == 1) else local
@@ -184,7 +201,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, lay
                     device_memory_bytes=cluster.device_memory_bytes, reserved_bytes=cluster.reserved_bytes,
                     collectives=tuple(comms), time=t, model_flops=model_flops_per_step(model, s, gb),
                     peak_flops=layout.devices * cluster.flops(training.precision) / cluster.compute_efficiency,
-                    notes=tuple(notes))
+                    notes=tuple(notes), schedule=training.schedule)
 
 
 def _seq_len(model: ModelSpec, training: TrainingSpec) -> int:
@@ -200,8 +217,9 @@ def enumerate_layouts(model: ModelSpec, cluster: ClusterSpec, training: Training
 
     dp x tp x pp over the divisors of the device count, tp inside a node (at
     most ``max_tp``, default devices per node), ZeRO stage 0-3 and FSDP over
-    dp when pp = 1, ddp/zero1 over dp with pipelines; HSDP (shard inside a
-    node, replicate across nodes) when dp spans nodes.
+    dp (with a pipeline, ZeRO-3 is FSDP with a unit per pipeline layer, as
+    ``sw.Parallel(zero=3)`` builds it); HSDP (shard inside a node, replicate
+    across nodes) when dp spans nodes.
     """
     wanted = set(strategies or STRATEGIES)
     unknown = wanted - set(STRATEGIES)
@@ -214,12 +232,13 @@ def enumerate_layouts(model: ModelSpec, cluster: ClusterSpec, training: Training
             continue
         for pp in divisors(d // tp):
             dp = d // (tp * pp)
-            names = ["ddp", "zero1"] if pp > 1 else ["ddp", "zero1", "zero2", "zero3", "fsdp"]
+            # With a pipeline, ZeRO-3 is FSDP with one unit per pipeline layer (Parallel(zero=3)).
+            names = ["ddp", "zero1", "zero2", "fsdp"] if pp > 1 else ["ddp", "zero1", "zero2", "zero3", "fsdp"]
             if dp == 1:  # nothing to shard over: every ZeRO stage is plain replication
                 names = ["ddp"]
             candidates = [Layout(n, dp, tp, pp) for n in names if n in wanted]
             shard = g // tp if g % tp == 0 else 0
-            if "hsdp" in wanted and pp == 1 and 1 < shard < dp and dp % shard == 0:
+            if "hsdp" in wanted and 1 < shard < dp and dp % shard == 0:
                 candidates.append(Layout("hsdp", dp, tp, pp, shard_group=shard))
             out += [c for c in candidates if check_layout(model, cluster, training, c) is None]
     return out

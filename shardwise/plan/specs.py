@@ -107,6 +107,11 @@ class TrainingSpec:
     ``no_sync`` accumulates unreduced gradients over a step's micro-batches
     and reduces once (what our trainer does); otherwise ZeRO-2/3 reduce-scatter
     every micro-batch (DeepSpeed's and FSDP2's default) and keep only shards.
+    ``autocast``: mixed precision as torch.amp (and shardwise's Trainer) runs
+    it: the parameters, gradients and optimizer states stay fp32 and FSDP
+    gathers fp32 weights; only activations and the matrix multiplies are
+    16-bit. Without it ``bf16-mixed`` means Megatron/DeepSpeed's 16-bit weights
+    and gradients next to an fp32 master copy (the ZeRO paper's 2 + 2 + K).
     """
 
     global_batch: int | None = None
@@ -121,6 +126,7 @@ class TrainingSpec:
     fp32_grads: bool = False
     offload: str = "none"
     no_sync: bool = False
+    autocast: bool = False
     bucket_bytes: int = 25 * 2**20  # DDP's default bucket_cap_mb=25
 
     def __post_init__(self) -> None:
@@ -135,6 +141,11 @@ class TrainingSpec:
 
     def resolved_global_batch(self, devices: int) -> int:
         return self.global_batch if self.global_batch is not None else devices * self.micro_batch
+
+    @property
+    def states_precision(self) -> str:
+        """The precision the model states are kept in (fp32 under autocast)."""
+        return "fp32" if self.autocast else self.precision
 
     def replace(self, **kw: object) -> TrainingSpec:
         return replace(self, **kw)  # type: ignore[arg-type]
@@ -185,6 +196,19 @@ class Layout:
         dims = [f"dp{self.dp}"] + [f"tp{self.tp}"] * (self.tp > 1) + [f"pp{self.pp}"] * (self.pp > 1)
         extra = f" (shard {self.shard_size})" if self.strategy == "hsdp" else ""
         return f"{self.strategy} {'x'.join(dims)}{extra}"
+
+    def code(self, schedule: str = "1f1b") -> str:
+        """The strategy argument of ``sw.Trainer`` that builds this layout."""
+        if self.tp == self.pp == 1:
+            if self.strategy == "hsdp":
+                return f"sw.HSDP(shard_size={self.shard_size})"
+            return repr(self.strategy)
+        args = [f"{d}={getattr(self, d)}" for d in ("dp", "tp", "pp")] + [f"zero={min(self.zero_stage, 3)}"]
+        if self.strategy == "hsdp":
+            args.append(f"replicate={self.dp // self.shard_size}")
+        if self.pp > 1:
+            args.append(f"schedule={schedule!r}")
+        return f"sw.Parallel({', '.join(args)})"
 
 
 def divisors(n: int) -> list[int]:

@@ -112,3 +112,32 @@ def test_python_dash_m():
     out = subprocess.run([sys.executable, "-m", "shardwise.plan", *ISSUE_EXAMPLE], capture_output=True, text=True,
                          timeout=60, check=True)
     assert set(json.loads(out.stdout)[0]) >= REQUIRED_KEYS
+
+
+def test_ranks_fsdp_with_tensor_and_pipeline_parallelism(capsys):
+    """Issue 11: a 70B model on 64 devices of 80 GB: which FSDP x TP x PP layouts fit, and why."""
+    rows = _json(capsys, ["--params", "70e9", "--devices", "64", "--format", "json"])
+    fsdp3d = [r for r in rows if r["zero"] == 3 and r["tp"] > 1 and r["pp"] > 1]
+    assert fsdp3d and {r["strategy"] for r in fsdp3d} <= {"fsdp", "hsdp"}
+    for r in fsdp3d:
+        assert r["code"].startswith(f"sw.Parallel(dp={r['dp']}, tp={r['tp']}, pp={r['pp']}, zero=3")
+    assert any(r["fits"] for r in fsdp3d)
+    for r in rows:
+        terms = r["params_bytes"] + r["grads_bytes"] + r["optimizer_bytes"] + r["activation_bytes"]
+        assert terms + r["buffer_bytes"] == r["total_bytes"]
+        assert r["fits"] == (r["total_bytes"] <= r["available_bytes"] == 79 * 10**9)
+    # Plain FSDP over all 64 devices keeps only 1/64 of the states but every layer's activations:
+    # it does not fit, and the reason given is the activations.
+    flat = next(r for r in rows if r["strategy"] == "fsdp" and r["tp"] == r["pp"] == 1)
+    assert not flat["fits"] and flat["largest_term"] == "activations"
+    assert flat["model_states_bytes"] == 70 * 10**9 * 16 // 64
+
+
+def test_table_explains_why(capsys):
+    assert main(["--params", "70e9", "--devices", "64", "--strategies", "fsdp,hsdp", "--explain", "2",
+                 "--width", "200"]) == 0
+    out = capsys.readouterr().out
+    why = out.split("why (per device):")[1].splitlines()
+    assert why[1].lstrip().startswith("1. fsdp") and "= sw.Parallel(" in why[1] and "GB free" in why[1]
+    assert "In GB: parameters" in why[1] and "activations" in why[1]
+    assert "no (activ.)" in out  # layouts that do not fit say which term is the largest

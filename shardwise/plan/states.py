@@ -1,0 +1,312 @@
+"""Exact model-state bytes of a real module under a :class:`~shardwise.layout.RunLayout`, rank by rank.
+
+The formulas of :mod:`shardwise.plan.memory` are for models known by a
+count or a shape. For a real module this module repeats the construction
+instead, on a copy of the model that holds no data (every tensor on the meta
+device), so the prediction cannot drift from what the strategies build:
+
+1. the pipeline split of :func:`shardwise.parallelize.parallelize`: the same
+   pipeline layers (:func:`~shardwise.parallel.pipeline.pipeline_layers`), the
+   same stage boundaries (:func:`~shardwise.parallel.pipeline.stage_starts`,
+   balanced by parameter count before any split), chunk ``r + c * pp`` on
+   pipeline rank ``r``;
+2. the tensor-parallel split of that rank's modules with the model's plan
+   (:func:`shardwise.parallel.tp.parallelize` on a stand-in tp group), which
+   gives every local parameter its shape and the size of the storage behind it;
+3. the byte conventions of the data-parallel family over dp (one ZeRO-1
+   wrapper over all chunks, one ZeRO-2/FSDP/DDP wrapper per chunk): each
+   sharded parameter is padded on its own to ``N * ceil(numel / N)``
+   (:mod:`shardwise.parallel.sharding`), FSDP keeps one row of
+   ``ceil(numel / N)`` elements per parameter for weights, gradients and each
+   optimizer state, frozen parameters stay whole on every rank.
+
+The result is what the trainer counts (``FitResult.stats``: ``params_bytes``,
+``grads_bytes``, ``optimizer_bytes`` and their ``host_`` forms) after the last
+optimizer step, assuming every trainable parameter received a gradient.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.layout import RunLayout
+
+# Strategies whose state this module can lay out, by how the whole model is wrapped.
+_WHOLE_MODEL = {"single": 0, "dp": 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3, "hsdp": 3}
+_PIPELINE = ("parallel", "pp")
+MODELLED = tuple(_WHOLE_MODEL) + _PIPELINE + ("tp", "ps")
+
+
+class NotModelled(ValueError):
+    """The planner cannot lay out this run (an unknown strategy, or a model it cannot split)."""
+
+
+@dataclass(frozen=True)
+class Param:
+    """What the byte count needs to know of one parameter as a rank holds it."""
+
+    numel: int
+    element_size: int
+    storage_bytes: int  # the storage behind it: a slice may keep its whole base alive
+    trainable: bool
+
+
+@dataclass(frozen=True)
+class RankStates:
+    """Model-state bytes of one rank, by kind, as ``FitResult.stats`` names them."""
+
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    host_params: int = 0
+    host_grads: int = 0
+    host_optimizer: int = 0
+
+    @property
+    def device(self) -> int:
+        """Bytes on the training device (what must fit in its memory)."""
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def host(self) -> int:
+        return self.host_params + self.host_grads + self.host_optimizer
+
+    @property
+    def total(self) -> int:
+        """Device and host together: the stats' ``model_state_bytes``."""
+        return self.device + self.host
+
+    def as_stats(self) -> dict[str, int]:
+        """The ``*_bytes`` entries of one rank's stats (host kinds only when something is offloaded)."""
+        out = {"model_state_bytes": self.total, "params_bytes": self.params, "grads_bytes": self.grads,
+               "optimizer_bytes": self.optimizer}
+        if self.host:
+            out.update(host_params_bytes=self.host_params, host_grads_bytes=self.host_grads,
+                       host_optimizer_bytes=self.host_optimizer)
+        return out
+
+    def __add__(self, other: RankStates) -> RankStates:
+        return RankStates(*(a + b for a, b in zip(self._values(), other._values())))
+
+    def _values(self) -> tuple[int, ...]:
+        return (self.params, self.grads, self.optimizer, self.host_params, self.host_grads, self.host_optimizer)
+
+
+def optimizer_states(optimizer: torch.optim.Optimizer | str) -> int:
+    """Tensors of the parameter's size the optimizer keeps per parameter (AdamW 2, SGD with momentum 1).
+
+    Given an optimizer (the trainer's probe, built on a one-element
+    parameter), a copy of it takes one step on a zero gradient and its states
+    are counted: whatever the optimizer, the answer is what it really
+    allocates (scalar step counters excluded, as the trainer's count excludes them).
+    """
+    if isinstance(optimizer, str):
+        return {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}[optimizer]
+    try:
+        opt = copy.deepcopy(optimizer)  # its own parameters: the caller's optimizer is left as it was
+        params = [p for g in opt.param_groups for p in g["params"]]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+    except Exception as e:  # an optimizer we cannot probe: say so rather than guess
+        raise NotModelled(f"cannot count the states of {type(optimizer).__name__}: {e}") from e
+    numel = sum(p.numel() for p in params) or 1
+    states = sum(t.numel() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim())
+    return states // numel
+
+
+# ---- the model as each pipeline rank holds it --------------------------------
+@dataclass(frozen=True)
+class _StandIn:
+    """The tp group as the tensor-parallel split sees it at construction: a size and a rank."""
+
+    size: int
+    rank: int
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are on the meta device (no data is copied)."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as e:  # e.g. a module holding a lock or a process group
+        raise NotModelled(f"cannot copy {type(model).__name__} to lay it out: {e}") from e
+
+
+def _params(modules: Iterable[nn.Module]) -> list[Param]:
+    holder = nn.ModuleList(modules)  # parameters() of one container: each tied parameter once
+    return [Param(p.numel(), p.element_size(), p.untyped_storage().nbytes(), p.requires_grad)
+            for p in holder.parameters()]
+
+
+def local_chunks(model: nn.Module, layout: RunLayout, tp_plan: Any = None,
+                 split_points: Sequence[str] | None = None) -> list[list[list[Param]]]:
+    """Per pipeline rank, per model chunk, the parameters a rank of that stage holds (after the tp split)."""
+    from shardwise.parallel.pipeline import pipeline_layers, stage_starts
+    from shardwise.parallel.tp import parallelize as tensor_parallel
+
+    tp = layout.tp
+    if layout.strategy not in _PIPELINE:
+        if layout.pp > 1:
+            raise NotModelled(f"strategy {layout.strategy!r} with pp={layout.pp}")
+        m = meta_copy(model)
+        if tp > 1:
+            tensor_parallel(m, tp_plan, _StandIn(tp, 0))  # type: ignore[arg-type]
+        return [[_params([m])]]
+    p, v = layout.pp, layout.chunks
+    try:
+        starts = stage_starts(pipeline_layers(model), p * v, split_points)
+    except ValueError as e:
+        raise NotModelled(str(e)) from e
+    out: list[list[list[Param]]] = []
+    for r in range(p):
+        m = meta_copy(model)
+        layers = pipeline_layers(m)
+        bounds = starts + [len(layers)]
+        mine = [r + c * p for c in range(v)]
+        if tp > 1:
+            # As build_pipeline does: only this rank's modules are split (every tp rank's shapes are equal).
+            keep = {id(x) for k in mine for _, layer in layers[bounds[k]:bounds[k + 1]] for x in layer.modules()}
+            mine_only = _member(m, keep)
+            tensor_parallel(m, tp_plan, _StandIn(tp, 0), mine_only)  # type: ignore[arg-type]
+            layers = pipeline_layers(m)
+        out.append([_params(layer for _, layer in layers[bounds[k]:bounds[k + 1]]) for k in mine])
+    return out
+
+
+def _member(model: nn.Module, ids: set[int]) -> Callable[[str], bool]:
+    return lambda name: id(model.get_submodule(name)) in ids
+
+
+# ---- the data-parallel family's bytes -------------------------------------------
+def _ceil(n: int, k: int) -> int:
+    return -(-n // k)
+
+
+def _frozen(params: Sequence[Param]) -> int:
+    return sum(p.storage_bytes for p in params if not p.trainable)
+
+
+def replicated(params: Sequence[Param], k: int) -> RankStates:
+    """DDP (or no wrapper): whole parameters, whole gradients of the trainable ones, whole optimizer states."""
+    train = sum(p.numel * p.element_size for p in params if p.trainable)
+    return RankStates(sum(p.storage_bytes for p in params), train, k * train)
+
+
+def zero(params: Sequence[Param], k: int, stage: int, n: int, rank: int, offload: str) -> RankStates:
+    """ZeRO-1/2 on dp rank ``rank`` of ``n``: whole parameters, the optimizer on padded pieces.
+
+    A piece cut short by its parameter's end is a padded copy (parameter
+    memory); offloaded, the pieces live in a host row instead. Stage 1 keeps
+    the whole gradients (its reduced pieces live only for the step), stage 2
+    keeps only the reduced pieces.
+    """
+    train = [q for q in params if q.trainable]
+    pieces = sum(_ceil(q.numel, n) * q.element_size for q in train)
+    whole = sum(q.numel * q.element_size for q in train)
+    copies = sum(_ceil(q.numel, n) * q.element_size for q in train
+                 if max(0, min(_ceil(q.numel, n), q.numel - rank * _ceil(q.numel, n))) < _ceil(q.numel, n))
+    weights = sum(q.storage_bytes for q in params)
+    grads = whole if stage == 1 else pieces
+    if offload == "none":
+        return RankStates(weights + copies, grads, k * pieces)
+    return RankStates(weights, grads if stage == 1 else 0, 0, pieces, 0 if stage == 1 else pieces, k * pieces)
+
+
+def fsdp(params: Sequence[Param], k: int, n: int, offload: str) -> RankStates:
+    """FSDP/ZeRO-3 over a shard group of ``n``: one padded row element per ``ceil(numel/n)``, frozen ones whole.
+
+    Gathered parameters are freed after use, so outside forward and backward
+    they hold no memory. Offloaded, the row's master copy, gradient and states
+    live on the host; ``"all"`` keeps no row on the device either.
+    """
+    row = sum(_ceil(q.numel, n) * q.element_size for q in params if q.trainable)
+    frozen = _frozen(params)
+    if offload == "none":
+        return RankStates(row + frozen, row, k * row)
+    return RankStates(frozen + (row if offload == "optimizer" else 0), 0, 0, row, row, k * row)
+
+
+def rank_states(model: nn.Module, layout: RunLayout, optimizer: torch.optim.Optimizer | str = "adamw", *,
+                tp_plan: Any = None, split_points: Sequence[str] | None = None) -> list[RankStates]:
+    """Model-state bytes of every rank, in rank order of the mesh ``(pp, dp, tp)`` (tp innermost).
+
+    Raises :class:`NotModelled` for a strategy or model this module cannot lay out.
+    """
+    check_modelled(layout)
+    return states_of(local_chunks(model, layout, tp_plan, split_points), layout, optimizer_states(optimizer))
+
+
+def check_modelled(layout: RunLayout) -> None:
+    if layout.strategy not in MODELLED:
+        raise NotModelled(f"strategy {layout.strategy!r} is not one the planner lays out "
+                          f"({', '.join(MODELLED)})")
+
+
+def zero_stage(layout: RunLayout) -> int:
+    """The data-parallel form a layout's strategy builds (named presets carry theirs in the name)."""
+    return _WHOLE_MODEL.get(layout.strategy, layout.zero)
+
+
+def states_of(chunks: list[list[list[Param]]], layout: RunLayout, k: int) -> list[RankStates]:
+    """Every rank's bytes from :func:`local_chunks` and ``k`` optimizer states per parameter element."""
+    if layout.strategy == "ps":
+        return _ps(chunks[0][0], k, layout)
+    stage, n, offload = zero_stage(layout), layout.shard_size, layout.offload
+
+    def per(cs: list[list[Param]], d: int) -> RankStates:
+        if stage == 0:
+            return _sum(replicated(c, k) for c in cs)
+        if stage == 1:  # one ZeRO-1 wrapper over every chunk of the rank
+            return zero([q for c in cs for q in c], k, 1, n, d, offload)
+        if stage == 2:  # one wrapper per chunk
+            return _sum(zero(c, k, 2, n, d, offload) for c in cs)
+        return _sum(fsdp(c, k, n, offload) for c in cs)
+
+    return [per(chunks[r], d) for r in range(layout.pp) for d in range(layout.dp) for _ in range(layout.tp)]
+
+
+def full_grad_bytes(chunks: list[list[list[Param]]]) -> int:
+    """The whole gradients of the busiest pipeline rank's trainable parameters (held while micro-batches
+    accumulate unreduced under ``no_sync``)."""
+    return max(sum(q.numel * q.element_size for c in cs for q in c if q.trainable) for cs in chunks)
+
+
+def _sum(states: Iterable[RankStates]) -> RankStates:
+    out = RankStates()
+    for s in states:
+        out = out + s
+    return out
+
+
+def _ps(params: list[Param], k: int, layout: RunLayout) -> list[RankStates]:
+    """Parameter server: servers hold an even range of the trainable parameters (weights, gradient, optimizer);
+    workers their trainable parameters and gradients, and no optimizer."""
+    train = [q for q in params if q.trainable]
+    if not train:
+        raise NotModelled("the parameter server needs trainable parameters")
+    es = train[0].element_size
+    total = sum(q.numel for q in train)
+    base, extra = divmod(total, layout.servers)
+    shards = [(base + (1 if s < extra else 0)) * es for s in range(layout.servers)]
+    servers = [RankStates(b, b, k * b) for b in shards]
+    return servers + [RankStates(total * es, total * es, 0)] * (layout.dp - layout.servers)
+
+
+def busiest(states: Sequence[RankStates]) -> RankStates:
+    """The rank with the most bytes on its device (ties: the most in total)."""
+    return max(states, key=lambda s: (s.device, s.total))
+
+
+__all__ = ["MODELLED", "NotModelled", "Param", "RankStates", "busiest", "check_modelled", "fsdp", "full_grad_bytes",
+           "local_chunks", "meta_copy", "optimizer_states", "rank_states", "replicated", "states_of", "zero",
+           "zero_stage"]
