@@ -80,6 +80,13 @@ def test_composed_zero3_is_planned_with_its_tp_split(no_spawn):
         _fit(strategy, need - 1)
 
 
+def test_a_model_tensor_parallelism_cannot_split_is_refused_before_any_process(no_spawn):
+    model = GPT(GPTConfig(vocab_size=128, block_size=64, n_layer=2, n_head=6, n_embd=48))
+    with pytest.raises(ValueError, match=r"n_head=6 is not divisible by tp=4"):
+        sw.Trainer(sw.Parallel(dp=1, tp=4, zero=3), 4, accelerator="cpu", progress=False).fit(
+            model, DATA, lm_loss, ADAMW, batch_size=BATCH, max_steps=1)
+
+
 @dataclass
 class Unplanned(DDP):
     """A strategy the planner knows nothing about (a user's own)."""

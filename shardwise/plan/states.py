@@ -160,7 +160,7 @@ def local_chunks(model: nn.Module, layout: RunLayout, tp_plan: Any = None,
             raise NotModelled(f"strategy {layout.strategy!r} with pp={layout.pp}")
         m = meta_copy(model)
         if tp > 1:
-            tensor_parallel(m, tp_plan, _StandIn(tp, 0))  # type: ignore[arg-type]
+            _split(tensor_parallel, m, tp_plan, tp, None)
         return [[_params([m])]]
     p, v = layout.pp, layout.chunks
     try:
@@ -176,8 +176,7 @@ def local_chunks(model: nn.Module, layout: RunLayout, tp_plan: Any = None,
         if tp > 1:
             # As build_pipeline does: only this rank's modules are split (every tp rank's shapes are equal).
             keep = {id(x) for k in mine for _, layer in layers[bounds[k]:bounds[k + 1]] for x in layer.modules()}
-            mine_only = _member(m, keep)
-            tensor_parallel(m, tp_plan, _StandIn(tp, 0), mine_only)  # type: ignore[arg-type]
+            _split(tensor_parallel, m, tp_plan, tp, _member(m, keep))
             layers = pipeline_layers(m)
         out.append([_params(layer for _, layer in layers[bounds[k]:bounds[k + 1]]) for k in mine])
     return out
@@ -185,6 +184,17 @@ def local_chunks(model: nn.Module, layout: RunLayout, tp_plan: Any = None,
 
 def _member(model: nn.Module, ids: set[int]) -> Callable[[str], bool]:
     return lambda name: id(model.get_submodule(name)) in ids
+
+
+def _split(tensor_parallel: Callable[..., nn.Module], model: nn.Module, plan: Any, tp: int,
+           keep: Callable[[str], bool] | None) -> None:
+    """The tensor-parallel split on a stand-in group of ``tp`` (rank 0: every rank's shapes are equal)."""
+    try:
+        tensor_parallel(model, plan, _StandIn(tp, 0), keep)
+    except (ValueError, TypeError):
+        raise  # the model or plan cannot be split: the run itself would stop with this very error
+    except Exception as e:  # anything else is the planner's limit, not the run's
+        raise NotModelled(f"cannot apply the tensor-parallel plan to a copy of the model: {e!r}") from e
 
 
 # ---- the data-parallel family's bytes -------------------------------------------
