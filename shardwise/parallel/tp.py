@@ -51,7 +51,9 @@ def shard_tensor(full: torch.Tensor, dim: int, parts: int, rank: int, size: int)
     t = full.movedim(dim, 0)
     n, rest = t.shape[0], t.shape[1:]
     t = t.reshape(parts, size, n // (parts * size), *rest)[:, rank]
-    return t.reshape(n // size, *rest).movedim(0, dim).contiguous()
+    # A copy, not .contiguous(): a slice of whole rows is already contiguous, and
+    # .contiguous() would return a view that keeps the full tensor's storage alive.
+    return t.reshape(n // size, *rest).movedim(0, dim).clone(memory_format=torch.contiguous_format)
 
 
 def gather_tensor(shard: torch.Tensor, dim: int, parts: int, comm: Comm, name: str = "tp.state") -> torch.Tensor:
