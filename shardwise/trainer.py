@@ -7,14 +7,10 @@ it (``shardwise run``).
 """
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
-import json
-import math
 import os
 import pickle
 import statistics
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -27,7 +23,8 @@ from torch import nn
 from shardwise import checkpoint, launch
 from shardwise import precision as precision_mod
 from shardwise.data import GlobalBatches, check_dataset
-from shardwise.stats import current_rss_bytes, peak_rss_bytes, unique_bytes
+from shardwise.progress import StepLog, batch_tokens, progress_bar, total_numel, want_progress
+from shardwise.stats import peak_rss_bytes, unique_bytes
 from shardwise.strategy import HasServers, LossFn, OptimizerFactory, StepRun, Strategy, iter_chunks, resolve
 from shardwise.topology import Topology, pick_device, teardown
 
@@ -258,7 +255,7 @@ class _Job:
     max_steps: int
 
     def run(self, device: torch.device) -> FitResult:
-        t, strat = self.trainer, self.trainer.strategy
+        t = self.trainer
         topo = Topology.create(device, timeout=t.timeout, debug=t.debug, **t.sizes)
         try:
             return self._run(topo)
@@ -266,7 +263,7 @@ class _Job:
             topo.close()
 
     def _run(self, topo: Topology) -> FitResult:
-        t, strat, device = self.trainer, self.trainer.strategy, topo.device
+        t, strat = self.trainer, self.trainer.strategy
         torch.manual_seed(t.seed)
         shapes = checkpoint.model_shapes(self.model)
         if t.activation_checkpointing:
@@ -322,10 +319,10 @@ class _Job:
         losses: list[float] = []  # floats, not tensors: a long run must not accumulate tensor objects
         times: list[float] = []
         state_bytes: dict[str, int] = {}
-        log = StepLog(t.metrics_path, t.tensorboard_dir, t.peak_flops, _numel(shapes), topo.world_size) \
+        log = StepLog(t.metrics_path, t.tensorboard_dir, t.peak_flops, total_numel(shapes), topo.world_size) \
             if rank0 and (t.metrics_path or t.tensorboard_dir) else None
         scaler = precision_mod.LossScaler() if t.precision == "16-mixed" else None
-        with _progress(rank0 and _want_progress(t.progress), self.max_steps) as advance:
+        with progress_bar(rank0 and want_progress(t.progress), self.max_steps) as advance:
             advance.skip(len(prev))  # type: ignore[attr-defined]
             for step in range(len(prev), self.max_steps):
                 if topo.diag is not None:
@@ -360,7 +357,7 @@ class _Job:
                 times.append(time.perf_counter() - start)
                 local = float(loss) if loss is not None else None
                 losses.append(0.0 if local is None else local)
-                tokens = _tokens(x) * shards
+                tokens = batch_tokens(x) * shards
                 advance(local, times[-1])
                 if log is not None:
                     log.write(step, local, times[-1], tokens)
@@ -373,54 +370,6 @@ class _Job:
         if log is not None:
             log.close()
         return losses, times, state_bytes
-
-
-def _tokens(x: Any) -> int:
-    """Tokens in this rank's batch when the input is integer token ids (B, T); 0 otherwise."""
-    if isinstance(x, torch.Tensor) and x.dim() >= 2 and not x.is_floating_point():
-        return x.numel()
-    return 0
-
-
-def _numel(shapes: dict[str, list[int]]) -> int:
-    return sum(math.prod(s) for s in shapes.values())
-
-
-class StepLog:
-    """Per-step metrics of rank 0: a JSONL file and/or TensorBoard scalars."""
-
-    def __init__(self, path: str | None, tensorboard_dir: str | None, peak_flops: float | None, params: int,
-                 devices: int) -> None:
-        self._file = open(path, "w") if path else None
-        self._tb = None
-        if tensorboard_dir:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                self._tb = SummaryWriter(tensorboard_dir)
-            except ImportError:
-                warnings.warn("tensorboard_dir was given but tensorboard is not installed (pip install tensorboard); "
-                              "logging to the JSONL file only", stacklevel=2)
-        self._peak = peak_flops * devices if peak_flops else None
-        self._params = params
-
-    def write(self, step: int, loss: float | None, dt: float, tokens: int) -> None:
-        row: dict[str, Any] = {"step": step, "loss": loss, "step_time_s": dt, "rss_bytes": current_rss_bytes()}
-        if tokens and dt > 0:
-            row["tokens_per_s"] = tokens / dt
-            if self._peak:
-                row["mfu"] = 6.0 * self._params * tokens / dt / self._peak
-        if self._file is not None:
-            self._file.write(json.dumps(row) + "\n")
-        if self._tb is not None:
-            for k, v in row.items():
-                if k != "step" and v is not None:
-                    self._tb.add_scalar(f"train/{k}", v, step)
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-        if self._tb is not None:
-            self._tb.close()
 
 
 def _overflow(scaler: precision_mod.LossScaler, opt: torch.optim.Optimizer, topo: Topology) -> bool:
@@ -466,37 +415,6 @@ def _global_losses(losses: list[float], strat: Strategy, topo: Topology) -> list
     t = t / shards if strat.owns_loss(topo) else torch.zeros_like(t)  # server ranks own no loss
     topo.comm("world").all_reduce(t, name="metrics.losses")
     return [float(v) for v in t.cpu()]
-
-
-def _want_progress(progress: bool | str) -> bool:
-    if progress == "auto":
-        return sys.stderr.isatty()
-    return bool(progress)
-
-
-@contextlib.contextmanager
-def _progress(enabled: bool, total: int) -> Any:
-    """Yield ``advance(loss, step_time)``; a rich bar on rank 0 when enabled, else a no-op."""
-    if not enabled:
-        def nothing(loss: float | None, dt: float) -> None:
-            return None
-        nothing.skip = lambda n: None  # type: ignore[attr-defined]
-        yield nothing
-        return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    with Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} steps/s"),
-                  TextColumn("RSS {task.fields[mem]}"),
-                  TimeElapsedColumn(), transient=False) as bar:
-        task = bar.add_task("train", total=total, loss="-", rate="-", mem="-")
-
-        def advance(loss: float | None, dt: float) -> None:
-            bar.update(task, advance=1, loss="-" if loss is None else f"{loss:.4f}",
-                       rate=f"{1.0 / dt:.1f}" if dt > 0 else "-", mem=f"{current_rss_bytes() / 2**20:.0f} MiB")
-
-        advance.skip = lambda n: bar.update(task, advance=n)  # type: ignore[attr-defined]
-        yield advance
 
 
 def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Strategy = "ddp",

@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shardwise.comm import Comm, Handle

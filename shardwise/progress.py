@@ -1,0 +1,100 @@
+"""What rank 0 shows and records while a run trains: the progress bar and the per-step metrics log.
+
+Separate from the fit loop (:mod:`shardwise.trainer`) because neither takes
+part in the optimisation: they only read the loss, the step time and the
+process's memory.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+import warnings
+from typing import Any
+
+import torch
+
+from shardwise.stats import current_rss_bytes
+
+
+def batch_tokens(x: Any) -> int:
+    """Tokens in this rank's batch when the input is integer token ids (B, T); 0 otherwise."""
+    if isinstance(x, torch.Tensor) and x.dim() >= 2 and not x.is_floating_point():
+        return x.numel()
+    return 0
+
+
+def total_numel(shapes: dict[str, list[int]]) -> int:
+    return sum(math.prod(s) for s in shapes.values())
+
+
+class StepLog:
+    """Per-step metrics of rank 0: a JSONL file and/or TensorBoard scalars."""
+
+    def __init__(self, path: str | None, tensorboard_dir: str | None, peak_flops: float | None, params: int,
+                 devices: int) -> None:
+        self._file = open(path, "w") if path else None
+        self._tb = None
+        if tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self._tb = SummaryWriter(tensorboard_dir)
+            except ImportError:
+                warnings.warn("tensorboard_dir was given but tensorboard is not installed (pip install tensorboard); "
+                              "logging to the JSONL file only", stacklevel=2)
+        self._peak = peak_flops * devices if peak_flops else None
+        self._params = params
+
+    def write(self, step: int, loss: float | None, dt: float, tokens: int) -> None:
+        row: dict[str, Any] = {"step": step, "loss": loss, "step_time_s": dt, "rss_bytes": current_rss_bytes()}
+        if tokens and dt > 0:
+            row["tokens_per_s"] = tokens / dt
+            if self._peak:
+                row["mfu"] = 6.0 * self._params * tokens / dt / self._peak
+        if self._file is not None:
+            self._file.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for k, v in row.items():
+                if k != "step" and v is not None:
+                    self._tb.add_scalar(f"train/{k}", v, step)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def want_progress(progress: bool | str) -> bool:
+    if progress == "auto":
+        return sys.stderr.isatty()
+    return bool(progress)
+
+
+@contextlib.contextmanager
+def progress_bar(enabled: bool, total: int) -> Any:
+    """Yield ``advance(loss, step_time)``; a rich bar on rank 0 when enabled, else a no-op."""
+    if not enabled:
+        def nothing(loss: float | None, dt: float) -> None:
+            return None
+        nothing.skip = lambda n: None  # type: ignore[attr-defined]
+        yield nothing
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} steps/s"),
+                  TextColumn("RSS {task.fields[mem]}"),
+                  TimeElapsedColumn(), transient=False) as bar:
+        task = bar.add_task("train", total=total, loss="-", rate="-", mem="-")
+
+        def advance(loss: float | None, dt: float) -> None:
+            bar.update(task, advance=1, loss="-" if loss is None else f"{loss:.4f}",
+                       rate=f"{1.0 / dt:.1f}" if dt > 0 else "-", mem=f"{current_rss_bytes() / 2**20:.0f} MiB")
+
+        advance.skip = lambda n: bar.update(task, advance=n)  # type: ignore[attr-defined]
+        yield advance
+
+
+__all__ = ["StepLog", "batch_tokens", "progress_bar", "total_numel", "want_progress"]
