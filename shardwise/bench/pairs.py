@@ -80,6 +80,7 @@ PAIRS: dict[str, Callable[[argparse.Namespace], Table]] = {
     "fsdp": _lazy("shardwise.bench.zero:fsdp_pair"),
     "pp": _lazy("shardwise.bench.mp:pp_pair"),
     "tp": _lazy("shardwise.bench.mp:tp_pair"),
+    "fsdp-tp": _lazy("shardwise.bench.compose:fsdp_tp_pair"),
     "dp-vs-ddp": _lazy("shardwise.bench.classic:dp_vs_ddp"),
     "ps-vs-ddp": _lazy("shardwise.bench.classic:ps_vs_ddp"),
     "allreduce": _lazy("shardwise.bench.classic:allreduce_algorithms"),
