@@ -68,6 +68,14 @@ def saved_activation_bytes(model: nn.Module, *inputs: Any) -> int:
     return sum(seen.values())
 
 
+def _storage_ptr(t: torch.Tensor) -> int:
+    """Address of ``t``'s storage, 0 for a tensor without a plain one (a DTensor, a freed FSDP2 parameter)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
 class SavedActivations:
     """Live and peak bytes of the distinct storages autograd holds for backward.
 
@@ -89,10 +97,12 @@ class SavedActivations:
     def pack(self, t: torch.Tensor) -> Any:
         try:
             s = t.untyped_storage()
+            ptr = s.data_ptr()
+            # Wrapper tensors (DTensor parameters of torch's FSDP2) have no plain storage: not ours to count.
+            params = {_storage_ptr(p) for p in self._params}
         except (RuntimeError, NotImplementedError):  # tensors without a plain storage
             return t
-        ptr = s.data_ptr()
-        if ptr == 0 or ptr in self._inputs or ptr in {p.untyped_storage().data_ptr() for p in self._params}:
+        if ptr == 0 or ptr in self._inputs or ptr in params:
             return t
         entry = self._live.setdefault(ptr, [s.nbytes(), 0])
         if entry[1] == 0:

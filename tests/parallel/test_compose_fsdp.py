@@ -95,15 +95,11 @@ def test_fsdp_with_weights_tied_across_stages_and_vocab_parallel_tp(same_run):
     same_run(reference(tied_gpt), fit(Parallel(dp=2, tp=2, pp=2, zero=3, microbatches=2), 8, tied_gpt))
 
 
-@pytest.mark.parametrize("layout", ["dp2-tp2", "dp2-pp2-1f1b"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("make", [gpt2, llama], ids=["gpt2", "llama"])
 def test_hf_models_fsdp_composed_equals_single(same_run, make, layout):
     devices, kw = LAYOUTS[layout]
     same_run(reference(make), fit(Parallel(**kw), devices, make))
-
-
-def test_llama_3d_fsdp_equals_single(same_run):
-    same_run(reference(llama), fit(Parallel(**LAYOUTS["dp2-tp2-pp2"][1]), 8, llama))
 
 
 def test_invalid_compositions_are_refused_before_any_process_starts(no_spawn):
