@@ -13,6 +13,18 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+def check_data_parallel(zero: int, replicate: int) -> None:
+    """The data-parallel form over dp: a ZeRO stage 0-3, and HSDP replicas only of sharded parameters."""
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero={zero}: valid are 0 (DDP over dp), 1, 2 (ZeRO stage 1/2) "
+                         "and 3 (FSDP: parameters, gradients and optimizer states sharded)")
+    if replicate < 1:
+        raise ValueError(f"replicate={replicate}: must be >= 1")
+    if replicate > 1 and zero != 3:
+        raise ValueError(f"replicate={replicate} (HSDP) needs zero=3: it replicates shards of the "
+                         "parameters; with zero<3 every dp rank already holds the full parameters")
+
+
 @dataclass(frozen=True)
 class RunLayout:
     """The layout of one run on ``dp * tp * pp`` processes.
@@ -51,13 +63,9 @@ class RunLayout:
         for name in ("dp", "tp", "pp", "replicate", "chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
-        if self.zero not in (0, 1, 2, 3):
-            raise ValueError(f"zero={self.zero}: valid are 0 (DDP), 1, 2 (ZeRO stages) and 3 (FSDP)")
+        check_data_parallel(self.zero, self.replicate)
         if self.dp % self.replicate:
             raise ValueError(f"replicate={self.replicate} must divide the data-parallel size dp={self.dp}")
-        if self.replicate > 1 and self.zero != 3:
-            raise ValueError(f"replicate={self.replicate} (HSDP) needs zero=3: it replicates shards of "
-                             "parameters; with zero<3 every dp rank already holds a replica")
 
     @property
     def devices(self) -> int:
@@ -83,4 +91,4 @@ class RunLayout:
         return f"{self.strategy}({', '.join(parts)})"
 
 
-__all__ = ["RunLayout"]
+__all__ = ["RunLayout", "check_data_parallel"]

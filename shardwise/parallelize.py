@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from shardwise.comm import Comm
+from shardwise.layout import check_data_parallel
 from shardwise.strategy import OptimizerFactory
 from shardwise.topology import Topology
 
@@ -60,14 +61,7 @@ class DataParallelOptions:
     hybrid: bool = False                 # HSDP's 2-D dp groups even with replicate=1 (see fsdp_groups)
 
     def __post_init__(self) -> None:
-        if self.zero not in (0, 1, 2, 3):
-            raise ValueError(f"zero={self.zero}: valid are 0 (DDP over dp), 1, 2 (ZeRO stage 1/2) "
-                             "and 3 (FSDP: parameters, gradients and optimizer states sharded)")
-        if self.replicate < 1:
-            raise ValueError(f"replicate={self.replicate}: must be >= 1")
-        if self.replicate > 1 and self.zero != 3:
-            raise ValueError(f"replicate={self.replicate} (HSDP) needs zero=3: it replicates shards of the "
-                             "parameters; with zero<3 every dp rank already holds the full parameters")
+        check_data_parallel(self.zero, self.replicate)
 
 
 class Owners:
@@ -153,7 +147,7 @@ def data_parallel(chunks: nn.ModuleList, optimizer_fn: OptimizerFactory, topo: T
     ZeRO-1 reduces at the optimizer step, so one wrapper owns every chunk;
     ZeRO-2 and FSDP reduce inside each chunk's backward, so each chunk gets its own.
     """
-    from shardwise.parallel.zero import ShardedOptimizer, ZeROModule
+    from shardwise.parallel.zero import ShardedOptimizer
 
     if opts.zero == 0:
         if topo.size("dp") > 1:
@@ -162,11 +156,9 @@ def data_parallel(chunks: nn.ModuleList, optimizer_fn: OptimizerFactory, topo: T
                 chunks[c] = wrap_module(chunks[c], topo, opts)
         return None, optimizer_fn([p for c in chunks for p in c.parameters()])
     if opts.zero == 1:
-        zm = ZeROModule(nn.ModuleList(list(chunks)), topo.comm("dp"), stage=1,
-                        bucket_cap_mb=opts.bucket_cap_mb or 4.0, collectives=opts.collectives,
-                        offload_device=opts.offload_device if opts.offload == "optimizer" else None)
-        # Its parameters are the chunks' own: it reduces at the optimizer step (or the clip).
-        owner = Owners([zm])
+        # One wrapper over every chunk, not one of the chunks: its parameters are the
+        # chunks' own, and it reduces at the optimizer step (or the clip).
+        owner = Owners([wrap_module(nn.ModuleList(list(chunks)), topo, opts)])
     else:
         for c in range(len(chunks)):
             chunks[c] = wrap_module(chunks[c], topo, opts)
@@ -199,9 +191,6 @@ def parallelize(model: nn.Module, optimizer_fn: OptimizerFactory, topo: Topology
                         apply_tp if topo.size("tp") > 1 else None)
     owner, optimizer = data_parallel(pm.chunks, optimizer_fn, topo, data)
     pm.data = owner
-    if data.zero == 3:
-        fsdp = {p: w for w in owner.wrappers for p in w.unit_of}  # type: ignore[union-attr]
-        pm.tie_grad = lambda p: fsdp[p].grad_piece(p)
     return pm, optimizer
 
 

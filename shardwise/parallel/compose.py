@@ -15,7 +15,6 @@ strategy with every device a pipeline stage.
 """
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -223,9 +222,6 @@ class Parallel(Strategy):
             for k, v in model_state_tensors(h).items():
                 parts.setdefault(k, []).extend(v)
         return with_optimizer_states(parts, optimizer)
-
-    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()  # the pipeline's runner suppresses each chunk's sync itself
 
 
 @dataclass

@@ -132,16 +132,17 @@ class PipelineModel(nn.Module):
         self.ties = ties
         self.meta_sent: set[Any] = set()
         self.meta_recv: dict[Any, tuple[tuple[int, ...], torch.dtype]] = {}
-        # Where a tied parameter's gradient lives once the step's backwards are over:
-        # its .grad, unless a data-parallel wrapper keeps only a reduced piece (FSDP).
-        self.tie_grad: Callable[[nn.Parameter], torch.Tensor] | None = None
         # The data-parallel wrappers of the chunks (shardwise.parallelize.Owners; None: DDP or none).
         self.data: Any = None
 
     def grad_of_tie(self, p: nn.Parameter) -> torch.Tensor:
-        """The tensor holding this rank's gradient of tied parameter ``p`` (zeros if it got none)."""
-        if self.tie_grad is not None:
-            return self.tie_grad(p)
+        """The tensor holding this rank's gradient of tied parameter ``p`` (zeros if it got none).
+
+        Its ``.grad``, unless an FSDP wrapper of a chunk keeps only its reduced piece.
+        """
+        for w in self.data.wrappers if self.data is not None else []:
+            if p in getattr(w, "unit_of", {}):
+                return w.grad_piece(p)  # type: ignore[no-any-return]
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         return p.grad
