@@ -27,7 +27,7 @@ from shardwise.layout import RunLayout
 from shardwise.parallel.pipeline import (PipelineModel, find_ties, gather_full_state, pipeline_layers,
                                          pipeline_step, stage_starts)
 from shardwise.parallel.schedules import Recorder, get_schedule
-from shardwise.parallel.tp import Plan, Style, tp_spec
+from shardwise.parallel.tp import Plan, Style, counts_in_norm
 from shardwise.parallelize import DataParallelOptions, Owners, parallelize
 from shardwise.strategy import (LossFn, OptimizerFactory, StepRun, Strategy, model_state_tensors,
                                 with_optimizer_states)
@@ -178,11 +178,6 @@ class Parallel(Strategy):
         owner: Owners | None = pm.data
         tp = topo.comm("tp") if topo.size("tp") > 1 else None
         elsewhere = pm.elsewhere()
-
-        def counted(p: torch.Tensor) -> bool:
-            # A tied copy another stage counts; a tp-replicated parameter once per tp group.
-            return id(p) not in elsewhere and (tp is None or tp_spec(p) is not None or tp.rank == 0)
-
         groups: list[tuple[Any, str]] = [(tp, "tp.clip"), (topo.comm("pp"), "pp.clip")]
         if owner is None:
             # DDP has averaged the gradients: they are equal over dp, so dp takes no part in the norm.
@@ -194,7 +189,8 @@ class Parallel(Strategy):
             every = owner.shard_grads()
             # The pieces are disjoint over the shard group (HSDP replicas hold equal ones).
             groups.insert(0, (owner.shard_comm, "zero_clip"))
-        return clip_global_norm([g for g, p in pieces if counted(p)], every, max_norm, groups, topo.device)
+        counted = [g for g, p in pieces if counts_in_norm(p, tp, elsewhere)]
+        return clip_global_norm(counted, every, max_norm, groups, topo.device)
 
     def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
         pm: PipelineModel = model  # type: ignore[assignment]

@@ -303,6 +303,12 @@ def gather_state(module: nn.Module, comm: Comm) -> dict[str, torch.Tensor]:
     return out
 
 
+def counts_in_norm(p: torch.Tensor, tp: Comm | None, elsewhere: set[int]) -> bool:
+    """Whether this rank counts ``p``'s gradient in the global norm: not a tied copy another pipeline stage
+    counts (``elsewhere``), and a tp-replicated parameter only on tp rank 0 (tp slices on every rank)."""
+    return id(p) not in elsewhere and (tp is None or tp_spec(p) is not None or tp.rank == 0)
+
+
 def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, tp: Comm | None = None,
                     pp: Comm | None = None, count_elsewhere: set[int] | None = None) -> torch.Tensor:
     """Clip by the norm of the gradient of the whole (unsplit) model, the same on every rank.
@@ -317,7 +323,7 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, tp: Comm | 
     every = list(params)
     ps = [p for p in every if p.grad is not None]
     skip = count_elsewhere or set()
-    counted = [p.grad for p in ps if id(p) not in skip and (tp_spec(p) is not None or tp is None or tp.rank == 0)]
+    counted = [p.grad for p in ps if counts_in_norm(p, tp, skip)]
     device = every[0].device if every else torch.device("cpu")
     return clip_global_norm(counted, [p.grad for p in ps], max_norm,  # type: ignore[misc]
                             [(tp, "tp.clip"), (pp, "pp.clip")], device)
@@ -360,4 +366,4 @@ class TP(Strategy):
 
 __all__ = ["TP", "Plan", "Style", "STYLES", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "parallelize", "plan_for", "gpt_plan", "gpt2_plan", "llama_plan", "mlp_plan", "gather_state",
-           "clip_grad_norm_", "shard_tensor", "gather_tensor", "tp_spec"]
+           "clip_grad_norm_", "counts_in_norm", "shard_tensor", "gather_tensor", "tp_spec"]
