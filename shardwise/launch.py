@@ -13,8 +13,9 @@ import signal
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from multiprocessing import connection as mp_connection
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -62,6 +63,18 @@ def _torchrun_store(timeout: _dt.timedelta) -> dist.Store:
 
 def _worker(rank: int, fn: Callable[..., Any], world: int, port: int, accelerator: str,
             timeout_s: float, args: tuple[Any, ...]) -> None:
+    if not run_rank(rank, fn, world, port, accelerator, timeout_s, args):
+        raise SystemExit(1)
+
+
+def run_rank(rank: int, fn: Callable[..., Any], world: int, port: int, accelerator: str,
+             timeout_s: float, args: tuple[Any, ...]) -> bool:
+    """One rank of a job: join the group the parent's store on ``port`` hosts, run ``fn``, leave the group.
+
+    Returns False after recording the traceback in the store, where the
+    parent reads every rank's error (a fresh process then exits 1; a pooled
+    worker reports False and is replaced).
+    """
     torch.set_num_threads(threads_per_rank(world))
     timeout = _dt.timedelta(seconds=timeout_s)
     store = dist.TCPStore("127.0.0.1", port, world_size=world, is_master=False, timeout=timeout)
@@ -72,10 +85,10 @@ def _worker(rank: int, fn: Callable[..., Any], world: int, port: int, accelerato
         dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world, timeout=timeout)
         fn(rank, device, *args)
         dist.barrier()  # only on success: on an error path peers may never arrive
+        return True
     except BaseException:
-        # The parent hosts the store and reports every rank's error and position.
         store.set(f"shardwise/error/{rank}", traceback.format_exc())
-        raise SystemExit(1) from None
+        return False
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -94,35 +107,14 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), accel
     every rank's traceback and a diagnosis of where each rank was (see
     :mod:`shardwise.comm.diagnostics`), instead of a bare exit code.
     """
-    from shardwise.comm.diagnostics import diag_store, explain_job
-
-    store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False,
-                          timeout=timeout)
+    store = job_store(timeout)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker, args=(r, fn, nprocs, store.port, accelerator, timeout.total_seconds(), args),
                          name=f"shardwise-rank{r}") for r in range(nprocs)]
     for p in procs:
         p.start()
     try:
-        while any(p.exitcode is None for p in procs):
-            if any(p.exitcode not in (None, 0) for p in procs):
-                break
-            procs[0].join(0.05) if procs[0].exitcode is None else time.sleep(0.05)
-        failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-        if not failed:
-            return
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(p.exitcode is None for p in procs):
-            time.sleep(0.05)
-        parts = []
-        for r, p in enumerate(procs):
-            key = f"shardwise/error/{r}"
-            if store.check([key]):
-                parts.append(f"--- rank {r} raised:\n{store.get(key).decode().rstrip()}")
-            elif p.exitcode not in (None, 0):
-                parts.append(f"--- rank {r} died: {_exit_reason(p.exitcode)}")
-        diagnosis = explain_job(diag_store(store), nprocs, wait_s=0.1)
-        raise WorkerFailed(f"rank(s) {failed} failed\n" + "\n".join(parts) + "\n--- " + diagnosis)
+        supervise(procs, store, grace_s)
     finally:
         for p in procs:
             if p.exitcode is None:
@@ -132,6 +124,53 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), accel
             if p.exitcode is None:
                 p.kill()
                 p.join()
+
+
+def job_store(timeout: _dt.timedelta) -> dist.TCPStore:
+    """A fresh rendezvous store for one job, hosted here on an OS-chosen loopback port."""
+    return dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False, timeout=timeout)
+
+
+class RankHandle(Protocol):
+    """What :func:`supervise` watches: ``exitcode`` is None while the rank runs, 0 on success."""
+
+    @property
+    def exitcode(self) -> int | None: ...
+
+    @property
+    def sentinel(self) -> int: ...
+
+
+def supervise(ranks: Sequence[RankHandle], store: dist.TCPStore, grace_s: float) -> None:
+    """Wait until every rank succeeds, or raise :class:`WorkerFailed` once one fails.
+
+    Shared by fresh processes and the worker pool, so a failure reads the same
+    from both: every rank's traceback from the store, how each silent death
+    ended, and the diagnosis of where each rank was.
+    """
+    from shardwise.comm.diagnostics import diag_store, explain_job
+
+    while any(r.exitcode is None for r in ranks):
+        if any(r.exitcode not in (None, 0) for r in ranks):
+            break
+        mp_connection.wait([r.sentinel for r in ranks if r.exitcode is None], timeout=0.05)
+    failed = [i for i, r in enumerate(ranks) if r.exitcode not in (None, 0)]
+    if not failed:
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(r.exitcode is None for r in ranks):
+        time.sleep(0.05)
+    # Every rank that failed by now, not only the first seen: which one noticed first is a race.
+    failed = [i for i, r in enumerate(ranks) if r.exitcode not in (None, 0)]
+    parts = []
+    for i, r in enumerate(ranks):
+        key = f"shardwise/error/{i}"
+        if store.check([key]):
+            parts.append(f"--- rank {i} raised:\n{store.get(key).decode().rstrip()}")
+        elif r.exitcode not in (None, 0):
+            parts.append(f"--- rank {i} died: {_exit_reason(r.exitcode)}")
+    diagnosis = explain_job(diag_store(store), len(ranks), wait_s=0.1)
+    raise WorkerFailed(f"rank(s) {failed} failed\n" + "\n".join(parts) + "\n--- " + diagnosis)
 
 
 def _exit_reason(code: int | None) -> str:

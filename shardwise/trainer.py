@@ -24,7 +24,7 @@ from shardwise import checkpoint, launch
 from shardwise import precision as precision_mod
 from shardwise.data import GlobalBatches, check_dataset
 from shardwise.progress import StepLog, batch_tokens, progress_bar, total_numel, want_progress
-from shardwise.stats import peak_rss_bytes, unique_bytes
+from shardwise.stats import peak_rss_bytes, reset_peak_rss, unique_bytes
 from shardwise.strategy import HasServers, LossFn, OptimizerFactory, StepRun, Strategy, iter_chunks, resolve
 from shardwise.topology import Topology, pick_device, teardown
 
@@ -237,6 +237,7 @@ def _device_memory(accelerator: str, nprocs: int) -> int:
 
 
 def _spawned_fit(rank: int, device: torch.device, job: bytes, path: str) -> None:
+    reset_peak_rss()  # peak_rss_bytes is this run's, also on a process that ran jobs before (WorkerPool)
     result = pickle.loads(job).run(device)
     if rank == 0:
         torch.save({"losses": result.losses, "state_dict": result.state_dict, "stats": result.stats}, path)

@@ -1,4 +1,12 @@
-"""Shared test helpers: every distributed test spawns real gloo processes on CPU."""
+"""Shared test helpers: every distributed test runs real gloo processes on CPU.
+
+Ranks run on a session-wide :class:`shardwise.pool.WorkerPool`: the same
+processes serve every test (each test still gets a fresh store and process
+group), so torch and transformers are imported once per rank, not once per
+test. A test that needs a clean interpreter in every rank is marked
+``@pytest.mark.fresh_processes`` and gets ``launch.spawn``'s fresh processes;
+``SHARDWISE_TEST_POOL=0`` turns the pool off for the whole run.
+"""
 from __future__ import annotations
 
 import os
@@ -7,6 +15,7 @@ import pytest
 import torch
 
 from shardwise import launch
+from shardwise.pool import WorkerPool
 
 # Tests run ranks as processes on a small machine: one thread each keeps them
 # from fighting over cores (the library divides cores itself; this only makes
@@ -50,3 +59,17 @@ def no_spawn(monkeypatch):
         raise Spawned("processes were started")
     monkeypatch.setattr(launch, "spawn", spawn)
     return Spawned
+
+
+@pytest.fixture(scope="session")
+def worker_pool():
+    with WorkerPool(8) as pool:
+        yield pool
+
+
+@pytest.fixture(autouse=True)
+def _ranks_from_the_pool(request, monkeypatch):
+    """Route every ``launch.spawn`` of this test to the session's pool, unless marked ``fresh_processes``."""
+    if request.node.get_closest_marker("fresh_processes") or os.environ.get("SHARDWISE_TEST_POOL") == "0":
+        return
+    monkeypatch.setattr(launch, "spawn", request.getfixturevalue("worker_pool").spawn)

@@ -1,0 +1,194 @@
+"""A pool of rank processes kept alive across many short jobs (test suites, notebooks).
+
+:func:`shardwise.launch.spawn` starts fresh processes for every job; each of
+them imports torch (and, for a Hugging Face model, transformers) before the
+first line of training runs, which costs seconds per rank on a small machine.
+A :class:`WorkerPool` pays that once: its workers wait for jobs, and each job
+gets a fresh rendezvous store, a fresh process group, this process's
+environment and working directory, and a new random seed, so ``fn`` runs
+as it would in a fresh process. A failed job retires every worker it used
+(its peers may be stuck in a collective or hold half-finished state); the next
+job starts new ones.
+
+Errors read exactly as with fresh processes: both paths share
+:func:`shardwise.launch.supervise` (every rank's traceback, how a silent death
+ended, where each rank was).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import os
+import pickle
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from multiprocessing import util as mp_util
+from multiprocessing.reduction import ForkingPickler  # torch.multiprocessing registers its tensor reductions here
+
+from shardwise import launch
+
+
+def _serve(conn: Connection) -> None:
+    """A pooled worker: run one rank of each job it is sent, until told to stop."""
+    while True:
+        try:
+            message = conn.recv_bytes()
+        except EOFError:  # the pool's owner is gone
+            return
+        if not message:
+            return
+        header, payload = pickle.loads(message)
+        os.environ.clear()
+        os.environ.update(header["env"])
+        os.chdir(header["cwd"])
+        torch.seed()  # a fresh process starts from a random seed too (torch >= 2.12), never the last job's
+        torch.set_default_dtype(torch.float32)
+        torch.set_grad_enabled(True)
+        ok = launch.run_rank(header["rank"], _Unpickled(payload), header["world"], header["port"],
+                             header["accelerator"], header["timeout_s"], ())
+        gc.collect()
+        conn.send_bytes(b"1" if ok else b"0")
+
+
+class _Unpickled:
+    """Unpickles ``(fn, args)`` inside the rank, so an import error is reported like any other error."""
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+
+    def __call__(self, rank: int, device: torch.device) -> None:
+        fn, args = pickle.loads(self.payload)
+        fn(rank, device, *args)
+
+
+class _Worker:
+    def __init__(self, ctx: Any, index: int) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child,), name=f"shardwise-pool{index}")
+        self.proc.start()
+        child.close()
+
+    def alive(self) -> bool:
+        return self.proc.exitcode is None
+
+    def stop(self, wait_s: float = 5.0) -> None:
+        if self.proc.exitcode is None:
+            self.proc.terminate()
+            self.proc.join(wait_s)
+            if self.proc.exitcode is None:
+                self.proc.kill()
+                self.proc.join()
+        self.conn.close()
+
+
+class _PooledRank:
+    """One rank of one job on a pooled worker, seen as :func:`launch.supervise` sees a process."""
+
+    def __init__(self, worker: _Worker) -> None:
+        self.worker = worker
+        self.result: int | None = None
+
+    @property
+    def exitcode(self) -> int | None:
+        if self.result is None and self.worker.conn.poll():
+            try:
+                self.result = 0 if self.worker.conn.recv_bytes() == b"1" else 1
+            except (EOFError, OSError):
+                pass
+        if self.result is not None:
+            return self.result
+        return self.worker.proc.exitcode
+
+    @property
+    def sentinel(self) -> Any:
+        return self.worker.conn if self.result is None and self.worker.proc.exitcode is None else \
+            self.worker.proc.sentinel
+
+
+def _stop_all(workers: list[_Worker | None]) -> None:
+    for w in workers:
+        if w is not None and w.alive():
+            try:
+                w.conn.send_bytes(b"")  # asks the worker to leave its loop
+            except OSError:
+                pass
+            w.proc.join(5)
+    for i, w in enumerate(workers):
+        if w is not None:
+            w.stop()
+            workers[i] = None
+
+
+class WorkerPool:
+    """Up to ``size`` rank processes, started when first needed and reused by every later job.
+
+    ``pool.spawn`` has the signature and the failure reporting of
+    :func:`shardwise.launch.spawn`; a job of ``n`` ranks runs on workers
+    ``0..n-1``. Not for jobs that must start from a clean interpreter (a module
+    global a job changes stays changed for the next job on that worker).
+    """
+
+    def __init__(self, size: int = 8) -> None:
+        if size < 1:
+            raise ValueError(f"WorkerPool needs size >= 1, got {size}")
+        self.size = size
+        self._ctx = mp.get_context("spawn")
+        self._workers: list[_Worker | None] = [None] * size
+        self.started = 0  # processes started over the pool's life (for tests and reports)
+        # Workers are not daemons (a rank may start DataLoader workers of its own), so they must be
+        # stopped before multiprocessing joins its children at exit, or that join waits forever.
+        mp_util.Finalize(self, _stop_all, args=(self._workers,), exitpriority=10)
+
+    def _worker(self, index: int) -> _Worker:
+        w = self._workers[index]
+        if w is None or not w.alive():
+            if w is not None:
+                w.stop()
+            w = self._workers[index] = _Worker(self._ctx, index)
+            self.started += 1
+        return w
+
+    def spawn(self, fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), accelerator: str = "cpu",
+              timeout: _dt.timedelta = _dt.timedelta(minutes=5), grace_s: float = 2.0) -> None:
+        """Run ``fn(rank, device, *args)`` on ``nprocs`` pooled workers inside one fresh process group."""
+        if nprocs > self.size:
+            raise ValueError(f"a job of {nprocs} ranks does not fit a WorkerPool of size {self.size}")
+        store = launch.job_store(timeout)
+        ranks = []
+        for r in range(nprocs):
+            w = self._worker(r)
+            # torch's pickler, once per rank, as each spawned Process's arguments get: a tensor
+            # shared through a file descriptor can be received once only.
+            payload = bytes(ForkingPickler.dumps((fn, args)))
+            header = {"rank": r, "world": nprocs, "port": store.port, "accelerator": accelerator,
+                      "timeout_s": timeout.total_seconds(), "env": dict(os.environ), "cwd": os.getcwd()}
+            w.conn.send_bytes(pickle.dumps((header, payload)))
+            ranks.append(_PooledRank(w))
+        ok = False
+        try:
+            launch.supervise(ranks, store, grace_s)
+            ok = True
+        finally:
+            if not ok:  # failed, timed out or interrupted: none of these workers is trusted again
+                for r in range(nprocs):
+                    self._retire(r)
+
+    def _retire(self, index: int) -> None:
+        w = self._workers[index]
+        if w is not None:
+            w.stop()
+            self._workers[index] = None
+
+    def close(self) -> None:
+        """Stop every worker (they also exit on their own when this process goes away)."""
+        _stop_all(self._workers)
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
