@@ -150,10 +150,17 @@ def supervise(ranks: Sequence[RankHandle], store: dist.TCPStore, grace_s: float)
     """
     from shardwise.comm.diagnostics import diag_store, explain_job
 
-    while any(r.exitcode is None for r in ranks):
-        if any(r.exitcode not in (None, 0) for r in ranks):
-            break
-        mp_connection.wait([r.sentinel for r in ranks if r.exitcode is None], timeout=0.05)
+    try:
+        while any(r.exitcode is None for r in ranks):
+            if any(r.exitcode not in (None, 0) for r in ranks):
+                break
+            mp_connection.wait([r.sentinel for r in ranks if r.exitcode is None], timeout=0.05)
+    except BaseException as e:
+        # Interrupted while ranks run (a test's timeout, Ctrl-C): say where each rank was, from the
+        # records their heartbeats keep publishing, before the caller stops them.
+        if hasattr(e, "add_note"):
+            e.add_note("--- " + explain_job(diag_store(store), len(ranks), wait_s=0.1))
+        raise
     failed = [i for i, r in enumerate(ranks) if r.exitcode not in (None, 0)]
     if not failed:
         return

@@ -64,6 +64,7 @@ def _fit(strategy, devices=2, steps=5, timeout_s=6.0, debug=False):
 
 # The 60 s bound: the timeout (6 s) ends the job, not a watchdog minutes later.
 @pytest.mark.timeout(60)
+@pytest.mark.fresh_processes  # the fault is injected by patching Comm in the ranks' interpreters
 def test_skipped_collective_is_diagnosed_within_the_timeout():
     with pytest.raises(Exception) as e:
         _fit(SkippingDDP())
@@ -84,6 +85,7 @@ def test_skipped_collective_is_diagnosed_within_the_timeout():
      "rank(s) [1] never arrived at the matching send of recv 'pp.grad' (step 2; rank 0 is waiting)"),
 ])
 @pytest.mark.timeout(60)
+@pytest.mark.fresh_processes  # the fault is injected by patching Comm in the ranks' interpreters
 def test_skipped_collective_under_zero3_and_pp(strategy, missing):
     with pytest.raises(Exception) as e:
         _fit(strategy)

@@ -1,17 +1,27 @@
 """The worker pool the suite runs its ranks on: reuse, isolation between jobs, failures read as from fresh processes."""
 from __future__ import annotations
 
+import functools
 import os
+import re
+import signal
+import threading
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
+import shardwise as sw
+from shardwise import launch
 from shardwise.launch import WorkerFailed
 from shardwise.launch import spawn as fresh_spawn  # bound before the suite routes launch.spawn to the pool
 from shardwise.pool import WorkerPool
+from shardwise.workloads import digits
 
 pytestmark = pytest.mark.timeout(180)
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 
 
 def _sum_ranks(rank: int, device: torch.device, offset: int, path: str) -> None:
@@ -83,3 +93,39 @@ def test_a_failed_job_reads_as_with_fresh_processes_and_its_workers_are_replaced
 def test_a_job_larger_than_the_pool_is_refused():
     with WorkerPool(2) as pool, pytest.raises(ValueError, match="a job of 3 ranks does not fit a WorkerPool of size 2"):
         pool.spawn(_sum_ranks, 3, args=(0, "unused"))
+
+
+def _hangs_on_rank_1(flag: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if dist.get_rank() == 1:
+        open(flag, "w").close()
+        time.sleep(120)
+    return F.cross_entropy(out, y)
+
+
+def test_a_job_interrupted_while_a_rank_hangs_says_where_every_rank_was(tmp_path, worker_pool, monkeypatch):
+    """What a test's timeout shows: the interrupt carries every rank's position (rank 0 waits in DDP's all-reduce)."""
+    monkeypatch.setattr(launch, "spawn", worker_pool.spawn)
+    flag = str(tmp_path / "hanging")
+
+    def interrupt_once_rank_1_hangs() -> None:
+        while not os.path.exists(flag):
+            time.sleep(0.05)
+        time.sleep(2.0)  # rank 0 reaches the all-reduce and its heartbeat publishes it
+        os.kill(os.getpid(), signal.SIGALRM)
+
+    def on_alarm(signum, frame):
+        raise TimeoutError("the test's time is up")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    threading.Thread(target=interrupt_once_rank_1_hangs, daemon=True).start()
+    work = digits()
+    try:
+        with pytest.raises(TimeoutError) as e:
+            sw.Trainer("ddp", 2, accelerator="cpu", progress=False, timeout_s=100).fit(
+                work.make_model(), work.train, functools.partial(_hangs_on_rank_1, flag), ADAMW,
+                batch_size=64, max_steps=3)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    notes = "\n".join(getattr(e.value, "__notes__", []))
+    assert "where every rank is:" in notes
+    assert re.search(r"rank 0: waiting in all_reduce 'ddp\.bucket0'", notes), notes
