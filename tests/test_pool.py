@@ -49,42 +49,41 @@ def _dies_on_1(rank: int, device: torch.device) -> None:
     dist.barrier()
 
 
-def test_jobs_reuse_processes_and_see_a_fresh_start(tmp_path, monkeypatch):
+def test_jobs_reuse_processes_and_see_a_fresh_start(tmp_path, monkeypatch, worker_pool):
     path = str(tmp_path / "out.pt")
-    fresh_spawn(_sum_ranks, 3, args=(5, path))
-    fresh = torch.load(path)
     monkeypatch.setenv("SW_POOL_PROBE", "seen")
     monkeypatch.chdir(tmp_path)
-    with WorkerPool(4) as pool:
-        pids, rands = set(), []
-        for offset in (5, 6):
-            pool.spawn(_sum_ranks, 3, args=(offset, path))
-            got = torch.load(path)
-            assert got["sum"] == 3 * offset + 0 + 1 + 2
-            pids.add(got["pid"]), rands.append(got["rand"])
-            pool.spawn(_leaves_state_behind, 3)  # a seed and a default dtype the next job must not inherit
-        assert len(pids) == 1 and pool.started == 3  # the same rank-0 process served every job
-        assert got["env"] == "seen" and got["cwd"] == str(tmp_path)
-        assert got["dtype"] == "torch.float32"
-        # Seeded afresh per job, as a new process is: neither the previous job's seed nor a fixed one.
-        torch.manual_seed(1234)
-        after_1234 = torch.rand(3)
-        assert not any(torch.equal(r, after_1234) for r in rands) and not torch.equal(*rands)
-        assert fresh["sum"] == 3 * 5 + 0 + 1 + 2
+    worker_pool.spawn(_sum_ranks, 3, args=(4, path))  # starts any of the 3 workers not running yet
+    started = worker_pool.started
+    pids, rands = set(), []
+    for offset in (5, 6):
+        worker_pool.spawn(_sum_ranks, 3, args=(offset, path))
+        got = torch.load(path)
+        assert got["sum"] == 3 * offset + 0 + 1 + 2
+        pids.add(got["pid"]), rands.append(got["rand"])
+        worker_pool.spawn(_leaves_state_behind, 3)  # a seed and a default dtype the next job must not inherit
+    assert len(pids) == 1 and worker_pool.started == started  # the same processes served every job
+    assert got["env"] == "seen" and got["cwd"] == str(tmp_path)
+    assert got["dtype"] == "torch.float32"
+    # Seeded afresh per job, as a new process is: neither the previous job's seed nor a fixed one.
+    torch.manual_seed(1234)
+    after_1234 = torch.rand(3)
+    assert not any(torch.equal(r, after_1234) for r in rands) and not torch.equal(*rands)
 
 
 @pytest.mark.parametrize("job,reason", [(_raises_on_1, "ValueError: rank one cannot go on"),
                                         (_dies_on_1, "--- rank 1 died: exit code 3")])
-def test_a_failed_job_reads_as_with_fresh_processes_and_its_workers_are_replaced(tmp_path, job, reason):
+def test_a_failed_job_reads_as_with_fresh_processes_and_its_workers_are_replaced(tmp_path, job, reason,
+                                                                                 worker_pool):
     path = str(tmp_path / "out.pt")
-    with WorkerPool(2) as pool:
-        pool.spawn(_sum_ranks, 2, args=(0, path))
-        first = torch.load(path)["pid"]
-        with pytest.raises(WorkerFailed, match=r"^rank\(s\) \[(0, )?1\] failed\n") as pooled:
-            pool.spawn(job, 2)
-        assert reason in str(pooled.value)
-        pool.spawn(_sum_ranks, 2, args=(1, path))
-        assert torch.load(path)["sum"] == 3.0 and torch.load(path)["pid"] != first and pool.started == 4
+    worker_pool.spawn(_sum_ranks, 2, args=(0, path))
+    first, started = torch.load(path)["pid"], worker_pool.started
+    with pytest.raises(WorkerFailed, match=r"^rank\(s\) \[(0, )?1\] failed\n") as pooled:
+        worker_pool.spawn(job, 2)
+    assert reason in str(pooled.value)
+    worker_pool.spawn(_sum_ranks, 2, args=(1, path))
+    assert torch.load(path)["sum"] == 3.0 and torch.load(path)["pid"] != first
+    assert worker_pool.started == started + 2  # both workers of the failed job were replaced
     with pytest.raises(WorkerFailed, match=r"^rank\(s\) \[(0, )?1\] failed\n") as fresh:
         fresh_spawn(job, 2)
     assert reason in str(fresh.value)
