@@ -4,7 +4,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.shardwise-installed
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test test-fast bench venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -19,6 +19,16 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The edit-run loop (under 2 minutes): the planner's unit tests and one equivalence file per
+# paradigm; CI and the README's `make test` run everything.
+FAST := tests/plan tests/test_memory_check.py tests/parallel/test_dp.py tests/parallel/test_naive_mp.py \
+	tests/test_ddp.py tests/parallel/test_zero.py tests/parallel/test_fsdp.py tests/parallel/test_offload.py \
+	tests/parallel/test_tp.py tests/parallel/test_pipeline.py tests/parallel/test_ps.py tests/test_checkpoint.py \
+	tests/test_hf_models.py
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q $(FAST) -k "not dies_or_hangs"
 
 bench: $(STAMP)
 	.venv/bin/shardwise bench

@@ -4,6 +4,8 @@ From a plain ``python script.py`` the trainer spawns its workers here. The
 parent process hosts the rendezvous store on an OS-chosen loopback port, so
 there is no free-port race and nothing listens beyond this machine. Under
 torchrun (``shardwise run``), :func:`init` joins the group torchrun describes.
+:class:`shardwise.pool.WorkerPool` runs the same jobs on processes kept alive
+between them; both report failures through :func:`supervise`.
 """
 from __future__ import annotations
 
@@ -138,7 +140,7 @@ class RankHandle(Protocol):
     def exitcode(self) -> int | None: ...
 
     @property
-    def sentinel(self) -> int: ...
+    def sentinel(self) -> Any: ...  # what multiprocessing.connection.wait accepts
 
 
 def supervise(ranks: Sequence[RankHandle], store: dist.TCPStore, grace_s: float) -> None:
