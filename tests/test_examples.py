@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.timeout(300)
+# Every rank here is a fresh process started by a command (torchrun, a script), never the pool.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.fresh_processes]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"}

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.timeout(240)
+# Every rank here is a fresh process started by a command (torchrun, a script), never the pool.
+pytestmark = [pytest.mark.timeout(240), pytest.mark.fresh_processes]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
