@@ -171,15 +171,34 @@ def supervise(ranks: Sequence[RankHandle], store: dist.TCPStore, grace_s: float)
         time.sleep(0.05)
     # Every rank that failed by now, not only the first seen: which one noticed first is a race.
     failed = [i for i, r in enumerate(ranks) if r.exitcode not in (None, 0)]
-    parts = []
+    parts, causes = [], {}
     for i, r in enumerate(ranks):
         key = f"shardwise/error/{i}"
         if store.check([key]):
-            parts.append(f"--- rank {i} raised:\n{store.get(key).decode().rstrip()}")
+            text = store.get(key).decode().rstrip()
+            parts.append(f"--- rank {i} raised:\n{text}")
+            causes[i] = f"rank {i} raised {text.splitlines()[-1]}"
         elif r.exitcode not in (None, 0):
             parts.append(f"--- rank {i} died: {_exit_reason(r.exitcode)}")
+            causes[i] = f"rank {i} died: {_exit_reason(r.exitcode)}"
     diagnosis = explain_job(diag_store(store), len(ranks), wait_s=0.1)
-    raise WorkerFailed(f"rank(s) {failed} failed\n" + "\n".join(parts) + "\n--- " + diagnosis)
+    raise WorkerFailed(_headline(causes) + f"rank(s) {failed} failed\n" + "\n".join(parts) + "\n--- " + diagnosis)
+
+
+# Errors a rank raises because a peer went away or stopped answering: consequences, not causes.
+_CONSEQUENCES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "did not complete within")
+
+
+def _headline(causes: dict[int, str]) -> str:
+    """The first line of a failure: the likeliest cause, so it is not buried under every rank's traceback.
+
+    A rank that lost its peer raises too, often first; the cause is the rank
+    whose error is not such a consequence (else the first error or death).
+    """
+    if not causes:
+        return ""
+    own = [c for c in causes.values() if not any(s in c for s in _CONSEQUENCES)]
+    return (own or list(causes.values()))[0] + "\n"
 
 
 def _exit_reason(code: int | None) -> str:
