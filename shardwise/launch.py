@@ -17,6 +17,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing import connection as mp_connection
+from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
 
 import torch
@@ -118,14 +119,19 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), accel
     try:
         supervise(procs, store, grace_s)
     finally:
-        for p in procs:
-            if p.exitcode is None:
-                p.terminate()
-        for p in procs:
-            p.join(5)
-            if p.exitcode is None:
-                p.kill()
-                p.join()
+        stop_processes(procs)
+
+
+def stop_processes(procs: Sequence[BaseProcess], wait_s: float = 5.0) -> None:
+    """Terminate the processes still running (all at once, then wait), killing any that ignore it."""
+    for p in procs:
+        if p.exitcode is None:
+            p.terminate()
+    for p in procs:
+        p.join(wait_s)
+        if p.exitcode is None:
+            p.kill()
+            p.join()
 
 
 def job_store(timeout: _dt.timedelta) -> dist.TCPStore:
@@ -163,24 +169,23 @@ def supervise(ranks: Sequence[RankHandle], store: dist.TCPStore, grace_s: float)
         if hasattr(e, "add_note"):
             e.add_note("--- " + explain_job(diag_store(store), len(ranks), wait_s=0.1))
         raise
-    failed = [i for i, r in enumerate(ranks) if r.exitcode not in (None, 0)]
-    if not failed:
+    if all(r.exitcode == 0 for r in ranks):
         return
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(r.exitcode is None for r in ranks):
         time.sleep(0.05)
     # Every rank that failed by now, not only the first seen: which one noticed first is a race.
     failed = [i for i, r in enumerate(ranks) if r.exitcode not in (None, 0)]
-    parts, causes = [], {}
+    parts, causes = [], []
     for i, r in enumerate(ranks):
         key = f"shardwise/error/{i}"
         if store.check([key]):
             text = store.get(key).decode().rstrip()
             parts.append(f"--- rank {i} raised:\n{text}")
-            causes[i] = f"rank {i} raised {text.splitlines()[-1]}"
+            causes.append(f"rank {i} raised {text.splitlines()[-1]}")
         elif r.exitcode not in (None, 0):
-            parts.append(f"--- rank {i} died: {_exit_reason(r.exitcode)}")
-            causes[i] = f"rank {i} died: {_exit_reason(r.exitcode)}"
+            causes.append(f"rank {i} died: {_exit_reason(r.exitcode)}")
+            parts.append(f"--- {causes[-1]}")
     diagnosis = explain_job(diag_store(store), len(ranks), wait_s=0.1)
     raise WorkerFailed(_headline(causes) + f"rank(s) {failed} failed\n" + "\n".join(parts) + "\n--- " + diagnosis)
 
@@ -189,7 +194,7 @@ def supervise(ranks: Sequence[RankHandle], store: dist.TCPStore, grace_s: float)
 _CONSEQUENCES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "did not complete within")
 
 
-def _headline(causes: dict[int, str]) -> str:
+def _headline(causes: list[str]) -> str:
     """The first line of a failure: the likeliest cause, so it is not buried under every rank's traceback.
 
     A rank that lost its peer raises too, often first; the cause is the rank
@@ -197,8 +202,8 @@ def _headline(causes: dict[int, str]) -> str:
     """
     if not causes:
         return ""
-    own = [c for c in causes.values() if not any(s in c for s in _CONSEQUENCES)]
-    return (own or list(causes.values()))[0] + "\n"
+    own = [c for c in causes if not any(s in c for s in _CONSEQUENCES)]
+    return (own or causes)[0] + "\n"
 
 
 def _exit_reason(code: int | None) -> str:

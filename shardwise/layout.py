@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+
 def check_data_parallel(zero: int, replicate: int) -> None:
     """The data-parallel form over dp: a ZeRO stage 0-3, and HSDP replicas only of sharded parameters."""
     if zero not in (0, 1, 2, 3):

@@ -75,15 +75,6 @@ class _Worker:
     def alive(self) -> bool:
         return self.proc.exitcode is None
 
-    def stop(self, wait_s: float = 5.0) -> None:
-        if self.proc.exitcode is None:
-            self.proc.terminate()
-            self.proc.join(wait_s)
-            if self.proc.exitcode is None:
-                self.proc.kill()
-                self.proc.join()
-        self.conn.close()
-
 
 class _PooledRank:
     """One rank of one job on a pooled worker, seen as :func:`launch.supervise` sees a process."""
@@ -109,18 +100,28 @@ class _PooledRank:
             self.worker.proc.sentinel
 
 
-def _stop_all(workers: list[_Worker | None]) -> None:
-    for w in workers:
-        if w is not None and w.alive():
-            try:
-                w.conn.send_bytes(b"")  # asks the worker to leave its loop
-            except OSError:
-                pass
+def _retire(workers: list[_Worker | None], indices: range, ask_first: bool = False) -> None:
+    """Stop the workers at ``indices`` and forget them; ``ask_first``: let idle ones leave their loop."""
+    leaving = [w for i in indices if (w := workers[i]) is not None]
+    if ask_first:
+        for w in leaving:
+            if w.alive():
+                try:
+                    w.conn.send_bytes(b"")  # asks the worker to leave its loop
+                except OSError:
+                    pass
+        for w in leaving:
             w.proc.join(5)
-    for i, w in enumerate(workers):
+    launch.stop_processes([w.proc for w in leaving])  # whoever did not leave: stuck in a job
+    for i in indices:
+        w = workers[i]
         if w is not None:
-            w.stop()
+            w.conn.close()
             workers[i] = None
+
+
+def _stop_all(workers: list[_Worker | None]) -> None:
+    _retire(workers, range(len(workers)), ask_first=True)
 
 
 class WorkerPool:
@@ -146,8 +147,7 @@ class WorkerPool:
     def _worker(self, index: int) -> _Worker:
         w = self._workers[index]
         if w is None or not w.alive():
-            if w is not None:
-                w.stop()
+            _retire(self._workers, range(index, index + 1))
             w = self._workers[index] = _Worker(self._ctx, index)
             self.started += 1
         return w
@@ -158,15 +158,15 @@ class WorkerPool:
         if nprocs > self.size:
             raise ValueError(f"a job of {nprocs} ranks does not fit a WorkerPool of size {self.size}")
         store = launch.job_store(timeout)
+        job = {"world": nprocs, "port": store.port, "accelerator": accelerator,
+               "timeout_s": timeout.total_seconds(), "env": dict(os.environ), "cwd": os.getcwd()}
         ranks = []
         for r in range(nprocs):
             w = self._worker(r)
             # torch's pickler, once per rank, as each spawned Process's arguments get: a tensor
             # shared through a file descriptor can be received once only.
             payload = bytes(ForkingPickler.dumps((fn, args)))
-            header = {"rank": r, "world": nprocs, "port": store.port, "accelerator": accelerator,
-                      "timeout_s": timeout.total_seconds(), "env": dict(os.environ), "cwd": os.getcwd()}
-            w.conn.send_bytes(pickle.dumps((header, payload)))
+            w.conn.send_bytes(pickle.dumps(({**job, "rank": r}, payload)))
             ranks.append(_PooledRank(w))
         ok = False
         try:
@@ -174,14 +174,7 @@ class WorkerPool:
             ok = True
         finally:
             if not ok:  # failed, timed out or interrupted: none of these workers is trusted again
-                for r in range(nprocs):
-                    self._retire(r)
-
-    def _retire(self, index: int) -> None:
-        w = self._workers[index]
-        if w is not None:
-            w.stop()
-            self._workers[index] = None
+                _retire(self._workers, range(nprocs))
 
     def close(self) -> None:
         """Stop every worker (they also exit on their own when this process goes away)."""
