@@ -6,11 +6,13 @@ Layout of one checkpoint directory ``<dir>/step_00000010/``:
 * ``manifest.json``: step, world size, strategy, the model's parameter shapes,
   and a SHA-256 checksum of every file, written by rank 0 last.
 
-Every strategy describes its state in one canonical layout
-(:meth:`shardwise.strategy.Strategy.checkpoint_state`: each tensor of a
-parameter flattened to 1-D, keyed by the parameter's name). DCP matches keys
-and reshards, so a checkpoint written by zero3 on 4 ranks loads into ddp on 2
-and back.
+The checkpoint is layout-free: every tensor is stored under its name in the
+unsplit model with its global shape (``model.<fqn>``, ``optim.<fqn>.<state>``),
+and each rank writes only the rectangles of it that it holds (a
+tensor-parallel slice, a pipeline stage's layers, a ZeRO/FSDP shard, a
+parameter server's range; :mod:`shardwise.pieces`). A load asks for the
+rectangles the new layout holds, and DCP reads them from whichever chunks the
+old layout wrote, so any layout resumes any other (docs/checkpoints.md).
 
 Writes are atomic: ranks write into ``step_N.tmp`` and rank 0 renames it to
 ``step_N`` only after every rank finished and the manifest is on disk, so a
@@ -51,10 +53,29 @@ class Restored:
     path: str
 
 
+FORMAT = 2  # 1: shardwise < issue 13, every tensor flattened to 1-D (not readable by this version)
+
+
 def model_shapes(model: nn.Module) -> dict[str, list[int]]:
-    """Shapes of the model's parameters and buffers (meta-device models work too)."""
-    m = unwrap(model)
-    return {n: list(t.shape) for n, t in list(m.named_parameters()) + list(m.named_buffers())}
+    """Global shape of each tensor of the unsplit model's state dict, once per tensor (meta-device models work).
+
+    A tied weight appears under its first name only; :func:`tied_aliases` lists its other names.
+    """
+    from shardwise.strategy import named_state
+
+    return {n: list(t.shape) for n, t in named_state(unwrap(model))}
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """State-dict names that are another name of an earlier tensor (tied weights): alias -> saved name."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for k, v in unwrap(model).state_dict(keep_vars=True).items():
+        if id(v) in first:
+            out[k] = first[id(v)]
+        else:
+            first[id(v)] = k
+    return out
 
 
 def _sha256(path: str) -> str:
@@ -88,7 +109,8 @@ def materialize(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     inner = optimizer
     while hasattr(inner, "optimizer") and isinstance(getattr(inner, "optimizer"), torch.optim.Optimizer):
         inner = inner.optimizer
-    params = [p for g in inner.param_groups for p in g["params"]]
+    # Frozen parameters never get a gradient, so training gives them no state either.
+    params = [p for g in inner.param_groups for p in g["params"] if p.requires_grad]
     if all(len(inner.state.get(p, {})) for p in params):
         return
     saved = [(p, p.detach().clone(), p.grad) for p in params]
@@ -102,8 +124,11 @@ def materialize(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
 
 
 def _state(strat: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology,
-           step: int, losses: list[float]) -> dict[str, Any]:
-    state = strat.checkpoint_state(model, optimizer, topo)
+           shapes: dict[str, list[int]], step: int, losses: list[float]) -> dict[str, Any]:
+    from shardwise.pieces import build_state
+
+    held = strat.checkpoint_held(model, optimizer, topo)
+    state: dict[str, Any] = dict(build_state(held, shapes, topo.coord("tp"), topo.size("tp")))
     state["trainer.step"] = torch.tensor(step, dtype=torch.int64)
     state["trainer.losses"] = torch.tensor(losses, dtype=torch.float64)
     state["trainer.rng"] = torch.get_rng_state()
@@ -112,7 +137,7 @@ def _state(strat: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer, 
 
 def save(directory: str, step: int, losses: list[float], strat: Strategy, model: nn.Module,
          optimizer: torch.optim.Optimizer, topo: Topology, shapes: dict[str, list[int]],
-         keep: int | None = None) -> str:
+         keep: int | None = None, aliases: dict[str, str] | None = None) -> str:
     """Write checkpoint ``step`` (after ``step`` optimizer steps) collectively; returns its path.
 
     With ``keep``, older checkpoints beyond the newest ``keep`` are deleted once
@@ -126,12 +151,16 @@ def save(directory: str, step: int, losses: list[float], strat: Strategy, model:
         os.makedirs(tmp)
     _barrier(topo)
     with _quiet_single_process():
-        dcp.save(_state(strat, model, optimizer, topo, step, losses), checkpoint_id=tmp)
+        from shardwise.pieces import SavePlanner
+
+        dcp.save(_state(strat, model, optimizer, topo, shapes, step, losses), checkpoint_id=tmp,
+                 planner=SavePlanner())
     _barrier(topo)
     if topo.rank == 0:
         files = {f: _sha256(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))}
-        manifest = {"format": 1, "step": step, "world_size": topo.world_size, "strategy": strat.name,
-                    "shapes": shapes, "files": files}
+        manifest = {"format": FORMAT, "step": step, "world_size": topo.world_size, "strategy": strat.name,
+                    "sizes": {d: topo.size(d) for d in ("dp", "tp", "pp")}, "shapes": shapes,
+                    "aliases": aliases or {}, "files": files}
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
@@ -182,7 +211,12 @@ def latest_valid(directory: str) -> str | None:
 def check_compatible(path: str, shapes: dict[str, list[int]]) -> None:
     """Reject a checkpoint of a different model, listing mismatched keys and shapes."""
     with open(os.path.join(path, MANIFEST)) as f:
-        saved = json.load(f)["shapes"]
+        manifest = json.load(f)
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"checkpoint {path} has format {manifest.get('format')}, this shardwise reads format "
+                         f"{FORMAT} (every tensor under its global shape); format 1 was written by shardwise before "
+                         "layout-free checkpoints and is not converted")
+    saved = manifest["shapes"]
     problems = []
     for k in sorted(set(saved) | set(shapes)):
         if k not in shapes:
@@ -202,10 +236,12 @@ def load(path: str, strat: Strategy, model: nn.Module, optimizer: torch.optim.Op
     check_compatible(path, shapes)
     with open(os.path.join(path, MANIFEST)) as f:
         step = int(json.load(f)["step"])
+    from shardwise.pieces import LoadPlanner
+
     materialize(model, optimizer)
-    state = _state(strat, model, optimizer, topo, 0, [0.0] * step)
+    state = _state(strat, model, optimizer, topo, shapes, 0, [0.0] * step)
     with _quiet_single_process():
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, checkpoint_id=path, planner=LoadPlanner())
     torch.set_rng_state(state["trainer.rng"])
     return Restored(step=int(state["trainer.step"]), losses=[float(v) for v in state["trainer.losses"]], path=path)
 
@@ -226,11 +262,13 @@ def export(path: str, out_file: str) -> dict[str, torch.Tensor]:
     if problem:
         raise ValueError(f"cannot export {path}: {problem}")
     with open(os.path.join(path, MANIFEST)) as f:
-        shapes = json.load(f)["shapes"]
+        manifest = json.load(f)
     with tempfile.TemporaryDirectory() as tmp:
         flat_file = os.path.join(tmp, "flat.pt")
         dcp_to_torch_save(path, flat_file)
         flat = torch.load(flat_file, weights_only=True)
-    sd = {k: flat[f"model.{k}"].reshape(shape).clone() for k, shape in shapes.items()}
+    sd = {k: flat[f"model.{k}"] for k in manifest["shapes"]}
+    for alias, name in manifest.get("aliases", {}).items():
+        sd[alias] = sd[name]
     torch.save(sd, out_file)
     return sd

@@ -94,25 +94,22 @@ class Owners:
         return self.wrappers[0].comm  # type: ignore[no-any-return]
 
 
-def fsdp_groups(topo: Topology, replicate: int, hybrid: bool = False) -> tuple[Comm, Comm | None, Any, list[Any]]:
-    """(shard comm, replicate comm or None, checkpoint mesh, DTensor placements) for FSDP/HSDP over dp.
+def fsdp_groups(topo: Topology, replicate: int, hybrid: bool = False) -> tuple[Comm, Comm | None]:
+    """(shard comm, replicate comm or None) for FSDP/HSDP over dp.
 
     ``hybrid`` (the ``hsdp`` strategy) uses the 2-D (replicate, shard) split of
-    dp even with one replica, so its groups and checkpoints look alike at every size.
+    dp even with one replica, so its groups look alike at every size.
     """
-    from torch.distributed.tensor import Replicate, Shard
-
     from shardwise.parallel.sharding import comm_on
 
     if replicate == 1 and not hybrid:
-        mesh = topo.mesh["dp"] if topo.mesh is not None else None  # type: ignore[index]
-        return topo.comm("dp"), None, mesh, [Shard(0)]
+        return topo.comm("dp"), None
     hmesh = topo.dp_split(topo.size("dp") // replicate)
     if hmesh is None:
-        return topo.comm("dp"), None, None, [Replicate(), Shard(0)]
+        return topo.comm("dp"), None
     shard = comm_on(topo, hmesh.get_group("dp_shard"), "dp_shard")  # type: ignore[attr-defined]
     rep = comm_on(topo, hmesh.get_group("dp_replicate"), "dp_replicate")  # type: ignore[attr-defined]
-    return shard, rep, hmesh, [Replicate(), Shard(0)]
+    return shard, rep
 
 
 def wrap_module(module: nn.Module, topo: Topology, opts: DataParallelOptions) -> nn.Module:
@@ -131,7 +128,7 @@ def wrap_module(module: nn.Module, topo: Topology, opts: DataParallelOptions) ->
                           offload_device=opts.offload_device if opts.offload == "optimizer" else None)
     from shardwise.parallel.fsdp import FSDPModule
 
-    shard, rep, _, _ = fsdp_groups(topo, opts.replicate, opts.hybrid)
+    shard, rep = fsdp_groups(topo, opts.replicate, opts.hybrid)
     return FSDPModule(module, shard, wrap=opts.wrap, reshard_after_forward=opts.reshard_after_forward,
                       replicate=rep, param_init_fn=opts.param_init_fn, device=topo.device,
                       dp_comm=topo.comm("dp"), collectives=opts.collectives, offload=opts.offload,

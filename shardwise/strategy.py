@@ -11,13 +11,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
 from shardwise.layout import RunLayout
 from shardwise.topology import Topology
+
+if TYPE_CHECKING:  # the checkpoint machinery (torch.distributed.checkpoint) loads only when a checkpoint is made
+    from shardwise.pieces import Held
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -124,29 +127,18 @@ class Strategy:
         """The unsharded state dict on CPU (a collective for sharded strategies)."""
         return {k: v.detach().cpu().clone() for k, v in unwrap(model).state_dict().items()}
 
-    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                         topo: Topology) -> dict[str, Any]:
-        """This rank's part of the canonical, resharding-friendly checkpoint state.
+    def checkpoint_held(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology) -> list[Held]:
+        """What this rank holds of every tensor of the layout-free checkpoint (see :mod:`shardwise.pieces`).
 
-        Keys are ``model.<fqn>`` (parameters and buffers) and
-        ``optim.<fqn>.<state name>`` (e.g. ``optim.net.0.weight.exp_avg``);
-        every tensor of a parameter is flattened to 1-D, so a checkpoint does
-        not depend on how a strategy shards. Replicated strategies return plain
-        tensors, sharded ones DTensors (``Shard(0)`` of the flattened tensor over
-        the data-parallel mesh). Every returned tensor is a view of live
-        storage: loading (torch.distributed.checkpoint loads in place) restores
-        the run. Optimizer states must exist (see :func:`shardwise.checkpoint.materialize`).
+        Keys are ``model.<fqn>`` (parameters and persistent buffers, named as in
+        the unsplit model) and ``optim.<fqn>.<state>`` (e.g.
+        ``optim.net.0.weight.exp_avg``). Every tensor is a view of live storage,
+        so a load (in place) restores the run; optimizer states must exist (see
+        :func:`shardwise.checkpoint.materialize`). The default covers a model
+        whose tensors are whole or tensor-parallel slices, wrapped (or not) by
+        one data-parallel wrapper that reports its shards (``checkpoint_parts``).
         """
-        inner = unwrap(model)
-        out: dict[str, Any] = {}
-        for n, p in inner.named_parameters():
-            out[f"model.{n}"] = p.detach().view(-1)
-            for k, v in optimizer.state.get(p, {}).items():
-                if isinstance(v, torch.Tensor):
-                    out[f"optim.{n}.{k}"] = v.view(-1) if v.dim() > 0 else v
-        for n, b in inner.named_buffers():
-            out[f"model.{n}"] = b.view(-1)
-        return out
+        return held_state(named_state(unwrap(model)), [model], optimizer)
 
     def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
         """Tensors this rank holds for the model state, by kind, for exact byte accounting.
@@ -298,6 +290,49 @@ def with_optimizer_states(parts: dict[str, list[torch.Tensor]],
         out.setdefault(k, []).extend(v)
     states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
     out.setdefault("host_optimizer" if "host_params" in out else "optimizer", []).extend(states)
+    return out
+
+
+def named_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``module``'s state-dict tensors (parameters, persistent buffers) once each, under their first name
+    (a tied weight is saved once; its other names are aliases, see :func:`shardwise.checkpoint.model_shapes`)."""
+    seen: set[int] = set()
+    out = []
+    for k, v in module.state_dict(keep_vars=True).items():
+        if id(v) not in seen:
+            seen.add(id(v))
+            out.append((k, v))
+    return out
+
+
+def held_state(named: Sequence[tuple[str, torch.Tensor]], wrappers: Sequence[nn.Module],
+               optimizer: torch.optim.Optimizer) -> list[Held]:
+    """:class:`~shardwise.pieces.Held` entries for the tensors ``named`` (names of the unsplit model).
+
+    A data-parallel wrapper among ``wrappers`` that shards a parameter reports
+    its parts (``checkpoint_parts(optimizer)``: per parameter, ``(what, start,
+    1-D view)`` with ``what`` ``"param"`` or an optimizer state's name); every
+    other tensor is whole on this rank, its optimizer states keyed by the
+    parameter itself. Tensor-parallel slices carry their ``tp_spec``.
+    """
+    from shardwise.parallel.tp import tp_spec
+    from shardwise.pieces import Held
+
+    parts: dict[int, list[tuple[str, int, torch.Tensor]]] = {}
+    for w in wrappers:
+        if hasattr(w, "checkpoint_parts"):
+            parts.update({id(p): got for p, got in w.checkpoint_parts(optimizer).items()})
+    out: list[Held] = []
+    for name, t in named:
+        spec = tp_spec(t)
+        got = parts.get(id(t))
+        states: list[tuple[str, int, torch.Tensor]] = got if got is not None else \
+            [(k, 0, v) for k, v in optimizer.state.get(t, {}).items() if isinstance(v, torch.Tensor)]
+        if not any(what == "param" for what, _, _ in states):
+            out.append(Held(f"model.{name}", t.detach(), 0, spec))
+        for what, start, v in states:
+            key = f"model.{name}" if what == "param" else f"optim.{name}.{what}"
+            out.append(Held(key, v, start, spec if v.dim() > 0 else None))
     return out
 
 

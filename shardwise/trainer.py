@@ -267,6 +267,7 @@ class _Job:
         t, strat = self.trainer, self.trainer.strategy
         torch.manual_seed(t.seed)
         shapes = checkpoint.model_shapes(self.model)
+        self.aliases = checkpoint.tied_aliases(self.model)
         if t.activation_checkpointing:
             from shardwise.parallel.checkpointing import apply_activation_checkpointing
 
@@ -367,7 +368,7 @@ class _Job:
                         t.checkpoint_every is not None and done % t.checkpoint_every == 0)):
                     so_far = prev + _global_losses(losses, strat, topo)
                     checkpoint.save(t.checkpoint_dir, done, so_far, strat, model, opt, topo, shapes,
-                                    keep=t.checkpoint_keep)
+                                    keep=t.checkpoint_keep, aliases=self.aliases)
         if log is not None:
             log.close()
         return losses, times, state_bytes

@@ -18,7 +18,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -29,9 +29,12 @@ from shardwise.parallel.pipeline import (PipelineModel, find_ties, gather_full_s
 from shardwise.parallel.schedules import Recorder, get_schedule
 from shardwise.parallel.tp import Plan, Style, counts_in_norm
 from shardwise.parallelize import DataParallelOptions, Owners, parallelize
-from shardwise.strategy import (LossFn, OptimizerFactory, StepRun, Strategy, model_state_tensors,
+from shardwise.strategy import (LossFn, OptimizerFactory, StepRun, Strategy, held_state, model_state_tensors,
                                 with_optimizer_states)
 from shardwise.topology import Topology
+
+if TYPE_CHECKING:
+    from shardwise.pieces import Held
 
 
 @dataclass
@@ -204,10 +207,22 @@ class Parallel(Strategy):
                 for u in units:
                     u.reshard()
 
-    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                         topo: Topology) -> dict[str, Any]:
-        raise NotImplementedError("checkpoints of pipeline- and tensor-parallel compositions are not supported "
-                                  "yet; use a data-parallel strategy (ddp, zero1-3, fsdp, hsdp) to checkpoint")
+    def checkpoint_held(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology) -> list[Held]:
+        """This rank's stage(s) under the unsplit model's names, as tp slices and dp shards.
+
+        A weight tied across stages is written by every stage holding a copy
+        (the copies are equal, and DCP keeps one of identical chunks).
+        """
+        pm: PipelineModel = model  # type: ignore[assignment]
+        tied = {id(t.param): t.name for t in pm.ties}  # a stage's copy of a tied weight: its first name
+        seen: set[int] = set()
+        named = []
+        for k in pm.keys:  # the unsplit model's order: a tied weight goes under its first name
+            t = pm.claimed.get(k)
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                named.append((tied.get(id(t), k), t))
+        return held_state(named, pm.data.wrappers if pm.data is not None else [], optimizer)
 
     def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
         pm: PipelineModel = model  # type: ignore[assignment]

@@ -50,10 +50,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from shardwise.comm import Comm
 from shardwise.parallel.fsdp_module import FSDPModule
 from shardwise.parallel.fsdp_units import WrapPolicy, unit_modules
-from shardwise.parallel.sharding import sharded_dtensor
 from shardwise.parallel.zero import ShardedOptimizer, check_offload, zero_clip_grad_norm
 from shardwise.layout import RunLayout
 from shardwise.strategy import OptimizerFactory, Strategy, unwrap
@@ -102,12 +100,6 @@ class FSDP(Strategy):
         """HSDP replicas over dp (1: shard over all of dp)."""
         return 1
 
-    def _groups(self, topo: Topology) -> tuple[Comm, Comm | None, Any, list[Any]]:
-        """(shard comm, replicate comm, checkpoint mesh, placements)."""
-        from shardwise.parallelize import fsdp_groups
-
-        return fsdp_groups(topo, self._replicas(topo), hybrid=self.hybrid)
-
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
         from shardwise.parallelize import DataParallelOptions, wrap_module
@@ -134,28 +126,6 @@ class FSDP(Strategy):
         out: dict[str, torch.Tensor] = {}
         for k, v in unwrap(model).state_dict(keep_vars=True).items():
             out[k] = full[v].clone() if v in full else v.detach().cpu().clone()  # type: ignore[index]
-        return out
-
-    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                         topo: Topology) -> dict[str, Any]:
-        """Parameters and optimizer states as DTensors of the flattened parameters (views of the shards)."""
-        fm: FSDPModule = model  # type: ignore[assignment]
-        _, _, mesh, placements = self._groups(topo)
-        out: dict[str, Any] = {}
-        for s, n in fm.shard_names.items():
-            numel, k = fm.numel_of[s], fm.local_of[s]
-            out[f"model.{n}"] = sharded_dtensor(s.detach()[:k], numel, mesh, placements)
-            for key, v in optimizer.state.get(s, {}).items():
-                if isinstance(v, torch.Tensor):
-                    out[f"optim.{n}.{key}"] = v if v.dim() == 0 else \
-                        sharded_dtensor(v.view(-1)[:k], numel, mesh, placements)
-        inner = unwrap(model)
-        sharded = set(fm.unit_of)
-        for n, p in inner.named_parameters():
-            if p not in sharded:  # frozen parameters stay whole on every rank
-                out[f"model.{n}"] = p.detach().view(-1)
-        for n, b in inner.named_buffers():
-            out[f"model.{n}"] = b.view(-1)
         return out
 
 

@@ -25,7 +25,7 @@ from torch import nn
 from shardwise.comm import Comm, Handle
 from shardwise.parallel.ddp import GradSync, _tensors, check_same_parameters
 from shardwise.parallel.fsdp_units import WrapPolicy, _Unit, _to_device, unit_modules
-from shardwise.parallel.sharding import broadcast_inplace, local_numel, pick_collectives
+from shardwise.parallel.sharding import broadcast_inplace, chunk_numel, local_numel, pick_collectives, shard_parts
 
 
 # ---- hooks and gradient reduction -------------------------------------------
@@ -369,6 +369,12 @@ class FSDPModule(_Reduction, nn.Module):
         # Offloaded: the optimizer's rows, gradient shards and states are host memory.
         return {"params": params, "grads": full, "host_params": [u.host for u in self.units if u.host is not None],
                 "host_grads": self.shard_grads()}
+
+    def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, list[tuple[str, int, torch.Tensor]]]:
+        """This rank's piece of each sharded parameter and of its optimizer states (frozen ones stay whole)."""
+        return {p: shard_parts(s, self.comm.rank * chunk_numel(self.numel_of[s], self.comm.size), self.local_of[s],
+                               optimizer, with_param=True)
+                for u in self.units for s, p in zip(u.shard_params, u.params)}
 
     def grad_pieces(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
         """(reduced gradient piece, the parameter it belongs to) for every piece this rank holds."""

@@ -240,17 +240,21 @@ def comm_on(topo: Topology, group: Any, label: str) -> Comm:
     return Comm(group, topo.stats, topo.timeout, getattr(topo, "diag", None), label=label)
 
 
-def sharded_dtensor(local: torch.Tensor, numel: int, mesh: Any, placements: Sequence[Any]) -> Any:
-    """``local`` (this rank's unpadded piece, a view of live storage) as a DTensor of the flattened parameter.
+def shard_parts(shard: torch.Tensor, start: int, held: int, optimizer: torch.optim.Optimizer,
+                with_param: bool) -> list[tuple[str, int, torch.Tensor]]:
+    """A flat shard's entries for a layout-free checkpoint (``checkpoint_parts`` of ZeRO and FSDP wrappers).
 
-    With no mesh (one process) the piece is the whole tensor and is returned as is.
+    ``shard`` is this rank's padded piece of a flattened parameter, starting at
+    element ``start``, of which ``held`` elements are real (the rest padding).
+    Returns ``(what, start, view)``: the parameter itself (``"param"``, when
+    the rank holds it only as this piece) and each optimizer state, views of
+    live storage so that a load lands in place.
     """
-    if mesh is None:
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local, mesh, list(placements), run_check=False, shape=torch.Size((numel,)),
-                              stride=(1,))
+    out = [("param", start, shard.detach().view(-1)[:held])] if with_param else []
+    for key, v in optimizer.state.get(shard, {}).items():
+        if isinstance(v, torch.Tensor):
+            out.append((key, 0, v) if v.dim() == 0 else (key, start, v.view(-1)[:held]))
+    return out
 
 
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:

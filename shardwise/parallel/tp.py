@@ -358,11 +358,6 @@ class TP(Strategy):
     def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
         return gather_state(unwrap(model), topo.comm("tp"))
 
-    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                         topo: Topology) -> dict[str, Any]:
-        raise NotImplementedError("checkpoints of tensor-parallel runs are not supported yet "
-                                  "(the canonical layout needs each shard as a DTensor)")
-
 
 __all__ = ["TP", "Plan", "Style", "STYLES", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "parallelize", "plan_for", "gpt_plan", "gpt2_plan", "llama_plan", "mlp_plan", "gather_state",

@@ -37,7 +37,6 @@ import torch
 from torch import nn
 
 from shardwise.comm import Comm
-from shardwise.parallel.sharding import sharded_dtensor
 from shardwise.parallel.zero_module import ZeROModule
 from shardwise.layout import RunLayout
 from shardwise.strategy import OptimizerFactory, Strategy, unwrap
@@ -89,7 +88,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.owner.zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard of the optimizer state (torch layout); see ``checkpoint_state`` for the global one."""
+        """This rank's shard of the optimizer state (torch layout); see ``Strategy.checkpoint_held`` for the global one."""
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -186,29 +185,6 @@ class ZeRO1(Strategy):
         zm: ZeROModule = model  # type: ignore[assignment]
         zm.before_step()
         return zero_clip_grad_norm(zm.shard_grads(), max_norm, zm.comm, "zero_clip", device=topo.device)
-
-    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                         topo: Topology) -> dict[str, Any]:
-        """Parameters and buffers replicated (plain views); optimizer states as ``Shard(0)`` DTensors."""
-        zm: ZeROModule = model  # type: ignore[assignment]
-        inner = unwrap(model)
-        mesh = topo.mesh["dp"] if topo.mesh is not None else None  # type: ignore[index]
-        from torch.distributed.tensor import Shard
-
-        out: dict[str, Any] = {}
-        for n, p in inner.named_parameters():
-            out[f"model.{n}"] = p.detach().view(-1)
-        for b in zm.buckets:
-            for p, s, k in zip(b.params, b.shards, b.locals):
-                n = zm.names[p]
-                for key, v in optimizer.state.get(s, {}).items():
-                    if isinstance(v, torch.Tensor):
-                        out[f"optim.{n}.{key}"] = v if v.dim() == 0 else \
-                            sharded_dtensor(v.view(-1)[:k], p.numel(), mesh, [Shard(0)])
-        for n, buf in inner.named_buffers():
-            out[f"model.{n}"] = buf.view(-1)
-        return out
-
 
 @dataclass
 class ZeRO2(ZeRO1):

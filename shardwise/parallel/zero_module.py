@@ -23,7 +23,7 @@ from torch import nn
 from shardwise.comm import Comm
 from shardwise.parallel.ddp import GradSync, bucket_params, check_same_parameters
 from shardwise.parallel.sharding import (FlatLayout, Waitable, all_gather, broadcast_inplace, pick_collectives,
-                                         reduce_scatter)
+                                         reduce_scatter, shard_parts)
 
 
 class _Bucket:
@@ -151,6 +151,11 @@ class ZeROModule(GradSync, nn.Module):
         # Offloaded: the master rows, gradient shards and optimizer states are host memory.
         return {"params": params, "grads": grads, "host_params": [b.host for b in self.buckets if b.host is not None],
                 "host_grads": self.shard_grads()}
+
+    def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, list[tuple[str, int, torch.Tensor]]]:
+        """This rank's optimizer-state pieces of each parameter (the parameters themselves are whole here)."""
+        return {p: shard_parts(s, self.comm.rank * c, k, optimizer, with_param=False)
+                for b in self.buckets for p, s, c, k in zip(b.params, b.shards, b.layout.chunks, b.locals)}
 
     def grad_pieces(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
         """(reduced gradient piece, the parameter it belongs to) for every piece this rank holds."""

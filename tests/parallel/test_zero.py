@@ -150,31 +150,40 @@ def test_weights_equal_torch_zero_redundancy_optimizer(tmp_path):
 # ---- torch.distributed.checkpoint round trip ------------------------------------
 def _dcp_round_trip(rank, device, strategy, path):
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.tensor import DTensor
+
+    from shardwise.checkpoint import model_shapes
+    from shardwise.pieces import LoadPlanner, SavePlanner, build_state
 
     topo = Topology.create(device)
     strat = sw.resolve(strategy)
+    shapes = model_shapes(_small())
     model, opt = strat.setup(_small(), ADAMW, topo)
     g = torch.Generator().manual_seed(rank)
     for _ in range(2):
         F.cross_entropy(model(torch.randn(8, 16, generator=g)), torch.randint(0, 5, (8,), generator=g)).backward()
         opt.step()
         opt.zero_grad()
-    state = strat.checkpoint_state(model, opt, topo)
-    # The canonical layout: every tensor flat; optimizer states Shard(0) DTensors of the whole parameter.
-    assert isinstance(state["optim.2.bias.exp_avg"], DTensor)
-    assert tuple(state["optim.2.bias.exp_avg"].shape) == (5,)
-    assert state["optim.2.bias.exp_avg"].to_local().numel() == (3 if rank == 0 else 2)  # torch.chunk(5, 2)
-    assert state["optim.0.weight.step"].dim() == 0
-    local = {k: (v.to_local() if isinstance(v, DTensor) else v).clone() for k, v in state.items()}
-    dcp.save(state, checkpoint_id=path)
+
+    def state():
+        return build_state(strat.checkpoint_held(model, opt, topo), shapes)
+
+    st = state()
+    # The layout-free form: each tensor under its global shape; this rank's optimizer-state piece only.
+    assert st["optim.2.bias.exp_avg"].size() == (5,)
+    mine = [(tuple(o), v.numel()) for o, v in st["optim.2.bias.exp_avg"].parts]
+    assert mine == ([((0,), 3)] if rank == 0 else [((3,), 2)])  # torch.chunk(5, 2)
+    assert st["optim.0.weight.exp_avg"].size() == (32, 16)
+    assert st["optim.0.weight.step"].size() == ()
+    local = {k: [v.clone() for _, v in p.parts] for k, p in st.items()}
+    dcp.save(st, checkpoint_id=path, planner=SavePlanner())
     with torch.no_grad():  # wreck the live state, then load it back in place
-        for v in state.values():
-            (v.to_local() if isinstance(v, DTensor) else v).fill_(123.0)
-    dcp.load(strat.checkpoint_state(model, opt, topo), checkpoint_id=path)
-    again = strat.checkpoint_state(model, opt, topo)
-    for k, v in again.items():
-        torch.testing.assert_close(v.to_local() if isinstance(v, DTensor) else v, local[k], rtol=0, atol=0)
+        for p in st.values():
+            for _, v in p.parts:
+                v.fill_(123.0)
+    dcp.load(state(), checkpoint_id=path, planner=LoadPlanner())
+    for k, p in state().items():
+        for (_, v), w in zip(p.parts, local[k]):
+            torch.testing.assert_close(v, w, rtol=0, atol=0)
     # The optimizer keeps training from the restored state.
     x, y = torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)
     F.cross_entropy(model(x), y).backward()
