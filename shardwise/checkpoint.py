@@ -123,6 +123,86 @@ def materialize(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
             p.grad = grad
 
 
+def run_info(model: nn.Module, optimizer: torch.optim.Optimizer, batch_size: int, precision: str) -> dict[str, Any]:
+    """What a checkpoint records about the run that wrote it, for the checks of a resume and for export.
+
+    ``optimizer`` is a probe built from the run's optimizer factory (its class
+    and hyperparameters); for a Hugging Face model, its class and config, so
+    ``shardwise checkpoint export`` can write a directory ``from_pretrained`` loads.
+    """
+    m = unwrap(model)
+    info: dict[str, Any] = {
+        "batch_size": batch_size, "precision": precision,
+        "optimizer": {"class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+                      "defaults": {k: v for k, v in optimizer.defaults.items()
+                                   if isinstance(v, (int, float, str, bool, type(None), list, tuple))}},
+        "model": {"class": f"{type(m).__module__}.{type(m).__qualname__}"},
+    }
+    config = getattr(m, "config", None)
+    if config is not None and hasattr(config, "to_dict") and hasattr(m, "save_pretrained"):
+        info["model"]["hf_config"] = config.to_dict()
+    return info
+
+
+def check_directory(directory: str) -> None:
+    """Refuse, before any process starts, a checkpoint directory that is a file or cannot be written."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(f"checkpoint_dir={directory!r} is a file, not a directory")
+    probe = directory
+    while not os.path.exists(probe):  # the nearest existing ancestor is where the directory will be made
+        parent = os.path.dirname(os.path.abspath(probe))
+        if parent == probe:
+            break
+        probe = parent
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"checkpoint_dir={directory!r} cannot be written ({probe!r} is not writable)")
+
+
+def read_manifest(path: str) -> dict[str, Any]:
+    with open(os.path.join(path, MANIFEST)) as f:
+        return json.load(f)  # type: ignore[no-any-return]
+
+
+def check_resume(directory: str, info: dict[str, Any], max_steps: int) -> str | None:
+    """Before any process starts: whether the newest intact checkpoint can continue this run.
+
+    Refuses a checkpoint at or past ``max_steps`` (nothing would train), another
+    global batch size (the data order and the optimisation would change), or
+    another optimizer class (its states would not match); warns when only the
+    optimizer's hyperparameters differ, naming each change. Returns the path
+    (None without a checkpoint).
+    """
+    path = latest_valid(directory)
+    if path is None:
+        return None
+    manifest = read_manifest(path)
+    step, saved = int(manifest["step"]), manifest.get("run")
+    if step >= max_steps:
+        raise ValueError(f"the newest checkpoint {path} is at step {step}, and max_steps={max_steps}: there is "
+                         f"nothing left to train; raise max_steps above {step}, or pass resume=False (or another "
+                         "checkpoint_dir) to start over")
+    if not saved:
+        return path
+    if saved["batch_size"] != info["batch_size"]:
+        raise ValueError(f"checkpoint {path} was written with batch_size={saved['batch_size']}, this run has "
+                         f"batch_size={info['batch_size']}: the global batch fixes the data order and the "
+                         "optimisation, so a resumed run would not continue the same training; use "
+                         f"batch_size={saved['batch_size']} (or resume=False to start over)")
+    was, now = saved["optimizer"], info["optimizer"]
+    if was["class"] != now["class"]:
+        raise ValueError(f"checkpoint {path} was written with optimizer {was['class']}, this run uses "
+                         f"{now['class']}: the optimizer states in the checkpoint do not fit another optimizer; "
+                         f"use {was['class']} (or resume=False to start over)")
+    changed = [f"{k} {was['defaults'].get(k)!r} -> {now['defaults'].get(k)!r}"
+               for k in sorted(set(was["defaults"]) | set(now["defaults"]))
+               if json.loads(json.dumps(now["defaults"].get(k))) != was["defaults"].get(k)]
+    if changed:
+        warnings.warn(f"resuming {path} with other optimizer settings ({', '.join(changed)}): the steps after "
+                      f"{step} use the new values, so the run is not the one the checkpoint started",
+                      stacklevel=3)
+    return path
+
+
 def _state(strat: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology,
            shapes: dict[str, list[int]], step: int, losses: list[float]) -> dict[str, Any]:
     from shardwise.pieces import build_state
@@ -137,7 +217,8 @@ def _state(strat: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer, 
 
 def save(directory: str, step: int, losses: list[float], strat: Strategy, model: nn.Module,
          optimizer: torch.optim.Optimizer, topo: Topology, shapes: dict[str, list[int]],
-         keep: int | None = None, aliases: dict[str, str] | None = None) -> str:
+         keep: int | None = None, aliases: dict[str, str] | None = None,
+         run: dict[str, Any] | None = None) -> str:
     """Write checkpoint ``step`` (after ``step`` optimizer steps) collectively; returns its path.
 
     With ``keep``, older checkpoints beyond the newest ``keep`` are deleted once
@@ -160,7 +241,7 @@ def save(directory: str, step: int, losses: list[float], strat: Strategy, model:
         files = {f: _sha256(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))}
         manifest = {"format": FORMAT, "step": step, "world_size": topo.world_size, "strategy": strat.name,
                     "sizes": {d: topo.size(d) for d in ("dp", "tp", "pp")}, "shapes": shapes,
-                    "aliases": aliases or {}, "files": files}
+                    "aliases": aliases or {}, "run": run or {}, "files": files}
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()

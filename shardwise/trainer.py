@@ -127,8 +127,8 @@ class Trainer:
     def fit(self, model: nn.Module, dataset: Any, loss_fn: LossFn, optimizer: OptimizerFactory,
             batch_size: int, max_steps: int) -> FitResult:
         """Train for ``max_steps`` optimizer steps of global batch ``batch_size``."""
-        self._validate(model, dataset, batch_size, max_steps, optimizer)
-        job = _Job(self, model, dataset, loss_fn, optimizer, batch_size, max_steps)
+        info = self._validate(model, dataset, batch_size, max_steps, optimizer)
+        job = _Job(self, model, dataset, loss_fn, optimizer, batch_size, max_steps, info)
         nprocs = self.strategy.processes(self.devices)
         if dist.is_initialized() or launch.under_torchrun():
             owned = not dist.is_initialized()
@@ -154,8 +154,9 @@ class Trainer:
         return FitResult(**saved)
 
     def _validate(self, model: nn.Module, dataset: Any, batch_size: int, max_steps: int,
-                  optimizer: OptimizerFactory) -> None:
-        """Everything that can be checked before any process starts or blocks."""
+                  optimizer: OptimizerFactory) -> dict[str, Any]:
+        """Everything that can be checked before any process starts or blocks; returns the run's record
+        for checkpoints (:func:`shardwise.checkpoint.run_info`)."""
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
         check_dataset(len(dataset), batch_size)
@@ -173,8 +174,14 @@ class Trainer:
                             "parameters, e.g. functools.partial(torch.optim.AdamW, lr=1e-3); got "
                             f"{type(probe).__name__}")
         self.strategy.check_optimizer(probe)
+        info = checkpoint.run_info(model, probe, batch_size, self.precision)
+        if self.checkpoint_dir is not None:
+            checkpoint.check_directory(self.checkpoint_dir)
+            if self.resume:
+                checkpoint.check_resume(self.checkpoint_dir, info, max_steps)
         if self.memory_check != "off":
             self._check_memory(model, probe, batch_size)
+        return info
 
     def _check_memory(self, model: nn.Module, probe: torch.optim.Optimizer, batch_size: int) -> None:
         """Ask the planner whether exactly this run fits before anything starts.
@@ -254,6 +261,7 @@ class _Job:
     optimizer_fn: OptimizerFactory
     batch_size: int
     max_steps: int
+    info: dict[str, Any]  # what checkpoints record about the run (checkpoint.run_info)
 
     def run(self, device: torch.device) -> FitResult:
         t = self.trainer
@@ -368,7 +376,7 @@ class _Job:
                         t.checkpoint_every is not None and done % t.checkpoint_every == 0)):
                     so_far = prev + _global_losses(losses, strat, topo)
                     checkpoint.save(t.checkpoint_dir, done, so_far, strat, model, opt, topo, shapes,
-                                    keep=t.checkpoint_keep, aliases=self.aliases)
+                                    keep=t.checkpoint_keep, aliases=self.aliases, run=self.info)
         if log is not None:
             log.close()
         return losses, times, state_bytes
