@@ -51,6 +51,7 @@ class Restored:
     step: int
     losses: list[float]
     path: str
+    extra: dict[str, torch.Tensor]  # run state beside the model (e.g. "scaler": the fp16 loss scaler)
 
 
 FORMAT = 2  # 1: shardwise < issue 13, every tensor flattened to 1-D (not readable by this version)
@@ -154,6 +155,8 @@ def check_directory(directory: str) -> None:
         if parent == probe:
             break
         probe = parent
+    if not os.path.isdir(probe):
+        raise ValueError(f"checkpoint_dir={directory!r} cannot be created: {probe!r} is a file")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ValueError(f"checkpoint_dir={directory!r} cannot be written ({probe!r} is not writable)")
 
@@ -204,7 +207,8 @@ def check_resume(directory: str, info: dict[str, Any], max_steps: int) -> str | 
 
 
 def _state(strat: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology,
-           shapes: dict[str, list[int]], step: int, losses: list[float]) -> dict[str, Any]:
+           shapes: dict[str, list[int]], step: int, losses: list[float],
+           extra: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     from shardwise.pieces import build_state
 
     held = strat.checkpoint_held(model, optimizer, topo)
@@ -212,17 +216,20 @@ def _state(strat: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer, 
     state["trainer.step"] = torch.tensor(step, dtype=torch.int64)
     state["trainer.losses"] = torch.tensor(losses, dtype=torch.float64)
     state["trainer.rng"] = torch.get_rng_state()
+    for k, v in (extra or {}).items():
+        state[f"trainer.{k}"] = v
     return state
 
 
 def save(directory: str, step: int, losses: list[float], strat: Strategy, model: nn.Module,
          optimizer: torch.optim.Optimizer, topo: Topology, shapes: dict[str, list[int]],
          keep: int | None = None, aliases: dict[str, str] | None = None,
-         run: dict[str, Any] | None = None) -> str:
+         run: dict[str, Any] | None = None, extra: dict[str, torch.Tensor] | None = None) -> str:
     """Write checkpoint ``step`` (after ``step`` optimizer steps) collectively; returns its path.
 
     With ``keep``, older checkpoints beyond the newest ``keep`` are deleted once
-    the new one is complete.
+    the new one is complete. ``extra``: small replicated tensors of run state (the
+    fp16 loss scaler), restored by :func:`load` as :attr:`Restored.extra`.
     """
     final = os.path.join(directory, f"step_{step:08d}")
     tmp = final + ".tmp"
@@ -234,14 +241,16 @@ def save(directory: str, step: int, losses: list[float], strat: Strategy, model:
     with _quiet_single_process():
         from shardwise.pieces import SavePlanner
 
-        dcp.save(_state(strat, model, optimizer, topo, shapes, step, losses), checkpoint_id=tmp,
+        dcp.save(_state(strat, model, optimizer, topo, shapes, step, losses, extra), checkpoint_id=tmp,
                  planner=SavePlanner())
     _barrier(topo)
     if topo.rank == 0:
         files = {f: _sha256(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))}
         manifest = {"format": FORMAT, "step": step, "world_size": topo.world_size, "strategy": strat.name,
                     "sizes": {d: topo.size(d) for d in ("dp", "tp", "pp")}, "shapes": shapes,
-                    "aliases": aliases or {}, "run": run or {}, "files": files}
+                    "aliases": aliases or {}, "run": run or {},
+                    "extra": {k: [list(v.shape), str(v.dtype).replace("torch.", "")] for k, v in (extra or {}).items()},
+                    "files": files}
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
@@ -315,16 +324,25 @@ def load(path: str, strat: Strategy, model: nn.Module, optimizer: torch.optim.Op
          shapes: dict[str, list[int]]) -> Restored:
     """Restore model, optimizer, step, loss history and RNG from ``path`` in place (collective)."""
     check_compatible(path, shapes)
-    with open(os.path.join(path, MANIFEST)) as f:
-        step = int(json.load(f)["step"])
+    manifest = read_manifest(path)
+    step = int(manifest["step"])
+    extra = {k: torch.zeros(shape, dtype=getattr(torch, dt)) for k, (shape, dt) in manifest.get("extra", {}).items()}
     from shardwise.pieces import LoadPlanner
 
-    materialize(model, optimizer)
-    state = _state(strat, model, optimizer, topo, shapes, 0, [0.0] * step)
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    # A checkpoint written before the optimizer's first step (fp16 skipping overflowed steps)
+    # holds no optimizer states: the optimizer must then start without any, as that run did.
+    has_states = any(k.startswith("optim.") for k in stored)
+    if has_states:
+        materialize(model, optimizer)
+    state = _state(strat, model, optimizer, topo, shapes, 0, [0.0] * step, extra)
+    if not has_states:
+        state = {k: v for k, v in state.items() if not k.startswith("optim.")}
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=path, planner=LoadPlanner())
     torch.set_rng_state(state["trainer.rng"])
-    return Restored(step=int(state["trainer.step"]), losses=[float(v) for v in state["trainer.losses"]], path=path)
+    return Restored(step=int(state["trainer.step"]), losses=[float(v) for v in state["trainer.losses"]], path=path,
+                    extra=extra)
 
 
 def resume_point(directory: str, topo: Topology) -> str | None:

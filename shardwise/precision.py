@@ -55,6 +55,13 @@ class LossScaler:
                         found |= not bool(torch.isfinite(p.grad).all())
         return found
 
+    def as_tensor(self) -> torch.Tensor:
+        """(scale, clean steps since the last change), for a checkpoint."""
+        return torch.tensor([self.scale, float(self._clean)], dtype=torch.float64)
+
+    def load_tensor(self, t: torch.Tensor) -> None:
+        self.scale, self._clean = float(t[0]), int(t[1])
+
     def update(self, found_inf: bool) -> None:
         if found_inf:
             self.scale /= 2.0

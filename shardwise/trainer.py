@@ -283,10 +283,12 @@ class _Job:
             apply_activation_checkpointing(self.model, classes)  # type: ignore[arg-type]
         model, opt = strat.setup(self.model, self.optimizer_fn, topo)
         prev: list[float] = []
+        extra: dict[str, torch.Tensor] = {}
         if t.checkpoint_dir is not None and t.resume:
             path = checkpoint.resume_point(t.checkpoint_dir, topo)
             if path is not None:
-                prev = checkpoint.load(path, strat, model, opt, topo, shapes).losses[:self.max_steps]
+                restored = checkpoint.load(path, strat, model, opt, topo, shapes)
+                prev, extra = restored.losses[:self.max_steps], restored.extra
         sent_after_setup = topo.stats.sent
         received_after_setup = topo.stats.received
         server = isinstance(strat, HasServers) and strat.is_server(topo)
@@ -295,7 +297,7 @@ class _Job:
             losses = [0.0] * self.max_steps
             state_bytes = _count_state(strat, model, opt)
         else:
-            losses, times, state_bytes = self._loop(model, opt, topo, prev, shapes)
+            losses, times, state_bytes = self._loop(model, opt, topo, prev, shapes, extra)
         steps_run = max(1, len(losses))
         train_sent = topo.stats.sent - sent_after_setup
         train_received = topo.stats.received - received_after_setup
@@ -319,7 +321,8 @@ class _Job:
         return FitResult(losses=global_losses, state_dict=state_dict, stats=stats)
 
     def _loop(self, model: nn.Module, opt: torch.optim.Optimizer, topo: Topology, prev: list[float],
-              shapes: dict[str, list[int]]) -> tuple[list[float], list[float], dict[str, int]]:
+              shapes: dict[str, list[int]], restored: dict[str, torch.Tensor]) -> tuple[list[float], list[float],
+                                                                                      dict[str, int]]:
         """The step loop of a training rank from step ``len(prev)``: data, forward/backward, clip, step."""
         t, strat, device = self.trainer, self.trainer.strategy, topo.device
         shards, shard = strat.data_parallel(topo)
@@ -332,6 +335,8 @@ class _Job:
         log = StepLog(t.metrics_path, t.tensorboard_dir, t.peak_flops, total_numel(shapes), topo.world_size) \
             if rank0 and (t.metrics_path or t.tensorboard_dir) else None
         scaler = precision_mod.LossScaler() if t.precision == "16-mixed" else None
+        if scaler is not None and "scaler" in restored:
+            scaler.load_tensor(restored["scaler"])  # the scale and clean-step count the checkpoint's run had
         with progress_bar(rank0 and want_progress(t.progress), self.max_steps) as advance:
             advance.skip(len(prev))  # type: ignore[attr-defined]
             for step in range(len(prev), self.max_steps):
@@ -376,7 +381,8 @@ class _Job:
                         t.checkpoint_every is not None and done % t.checkpoint_every == 0)):
                     so_far = prev + _global_losses(losses, strat, topo)
                     checkpoint.save(t.checkpoint_dir, done, so_far, strat, model, opt, topo, shapes,
-                                    keep=t.checkpoint_keep, aliases=self.aliases, run=self.info)
+                                    keep=t.checkpoint_keep, aliases=self.aliases, run=self.info,
+                                    extra={"scaler": scaler.as_tensor()} if scaler is not None else None)
         if log is not None:
             log.close()
         return losses, times, state_bytes

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 
 import pytest
@@ -91,3 +92,73 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path):
     sw.Trainer("single", 1, accelerator="cpu", progress=False, checkpoint_dir=ckpt, checkpoint_every=1,
                checkpoint_keep=2).fit(digits().make_model(), digits().train, digits().loss_fn, ADAMW, 64, 5)
     assert [os.path.basename(p) for p in checkpoint.checkpoints(ckpt)] == ["step_00000004", "step_00000005"]
+
+
+def test_the_fp16_loss_scale_resumes_where_it_was(tmp_path):
+    """A loss 1000x too large overflows fp16 at scale 2**16: the scaler halves it over the first steps.
+
+    Checkpointed at step 3 (mid-way through the halving) and resumed, the run
+    must skip exactly the steps the uninterrupted run skipped: a scaler reset
+    to 2**16 would skip three more, and every later loss would differ.
+    """
+    work = digits()
+
+    def loss(out, y):
+        return work.loss_fn(out, y) * 1000.0
+
+    def run(steps, ckpt=None):
+        return sw.Trainer("single", 1, accelerator="cpu", progress=False, precision="16-mixed",
+                          checkpoint_dir=ckpt, checkpoint_every=3 if ckpt else None).fit(
+            work.make_model(), work.train, loss, ADAMW, batch_size=64, max_steps=steps)
+
+    whole = run(8)
+    ckpt = str(tmp_path / "ck")
+    run(3, ckpt)
+    with open(os.path.join(checkpoint.checkpoints(ckpt)[-1], checkpoint.MANIFEST)) as f:
+        assert json.load(f)["extra"] == {"scaler": [[2], "float64"]}
+    resumed = run(8, ckpt)
+    assert resumed.losses == pytest.approx(whole.losses, rel=1e-6)
+    for k, v in whole.state_dict.items():
+        torch.testing.assert_close(resumed.state_dict[k], v, rtol=0, atol=0)
+
+
+# ---- refused (or warned about) before any process starts ------------------------------
+def trainer(ckpt, **kw):
+    return sw.Trainer("ddp", 2, accelerator="cpu", progress=False, checkpoint_dir=ckpt, **kw)
+
+
+def test_a_checkpoint_dir_that_is_a_file_is_refused_before_spawning(tmp_path, no_spawn):
+    work = digits()
+    f = tmp_path / "f"
+    f.write_text("x")
+    with pytest.raises(ValueError, match=f"^checkpoint_dir='{f}' is a file, not a directory$"):
+        trainer(str(f)).fit(work.make_model(), work.train, work.loss_fn, ADAMW, batch_size=64, max_steps=2)
+    with pytest.raises(ValueError, match=f"^checkpoint_dir='{f}/sub' cannot be created: '{f}' is a file$"):
+        trainer(str(f / "sub")).fit(work.make_model(), work.train, work.loss_fn, ADAMW, batch_size=64, max_steps=2)
+
+
+def test_resuming_another_run_is_refused_before_spawning(tmp_path, monkeypatch):
+    ckpt = str(tmp_path / "ck")
+    fit("single", 1, 4, ckpt=ckpt, every=2)
+    work = digits()
+    from conftest import Spawned
+
+    def spawn(*a, **k):
+        raise Spawned("processes were started")
+
+    monkeypatch.setattr("shardwise.launch.spawn", spawn)
+    path = checkpoint.checkpoints(ckpt)[-1]
+    with pytest.raises(ValueError, match=f"^the newest checkpoint {path} is at step 4, and max_steps=4: there is "
+                                         "nothing left to train; raise max_steps above 4"):
+        trainer(ckpt).fit(work.make_model(), work.train, work.loss_fn, ADAMW, batch_size=64, max_steps=4)
+    with pytest.raises(ValueError, match=f"^checkpoint {path} was written with batch_size=64, this run has "
+                                         "batch_size=32: the global batch fixes the data order"):
+        trainer(ckpt).fit(work.make_model(), work.train, work.loss_fn, ADAMW, batch_size=32, max_steps=8)
+    with pytest.raises(ValueError, match=f"^checkpoint {path} was written with optimizer torch.optim.adamw.AdamW, "
+                                         "this run uses torch.optim.sgd.SGD: the optimizer states"):
+        trainer(ckpt).fit(work.make_model(), work.train, work.loss_fn, functools.partial(torch.optim.SGD, lr=0.1),
+                          batch_size=64, max_steps=8)
+    with pytest.warns(UserWarning, match=r"other optimizer settings \(lr 0\.001 -> 0\.002\): the steps after 4 use"), \
+            pytest.raises(Spawned):
+        trainer(ckpt).fit(work.make_model(), work.train, work.loss_fn, functools.partial(torch.optim.AdamW, lr=2e-3),
+                          batch_size=64, max_steps=8)

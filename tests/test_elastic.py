@@ -15,25 +15,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "train_and_crash.py")
 
 
-def launch(tmp_path, name):
+def launch(tmp_path, name, strategy="ddp", nproc=2, steps=12, run_args=(), script_args=()):
     out = tmp_path / f"{name}.json"
-    cmd = [sys.executable, "-m", "shardwise", "run", "--nproc", "2", SCRIPT,
-           "--checkpoint-dir", str(tmp_path / f"ck-{name}"), "--out", str(out)]
+    cmd = [sys.executable, "-m", "shardwise", "run", "--nproc", str(nproc), *run_args, SCRIPT, "--strategy", strategy,
+           "--steps", str(steps), "--checkpoint-dir", str(tmp_path / f"ck-{name}"), "--out", str(out), *script_args]
     r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True,
                        timeout=280)
     return r, out
 
 
-def test_sigkill_then_restart_resumes_with_identical_losses(tmp_path):
-    r, out = launch(tmp_path, "plain")
+# ddp on digits; the tied GPT over 2 pipeline stages; the same GPT on the 3-D layout dp2 x tp2 x pp2 with ZeRO-1.
+@pytest.mark.parametrize("strategy,nproc,steps,kill", [("ddp", 2, 12, (1, 7)), ("pp", 2, 6, (1, 3)),
+                                                       ("3d", 8, 4, (5, 3))], ids=["ddp", "pp", "3d"])
+def test_sigkill_then_restart_resumes_with_identical_losses(tmp_path, strategy, nproc, steps, kill):
+    r, out = launch(tmp_path, "plain", strategy, nproc, steps)
     assert r.returncode == 0, r.stderr[-3000:]
     uninterrupted = json.loads(out.read_text())
-    killed_args = ["--kill-rank", "1", "--kill-step", "7"]
-    cmd_out = tmp_path / "killed.json"
-    cmd = [sys.executable, "-m", "shardwise", "run", "--nproc", "2", "--max-restarts", "1", SCRIPT,
-           "--checkpoint-dir", str(tmp_path / "ck-killed"), "--out", str(cmd_out), *killed_args]
-    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True,
-                       timeout=280)
+    r, cmd_out = launch(tmp_path, "killed", strategy, nproc, steps,
+                        ("--max-restarts", "1"), ("--kill-rank", str(kill[0]), "--kill-step", str(kill[1])))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "SIGKILL" in r.stderr or "Signals.SIGKILL" in r.stderr or "-9" in r.stderr
     resumed = json.loads(cmd_out.read_text())

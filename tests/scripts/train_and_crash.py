@@ -1,4 +1,7 @@
-"""Run under `shardwise run`: trains digits with checkpoints; optionally SIGKILLs one worker mid-run.
+"""Run under `shardwise run`: trains with checkpoints; optionally SIGKILLs one worker mid-run.
+
+--strategy: a strategy name, or "pp" (GPT with tied embeddings over 2 pipeline stages) or "3d"
+(the same GPT under Parallel(dp=2, tp=2, pp=2, zero=1), 8 ranks); other strategies train digits.
 
 --kill-rank R --kill-step S: on the first attempt (torchrun's TORCHELASTIC_RESTART_COUNT == 0),
 rank R kills itself with SIGKILL at step S (a real, uncatchable death, as an OOM kill would be).
@@ -14,8 +17,10 @@ import signal
 import torch
 
 import shardwise as sw
+from shardwise.models import GPT, GPTConfig, lm_loss
+from shardwise.parallel.compose import PP, Parallel
 from shardwise.strategy import resolve
-from shardwise.workloads import digits
+from shardwise.workloads import CharText, digits, stdlib_text
 
 
 class KillOnce:
@@ -41,14 +46,19 @@ def main() -> None:
     p.add_argument("--kill-step", type=int, default=-1)
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    strategy = resolve(a.strategy)
+    if a.strategy in ("pp", "3d"):
+        strategy = PP() if a.strategy == "pp" else Parallel(dp=2, tp=2, pp=2, zero=1)
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=4, n_embd=32, tie_weights=True))
+        data, loss_fn, batch = CharText(stdlib_text(20_000), 16), lm_loss, 8
+    else:
+        strategy, work = resolve(a.strategy), digits()
+        model, data, loss_fn, batch = work.make_model(), work.train, work.loss_fn, 64
     if a.kill_rank >= 0:
         strategy.train_step = KillOnce(strategy.train_step, a.kill_rank, a.kill_step)  # type: ignore[method-assign]
-    work = digits()
     result = sw.Trainer(strategy, int(os.environ["WORLD_SIZE"]), accelerator="cpu", progress=False,
                         checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every, timeout_s=30).fit(
-        work.make_model(), work.train, work.loss_fn, functools.partial(torch.optim.AdamW, lr=1e-3),
-        batch_size=64, max_steps=a.steps)
+        model, data, loss_fn, functools.partial(torch.optim.AdamW, lr=1e-3), batch_size=batch, max_steps=a.steps)
     if int(os.environ["RANK"]) == 0:
         with open(a.out, "w") as f:
             json.dump({"losses": result.losses,
