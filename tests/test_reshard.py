@@ -34,7 +34,12 @@ def uninterrupted():
     (("ddp", 2), ("zero3", 4)),   # and back
     (("zero1", 2), ("fsdp", 4)),  # optimizer states sharded over 2 -> everything sharded over 4
     (("fsdp", 2), ("hsdp", 4)),   # fully sharded over 2 -> 2 replicas of 2 shards
-])
+    # One process driving several devices: single-process DataParallel and naive model parallelism.
+    ((sw.NaiveMP(), 2), ("zero3", 4)),
+    (("zero1", 2), (sw.NaiveMP(), 2)),
+    (("dp", 2), ("ddp", 4)),
+    (("fsdp", 4), ("dp", 2)),
+], ids=["zero3-ddp", "ddp-zero3", "zero1-fsdp", "fsdp-hsdp", "naive_mp-zero3", "zero1-naive_mp", "dp-ddp", "fsdp-dp"])
 def test_resume_under_another_strategy_and_world_size(tmp_path, uninterrupted, same_run, first, second):
     ckpt = str(tmp_path / "ck")
     part = fit(*first, steps=K, ckpt=ckpt, every=K)

@@ -14,14 +14,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
 from shardwise.parallel.pipeline import pipeline_layers, stage_starts
-from shardwise.strategy import LossFn, OptimizerFactory, StepRun, Strategy
+from shardwise.strategy import LossFn, OptimizerFactory, StepRun, Strategy, held_state
 from shardwise.topology import Topology
+
+if TYPE_CHECKING:
+    from shardwise.pieces import Held
 
 
 def _move(x: Any, device: torch.device) -> Any:
@@ -61,9 +64,13 @@ class NaiveModelParallel(nn.Module):
             self.groups.append(nn.Sequential(*[m for _, m in part]).to(dev))
             self.names.append([n for n, _ in part])
         self._check_no_sharing()
-        # State-dict keys of the original model, to give back its layout.
-        self._keys = {id(t): k for k, t in model.state_dict(keep_vars=True).items()}
-        self._order = list(model.state_dict().keys())
+        # State-dict keys of the original model, to give back its layout: each tensor's
+        # first key (a tied weight's saved name) and, for every key, its tensor.
+        state = model.state_dict(keep_vars=True)
+        self._keys: dict[int, str] = {}
+        for k, t in state.items():
+            self._keys.setdefault(id(t), k)
+        self._key_ids = {k: id(t) for k, t in state.items()}
         self.moves = 0
         self.moved_bytes = 0
 
@@ -95,13 +102,20 @@ class NaiveModelParallel(nn.Module):
 
     def original_state_dict(self) -> dict[str, torch.Tensor]:
         """The state dict in the original model's keys, on CPU."""
-        out: dict[str, torch.Tensor] = {}
-        for t in list(self.parameters()) + list(self.buffers()):
-            k = self._keys.get(id(t))
-            if k is not None:
-                out[k] = t.detach().cpu().clone()
+        out = {id(t): t.detach().cpu().clone() for t in self.held()[1]}
         # Tied or aliased entries share one tensor: give each key its value.
-        return {k: out[k] for k in self._order if k in out}
+        return {k: out[i] for k, i in self._key_ids.items() if i in out}
+
+    def held(self) -> tuple[list[str], list[torch.Tensor]]:
+        """(first state-dict key, tensor) of every parameter and persistent buffer, once each."""
+        seen: set[int] = set()
+        keys, tensors = [], []
+        for t in list(self.parameters()) + list(self.buffers()):
+            if id(t) in self._keys and id(t) not in seen:
+                seen.add(id(t))
+                keys.append(self._keys[id(t)])
+                tensors.append(t)
+        return keys, tensors
 
 
 @dataclass
@@ -149,6 +163,11 @@ class NaiveMP(Strategy):
 
     def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
         return model.original_state_dict()  # type: ignore[operator,no-any-return]
+
+    def checkpoint_held(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology) -> list[Held]:
+        """Every layer group's tensors under the original model's names, whole (one process holds them all)."""
+        keys, tensors = model.held()  # type: ignore[operator]
+        return held_state(list(zip(keys, tensors)), [], optimizer)
 
 
 __all__ = ["NaiveModelParallel", "NaiveMP"]
