@@ -75,9 +75,10 @@ def tied_gpt() -> nn.Module:
 MODELS = {"gpt": (tied_gpt, lm_loss, ADAMW), "gpt2": (gpt2, logits_loss, ADAMW_HF)}
 
 
-def fit(model: str, layout: str, steps: int, ckpt: str | None) -> sw.FitResult:
+def fit(model: str, layout: str | tuple, steps: int, ckpt: str | None) -> sw.FitResult:
+    """Train ``model`` under ``layout`` (a name of LAYOUTS or a (strategy factory, devices) pair)."""
     make, loss, opt = MODELS[model]
-    strategy, devices = LAYOUTS[layout]
+    strategy, devices = LAYOUTS[layout] if isinstance(layout, str) else layout
     return sw.Trainer(strategy(), devices, accelerator="cpu", progress=False, checkpoint_dir=ckpt,
                       checkpoint_every=K if ckpt else None).fit(
         make(), CharText(stdlib_text(20_000), 16), loss, opt, batch_size=8, max_steps=steps)
@@ -126,3 +127,53 @@ def test_resume_under_another_layout_equals_one_uninterrupted_run(model, source,
     assert [os.path.basename(p) for p in checkpoint.checkpoints(ckpt)] == [f"step_{K:08d}"]
     resumed = fit(model, target, 2 * K, ckpt)
     same_run(reference(model), resumed)
+
+
+def written(ckpt: str, key: str) -> tuple[list[int], list[tuple[tuple[int, ...], tuple[int, ...], str]]]:
+    """(global shape, [(offsets, sizes, the file that holds it)]) of ``key`` in the newest checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    md = dcp.FileSystemReader(checkpoint.checkpoints(ckpt)[-1]).read_metadata()
+    tm = md.state_dict_metadata[key]
+    files = {(i.fqn, tuple(i.offset)): info.relative_path for i, info in md.storage_data.items()}
+    chunks = sorted((tuple(c.offsets), tuple(c.sizes), files[key, tuple(c.offsets)]) for c in tm.chunks)
+    return list(tm.size), chunks
+
+
+def test_each_rank_writes_only_what_it_holds(tmp_path):
+    """tp: each rank its slice (rows of a colwise weight, columns of a rowwise one, rows of the vocab);
+    pp: each stage its layers; FSDP over tp: each rank a contiguous run of its tp slice, as rectangles."""
+    tp = str(tmp_path / "tp")
+    fit("gpt", "tp", 1, tp)
+    assert written(tp, "model.blocks.0.attn.q.weight") == \
+        ([32, 32], [((0, 0), (16, 32), "__0_0.distcp"), ((16, 0), (16, 32), "__1_0.distcp")])
+    assert written(tp, "optim.blocks.0.mlp.fc2.weight.exp_avg") == \
+        ([32, 128], [((0, 0), (32, 64), "__0_0.distcp"), ((0, 64), (32, 64), "__1_0.distcp")])
+    assert written(tp, "model.tok_emb.weight") == \
+        ([128, 32], [((0, 0), (64, 32), "__0_0.distcp"), ((64, 0), (64, 32), "__1_0.distcp")])
+    assert [c[:2] for c in written(tp, "model.ln_f.weight")[1]] == [((0,), (32,))]  # replicated: written once
+
+    pp = str(tmp_path / "pp")
+    fit("gpt", "pp-1f1b", 1, pp)
+    assert written(pp, "model.blocks.0.attn.q.weight")[1] == [((0, 0), (32, 32), "__0_0.distcp")]
+    assert written(pp, "model.ln_f.weight")[1] == [((0,), (32,), "__1_0.distcp")]
+
+    z3 = str(tmp_path / "z3")
+    fit("gpt", "dp2-tp2-zero3", 1, z3)
+    # fc2.weight [32, 128] is rowwise: tp rank t holds columns 64t..64t+63, a [32, 64] slice;
+    # FSDP over dp=2 gives dp rank d rows 16d..16d+15 of it (a contiguous run of 1024 elements).
+    # Mesh (pp, dp, tp): global rank = 2 * dp + tp.
+    assert written(z3, "model.blocks.0.mlp.fc2.weight") == ([32, 128], [
+        ((0, 0), (16, 64), "__0_0.distcp"), ((0, 64), (16, 64), "__1_0.distcp"),
+        ((16, 0), (16, 64), "__2_0.distcp"), ((16, 64), (16, 64), "__3_0.distcp")])
+    # A bias of 128 colwise-split into 64 per tp rank, then 32 per dp rank.
+    assert written(z3, "model.blocks.0.mlp.fc1.bias")[1] == [
+        ((0,), (32,), "__0_0.distcp"), ((32,), (32,), "__2_0.distcp"),
+        ((64,), (32,), "__1_0.distcp"), ((96,), (32,), "__3_0.distcp")]
+
+
+def test_a_gpipe_checkpoint_resumes_under_another_schedule(tmp_path, same_run):
+    """The schedule does not change what a stage holds: GPipe's checkpoint resumes under 1F1B on 2 x 2."""
+    ckpt = str(tmp_path / "ck")
+    fit("gpt", (lambda: PP(schedule="gpipe"), 2), K, ckpt)
+    same_run(reference("gpt"), fit("gpt", "dp2-tp2-pp2-zero1", 2 * K, ckpt))
