@@ -176,16 +176,17 @@ def supervise(ranks: Sequence[RankHandle], store: dist.TCPStore, grace_s: float)
         time.sleep(0.05)
     # Every rank that failed by now, not only the first seen: which one noticed first is a race.
     failed = [i for i, r in enumerate(ranks) if r.exitcode not in (None, 0)]
-    parts, causes = [], []
+    parts: list[str] = []
+    causes: list[tuple[str, str]] = []  # (one line, the whole error)
     for i, r in enumerate(ranks):
         key = f"shardwise/error/{i}"
         if store.check([key]):
             text = store.get(key).decode().rstrip()
             parts.append(f"--- rank {i} raised:\n{text}")
-            causes.append(f"rank {i} raised {text.splitlines()[-1]}")
+            causes.append((f"rank {i} raised {_error_line(text)}", text))
         elif r.exitcode not in (None, 0):
-            causes.append(f"rank {i} died: {_exit_reason(r.exitcode)}")
-            parts.append(f"--- {causes[-1]}")
+            causes.append((f"rank {i} died: {_exit_reason(r.exitcode)}", ""))
+            parts.append(f"--- {causes[-1][0]}")
     diagnosis = explain_job(diag_store(store), len(ranks), wait_s=0.1)
     raise WorkerFailed(_headline(causes) + f"rank(s) {failed} failed\n" + "\n".join(parts) + "\n--- " + diagnosis)
 
@@ -194,16 +195,28 @@ def supervise(ranks: Sequence[RankHandle], store: dist.TCPStore, grace_s: float)
 _CONSEQUENCES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "did not complete within")
 
 
-def _headline(causes: list[str]) -> str:
+def _error_line(text: str) -> str:
+    """The ``Type: message`` line of a formatted traceback (the last line that starts one), not the last line
+    of a multi-line message."""
+    lines = text.splitlines()
+    for line in reversed(lines):
+        head = line.split(":", 1)[0]
+        if head and not line.startswith(" ") and head.replace(".", "").replace("_", "").isalnum() and ":" in line:
+            return line
+    return lines[-1] if lines else ""
+
+
+def _headline(causes: list[tuple[str, str]]) -> str:
     """The first line of a failure: the likeliest cause, so it is not buried under every rank's traceback.
 
     A rank that lost its peer raises too, often first; the cause is the rank
-    whose error is not such a consequence (else the first error or death).
+    whose error (anywhere in its traceback) is not such a consequence, else the
+    first error or death.
     """
     if not causes:
         return ""
-    own = [c for c in causes if not any(s in c for s in _CONSEQUENCES)]
-    return (own or causes)[0] + "\n"
+    own = [line for line, text in causes if not any(s in text for s in _CONSEQUENCES)]
+    return (own or [line for line, _ in causes])[0] + "\n"
 
 
 def _exit_reason(code: int | None) -> str:

@@ -11,6 +11,7 @@ import datetime as _dt
 import os
 import pickle
 import statistics
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -138,10 +139,14 @@ class Trainer:
                 raise ValueError(f"devices={self.devices} needs {nprocs} processes but the running "
                                  f"process group has {world}; launch with --nproc {nprocs} or pass devices={world}")
             try:
-                return job.run(device)
-            finally:
+                result = job.run(device)
+            except BaseException as e:
                 if owned:
-                    teardown()
+                    _leave_after_error(e)
+                raise
+            if owned:
+                teardown()
+            return result
         if nprocs == 1:
             return job.run(pick_device(self.accelerator, 0))
         with launch.result_dir() as tmp:
@@ -149,7 +154,13 @@ class Trainer:
             # Plain pickle, not multiprocessing's: torch's multiprocessing pickler
             # would move the parameters into shared memory, and every rank would
             # then step the same storage.
-            launch.spawn(_spawned_fit, nprocs, args=(pickle.dumps(job), path), accelerator=self.accelerator, timeout=self.timeout)
+            try:
+                launch.spawn(_spawned_fit, nprocs, args=(pickle.dumps(job), path), accelerator=self.accelerator,
+                             timeout=self.timeout)
+            except launch.WorkerFailed as e:
+                # The cause first, before the traceback that ends in this many-line message.
+                print(f"shardwise: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+                raise
             saved = torch.load(path, weights_only=True)
         return FitResult(**saved)
 
@@ -386,6 +397,22 @@ class _Job:
         if log is not None:
             log.close()
         return losses, times, state_bytes
+
+
+def _leave_after_error(e: BaseException) -> None:
+    """A rank failed under torchrun: say so in one line first, and leave the group without a barrier.
+
+    The peers may never reach a barrier (they wait in a collective for this
+    rank), so a barrier here would hold the job until the collective timeout;
+    leaving at once lets this process exit and the launcher stop the others
+    within seconds. The one line (rank and error) comes before the traceback
+    and before the peers' lost-connection errors, so the cause reads first.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+    first = (str(e).splitlines() or [""])[0]
+    print(f"shardwise: rank {rank} failed: {type(e).__name__}: {first}", file=sys.stderr, flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _overflow(scaler: precision_mod.LossScaler, opt: torch.optim.Optimizer, topo: Topology) -> bool:
