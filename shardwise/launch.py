@@ -13,6 +13,7 @@ import datetime as _dt
 import os
 import signal
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -64,8 +65,38 @@ def _torchrun_store(timeout: _dt.timedelta) -> dist.Store:
     return dist.PrefixStore(prefix, store)
 
 
+def die_with_parent() -> None:
+    """End this process when the process that started it dies, whatever killed it (SIGKILL included).
+
+    Otherwise the ranks of a killed launcher would keep training, and keep
+    writing checkpoints into the directory its relaunch resumes from. On Linux
+    the kernel delivers SIGKILL on the parent's death (``PR_SET_PDEATHSIG``);
+    elsewhere a daemon thread polls the parent id. Called first thing in every
+    rank process that shardwise starts (fresh or pooled).
+    """
+    parent = os.getppid()
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0:  # 1 = PR_SET_PDEATHSIG
+            if os.getppid() != parent:  # the parent died before the signal was armed
+                os._exit(1)
+            return
+    except (OSError, AttributeError):
+        pass
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="shardwise-parent-watch", daemon=True).start()
+
+
 def _worker(rank: int, fn: Callable[..., Any], world: int, port: int, accelerator: str,
             timeout_s: float, args: tuple[Any, ...]) -> None:
+    die_with_parent()
     if not run_rank(rank, fn, world, port, accelerator, timeout_s, args):
         raise SystemExit(1)
 

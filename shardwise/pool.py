@@ -34,6 +34,7 @@ from shardwise import launch
 
 def _serve(conn: Connection) -> None:
     """A pooled worker: run one rank of each job it is sent, until told to stop."""
+    launch.die_with_parent()
     while True:
         try:
             message = conn.recv_bytes()
