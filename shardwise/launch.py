@@ -110,6 +110,11 @@ def run_rank(rank: int, fn: Callable[..., Any], world: int, port: int, accelerat
     worker reports False and is replaced).
     """
     torch.set_num_threads(threads_per_rank(world))
+    # Every rank is on this machine: gloo's connections between them listen on loopback only
+    # (by default gloo listens on the address the host name resolves to, reachable from outside).
+    lo = loopback_interface()
+    if lo is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = lo
     timeout = _dt.timedelta(seconds=timeout_s)
     store = dist.TCPStore("127.0.0.1", port, world_size=world, is_master=False, timeout=timeout)
     try:
@@ -166,8 +171,31 @@ def stop_processes(procs: Sequence[BaseProcess], wait_s: float = 5.0) -> None:
 
 
 def job_store(timeout: _dt.timedelta) -> dist.TCPStore:
-    """A fresh rendezvous store for one job, hosted here on an OS-chosen loopback port."""
-    return dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False, timeout=timeout)
+    """A fresh rendezvous store for one job, hosted here on an OS-chosen port of 127.0.0.1 only.
+
+    torch's TCPStore binds its server to every interface whatever host name it
+    is given, so anyone who can reach this machine could read and write the
+    job's keys; it is handed a socket already listening on loopback instead.
+    """
+    import socket
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    return dist.TCPStore("127.0.0.1", port, world_size=None, is_master=True, wait_for_workers=False, timeout=timeout,
+                         master_listen_fd=sock.detach())
+
+
+def loopback_interface() -> str | None:
+    """The name of the loopback network interface ("lo" on Linux, "lo0" on macOS), if there is one."""
+    import socket
+
+    try:
+        names = [n for _, n in socket.if_nameindex()]
+    except OSError:
+        return None
+    return next((n for n in names if n.startswith("lo")), None)
 
 
 class RankHandle(Protocol):
