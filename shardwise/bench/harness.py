@@ -15,7 +15,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -154,7 +154,8 @@ def alternate(contenders: tuple[Any, Any], reps: int,
 
 def gather_results(res: PairResult, topo: Topology, path: str) -> None:
     """Every rank's result, written by rank 0 to ``path`` for the spawning process to read."""
-    everyone = topo.comm("world").all_gather_object(res, name="bench.gather")
+    everyone = [PairResult(**{**d, "names": tuple(d["names"])})
+                for d in topo.comm("world").all_gather_object(asdict(res), name="bench.gather")]
     if topo.rank == 0:
         with open(path, "wb") as f:
             pickle.dump(everyone, f)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any
 
+import json
 import warnings
 
 import torch
@@ -31,10 +32,20 @@ import torch.distributed as dist
 from shardwise.comm.diagnostics import CollectiveTimeout, Diagnostics, Record
 
 
-# torch 2.13 deprecates the *_tensor collectives in favour of *_single names that
-# torch 2.11 (the GPU machines' version) does not have; we keep the names both have.
-warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor).* is deprecated",
-                        category=FutureWarning)
+
+
+def _quiet_deprecation(start: Callable[[], Any]) -> Callable[[], Any]:
+    """``start`` with torch 2.13's deprecation warning of the *_tensor collectives silenced for that call only.
+
+    2.13 prefers *_single names that torch 2.11 (the GPU machines' version)
+    does not have; we keep the names both have, without a process-wide filter.
+    """
+    def run() -> Any:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor).* is "
+                                    "deprecated", category=FutureWarning)
+            return start()
+    return run
 
 
 @dataclass
@@ -165,8 +176,8 @@ class Comm:
             return self._noop(name, async_op)
         s = _nbytes(shard)
         self.stats.add(name, (self.size - 1) * s, (self.size - 1) * s, self.label)
-        return self._issue("all_gather", name, [shard], lambda: dist.all_gather_into_tensor(
-            out, shard, group=self.group, async_op=True), async_op)
+        return self._issue("all_gather", name, [shard], _quiet_deprecation(lambda: dist.all_gather_into_tensor(
+            out, shard, group=self.group, async_op=True)), async_op)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, name: str,
                        op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = False) -> Handle | None:
@@ -176,8 +187,8 @@ class Comm:
             return self._noop(name, async_op)
         s = _nbytes(out)
         self.stats.add(name, (self.size - 1) * s, (self.size - 1) * s, self.label)
-        return self._issue("reduce_scatter", name, [full], lambda: dist.reduce_scatter_tensor(
-            out, full, op=op, group=self.group, async_op=True), async_op)
+        return self._issue("reduce_scatter", name, [full], _quiet_deprecation(lambda: dist.reduce_scatter_tensor(
+            out, full, op=op, group=self.group, async_op=True)), async_op)
 
     def isend(self, t: torch.Tensor, dst: int, name: str) -> Handle:
         """Send to group rank ``dst`` (exact bytes); wait on the handle."""
@@ -204,15 +215,30 @@ class Comm:
         self.irecv(t, src, name).wait()
 
     def all_gather_object(self, obj: Any, name: str) -> list[Any]:
-        """Small Python objects (metadata checks, stats); not counted as training traffic."""
+        """Small JSON values (metadata checks, stats, a checkpoint's path) from every rank; not training traffic.
+
+        Exchanged as JSON text in byte tensors, never as pickles: unpickling
+        what another process sends runs whatever that process put in it, and
+        a rank must not trust more than the data. Tuples come back as lists,
+        also with one process (the same values on every path).
+        """
+        data = json.dumps(obj).encode()
         if self.size == 1:
-            return [obj]
-        out: list[Any] = [None] * self.size
+            return [json.loads(data)]
         rec = self.diag.begin("all_gather_object", name, self.label, self.ranks, []) if self.diag else None
-        dist.all_gather_object(out, obj, group=self.group)
+        dev = torch.device("cuda", torch.cuda.current_device()) \
+            if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+        n = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+        sizes = [torch.zeros_like(n) for _ in range(self.size)]
+        dist.all_gather(sizes, n, group=self.group)
+        longest = max(int(k) for k in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(self.size)]
+        dist.all_gather(parts, mine.to(dev), group=self.group)
         if self.diag is not None and rec is not None:
             self.diag.end(rec)
-        return out
+        return [json.loads(bytes(p[:int(k)].cpu().numpy())) for p, k in zip(parts, sizes)]
 
     def barrier(self, name: str = "barrier") -> None:
         if self.size > 1:

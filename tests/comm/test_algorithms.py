@@ -52,8 +52,9 @@ def _against_backend(rank: int, device: torch.device) -> None:
                     else:
                         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12, msg=where)
                     # Every rank holds the very same bits (replicas must not drift apart).
-                    everyone = comm.all_gather_object(got, name="test.gather")
-                    assert all(torch.equal(everyone[0], x) for x in everyone), where
+                    # (as JSON numbers: Python's float repr round-trips every float64 exactly)
+                    everyone = comm.all_gather_object(got.flatten().tolist(), name="test.gather")
+                    assert all(x == everyone[0] for x in everyone), where
                     formula = (naive_bytes if algo == "naive" else ring_bytes)(
                         numel, n, got.element_size(), rank)
                     assert (sent, received) == formula, f"{where}: bytes {(sent, received)} != {formula}"
@@ -131,3 +132,13 @@ def test_ddp_with_p2p_allreduce_equals_single(reference, same_run, algo, devices
     for s in run.stats:
         want = (ring_bytes if algo == "ring" else naive_bytes)(numel, devices, 4, s["rank"])[0]
         assert s["comm_bytes_per_step"] == want  # one bucket (default 25 MB cap) per step
+
+
+def test_objects_travel_as_json_never_as_pickles():
+    from shardwise.comm import Comm
+    from shardwise.comm.collectives import CommStats
+
+    comm = Comm(None, CommStats())
+    assert comm.all_gather_object(("ddp.check", [3, 4], None), name="t") == [["ddp.check", [3, 4], None]]
+    with pytest.raises(TypeError, match="Object of type Tensor is not JSON serializable"):
+        comm.all_gather_object(torch.zeros(1), name="t")
