@@ -76,6 +76,8 @@ class Trainer:
             (operation, name, sizes, step) and name the first rank that differs.
         on_nonfinite: a NaN/inf loss either stops training (``"error"``, naming step and rank) or
             skips that optimizer step on every rank (``"skip"``; costs one tiny all-reduce per step).
+        max_processes_per_core: on CPU, refuse to start more than this many rank processes per core
+            (each is a whole interpreter with its own model copy); None removes the bound.
     """
 
     def __init__(self, strategy: str | Strategy = "single", devices: int = 1, accelerator: str = "auto", *,
@@ -86,8 +88,15 @@ class Trainer:
                  on_nonfinite: str = "error", checkpoint_keep: int | None = 3, memory_check: str = "error",
                  device_memory: int | None = None, precision: str = "32",
                  activation_checkpointing: bool | tuple[type[nn.Module], ...] = False,
-                 tensorboard_dir: str | os.PathLike[str] | None = None, peak_flops: float | None = None) -> None:
+                 tensorboard_dir: str | os.PathLike[str] | None = None, peak_flops: float | None = None,
+                 max_processes_per_core: int | None = 8) -> None:
         self.strategy = resolve(strategy)
+        if accelerator not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"unknown accelerator {accelerator!r}; valid: 'auto', 'cpu', 'cuda'")
+        if max_processes_per_core is not None and max_processes_per_core < 1:
+            raise ValueError(f"max_processes_per_core must be >= 1 (or None for no bound), "
+                             f"got {max_processes_per_core}")
+        self.max_processes_per_core = max_processes_per_core
         if checkpoint_every is not None and checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
         if checkpoint_every is not None and checkpoint_dir is None:
@@ -128,7 +137,7 @@ class Trainer:
     def fit(self, model: nn.Module, dataset: Any, loss_fn: LossFn, optimizer: OptimizerFactory,
             batch_size: int, max_steps: int) -> FitResult:
         """Train for ``max_steps`` optimizer steps of global batch ``batch_size``."""
-        info = self._validate(model, dataset, batch_size, max_steps, optimizer)
+        info = self._validate(model, dataset, batch_size, max_steps, optimizer, loss_fn)
         job = _Job(self, model, dataset, loss_fn, optimizer, batch_size, max_steps, info)
         nprocs = self.strategy.processes(self.devices)
         if dist.is_initialized() or launch.under_torchrun():
@@ -165,11 +174,20 @@ class Trainer:
         return FitResult(**saved)
 
     def _validate(self, model: nn.Module, dataset: Any, batch_size: int, max_steps: int,
-                  optimizer: OptimizerFactory) -> dict[str, Any]:
+                  optimizer: OptimizerFactory, loss_fn: LossFn) -> dict[str, Any]:
         """Everything that can be checked before any process starts or blocks; returns the run's record
         for checkpoints (:func:`shardwise.checkpoint.run_info`)."""
+        from shardwise import preflight
+
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+        if isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a factory that builds the optimizer from parameters (each rank builds "
+                            f"its own, over the parameters it holds), not a built {type(optimizer).__name__}; pass "
+                            f"e.g. functools.partial(torch.optim.{type(optimizer).__name__}, lr=...)")
+        if not hasattr(dataset, "__len__"):
+            raise TypeError(f"the dataset must support len() and indexing (a torch Dataset, a TensorDataset, a list "
+                            f"of (input, target) pairs); got {type(dataset).__name__}")
         check_dataset(len(dataset), batch_size)
         dp, k = self.strategy.batch_shards(self.devices), self.accumulate_grad_batches
         if batch_size % (dp * k):
@@ -178,6 +196,9 @@ class Trainer:
                 f"accumulate_grad_batches {k} = {dp * k}; the global batch must split evenly "
                 f"(try batch_size={max(dp * k, batch_size // (dp * k) * dp * k)})")
         self.strategy.check_model(model, self.devices, batch_size, self.accumulate_grad_batches)
+        # One micro-batch of the real data (at most 64 samples: only shapes matter), then the model and loss on meta.
+        batch = preflight.first_batch(dataset, max(1, min(64, batch_size // (dp * k))))
+        preflight.check_loss(model, batch, loss_fn)
         self._check_devices()
         probe = optimizer([nn.Parameter(torch.zeros(1))])
         if not isinstance(probe, torch.optim.Optimizer):
@@ -236,6 +257,12 @@ class Trainer:
             raise ValueError(f"devices={self.devices} needs {local} CUDA devices on this machine but only "
                              f"{torch.cuda.device_count()} exist; lower devices or add machines (--nnodes)")
         cores = os.cpu_count() or 1
+        bound = self.max_processes_per_core
+        if not cuda and bound is not None and local > bound * cores:
+            raise ValueError(f"devices={self.devices} would start {local} processes on {cores} CPU cores, more than "
+                             f"max_processes_per_core={bound} per core: each rank is a whole Python process with its "
+                             "own copy of the model, so this many would thrash or exhaust memory; lower devices, or "
+                             "pass Trainer(max_processes_per_core=None) to start them anyway")
         if not cuda and local > cores:
             warnings.warn(f"devices={self.devices} starts {local} processes on {cores} CPU cores: ranks will "
                           "share cores, which is correct but slower than fewer ranks", stacklevel=3)
