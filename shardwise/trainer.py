@@ -196,6 +196,14 @@ class Trainer:
                 f"accumulate_grad_batches {k} = {dp * k}; the global batch must split evenly "
                 f"(try batch_size={max(dp * k, batch_size // (dp * k) * dp * k)})")
         self.strategy.check_model(model, self.devices, batch_size, self.accumulate_grad_batches)
+        if isinstance(self.strategy, HasServers) and (self.precision == "16-mixed" or self.on_nonfinite == "skip"):
+            # Both make every training rank agree each step, in an all-reduce over the world
+            # that the server ranks, busy in their own loop, never join: the job would hang.
+            what = "precision='16-mixed'" if self.precision == "16-mixed" else "on_nonfinite='skip'"
+            raise ValueError(f"strategy {self.strategy.name!r} does not support {what}: the loss-scale overflow and "
+                             "skip decisions are agreed by every rank each step, and the server ranks take no part "
+                             "in training steps; use precision='bf16-mixed' (no loss scaling) or "
+                             "on_nonfinite='error' with it")
         # One micro-batch of the real data (at most 64 samples: only shapes matter), then the model and loss on meta.
         batch = preflight.first_batch(dataset, max(1, min(64, batch_size // (dp * k))))
         preflight.check_loss(model, batch, loss_fn)

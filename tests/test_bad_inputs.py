@@ -106,3 +106,11 @@ def test_a_thousand_processes_on_a_few_cores(no_spawn):
     with pytest.raises(ValueError, match=r"^devices=1000 would start 1000 processes on \d+ CPU cores, more than "
                                          r"max_processes_per_core=8 per core"):
         fit(devices=1000, batch=1000, memory_check="off")
+
+
+@pytest.mark.parametrize("kw,what", [({"precision": "16-mixed"}, "precision='16-mixed'"),
+                                     ({"on_nonfinite": "skip"}, "on_nonfinite='skip'")])
+def test_the_parameter_server_with_per_step_agreement(no_spawn, kw, what):
+    with pytest.raises(ValueError, match=f"^strategy 'ps' does not support {what}: the loss-scale overflow and skip "
+                                         "decisions are agreed by every rank each step"):
+        fit(sw.ParameterServer(servers=1), 3, **kw)
