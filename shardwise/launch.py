@@ -251,7 +251,8 @@ def supervise(ranks: Sequence[RankHandle], store: dist.TCPStore, grace_s: float)
 
 
 # Errors a rank raises because a peer went away or stopped answering: consequences, not causes.
-_CONSEQUENCES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "did not complete within")
+_CONSEQUENCES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "did not complete within",
+                 "lost its connection to a peer")
 
 
 def _error_line(text: str) -> str:

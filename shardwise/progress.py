@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
 import warnings
 from typing import Any
@@ -33,8 +34,17 @@ class StepLog:
     """Per-step metrics of rank 0: a JSONL file and/or TensorBoard scalars."""
 
     def __init__(self, path: str | None, tensorboard_dir: str | None, peak_flops: float | None, params: int,
-                 devices: int) -> None:
-        self._file = open(path, "w") if path else None
+                 devices: int, start: int = 0) -> None:
+        self._file = None
+        if path:
+            # A resumed run (``start`` > 0) keeps the rows of the steps before it and drops any an
+            # interrupted attempt wrote past its checkpoint (they are trained again).
+            kept: list[str] = []
+            if start > 0 and os.path.exists(path):
+                with open(path) as f:
+                    kept = [line for line in f if line.strip() and json.loads(line).get("step", -1) < start]
+            self._file = open(path, "w")
+            self._file.writelines(kept)
         self._tb = None
         if tensorboard_dir:
             try:

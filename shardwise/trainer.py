@@ -378,7 +378,8 @@ class _Job:
         losses: list[float] = []  # floats, not tensors: a long run must not accumulate tensor objects
         times: list[float] = []
         state_bytes: dict[str, int] = {}
-        log = StepLog(t.metrics_path, t.tensorboard_dir, t.peak_flops, total_numel(shapes), topo.world_size) \
+        log = StepLog(t.metrics_path, t.tensorboard_dir, t.peak_flops, total_numel(shapes), topo.world_size,
+                      start=len(prev)) \
             if rank0 and (t.metrics_path or t.tensorboard_dir) else None
         scaler = precision_mod.LossScaler() if t.precision == "16-mixed" else None
         if scaler is not None and "scaler" in restored:

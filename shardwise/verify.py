@@ -21,7 +21,9 @@ class Comparison:
     worst_param: str
 
     def within(self, rtol: float, atol: float = 1e-7) -> bool:
-        return self.max_loss_rel <= rtol and self.max_param_rel <= rtol
+        """Every loss and every weight within ``rtol`` (relative, see :func:`compare`) or ``atol`` (absolute)."""
+        return (self.max_loss_rel <= rtol or self.max_loss_diff <= atol) and \
+            (self.max_param_rel <= rtol or self.max_param_diff <= atol)
 
 
 def compare(ref: FitResult, run: FitResult, atol: float = 1e-7) -> Comparison:

@@ -1,7 +1,9 @@
 """Faults become diagnoses: a skipped collective, a mismatched one, bad input; none of them hangs."""
 from __future__ import annotations
 
+import datetime as _dt
 import functools
+import os
 
 import pytest
 import torch
@@ -205,3 +207,22 @@ def test_planner_check_can_be_a_warning(same_run):
         run = sw.Trainer("single", 1, accelerator="cpu", progress=False, device_memory=100_000,
                          memory_check="warn").fit(work.make_model(), work.train, work.loss_fn, ADAMW, 64, 2)
     assert len(run.losses) == 2
+
+
+def _peer_dies(rank, device):
+    topo = Topology.create(device, timeout=_dt.timedelta(seconds=30))
+    comm = topo.comm("dp")
+    comm.all_reduce(torch.ones(4), name="warmup")
+    if rank == 1:
+        os._exit(3)  # a crash: no exception, no goodbye
+    comm.all_reduce(torch.ones(4), name="after.death")
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_peer_is_not_reported_as_a_timeout():
+    with pytest.raises(Exception) as e:
+        launch.spawn(_peer_dies, 2, timeout=_dt.timedelta(seconds=30))
+    msg = str(e.value)
+    assert msg.splitlines()[0] == "rank 1 died: exit code 3"
+    assert "rank 0: all_reduce 'after.death' (seq 2 on group dp, step -1) lost its connection to a peer after " in msg
+    assert "did not complete within" not in msg

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import functools
+import shutil
 
 import pytest
 import torch
 
 import shardwise as sw
+from shardwise import checkpoint
 from shardwise.models import GPT, GPTConfig
 from shardwise.parallel.checkpointing import apply_activation_checkpointing, saved_activation_bytes
 from shardwise.workloads import gpt
@@ -96,3 +98,28 @@ def test_metrics_jsonl_has_tokens_and_mfu(tmp_path):
         assert r["tokens_per_s"] == pytest.approx(16 * 16 / r["step_time_s"])  # global batch x block
         assert r["mfu"] == pytest.approx(6 * params * r["tokens_per_s"] / (2 * 1e12))
         assert r["rss_bytes"] > 0
+
+
+def test_a_resumed_run_keeps_the_metrics_rows_before_its_checkpoint(tmp_path):
+    """Rows of steps before the checkpoint stay; rows an interrupted attempt wrote past it are replaced."""
+    import json
+
+    path, ckpt = tmp_path / "m.jsonl", str(tmp_path / "ck")
+    fit("ddp", 2, metrics_path=path, checkpoint_dir=ckpt, checkpoint_every=2)  # STEPS steps, checkpoints at 2, 4..
+    rows = path.read_text().splitlines()
+    # An attempt that died after its checkpoint at step 2 had written rows 0..3; the restart resumes at step 2.
+    path.write_text("\n".join(rows[:4]) + "\n")
+    for stale in checkpoint.checkpoints(ckpt)[1:]:
+        shutil.rmtree(stale)
+    fit("ddp", 2, metrics_path=path, checkpoint_dir=ckpt, checkpoint_every=2)
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
+    assert steps == list(range(STEPS))
+
+
+def test_verify_comparison_honours_atol():
+    from shardwise.verify import Comparison
+
+    # Losses near zero: a relative error of 50% that is 1e-9 in absolute terms.
+    c = Comparison(max_loss_diff=1e-9, max_loss_rel=0.5, max_param_diff=0.0, max_param_rel=0.0, worst_param="")
+    assert c.within(1e-5, atol=1e-8)
+    assert not c.within(1e-5, atol=1e-10)

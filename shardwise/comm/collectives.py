@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import json
+import time
 import warnings
 
 import torch
@@ -81,6 +82,10 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# What gloo and NCCL say when the other end of a connection went away.
+_LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed")
+
+
 class Handle:
     """An in-flight operation; :meth:`wait` enforces the timeout and explains a failure."""
 
@@ -97,14 +102,21 @@ class Handle:
             return
         if self._diag is not None and self._rec is not None:
             self._diag.wait_on(self._rec)
+        start = time.monotonic()
         try:
             self._work.wait(self._timeout)
         except RuntimeError as e:  # gloo and NCCL raise RuntimeError on timeout, abort or a dead peer
             what = self._rec.describe() if self._rec is not None else f"'{self.name}'"
             rank = self._rec.rank if self._rec is not None else "?"
             detail = self._diag.explain(self._rec) if (self._diag and self._rec) else ""
-            raise CollectiveTimeout(f"rank {rank}: {what} did not complete within {self._timeout} "
-                                    f"({str(e).splitlines()[0] if str(e) else type(e).__name__})\n{detail}") from e
+            cause = str(e).splitlines()[0] if str(e) else type(e).__name__
+            waited = time.monotonic() - start
+            # A closed connection is a peer that died, seconds in: not a timeout, and it must not read as one.
+            if any(m in cause for m in _LOST_PEER):
+                head = f"rank {rank}: {what} lost its connection to a peer after {waited:.1f} s (the peer died?)"
+            else:
+                head = f"rank {rank}: {what} did not complete within {self._timeout}"
+            raise CollectiveTimeout(f"{head} ({cause})\n{detail}") from e
         self._work = None
         if self._diag is not None and self._rec is not None:
             self._diag.end(self._rec)
