@@ -226,3 +226,23 @@ def test_a_dead_peer_is_not_reported_as_a_timeout():
     assert msg.splitlines()[0] == "rank 1 died: exit code 3"
     assert "rank 0: all_reduce 'after.death' (seq 2 on group dp, step -1) lost its connection to a peer after " in msg
     assert "did not complete within" not in msg
+
+
+class RaisingAtOnce(DDP):
+    """Rank 1 raises right after setup's broadcast, well inside the first 0.5 s diagnostics heartbeat."""
+
+    def setup(self, model, optimizer_fn, topo):
+        out = super().setup(model, optimizer_fn, topo)
+        if topo.rank == 1:
+            raise ValueError("broken at once")
+        return out
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_fails_at_once_still_shows_where_it_was():
+    with pytest.raises(Exception) as e:
+        _fit(RaisingAtOnce(), timeout_s=30)
+    msg = str(e.value)
+    assert msg.splitlines()[0] == "rank 1 raised ValueError: broken at once"
+    assert "rank 1: not in any communication (last finished: broadcast 'ddp.broadcast'" in msg
+    assert "no record" not in msg

@@ -123,6 +123,12 @@ class Diagnostics:
 
     def close(self) -> None:
         self._stop.set()
+        # The last position, now: a rank that fails before its first heartbeat (0.5 s) would
+        # otherwise read "no record" in the job's diagnosis.
+        try:
+            self.publish()
+        except Exception:  # noqa: BLE001 - the store may be gone with the job; the diagnosis says "no record"
+            pass
 
     # ---- publishing ---------------------------------------------------
     def _snapshot(self) -> str:
@@ -187,7 +193,7 @@ def explain_job(store: Any, world: int, wait_s: float = 2.0) -> str:
     lines, verdicts = [], []
     for r, info in infos.items():
         if info is None:
-            lines.append(f"  rank {r}: no record (it never issued any communication, or died)")
+            lines.append(f"  rank {r}: no record (it died before it published its position)")
             continue
         pending = [h for hist in info.values() for h in hist if not h.done]
         if not pending:
