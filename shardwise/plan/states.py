@@ -130,14 +130,11 @@ class _StandIn:
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model`` whose parameters and buffers are on the meta device (no data is copied)."""
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
+    """:func:`shardwise.plan.trace.meta_copy`, a copy failure reported as :class:`NotModelled`."""
+    from shardwise.plan.trace import meta_copy as copy_to_meta
+
     try:
-        return copy.deepcopy(model, memo)
+        return copy_to_meta(model)
     except Exception as e:  # e.g. a module holding a lock or a process group
         raise NotModelled(f"cannot copy {type(model).__name__} to lay it out: {e}") from e
 
