@@ -15,6 +15,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,6 +29,9 @@ from shardwise.progress import StepLog, batch_tokens, progress_bar, total_numel,
 from shardwise.stats import peak_rss_bytes, reset_peak_rss, unique_bytes
 from shardwise.strategy import HasServers, LossFn, OptimizerFactory, StepRun, Strategy, iter_chunks, resolve
 from shardwise.topology import Topology, pick_device, teardown
+
+# Builds the run's learning-rate schedule from its optimizer, e.g. partial(lr_scheduler.OneCycleLR, ...).
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 
 @dataclass
@@ -135,10 +139,18 @@ class Trainer:
 
     # ------------------------------------------------------------------
     def fit(self, model: nn.Module, dataset: Any, loss_fn: LossFn, optimizer: OptimizerFactory,
-            batch_size: int, max_steps: int) -> FitResult:
-        """Train for ``max_steps`` optimizer steps of global batch ``batch_size``."""
+            batch_size: int, max_steps: int, lr_scheduler: SchedulerFactory | None = None) -> FitResult:
+        """Train for ``max_steps`` optimizer steps of global batch ``batch_size``.
+
+        ``lr_scheduler``: a factory taking the optimizer, e.g.
+        ``functools.partial(torch.optim.lr_scheduler.OneCycleLR, max_lr=1e-2, total_steps=100)``;
+        stepped once per optimizer step (a skipped step included), the same under
+        every strategy, and restored on resume by replaying that many steps.
+        """
         info = self._validate(model, dataset, batch_size, max_steps, optimizer, loss_fn)
-        job = _Job(self, model, dataset, loss_fn, optimizer, batch_size, max_steps, info)
+        if lr_scheduler is not None:
+            _check_scheduler(lr_scheduler, optimizer, self.strategy)
+        job = _Job(self, model, dataset, loss_fn, optimizer, batch_size, max_steps, info, lr_scheduler)
         nprocs = self.strategy.processes(self.devices)
         if dist.is_initialized() or launch.under_torchrun():
             owned = not dist.is_initialized()
@@ -308,6 +320,7 @@ class _Job:
     batch_size: int
     max_steps: int
     info: dict[str, Any]  # what checkpoints record about the run (checkpoint.run_info)
+    lr_scheduler: SchedulerFactory | None = None
 
     def run(self, device: torch.device) -> FitResult:
         t = self.trainer
@@ -382,6 +395,7 @@ class _Job:
                       start=len(prev)) \
             if rank0 and (t.metrics_path or t.tensorboard_dir) else None
         scaler = precision_mod.LossScaler() if t.precision == "16-mixed" else None
+        sched = _scheduler(self.lr_scheduler, opt, len(prev)) if self.lr_scheduler is not None else None
         if scaler is not None and "scaler" in restored:
             scaler.load_tensor(restored["scaler"])  # the scale and clean-step count the checkpoint's run had
         with progress_bar(rank0 and want_progress(t.progress), self.max_steps) as advance:
@@ -414,6 +428,10 @@ class _Job:
                         # Counted at the high point of a step: gradients and optimizer states both live.
                         state_bytes = _count_state(strat, model, opt)
                 opt.zero_grad(set_to_none=True)
+                if sched is not None:
+                    with warnings.catch_warnings():  # a skipped first step is a step of the schedule all the same
+                        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)`")
+                        sched.step()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 times.append(time.perf_counter() - start)
@@ -433,6 +451,29 @@ class _Job:
         if log is not None:
             log.close()
         return losses, times, state_bytes
+
+
+def _check_scheduler(factory: SchedulerFactory, optimizer: OptimizerFactory, strategy: Strategy) -> None:
+    """Before any process starts: the factory builds a per-step schedule this strategy can drive."""
+    if isinstance(strategy, HasServers):
+        raise ValueError(f"strategy {strategy.name!r} does not support lr_scheduler: its optimizer runs on the "
+                         "server ranks, which take no part in the trainer's steps")
+    made = factory(optimizer([nn.Parameter(torch.zeros(1))]))
+    if isinstance(made, torch.optim.lr_scheduler.ReduceLROnPlateau) or \
+            not isinstance(made, torch.optim.lr_scheduler.LRScheduler):
+        raise TypeError(f"lr_scheduler must build a torch.optim.lr_scheduler.LRScheduler stepped once per "
+                        f"optimizer step, got {type(made).__name__} (ReduceLROnPlateau needs a metric: not supported)")
+
+
+def _scheduler(factory: SchedulerFactory, opt: torch.optim.Optimizer, done: int) -> Any:
+    """The run's schedule, advanced by the ``done`` steps a resumed run already took (a schedule is a function
+    of the step count, so replaying the count restores it exactly, under any layout)."""
+    sched = factory(opt)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)`")
+        for _ in range(done):
+            sched.step()
+    return sched
 
 
 def _leave_after_error(e: BaseException) -> None:
