@@ -71,7 +71,9 @@ def test_skipped_collective_is_diagnosed_within_the_timeout():
     with pytest.raises(Exception) as e:
         _fit(SkippingDDP())
     msg = str(e.value)
-    assert "did not complete within 0:00:06" in msg
+    # Either rank 0 times out waiting, or gloo aborts rank 1 on the next bucket's size (SIGABRT) first and
+    # rank 0 loses its connection: which one comes first is a race; the diagnosis is the same.
+    assert "did not complete within 0:00:06" in msg or "lost its connection to a peer after" in msg
     assert "where every rank is:" in msg
     assert "rank(s) [1] never arrived at all_reduce 'ddp.bucket0'" in msg
 
