@@ -28,7 +28,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -353,21 +352,37 @@ def resume_point(directory: str, topo: Topology) -> str | None:
     return choice
 
 
-def export(path: str, out_file: str) -> dict[str, torch.Tensor]:
-    """Write the checkpoint's model as one plain ``state_dict`` file loadable into the bare model."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+def export(path: str, out_file: str | None = None, *, check: bool = True) -> dict[str, torch.Tensor]:
+    """The checkpoint's model as one plain ``state_dict``, written to ``out_file`` (``torch.save``) when given.
 
-    problem = verify(path)
-    if problem:
-        raise ValueError(f"cannot export {path}: {problem}")
-    with open(os.path.join(path, MANIFEST)) as f:
-        manifest = json.load(f)
-    with tempfile.TemporaryDirectory() as tmp:
-        flat_file = os.path.join(tmp, "flat.pt")
-        dcp_to_torch_save(path, flat_file)
-        flat = torch.load(flat_file, weights_only=True)
-    sd = {k: flat[f"model.{k}"] for k in manifest["shapes"]}
+    Every key of the bare model's ``state_dict()`` is there, the other names of
+    a tied weight included (as the same tensor), so a strict
+    ``load_state_dict`` works. Only the model's tensors are read (not the
+    optimizer states), each whole, from whichever pieces the writing layout
+    stored. ``check=False`` skips the checksums (for a caller that just ran
+    :func:`verify`).
+    """
+    if check:
+        problem = verify(path)
+        if problem:
+            raise ValueError(f"cannot export {path}: {problem}")
+    manifest = read_manifest(path)
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"cannot export {path}: it has format {manifest.get('format')}, this shardwise reads "
+                         f"format {FORMAT}")
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    missing = [k for k in manifest["shapes"] if f"model.{k}" not in stored]
+    if missing:
+        raise ValueError(f"cannot export {path}: the manifest lists tensors the checkpoint does not hold: "
+                         + ", ".join(missing))
+    sd: dict[str, torch.Tensor] = {}
+    for k in manifest["shapes"]:
+        md = stored[f"model.{k}"]
+        sd[k] = torch.empty(md.size, dtype=md.properties.dtype)  # type: ignore[union-attr]
+    with _quiet_single_process():
+        dcp.load({f"model.{k}": v for k, v in sd.items()}, checkpoint_id=path, no_dist=True)
     for alias, name in manifest.get("aliases", {}).items():
         sd[alias] = sd[name]
-    torch.save(sd, out_file)
+    if out_file is not None:
+        torch.save(sd, out_file)
     return sd

@@ -1,4 +1,4 @@
-"""The `shardwise` command: run, demo, verify, bench, plan."""
+"""The `shardwise` command: run, demo, verify, bench, plan, checkpoint."""
 from __future__ import annotations
 
 import argparse
@@ -50,6 +50,32 @@ def _verify(a: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _checkpoint(a: argparse.Namespace) -> int:
+    """``ls``: one line per checkpoint, exit 1 when the newest is not intact; ``export``: the model, plainly."""
+    from shardwise import checkpoint_tools as tools
+
+    try:
+        if a.verb == "ls":
+            entries = tools.listing(a.dir)
+            print(f"checkpoints in {a.dir} (oldest first)")
+            for line in tools.table(entries):
+                print("  " + line)
+            print(tools.summary(entries))
+            return tools.exit_code(entries)
+        done = tools.export(a.dir, a.out, a.format)
+    except tools.NoCheckpoint as e:
+        print(f"shardwise checkpoint {a.verb}: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"shardwise checkpoint {a.verb}: {e}", file=sys.stderr)
+        return 1
+    for path, why in done.skipped:
+        print(f"skipped {path}: {why}", file=sys.stderr)
+    what = "a directory from_pretrained loads" if done.format == "hf" else "one state dict (torch.load)"
+    print(f"exported step {done.step} of {done.source} ({done.model_class}) to {done.out}: {what}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "run":  # everything after `run` belongs to torchrun
@@ -78,6 +104,16 @@ def main(argv: list[str] | None = None) -> int:
         plan_args(pl)
     except ImportError:  # pragma: no cover - planner not installed
         pass
+    c = sub.add_parser("checkpoint", help="list checkpoints with their layout, size and integrity; export one")
+    cv = c.add_subparsers(dest="verb", required=True)
+    ls = cv.add_parser("ls", help="one line per checkpoint (exit 1 when the newest is not intact)")
+    ls.add_argument("dir", metavar="DIR", help="a checkpoint_dir (or one step_N directory)")
+    ex = cv.add_parser("export", help="the model as one state dict file, or a from_pretrained directory (Hugging Face)")
+    ex.add_argument("dir", metavar="DIR", help="a checkpoint_dir (its newest intact checkpoint) or one step_N directory")
+    ex.add_argument("out", metavar="OUT", help="the file (pt) or directory (hf) to write")
+    ex.add_argument("--format", choices=["pt", "hf"], default=None,
+                    help="pt: torch.save of the plain state dict; hf: save_pretrained (default: hf for a Hugging "
+                         "Face model, else pt)")
     a = p.parse_args(argv)
     if a.cmd == "demo":
         from shardwise.demo import main as demo_main
@@ -90,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "plan":
         from shardwise.plan.cli import run as plan_run
         return plan_run(a)
+    if a.cmd == "checkpoint":
+        return _checkpoint(a)
     return 2
 
 
