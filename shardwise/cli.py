@@ -23,12 +23,24 @@ def _run(argv: list[str]) -> int:
     if "--nnodes" not in flags and "--rdzv" not in flags and "--standalone" not in flags \
             and "--master" not in flags:
         args.insert(0, "--standalone")
+    if "--standalone" in args:
+        # Every rank is on this machine: gloo's connections listen on loopback only.
+        from shardwise.launch import loopback_interface
+
+        lo = loopback_interface()
+        if lo is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
     nproc = 1
     for i, a in enumerate(args):
-        if a == "--nproc-per-node" and i + 1 < len(args) and args[i + 1].isdigit():
-            nproc = int(args[i + 1])
-        elif a.startswith("--nproc-per-node=") and a.split("=", 1)[1].isdigit():
-            nproc = int(a.split("=", 1)[1])
+        value = args[i + 1] if a == "--nproc-per-node" and i + 1 < len(args) else \
+            a.split("=", 1)[1] if a.startswith("--nproc-per-node=") else None
+        if value is None:
+            continue
+        if value.lstrip("-").isdigit() and int(value) < 1:
+            print(f"shardwise run: --nproc must be at least 1, got {value}", file=sys.stderr)
+            return 2
+        if value.isdigit():
+            nproc = int(value)
     # torchrun sets 1 thread per rank; share this host's cores instead.
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
     torchrun.main(args)

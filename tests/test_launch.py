@@ -68,3 +68,10 @@ def test_unknown_strategy_on_the_command_line():
     r = run_cli("verify", "--strategy", "nope", "--steps", "1")
     assert r.returncode != 0
     assert "unknown strategy 'nope'; valid strategies: single, ddp" in r.stderr
+
+
+@pytest.mark.parametrize("nproc", ["0", "-2"])
+def test_run_refuses_a_process_count_below_one(nproc):
+    r = run_cli("run", f"--nproc={nproc}", "no_such_script.py", timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"shardwise run: --nproc must be at least 1, got {nproc}"
