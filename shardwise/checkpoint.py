@@ -3,8 +3,10 @@
 Layout of one checkpoint directory ``<dir>/step_00000010/``:
 
 * the DCP files, written in parallel by every rank (each writes its shards);
-* ``manifest.json``: step, world size, strategy, the model's parameter shapes,
-  and a SHA-256 checksum of every file, written by rank 0 last.
+* ``manifest.json``: step, world size, strategy and dp/tp/pp sizes, the
+  global shape of every tensor, tied aliases, what the run was (batch size,
+  optimizer, model class and Hugging Face config), small run state (the fp16
+  loss scaler) and a SHA-256 checksum of every file, written by rank 0 last.
 
 The checkpoint is layout-free: every tensor is stored under its name in the
 unsplit model with its global shape (``model.<fqn>``, ``optim.<fqn>.<state>``),
@@ -17,8 +19,9 @@ old layout wrote, so any layout resumes any other (docs/checkpoints.md).
 Writes are atomic: ranks write into ``step_N.tmp`` and rank 0 renames it to
 ``step_N`` only after every rank finished and the manifest is on disk, so a
 crash while saving leaves the previous checkpoint as the latest complete one.
-Loading never unpickles arbitrary objects: DCP reads tensors, the manifest is
-JSON, and :func:`export` loads with ``weights_only=True``.
+Loading never unpickles arbitrary objects: DCP reads tensors (its own
+``.metadata`` is checksummed first), the manifest is JSON, and :func:`export`
+reads the model's tensors through DCP.
 """
 from __future__ import annotations
 
