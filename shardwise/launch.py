@@ -65,6 +65,50 @@ def _torchrun_store(timeout: _dt.timedelta) -> dist.Store:
     return dist.PrefixStore(prefix, store)
 
 
+def check_main_module() -> None:
+    """Refuse, before starting any process, a main script the ranks cannot re-import safely.
+
+    Rank processes are started with the "spawn" method: each imports the
+    main script again (as ``__mp_main__``). Code that trains at the script's
+    top level, outside ``if __name__ == "__main__":``, would then run again in
+    every rank and try to start ranks of its own, which multiprocessing meets
+    with a long error or a hang. A main without a file (stdin, ``python -c``)
+    cannot be re-imported at all.
+    """
+    import ast
+    import inspect
+    import sys
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or hasattr(sys, "ps1") or "ipykernel" in sys.modules:
+        return  # an interactive session: nothing is re-imported (its objects must be importable to be pickled)
+    if path is None:
+        return  # python -c: nothing to re-import
+    if not os.path.exists(path):  # a script read from stdin ('<stdin>'): spawn would look for that file
+        raise RuntimeError(f"starting rank processes needs the main program in a file the ranks can import (this "
+                           f"one is {path!r}): save the script to a file and run it, or launch with "
+                           "`shardwise run --nproc N script.py`")
+    frames = [f for f in inspect.stack(0) if f.frame.f_globals is vars(main) and f.function == "<module>"]
+    if not frames:
+        return
+    line = frames[-1].lineno
+    try:
+        tree = ast.parse(open(path).read())
+    except (OSError, SyntaxError, ValueError):
+        return
+
+    def guarded(node: ast.AST) -> bool:
+        test = ast.unparse(node.test) if isinstance(node, ast.If) else ""
+        return "__name__" in test and "__main__" in test
+
+    inside = any(guarded(n) and n.lineno <= line <= (n.end_lineno or n.lineno) for n in ast.walk(tree))
+    if not inside:
+        raise RuntimeError(f"{path}, line {line}, starts rank processes from the top level of the script: each rank "
+                           "imports the script again (the 'spawn' start method) and would run this code too. Put "
+                           "it under `if __name__ == \"__main__\":` (or launch with `shardwise run`)")
+
+
 def die_with_parent() -> None:
     """End this process when the process that started it dies, whatever killed it (SIGKILL included).
 
@@ -146,6 +190,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), accel
     every rank's traceback and a diagnosis of where each rank was (see
     :mod:`shardwise.comm.diagnostics`), instead of a bare exit code.
     """
+    check_main_module()
     store = job_store(timeout)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker, args=(r, fn, nprocs, store.port, accelerator, timeout.total_seconds(), args),

@@ -86,7 +86,10 @@ def global_shape(local: Sequence[int], tp: tuple[int, int] | None, tp_size: int)
     return tuple(out)
 
 
-def pieces_of(held: Held, shape: Sequence[int], tp_rank: int, tp_size: int) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+Piece = tuple[tuple[int, ...], torch.Tensor]  # (offsets in the global tensor, a view of live storage)
+
+
+def pieces_of(held: Held, shape: Sequence[int], tp_rank: int, tp_size: int) -> list[Piece]:
     """(global offsets, view) of each rectangle of the global tensor ``shape`` that ``held`` covers."""
     shape = tuple(shape)
     local = list(shape)
@@ -102,9 +105,10 @@ def pieces_of(held: Held, shape: Sequence[int], tp_rank: int, tp_size: int) -> l
         raise ValueError(f"{held.key}: a partial piece must be a 1-D view of live storage")
     boxes = [(tuple([0] * len(local)), tuple(local), 0)] if whole else \
         flat_boxes(local, held.start, min(numel, held.start + held.data.numel()))
-    out: list[tuple[tuple[int, ...], torch.Tensor]] = []
+    out: list[Piece] = []
     for off, size, s in boxes:
-        view = held.data if whole else flat[s - held.start:s - held.start + math.prod(size)].view(size)  # type: ignore[index]
+        lo = s - held.start
+        view = held.data if whole else flat[lo:lo + math.prod(size)].view(size)  # type: ignore[index]
         if held.tp is None:
             out.append((off, view))
             continue

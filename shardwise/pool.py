@@ -158,6 +158,7 @@ class WorkerPool:
         """Run ``fn(rank, device, *args)`` on ``nprocs`` pooled workers inside one fresh process group."""
         if nprocs > self.size:
             raise ValueError(f"a job of {nprocs} ranks does not fit a WorkerPool of size {self.size}")
+        launch.check_main_module()
         store = launch.job_store(timeout)
         job = {"world": nprocs, "port": store.port, "accelerator": accelerator,
                "timeout_s": timeout.total_seconds(), "env": dict(os.environ), "cwd": os.getcwd()}

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from shardwise.comm import Comm, Handle
 from shardwise.parallel.ddp import GradSync, _tensors, check_same_parameters
@@ -370,7 +370,7 @@ class FSDPModule(_Reduction, nn.Module):
         return {"params": params, "grads": full, "host_params": [u.host for u in self.units if u.host is not None],
                 "host_grads": self.shard_grads()}
 
-    def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, list[tuple[str, int, torch.Tensor]]]:
+    def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, list[tuple[str, int, Tensor]]]:
         """This rank's piece of each sharded parameter and of its optimizer states (frozen ones stay whole)."""
         return {p: shard_parts(s, self.comm.rank * chunk_numel(self.numel_of[s], self.comm.size), self.local_of[s],
                                optimizer, with_param=True)

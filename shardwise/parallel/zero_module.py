@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from shardwise.comm import Comm
 from shardwise.parallel.ddp import GradSync, bucket_params, check_same_parameters
@@ -152,7 +152,7 @@ class ZeROModule(GradSync, nn.Module):
         return {"params": params, "grads": grads, "host_params": [b.host for b in self.buckets if b.host is not None],
                 "host_grads": self.shard_grads()}
 
-    def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, list[tuple[str, int, torch.Tensor]]]:
+    def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, list[tuple[str, int, Tensor]]]:
         """This rank's optimizer-state pieces of each parameter (the parameters themselves are whole here)."""
         return {p: shard_parts(s, self.comm.rank * c, k, optimizer, with_param=False)
                 for b in self.buckets for p, s, c, k in zip(b.params, b.shards, b.layout.chunks, b.locals)}
