@@ -36,3 +36,13 @@ def llama() -> nn.Module:
 def logits_loss(out, y):
     """Next-token loss on a Hugging Face output (``.logits``) or on plain logits (a pipeline's last stage)."""
     return lm_loss(out.logits if hasattr(out, "logits") else out, y)
+
+
+def bert_mlm() -> nn.Module:
+    """An encoder with tied heads: the decoder weight is the word embedding, its bias is ``cls.predictions.bias``."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    return BertForMaskedLM(BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0))

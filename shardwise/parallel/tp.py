@@ -274,6 +274,13 @@ def parallelize(model: nn.Module, plan: Plan | dict[str, str | Style] | str | No
     missing = [k for k, n in hits.items() if n == 0]
     if missing:
         raise ValueError(f"tensor parallel: plan pattern(s) {missing} match no module of {type(model).__name__}")
+    # Every (module, attribute) that holds each parameter, before any module is replaced: a weight
+    # tied under another name (a Hugging Face MLM head's decoder bias is also ``predictions.bias``)
+    # must become the same shard there too, or that name keeps the full, never-updated tensor.
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in model.modules():
+        for attr, prm in m.named_parameters(recurse=False):
+            holders.setdefault(id(prm), []).append((m, attr))
     shared = _Shared()
     for name, (mod, style) in found.items():
         if keep is not None and not keep(name):
@@ -287,6 +294,11 @@ def parallelize(model: nn.Module, plan: Plan | dict[str, str | Style] | str | No
             new = VocabParallelEmbedding(mod, comm, shared, name)  # type: ignore[arg-type]
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    replaced = {id(mod) for mod, _ in found.values()}
+    for pid, (_, shard, _) in shared.made.items():
+        for m, attr in holders.get(pid, []):
+            if id(m) not in replaced:  # a module left as it was, holding the unsplit tied tensor
+                setattr(m, attr, shard)
     if p.fixup is not None:
         p.fixup(model, comm.size)
     return model

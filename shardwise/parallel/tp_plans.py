@@ -139,6 +139,35 @@ def llama_plan(prefix: str = "model.") -> Plan:
     return Plan(styles, _check_hf, None, "llama")
 
 
+def _fix_bert(model: nn.Module, tp: int) -> None:
+    # Older transformers reshape q/k/v with the full head count (``num_attention_heads``,
+    # ``all_head_size``); each rank holds heads/tp of them (5.x infers it with -1, and this is a no-op).
+    from shardwise.parallel.tp import ColumnParallelLinear  # tp.py imports this module
+
+    for m in model.modules():
+        if type(m).__name__.endswith("SelfAttention") and isinstance(getattr(m, "query", None), ColumnParallelLinear):
+            if hasattr(m, "num_attention_heads"):
+                m.num_attention_heads = m.num_attention_heads // tp
+            if hasattr(m, "all_head_size"):
+                m.all_head_size = m.all_head_size // tp
+
+
+def bert_plan(prefix: str = "bert.") -> Plan:
+    """For Hugging Face ``BertForMaskedLM`` (``prefix=""`` for a bare ``BertModel``): Megatron pairs in every
+    layer, the vocabulary-parallel embedding and, with the MLM head, the decoder tied to it (its bias is tied
+    to ``cls.predictions.bias`` as well: both names hold the same slice)."""
+    L = prefix + "encoder.layer.*."
+    styles: dict[str, str | Style] = {prefix + "embeddings.word_embeddings": "vocab"}
+    for n in ("query", "key", "value"):
+        styles[L + "attention.self." + n] = "colwise"
+    styles[L + "attention.output.dense"] = "rowwise"
+    styles[L + "intermediate.dense"] = "colwise"
+    styles[L + "output.dense"] = "rowwise"
+    if prefix:
+        styles["cls.predictions.decoder"] = "colwise_gather"
+    return Plan(styles, _check_hf, _fix_bert, "bert")
+
+
 def mlp_plan(model: nn.Module) -> Plan:
     """For :class:`shardwise.models.MLP`: hidden Linear layers in Megatron pairs, column- then row-parallel.
 
@@ -166,6 +195,8 @@ def plan_for(model: nn.Module) -> Plan:
         return gpt2_plan("transformer." if kind == "GPT2LMHeadModel" else "")
     if kind in ("LlamaForCausalLM", "LlamaModel"):
         return llama_plan("model." if kind == "LlamaForCausalLM" else "")
+    if kind in ("BertForMaskedLM", "BertModel"):
+        return bert_plan("bert." if kind == "BertForMaskedLM" else "")
     raise ValueError(f"no built-in tensor-parallel plan for {kind}; pass plan={{'<module pattern>': "
                      "'colwise' | 'rowwise' | 'vocab' | 'colwise_gather', ...}")
 
@@ -176,7 +207,7 @@ def resolve_plan(plan: Plan | dict[str, str | Style] | str | None, model: nn.Mod
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, str):
-        table = {"gpt": gpt_plan, "gpt2": gpt2_plan, "llama": llama_plan}
+        table = {"gpt": gpt_plan, "gpt2": gpt2_plan, "llama": llama_plan, "bert": bert_plan}
         if plan not in table:
             raise ValueError(f"unknown built-in plan {plan!r}; valid: auto, {', '.join(table)}")
         return table[plan]()
