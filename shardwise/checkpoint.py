@@ -107,11 +107,18 @@ def materialize(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     One step with zero gradients through the real torch optimizer (the
     innermost one, for wrappers that keep it as ``.optimizer``), then the
     parameters are put back: only the states' existence matters, their values
-    are overwritten by the load.
+    are overwritten by the load. An optimizer that keeps no state on this rank
+    says so with ``keeps_state = False`` and is never stepped here (a
+    parameter-server worker's, whose ``step()`` pushes gradients to the
+    servers: stepping it would send a push nobody waits for).
     """
     inner = optimizer
     while hasattr(inner, "optimizer") and isinstance(getattr(inner, "optimizer"), torch.optim.Optimizer):
+        if not getattr(inner, "keeps_state", True):
+            return
         inner = inner.optimizer
+    if not getattr(inner, "keeps_state", True):
+        return
     # Frozen parameters never get a gradient, so training gives them no state either.
     params = [p for g in inner.param_groups for p in g["params"] if p.requires_grad]
     if all(len(inner.state.get(p, {})) for p in params):

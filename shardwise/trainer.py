@@ -352,8 +352,8 @@ class _Job:
         received_after_setup = topo.stats.received
         server = isinstance(strat, HasServers) and strat.is_server(topo)
         if server:
-            times = strat.serve(model, opt, topo, self.max_steps)  # type: ignore[attr-defined]
-            losses = [0.0] * self.max_steps
+            times = self._serve(model, opt, topo, prev, shapes)
+            losses = [0.0] * (self.max_steps - len(prev))  # a server owns no loss: zeros in the all-reduce
             state_bytes = _count_state(strat, model, opt)
         else:
             losses, times, state_bytes = self._loop(model, opt, topo, prev, shapes, extra)
@@ -378,6 +378,30 @@ class _Job:
         }
         stats = topo.comm("world").all_gather_object(mine, name="stats")
         return FitResult(losses=global_losses, state_dict=state_dict, stats=stats)
+
+    def _serve(self, model: nn.Module, opt: torch.optim.Optimizer, topo: Topology, prev: list[float],
+               shapes: dict[str, list[int]]) -> list[float]:
+        """A server rank's part from step ``len(prev)`` (a resumed run starts at its checkpoint's step).
+
+        It serves up to each step at which the workers save (every
+        ``checkpoint_every`` steps and after the last), then saves with them:
+        the same :func:`checkpoint.save` call and, before it, the same loss
+        all-reduce, to which a server contributes zeros. Returns the per-step times.
+        """
+        t, strat = self.trainer, self.trainer.strategy
+        times: list[float] = []
+        done = len(prev)
+        while done < self.max_steps:
+            stop = self.max_steps
+            if t.checkpoint_dir is not None and t.checkpoint_every is not None:
+                stop = min(stop, (done // t.checkpoint_every + 1) * t.checkpoint_every)
+            times += strat.serve(model, opt, topo, stop - done)  # type: ignore[attr-defined]
+            done = stop
+            if t.checkpoint_dir is not None:
+                so_far = prev + _global_losses([0.0] * (done - len(prev)), strat, topo)
+                checkpoint.save(t.checkpoint_dir, done, so_far, strat, model, opt, topo, shapes,
+                                keep=t.checkpoint_keep, aliases=self.aliases, run=self.info, extra=None)
+        return times
 
     def _loop(self, model: nn.Module, opt: torch.optim.Optimizer, topo: Topology, prev: list[float],
               shapes: dict[str, list[int]], restored: dict[str, torch.Tensor]) -> tuple[list[float], list[float],

@@ -34,6 +34,12 @@ version number means the same on every shard and the bound holds globally.
 A worker that dies or hangs is reported by the server: every receive waits at
 most the run's timeout and the error names the worker's rank.
 
+Checkpoints (:meth:`ParameterServer.checkpoint_held`): a server writes its
+range as the run of each parameter it overlaps and the same runs of its
+optimizer states; the first worker writes the buffers and frozen parameters;
+the trainer makes the servers serve in segments between the saves and join
+each one (docs/classic.md, "Checkpoints under the parameter server").
+
 This module holds the strategy (:class:`ParameterServer`) and the wrapper
 (:class:`PSModule`); the roles each rank runs (worker, server,
 :class:`StalenessGate`) live in :mod:`shardwise.parallel.ps_roles` (issue 11:
@@ -43,7 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -51,8 +57,12 @@ from torch import nn
 from shardwise.parallel.ddp import check_same_parameters
 from shardwise.parallel.ps_roles import APPLY, HEADER, PULL, StalenessGate, _Layout, _PushOptimizer, _Server, _Worker
 from shardwise.layout import RunLayout
-from shardwise.strategy import HasServers, LossFn, OptimizerFactory, StepRun, unwrap, with_optimizer_states
+from shardwise.strategy import (HasServers, LossFn, OptimizerFactory, StepRun, named_state, unwrap,
+                                with_optimizer_states)
 from shardwise.topology import Topology
+
+if TYPE_CHECKING:  # torch.distributed.checkpoint loads only when a checkpoint is made
+    from shardwise.pieces import Held
 
 MODES = ("sync", "async")
 
@@ -142,8 +152,9 @@ class ParameterServer(HasServers):
                 shard = nn.Parameter(flat[lo:hi].clone())
             del flat
             # The server needs names and shapes only; the weights it serves live in the shard.
-            model.to("meta")
-            layout.params = [p for p in model.parameters() if p.requires_grad]
+            model.to("meta")  # (this unties tied weights: the layout keeps one meta tensor per parameter, by name)
+            on_meta = dict(model.named_parameters(remove_duplicate=False))
+            layout.params = [on_meta[n] for n in layout.first_names]
             opt = optimizer_fn([shard])
             role: _Worker | _Server = _Server(comm, layout, s, self.servers, shard, self.mode, self.max_staleness)
             return PSModule(model, role), opt
@@ -205,9 +216,26 @@ class ParameterServer(HasServers):
                 out[k] = t.cpu().clone()
         return out
 
-    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                         topo: Topology) -> dict[str, Any]:
-        raise NotImplementedError("checkpointing is not supported for the parameter server yet")
+    def checkpoint_held(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology) -> list[Held]:
+        """What this rank holds of the layout-free checkpoint (:mod:`shardwise.pieces`).
+
+        A server: for every parameter its range ``[lo, hi)`` overlaps, the run of
+        that parameter (flattened) it holds, as a 1-D view of its shard, and the
+        same run of each optimizer state (0-dim states such as Adam's ``step``
+        whole, under every parameter it touches). The first worker (rank
+        ``servers``): the buffers and frozen parameters, whole (the servers do not
+        serve them). Other workers hold nothing: their trainable weights are the
+        servers' (pulled at every step), their optimizer keeps no state.
+        """
+        role = model.role  # type: ignore[union-attr]
+        if isinstance(role, _Server):
+            return _server_held(role, optimizer)
+        if topo.coord("dp") != self.servers:
+            return []
+        from shardwise.pieces import Held
+
+        trainable = {id(p) for p in role.layout.params}
+        return [Held(f"model.{name}", t.detach()) for name, t in named_state(unwrap(model)) if id(t) not in trainable]
 
     def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
         role = model.role  # type: ignore[union-attr]
@@ -222,6 +250,26 @@ class ParameterServer(HasServers):
         if isinstance(role, _Server):
             return {"role": "server", "staleness": list(role.staleness), "applied_by": list(role.applied_by)}
         return {"role": "worker"}
+
+
+def _server_held(role: _Server, optimizer: torch.optim.Optimizer) -> list[Held]:
+    """A server's pieces: per parameter of its range, the run of it and of each optimizer state (live views)."""
+    from shardwise.pieces import Held
+
+    shard = role.shard.detach()
+    states = [(k, v) for k, v in optimizer.state.get(role.shard, {}).items() if isinstance(v, torch.Tensor)]
+    for k, v in states:
+        if v.dim() > 0 and v.shape != shard.shape:
+            raise ValueError(f"the parameter server cannot checkpoint the optimizer state {k!r} of shape "
+                             f"{list(v.shape)}: a server's states must be scalars or element-wise (the shape of its "
+                             f"shard, {list(shard.shape)}), as with SGD, Adam and AdamW")
+    out: list[Held] = []
+    for i, a, b, n in role.layout.pieces(role.index):
+        name = role.layout.first_names[i]
+        out.append(Held(f"model.{name}", shard[b:b + n], a))
+        for k, v in states:
+            out.append(Held(f"optim.{name}.{k}", v, 0) if v.dim() == 0 else Held(f"optim.{name}.{k}", v[b:b + n], a))
+    return out
 
 
 __all__ = ["PSModule", "ParameterServer", "StalenessGate", "HEADER", "APPLY", "PULL"]

@@ -131,6 +131,11 @@ class _Layout:
         self.ranges = [(sum(sizes[:s]), sum(sizes[:s + 1])) for s in range(servers)]
         ids = {id(p): i for i, p in enumerate(self.params)}
         self.names = {n: ids[id(p)] for n, p in module.named_parameters(remove_duplicate=False) if id(p) in ids}
+        # Each parameter's first name, the one the unsplit model's state dict (and a checkpoint) uses for it.
+        first: dict[int, str] = {}
+        for n, i in self.names.items():
+            first.setdefault(i, n)
+        self.first_names = [first[i] for i in range(len(self.params))]
 
     def pieces(self, s: int) -> list[tuple[int, int, int, int]]:
         """(parameter index, start in parameter, start in shard, length) of what server ``s`` owns."""
@@ -197,7 +202,13 @@ class _Worker:
 
 
 class _PushOptimizer(torch.optim.Optimizer):
-    """A worker's optimizer: ``step()`` pushes the gradients; the real optimizer runs on the servers."""
+    """A worker's optimizer: ``step()`` pushes the gradients; the real optimizer runs on the servers.
+
+    ``keeps_state = False`` tells :func:`shardwise.checkpoint.materialize` that there are no
+    states to create here (stepping it to make them would push gradients nobody waits for).
+    """
+
+    keeps_state = False
 
     def __init__(self, params: Sequence[nn.Parameter], worker: _Worker) -> None:
         super().__init__(params, {})
@@ -223,6 +234,7 @@ class _Server:
         shard.grad = torch.zeros_like(shard)
         self.staleness: list[int] = []
         self.applied_by: list[int] = []
+        self.served = 0  # sync steps served by this process, over all calls (a run serves in segments)
 
     # helpers
     def rank_of(self, w: int) -> int:
@@ -248,9 +260,12 @@ class _Server:
 
     # synchronous: every step waits for every worker
     def run_sync(self, opt: torch.optim.Optimizer, steps: int) -> list[float]:
+        """``steps`` synchronous steps; a worker's header counts its pushes since its process started,
+        as :attr:`served` does here, so a run served in segments (between checkpoints) checks the same."""
         times = []
         me = self.comm.global_rank(self.index)
-        for t in range(steps):
+        for _ in range(steps):
+            t = self.served
             start = time.perf_counter()
             sends = [self.comm.isend(self.shard.detach(), self.rank_of(w), "ps.pull") for w in range(self.workers)]
             recvs = [self.recv_push(w) for w in range(self.workers)]
@@ -276,6 +291,7 @@ class _Server:
             if clip >= 0:
                 self.clip(clip)
             opt.step()
+            self.served += 1
             self.staleness.append(0)
             self.applied_by.append(-1)
             times.append(time.perf_counter() - start)
@@ -371,7 +387,8 @@ class _Server:
         finally:
             for q in inbox:
                 q.put(None)
-        self.staleness, self.applied_by = gate.staleness, gate.applied_by
+        self.staleness += gate.staleness  # over every segment this process served
+        self.applied_by += gate.applied_by
         return _per_step(applied_at, self.workers)
 
     def _follow(self, opt: torch.optim.Optimizer, steps: int) -> list[float]:
