@@ -48,18 +48,23 @@ def _run(argv: list[str]) -> int:
 
 
 def _verify(a: argparse.Namespace) -> int:
-    from shardwise.verify import compare, run_pair
+    from shardwise.verify import FLOOR_FACTOR, judge
     from shardwise.workloads import load
 
     work = load(a.model)
-    ref, res = run_pair(work, a.strategy, a.devices, a.steps, accumulate_grad_batches=a.accumulate)
-    c = compare(ref, res)
-    ok = c.within(a.rtol)
+    v = judge(work, a.strategy, a.devices, a.steps, rtol=a.rtol, accumulate_grad_batches=a.accumulate)
+    r, f = v.run, v.floor
     print(f"verify {a.strategy} on {a.devices} devices, workload {work.name}, {a.steps} steps")
-    print(f"  largest loss difference:      {c.max_loss_diff:.3e} (relative {c.max_loss_rel:.3e})")
-    print(f"  largest parameter difference: {c.max_param_diff:.3e} (relative {c.max_param_rel:.3e}, in {c.worst_param})")
-    print(f"  {'EQUAL' if ok else 'MISMATCH'} at relative tolerance {a.rtol:g}")
-    return 0 if ok else 1
+    print(f"  noise floor (single device, the gradient summed in another order): losses {f.max_loss_rel:.2e}, "
+          f"weights {f.max_param_rel:.2e} relative (worst tensor); tolerance {FLOOR_FACTOR:g}x the floor, per weight "
+          f"tensor, at least {a.rtol:g}")
+    print(f"  losses:  largest difference {r.max_loss_diff:.3e} (relative {r.max_loss_rel:.3e}, tolerance "
+          f"{v.loss_tol:.2e}) {'equal' if v.losses_equal else 'DIFFERENT'}")
+    name, diff, tol = v.worst
+    print(f"  weights: largest difference {r.max_param_diff:.3e}; closest to its tolerance: {name} (relative "
+          f"{diff:.3e}, tolerance {tol:.2e}) {'equal' if v.params_equal else 'DIFFERENT'}")
+    print(f"  {'EQUAL' if v.equal else 'MISMATCH'}")
+    return 0 if v.equal else 1
 
 
 def _checkpoint(a: argparse.Namespace) -> int:
@@ -100,12 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--plot", dest="plot_dir", default=None, metavar="DIR",
                    help="also write throughput, memory and pipeline-timeline PNGs under DIR")
     v = sub.add_parser("verify", help="check a strategy against single-device training")
-    v.add_argument("--strategy", default="ddp")
-    v.add_argument("--devices", type=int, default=2)
+    v.add_argument("--strategy", default="ddp", help="the strategy to check (default: ddp)")
+    v.add_argument("--devices", type=int, default=2, help="devices for that strategy (default: 2)")
     v.add_argument("--model", default="digits", help="built-in workload (digits, gpt, mlp1024) or path.py:factory")
-    v.add_argument("--steps", type=int, default=20)
-    v.add_argument("--accumulate", type=int, default=1)
-    v.add_argument("--rtol", type=float, default=1e-5)
+    v.add_argument("--steps", type=int, default=20, help="optimizer steps of each run (default: 20)")
+    v.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches of every run (default: 1)")
+    v.add_argument("--rtol", type=float, default=1e-6,
+                   help="the smallest relative tolerance, used when the measured noise floor is lower (default: 1e-6)")
     b = sub.add_parser("bench", help="ours against PyTorch's own implementation, side by side")
     from shardwise.bench import add_arguments as bench_args
 

@@ -83,6 +83,9 @@ def check_main_module() -> None:
     path = getattr(main, "__file__", None)
     if main is None or hasattr(sys, "ps1") or "ipykernel" in sys.modules:
         return  # an interactive session: nothing is re-imported (its objects must be importable to be pickled)
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and (spec.name == "__main__" or spec.name.endswith(".__main__")):
+        return  # python -m package: multiprocessing does not re-import a package's __main__
     if path is None:
         return  # python -c: nothing to re-import
     if not os.path.exists(path):  # a script read from stdin ('<stdin>'): spawn would look for that file
