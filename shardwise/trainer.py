@@ -82,6 +82,11 @@ class Trainer:
             skips that optimizer step on every rank (``"skip"``; costs one tiny all-reduce per step).
         max_processes_per_core: on CPU, refuse to start more than this many rank processes per core
             (each is a whole interpreter with its own model copy); None removes the bound.
+        sync_batchnorm: BatchNorm layers normalise with the statistics of the whole global batch
+            (:class:`~shardwise.parallel.sync_bn.SyncBatchNorm`, over the data-parallel group), which
+            equals single-device training. Without it each rank normalises with its own part of the
+            batch, and the running statistics of data-parallel rank 0 are every rank's (broadcast after
+            each step, as torch DDP's ``broadcast_buffers``); a warning says so once.
     """
 
     def __init__(self, strategy: str | Strategy = "single", devices: int = 1, accelerator: str = "auto", *,
@@ -93,7 +98,7 @@ class Trainer:
                  device_memory: int | None = None, precision: str = "32",
                  activation_checkpointing: bool | tuple[type[nn.Module], ...] = False,
                  tensorboard_dir: str | os.PathLike[str] | None = None, peak_flops: float | None = None,
-                 max_processes_per_core: int | None = 8) -> None:
+                 max_processes_per_core: int | None = 8, sync_batchnorm: bool = False) -> None:
         self.strategy = resolve(strategy)
         if accelerator not in ("auto", "cpu", "cuda"):
             raise ValueError(f"unknown accelerator {accelerator!r}; valid: 'auto', 'cpu', 'cuda'")
@@ -101,6 +106,7 @@ class Trainer:
             raise ValueError(f"max_processes_per_core must be >= 1 (or None for no bound), "
                              f"got {max_processes_per_core}")
         self.max_processes_per_core = max_processes_per_core
+        self.sync_batchnorm = sync_batchnorm
         if checkpoint_every is not None and checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
         if checkpoint_every is not None and checkpoint_dir is None:
@@ -208,6 +214,7 @@ class Trainer:
                 f"accumulate_grad_batches {k} = {dp * k}; the global batch must split evenly "
                 f"(try batch_size={max(dp * k, batch_size // (dp * k) * dp * k)})")
         self.strategy.check_model(model, self.devices, batch_size, self.accumulate_grad_batches)
+        self._check_batchnorm(model)
         if isinstance(self.strategy, HasServers) and (self.precision == "16-mixed" or self.on_nonfinite == "skip"):
             # Both make every training rank agree each step, in an all-reduce over the world
             # that the server ranks, busy in their own loop, never join: the job would hang.
@@ -234,6 +241,24 @@ class Trainer:
         if self.memory_check != "off":
             self._check_memory(model, probe, batch_size)
         return info
+
+    def _check_batchnorm(self, model: nn.Module) -> None:
+        """Say once what BatchNorm computes under this layout, or refuse sync_batchnorm where it cannot work."""
+        from shardwise.parallel.sync_bn import batchnorm_layers
+
+        layers = batchnorm_layers(model)
+        dp = self.strategy.sizes(self.devices)["dp"]
+        several = self.strategy.batch_shards(self.devices) > 1 and self.strategy.processes(self.devices) > 1
+        if self.sync_batchnorm and self.strategy.processes(self.devices) == 1 and self.devices > 1:
+            raise ValueError(f"sync_batchnorm is not supported by strategy {self.strategy.name!r}: one process "
+                             "drives every device, so there is no group to synchronise over; use 'ddp'")
+        if layers and several and dp > 1 and not self.sync_batchnorm:
+            shown = ", ".join(layers[:5]) + (f" and {len(layers) - 5} more" if len(layers) > 5 else "")
+            warnings.warn(f"the model has BatchNorm layers ({shown}): under {self.strategy.name!r} each of the "
+                          f"{dp} data-parallel ranks normalises with the statistics of its own part of the batch, so "
+                          "training differs from one device, and the running statistics are those of rank 0 "
+                          "(broadcast after every step). Trainer(sync_batchnorm=True) normalises with the whole "
+                          "batch's statistics, equal to single-device training", stacklevel=4)
 
     def _check_memory(self, model: nn.Module, probe: torch.optim.Optimizer, batch_size: int) -> None:
         """Ask the planner whether exactly this run fits before anything starts.
@@ -340,6 +365,10 @@ class _Job:
 
             classes = None if t.activation_checkpointing is True else t.activation_checkpointing
             apply_activation_checkpointing(self.model, classes)  # type: ignore[arg-type]
+        if t.sync_batchnorm and topo.size("dp") > 1:
+            from shardwise.parallel.sync_bn import convert_sync_batchnorm
+
+            convert_sync_batchnorm(self.model, topo.comm("dp"))
         model, opt = strat.setup(self.model, self.optimizer_fn, topo)
         prev: list[float] = []
         extra: dict[str, torch.Tensor] = {}
@@ -374,6 +403,8 @@ class _Job:
             "comm_by_group": dict(topo.stats.by_group),
             "step_time_s": statistics.median(times) if times else 0.0,
             "activation_bytes": getattr(self, "activation_bytes", 0),
+            # The sum of every buffer this rank holds (running statistics...): equal on replicas.
+            "buffers_sum": float(sum(float(b.double().sum()) for b in model.buffers() if b.is_floating_point())),
             **(strat.rank_stats(model, topo) if isinstance(strat, HasServers) else {}),
         }
         stats = topo.comm("world").all_gather_object(mine, name="stats")
@@ -419,6 +450,7 @@ class _Job:
                       start=len(prev)) \
             if rank0 and (t.metrics_path or t.tensorboard_dir) else None
         scaler = precision_mod.LossScaler() if t.precision == "16-mixed" else None
+        bn_buffers = _unsynced_batchnorm_buffers(model) if topo.size("dp") > 1 else []
         sched = _scheduler(self.lr_scheduler, opt, len(prev)) if self.lr_scheduler is not None else None
         if scaler is not None and "scaler" in restored:
             scaler.load_tensor(restored["scaler"])  # the scale and clean-step count the checkpoint's run had
@@ -452,6 +484,8 @@ class _Job:
                         # Counted at the high point of a step: gradients and optimizer states both live.
                         state_bytes = _count_state(strat, model, opt)
                 opt.zero_grad(set_to_none=True)
+                for b in bn_buffers:  # rank 0's running statistics are every replica's, as torch DDP's
+                    topo.comm("dp").broadcast(b, src=0, name="batchnorm.buffers")
                 if sched is not None:
                     with warnings.catch_warnings():  # a skipped first step is a step of the schedule all the same
                         warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)`")
@@ -475,6 +509,11 @@ class _Job:
         if log is not None:
             log.close()
         return losses, times, state_bytes
+
+
+def _unsynced_batchnorm_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """The running statistics of BatchNorm layers that normalise with their own rank's batch."""
+    return [b for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) for b in m.buffers()]
 
 
 def _check_scheduler(factory: SchedulerFactory, optimizer: OptimizerFactory, strategy: Strategy) -> None:

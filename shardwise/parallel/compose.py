@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from shardwise.layout import RunLayout
-from shardwise.parallel.pipeline import (PipelineModel, find_ties, gather_full_state, pipeline_layers,
-                                         pipeline_step, stage_starts)
+from shardwise.parallel.pipeline import PipelineModel, find_ties, gather_full_state, pipeline_step, stage_starts
+from shardwise.parallel.pipeline_layers import stage_layers
 from shardwise.parallel.schedules import Recorder, get_schedule
 from shardwise.parallel.tp import Plan, Style, counts_in_norm
 from shardwise.parallelize import DataParallelOptions, Owners, parallelize
@@ -126,7 +126,7 @@ class Parallel(Strategy):
         once per process, after the process group was formed; here it costs nothing.
         """
         p, v = self.sizes(devices)["pp"], self.n_chunks()
-        layers = pipeline_layers(model)
+        layers = stage_layers(model, p * v)
         starts = stage_starts(layers, p * v, self.split_points) + [len(layers)]  # too few layers: ValueError
         if self.zero == 2 and p > 1:
             parts = [layers[starts[i]:starts[i + 1]] for i in range(p * v)]

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.parallel.pipeline_layers import pipeline_layers
+from shardwise.parallel.pipeline_layers import pipeline_layers, stage_layers
 from shardwise.parallel.pipeline_run import pipeline_step, resplit, sync_ties
 from shardwise.topology import Topology
 
@@ -186,7 +186,7 @@ def build_pipeline(model: nn.Module, topo: Topology, split_points: Sequence[str]
     p, r, v = topo.size("pp"), topo.coord("pp"), chunks
     if v < 1 or (v > 1 and p == 1):
         raise ValueError(f"chunks={v}: interleaving needs chunks >= 1 and more than one pipeline stage")
-    layers = pipeline_layers(model)
+    layers = stage_layers(model, p * v)
     starts = stage_starts(layers, p * v, split_points) + [len(layers)]
     parts = [layers[starts[i]:starts[i + 1]] for i in range(p * v)]
     mine = [r + c * p for c in range(v)]
@@ -194,7 +194,7 @@ def build_pipeline(model: nn.Module, topo: Topology, split_points: Sequence[str]
     my_modules = {id(m) for k in mine for _, layer in parts[k] for m in layer.modules()}
     if transform is not None:
         transform(model, lambda name: id(model.get_submodule(name)) in my_modules)
-        layers = pipeline_layers(model)
+        layers = stage_layers(model, p * v)
         parts = [layers[starts[i]:starts[i + 1]] for i in range(p * v)]
     stages = [PipelineStage(parts[k], k, p * v) for k in mine]
     state = model.state_dict(keep_vars=True)

@@ -101,3 +101,13 @@ def pipeline_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     raise ValueError(f"cannot split a {kind} into pipeline stages: use nn.Sequential, shardwise's MLP or GPT, "
                      "GPT2LMHeadModel or LlamaForCausalLM, or give the model a pipeline_layers() method "
                      "returning [(name, module)] whose composition is its forward")
+
+
+WHOLE = "(whole model)"
+
+
+def stage_layers(model: nn.Module, parts: int) -> list[tuple[str, nn.Module]]:
+    """The layers to cut into ``parts`` model chunks: :func:`pipeline_layers`, or, when nothing is cut
+    (one stage, one chunk: dp x tp without pp), the whole model as its one layer, so that a model whose
+    forward is not a sequence (a CNN, anything) composes tensor with data parallelism."""
+    return [(WHOLE, model)] if parts == 1 else pipeline_layers(model)

@@ -148,7 +148,8 @@ def _params(modules: Iterable[nn.Module]) -> list[Param]:
 def local_chunks(model: nn.Module, layout: RunLayout, tp_plan: Any = None,
                  split_points: Sequence[str] | None = None) -> list[list[list[Param]]]:
     """Per pipeline rank, per model chunk, the parameters a rank of that stage holds (after the tp split)."""
-    from shardwise.parallel.pipeline import pipeline_layers, stage_starts
+    from shardwise.parallel.pipeline import stage_starts
+    from shardwise.parallel.pipeline_layers import stage_layers
     from shardwise.parallel.tp import parallelize as tensor_parallel
 
     tp = layout.tp
@@ -161,20 +162,20 @@ def local_chunks(model: nn.Module, layout: RunLayout, tp_plan: Any = None,
         return [[_params([m])]]
     p, v = layout.pp, layout.chunks
     try:
-        starts = stage_starts(pipeline_layers(model), p * v, split_points)
+        starts = stage_starts(stage_layers(model, p * v), p * v, split_points)
     except ValueError as e:
         raise NotModelled(str(e)) from e
     out: list[list[list[Param]]] = []
     for r in range(p):
         m = meta_copy(model)
-        layers = pipeline_layers(m)
+        layers = stage_layers(m, p * v)
         bounds = starts + [len(layers)]
         mine = [r + c * p for c in range(v)]
         if tp > 1:
             # As build_pipeline does: only this rank's modules are split (every tp rank's shapes are equal).
             keep = {id(x) for k in mine for _, layer in layers[bounds[k]:bounds[k + 1]] for x in layer.modules()}
             _split(tensor_parallel, m, tp_plan, tp, _member(m, keep))
-            layers = pipeline_layers(m)
+            layers = stage_layers(m, p * v)
         out.append([_params(layer for _, layer in layers[bounds[k]:bounds[k + 1]]) for k in mine])
     return out
 
