@@ -19,17 +19,14 @@ def _run(argv: list[str]) -> int:
         elif a.startswith(("--nproc=", "--nprocs=")):
             args[i] = "--nproc-per-node=" + a.split("=", 1)[1]
     flags = " ".join(a for a in args if a.startswith("--"))
-    # One node and no rendezvous given: a private c10d rendezvous on loopback.
-    if "--nnodes" not in flags and "--rdzv" not in flags and "--standalone" not in flags \
-            and "--master" not in flags:
-        args.insert(0, "--standalone")
-    if "--standalone" in args:
-        # Every rank is on this machine: gloo's connections listen on loopback only.
-        from shardwise.launch import loopback_interface
+    # One node and no rendezvous given (or --standalone): a private rendezvous on loopback only.
+    store = None
+    if ("--nnodes" not in flags and "--rdzv" not in flags and "--master" not in flags) or "--standalone" in args:
+        from shardwise.launch import loopback_rendezvous
 
-        lo = loopback_interface()
-        if lo is not None:
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+        args = [a for a in args if a != "--standalone"]
+        store, rdzv = loopback_rendezvous()
+        args = rdzv + args
     nproc = 1
     for i, a in enumerate(args):
         value = args[i + 1] if a == "--nproc-per-node" and i + 1 < len(args) else \
@@ -43,7 +40,10 @@ def _run(argv: list[str]) -> int:
             nproc = int(value)
     # torchrun sets 1 thread per rank; share this host's cores instead.
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
-    torchrun.main(args)
+    try:
+        torchrun.main(args)
+    finally:
+        del store  # the rendezvous store lives exactly as long as the job
     return 0
 
 

@@ -235,6 +235,35 @@ def job_store(timeout: _dt.timedelta) -> dist.TCPStore:
                          master_listen_fd=sock.detach())
 
 
+def loopback_rendezvous(timeout: _dt.timedelta = _dt.timedelta(minutes=5)) -> tuple[dist.TCPStore, list[str]]:
+    """torchrun arguments for a one-machine job whose every socket listens on loopback only.
+
+    torchrun's ``--standalone`` hosts its rendezvous store, and its agent the
+    store the workers meet in, on every interface. Here the rendezvous store
+    is ours (:func:`job_store`, 127.0.0.1), the agent joins it as a client,
+    advertises 127.0.0.1 to the workers, and hosts the workers' store on
+    loopback too (torch's ``DynamicRendezvousHandler._create_tcp_store_server``
+    is replaced for this process, which is the launcher); gloo is pointed at
+    the loopback interface. Keep the returned store alive for the whole job.
+    """
+    store = job_store(timeout)
+    try:
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+        def on_loopback(self: Any, master_addr: str, master_port: int) -> dist.TCPStore:
+            return job_store(timeout)
+
+        if hasattr(DynamicRendezvousHandler, "_create_tcp_store_server"):
+            DynamicRendezvousHandler._create_tcp_store_server = on_loopback  # type: ignore[method-assign]
+    except ImportError:
+        pass
+    lo = loopback_interface()
+    if lo is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+    return store, ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store.port}",
+                   "--rdzv-conf", "is_host=false", "--local-addr", "127.0.0.1"]
+
+
 def loopback_interface() -> str | None:
     """The name of the loopback network interface ("lo" on Linux, "lo0" on macOS), if there is one."""
     import socket

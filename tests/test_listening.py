@@ -56,3 +56,18 @@ def test_a_two_rank_job_listens_on_nothing_but_loopback(tmp_path):
     rows = [line.split() for line in open(out).read().splitlines()]
     assert len(rows) >= 2  # the store, and gloo's listening sockets: really looked at
     assert [r for r in rows if r[1] not in LOOPBACK] == []
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/net"), reason="reads the socket table from /proc")
+def test_shardwise_run_on_one_machine_listens_on_nothing_but_loopback():
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "shardwise", "run", "--nproc", "2",
+                        os.path.join(root, "tests", "scripts", "listening_probe.py")], cwd=root,
+                       env={**os.environ, "PYTHONPATH": root}, capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split()[1:] for line in r.stdout.splitlines() if line.startswith("LISTEN ")]
+    assert len(rows) >= 3  # the launcher's stores and the ranks' gloo sockets: really looked at
+    assert [row for row in rows if row[1] not in LOOPBACK] == []
