@@ -177,3 +177,12 @@ def test_a_gpipe_checkpoint_resumes_under_another_schedule(tmp_path, same_run):
     ckpt = str(tmp_path / "ck")
     fit("gpt", (lambda: PP(schedule="gpipe"), 2), K, ckpt)
     same_run(reference("gpt"), fit("gpt", "dp2-tp2-pp2-zero1", 2 * K, ckpt))
+
+
+@pytest.mark.parametrize("zero,target", [(0, (lambda: "zero2", 2)), (2, "pp-1f1b")],
+                         ids=["zero0->zero2", "zero2->pp-1f1b"])
+def test_parallel_with_the_other_zero_stages(tmp_path, same_run, zero, target):
+    """Parallel(dp=2, tp=2) with zero=0 (DDP) and zero=2 saves and resumes under another layout too."""
+    ckpt = str(tmp_path / "ck")
+    fit("gpt", (lambda: Parallel(dp=2, tp=2, zero=zero), 4), K, ckpt)
+    same_run(reference("gpt"), fit("gpt", target, 2 * K, ckpt))
