@@ -404,7 +404,8 @@ class _Job:
             "step_time_s": statistics.median(times) if times else 0.0,
             "activation_bytes": getattr(self, "activation_bytes", 0),
             # The sum of every buffer this rank holds (running statistics...): equal on replicas.
-            "buffers_sum": float(sum(float(b.double().sum()) for b in model.buffers() if b.is_floating_point())),
+            "buffers_sum": float(sum(float(b.double().sum()) for b in model.buffers()
+                                     if b.is_floating_point() and b.device.type != "meta")),  # (ps servers: meta)
             **(strat.rank_stats(model, topo) if isinstance(strat, HasServers) else {}),
         }
         stats = topo.comm("world").all_gather_object(mine, name="stats")
