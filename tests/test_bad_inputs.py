@@ -114,3 +114,14 @@ def test_the_parameter_server_with_per_step_agreement(no_spawn, kw, what):
     with pytest.raises(ValueError, match=f"^strategy 'ps' does not support {what}: the loss-scale overflow and skip "
                                          "decisions are agreed by every rank each step"):
         fit(sw.ParameterServer(servers=1), 3, **kw)
+
+
+def test_a_checkpoint_dir_that_cannot_be_written(no_spawn, tmp_path, monkeypatch):
+    # The tests run as root, for whom every directory is writable: the permission check is made to say no.
+    import os
+
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real(p, mode))
+    with pytest.raises(ValueError, match=f"^checkpoint_dir='{tmp_path}/ck' cannot be written \\('{tmp_path}' is not "
+                                         "writable\\)$"):
+        fit(checkpoint_dir=str(tmp_path / "ck"))
