@@ -290,6 +290,12 @@ class Trainer:
             if self.memory_check == "error":
                 raise MemoryError(text + " (Trainer(memory_check='warn') to try anyway)")
             warnings.warn(text, stacklevel=3)
+            return
+        # A part the planner could not estimate must not pass as zero bytes without a word.
+        for note in plan.notes:
+            if note.startswith("activations and buffers not estimated"):
+                warnings.warn(f"memory check incomplete: {note}; only parameters, gradients and optimizer states "
+                              "were checked (Trainer(memory_check='off') silences this)", stacklevel=3)
 
     def _check_devices(self) -> None:
         nprocs = self.strategy.processes(self.devices)

@@ -98,3 +98,25 @@ def test_a_layout_the_planner_cannot_model_is_said_so(no_spawn):
     with pytest.warns(UserWarning, match=r"memory check skipped: the planner cannot model this run .*'my-own'"):
         with pytest.raises(no_spawn):
             _fit(Unplanned(), 1)  # one byte: any check would refuse it, so none ran
+
+
+def test_a_part_the_planner_cannot_estimate_is_said(monkeypatch, no_spawn):
+    """The planner returns a plan whose activations it could not estimate: the check says so, not silently 0."""
+    import dataclasses
+
+    from shardwise.plan import run as plan_run_module
+    from shardwise.workloads import digits
+
+    real = plan_run_module.plan_run
+
+    def partial_plan(*a, **k):
+        return dataclasses.replace(real(*a, **k), notes=("activations and buffers not estimated: a test's reason",))
+
+    monkeypatch.setattr("shardwise.plan.plan_run", partial_plan)
+    work = digits()
+    with pytest.warns(UserWarning, match=r"^memory check incomplete: activations and buffers not estimated: a test's "
+                                         r"reason; only parameters, gradients and optimizer states were checked"), \
+            pytest.raises(no_spawn):
+        sw.Trainer("ddp", 2, accelerator="cpu", progress=False).fit(
+            work.make_model(), work.train, work.loss_fn, functools.partial(torch.optim.AdamW, lr=1e-3),
+            batch_size=64, max_steps=1)
