@@ -71,14 +71,11 @@ def model_shapes(model: nn.Module) -> dict[str, list[int]]:
 
 def tied_aliases(model: nn.Module) -> dict[str, str]:
     """State-dict names that are another name of an earlier tensor (tied weights): alias -> saved name."""
-    first: dict[int, str] = {}
-    out: dict[str, str] = {}
-    for k, v in unwrap(model).state_dict(keep_vars=True).items():
-        if id(v) in first:
-            out[k] = first[id(v)]
-        else:
-            first[id(v)] = k
-    return out
+    from shardwise.strategy import named_state
+
+    m = unwrap(model)
+    first = {id(t): k for k, t in named_state(m)}
+    return {k: first[id(v)] for k, v in m.state_dict(keep_vars=True).items() if first[id(v)] != k}
 
 
 def _sha256(path: str) -> str:
@@ -113,9 +110,7 @@ def materialize(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     servers: stepping it would send a push nobody waits for).
     """
     inner = optimizer
-    while hasattr(inner, "optimizer") and isinstance(getattr(inner, "optimizer"), torch.optim.Optimizer):
-        if not getattr(inner, "keeps_state", True):
-            return
+    while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer) and getattr(inner, "keeps_state", True):
         inner = inner.optimizer
     if not getattr(inner, "keeps_state", True):
         return
@@ -173,6 +168,16 @@ def check_directory(directory: str) -> None:
 def read_manifest(path: str) -> dict[str, Any]:
     with open(os.path.join(path, MANIFEST)) as f:
         return json.load(f)  # type: ignore[no-any-return]
+
+
+def current_manifest(path: str) -> dict[str, Any]:
+    """The manifest of a checkpoint in the format this shardwise reads; another format is refused."""
+    manifest = read_manifest(path)
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"checkpoint {path} has format {manifest.get('format')}, this shardwise reads format "
+                         f"{FORMAT} (every tensor under its global shape); format 1 was written by shardwise before "
+                         "layout-free checkpoints and is not converted")
+    return manifest
 
 
 def check_resume(directory: str, info: dict[str, Any], max_steps: int) -> str | None:
@@ -307,15 +312,9 @@ def latest_valid(directory: str) -> str | None:
     return None
 
 
-def check_compatible(path: str, shapes: dict[str, list[int]]) -> None:
+def check_compatible(path: str, shapes: dict[str, list[int]], manifest: dict[str, Any] | None = None) -> None:
     """Reject a checkpoint of a different model, listing mismatched keys and shapes."""
-    with open(os.path.join(path, MANIFEST)) as f:
-        manifest = json.load(f)
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"checkpoint {path} has format {manifest.get('format')}, this shardwise reads format "
-                         f"{FORMAT} (every tensor under its global shape); format 1 was written by shardwise before "
-                         "layout-free checkpoints and is not converted")
-    saved = manifest["shapes"]
+    saved = (manifest or current_manifest(path))["shapes"]
     problems = []
     for k in sorted(set(saved) | set(shapes)):
         if k not in shapes:
@@ -332,8 +331,8 @@ def check_compatible(path: str, shapes: dict[str, list[int]]) -> None:
 def load(path: str, strat: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology,
          shapes: dict[str, list[int]]) -> Restored:
     """Restore model, optimizer, step, loss history and RNG from ``path`` in place (collective)."""
-    check_compatible(path, shapes)
-    manifest = read_manifest(path)
+    manifest = current_manifest(path)
+    check_compatible(path, shapes, manifest)
     step = int(manifest["step"])
     extra = {k: torch.zeros(shape, dtype=getattr(torch, dt)) for k, (shape, dt) in manifest.get("extra", {}).items()}
     from shardwise.pieces import LoadPlanner
@@ -376,10 +375,10 @@ def export(path: str, out_file: str | None = None, *, check: bool = True) -> dic
         problem = verify(path)
         if problem:
             raise ValueError(f"cannot export {path}: {problem}")
-    manifest = read_manifest(path)
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"cannot export {path}: it has format {manifest.get('format')}, this shardwise reads "
-                         f"format {FORMAT}")
+    try:
+        manifest = current_manifest(path)
+    except ValueError as e:
+        raise ValueError(f"cannot export {path}: {e}") from None
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     missing = [k for k in manifest["shapes"] if f"model.{k}" not in stored]
     if missing:

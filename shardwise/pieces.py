@@ -79,13 +79,6 @@ def flat_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
     return out
 
 
-def global_shape(local: Sequence[int], tp: tuple[int, int] | None, tp_size: int) -> tuple[int, ...]:
-    out = list(local)
-    if tp is not None:
-        out[tp[0]] *= tp_size
-    return tuple(out)
-
-
 Piece = tuple[tuple[int, ...], torch.Tensor]  # (offsets in the global tensor, a view of live storage)
 
 
@@ -132,7 +125,7 @@ class Pieces:
     that DTensor implements; the planners below find the views by offset.
     """
 
-    def __init__(self, shape: Sequence[int], parts: list[tuple[tuple[int, ...], torch.Tensor]]) -> None:
+    def __init__(self, shape: Sequence[int], parts: list[Piece]) -> None:
         self.shape = torch.Size(shape)
         self.parts = [(torch.Size(o), v) for o, v in parts]
 
@@ -198,7 +191,7 @@ def build_state(held: Sequence[Held], shapes: dict[str, list[int]], tp_rank: int
     prefix; an optimizer state ``optim.<fqn>.<state>`` has its parameter's shape
     unless it is a scalar).
     """
-    out: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
+    out: dict[str, list[Piece]] = {}
     dims: dict[str, tuple[int, ...]] = {}
     for h in held:
         shape = _shape_of(h, shapes)
@@ -219,5 +212,4 @@ def _shape_of(h: Held, shapes: dict[str, list[int]]) -> tuple[int, ...]:
     return tuple(shapes[name])
 
 
-__all__ = ["Held", "Pieces", "SavePlanner", "LoadPlanner", "build_state", "flat_boxes", "pieces_of",
-           "global_shape"]
+__all__ = ["Held", "Pieces", "SavePlanner", "LoadPlanner", "build_state", "flat_boxes", "pieces_of"]

@@ -18,11 +18,16 @@ from torch import nn
 from shardwise.data import collate
 
 
-def first_batch(dataset: Any, count: int) -> Any:
-    """The first ``count`` samples collated into a batch, with a message that says what is wrong if they do not."""
+def check_indexable(dataset: Any) -> None:
+    """The trainer reads a dataset by ``len()`` and index (global batches by position)."""
     if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
         raise TypeError(f"the dataset must support len() and indexing (a torch Dataset, a TensorDataset, a list of "
                         f"(input, target) pairs); got {type(dataset).__name__}")
+
+
+def first_batch(dataset: Any, count: int) -> Any:
+    """The first ``count`` samples (of an indexable dataset, :func:`check_indexable`) collated into a batch, with
+    a message that says what is wrong if they do not."""
     samples = [dataset[i] for i in range(min(count, len(dataset)))]
     if not all(isinstance(s, (tuple, list)) and len(s) == 2 for s in samples):
         bad = next(s for s in samples if not (isinstance(s, (tuple, list)) and len(s) == 2))
@@ -83,4 +88,4 @@ def _describe(x: Any) -> str:
     return f"a {type(x).__name__}"
 
 
-__all__ = ["check_loss", "first_batch"]
+__all__ = ["check_indexable", "check_loss", "first_batch"]

@@ -9,7 +9,7 @@ how one optimizer step's forward/backward runs (pipelines schedule their own).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -293,16 +293,21 @@ def with_optimizer_states(parts: dict[str, list[torch.Tensor]],
     return out
 
 
-def named_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``module``'s state-dict tensors (parameters, persistent buffers) once each, under their first name
-    (a tied weight is saved once; its other names are aliases, see :func:`shardwise.checkpoint.model_shapes`)."""
+def first_named(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Each tensor of ``named`` once, under the first name it comes with (a tied weight's saved name)."""
     seen: set[int] = set()
     out = []
-    for k, v in module.state_dict(keep_vars=True).items():
+    for k, v in named:
         if id(v) not in seen:
             seen.add(id(v))
             out.append((k, v))
     return out
+
+
+def named_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``module``'s state-dict tensors (parameters, persistent buffers) once each, under their first name
+    (a tied weight is saved once; its other names are aliases, see :func:`shardwise.checkpoint.model_shapes`)."""
+    return first_named(module.state_dict(keep_vars=True).items())
 
 
 def held_state(named: Sequence[tuple[str, torch.Tensor]], wrappers: Sequence[nn.Module],

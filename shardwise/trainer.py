@@ -153,9 +153,7 @@ class Trainer:
         stepped once per optimizer step (a skipped step included), the same under
         every strategy, and restored on resume by replaying that many steps.
         """
-        info = self._validate(model, dataset, batch_size, max_steps, optimizer, loss_fn)
-        if lr_scheduler is not None:
-            _check_scheduler(lr_scheduler, optimizer, self.strategy)
+        info = self._validate(model, dataset, batch_size, max_steps, optimizer, loss_fn, lr_scheduler)
         job = _Job(self, model, dataset, loss_fn, optimizer, batch_size, max_steps, info, lr_scheduler)
         nprocs = self.strategy.processes(self.devices)
         if dist.is_initialized() or launch.under_torchrun():
@@ -192,7 +190,8 @@ class Trainer:
         return FitResult(**saved)
 
     def _validate(self, model: nn.Module, dataset: Any, batch_size: int, max_steps: int,
-                  optimizer: OptimizerFactory, loss_fn: LossFn) -> dict[str, Any]:
+                  optimizer: OptimizerFactory, loss_fn: LossFn,
+                  lr_scheduler: SchedulerFactory | None = None) -> dict[str, Any]:
         """Everything that can be checked before any process starts or blocks; returns the run's record
         for checkpoints (:func:`shardwise.checkpoint.run_info`)."""
         from shardwise import preflight
@@ -203,9 +202,7 @@ class Trainer:
             raise TypeError(f"optimizer must be a factory that builds the optimizer from parameters (each rank builds "
                             f"its own, over the parameters it holds), not a built {type(optimizer).__name__}; pass "
                             f"e.g. functools.partial(torch.optim.{type(optimizer).__name__}, lr=...)")
-        if not hasattr(dataset, "__len__"):
-            raise TypeError(f"the dataset must support len() and indexing (a torch Dataset, a TensorDataset, a list "
-                            f"of (input, target) pairs); got {type(dataset).__name__}")
+        preflight.check_indexable(dataset)
         check_dataset(len(dataset), batch_size)
         dp, k = self.strategy.batch_shards(self.devices), self.accumulate_grad_batches
         if batch_size % (dp * k):
@@ -233,6 +230,8 @@ class Trainer:
                             "parameters, e.g. functools.partial(torch.optim.AdamW, lr=1e-3); got "
                             f"{type(probe).__name__}")
         self.strategy.check_optimizer(probe)
+        if lr_scheduler is not None:
+            _check_scheduler(lr_scheduler, probe, self.strategy)
         info = checkpoint.run_info(model, probe, batch_size, self.precision)
         if self.checkpoint_dir is not None:
             checkpoint.check_directory(self.checkpoint_dir)
@@ -436,10 +435,17 @@ class _Job:
             times += strat.serve(model, opt, topo, stop - done)  # type: ignore[attr-defined]
             done = stop
             if t.checkpoint_dir is not None:
-                so_far = prev + _global_losses([0.0] * (done - len(prev)), strat, topo)
-                checkpoint.save(t.checkpoint_dir, done, so_far, strat, model, opt, topo, shapes,
-                                keep=t.checkpoint_keep, aliases=self.aliases, run=self.info, extra=None)
+                self._save(done, prev, [0.0] * (done - len(prev)), model, opt, topo, shapes, None)
         return times
+
+    def _save(self, done: int, prev: list[float], losses: list[float], model: nn.Module, opt: torch.optim.Optimizer,
+              topo: Topology, shapes: dict[str, list[int]], extra: dict[str, torch.Tensor] | None) -> None:
+        """Checkpoint after ``done`` steps, on every rank: this run's ``losses`` made global (an all-reduce in
+        which servers add zeros) follow the restored ``prev``."""
+        t = self.trainer
+        so_far = prev + _global_losses(losses, t.strategy, topo)
+        checkpoint.save(t.checkpoint_dir, done, so_far, t.strategy, model, opt, topo, shapes,  # type: ignore[arg-type]
+                        keep=t.checkpoint_keep, aliases=self.aliases, run=self.info, extra=extra)
 
     def _loop(self, model: nn.Module, opt: torch.optim.Optimizer, topo: Topology, prev: list[float],
               shapes: dict[str, list[int]], restored: dict[str, torch.Tensor]) -> tuple[list[float], list[float],
@@ -494,9 +500,7 @@ class _Job:
                 for b in bn_buffers:  # rank 0's running statistics are every replica's, as torch DDP's
                     topo.comm("dp").broadcast(b, src=0, name="batchnorm.buffers")
                 if sched is not None:
-                    with warnings.catch_warnings():  # a skipped first step is a step of the schedule all the same
-                        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)`")
-                        sched.step()
+                    _step_schedule(sched, 1)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 times.append(time.perf_counter() - start)
@@ -509,10 +513,8 @@ class _Job:
                 done = step + 1
                 if t.checkpoint_dir is not None and (done == self.max_steps or (
                         t.checkpoint_every is not None and done % t.checkpoint_every == 0)):
-                    so_far = prev + _global_losses(losses, strat, topo)
-                    checkpoint.save(t.checkpoint_dir, done, so_far, strat, model, opt, topo, shapes,
-                                    keep=t.checkpoint_keep, aliases=self.aliases, run=self.info,
-                                    extra={"scaler": scaler.as_tensor()} if scaler is not None else None)
+                    self._save(done, prev, losses, model, opt, topo, shapes,
+                               {"scaler": scaler.as_tensor()} if scaler is not None else None)
         if log is not None:
             log.close()
         return losses, times, state_bytes
@@ -523,12 +525,13 @@ def _unsynced_batchnorm_buffers(model: nn.Module) -> list[torch.Tensor]:
     return [b for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) for b in m.buffers()]
 
 
-def _check_scheduler(factory: SchedulerFactory, optimizer: OptimizerFactory, strategy: Strategy) -> None:
-    """Before any process starts: the factory builds a per-step schedule this strategy can drive."""
+def _check_scheduler(factory: SchedulerFactory, probe: torch.optim.Optimizer, strategy: Strategy) -> None:
+    """Before any process starts: the factory builds a per-step schedule this strategy can drive (tried on
+    the probe optimizer the other checks use)."""
     if isinstance(strategy, HasServers):
         raise ValueError(f"strategy {strategy.name!r} does not support lr_scheduler: its optimizer runs on the "
                          "server ranks, which take no part in the trainer's steps")
-    made = factory(optimizer([nn.Parameter(torch.zeros(1))]))
+    made = factory(probe)
     if isinstance(made, torch.optim.lr_scheduler.ReduceLROnPlateau) or \
             not isinstance(made, torch.optim.lr_scheduler.LRScheduler):
         raise TypeError(f"lr_scheduler must build a torch.optim.lr_scheduler.LRScheduler stepped once per "
@@ -539,11 +542,17 @@ def _scheduler(factory: SchedulerFactory, opt: torch.optim.Optimizer, done: int)
     """The run's schedule, advanced by the ``done`` steps a resumed run already took (a schedule is a function
     of the step count, so replaying the count restores it exactly, under any layout)."""
     sched = factory(opt)
+    _step_schedule(sched, done)
+    return sched
+
+
+def _step_schedule(sched: Any, steps: int) -> None:
+    """``steps`` steps of the schedule. torch warns when the first one comes before an optimizer step;
+    here that is meant (a replay on resume, or a step skipped for an fp16 overflow is a step all the same)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)`")
-        for _ in range(done):
+        for _ in range(steps):
             sched.step()
-    return sched
 
 
 def _leave_after_error(e: BaseException) -> None:

@@ -29,8 +29,8 @@ from shardwise.parallel.pipeline_layers import stage_layers
 from shardwise.parallel.schedules import Recorder, get_schedule
 from shardwise.parallel.tp import Plan, Style, counts_in_norm
 from shardwise.parallelize import DataParallelOptions, Owners, parallelize
-from shardwise.strategy import (LossFn, OptimizerFactory, StepRun, Strategy, held_state, model_state_tensors,
-                                with_optimizer_states)
+from shardwise.strategy import (LossFn, OptimizerFactory, StepRun, Strategy, first_named, held_state,
+                                model_state_tensors, with_optimizer_states)
 from shardwise.topology import Topology
 
 if TYPE_CHECKING:
@@ -215,13 +215,9 @@ class Parallel(Strategy):
         """
         pm: PipelineModel = model  # type: ignore[assignment]
         tied = {id(t.param): t.name for t in pm.ties}  # a stage's copy of a tied weight: its first name
-        seen: set[int] = set()
-        named = []
-        for k in pm.keys:  # the unsplit model's order: a tied weight goes under its first name
-            t = pm.claimed.get(k)
-            if t is not None and id(t) not in seen:
-                seen.add(id(t))
-                named.append((tied.get(id(t), k), t))
+        # The unsplit model's order: a tied weight goes under its first name.
+        mine = first_named((k, pm.claimed[k]) for k in pm.keys if k in pm.claimed)
+        named = [(tied.get(id(t), k), t) for k, t in mine]
         return held_state(named, pm.data.wrappers if pm.data is not None else [], optimizer)
 
     def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from shardwise.parallel.pipeline import pipeline_layers, stage_starts
-from shardwise.strategy import LossFn, OptimizerFactory, StepRun, Strategy, held_state
+from shardwise.strategy import LossFn, OptimizerFactory, StepRun, Strategy, first_named, held_state
 from shardwise.topology import Topology
 
 if TYPE_CHECKING:
@@ -67,9 +67,7 @@ class NaiveModelParallel(nn.Module):
         # State-dict keys of the original model, to give back its layout: each tensor's
         # first key (a tied weight's saved name) and, for every key, its tensor.
         state = model.state_dict(keep_vars=True)
-        self._keys: dict[int, str] = {}
-        for k, t in state.items():
-            self._keys.setdefault(id(t), k)
+        self._keys = {id(t): k for k, t in first_named(state.items())}
         self._key_ids = {k: id(t) for k, t in state.items()}
         self.moves = 0
         self.moved_bytes = 0
@@ -102,20 +100,14 @@ class NaiveModelParallel(nn.Module):
 
     def original_state_dict(self) -> dict[str, torch.Tensor]:
         """The state dict in the original model's keys, on CPU."""
-        out = {id(t): t.detach().cpu().clone() for t in self.held()[1]}
+        out = {id(t): t.detach().cpu().clone() for _, t in self.held()}
         # Tied or aliased entries share one tensor: give each key its value.
         return {k: out[i] for k, i in self._key_ids.items() if i in out}
 
-    def held(self) -> tuple[list[str], list[torch.Tensor]]:
+    def held(self) -> list[tuple[str, torch.Tensor]]:
         """(first state-dict key, tensor) of every parameter and persistent buffer, once each."""
-        seen: set[int] = set()
-        keys, tensors = [], []
-        for t in list(self.parameters()) + list(self.buffers()):
-            if id(t) in self._keys and id(t) not in seen:
-                seen.add(id(t))
-                keys.append(self._keys[id(t)])
-                tensors.append(t)
-        return keys, tensors
+        # parameters() and buffers() list each tensor once, and the two never share one.
+        return [(self._keys[id(t)], t) for t in [*self.parameters(), *self.buffers()] if id(t) in self._keys]
 
 
 @dataclass
@@ -166,8 +158,7 @@ class NaiveMP(Strategy):
 
     def checkpoint_held(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology) -> list[Held]:
         """Every layer group's tensors under the original model's names, whole (one process holds them all)."""
-        keys, tensors = model.held()  # type: ignore[operator]
-        return held_state(list(zip(keys, tensors)), [], optimizer)
+        return held_state(model.held(), [], optimizer)  # type: ignore[operator]
 
 
 __all__ = ["NaiveModelParallel", "NaiveMP"]

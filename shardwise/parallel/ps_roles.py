@@ -131,11 +131,10 @@ class _Layout:
         self.ranges = [(sum(sizes[:s]), sum(sizes[:s + 1])) for s in range(servers)]
         ids = {id(p): i for i, p in enumerate(self.params)}
         self.names = {n: ids[id(p)] for n, p in module.named_parameters(remove_duplicate=False) if id(p) in ids}
-        # Each parameter's first name, the one the unsplit model's state dict (and a checkpoint) uses for it.
-        first: dict[int, str] = {}
-        for n, i in self.names.items():
-            first.setdefault(i, n)
-        self.first_names = [first[i] for i in range(len(self.params))]
+        # Each parameter's first name, the one the unsplit model's state dict (and a checkpoint) uses for it:
+        # named_parameters() lists a tied parameter once, under that name.
+        first = {id(p): n for n, p in module.named_parameters()}
+        self.first_names = [first[id(p)] for p in self.params]
 
     def pieces(self, s: int) -> list[tuple[int, int, int, int]]:
         """(parameter index, start in parameter, start in shard, length) of what server ``s`` owns."""
