@@ -1,22 +1,63 @@
-"""shardwise: train one PyTorch model across many processes, devices and machines."""
+"""shardwise: train one PyTorch model across many processes, devices and machines.
+
+Every public name is imported on first use (PEP 562), so ``import shardwise``
+and ``shardwise --help`` do not pay for importing torch.
+"""
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from shardwise.launch import init
-from shardwise.strategy import CLASSES, DDP, REGISTRY, Single, Strategy, available_strategies, load, register, resolve
-from shardwise.topology import Topology, teardown
-from shardwise.trainer import FitResult, Trainer, setup
+__version__ = "0.1.0"
 
+# Public name -> "module:attribute". Strategy classes (sw.ZeRO3, sw.Parallel, ...) come from
+# strategy.CLASSES, looked up after this table.
+_PUBLIC: dict[str, str] = {
+    "init": "shardwise.launch:init",
+    "CLASSES": "shardwise.strategy:CLASSES",
+    "DDP": "shardwise.strategy:DDP",
+    "REGISTRY": "shardwise.strategy:REGISTRY",
+    "Single": "shardwise.strategy:Single",
+    "Strategy": "shardwise.strategy:Strategy",
+    "available_strategies": "shardwise.strategy:available_strategies",
+    "load": "shardwise.strategy:load",
+    "register": "shardwise.strategy:register",
+    "resolve": "shardwise.strategy:resolve",
+    "Topology": "shardwise.topology:Topology",
+    "teardown": "shardwise.topology:teardown",
+    "FitResult": "shardwise.trainer:FitResult",
+    "Trainer": "shardwise.trainer:Trainer",
+    "setup": "shardwise.trainer:setup",
+}
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is imported on first use
+    from shardwise.launch import init
+    from shardwise.strategy import CLASSES, DDP, REGISTRY, Single, Strategy, available_strategies, load, register, \
+        resolve
+    from shardwise.topology import Topology, teardown
+    from shardwise.trainer import FitResult, Trainer, setup
 
 
 def __getattr__(name: str) -> Any:
-    # Strategy objects of the other paradigms (strategy.CLASSES), imported on first use.
-    if name in CLASSES:
-        return load(CLASSES[name])
-    raise AttributeError(f"module 'shardwise' has no attribute {name!r}")
+    target = _PUBLIC.get(name)
+    if target is None:
+        from shardwise.strategy import CLASSES
+
+        target = CLASSES.get(name)
+    if target is None:
+        raise AttributeError(f"module 'shardwise' has no attribute {name!r}")
+    module, _, attr = target.partition(":")
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    from shardwise.strategy import CLASSES
+
+    return sorted({*globals(), *_PUBLIC, *CLASSES})
 
 
 __all__ = ["DDP", "FitResult", "REGISTRY", "Single", "Strategy", "Topology", "Trainer", "available_strategies",
-           "init", "register", "resolve", "setup", "teardown", *CLASSES]
-__version__ = "0.1.0"
+           "init", "register", "resolve", "setup", "teardown", "NaiveMP", "NaiveModelParallel", "ZeRO1", "ZeRO2",
+           "ZeRO3", "FSDP", "HSDP", "TP", "PP", "Parallel", "DP", "ParameterServer"]
