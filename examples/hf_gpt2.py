@@ -47,8 +47,9 @@ class ByteText(Dataset):
 
 
 def lm_loss(output: object, target: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy on a Hugging Face ``CausalLMOutput`` (its ``.logits``)."""
-    logits = output.logits if hasattr(output, "logits") else output[0]  # type: ignore[index]
+    """Next-token cross-entropy on a Hugging Face ``CausalLMOutput`` (its ``.logits``), or on the plain logits
+    tensor that a pipeline's last stage returns (``pp``: the stages run the model's layers, not its forward)."""
+    logits = output.logits if hasattr(output, "logits") else output
     return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
 

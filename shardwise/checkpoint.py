@@ -194,10 +194,10 @@ def check_resume(directory: str, info: dict[str, Any], max_steps: int) -> str | 
         return None
     manifest = read_manifest(path)
     step, saved = int(manifest["step"]), manifest.get("run")
-    if step >= max_steps:
-        raise ValueError(f"the newest checkpoint {path} is at step {step}, and max_steps={max_steps}: there is "
-                         f"nothing left to train; raise max_steps above {step}, or pass resume=False (or another "
-                         "checkpoint_dir) to start over")
+    if step > max_steps:
+        raise ValueError(f"the newest checkpoint {path} is at step {step}, past max_steps={max_steps}: its weights "
+                         f"are those of a longer run; raise max_steps to at least {step}, or pass resume=False (or "
+                         "another checkpoint_dir) to start over")
     if not saved:
         return path
     if saved["batch_size"] != info["batch_size"]:

@@ -65,6 +65,31 @@ def _torchrun_store(timeout: _dt.timedelta) -> dist.Store:
     return dist.PrefixStore(prefix, store)
 
 
+def start_method() -> str:
+    """How rank processes start: ``"spawn"`` (fresh interpreters that re-import the main script) when the
+    main program is a file; ``"fork"`` when it is not (a notebook, an interactive session, stdin,
+    ``python -c``), since a fresh interpreter cannot re-import it and objects defined there reach the
+    ranks only in a copy of this process. Fork is refused once CUDA is initialised here (a forked child
+    cannot use CUDA) and where the platform has no fork."""
+    import sys
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    interactive = main is None or hasattr(sys, "ps1") or "ipykernel" in sys.modules
+    if not interactive and path is not None and os.path.exists(path):
+        return "spawn"
+    where = "this interactive session" if interactive or path is None else f"{path!r}"
+    if "fork" not in mp.get_all_start_methods():
+        raise RuntimeError(f"starting rank processes needs the main program in a file the ranks can import (this "
+                           f"one is {where}) on this platform: save the script to a file and run it, or launch with "
+                           "`shardwise run --nproc N script.py`")
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        raise RuntimeError(f"the main program is {where}, so rank processes would be forked from this one, but CUDA "
+                           "is already initialised here and a forked process cannot use it: start the ranks before "
+                           "any CUDA call, save the script to a file, or launch with `shardwise run --nproc N`")
+    return "fork"
+
+
 def check_main_module() -> None:
     """Refuse, before starting any process, a main script the ranks cannot re-import safely.
 
@@ -72,26 +97,21 @@ def check_main_module() -> None:
     main script again (as ``__mp_main__``). Code that trains at the script's
     top level, outside ``if __name__ == "__main__":``, would then run again in
     every rank and try to start ranks of its own, which multiprocessing meets
-    with a long error or a hang. A main without a file (stdin, ``python -c``)
-    cannot be re-imported at all.
+    with a long error or a hang. A main without a file (a notebook, stdin,
+    ``python -c``) is not re-imported: :func:`start_method` forks instead.
     """
     import ast
     import inspect
     import sys
 
+    if start_method() == "fork":
+        return
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
-    if main is None or hasattr(sys, "ps1") or "ipykernel" in sys.modules:
-        return  # an interactive session: nothing is re-imported (its objects must be importable to be pickled)
     spec = getattr(main, "__spec__", None)
     if spec is not None and (spec.name == "__main__" or spec.name.endswith(".__main__")):
         return  # python -m package: multiprocessing does not re-import a package's __main__
-    if path is None:
-        return  # python -c: nothing to re-import
-    if not os.path.exists(path):  # a script read from stdin ('<stdin>'): spawn would look for that file
-        raise RuntimeError(f"starting rank processes needs the main program in a file the ranks can import (this "
-                           f"one is {path!r}): save the script to a file and run it, or launch with "
-                           "`shardwise run --nproc N script.py`")
+    assert path is not None
     frames = [f for f in inspect.stack(0) if f.frame.f_globals is vars(main) and f.function == "<module>"]
     if not frames:
         return
@@ -195,7 +215,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), accel
     """
     check_main_module()
     store = job_store(timeout)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method())
     procs = [ctx.Process(target=_worker, args=(r, fn, nprocs, store.port, accelerator, timeout.total_seconds(), args),
                          name=f"shardwise-rank{r}") for r in range(nprocs)]
     for p in procs:

@@ -7,6 +7,7 @@ it (``shardwise run``).
 """
 from __future__ import annotations
 
+import copy
 import datetime as _dt
 import os
 import pickle
@@ -48,7 +49,10 @@ class Trainer:
 
     Args:
         strategy: a name (``"single"``, ``"ddp"``, ...) or a strategy object such as ``sw.DDP(...)``.
-        devices: number of processes (one per device).
+        devices: number of devices (one process each, except ``dp``: one process drives them all), or
+            ``"auto"`` (the default): the world size under ``shardwise run``/torchrun; else every GPU when
+            CUDA is used; else the fewest devices the strategy's sizes allow (1 for most, ``dp*tp*pp`` for
+            a ``Parallel`` with fixed sizes). A distributed strategy on one device warns.
         accelerator: ``"auto"`` (CUDA when present), ``"cpu"`` or ``"cuda"``.
         accumulate_grad_batches: micro-batches per optimizer step; the global batch is split
             into this many parts and gradients accumulate without communication until the last.
@@ -89,7 +93,7 @@ class Trainer:
             each step, as torch DDP's ``broadcast_buffers``); a warning says so once.
     """
 
-    def __init__(self, strategy: str | Strategy = "single", devices: int = 1, accelerator: str = "auto", *,
+    def __init__(self, strategy: str | Strategy = "single", devices: int | str = "auto", accelerator: str = "auto", *,
                  accumulate_grad_batches: int = 1, gradient_clip_val: float | None = None, seed: int = 0,
                  progress: bool | str = "auto", metrics_path: str | os.PathLike[str] | None = None,
                  timeout_s: float = 300.0, checkpoint_dir: str | os.PathLike[str] | None = None,
@@ -129,8 +133,10 @@ class Trainer:
         if on_nonfinite not in ("error", "skip"):
             raise ValueError(f"on_nonfinite must be 'error' or 'skip', got {on_nonfinite!r}")
         self.on_nonfinite = on_nonfinite
-        if not isinstance(devices, int) or devices < 1:
-            raise ValueError(f"devices must be a positive integer, got {devices!r}")
+        if devices == "auto":
+            devices = auto_devices(self.strategy, accelerator)
+        elif not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+            raise ValueError(f"devices must be a positive integer or 'auto', got {devices!r}")
         if accumulate_grad_batches < 1:
             raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}")
         self.devices = devices
@@ -142,6 +148,11 @@ class Trainer:
         self.metrics_path = str(metrics_path) if metrics_path is not None else None
         self.timeout = _dt.timedelta(seconds=timeout_s)
         self.sizes = self.strategy.sizes(devices)
+        if devices == 1 and self.strategy.name not in ("single", "naive_mp"):  # naive_mp lists its own devices
+            # Trainer("ddp") alone used to run one process without a word: nothing is split then.
+            warnings.warn(f"strategy {self.strategy.name!r} with devices=1 runs one process on one device: nothing "
+                          "is split or communicated; pass devices=N (devices='auto' takes the world size under "
+                          "`shardwise run`, or every GPU)", stacklevel=2)
 
     # ------------------------------------------------------------------
     def fit(self, model: nn.Module, dataset: Any, loss_fn: LossFn, optimizer: OptimizerFactory,
@@ -155,14 +166,23 @@ class Trainer:
         """
         info = self._validate(model, dataset, batch_size, max_steps, optimizer, loss_fn, lr_scheduler)
         job = _Job(self, model, dataset, loss_fn, optimizer, batch_size, max_steps, info, lr_scheduler)
+        result = self._launch(job)
+        # One semantics whatever the launch: the model passed in ends trained. The run itself trains a copy
+        # (strategies shard, wrap and split the model they are given), then the final weights go back here.
+        trained_into(model, result.state_dict)
+        return result
+
+    def _launch(self, job: "_Job") -> FitResult:
+        """Run ``job`` in this process, in the running group, or in rank processes started here."""
         nprocs = self.strategy.processes(self.devices)
         if dist.is_initialized() or launch.under_torchrun():
             owned = not dist.is_initialized()
             device = launch.init(self.accelerator, self.timeout)
             world = dist.get_world_size()
             if world != nprocs:
-                raise ValueError(f"devices={self.devices} needs {nprocs} processes but the running "
-                                 f"process group has {world}; launch with --nproc {nprocs} or pass devices={world}")
+                raise ValueError(f"devices={self.devices} needs {nprocs} processes but the running process group "
+                                 f"has {world}; launch with --nproc {nprocs}, or pass devices='auto' (the default)")
+            job.model = _copy_model(job.model)
             try:
                 result = job.run(device)
             except BaseException as e:
@@ -173,14 +193,13 @@ class Trainer:
                 teardown()
             return result
         if nprocs == 1:
+            job.model = _copy_model(job.model)
             return job.run(pick_device(self.accelerator, 0))
+        payload = _pickled(job)
         with launch.result_dir() as tmp:
             path = os.path.join(tmp, "result.pt")
-            # Plain pickle, not multiprocessing's: torch's multiprocessing pickler
-            # would move the parameters into shared memory, and every rank would
-            # then step the same storage.
             try:
-                launch.spawn(_spawned_fit, nprocs, args=(pickle.dumps(job), path), accelerator=self.accelerator,
+                launch.spawn(_spawned_fit, nprocs, args=(payload, path), accelerator=self.accelerator,
                              timeout=self.timeout)
             except launch.WorkerFailed as e:
                 # The cause first, before the traceback that ends in this many-line message.
@@ -223,6 +242,10 @@ class Trainer:
         # One micro-batch of the real data (at most 64 samples: only shapes matter), then the model and loss on meta.
         batch = preflight.first_batch(dataset, max(1, min(64, batch_size // (dp * k))))
         preflight.check_loss(model, batch, loss_fn)
+        if self.sizes["tp"] > 1:  # the plan, applied to a meta copy, and the split forward, before any rank exists
+            from shardwise.parallel.tp_check import check_plan
+
+            check_plan(model, _tp_plan(self.strategy), self.sizes["tp"], batch[0])
         self._check_devices()
         probe = optimizer([nn.Parameter(torch.zeros(1))])
         if not isinstance(probe, torch.optim.Optimizer):
@@ -273,8 +296,7 @@ class Trainer:
 
         layout = self.strategy.describe(self.devices).with_run(self.precision, bool(self.activation_checkpointing))
         memory = self.device_memory or _device_memory(self.accelerator, self.strategy.processes(self.devices))
-        # How the strategy will split this model: not part of RunLayout (they describe the model, not the run).
-        tp_plan = getattr(self.strategy, "tp_plan", None) or getattr(self.strategy, "plan", None)
+        tp_plan = _tp_plan(self.strategy)
         try:
             plan = plan_run(model, layout, memory, batch_size, probe,
                             accumulate_grad_batches=self.accumulate_grad_batches,
@@ -316,6 +338,62 @@ class Trainer:
         if not cuda and local > cores:
             warnings.warn(f"devices={self.devices} starts {local} processes on {cores} CPU cores: ranks will "
                           "share cores, which is correct but slower than fewer ranks", stacklevel=3)
+
+
+def _tp_plan(strategy: Strategy) -> Any:
+    # How the strategy will split this model: not part of RunLayout (they describe the model, not the run).
+    return getattr(strategy, "tp_plan", None) or getattr(strategy, "plan", None)
+
+
+def _copy_model(model: nn.Module) -> nn.Module:
+    try:
+        return copy.deepcopy(model)
+    except Exception as e:
+        raise TypeError(f"fit trains a copy of the model (the strategy shards and wraps it) and loads the result "
+                        f"back into yours, but {type(model).__name__} could not be copied with copy.deepcopy: "
+                        f"{type(e).__name__}: {e}") from e
+
+
+def trained_into(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load a run's final full state dict into the model the user passed (every key, strictly)."""
+    with torch.no_grad():
+        model.load_state_dict(state_dict, strict=True)
+
+
+def _pickled(job: "_Job") -> bytes:
+    """The job for the rank processes, in plain pickle (not multiprocessing's: torch's multiprocessing
+    pickler would move the parameters into shared memory, and every rank would then step the same storage).
+    What cannot be pickled is named, with the fix, instead of a bare PicklingError."""
+    try:
+        return pickle.dumps(job)
+    except Exception as e:  # PicklingError, AttributeError ("Can't pickle local object"), TypeError
+        for what in ("loss_fn", "optimizer_fn", "lr_scheduler", "model", "dataset"):
+            try:
+                pickle.dumps(getattr(job, what))
+            except Exception:
+                arg = {"optimizer_fn": "optimizer"}.get(what, what)
+                raise TypeError(f"fit's {arg} cannot be sent to the rank processes ({type(e).__name__}: {e}): "
+                                "each rank is a fresh process that receives it pickled, so it must be defined at "
+                                "the top level of a module (a `def`, a class, or functools.partial of one), not a "
+                                "lambda or a function defined inside another; or launch with `shardwise run`, "
+                                "where every rank builds it itself") from None
+        raise
+
+
+def auto_devices(strategy: Strategy, accelerator: str) -> int:
+    """What ``devices="auto"`` means for this strategy (see :class:`Trainer`)."""
+    if launch.under_torchrun():
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        return next((d for d in range(1, world + 1) if strategy.processes(d) == world), world)
+    cuda = accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available())
+    first = torch.cuda.device_count() if cuda else 1
+    for d in [first, *range(1, 65)]:
+        try:
+            strategy.sizes(d)
+        except ValueError:
+            continue
+        return d
+    return first
 
 
 def _device_memory(accelerator: str, nprocs: int) -> int:
@@ -382,6 +460,8 @@ class _Job:
             if path is not None:
                 restored = checkpoint.load(path, strat, model, opt, topo, shapes)
                 prev, extra = restored.losses[:self.max_steps], restored.extra
+            if topo.rank == 0:  # resuming is the default: say what it does, also when there is nothing to do
+                print(_resume_line(path, len(prev), self.max_steps), file=sys.stderr, flush=True)
         sent_after_setup = topo.stats.sent
         received_after_setup = topo.stats.received
         server = isinstance(strat, HasServers) and strat.is_server(topo)
@@ -518,6 +598,14 @@ class _Job:
         if log is not None:
             log.close()
         return losses, times, state_bytes
+
+
+def _resume_line(path: str | None, done: int, max_steps: int) -> str:
+    if path is None:
+        return f"shardwise: no checkpoint to resume from: training steps 0 to {max_steps}"
+    if done >= max_steps:
+        return f"shardwise: already complete: {path} is at step {done} of max_steps={max_steps}, 0 steps to run"
+    return f"shardwise: resuming from step {done} of {path}: {max_steps - done} steps to run"
 
 
 def _unsynced_batchnorm_buffers(model: nn.Module) -> list[torch.Tensor]:

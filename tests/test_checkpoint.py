@@ -148,9 +148,9 @@ def test_resuming_another_run_is_refused_before_spawning(tmp_path, monkeypatch):
 
     monkeypatch.setattr("shardwise.launch.spawn", spawn)
     path = checkpoint.checkpoints(ckpt)[-1]
-    with pytest.raises(ValueError, match=f"^the newest checkpoint {path} is at step 4, and max_steps=4: there is "
-                                         "nothing left to train; raise max_steps above 4"):
-        trainer(ckpt).fit(work.make_model(), work.train, work.loss_fn, ADAMW, batch_size=64, max_steps=4)
+    with pytest.raises(ValueError, match=f"^the newest checkpoint {path} is at step 4, past max_steps=3: its "
+                                         "weights are those of a longer run; raise max_steps to at least 4"):
+        trainer(ckpt).fit(work.make_model(), work.train, work.loss_fn, ADAMW, batch_size=64, max_steps=3)
     with pytest.raises(ValueError, match=f"^checkpoint {path} was written with batch_size=64, this run has "
                                          "batch_size=32: the global batch fixes the data order"):
         trainer(ckpt).fit(work.make_model(), work.train, work.loss_fn, ADAMW, batch_size=32, max_steps=8)

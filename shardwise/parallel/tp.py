@@ -299,9 +299,30 @@ def parallelize(model: nn.Module, plan: Plan | dict[str, str | Style] | str | No
         for m, attr in holders.get(pid, []):
             if id(m) not in replaced:  # a module left as it was, holding the unsplit tied tensor
                 setattr(m, attr, shard)
+    _divide_local_attrs(model, p.local_attrs, comm.size)
     if p.fixup is not None:
         p.fixup(model, comm.size)
     return model
+
+
+def _divide_local_attrs(model: nn.Module, local_attrs: dict[str, tuple[str, ...]], tp: int) -> None:
+    """Each rank's module attributes that count what tp splits (heads, widths) become the local counts."""
+    for pattern, attrs in local_attrs.items():
+        rx = _pattern(pattern)
+        mods = [(n, m) for n, m in model.named_modules() if rx.match(n)]
+        if not mods:
+            raise ValueError(f"tensor parallel: local_attrs pattern '{pattern}' matches no module of "
+                             f"{type(model).__name__}")
+        for name, mod in mods:
+            for attr in attrs:
+                value = getattr(mod, attr, None)
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise ValueError(f"tensor parallel: local_attrs names '{name}.{attr}', which is "
+                                     f"{'missing' if value is None else repr(value)}, not an integer count")
+                if value % tp:
+                    raise ValueError(f"tensor parallel: '{name}.{attr}' is {value}, not divisible by tp={tp} "
+                                     f"({value} % {tp} = {value % tp}): every rank must hold an equal share")
+                setattr(mod, attr, value // tp)
 
 
 # ---- whole-model helpers shared with pipeline and composition ---------------------

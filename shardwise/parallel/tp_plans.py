@@ -12,7 +12,7 @@ time (``tp.py`` imports it and re-exports every public name; only
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -59,12 +59,18 @@ class Plan:
 
     ``check(model, tp)`` raises before anything is split (head counts);
     ``fixup(model, tp)`` adjusts attributes that depend on local widths.
+    ``local_attrs`` is the declarative form of the common fix-up: module-name
+    pattern -> integer attributes that count what tp splits (heads, widths),
+    each divided by tp on every rank, e.g. ``{"blocks.*.attn": ("n_head",
+    "n_embd")}`` for attention whose forward reshapes with ``self.n_head``
+    (see docs/model_parallel.md, "Your own model under tp").
     """
 
     styles: dict[str, str | Style]
     check: Callable[[nn.Module, int], None] | None = None
     fixup: Callable[[nn.Module, int], None] | None = None
     name: str = "custom"
+    local_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def _divisible(what: str, n: int, tp: int, why: str) -> None:
