@@ -61,8 +61,16 @@ def _torchrun_store(timeout: _dt.timedelta) -> dist.Store:
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=int(env["WORLD_SIZE"]),
                           is_master=(not agent_store and env["RANK"] == "0"), timeout=timeout,
                           wait_for_workers=False)
-    prefix = f"shardwise/{env.get('TORCHELASTIC_RUN_ID', 'run')}/attempt{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    # Every rank joins a new group as often as the others (one per ``fit`` in the script), so a count of
+    # this process's joins names the same group on every rank and keeps a second ``fit`` from reading the
+    # first group's keys (it hung in the address exchange).
+    _JOINS[0] += 1
+    prefix = (f"shardwise/{env.get('TORCHELASTIC_RUN_ID', 'run')}/attempt{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+              f"/group{_JOINS[0]}")
     return dist.PrefixStore(prefix, store)
+
+
+_JOINS = [0]  # groups this process joined through _torchrun_store (see there)
 
 
 def start_method() -> str:

@@ -159,6 +159,10 @@ class Trainer:
             batch_size: int, max_steps: int, lr_scheduler: SchedulerFactory | None = None) -> FitResult:
         """Train for ``max_steps`` optimizer steps of global batch ``batch_size``.
 
+        The run trains a copy of ``model`` (strategies shard, wrap and split what they are given) and loads the
+        final weights back into ``model``: after ``fit`` the model passed in is trained, under every strategy
+        and launch (in this process, spawned ranks, or ``shardwise run``), and equals ``result.state_dict``.
+
         ``lr_scheduler``: a factory taking the optimizer, e.g.
         ``functools.partial(torch.optim.lr_scheduler.OneCycleLR, max_lr=1e-2, total_steps=100)``;
         stepped once per optimizer step (a skipped step included), the same under

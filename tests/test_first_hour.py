@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -43,26 +44,27 @@ SCRIPT = """import functools, torch
 import shardwise as sw
 from shardwise.workloads import digits
 work = digits()
-model = work.make_model()
-trainer = sw.Trainer("ddp", accelerator="cpu", progress=False)   # devices: "auto", the world size
-result = trainer.fit(model, work.train, work.loss_fn, functools.partial(torch.optim.AdamW, lr=1e-2),
-                     batch_size=64, max_steps=3)
-same = all(torch.equal(v, result.state_dict[k]) for k, v in model.state_dict().items())
-print(f"rank {torch.distributed.get_rank() if torch.distributed.is_initialized() else 'x'} devices={trainer.devices} "
-      f"trained={same}", flush=True)
+for strategy in ("ddp", "zero3"):  # two fits in one script: each joins a group of its own (the second used to hang)
+    model = work.make_model()
+    trainer = sw.Trainer(strategy, accelerator="cpu", progress=False)   # devices: "auto", the world size
+    result = trainer.fit(model, work.train, work.loss_fn, functools.partial(torch.optim.AdamW, lr=1e-2),
+                         batch_size=64, max_steps=3)
+    same = all(torch.equal(v, result.state_dict[k]) for k, v in model.state_dict().items())
+    print(f"rank {torch.distributed.get_rank() if torch.distributed.is_initialized() else 'x'} {strategy} "
+          f"devices={trainer.devices} trained={same}", flush=True)
 """
 
 
 @pytest.mark.fresh_processes
-def test_under_shardwise_run_devices_default_to_the_world_and_the_model_ends_trained(tmp_path):
+def test_under_shardwise_run_devices_default_to_the_world_the_model_ends_trained_and_fit_runs_twice(tmp_path):
     script = tmp_path / "fit_auto.py"
     script.write_text(SCRIPT)
     r = subprocess.run([sys.executable, "-m", "shardwise", "run", "--nproc", "2", str(script)], cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
-    lines = sorted(line for line in r.stdout.splitlines() if line.startswith("rank "))
+    lines = sorted(re.findall(r"rank \S+ \w+ devices=\d+ trained=\w+", r.stdout))  # two ranks share stdout
     # The trainer leaves the group it created, so the rank is read before teardown would hide it: "x" here.
-    assert lines == ["rank x devices=2 trained=True"] * 2, r.stdout
+    assert lines == ["rank x ddp devices=2 trained=True"] * 2 + ["rank x zero3 devices=2 trained=True"] * 2, r.stdout
 
 
 def test_devices_auto_takes_the_size_a_fixed_layout_needs():
