@@ -5,12 +5,43 @@ import argparse
 import os
 import sys
 
-from shardwise.topology import threads_per_rank
+RUN_HELP = """usage: shardwise run [--nproc N] [--standalone] [torchrun flags ...] SCRIPT [SCRIPT ARGS ...]
+
+Start SCRIPT on N processes with torchrun (torch.distributed.run). Inside,
+sw.Trainer(...).fit joins the running group (devices='auto' is the world
+size) and every rank returns the result; sw.init() joins it for hand-written
+loops.
+
+shardwise's flags:
+  --nproc N, --nprocs N  processes on this node (short for --nproc-per-node N)
+  --standalone           one node, private rendezvous on loopback (the default when
+                         no --nnodes, --rdzv-* or --master-* flag is given: the job's
+                         store listens on 127.0.0.1 only, on a port the OS picks)
+  -h, --help             this text
+  --help-torchrun        torchrun's own help (every flag it takes)
+
+Every other flag goes to torchrun unchanged, for example:
+  --nnodes 2 --node-rank 0 --rdzv-endpoint HOST:PORT --rdzv-backend c10d   several machines
+  --max-restarts 3       restart every worker after a failure (resume from checkpoint_dir)
+  --rdzv-id ID           the job's name in the rendezvous
+
+Threads per rank default to the cores of this machine divided by N
+(OMP_NUM_THREADS, when not set). Examples:
+  shardwise run --nproc 2 examples/char_gpt.py --strategy fsdp
+  shardwise run --nnodes 2 --node-rank 0 --nproc 4 --rdzv-endpoint 10.0.0.1:29400 train.py
+"""
 
 
 def _run(argv: list[str]) -> int:
     """torchrun with all its flags passed through; ``--nproc N`` is short for ``--nproc-per-node N``."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(RUN_HELP, end="")
+        return 0 if argv else 2
+    if argv[0] == "--help-torchrun":
+        argv = ["--help"]
     from torch.distributed import run as torchrun
+
+    from shardwise.topology import threads_per_rank
 
     args = list(argv)
     for i, a in enumerate(args):
@@ -93,15 +124,20 @@ def _checkpoint(a: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "run":  # everything after `run` belongs to torchrun
-        return _run(argv[1:])
+def build_parser() -> argparse.ArgumentParser:
+    """Every verb and flag, without importing torch (so that ``--help`` answers at once)."""
+    from shardwise import __version__
+    from shardwise.bench import add_arguments as bench_args
+    from shardwise.plan.args import add_arguments as plan_args
+
     p = argparse.ArgumentParser(prog="shardwise", description="Distributed training, every classic way.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("run", help="launch a script on N processes (torchrun; all its flags pass through)")
+    p.add_argument("--version", action="version", version=f"shardwise {__version__} (torch {_torch_version()})",
+                   help="print shardwise's and torch's versions and exit")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,demo,verify,bench,plan,checkpoint}")
+    sub.add_parser("run", help="launch a script on N processes (torchrun; all its flags pass through; "
+                               "`shardwise run --help` for ours)", add_help=False)
     d = sub.add_parser("demo", help="train the digits classifier under every strategy and compare")
-    d.add_argument("--steps", type=int, default=60)
+    d.add_argument("--steps", type=int, default=60, help="optimizer steps of each strategy's run (default: 60)")
     d.add_argument("--plot", dest="plot_dir", default=None, metavar="DIR",
                    help="also write throughput, memory and pipeline-timeline PNGs under DIR")
     v = sub.add_parser("verify", help="check a strategy against single-device training")
@@ -112,16 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches of every run (default: 1)")
     v.add_argument("--rtol", type=float, default=1e-6,
                    help="the smallest relative tolerance, used when the measured noise floor is lower (default: 1e-6)")
-    b = sub.add_parser("bench", help="ours against PyTorch's own implementation, side by side")
-    from shardwise.bench import add_arguments as bench_args
-
-    bench_args(b)
-    pl = sub.add_parser("plan", help="predict memory, communication and step time of every layout")
-    try:
-        from shardwise.plan.cli import add_arguments as plan_args
-        plan_args(pl)
-    except ImportError:  # pragma: no cover - planner not installed
-        pass
+    bench_args(sub.add_parser("bench", help="ours against PyTorch's own implementation, side by side"))
+    plan_args(sub.add_parser("plan", help="predict memory, communication and step time of every layout"))
     c = sub.add_parser("checkpoint", help="list checkpoints with their layout, size and integrity; export one")
     cv = c.add_subparsers(dest="verb", required=True)
     ls = cv.add_parser("ls", help="one line per checkpoint (exit 1 when the newest is not intact)")
@@ -132,6 +160,23 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--format", choices=["pt", "hf"], default=None,
                     help="pt: torch.save of the plain state dict; hf: save_pretrained (default: hf for a Hugging "
                          "Face model, else pt)")
+    return p
+
+
+def _torch_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")  # the installed distribution's metadata: no import of torch itself
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "run":  # everything after `run` belongs to torchrun
+        return _run(argv[1:])
+    p = build_parser()
     a = p.parse_args(argv)
     if a.cmd == "demo":
         from shardwise.demo import main as demo_main

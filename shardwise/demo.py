@@ -7,6 +7,8 @@ from collections.abc import Callable
 from rich.console import Console
 from rich.table import Table
 
+from shardwise.console import make_console
+
 from shardwise.strategy import Strategy, available_strategies
 from shardwise.trainer import Trainer
 from shardwise.verify import accuracy, compare
@@ -37,7 +39,7 @@ def _mib(n: float) -> str:
 
 def main(steps: int = 60, devices: int = 2, rtol: float = 1e-4, console: Console | None = None,
          plot_dir: str | None = None) -> int:
-    console = console or Console()
+    console = console or make_console()
     work = digits()
     table = Table(title=f"shardwise demo: 8x8 digits MLP, {steps} steps, global batch {work.batch_size}, AdamW")
     for col in ("strategy", "devices", "final loss", "test acc", "equal to single", "median step",

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import sys
+import time
 import warnings
 from typing import Any
 
@@ -76,20 +77,62 @@ class StepLog:
             self._tb.close()
 
 
-def want_progress(progress: bool | str) -> bool:
-    if progress == "auto":
-        return sys.stderr.isatty()
-    return bool(progress)
+def want_progress(progress: bool | str) -> str | bool:
+    """What to show: ``"bar"`` (rich, on a terminal), ``"lines"`` (plain text lines, for logs and pipes) or
+    False. ``"auto"`` and True pick by whether stderr is a terminal."""
+    if progress is False or progress == "off":
+        return False
+    if progress in ("bar", "lines"):
+        return progress  # type: ignore[return-value]
+    return "bar" if sys.stderr.isatty() else "lines"
+
+
+def _clock(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+class _Lines:
+    """Plain progress lines on stderr: every tenth of the run, at most every ``every_s`` seconds apart
+    otherwise, and the last step. A log file or a CI console reads them; a bar would stay silent there."""
+
+    def __init__(self, total: int, every_s: float = 30.0) -> None:
+        self.total, self.every_s = total, every_s
+        self.done = 0
+        self.stride = max(1, total // 10)
+        self.start = self.last = time.perf_counter()
+
+    def skip(self, n: int) -> None:
+        self.done += n
+        self.first = self.done  # a resumed run's ETA counts only the steps it trains
+
+    def __call__(self, loss: float | None, dt: float) -> None:
+        self.done += 1
+        now = time.perf_counter()
+        if self.done % self.stride and self.done != self.total and now - self.last < self.every_s:
+            return
+        self.last = now
+        elapsed = now - self.start
+        trained = self.done - getattr(self, "first", 0)
+        eta = elapsed / trained * (self.total - self.done) if trained else 0.0
+        print(f"shardwise: step {self.done}/{self.total} ({100 * self.done // max(1, self.total)}%), loss "
+              f"{'-' if loss is None else f'{loss:.4f}'}, {1e3 * dt:.1f} ms/step, RSS "
+              f"{current_rss_bytes() / 2**20:.0f} MiB, elapsed {_clock(elapsed)}, ETA {_clock(eta)}",
+              file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
-def progress_bar(enabled: bool, total: int) -> Any:
-    """Yield ``advance(loss, step_time)``; a rich bar on rank 0 when enabled, else a no-op."""
+def progress_bar(enabled: bool | str, total: int) -> Any:
+    """Yield ``advance(loss, step_time)`` (with ``.skip(n)``): a rich bar (``"bar"`` or True), plain lines
+    (``"lines"``), or a no-op (False)."""
     if not enabled:
         def nothing(loss: float | None, dt: float) -> None:
             return None
         nothing.skip = lambda n: None  # type: ignore[attr-defined]
         yield nothing
+        return
+    if enabled == "lines":
+        yield _Lines(total)
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -58,7 +58,9 @@ class Trainer:
             into this many parts and gradients accumulate without communication until the last.
         gradient_clip_val: clip the global gradient norm (over all shards) to this value.
         seed: seeds the data order and torch's RNG; the data order does not depend on ``devices``.
-        progress: ``"auto"`` shows a rich progress bar on rank 0 when stderr is a terminal.
+        progress: ``"auto"`` shows a rich progress bar on rank 0 when stderr is a terminal, and plain lines
+            (step, loss, step time, memory, elapsed, ETA; every tenth of the run) when it is not (a log, a
+            pipe, CI); ``"bar"`` or ``"lines"`` choose; False shows nothing.
         metrics_path: write one JSON line per step (rank 0) to this file: loss, step time, tokens/s
             (for integer token inputs), model FLOPs utilisation (with ``peak_flops``), resident memory.
         tensorboard_dir: also log those scalars to TensorBoard (when tensorboard is installed).

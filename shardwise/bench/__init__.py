@@ -5,25 +5,32 @@ import argparse
 import datetime as _dt
 import platform
 
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING, Any
 
-from shardwise.bench.pairs import PAIRS
+if TYPE_CHECKING:
+    from rich.table import Table
+
+# The pairs' names, for the command line's help without importing torch (shardwise.bench.pairs does);
+# tests/test_cli_output.py checks that they are PAIRS' keys.
+PAIR_NAMES = ("ddp", "zero1", "zero3", "fsdp", "pp", "tp", "fsdp-tp", "dp-vs-ddp", "ps-vs-ddp", "allreduce")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pairs", default="ddp", help=f"comma-separated, from: {', '.join(PAIRS)} (or 'all')")
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--pairs", default="ddp", help=f"comma-separated, from: {', '.join(PAIR_NAMES)} (or 'all')")
+    p.add_argument("--nproc", type=int, default=2, help="rank processes of each run (default: 2)")
     p.add_argument("--reps", type=int, default=5, help="alternating repetitions per contender")
     p.add_argument("--steps", type=int, default=10, help="timed steps per repetition")
     p.add_argument("--batch", type=int, default=64, help="global batch")
-    p.add_argument("--accelerator", default="cpu")
+    p.add_argument("--accelerator", default="cpu", help="cpu (gloo) or cuda (NCCL) (default: cpu)")
     p.add_argument("--plot", dest="plot_dir", default=None, metavar="DIR",
                    help="also save each comparison's PNG picture under DIR")
 
 
 def run(a: argparse.Namespace) -> int:
-    console = Console(width=max(140, Console().width))
+    from shardwise.console import make_console
+    from shardwise.bench.pairs import PAIRS
+
+    console = make_console(min_width=140)
     names = list(PAIRS) if a.pairs == "all" else a.pairs.split(",")
     unknown = [n for n in names if n not in PAIRS]
     if unknown:
@@ -42,4 +49,11 @@ def run(a: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_arguments", "run", "Table"]
+def __getattr__(name: str) -> Any:
+    if name == "Table":  # kept importable from here, as before
+        from rich.table import Table
+        return Table
+    raise AttributeError(f"module 'shardwise.bench' has no attribute {name!r}")
+
+
+__all__ = ["PAIR_NAMES", "add_arguments", "run", "Table"]

@@ -359,7 +359,7 @@ BENCHES: dict[str, Callable[[argparse.Namespace], Table]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rich.console import Console
+    from shardwise.console import make_console
 
     from shardwise.bench import add_arguments
 
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(p)
     p.add_argument("--plot-dir", dest="plot_dir", default="benchmarks/plots")
     a = p.parse_args(argv)
-    console = Console(width=max(140, Console().width))
+    console = make_console(min_width=140)
     for name in a.which:
         console.print(BENCHES[name](a))
     return 0

@@ -15,17 +15,55 @@ under the layout of one run (:class:`shardwise.layout.RunLayout`),
 """
 from __future__ import annotations
 
-from shardwise.plan.comm import Collective, bytes_sent, collective_time, group_link
-from shardwise.plan.estimate import Estimate, check_layout, enumerate_layouts, estimate, plan, recommend
-from shardwise.plan.fit import check_fit
-from shardwise.plan.memory import (BytesPerParam, bytes_per_param, layer_activation_bytes, model_state_bytes,
-                                   shard_numel, sharded_numel)
-from shardwise.plan.model import KNOWN_MODELS, ModelSpec, Trace, known_model
-from shardwise.plan.run import RunPlan, plan_run
-from shardwise.plan.specs import GPU_PRESETS, ClusterSpec, Layout, TrainingSpec
-from shardwise.plan.states import NotModelled, RankStates, rank_states
-from shardwise.plan.timing import training_time_s
-from shardwise.plan.trace import trace_factory, trace_module
+import importlib
+from typing import Any
+
+# Public name -> module, imported on first use: ``shardwise plan --help`` and the command line's argument
+# definitions (:mod:`shardwise.plan.args`) must not pay for importing torch.
+_PUBLIC: dict[str, str] = {
+    "BytesPerParam": "shardwise.plan.memory",
+    "ClusterSpec": "shardwise.plan.specs",
+    "Collective": "shardwise.plan.comm",
+    "Estimate": "shardwise.plan.estimate",
+    "GPU_PRESETS": "shardwise.plan.specs",
+    "KNOWN_MODELS": "shardwise.plan.model",
+    "Layout": "shardwise.plan.specs",
+    "ModelSpec": "shardwise.plan.model",
+    "NotModelled": "shardwise.plan.states",
+    "RankStates": "shardwise.plan.states",
+    "RunPlan": "shardwise.plan.run",
+    "Trace": "shardwise.plan.model",
+    "TrainingSpec": "shardwise.plan.specs",
+    "bytes_per_param": "shardwise.plan.memory",
+    "bytes_sent": "shardwise.plan.comm",
+    "check_fit": "shardwise.plan.fit",
+    "check_layout": "shardwise.plan.estimate",
+    "collective_time": "shardwise.plan.comm",
+    "enumerate_layouts": "shardwise.plan.estimate",
+    "estimate": "shardwise.plan.estimate",
+    "group_link": "shardwise.plan.comm",
+    "known_model": "shardwise.plan.model",
+    "layer_activation_bytes": "shardwise.plan.memory",
+    "model_state_bytes": "shardwise.plan.memory",
+    "plan": "shardwise.plan.estimate",
+    "plan_run": "shardwise.plan.run",
+    "rank_states": "shardwise.plan.states",
+    "recommend": "shardwise.plan.estimate",
+    "shard_numel": "shardwise.plan.memory",
+    "sharded_numel": "shardwise.plan.memory",
+    "trace_factory": "shardwise.plan.trace",
+    "trace_module": "shardwise.plan.trace",
+    "training_time_s": "shardwise.plan.timing",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'shardwise.plan' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "BytesPerParam", "ClusterSpec", "Collective", "Estimate", "GPU_PRESETS", "KNOWN_MODELS", "Layout", "ModelSpec",
