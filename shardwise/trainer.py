@@ -710,17 +710,8 @@ def _global_losses(losses: list[float], strat: Strategy, topo: Topology) -> list
     return [float(v) for v in t.cpu()]
 
 
-def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Strategy = "ddp",
-          accelerator: str = "auto") -> tuple[nn.Module, torch.optim.Optimizer]:
-    """Low-level entry for hand-written loops, inside an initialised group (``sw.init()``).
+def setup(*args: Any, **kwargs: Any) -> Any:
+    """Kept for ``from shardwise.trainer import setup``: see :func:`shardwise.loop.setup`."""
+    from shardwise.loop import setup as loop_setup
 
-    Returns the wrapped model and optimizer; then use the usual
-    ``loss.backward(); optimizer.step(); optimizer.zero_grad()``.
-    """
-    strat = resolve(strategy)
-    device = launch.init(accelerator)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    topo = Topology.create(device, **strat.sizes(world))
-    return strat.setup(model, optimizer_fn, topo)
-
-
+    return loop_setup(*args, **kwargs)

@@ -1,0 +1,85 @@
+"""A hand-written loop on `sw.setup`, shared by tests/test_setup_loop.py: run under `shardwise run`
+(``python loop_script.py --strategy zero2 --steps 4 --out f.pt``) or called in the test's ranks."""
+from __future__ import annotations
+
+import argparse
+import functools
+
+import torch
+import torch.distributed as dist
+
+import shardwise as sw
+from shardwise.workloads import digits
+
+MAX_NORM = 0.05  # small enough that every step clips
+BATCH = 64
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
+
+
+def batches(loader):
+    while True:
+        yield from loader
+
+
+def train(strategy: str, steps: int, out: str | None = None, start_dir: str | None = None,
+          save_dir: str | None = None) -> list[float]:
+    """Steps ``start..steps`` of the loop (``start`` from ``start_dir``'s checkpoint); rank 0 writes the full
+    state dict from ``model.state_dict()`` to ``out``. Returns the losses and the clip norms."""
+    sw.init(accelerator="cpu")
+    work = digits()
+    torch.manual_seed(0)
+    model, opt = sw.setup(work.make_model(), ADAMW, strategy=strategy, accelerator="cpu")
+    loader = sw.prepare_dataloader(work.train, batch_size=BATCH, model=model, shuffle=False)
+    start = sw.load(model, opt, start_dir) if start_dir else 0
+    data = batches(loader)
+    for _ in range(start):
+        next(data)  # the data position of the checkpoint's step
+    losses = []
+    for _ in range(start, steps):
+        x, y = next(data)
+        if strategy == "pp":
+            loss = model.train_step(x, y, work.loss_fn)
+        else:
+            loss = work.loss_fn(model(x), y)
+            loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM) if strategy in ("ddp", "zero2") else \
+            sw.clip_grad_norm_(model, MAX_NORM)
+        assert float(norm) > MAX_NORM, float(norm)  # the clip really bites
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(sw.all_reduce_mean(loss.detach(), model)) if strategy != "pp" else float(loss))
+    if save_dir:
+        sw.save(model, opt, save_dir, step=steps)
+    state = model.state_dict()  # a collective: every rank calls it
+    if out and (not dist.is_initialized() or dist.get_rank() == 0):
+        torch.save(state, out)
+    return losses
+
+
+def reference(steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The same loop on one device, with torch's own clip."""
+    work = digits()
+    torch.manual_seed(0)
+    model = work.make_model()
+    opt = ADAMW(model.parameters())
+    losses = []
+    for step in range(steps):
+        x = torch.stack([work.train[i][0] for i in range(step * BATCH, (step + 1) * BATCH)])
+        y = torch.stack([torch.as_tensor(work.train[i][1]) for i in range(step * BATCH, (step + 1) * BATCH)])
+        loss = work.loss_fn(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return model.state_dict(), losses
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--strategy", required=True)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    train(a.strategy, a.steps, a.out)
+    sw.teardown()

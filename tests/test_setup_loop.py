@@ -1,0 +1,144 @@
+"""Hand-written loops on `sw.setup` (issue 17, item 1): the full state dict, global clipping, checkpoints
+across layouts, data and metrics, from plain python and under `shardwise run`."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise import launch
+from conftest import assert_same_run
+from loop_script import MAX_NORM, reference, train
+
+pytestmark = pytest.mark.timeout(240)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 4
+STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp", "tp", "pp"]
+
+
+class Run:
+    def __init__(self, state, losses):
+        self.state_dict, self.losses = state, losses
+
+
+def same(ref, state, losses):
+    assert_same_run(Run(ref[0], ref[1]), Run(state, losses))
+
+
+@pytest.fixture(scope="module")
+def single():
+    return reference(STEPS)
+
+
+def _rank(rank, device, strategy, steps, out, start_dir, save_dir, losses_out):
+    losses = train(strategy, steps, out, start_dir, save_dir)
+    if rank == 0:
+        torch.save(losses, losses_out)
+
+
+def spawn_loop(tmp_path, strategy, steps=STEPS, start_dir=None, save_dir=None, nprocs=2):
+    out, losses = str(tmp_path / f"{strategy}.pt"), str(tmp_path / f"{strategy}.losses")
+    launch.spawn(_rank, nprocs, args=(strategy, steps, out, start_dir, save_dir, losses))
+    return torch.load(out, weights_only=True), torch.load(losses, weights_only=True)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_hand_written_loop_equals_single_and_saves_the_full_model(tmp_path, single, strategy):
+    state, losses = spawn_loop(tmp_path, strategy)
+    bare = sw.Trainer.__module__ and __import__("shardwise.workloads", fromlist=["digits"]).digits().make_model()
+    bare.load_state_dict(state, strict=True)  # the file torch.save wrote loads into the bare model
+    same(single, state, losses)
+
+
+def test_save_and_load_resume_the_loop_under_another_layout(tmp_path):
+    ck = str(tmp_path / "ck")
+    spawn_loop(tmp_path, "zero3", steps=3, save_dir=ck)
+    state, losses = spawn_loop(tmp_path, "tp", steps=6, start_dir=ck)
+    ref_state, ref_losses = reference(6)
+    same((ref_state, ref_losses[3:]), state, losses)
+
+
+@pytest.mark.fresh_processes
+@pytest.mark.parametrize("strategy", ["zero2", "pp"])
+def test_under_shardwise_run_the_loop_exits_0_and_equals_single(tmp_path, single, strategy):
+    out = tmp_path / "state.pt"
+    r = subprocess.run([sys.executable, "-m", "shardwise", "run", "--nproc", "2", "tests/loop_script.py",
+                        "--strategy", strategy, "--steps", str(STEPS), "--out", str(out)], cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT}/tests"}, capture_output=True, text=True,
+                       timeout=200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "terminate called" not in r.stderr
+    state = torch.load(out, weights_only=True)
+    for k, v in single[0].items():
+        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6 + 1e-5 * float(v.abs().max()))
+
+
+PLAIN = """import torch, torch.distributed as dist
+import shardwise as sw
+from loop_script import train, reference
+losses = train("ddp", 3)
+ref = reference(3)[1]
+print(dist.is_initialized(), dist.get_world_size(), all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ref)))
+"""
+
+
+@pytest.mark.fresh_processes
+def test_sw_init_from_plain_python_is_a_group_of_one():
+    r = subprocess.run([sys.executable, "-c", PLAIN], cwd=ROOT, env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT}/tests"},
+                       capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "True 1 True"
+
+
+def _clip_refused(rank, device):
+    from shardwise.workloads import digits
+
+    work = digits()
+    model, opt = sw.setup(work.make_model(), torch.optim.SGD.__call__ and __import__("functools").partial(
+        torch.optim.SGD, lr=0.1), strategy="fsdp", accelerator="cpu")
+    x, y = work.train[0]
+    work.loss_fn(model(x.unsqueeze(0)), y.unsqueeze(0)).backward()
+    first = list(model.parameters())[:1]
+    try:
+        torch.nn.utils.clip_grad_norm_(first, MAX_NORM)
+    except RuntimeError as e:
+        assert str(e).startswith("torch.nn.utils.clip_grad_norm_ on some parameters of a model from sw.setup"), e
+        assert str(e).endswith("use sw.clip_grad_norm_(model, max_norm)"), e
+    else:
+        raise AssertionError("a partial clip of a sharded model was not refused")
+
+
+def test_torch_clip_on_part_of_a_sharded_model_is_refused_with_the_fix():
+    launch.spawn(_clip_refused, 2)
+
+
+def _data_and_metrics(rank, device, out):
+    from torch.utils.data import TensorDataset
+
+    sw.init(accelerator="cpu")
+    data = TensorDataset(torch.arange(16.0))
+    loader = sw.prepare_dataloader(data, batch_size=8, shuffle=False)
+    mine = [b[0].tolist() for b in loader]
+    everyone = sw.gather(torch.tensor(mine))  # (ranks, steps, local batch)
+    mean = sw.all_reduce_mean(torch.tensor([float(rank)]))
+    if rank == 0:
+        torch.save({"batches": everyone, "mean": mean}, out)
+
+
+def test_prepare_dataloader_splits_each_global_batch_and_gather_sees_every_rank(tmp_path):
+    out = str(tmp_path / "d.pt")
+    launch.spawn(_data_and_metrics, 2, args=(out,))
+    got = torch.load(out, weights_only=True)
+    # Step s: the global batch 8s..8s+7, rank r holding its positions r, r+2, ...
+    assert got["batches"].tolist() == [[[0, 2, 4, 6], [8, 10, 12, 14]], [[1, 3, 5, 7], [9, 11, 13, 15]]]
+    assert got["mean"].tolist() == [0.5]
+
+
+def test_fp16_and_a_built_optimizer_are_refused():
+    with pytest.raises(ValueError, match="^sw.setup supports precision='32' and 'bf16-mixed'; '16-mixed' needs"):
+        sw.setup(torch.nn.Linear(2, 2), torch.optim.SGD, strategy="single", precision="16-mixed")
