@@ -39,6 +39,7 @@ KINDS = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimi
 _COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activation": "#c44e52",
            "F": "#8fbce6", "B": "#f2a65a"}
 BOX = "box"  # gid of each forward/backward box in a timeline, so tests can count them
+BAR = "throughput-bar"  # gid of each bar of throughput_bars
 
 
 def _plt() -> Any:
@@ -74,15 +75,52 @@ def throughput_figure(records: Iterable[Mapping[str, Any]], title: str = "Throug
     for r in records:
         by.setdefault(str(r["strategy"]), []).append((int(r["devices"]), float(r["samples_per_s"])))
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for name, pts in by.items():
+    colors = distinct_colors(len(by))
+    for (name, pts), color in zip(by.items(), colors):
         pts.sort()
-        ax.plot([d for d, _ in pts], [s for _, s in pts], marker="o", label=name)
+        ax.plot([d for d, _ in pts], [s for _, s in pts], marker="o", label=name, color=color)
     ax.set_xticks(sorted({d for pts in by.values() for d, _ in pts}))
     ax.set_title(title)
     ax.set_xlabel("devices (processes)")
     ax.set_ylabel("samples / s (global batch / median step)")
     ax.grid(alpha=0.3)
     ax.legend(title="strategy", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def distinct_colors(n: int) -> list[Any]:
+    """``n`` colours no two alike (matplotlib's default cycle repeats after 10): tab10, then tab20's lighter
+    halves, then evenly spaced hues."""
+    import matplotlib
+
+    base = list(matplotlib.colormaps["tab10"].colors) + list(matplotlib.colormaps["tab20"].colors[1::2])
+    if n <= len(base):
+        return base[:n]
+    hsv = matplotlib.colormaps["hsv"]
+    return [hsv(i / n) for i in range(n)]
+
+
+def throughput_bars(records: Sequence[Mapping[str, Any]], title: str = "Throughput by strategy") -> Any:
+    """One horizontal bar per run (strategy and device count), samples/s, each its own colour, the value
+    printed at the bar's end; for runs at one or two device counts, where lines would be single points."""
+    plt = _plt()
+    rows = list(records)
+    labels = [f"{r['strategy']} ({r['devices']} dev.)" for r in rows]
+    values = [float(r["samples_per_s"]) for r in rows]
+    fig, ax = plt.subplots(figsize=(7.5, 0.38 * len(rows) + 1.6))
+    y = list(range(len(rows)))
+    bars = ax.barh(y, values, color=distinct_colors(len(rows)), height=0.7)
+    for b, v in zip(bars, values):
+        b.set_gid(BAR)
+        ax.text(v, b.get_y() + b.get_height() / 2, f" {v:,.0f}", va="center", fontsize=8)
+    ax.set_yticks(y, labels, fontsize=8)
+    ax.invert_yaxis()  # the first run on top, in the order the table lists them
+    ax.set_xlim(0, max(values, default=1.0) * 1.18)
+    ax.set_title(title)
+    ax.set_xlabel("samples / s (global batch / median step after the first, slowest rank)")
+    ax.set_ylabel("strategy (devices)")
+    ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     return fig
 
@@ -267,7 +305,7 @@ def write_demo(plot_dir: str | os.PathLike[str], finished: Mapping[str, tuple[An
     """The demo's pictures from its own runs (``label -> (FitResult, devices, global batch)``), plus a timeline."""
     results = {label: r for label, (r, _, _) in finished.items()}
     return [
-        save(throughput_figure(samples_per_s(finished), "shardwise demo: throughput (digits MLP)"),
+        save(throughput_bars(samples_per_s(finished), "shardwise demo: throughput (digits MLP, 2 CPU cores)"),
              os.path.join(plot_dir, "throughput_demo.png")),
         save(memory_figure(memory_rows(results), "shardwise demo: memory per rank by kind (digits MLP)"),
              os.path.join(plot_dir, "memory_demo.png")),
@@ -285,7 +323,7 @@ def samples_per_s(results: Mapping[str, tuple[Any, int, int]]) -> list[dict[str,
     return out
 
 
-__all__ = ["count_boxes", "count_boxes_in", "measure_memory", "measure_throughput", "memory_figure", "memory_rows",
+__all__ = ["BAR", "count_boxes", "count_boxes_in", "distinct_colors", "throughput_bars", "measure_memory", "measure_throughput", "memory_figure", "memory_rows",
            "record_pipeline", "samples_per_s", "save", "throughput_figure", "timeline_figure", "write_all",
            "write_demo"]
 

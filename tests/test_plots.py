@@ -90,3 +90,25 @@ def test_cli_flags_exist():
     p = argparse.ArgumentParser()
     add_arguments(p)
     assert p.parse_args(["--plot", "d"]).plot_dir == "d"
+
+
+def test_demo_throughput_is_a_bar_per_run_each_its_own_colour(tmp_path):
+    # Twelve runs, as the demo has: matplotlib's default cycle would repeat after ten.
+    records = [{"strategy": f"s{i}", "devices": 1 + i % 2, "samples_per_s": 100.0 * (i + 1)} for i in range(12)]
+    fig = plots.throughput_bars(records, "demo")
+    ax = fig.axes[0]
+    bars = [p for p in ax.patches if p.get_gid() == plots.BAR]
+    assert len(bars) == 12
+    assert len({tuple(round(c, 4) for c in b.get_facecolor()) for b in bars}) == 12
+    assert [round(b.get_width()) for b in bars] == [100 * (i + 1) for i in range(12)]
+    assert [t.get_text() for t in ax.get_yticklabels()][:2] == ["s0 (1 dev.)", "s1 (2 dev.)"]
+    assert ax.get_title() and ax.get_xlabel() and ax.get_ylabel()  # the labels name each bar: no legend
+    check_png(plots.save(fig, tmp_path / "bars.png"))
+    assert len(set(plots.distinct_colors(30))) == 30
+
+
+def test_throughput_lines_have_distinct_colours():
+    records = [{"strategy": f"s{i}", "devices": d, "samples_per_s": 1.0} for i in range(12) for d in (1, 2)]
+    lines = plots.throughput_figure(records).axes[0].get_lines()
+    assert len({line.get_color() if isinstance(line.get_color(), str) else tuple(line.get_color())
+                for line in lines}) == 12
