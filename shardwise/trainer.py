@@ -492,7 +492,8 @@ class _Job:
             "comm_received_bytes_per_step": train_received / steps_run,
             "comm_by_name": dict(topo.stats.by_name),
             "comm_by_group": dict(topo.stats.by_group),
-            "step_time_s": statistics.median(times) if times else 0.0,
+            # The first step pays one-off costs (allocations, lazy initialisation): left out when there are more.
+            "step_time_s": statistics.median(times[1:] if len(times) > 1 else times) if times else 0.0,
             "activation_bytes": getattr(self, "activation_bytes", 0),
             # The sum of every buffer this rank holds (running statistics...): equal on replicas.
             "buffers_sum": float(sum(float(b.double().sum()) for b in model.buffers()
