@@ -169,7 +169,11 @@ def memory_figure(rows: Sequence[Mapping[str, Any]], title: str = "Memory per ra
         h = [r[key] / scale for r in rows]
         ax.bar(x, h, bottom=bottom, color=_COLORS[key], label=label, width=0.7)
         bottom = [b + v for b, v in zip(bottom, h)]
-    ax.set_xticks(x, [f"{r['strategy']}\nrank {r['rank']}" for r in rows], fontsize=8)
+    # Labels as wide as a bar slot stay horizontal; longer ones are turned so neighbours never overlap.
+    wide = max((len(str(r["strategy"])) for r in rows), default=0) > 6
+    ax.set_xticks(x, [f"{r['strategy']} r{r['rank']}" if wide else f"{r['strategy']}\nrank {r['rank']}"
+                      for r in rows], fontsize=8, rotation=60 if wide else 0, ha="right" if wide else "center",
+                  rotation_mode="anchor")
     ax.set_title(title)
     ax.set_xlabel("strategy and rank")
     ax.set_ylabel(f"bytes held ({unit})")
