@@ -71,7 +71,7 @@ def reference(steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return model.state_dict(), losses
 
 
@@ -80,6 +80,8 @@ if __name__ == "__main__":
     p.add_argument("--strategy", required=True)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--out", required=True)
+    p.add_argument("--start-dir", default=None, help="resume from this checkpoint directory (sw.load)")
+    p.add_argument("--save-dir", default=None, help="save here at the end (sw.save)")
     a = p.parse_args()
-    train(a.strategy, a.steps, a.out)
+    train(a.strategy, a.steps, a.out, a.start_dir, a.save_dir)
     sw.teardown()
