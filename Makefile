@@ -30,6 +30,11 @@ FAST := tests/plan tests/test_memory_check.py tests/parallel/test_dp.py tests/pa
 test-fast: $(STAMP)
 	$(PY) -m pytest -q $(FAST) -k "not dies_or_hangs"
 
+# tests/gpu on the GPU machine (skipped without CUDA; `make test` collects and skips them). docs/gpu.md.
+.PHONY: test-gpu
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q tests/gpu
+
 bench: $(STAMP)
 	.venv/bin/shardwise bench
 

@@ -47,3 +47,23 @@ def current_rss_bytes() -> int:
     except OSError:
         pass
     return 0
+
+
+def reset_cuda_peak(device: torch.device) -> None:
+    """Start a new peak for :func:`cuda_peak_bytes` on a CUDA ``device`` (a no-op on any other device)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def cuda_peak_bytes(device: torch.device) -> dict[str, int]:
+    """``cuda_peak_allocated_bytes`` / ``cuda_peak_reserved_bytes`` since :func:`reset_cuda_peak`, on CUDA only.
+
+    Allocated: bytes in live tensors (what the planner predicts); reserved: what
+    the caching allocator holds from the driver (allocated plus its cache and
+    fragmentation), the number that decides an out-of-memory. An empty dict
+    on CPU, so a CPU run's stats keep exactly their keys.
+    """
+    if device.type != "cuda":
+        return {}
+    return {"cuda_peak_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
+            "cuda_peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device))}

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from shardwise.comm import Comm, Handle
+from shardwise.comm.streams import SideStream
 
 AllReduceFn = Callable[[torch.Tensor, Comm, str], Handle]
 
@@ -169,6 +170,8 @@ class DDPModule(GradSync, nn.Module):
         self._queued = False
         self._global_unused: set[nn.Parameter] = set()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        # CUDA only (inert on CPU): buckets are divided, cast and reduced on a side stream (docs/gpu.md).
+        self._side = SideStream(self.buckets[0].buffer.device if self.buckets else torch.device("cpu"))
 
     # ---- public ------------------------------------------------------
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -246,13 +249,15 @@ class DDPModule(GradSync, nn.Module):
         n = self.comm.size
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
             b = self.buckets[self._next]
-            # Pre-divide, then sum: the average without relying on ReduceOp.AVG,
-            # which gloo lacks (torch DDP divides the same way).
-            b.buffer.div_(n)
-            wire = b.buffer
-            if self.reduce_dtype is not None and self.reduce_dtype != b.buffer.dtype:
-                wire = b.wire = b.buffer.to(self.reduce_dtype)
-            b.handle = self.allreduce(wire, self.comm, f"ddp.bucket{b.index}")
+            # CUDA: on the side stream, after the compute stream's gradients (a no-op context on CPU).
+            with self._side.enter(b.buffer):
+                # Pre-divide, then sum: the average without relying on ReduceOp.AVG,
+                # which gloo lacks (torch DDP divides the same way).
+                b.buffer.div_(n)
+                wire = b.buffer
+                if self.reduce_dtype is not None and self.reduce_dtype != b.buffer.dtype:
+                    wire = b.wire = b.buffer.to(self.reduce_dtype)
+                b.handle = self.allreduce(wire, self.comm, f"ddp.bucket{b.index}")
             self._next += 1
 
     def _finish(self) -> None:
@@ -264,12 +269,16 @@ class DDPModule(GradSync, nn.Module):
                 f"all-reduced: {missing[:8]}{' ...' if len(missing) > 8 else ''}. Pass "
                 "find_unused_parameters=True (sw.DDP(find_unused_parameters=True)) if parts of the model "
                 "are legitimately unused in some steps.")
-        for b in self.buckets:
-            if b.handle is not None:
-                b.handle.wait()
-            if b.wire is not None:
-                b.buffer.copy_(b.wire)
-                b.wire = None
+        # CUDA: wait and widen on the side stream, then the compute stream waits for it before the
+        # optimizer reads the buckets (and before the next backward writes them). No-ops on CPU.
+        with self._side.enter():
+            for b in self.buckets:
+                if b.handle is not None:
+                    b.handle.wait()
+                if b.wire is not None:
+                    b.buffer.copy_(b.wire)
+                    b.wire = None
+        self._side.join()
         for b in self.buckets:
             for p, view in zip(b.params, b.views):
                 if p in self._global_unused:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from shardwise.comm import Comm
+from shardwise.comm.streams import SideStream, pinned_like
 from shardwise.parallel.sharding import FlatLayout, Waitable, all_gather, local_numel, reduce_scatter
 
 WrapPolicy = Any  # "auto" | int | set/tuple/list of module classes | Callable[[str, nn.Module], bool]
@@ -135,6 +136,7 @@ class _Unit:
         self.offload_all = False
         self._src: torch.Tensor | None = None
         self.state = "sharded"  # "sharded" | "gathering" | "unsharded"
+        self._side = SideStream(self.device)  # the all-gather stream: inert until allocate() puts us on CUDA
         self._gather: list[tuple[_Group, torch.Tensor | None, Waitable | None]] = []
         self.pending = 0
         self.backward_started = False
@@ -147,6 +149,7 @@ class _Unit:
     def allocate(self, device: torch.device) -> None:
         """The shard row and each parameter's (empty) padded full storage on ``device``."""
         self.device = device
+        self._side = SideStream.shared(device, "fsdp.all_gather")
         self.shard = torch.zeros(self.row_numel, dtype=self.dtype, device=device)
         # The optimizer steps padded pieces (states of ceil(numel/N) elements on
         # every rank); the padding holds zeros with zero gradients, which every
@@ -174,7 +177,8 @@ class _Unit:
 
     def offload_to(self, device: torch.device, everything: bool) -> None:
         """Move the optimizer's row to ``device``; ``everything``: keep no shard on the training device."""
-        self.host = self.shard.to(device, copy=True)
+        # Pinned when the shard lives on CUDA, so the copies to and from it can be non_blocking.
+        self.host = pinned_like(self.shard, device, self.device)
         self.shard_params = [nn.Parameter(v) for v in self.padded_views(self.host)]
         self.host_version = self.host._version
         self.offload_all = everything
@@ -186,12 +190,16 @@ class _Unit:
         """This rank's up-to-date shard row on the training device, ready to be sent."""
         if self.host is None:
             return self.shard
+        # CUDA from a pinned row: asynchronous copies, issued on the all-gather stream by start_gather.
+        # Safe: the host row is only written again by the optimizer, after the backward's blocking
+        # gradient copy to the host, which follows (through the compute stream) this copy.
+        nb = self.device.type == "cuda"
         if self.offload_all:
-            return self.host.to(self.device)  # a temporary copy, freed after the gather
+            return self.host.to(self.device, non_blocking=nb)  # a temporary copy, freed after the gather
         # The row's version counter moves whenever the optimizer steps it or a
         # checkpoint loads into it: only then does the device copy need refreshing.
         if self.host._version != self.host_version:
-            self.shard.copy_(self.host)
+            self.shard.copy_(self.host, non_blocking=nb)
             self.host_version = self.host._version
         return self.shard
 
@@ -204,13 +212,17 @@ class _Unit:
         for buf, c in zip(self.padded, self.chunk):
             if buf.untyped_storage().nbytes() == 0:
                 buf.untyped_storage().resize_(n * c * buf.element_size())
-        self._src = src = self.source()
-        for g in self.groups:
-            # A lone parameter's rank-major buffer *is* its padded storage: gather straight into it.
-            out = self.padded[g.members[0]] if g.direct else torch.empty(
-                n * g.layout.shard_numel, dtype=self.dtype, device=self.device)
-            h = all_gather(self.comm, out, src[g.start:g.end], f"fsdp_all_gather.u{self.index}", self.how)
-            self._gather.append((g, None if g.direct else out, h))
+        # A lone parameter's rank-major buffer *is* its padded storage: gather straight into it.
+        # (Every output is allocated here, on the compute stream that will read it.)
+        outs = [self.padded[g.members[0]] if g.direct else torch.empty(
+            n * g.layout.shard_numel, dtype=self.dtype, device=self.device) for g in self.groups]
+        # CUDA: the offloaded row's copy and the collectives are issued from the all-gather stream, so a
+        # prefetch's copies do not queue between the compute kernels (no-op context on CPU).
+        with self._side.enter(*self.padded, *outs):
+            self._src = src = self.source()
+            for g, out in zip(self.groups, outs):
+                h = all_gather(self.comm, out, src[g.start:g.end], f"fsdp_all_gather.u{self.index}", self.how)
+                self._gather.append((g, None if g.direct else out, h))
         self.state = "gathering"
 
     def unshard(self) -> None:
@@ -223,6 +235,7 @@ class _Unit:
         for g, buf, h in pending:
             if h is not None:
                 h.wait()
+            self._side.join()  # CUDA: the compute stream also waits for the all-gather stream's copies
             if buf is not None:
                 with torch.no_grad():
                     g.layout.unpack_padded(buf, [self.padded[i] for i in g.members])

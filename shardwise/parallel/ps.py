@@ -186,7 +186,7 @@ class ParameterServer(HasServers):
             return torch.nn.utils.clip_grad_norm_(params, max_norm)
         role.clip = float(max_norm)
         grads = [p.grad.reshape(-1) for p in params if p.grad is not None]
-        return torch.linalg.vector_norm(torch.cat(grads)) if grads else torch.zeros(())
+        return torch.linalg.vector_norm(torch.cat(grads)) if grads else torch.zeros((), device=topo.device)
 
     def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
         """The servers' final weights, on every rank (each server broadcasts its shard).

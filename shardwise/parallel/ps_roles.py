@@ -184,7 +184,8 @@ class _Worker:
         hs = []
         for s in range(self.servers):
             buf = self.push_buf[s]
-            buf[:HEADER].view(torch.float64).copy_(torch.tensor([self.step, self.clip], dtype=torch.float64))
+            buf[:HEADER].view(torch.float64).copy_(torch.tensor([self.step, self.clip], dtype=torch.float64,
+                                                                device=buf.device))
             grads = buf[HEADER:].view(self.layout.dtype)
             for i, a, b, n in self.pieces[s]:
                 g = self.layout.params[i].grad
@@ -336,6 +337,7 @@ class _Server:
             while (h := inbox[w].get()) is not None:
                 try:
                     h.wait()
+                    _host_wait(self.shard.device)  # NCCL's wait() only orders streams: block until it landed
                     arrivals.put((w, None))
                 except BaseException as e:  # reported by the main thread, naming the worker
                     arrivals.put((w, e))
@@ -359,7 +361,8 @@ class _Server:
                     else:
                         inbox[w].put(self.recv_push(w))  # its next push, expected now
                         self.send_weights(w, done_pushes[w])
-                    msg = torch.tensor([kind, w], dtype=torch.int64)
+                    # On the communication device: NCCL sends only CUDA tensors (gloo takes either).
+                    msg = torch.tensor([kind, w], dtype=torch.int64, device=self.shard.device)
                     orders.append((msg, [self.comm.isend(msg, s, "ps.order") for s in range(1, self.servers)]))
                 if len(orders) > 256:  # keep the in-flight order messages (and their buffers) bounded
                     for _, hs in orders[:128]:
@@ -397,7 +400,7 @@ class _Server:
         version = 0
         pulled: dict[int, int] = {}
         applied_at: list[float] = []
-        msg = torch.empty(2, dtype=torch.int64)
+        msg = torch.empty(2, dtype=torch.int64, device=self.shard.device)  # the communication device (NCCL: CUDA)
         for _ in range(2 * self.workers * steps):
             _wait(self.comm.irecv(msg, 0, "ps.order"),
                   f"server rank {me} got no update order from the first server rank {self.comm.global_rank(0)}")
@@ -416,6 +419,19 @@ class _Server:
                 pulled[w] = version
                 self.send_weights(w, done_pushes[w])
         return _per_step(applied_at, self.workers)
+
+
+def _host_wait(device: torch.device) -> None:
+    """Block this thread until the work its current stream waits for is done (CUDA only).
+
+    gloo's ``wait()`` blocks until a receive completed; NCCL's only makes the
+    current stream wait for it. The asynchronous lead server's waiter threads
+    use the return of ``wait()`` as "this gradient arrived", so under NCCL
+    they also synchronise the stream. A thread's current CUDA device is its
+    own, hence the explicit ``device``.
+    """
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _per_step(stamps: list[float], workers: int) -> list[float]:

@@ -47,7 +47,9 @@ class _Bucket:
         self.host: torch.Tensor | None = None
         if offload is not None:
             p0 = params[0]
-            self.host = torch.zeros(self.layout.shard_numel, dtype=p0.dtype, device=offload)
+            # Pinned when the parameters are on CUDA, so the copy back to the device can be non_blocking.
+            self.host = torch.zeros(self.layout.shard_numel, dtype=p0.dtype, device=offload,
+                                    pin_memory=torch.device(offload).type == "cpu" and p0.device.type == "cuda")
             self.layout.shard_from_full([p.detach() for p in params], rank, self.host)
             self.shards = [nn.Parameter(v) for v in self.layout.padded_views(self.host)]
             self.versions = self.param_versions()
@@ -181,7 +183,8 @@ class ZeROModule(GradSync, nn.Module):
             name = f"zero_all_gather.b{b.index}"
             if b.host is not None:
                 # Offloaded: the updated master row comes back to the device, then travels.
-                send = b.host.to(p0.device)
+                # (CUDA, pinned row: asynchronous; the row is next written after the blocking gradient copy.)
+                send = b.host.to(p0.device, non_blocking=p0.device.type == "cuda")
                 if b.layout.identity:
                     h = all_gather(self.comm, p0.data.view(-1), send, name, self.how)
                     recv = None

@@ -1,0 +1,174 @@
+"""One GPU, GPT-2 small (124M, sequence 1024), bf16-mixed: Trainer(strategy="single") against a raw PyTorch loop.
+
+Measures, alternating the two contenders over several repetitions (medians):
+tokens/s and model FLOPs utilisation (6 x parameters x tokens / peak FLOP/s;
+attention's own FLOPs left out, as nanoGPT's estimate without them) of the
+Trainer and of a plain loop doing the same steps, and their ratio; then the
+activation-checkpointing run: peak CUDA memory saved, measured, against what
+the planner (shardwise.plan.plan_run) predicts it saves.
+
+    python benchmarks/gpu_single.py --out results/gpu_single.json        # on the GPU machine
+    python benchmarks/gpu_single.py --tiny --device cpu                  # smoke test anywhere (seconds)
+
+Written for the lent GPU machine (docs/gpu.md); not yet run on one.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+
+import torch
+from torch.utils.data import Dataset
+
+import shardwise as sw
+from shardwise.models import GPT, GPTConfig, lm_loss
+
+H100_BF16_DENSE = 989e12  # FLOP/s, H100 SXM bf16 dense (the usual MFU denominator)
+
+
+class RandomTokens(Dataset):
+    """Fixed random token sequences: (x, y) = (tokens[:-1], tokens[1:]), the same every run."""
+
+    def __init__(self, n: int, seq: int, vocab: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.data = torch.randint(0, vocab, (n, seq + 1), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[i, :-1], self.data[i, 1:]
+
+
+def config(tiny: bool) -> GPTConfig:
+    if tiny:
+        return GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64)
+    # GPT-2 small: 12 layers, 12 heads, 768 wide; vocabulary padded to 50304 (a multiple of 64).
+    return GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+
+
+def make_model(cfg: GPTConfig) -> GPT:
+    torch.manual_seed(0)
+    return GPT(cfg)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def raw_loop(cfg: GPTConfig, data: RandomTokens, batch: int, steps: int, device: torch.device) -> dict:
+    """The same steps in plain PyTorch: AdamW, bf16 autocast, no library in between."""
+    model = make_model(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for step in range(steps):
+        idx = torch.arange(step * batch, (step + 1) * batch) % len(data)
+        x, y = data.data[idx, :-1].to(device), data.data[idx, 1:].to(device)
+        sync(device)
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()  # the Trainer reads every step's loss too
+        sync(device)
+        times.append(time.perf_counter() - start)
+    out = {"step_time_s": statistics.median(times[1:] if len(times) > 1 else times)}
+    if device.type == "cuda":
+        out["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+    return out
+
+
+def trainer_run(cfg: GPTConfig, data: RandomTokens, batch: int, steps: int, device: torch.device,
+                checkpointing: bool = False) -> dict:
+    result = sw.Trainer("single", 1, accelerator=device.type, precision="bf16-mixed", progress=False,
+                        memory_check="off", activation_checkpointing=checkpointing).fit(
+        make_model(cfg), data, lm_loss, functools.partial(torch.optim.AdamW, lr=3e-4), batch_size=batch,
+        max_steps=steps)
+    s = result.stats[0]
+    return {k: s[k] for k in ("step_time_s", "peak_rss_bytes", "cuda_peak_allocated_bytes",
+                              "cuda_peak_reserved_bytes", "activation_bytes") if k in s}
+
+
+def predicted_activation_bytes(cfg: GPTConfig, batch: int, checkpointing: bool, memory: int) -> int:
+    from shardwise.plan import plan_run
+
+    layout = sw.Trainer("single", 1, accelerator="cpu").strategy.describe(1).with_run("bf16-mixed", checkpointing)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return plan_run(model, layout, memory, batch, "adamw", suggest=False).activation_bytes
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke test)")
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide GPT on 32 tokens: checks the script runs")
+    ap.add_argument("--batch", type=int, default=None, help="sequences per step (default 8; tiny 4)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per repetition (default 20; tiny 3)")
+    ap.add_argument("--reps", type=int, default=None, help="alternating repetitions (default 5; tiny 1)")
+    ap.add_argument("--peak-flops", type=float, default=None,
+                    help=f"peak FLOP/s of the device for MFU (default on CUDA: {H100_BF16_DENSE:.3g}, H100 bf16)")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    a = ap.parse_args(argv)
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda but torch.cuda.is_available() is False (use --device cpu --tiny for a smoke test)")
+    batch = a.batch or (4 if a.tiny else 8)
+    steps = a.steps or (3 if a.tiny else 20)
+    reps = a.reps or (1 if a.tiny else 5)
+    peak = a.peak_flops or (H100_BF16_DENSE if device.type == "cuda" else None)
+    cfg = config(a.tiny)
+    data = RandomTokens(batch * steps, cfg.block_size, cfg.vocab_size)
+    n_params = sum(p.numel() for p in make_model(cfg).parameters())
+    tokens = batch * cfg.block_size
+
+    ours, raw = [], []
+    for r in range(reps):  # alternating, so drifts (clocks, temperature) hit both alike
+        ours.append(trainer_run(cfg, data, batch, steps, device))
+        raw.append(raw_loop(cfg, data, batch, steps, device))
+        print(f"rep {r}: trainer {ours[-1]['step_time_s'] * 1e3:.1f} ms/step, raw {raw[-1]['step_time_s'] * 1e3:.1f} "
+              f"ms/step", flush=True)
+
+    def summary(runs: list[dict]) -> dict:
+        t = statistics.median(x["step_time_s"] for x in runs)
+        out = {"step_time_s": t, "tokens_per_s": tokens / t}
+        if peak:
+            out["mfu"] = 6 * n_params * tokens / t / peak
+        return out
+
+    res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "torch": torch.__version__, "params": n_params, "batch": batch, "seq": cfg.block_size, "steps": steps,
+           "reps": reps, "precision": "bf16-mixed", "peak_flops": peak,
+           "trainer": summary(ours), "raw": summary(raw)}
+    res["trainer_over_raw_tokens_per_s"] = res["trainer"]["tokens_per_s"] / res["raw"]["tokens_per_s"]
+
+    ck = trainer_run(cfg, data, batch, steps, device, checkpointing=True)
+    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 1 << 40
+    pred = {c: predicted_activation_bytes(cfg, batch, c, memory) for c in (False, True)}
+    key = "cuda_peak_allocated_bytes" if device.type == "cuda" else "peak_rss_bytes"
+    res["checkpointing"] = {
+        "memory_key": key,
+        "without_bytes": ours[-1].get(key), "with_bytes": ck.get(key),
+        "saved_measured_bytes": (ours[-1].get(key) or 0) - (ck.get(key) or 0),
+        "saved_predicted_bytes": pred[False] - pred[True],
+        "predicted_activation_bytes": {"without": pred[False], "with": pred[True]},
+        "step_time_s": ck["step_time_s"],
+    }
+    text = json.dumps(res, indent=2)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Every strategy at world size 1 on CUDA, in a NCCL process group of one, equals the single-device run.
+
+With one GPU, NCCL cannot hold two ranks (one device per rank), so this is the
+NCCL-side check a one-GPU machine can make: the library joins a NCCL group,
+puts every tensor on cuda:0, runs the CUDA-only code (side streams, pinned
+offload rows, non_blocking copies, CUDA memory accounting). Collectives of a
+group of one are no-ops in :class:`shardwise.comm.Comm`, so NCCL traffic itself
+is checked by the multi-GPU runs listed in docs/gpu.md.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardwise as sw
+from shardwise.workloads import digits, gpt
+
+pytestmark = pytest.mark.timeout(600)
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
+# GPU kernels (cuBLAS split-K, atomics in some backward kernels) may sum in another order
+# than the reference's: equal within float32 noise, not bit-for-bit.
+RTOL = 1e-4
+
+
+def fit(strategy, work, steps=6, accelerator="cuda", **kw):
+    return sw.Trainer(strategy, 1, accelerator=accelerator, progress=False, memory_check="off", **kw).fit(
+        work.make_model(), work.train, work.loss_fn, ADAMW, batch_size=32, max_steps=steps)
+
+
+@pytest.fixture(scope="module")
+def nccl_group_of_one():
+    """A NCCL process group of one, joined by Trainer.fit (as under `shardwise run --nproc 1`)."""
+    torch.cuda.set_device(0)
+    store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, timeout=dt.timedelta(minutes=2))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {"mlp": fit("single", digits()), "gpt": fit("single", gpt())}
+
+
+# The offload forms run the pinned host rows and non_blocking copies.
+MLP_STRATEGIES = ["ddp", "dp", "zero1", "zero2", "zero3", "fsdp", "hsdp",
+                  sw.ZeRO2(offload="optimizer"), sw.FSDP(offload="optimizer"), sw.FSDP(offload="all")]
+
+
+@pytest.mark.parametrize("strategy", MLP_STRATEGIES, ids=str)
+def test_world1_on_nccl_equals_single(nccl_group_of_one, reference, same_run, strategy):
+    try:
+        run = fit(strategy, digits())
+    except ValueError as e:  # a strategy that cannot run on one device says so up front
+        pytest.skip(f"{strategy} at devices=1: {e}")
+    same_run(reference["mlp"], run, rtol=RTOL, atol=1e-6)
+    s = run.stats[0]
+    assert s["cuda_peak_allocated_bytes"] > 0
+    assert s["cuda_peak_reserved_bytes"] >= s["cuda_peak_allocated_bytes"]
+
+
+@pytest.mark.parametrize("strategy", ["tp", "pp", "fsdp"])
+def test_world1_gpt_on_nccl_equals_single(nccl_group_of_one, reference, same_run, strategy):
+    try:
+        run = fit(strategy, gpt())
+    except ValueError as e:
+        pytest.skip(f"{strategy} at devices=1: {e}")
+    ref = reference["gpt"]
+    torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(ref.losses), rtol=RTOL, atol=1e-6)
+    for k, a in ref.state_dict.items():
+        if k.endswith("k.bias"):  # its gradient is zero in exact arithmetic (softmax ignores it): Adam amplifies
+            continue              # rounding noise there to O(lr) under any change of summation order, CPU too
+        scale = float(a.abs().max()) if a.is_floating_point() and a.numel() else 0.0
+        torch.testing.assert_close(run.state_dict[k], a, rtol=RTOL, atol=1e-6 + RTOL * scale, msg=lambda m: f"{k}: {m}")
+
+
+def test_cuda_single_equals_cpu_single(reference, same_run):
+    # Same model, same data, another device: float32 on both, so only summation orders differ.
+    same_run(fit("single", digits(), accelerator="cpu"), reference["mlp"], rtol=1e-3, atol=1e-5)
+
+
+def test_cpu_run_has_no_cuda_stats():
+    run = fit("single", digits(), steps=2, accelerator="cpu")
+    assert "cuda_peak_allocated_bytes" not in run.stats[0]
+
+
+def test_side_stream_orders_work():
+    from shardwise.comm.streams import SideStream
+
+    side = SideStream(torch.device("cuda", 0))
+    assert side.active
+    x = torch.randn(1 << 20, device="cuda")
+    y = x * 2  # queued on the compute stream
+    with side.enter(y):
+        y.mul_(3)  # the side stream waits for the multiply above first
+    side.join()
+    torch.testing.assert_close(y, x * 6)
+
+
+def test_offload_rows_are_pinned():
+    from shardwise.comm.streams import pinned_like
+
+    t = torch.randn(16, device="cuda")
+    host = pinned_like(t, torch.device("cpu"), t.device)
+    assert host.is_pinned() and torch.equal(host.cuda(), t)
