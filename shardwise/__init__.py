@@ -15,6 +15,8 @@ __version__ = "0.1.0"
 _PUBLIC: dict[str, str] = {
     "init": "shardwise.loop:init",
     "Prepared": "shardwise.loop:Prepared",
+    "Callback": "shardwise.callbacks:Callback",
+    "EarlyStopping": "shardwise.callbacks:EarlyStopping",
     "all_reduce_mean": "shardwise.loop:all_reduce_mean",
     "clip_grad_norm_": "shardwise.loop:clip_grad_norm_",
     "gather": "shardwise.loop:gather",
@@ -38,6 +40,7 @@ _PUBLIC: dict[str, str] = {
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is imported on first use
+    from shardwise.callbacks import Callback, EarlyStopping
     from shardwise.loop import (Prepared, all_reduce_mean, clip_grad_norm_, gather, init, load, no_sync,
                                 prepare_dataloader, save, setup)
     from shardwise.strategy import CLASSES, DDP, REGISTRY, Single, Strategy, available_strategies, register, resolve
@@ -65,7 +68,7 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_PUBLIC, *CLASSES})
 
 
-__all__ = ["DDP", "FitResult", "Prepared", "REGISTRY", "Single", "Strategy", "Topology", "Trainer",
+__all__ = ["Callback", "DDP", "EarlyStopping", "FitResult", "Prepared", "REGISTRY", "Single", "Strategy", "Topology", "Trainer",
            "all_reduce_mean", "available_strategies", "clip_grad_norm_", "gather", "init", "load", "no_sync",
            "prepare_dataloader", "register", "resolve", "save", "setup", "teardown", "NaiveMP", "NaiveModelParallel", "ZeRO1", "ZeRO2",
            "ZeRO3", "FSDP", "HSDP", "TP", "PP", "Parallel", "DP", "ParameterServer"]

@@ -70,6 +70,15 @@ class StepLog:
                 if k != "step" and v is not None:
                     self._tb.add_scalar(f"train/{k}", v, step)
 
+    def write_validation(self, step: int, metrics: dict[str, float]) -> None:
+        """One row of global validation metrics, evaluated on the weights after step ``step`` (the index of that
+        step's own row); TensorBoard scalars ``val/<name>``."""
+        if self._file is not None:
+            self._file.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self._tb is not None:
+            for k, v in metrics.items():
+                self._tb.add_scalar(f"val/{k}", v, step)
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()

@@ -94,10 +94,26 @@ class Strategy:
             ctx = self.no_sync(model) if i < k - 1 else contextlib.nullcontext()
             with ctx:
                 with run.forward_context(topo.device):
-                    loss = loss_fn(model(x), y)
+                    loss = loss_fn(call_model(model, x), y)
                 (loss.float() * (run.loss_scale / k)).backward()
             total += loss.detach().float()
         return total / k
+
+    def eval_step(self, model: nn.Module, x: Any, y: Any, fn: Callable[[Any, Any], torch.Tensor], topo: Topology,
+                  run: StepRun = StepRun()) -> torch.Tensor | None:
+        """The forward of one evaluation batch, no backward: ``fn(output, y)`` (a 1-D tensor of per-batch values)
+        where this rank computes the model's output, None on ranks that do not (pipeline stages but the last).
+
+        The caller puts the model in eval mode; this runs under ``torch.no_grad`` and the run's autocast, so
+        data-parallel wrappers gather what they shard (ZeRO-3, FSDP) and free it again without preparing a
+        backward. Only :meth:`owns_loss` ranks' values count (tensor-parallel ranks compute the same ones).
+        """
+        from shardwise.data import leaves, to_device
+
+        with torch.no_grad(), run.forward_context(topo.device):
+            out = call_model(model, x)
+            where = next(iter(leaves(out)), None)  # the output's device (naive model parallelism: the last one)
+            return fn(out, to_device(y, where.device) if where is not None else y)
 
     def owns_loss(self, topo: Topology) -> bool:
         """Whether this rank's loss counts in the global mean (one per data-parallel replica)."""
@@ -341,16 +357,28 @@ def held_state(named: Sequence[tuple[str, torch.Tensor]], wrappers: Sequence[nn.
     return out
 
 
+def call_model(model: nn.Module, x: Any) -> Any:
+    """``model(x)``, or ``model(**x)`` for the keyword inputs of a dict batch (:class:`shardwise.data.Kwargs`)."""
+    from shardwise.data import Kwargs
+
+    return model(**x) if isinstance(x, Kwargs) else model(x)
+
+
 def iter_chunks(x: Any, k: int) -> Iterator[Any]:
     """Split a batch (tensor or tuple/dict of tensors) into ``k`` equal micro-batches along dim 0."""
     if isinstance(x, torch.Tensor):
         yield from x.chunk(k)
+    elif isinstance(x, (list, tuple)) and x and all(isinstance(v, (str, bytes, int, float)) for v in x):
+        n = -(-len(x) // k)  # a collated list of plain values (the strings of a dict batch): split like a tensor
+        yield from (x[i:i + n] for i in range(0, len(x), n))
     elif isinstance(x, (list, tuple)):
         for parts in zip(*(list(iter_chunks(v, k)) for v in x)):
             yield type(x)(parts) if isinstance(x, tuple) else list(parts)
     elif isinstance(x, dict):
+        from shardwise.data import Kwargs
+
         keys = list(x)
         for parts in zip(*(list(iter_chunks(x[kk], k)) for kk in keys)):
-            yield dict(zip(keys, parts))
+            yield Kwargs(zip(keys, parts)) if isinstance(x, Kwargs) else dict(zip(keys, parts))
     else:
         raise TypeError(f"cannot split a batch of type {type(x).__name__} into micro-batches")

@@ -15,7 +15,7 @@ import statistics
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from collections.abc import Callable
 from typing import Any
 
@@ -25,9 +25,11 @@ from torch import nn
 
 from shardwise import checkpoint, launch
 from shardwise import precision as precision_mod
-from shardwise.data import GlobalBatches, check_dataset
+from shardwise.callbacks import CallbackInfo, Control, agree_stop, call, check_callbacks, improved
+from shardwise.data import DataSource, Kwargs, as_source, leaves, loader_options
+from shardwise.evaluate import Validation, best_so_far, evaluate, history_from, history_tensors, save_best
 from shardwise.progress import StepLog, batch_tokens, progress_bar, total_numel, want_progress
-from shardwise.stats import peak_rss_bytes, reset_peak_rss, unique_bytes
+from shardwise.stats import cuda_peak_bytes, peak_rss_bytes, reset_cuda_peak, reset_peak_rss, unique_bytes
 from shardwise.strategy import HasServers, LossFn, OptimizerFactory, StepRun, Strategy, iter_chunks, resolve
 from shardwise.topology import Topology, pick_device, teardown
 
@@ -42,6 +44,8 @@ class FitResult:
     losses: list[float]
     state_dict: dict[str, torch.Tensor]
     stats: list[dict[str, Any]] = field(default_factory=list)
+    # One entry per validation: {"step": optimizer steps done, "val_loss": ..., <each val_metrics name>: ...}.
+    val_metrics: list[dict[str, float]] = field(default_factory=list)
 
 
 class Trainer:
@@ -93,6 +97,13 @@ class Trainer:
             equals single-device training. Without it each rank normalises with its own part of the
             batch, and the running statistics of data-parallel rank 0 are every rank's (broadcast after
             each step, as torch DDP's ``broadcast_buffers``); a warning says so once.
+        callbacks: objects with ``on_step_end``, ``on_validation_end``, ``on_checkpoint_saved``, ``on_fit_end``
+            (:class:`shardwise.callbacks.Callback`, e.g. :class:`~shardwise.callbacks.EarlyStopping`), called on
+            every rank (pickled into spawned ranks: they must be picklable); any rank's ``info.stop()`` stops
+            every rank after the same step.
+        dataloader_kwargs: DataLoader options for the training and validation data (``num_workers``,
+            ``collate_fn``, ``pin_memory``, ``prefetch_factor``, ``persistent_workers``, ``worker_init_fn``,
+            ``multiprocessing_context``, ``timeout``); workers load exactly the batches the main process would.
     """
 
     def __init__(self, strategy: str | Strategy = "single", devices: int | str = "auto", accelerator: str = "auto", *,
@@ -104,8 +115,12 @@ class Trainer:
                  device_memory: int | None = None, precision: str = "32",
                  activation_checkpointing: bool | tuple[type[nn.Module], ...] = False,
                  tensorboard_dir: str | os.PathLike[str] | None = None, peak_flops: float | None = None,
-                 max_processes_per_core: int | None = 8, sync_batchnorm: bool = False) -> None:
+                 max_processes_per_core: int | None = 8, sync_batchnorm: bool = False,
+                 callbacks: list[Any] | None = None, dataloader_kwargs: dict[str, Any] | None = None) -> None:
         self.strategy = resolve(strategy)
+        self.callbacks = check_callbacks(callbacks)
+        self.dataloader_kwargs = dict(dataloader_kwargs or {})
+        loader_options(self.dataloader_kwargs)  # an unknown or refused option fails here
         if accelerator not in ("auto", "cpu", "cuda"):
             raise ValueError(f"unknown accelerator {accelerator!r}; valid: 'auto', 'cpu', 'cuda'")
         if max_processes_per_core is not None and max_processes_per_core < 1:
@@ -158,7 +173,12 @@ class Trainer:
 
     # ------------------------------------------------------------------
     def fit(self, model: nn.Module, dataset: Any, loss_fn: LossFn, optimizer: OptimizerFactory,
-            batch_size: int, max_steps: int, lr_scheduler: SchedulerFactory | None = None) -> FitResult:
+            batch_size: int, max_steps: int, lr_scheduler: SchedulerFactory | None = None, *,
+            val_dataset: Any = None, val_every: int | None = None,
+            val_metrics: dict[str, Callable[[Any, Any], Any]] | None = None, val_batch_size: int | None = None,
+            checkpoint_best: str | tuple[str, str] | None = None, num_workers: int | None = None,
+            collate_fn: Callable[[list[Any]], Any] | None = None, pin_memory: bool | None = None,
+            inputs: str | list[str] | tuple[str, ...] | None = None) -> FitResult:
         """Train for ``max_steps`` optimizer steps of global batch ``batch_size``.
 
         The run trains a copy of ``model`` (strategies shard, wrap and split what they are given) and loads the
@@ -169,9 +189,30 @@ class Trainer:
         ``functools.partial(torch.optim.lr_scheduler.OneCycleLR, max_lr=1e-2, total_steps=100)``;
         stepped once per optimizer step (a skipped step included), the same under
         every strategy, and restored on resume by replaying that many steps.
+
+        ``dataset``: a map-style dataset (``len`` and index) or an iterable one (``IterableDataset``: each
+        data-parallel rank keeps its positions of every global batch of the stream); samples are
+        (input, target) pairs or dicts. ``num_workers``, ``collate_fn``, ``pin_memory`` override
+        ``Trainer(dataloader_kwargs=)``. ``inputs`` (dict samples): what the model is called with: None
+        passes every key but ``labels``/``label`` as keyword arguments, a key name passes that tensor
+        positionally, a list of keys passes those as keyword arguments; the loss gets ``loss_fn(output,
+        batch)``, the whole batch dict (see :mod:`shardwise.data`).
+
+        Validation (:mod:`shardwise.evaluate`): with ``val_dataset``, every ``val_every`` optimizer steps
+        and after the last step the model is evaluated under the run's own strategy (eval mode, no grad)
+        in batches of ``val_batch_size`` (default ``batch_size``): ``val_loss`` and each ``val_metrics``
+        ``{name: fn(output, target)}``, ``fn`` returning the batch's MEAN, are averaged over the whole set
+        weighting each batch by its samples: global values, equal to one device's. They go to the progress
+        output, the metrics file, TensorBoard and ``result.val_metrics``. ``checkpoint_best``
+        (``"val_loss"``, or ``(name, "min" | "max")``) keeps the best validation's checkpoint in
+        ``<checkpoint_dir>/best``.
         """
-        info = self._validate(model, dataset, batch_size, max_steps, optimizer, loss_fn, lr_scheduler)
-        job = _Job(self, model, dataset, loss_fn, optimizer, batch_size, max_steps, info, lr_scheduler)
+        data = DataSource(dataset, loader_options(self.dataloader_kwargs, num_workers=num_workers,
+                                                  collate_fn=collate_fn, pin_memory=pin_memory), _inputs(inputs))
+        info = self._validate(model, data, batch_size, max_steps, optimizer, loss_fn, lr_scheduler)
+        val = _check_fit_options(self, model, loss_fn, data, batch_size, val_dataset, val_every, val_metrics,
+                                 val_batch_size, checkpoint_best)
+        job = _Job(self, model, data, loss_fn, optimizer, batch_size, max_steps, info, lr_scheduler, val)
         result = self._launch(job)
         # One semantics whatever the launch: the model passed in ends trained. The run itself trains a copy
         # (strategies shard, wrap and split the model they are given), then the final weights go back here.
@@ -227,8 +268,7 @@ class Trainer:
             raise TypeError(f"optimizer must be a factory that builds the optimizer from parameters (each rank builds "
                             f"its own, over the parameters it holds), not a built {type(optimizer).__name__}; pass "
                             f"e.g. functools.partial(torch.optim.{type(optimizer).__name__}, lr=...)")
-        preflight.check_indexable(dataset)
-        check_dataset(len(dataset), batch_size)
+        preflight.check_source(dataset, batch_size)  # map-style or a stream, with at least one global batch
         dp, k = self.strategy.batch_shards(self.devices), self.accumulate_grad_batches
         if batch_size % (dp * k):
             raise ValueError(
@@ -415,11 +455,59 @@ def _device_memory(accelerator: str, nprocs: int) -> int:
     return int(ram // max(1, local))
 
 
+def _inputs(inputs: Any) -> str | tuple[str, ...] | None:
+    """fit's ``inputs`` (dict samples): None, one key, or a list of keys."""
+    if inputs is None or isinstance(inputs, str):
+        return inputs
+    if isinstance(inputs, (list, tuple)) and inputs and all(isinstance(k, str) for k in inputs):
+        return tuple(inputs)
+    raise TypeError(f"inputs must be a key of the dict samples, a list of keys, or None, got {inputs!r}")
+
+
+def _check_fit_options(trainer: Trainer, model: nn.Module, loss_fn: LossFn, data: DataSource, batch_size: int,
+                       val_dataset: Any, val_every: int | None, val_metrics: dict[str, Any] | None,
+                       val_batch_size: int | None, checkpoint_best: Any) -> Validation | None:
+    """fit's data, validation and callback options, checked before any process starts; the run's validation."""
+    from shardwise import preflight
+    from shardwise.callbacks import check_picklable
+    from shardwise.evaluate import check_validation, make_validation
+
+    strat = trainer.strategy
+    val_data = None if val_dataset is None else DataSource(val_dataset, data.loader, data.inputs)
+    val = make_validation(val_data, val_every, val_metrics, val_batch_size, checkpoint_best, batch_size,
+                          trainer.checkpoint_dir, strat)
+    if val is not None:
+        check_validation(model, loss_fn, val)
+    for cb in trainer.callbacks:
+        if hasattr(cb, "check"):
+            cb.check(val.names if val is not None else [])
+    x = preflight.first_batch(data, 1)[0]
+    if isinstance(x, Kwargs) and strat.name in ("pp", "parallel", "naive_mp"):
+        raise ValueError(f"strategy {strat.name!r} feeds the model's input through its layers as one tensor, but the "
+                         f"dict samples pass keyword inputs ({', '.join(x)}); pass inputs='<key>' (e.g. "
+                         "inputs='input_ids') to call the model with that tensor")
+    if strat.processes(trainer.devices) > 1 and not (dist.is_initialized() or launch.under_torchrun()):
+        # Spawned ranks receive these pickled: name the one that is not, with the fix, before anything starts.
+        check_picklable(trainer.callbacks)
+        named = {"collate_fn": data.loader.collate_fn, "val_dataset": val_dataset,
+                 **{f"val_metrics[{k!r}]": f for k, f in (val.metrics.items() if val is not None else [])},
+                 **{k: v for k, v in data.loader.extra.items() if callable(v)}}
+        for what, obj in named.items():
+            try:
+                pickle.dumps(obj)
+            except Exception as e:
+                raise TypeError(f"fit's {what} cannot be sent to the rank processes ({type(e).__name__}: {e}): each "
+                                "rank is a fresh process that receives it pickled, so define it at the top level of "
+                                "a module (a `def`, a class, or functools.partial of one), not a lambda or a local "
+                                "function; or launch with `shardwise run`") from None
+    return val
+
+
 def _spawned_fit(rank: int, device: torch.device, job: bytes, path: str) -> None:
     reset_peak_rss()  # peak_rss_bytes is this run's, also on a process that ran jobs before (WorkerPool)
     result = pickle.loads(job).run(device)
     if rank == 0:
-        torch.save({"losses": result.losses, "state_dict": result.state_dict, "stats": result.stats}, path)
+        torch.save({f.name: getattr(result, f.name) for f in fields(result)}, path)
 
 
 @dataclass
@@ -435,6 +523,7 @@ class _Job:
     max_steps: int
     info: dict[str, Any]  # what checkpoints record about the run (checkpoint.run_info)
     lr_scheduler: SchedulerFactory | None = None
+    validation: Validation | None = None
 
     def run(self, device: torch.device) -> FitResult:
         t = self.trainer
@@ -447,6 +536,7 @@ class _Job:
     def _run(self, topo: Topology) -> FitResult:
         t, strat = self.trainer, self.trainer.strategy
         torch.manual_seed(t.seed)
+        reset_cuda_peak(topo.device)  # cuda_peak_*_bytes are this run's (a no-op on CPU)
         shapes = checkpoint.model_shapes(self.model)
         self.aliases = checkpoint.tied_aliases(self.model)
         if t.activation_checkpointing:
@@ -461,13 +551,19 @@ class _Job:
         model, opt = strat.setup(self.model, self.optimizer_fn, topo)
         prev: list[float] = []
         extra: dict[str, torch.Tensor] = {}
+        self.control, self.stop_reason = Control(), None
         if t.checkpoint_dir is not None and t.resume:
             path = checkpoint.resume_point(t.checkpoint_dir, topo)
             if path is not None:
                 restored = checkpoint.load(path, strat, model, opt, topo, shapes)
                 prev, extra = restored.losses[:self.max_steps], restored.extra
+            if "stopped" in extra:  # a run that stopped early is complete: rerunning it returns its result
+                self.stop_reason = f"stopped early at step {len(prev)} (by a callback; the checkpoint's run)"
             if topo.rank == 0:  # resuming is the default: say what it does, also when there is nothing to do
-                print(_resume_line(path, len(prev), self.max_steps), file=sys.stderr, flush=True)
+                line = _resume_line(path, len(prev), self.max_steps) if self.stop_reason is None else \
+                    f"shardwise: already complete: {path} {self.stop_reason.partition(' (')[0]}, 0 steps to run"
+                print(line, file=sys.stderr, flush=True)
+        self.history = history_from(extra)  # validations of the run so far (a resumed run's included)
         sent_after_setup = topo.stats.sent
         received_after_setup = topo.stats.received
         server = isinstance(strat, HasServers) and strat.is_server(topo)
@@ -485,6 +581,7 @@ class _Job:
         mine = {
             "rank": topo.rank,
             "peak_rss_bytes": peak_rss_bytes(),
+            **cuda_peak_bytes(topo.device),  # cuda_peak_allocated_bytes, cuda_peak_reserved_bytes (CUDA only)
             "model_state_bytes": sum(state_bytes.values()),
             **{f"{k}_bytes": v for k, v in state_bytes.items()},
             "comm_bytes": topo.stats.sent,
@@ -501,7 +598,11 @@ class _Job:
             **(strat.rank_stats(model, topo) if isinstance(strat, HasServers) else {}),
         }
         stats = topo.comm("world").all_gather_object(mine, name="stats")
-        return FitResult(losses=global_losses, state_dict=state_dict, stats=stats)
+        result = FitResult(losses=global_losses, state_dict=state_dict, stats=stats, val_metrics=list(self.history))
+        call(t.callbacks, "on_fit_end", CallbackInfo(len(global_losses), self.max_steps, topo.rank, topo.world_size,
+                                                     history=list(self.history), losses=list(global_losses),
+                                                     stop_reason=self.stop_reason, control=self.control))
+        return result
 
     def _serve(self, model: nn.Module, opt: torch.optim.Optimizer, topo: Topology, prev: list[float],
                shapes: dict[str, list[int]]) -> list[float]:
@@ -526,21 +627,27 @@ class _Job:
         return times
 
     def _save(self, done: int, prev: list[float], losses: list[float], model: nn.Module, opt: torch.optim.Optimizer,
-              topo: Topology, shapes: dict[str, list[int]], extra: dict[str, torch.Tensor] | None) -> None:
+              topo: Topology, shapes: dict[str, list[int]], extra: dict[str, torch.Tensor] | None,
+              directory: str | None = None, run: dict[str, Any] | None = None) -> str:
         """Checkpoint after ``done`` steps, on every rank: this run's ``losses`` made global (an all-reduce in
-        which servers add zeros) follow the restored ``prev``."""
+        which servers add zeros) follow the restored ``prev``. ``directory`` (the best checkpoint's) and ``run``
+        replace the checkpoint directory and the run record; returns the checkpoint's path."""
         t = self.trainer
         so_far = prev + _global_losses(losses, t.strategy, topo)
-        checkpoint.save(t.checkpoint_dir, done, so_far, t.strategy, model, opt, topo, shapes,  # type: ignore[arg-type]
-                        keep=t.checkpoint_keep, aliases=self.aliases, run=self.info, extra=extra)
+        return checkpoint.save(directory or t.checkpoint_dir, done, so_far, t.strategy, model, opt,  # type: ignore
+                               topo, shapes, keep=t.checkpoint_keep if directory is None else None,
+                               aliases=self.aliases, run=run or self.info, extra=extra)
 
     def _loop(self, model: nn.Module, opt: torch.optim.Optimizer, topo: Topology, prev: list[float],
               shapes: dict[str, list[int]], restored: dict[str, torch.Tensor]) -> tuple[list[float], list[float],
                                                                                       dict[str, int]]:
-        """The step loop of a training rank from step ``len(prev)``: data, forward/backward, clip, step."""
+        """The step loop of a training rank from step ``len(prev)``: data, forward/backward, clip, step; after
+        each step :meth:`_after_step` (callbacks, validation, checkpoints) may end it early."""
         t, strat, device = self.trainer, self.trainer.strategy, topo.device
         shards, shard = strat.data_parallel(topo)
-        data = GlobalBatches(self.dataset, self.batch_size, shards, shard, seed=t.seed)
+        source = as_source(self.dataset)
+        end = len(prev) if self.stop_reason is not None else self.max_steps  # a stopped run stays stopped
+        data = source.train_batches(self.batch_size, shards, shard, seed=t.seed, start=len(prev), stop=end)
         k = t.accumulate_grad_batches
         rank0 = topo.rank == 0
         losses: list[float] = []  # floats, not tensors: a long run must not accumulate tensor objects
@@ -556,11 +663,11 @@ class _Job:
             scaler.load_tensor(restored["scaler"])  # the scale and clean-step count the checkpoint's run had
         with progress_bar(rank0 and want_progress(t.progress), self.max_steps) as advance:
             advance.skip(len(prev))  # type: ignore[attr-defined]
-            for step in range(len(prev), self.max_steps):
+            for step in range(len(prev), end):
                 if topo.diag is not None:
                     topo.diag.step = step
                 start = time.perf_counter()
-                x, y = data.batch(step, device)
+                x, y = source.split(data.batch(step, device))
                 micro = list(zip(iter_chunks(x, k), iter_chunks(y, k)))
                 run = StepRun(t.precision, scaler.scale if scaler is not None else 1.0)
                 if step == len(prev):
@@ -568,7 +675,7 @@ class _Job:
                     # (activations; parameters and the batch excluded), FitResult.stats["activation_bytes"].
                     from shardwise.parallel.checkpointing import track_saved_activations
 
-                    with track_saved_activations(model.parameters(), [x, y]) as saved:
+                    with track_saved_activations(model.parameters(), leaves(x) + leaves(y)) as saved:
                         loss = strat.train_step(model, micro, self.loss_fn, topo, run)
                     self.activation_bytes = saved.peak
                 else:
@@ -593,18 +700,80 @@ class _Job:
                 times.append(time.perf_counter() - start)
                 local = float(loss) if loss is not None else None
                 losses.append(0.0 if local is None else local)
-                tokens = batch_tokens(x) * shards
+                tokens = batch_tokens(x.get("input_ids") if isinstance(x, Kwargs) else x) * shards
                 advance(local, times[-1])
                 if log is not None:
                     log.write(step, local, times[-1], tokens)
-                done = step + 1
-                if t.checkpoint_dir is not None and (done == self.max_steps or (
-                        t.checkpoint_every is not None and done % t.checkpoint_every == 0)):
-                    self._save(done, prev, losses, model, opt, topo, shapes,
-                               {"scaler": scaler.as_tensor()} if scaler is not None else None)
+                if self._after_step(step + 1, local, model, opt, topo, prev, losses, shapes, scaler, log):
+                    state_bytes = state_bytes or _count_state(strat, model, opt)  # stopped early
+                    break
+        data.close()
         if log is not None:
             log.close()
         return losses, times, state_bytes
+
+    def _after_step(self, done: int, local: float | None, model: nn.Module, opt: torch.optim.Optimizer,
+                    topo: Topology, prev: list[float], losses: list[float], shapes: dict[str, list[int]],
+                    scaler: precision_mod.LossScaler | None, log: StepLog | None) -> bool:
+        """After ``done`` optimizer steps, on every training rank: ``on_step_end``, validation when due, the
+        agreement on a stop any callback asked for (with callbacks only: one flag all-reduce), then the periodic
+        checkpoint, or the final one of a run that stops here. Returns whether the run stops."""
+        t = self.trainer
+        call(t.callbacks, "on_step_end", self._info(done, topo, loss=local))
+        validated = self.validation is not None and self.validation.due(done, self.max_steps)
+        if validated:
+            self._validate_now(done, model, opt, topo, prev, losses, shapes, scaler, log)
+        stop = agree_stop(self.control, t.strategy, topo) if t.callbacks and done < self.max_steps else None
+        if stop is not None and self.validation is not None and not validated:
+            self._validate_now(done, model, opt, topo, prev, losses, shapes, scaler, log)  # the run's last step
+        if t.checkpoint_dir is not None and (done == self.max_steps or stop is not None or (
+                t.checkpoint_every is not None and done % t.checkpoint_every == 0)):
+            path = self._save(done, prev, losses, model, opt, topo, shapes, self._extra(scaler, done, stop))
+            call(t.callbacks, "on_checkpoint_saved",
+                 self._info(done, topo, path=path, kind="final" if stop is not None else "periodic"))
+        if stop is not None:
+            self.stop_reason = stop
+            if topo.rank == 0 and want_progress(t.progress):
+                print(f"shardwise: stopping after step {done}/{self.max_steps}: {stop}", file=sys.stderr, flush=True)
+        return stop is not None
+
+    def _info(self, done: int, topo: Topology, **kw: Any) -> CallbackInfo:
+        return CallbackInfo(done, self.max_steps, topo.rank, topo.world_size, history=list(self.history),
+                            control=self.control, **kw)
+
+    def _validate_now(self, done: int, model: nn.Module, opt: torch.optim.Optimizer, topo: Topology,
+                      prev: list[float], losses: list[float], shapes: dict[str, list[int]],
+                      scaler: precision_mod.LossScaler | None, log: StepLog | None) -> None:
+        """Evaluate (:func:`shardwise.evaluate.evaluate`), record and show the metrics, tell the callbacks, and
+        save ``<checkpoint_dir>/best`` when this validation is the best so far."""
+        t, val = self.trainer, self.validation
+        assert val is not None
+        metrics = evaluate(model, t.strategy, val, self.loss_fn, topo, StepRun(t.precision), seed=t.seed)
+        before = list(self.history)
+        self.history.append({"step": done, **metrics})
+        if log is not None:
+            log.write_validation(done - 1, metrics)  # the row of the step whose weights were evaluated
+        if topo.rank == 0 and want_progress(t.progress):
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+            print(f"shardwise: validation after step {done}/{self.max_steps}: {shown}", file=sys.stderr, flush=True)
+        call(t.callbacks, "on_validation_end", self._info(done, topo, metrics=dict(metrics)))
+        if val.best is not None and improved(metrics[val.best[0]], best_so_far(before, val.best), val.best[1]):
+            name, mode = val.best
+            run = {**self.info, "best": {"metric": name, "mode": mode, "value": metrics[name]}}
+            path = save_best(t.checkpoint_dir, lambda d: self._save(  # type: ignore[arg-type]
+                done, prev, losses, model, opt, topo, shapes, self._extra(scaler, done, None), directory=d, run=run),
+                topo)
+            call(t.callbacks, "on_checkpoint_saved", self._info(done, topo, path=path, kind="best"))
+
+    def _extra(self, scaler: precision_mod.LossScaler | None, done: int,
+               stop: str | None) -> dict[str, torch.Tensor] | None:
+        """Run state a checkpoint keeps beside the model: the fp16 scaler, the validation history, whether the
+        run stopped early (then a resume finds it complete)."""
+        extra = {"scaler": scaler.as_tensor()} if scaler is not None else {}
+        extra.update(history_tensors(self.history))
+        if stop is not None:
+            extra["stopped"] = torch.tensor([done], dtype=torch.int64)
+        return extra or None
 
 
 def _resume_line(path: str | None, done: int, max_steps: int) -> str:

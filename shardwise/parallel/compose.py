@@ -153,6 +153,12 @@ class Parallel(Strategy):
                              self._micro(micro_batches, topo), self.recorder,
                              lambda: run.forward_context(topo.device), run.loss_scale)
 
+    def eval_step(self, model: nn.Module, x: Any, y: Any, fn: LossFn, topo: Topology,
+                  run: StepRun = StepRun()) -> torch.Tensor | None:
+        from shardwise.parallel.pipeline_run import pipeline_eval
+
+        return pipeline_eval(model, x, y, fn, topo, lambda: run.forward_context(topo.device))  # type: ignore[arg-type]
+
     def _micro(self, micro_batches: Sequence[tuple[Any, Any]], topo: Topology) -> int | None:
         if self.microbatches is not None or len(micro_batches) > 1:
             return self.microbatches

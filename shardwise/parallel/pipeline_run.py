@@ -164,12 +164,39 @@ def resplit(micro_batches: Sequence[tuple[Any, Any]], m: int | None) -> list[tup
     if m is None:
         return list(micro_batches)
     xs, ys = [x for x, _ in micro_batches], [y for _, y in micro_batches]
-    x, y = (torch.cat(xs) if len(xs) > 1 else xs[0]), (torch.cat(ys) if len(ys) > 1 else ys[0])
+    x, y = (_cat(xs) if len(xs) > 1 else xs[0]), (_cat(ys) if len(ys) > 1 else ys[0])
     n = x.shape[0]
     if m < 1 or n % m:
         raise ValueError(f"pipeline: the local batch of {n} samples does not split into microbatches={m} "
                          f"equal micro-batches (the mean loss needs equal sizes); choose a divisor of {n}")
     return list(zip(iter_chunks(x, m), iter_chunks(y, m)))
+
+
+def _cat(parts: Sequence[Any]) -> Any:
+    """Micro-batches joined again along dim 0: tensors, or dicts (a dict batch's target) and tuples of them."""
+    first = parts[0]
+    if isinstance(first, dict):
+        return type(first)((k, _cat([p[k] for p in parts])) for k in first)
+    if isinstance(first, (tuple, list)):
+        if all(not isinstance(v, (torch.Tensor, dict, tuple, list)) for v in first):
+            return type(first)(v for p in parts for v in p)  # a list of plain values (strings)
+        return type(first)(_cat(list(vs)) for vs in zip(*parts))
+    return torch.cat(parts)
+
+
+def pipeline_eval(pm: PipelineModel, x: Any, y: Any, fn: LossFn, topo: Topology,
+                  forward_context: Callable[[], contextlib.AbstractContextManager[object]] | None = None
+                  ) -> torch.Tensor | None:
+    """One evaluation batch forward through every stage, no backward: ``fn(output, y)`` on the last stage, None
+    elsewhere. The batch goes as one micro-batch, chunk after chunk (:func:`~shardwise.parallel.schedules.
+    forward_only`); nothing is kept for a backward and tied weights are left alone."""
+    from shardwise.parallel.schedules import forward_only
+
+    runner = _Runner(pm, topo.comm("pp"), [(x, y)], fn, None, forward_context)
+    with torch.no_grad():
+        execute(forward_only(pm.stages, 1, pm.rank, len(pm.chunks)), runner, pm.rank)
+        runner.finish()
+    return runner.losses[0] if runner.losses else None
 
 
 def sync_ties(pm: PipelineModel, comm: Comm) -> None:

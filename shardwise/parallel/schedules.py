@@ -85,6 +85,13 @@ def interleaved_1f1b(stages: int, microbatches: int, stage: int, chunks: int = 2
     return acts + [Action("B", *which(k, False)) for k in range(total - warm, total)]
 
 
+def forward_only(stages: int, microbatches: int, stage: int, chunks: int = 1) -> list[Action]:
+    """Evaluation: forwards only, each micro-batch through this rank's chunks in order (no backward, so no
+    schedule to balance; a rank waits only for the forward before it, and sends keep receive order)."""
+    _check(stages, microbatches, stage, 1, "forward_only")
+    return [Action("F", i, c) for i in range(microbatches) for c in range(chunks)]
+
+
 def _check(stages: int, microbatches: int, stage: int, chunks: int, name: str) -> None:
     if stages < 1 or microbatches < 1:
         raise ValueError(f"{name}: stages ({stages}) and micro-batches ({microbatches}) must be >= 1")
@@ -276,4 +283,4 @@ def simulate(schedule: str | Schedule, stages: int, microbatches: int, chunks: i
 
 
 __all__ = ["Action", "Event", "Recorder", "SCHEDULES", "Runner", "bubble_fraction", "check_message_order", "execute",
-           "get_schedule", "gpipe", "gpipe_bubble", "interleaved_1f1b", "one_f_one_b", "peak_in_flight", "simulate"]
+           "forward_only", "get_schedule", "gpipe", "gpipe_bubble", "interleaved_1f1b", "one_f_one_b", "peak_in_flight", "simulate"]

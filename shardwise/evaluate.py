@@ -1,0 +1,212 @@
+"""Validation: the model evaluated on a held-out set under the run's own strategy, reduced to GLOBAL metrics.
+
+``fit(..., val_dataset=, val_every=, val_metrics=, val_batch_size=)`` evaluates
+every ``val_every`` optimizer steps and after the last step (or the step a run
+stops at). What is computed equals evaluating the same weights on one device:
+
+* the set is read once, in order, in global batches of ``val_batch_size``
+  (default: the training ``batch_size``; the last batch may be partial), each
+  data-parallel rank its positions ``r, r + N, ...`` of every batch
+  (:func:`shardwise.data.eval_batches`);
+* each batch runs forward only, in eval mode (dropout off, BatchNorm on its
+  running statistics), under ``torch.no_grad`` and the run's autocast, through
+  the strategy's :meth:`~shardwise.strategy.Strategy.eval_step` (a pipeline
+  runs the batch through its stages; ZeRO-3/FSDP gather and free their units);
+* ``val_loss`` is ``loss_fn(output, target)`` and each metric is
+  ``fn(output, target)``; both are the MEAN over the batch (one number per
+  batch, as a loss is), weighted by the batch's sample count, summed over
+  ranks (one all-reduce per validation, in float64) and divided by the
+  set's size. So a last partial batch counts by its size, and the result is
+  the exact mean over the samples, whatever the device count.
+
+Metric names are ``val_loss`` and the keys of ``val_metrics`` as given
+(``{"accuracy": fn}`` gives ``accuracy``). ``checkpoint_best="val_loss"`` or
+``("accuracy", "max")`` keeps the checkpoint of the best validation in
+``<checkpoint_dir>/best`` (:func:`save_best`).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.callbacks import improved
+from shardwise.data import DataSource, batch_len, eval_batches, to_device
+from shardwise.strategy import LossFn, StepRun, Strategy
+from shardwise.topology import Topology
+
+Metric = Callable[[Any, Any], Any]
+_RESERVED = ("val_loss", "step")
+
+
+@dataclass
+class Validation:
+    """How a run validates (checked by :func:`make_validation` before any process starts)."""
+
+    data: DataSource
+    batch_size: int
+    every: int | None = None
+    metrics: dict[str, Metric] = field(default_factory=dict)
+    best: tuple[str, str] | None = None  # (metric, "min" | "max") for checkpoint_best
+
+    @property
+    def names(self) -> list[str]:
+        return ["val_loss", *self.metrics]
+
+    def due(self, done: int, max_steps: int) -> bool:
+        """Whether to validate after ``done`` optimizer steps."""
+        return done == max_steps or (self.every is not None and done % self.every == 0)
+
+
+def make_validation(data: DataSource | None, every: int | None, metrics: Mapping[str, Metric] | None,
+                    batch_size: int | None, best: str | tuple[str, str] | None, train_batch: int,
+                    checkpoint_dir: str | None, strategy: Strategy) -> Validation | None:
+    """fit's validation arguments, checked; None when there is no validation set."""
+    from shardwise.strategy import HasServers
+
+    if data is None:
+        for name, v in (("val_every", every), ("val_metrics", metrics), ("val_batch_size", batch_size),
+                        ("checkpoint_best", best)):
+            if v is not None:
+                raise ValueError(f"{name} was given without val_dataset: pass the validation set as val_dataset=")
+        return None
+    if isinstance(strategy, HasServers):
+        raise ValueError(f"strategy {strategy.name!r} does not support validation (val_dataset): its weights live on "
+                         "the server ranks, which serve training steps only; evaluate result.state_dict after fit")
+    if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+        raise ValueError(f"val_every must be an integer >= 1 (or None: validate after the last step only), "
+                         f"got {every!r}")
+    size = train_batch if batch_size is None else batch_size
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"val_batch_size must be an integer >= 1, got {size!r}")
+    if metrics is not None and not isinstance(metrics, Mapping):
+        raise TypeError(f"val_metrics must be a dict {{name: fn(output, target)}}, got {type(metrics).__name__}")
+    metrics = dict(metrics or {})
+    for name, fn in metrics.items():
+        if not isinstance(name, str) or not name or name in _RESERVED:
+            raise ValueError(f"val_metrics name {name!r} is not allowed: use a non-empty string other than "
+                             f"{' and '.join(map(repr, _RESERVED))}")
+        if not callable(fn):
+            raise TypeError(f"val_metrics[{name!r}] must be a function fn(output, target) -> the batch's mean, "
+                            f"got {type(fn).__name__}")
+    val = Validation(data, size, every, metrics)
+    if best is not None:
+        if checkpoint_dir is None:
+            raise ValueError("checkpoint_best needs checkpoint_dir: the best checkpoint goes to <checkpoint_dir>/best")
+        name, mode = (best, "min") if isinstance(best, str) else tuple(best)
+        if name not in val.names:
+            raise ValueError(f"checkpoint_best names {name!r}, which validation does not compute; it computes "
+                             f"{', '.join(val.names)}")
+        if mode not in ("min", "max"):
+            raise ValueError(f"checkpoint_best mode must be 'min' or 'max', got {mode!r}")
+        val.best = (name, mode)
+    return val
+
+
+def check_validation(model: nn.Module, loss_fn: LossFn, val: Validation) -> None:
+    """Before any process starts: the validation set holds a sample, batches, and the loss and every metric take
+    the model's output (on the meta device, as the training data is checked)."""
+    from shardwise import preflight
+
+    preflight.check_source(val.data, 1, what="val_dataset")
+    batch = preflight.first_batch(val.data, min(64, val.batch_size), what="val_dataset")
+    preflight.check_loss(model, batch, loss_fn)
+    for name, fn in val.metrics.items():
+        preflight.check_metric(model, batch, fn, name)
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Every module in eval mode inside the block; each module's own mode restored after (a module kept in eval
+    mode on purpose, a frozen BatchNorm, stays so)."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def evaluate(model: nn.Module, strat: Strategy, val: Validation, loss_fn: LossFn, topo: Topology,
+             run: StepRun = StepRun(), seed: int = 0) -> dict[str, float]:
+    """One pass over the validation set on every rank; the global metrics, the same on every rank (module doc)."""
+    shards, shard = strat.data_parallel(topo)
+    fns = list(val.metrics.items())
+
+    def per_batch(out: Any, y: Any) -> torch.Tensor:
+        loss = loss_fn(out, y)
+        values = [_number("val_loss", loss)] + [_number(name, fn(out, y)) for name, fn in fns]
+        return torch.stack([v.to(values[0].device) for v in values]).float()
+
+    owner = strat.owns_loss(topo)
+    sums = torch.zeros(2 + len(fns), dtype=torch.float64, device=topo.device)  # samples, loss, metrics
+    with eval_mode(model):
+        for batch, real in eval_batches(val.data, val.batch_size, shards, shard, seed):
+            x, y = val.data.split(to_device(batch, topo.device))
+            got = strat.eval_step(model, x, y, per_batch, topo, run)
+            if got is not None and owner and real:
+                k = batch_len(y) or batch_len(x)
+                sums[0] += k
+                sums[1:] += k * got.detach().to(device=topo.device, dtype=torch.float64)
+    topo.comm("world").all_reduce(sums, name="metrics.validation")
+    n = float(sums[0])
+    return {name: float(s) / n for name, s in zip(val.names, sums[1:].tolist())}
+
+
+def _number(name: str, v: Any) -> torch.Tensor:
+    t = v.detach() if isinstance(v, torch.Tensor) else torch.tensor(float(v))
+    if t.numel() != 1:
+        raise ValueError(f"{'loss_fn' if name == 'val_loss' else f'val_metrics[{name!r}]'} must return one number "
+                         f"per batch (the mean over the batch), got a tensor of shape {list(t.shape)}")
+    return t.reshape(()).float()
+
+
+# ---- the best checkpoint and the history in checkpoints ----------------------------------------
+def best_so_far(history: list[dict[str, float]], best: tuple[str, str]) -> float | None:
+    name, mode = best
+    value: float | None = None
+    for h in history:
+        if name in h and improved(h[name], value, mode):  # (a resumed run's history may predate the metric)
+            value = h[name]
+    return value
+
+
+def save_best(directory: str, save: Callable[[str], str], topo: Topology) -> str:
+    """Save through ``save(best_directory)`` (the run's own checkpoint save, into ``<directory>/best``) and keep
+    only that checkpoint there (an older best, or one of an earlier run with a higher step, is removed)."""
+    where = os.path.join(directory, "best")
+    path = save(where)
+    if topo.rank == 0:
+        for entry in os.listdir(where):
+            if entry != os.path.basename(path):
+                shutil.rmtree(os.path.join(where, entry), ignore_errors=True)
+    return path
+
+
+def history_tensors(history: list[dict[str, float]]) -> dict[str, torch.Tensor]:
+    """The validation history as checkpoint run state: ``val.<name>`` -> rows (step, value)."""
+    out: dict[str, torch.Tensor] = {}
+    for name in dict.fromkeys(k for h in history for k in h if k != "step"):
+        rows = [[h["step"], h[name]] for h in history if name in h]
+        out[f"val.{name}"] = torch.tensor(rows, dtype=torch.float64)
+    return out
+
+
+def history_from(extra: Mapping[str, torch.Tensor]) -> list[dict[str, float]]:
+    """:func:`history_tensors` read back (one entry per step, in step order)."""
+    by_step: dict[int, dict[str, float]] = {}
+    for key, rows in extra.items():
+        if key.startswith("val."):
+            for step, value in rows.tolist():
+                by_step.setdefault(int(step), {"step": int(step)})[key[4:]] = value
+    return [by_step[s] for s in sorted(by_step)]
+
+
+__all__ = ["Validation", "check_validation", "eval_mode", "evaluate", "make_validation"]
