@@ -117,6 +117,12 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
         raise TypeError("optimizer_fn must be a factory that builds the optimizer from parameters (each rank builds "
                         "its own, over the parameters it holds), e.g. functools.partial(torch.optim.AdamW, lr=1e-3)")
     strat = resolve(strategy)
+    from shardwise.strategy import HasServers
+
+    if isinstance(strat, HasServers):
+        raise ValueError(f"strategy {strat.name!r} cannot run in a hand-written loop: its server ranks hold no "
+                         "model replica and run a serving loop of their own while the workers train; use "
+                         f"sw.Trainer({strat.name!r}, devices=N).fit(...)")
     device = init(accelerator)
     world = dist.get_world_size() if dist.is_initialized() else 1
     topo = Topology.create(device, **strat.sizes(world))

@@ -153,6 +153,12 @@ def test_prepare_dataloader_splits_each_global_batch_and_gather_sees_every_rank(
     assert got["mean"].tolist() == [0.5]
 
 
+def test_setup_refuses_a_parameter_server():
+    with pytest.raises(ValueError, match=r"^strategy 'ps' cannot run in a hand-written loop: its server ranks hold "
+                                         r"no model replica"):
+        sw.setup(torch.nn.Linear(2, 2), torch.optim.SGD, strategy="ps")
+
+
 def test_fp16_and_a_built_optimizer_are_refused():
     with pytest.raises(ValueError, match="^sw.setup supports precision='32' and 'bf16-mixed'; '16-mixed' needs"):
         sw.setup(torch.nn.Linear(2, 2), torch.optim.SGD, strategy="single", precision="16-mixed")
