@@ -40,6 +40,7 @@ _COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "act
            "F": "#8fbce6", "B": "#f2a65a"}
 BOX = "box"  # gid of each forward/backward box in a timeline, so tests can count them
 BAR = "throughput-bar"  # gid of each bar of throughput_bars
+BOX_LABEL = "box-label"  # gid of each box's "Fi"/"Bi" text in a timeline (hidden where the box is too narrow)
 
 
 def _plt() -> Any:
@@ -209,6 +210,7 @@ def timeline_figure(runs: Mapping[str, Sequence[Any]], title: str = "Pipeline sc
     span = max((e.end for ev in runs.values() for e in ev), default=1.0) - \
         min((e.start for ev in runs.values() for e in ev), default=0.0)
     ms = 1e3 if span < 10 else 1.0  # real clocks are seconds; show ms. Simulated clocks are units.
+    labelled: list[tuple[Any, Any]] = []  # (box, its "Fi"/"Bi" label)
     for ax, (name, events) in zip(axes[0], runs.items()):
         t0 = min(e.start for e in events)
         for e in events:
@@ -216,7 +218,8 @@ def timeline_figure(runs: Mapping[str, Sequence[Any]], title: str = "Pipeline sc
             bar = ax.barh(e.stage, width, left=left, height=0.7, color=_COLORS[e.kind], edgecolor="black",
                           linewidth=0.6)
             bar.patches[0].set_gid(BOX)
-            ax.text(left + width / 2, e.stage, f"{e.kind}{e.mb}", ha="center", va="center", fontsize=7)
+            labelled.append((bar.patches[0], ax.text(left + width / 2, e.stage, f"{e.kind}{e.mb}", ha="center",
+                                                     va="center", fontsize=7, gid=BOX_LABEL)))
         stages = sorted({e.stage for e in events})
         ax.set_yticks(stages, [f"stage {s}" for s in stages])
         if not ax.yaxis_inverted():  # stage 0 on top (axes are shared: invert once)
@@ -230,7 +233,18 @@ def timeline_figure(runs: Mapping[str, Sequence[Any]], title: str = "Pipeline sc
         ax.grid(axis="x", alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
+    _hide_labels_wider_than_their_box(fig, labelled)
     return fig
+
+
+def _hide_labels_wider_than_their_box(fig: Any, labelled: Sequence[tuple[Any, Any]]) -> None:
+    """A box too narrow for its label (a real step's short forwards) keeps its colour but loses the label, so
+    that labels never run into their neighbours' ("F1F2F3")."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for box, text in labelled:
+        if text.get_window_extent(renderer).width > box.get_window_extent(renderer).width:
+            text.set_visible(False)
 
 
 def _stages(runs: Mapping[str, Sequence[Any]]) -> int:
@@ -327,9 +341,9 @@ def samples_per_s(results: Mapping[str, tuple[Any, int, int]]) -> list[dict[str,
     return out
 
 
-__all__ = ["BAR", "count_boxes", "count_boxes_in", "distinct_colors", "throughput_bars", "measure_memory", "measure_throughput", "memory_figure", "memory_rows",
-           "record_pipeline", "samples_per_s", "save", "throughput_figure", "timeline_figure", "write_all",
-           "write_demo"]
+__all__ = ["BAR", "BOX", "BOX_LABEL", "count_boxes", "count_boxes_in", "distinct_colors", "measure_memory",
+           "measure_throughput", "memory_figure", "memory_rows", "record_pipeline", "samples_per_s", "save",
+           "throughput_bars", "throughput_figure", "timeline_figure", "write_all", "write_demo"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -338,10 +352,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from shardwise.parallel.schedules import simulate
 
-    ap = argparse.ArgumentParser(prog="python -m shardwise.plots")
-    ap.add_argument("dir")
-    ap.add_argument("--max-devices", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=6)
+    ap = argparse.ArgumentParser(prog="python -m shardwise.plots",
+                                 description="Measure and draw the PNGs of docs/pictures.md (throughput, memory, "
+                                             "recorded and simulated pipeline timelines), printing every number.")
+    ap.add_argument("dir", metavar="DIR", help="the folder to write the PNGs in")
+    ap.add_argument("--max-devices", type=int, default=4, metavar="N",
+                    help="throughput at 1, 2, 4, 8 devices up to N (default: 4)")
+    ap.add_argument("--steps", type=int, default=6, metavar="N", help="steps of each measured run (default: 6)")
     a = ap.parse_args(argv)
     devices = [n for n in (1, 2, 4, 8) if n <= a.max_devices]
     records = measure_throughput(["ddp", "zero1", "zero2", "zero3", "fsdp", "tp", "pp"], devices, "gpt", a.steps)

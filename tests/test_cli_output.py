@@ -103,3 +103,126 @@ def test_without_a_terminal_progress_is_plain_lines():
                        r"elapsed \d:\d\d:\d\d, ETA \d:\d\d:\d\d$", r.stderr, re.M)
     assert [int(s) for s, _ in lines] == list(range(2, 21, 2)), r.stderr
     assert "\x1b[" not in r.stderr  # no terminal control codes in a log
+
+
+def test_without_a_terminal_progress_false_prints_nothing():
+    quiet = FIT.replace('accelerator="cpu")', 'accelerator="cpu", progress=False)')
+    assert quiet != FIT
+    r = subprocess.run([sys.executable, "-c", quiet], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                       capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stderr
+    assert "shardwise: step" not in r.stderr and r.stdout == ""
+
+
+def test_run_without_a_script_is_an_error_on_stderr():
+    r = shardwise("run")
+    assert r.returncode == 2
+    assert r.stdout == "" and r.stderr == RUN_HELP
+
+
+def test_every_verb_says_what_it_does():
+    for path, p in parsers(build_parser()):
+        assert p.description, f"`{path} --help` opens with a description"
+
+
+# ---- the demo's pictures (issue 17, item 5) ------------------------------------------------------
+
+
+def demo_finished():
+    """What `shardwise demo` hands plots.write_demo: label -> (FitResult, devices, global batch), for every run of
+    the demo's table, with made-up numbers (no training)."""
+    from types import SimpleNamespace
+
+    from shardwise.demo import DEMO_RUNS
+
+    out = {}
+    for i, (label, _, n) in enumerate(DEMO_RUNS):
+        stats = [{"rank": r, "step_time_s": 1e-3 * (i + 1) * (1 + r / 10), "params_bytes": 1000 + i, "grads_bytes": 900,
+                  "optimizer_bytes": 1800, "activation_bytes": 300} for r in range(n)]
+        out[label] = (SimpleNamespace(stats=stats), n, 64)
+    return out
+
+
+def tick_labels_overlap(fig, axis: str) -> list[tuple[str, str]]:
+    """Neighbouring tick labels whose drawn boxes intersect, on the first axes of ``fig``."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    labels = [t for t in (ax.get_xticklabels() if axis == "x" else ax.get_yticklabels()) if t.get_text()]
+    boxes = [t.get_window_extent(renderer) for t in labels]
+    return [(a.get_text(), b.get_text()) for a, b, ba, bb in zip(labels, labels[1:], boxes, boxes[1:])
+            if ba.overlaps(bb)]
+
+
+def test_the_demo_throughput_is_a_bar_per_run_each_its_own_colour():
+    from shardwise import plots
+    from shardwise.demo import DEMO_RUNS
+
+    finished = demo_finished()
+    fig = plots.throughput_bars(plots.samples_per_s(finished), "demo")
+    ax = fig.axes[0]
+    bars = [p for p in ax.patches if p.get_gid() == plots.BAR]
+    assert len(bars) == len(DEMO_RUNS) == 12  # bars, not one-point lines
+    assert ax.get_lines() == []
+    assert len({tuple(round(c, 4) for c in b.get_facecolor()) for b in bars}) == len(DEMO_RUNS)
+    # each bar is the global batch over the slowest rank's median step time
+    assert [round(b.get_width(), 6) for b in bars] == \
+        [round(64 / max(s["step_time_s"] for s in res.stats), 6) for res, _, _ in finished.values()]
+    assert [t.get_text() for t in ax.get_yticklabels()] == [f"{lbl} ({n} dev.)" for lbl, _, n in DEMO_RUNS]
+    assert tick_labels_overlap(fig, "y") == []
+
+
+def test_the_demo_memory_labels_do_not_overlap():
+    from shardwise import plots
+
+    finished = demo_finished()
+    rows = plots.memory_rows({label: res for label, (res, _, _) in finished.items()})
+    assert len(rows) == sum(n for _, n, _ in finished.values())  # one bar per rank of every run
+    fig = plots.memory_figure(rows, "demo memory")
+    assert tick_labels_overlap(fig, "x") == []
+
+
+def test_the_timed_step_leaves_out_the_first(tmp_path):
+    # The demo's bars divide by FitResult.stats' step_time_s: the median of the steps after the first, which
+    # pays one-off costs (allocations, lazy initialisation), so a short run's time is not its start-up's.
+    import functools
+    import json
+    import statistics
+
+    import torch
+
+    import shardwise as sw
+    from shardwise.workloads import digits
+
+    work = digits()
+    path = tmp_path / "steps.jsonl"
+    res = sw.Trainer("single", accelerator="cpu", progress=False, metrics_path=str(path)).fit(
+        work.make_model(), work.train, work.loss_fn, functools.partial(torch.optim.AdamW, lr=1e-3), batch_size=64,
+        max_steps=6)
+    times = [json.loads(line)["step_time_s"] for line in path.read_text().splitlines()]
+    assert len(times) == 6
+    assert res.stats[0]["step_time_s"] == pytest.approx(statistics.median(times[1:]))
+
+
+def test_timeline_labels_fit_their_boxes():
+    # A real step's forwards can be a few pixels wide: their "Fi" labels ran into each other ("F1F2F3").
+    import dataclasses
+
+    from shardwise import plots
+    from shardwise.parallel.schedules import simulate
+
+    events = simulate("gpipe", 2, 4, t_f=1.0, t_b=2.0)
+    narrow = [dataclasses.replace(e, end=e.start + 0.02) if e.kind == "F" and e.mb > 0 else e for e in events]
+    fig = plots.timeline_figure({"gpipe": narrow, "1f1b": simulate("1f1b", 2, 4)}, "narrow boxes")
+    assert plots.count_boxes(fig) == 2 * 2 * 4 * 2  # every box drawn, labelled or not
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        texts = [t for t in ax.texts if t.get_gid() == plots.BOX_LABEL]
+        assert len(texts) == 2 * 4 * 2
+        shown = [t for t in texts if t.get_visible()]
+        boxes = [t.get_window_extent(renderer) for t in shown]
+        assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    hidden = {t.get_text() for t in fig.axes[0].texts if not t.get_visible()}
+    assert hidden == {"F1", "F2", "F3"}  # the narrow forwards of both stages; every 1F1B box keeps its label
+    assert all(t.get_visible() for t in fig.axes[1].texts)

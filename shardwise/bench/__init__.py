@@ -16,12 +16,15 @@ PAIR_NAMES = ("ddp", "zero1", "zero3", "fsdp", "pp", "tp", "fsdp-tp", "dp-vs-ddp
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pairs", default="ddp", help=f"comma-separated, from: {', '.join(PAIR_NAMES)} (or 'all')")
-    p.add_argument("--nproc", type=int, default=2, help="rank processes of each run (default: 2)")
-    p.add_argument("--reps", type=int, default=5, help="alternating repetitions per contender")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per repetition")
-    p.add_argument("--batch", type=int, default=64, help="global batch")
-    p.add_argument("--accelerator", default="cpu", help="cpu (gloo) or cuda (NCCL) (default: cpu)")
+    p.add_argument("--pairs", default="ddp", metavar="NAMES",
+                   help=f"comma-separated, from: {', '.join(PAIR_NAMES)} (or 'all'; default: ddp)")
+    p.add_argument("--nproc", type=int, default=2, metavar="N", help="rank processes of each run (default: 2)")
+    p.add_argument("--reps", type=int, default=5, metavar="N",
+                   help="alternating repetitions per contender (default: 5)")
+    p.add_argument("--steps", type=int, default=10, metavar="N", help="timed steps per repetition (default: 10)")
+    p.add_argument("--batch", type=int, default=64, metavar="N", help="global batch (default: 64)")
+    p.add_argument("--accelerator", default="cpu", choices=["cpu", "cuda"],
+                   help="cpu (gloo) or cuda (NCCL) (default: cpu)")
     p.add_argument("--plot", dest="plot_dir", default=None, metavar="DIR",
                    help="also save each comparison's PNG picture under DIR")
 
