@@ -8,12 +8,10 @@ from rich.console import Console
 from rich.table import Table
 
 from shardwise.console import make_console
-
 from shardwise.strategy import Strategy, available_strategies
 from shardwise.trainer import Trainer
 from shardwise.verify import accuracy, compare
 from shardwise.workloads import digits
-
 
 
 def _three_d() -> Strategy:
@@ -44,7 +42,7 @@ def main(steps: int = 60, devices: int = 2, rtol: float = 1e-4, console: Console
     table = Table(title=f"shardwise demo: 8x8 digits MLP, {steps} steps, global batch {work.batch_size}, AdamW")
     for col in ("strategy", "devices", "final loss", "test acc", "equal to single", "median step",
                 "peak RSS / rank", "sent / rank / step"):
-        table.add_column(col, justify="right" if col not in ("strategy",) else "left")
+        table.add_column(col, justify="right" if col not in ("strategy",) else "left", overflow="fold")
     ref = None
     ok = True
     valid = available_strategies()
@@ -69,7 +67,9 @@ def main(steps: int = 60, devices: int = 2, rtol: float = 1e-4, console: Console
                       f"{1e3 * max(s['step_time_s'] for s in res.stats):.2f} ms",
                       _mib(max(s["peak_rss_bytes"] for s in res.stats)),
                       f"{max(s['comm_bytes_per_step'] for s in res.stats) / 1024:.1f} KiB")
-        console.log(f"{name} on {n} device(s) done in {time.perf_counter() - t0:.1f} s")
+        # A plain line (console.log would pad it to the console's width and add demo.py:NN in a pipe).
+        console.print(f"{time.strftime('%H:%M:%S')} {name} on {n} device(s) done in {time.perf_counter() - t0:.1f} s",
+                      highlight=False)
         finished[name] = (res, n, work.batch_size)
     console.print(table)
     if plot_dir is not None:

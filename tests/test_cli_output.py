@@ -226,3 +226,12 @@ def test_timeline_labels_fit_their_boxes():
     hidden = {t.get_text() for t in fig.axes[0].texts if not t.get_visible()}
     assert hidden == {"F1", "F2", "F3"}  # the narrow forwards of both stages; every 1F1B box keeps its label
     assert all(t.get_visible() for t in fig.axes[1].texts)
+
+
+def test_a_narrow_console_wraps_the_plan_table_instead_of_cutting_it():
+    r = subprocess.run([sys.executable, "-m", "shardwise", "plan", "--params", "7e9", "--devices", "8"], cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": ROOT, "COLUMNS": "80"}, capture_output=True, text=True,
+                       timeout=100)
+    assert r.returncode == 0, r.stderr
+    assert "…" not in r.stdout
+    assert max(len(line) for line in r.stdout.splitlines() if line.startswith(("┃", "│"))) <= 80

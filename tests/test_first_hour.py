@@ -40,7 +40,7 @@ def test_the_model_passed_in_ends_trained(strategy, devices):
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
-SCRIPT = """import functools, torch
+SCRIPT = """import functools, sys, torch
 import shardwise as sw
 from shardwise.workloads import digits
 work = digits()
@@ -50,8 +50,10 @@ for strategy in ("ddp", "zero3"):  # two fits in one script: each joins a group 
     result = trainer.fit(model, work.train, work.loss_fn, functools.partial(torch.optim.AdamW, lr=1e-2),
                          batch_size=64, max_steps=3)
     same = all(torch.equal(v, result.state_dict[k]) for k, v in model.state_dict().items())
-    print(f"rank {torch.distributed.get_rank() if torch.distributed.is_initialized() else 'x'} {strategy} "
-          f"devices={trainer.devices} trained={same}", flush=True)
+    # One write per line: the two ranks share stdout, and print's text and newline are two writes unbuffered.
+    sys.stdout.write(f"rank {torch.distributed.get_rank() if torch.distributed.is_initialized() else 'x'} "
+                     f"{strategy} devices={trainer.devices} trained={same}\\n")
+    sys.stdout.flush()
 """
 
 

@@ -19,6 +19,7 @@ import json
 import os
 import threading
 import time
+import weakref
 from collections import defaultdict, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -82,6 +83,12 @@ def diag_store(store: Any) -> Any:
     return dist.PrefixStore(f"shardwise/diag/{attempt}/", store)
 
 
+def _stop_thread(stop: threading.Event, thread: threading.Thread | None) -> None:
+    stop.set()
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(timeout=10)
+
+
 class Diagnostics:
     """Per-process recorder of issued communication; see the module docstring."""
 
@@ -100,6 +107,11 @@ class Diagnostics:
             self._thread = threading.Thread(target=self._heartbeat, args=(heartbeat_s,), daemon=True,
                                             name="shardwise-diagnostics")
             self._thread.start()
+        # Stopped and joined at the latest when the interpreter exits: a daemon thread caught inside the store's
+        # C++ call while Python finalizes is ended by pthread_exit, whose unwinding through pybind11's GIL guard
+        # aborts the process ("terminate called without an active exception", exit -6). A topology nobody
+        # closes (sw.setup's, in a hand-written loop) used to hit that now and then at exit.
+        self._finalizer = weakref.finalize(self, _stop_thread, self._stop, self._thread)
 
     # ---- recording ----------------------------------------------------
     def begin(self, op: str, name: str, group: str, ranks: list[int], sizes: list[list[int]]) -> Record:
@@ -122,7 +134,7 @@ class Diagnostics:
         self._dirty = True
 
     def close(self) -> None:
-        self._stop.set()
+        self._finalizer()  # stop and join the heartbeat first: publish() below must not race it
         # The last position, now: a rank that fails before its first heartbeat (0.5 s) would
         # otherwise read "no record" in the job's diagnosis.
         try:

@@ -126,7 +126,9 @@ def print_table(ests: list[Estimate], best: Estimate | None, model: ModelSpec, c
                   header_style="bold")
     for col in ("#", "layout", "fits", f"memory {mem_unit}", "params", "grads", "optim.", "activ.", "buffers",
                 f"comm {comm_unit}/step", "step s", "MFU"):
-        table.add_column(col, justify="left" if col in ("layout", "fits") else "right")
+        # A terminal (or COLUMNS) narrower than the table wraps cells onto more lines ("fold") instead of
+        # cutting them to "…"; a pipe is wide enough (shardwise.console.make_console).
+        table.add_column(col, justify="left" if col in ("layout", "fits") else "right", overflow="fold")
     shown = ests if top <= 0 else ests[:top]
     for i, e in enumerate(shown, 1):
         table.add_row(str(i), e.layout.label, "yes" if e.fits else f"[red]no[/] ({_SHORT.get(e.largest_term, 'buf.')})",
