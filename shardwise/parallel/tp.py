@@ -207,8 +207,12 @@ class RowParallelLinear(_TPLinear):
         self.bias = mod.bias if getattr(mod, "bias", None) is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_parallel(self._mm(x, None), self.comm, "tp.g")
-        return y + self.bias if self.bias is not None else y
+        y = reduce_from_parallel(self._mm(x, None), self.comm, "tp.g", fresh=True)
+        if self.bias is None:
+            return y
+        # In place where no type promotion is involved (bf16 autocast output + fp32 bias promotes): g saved
+        # nothing and the sum is ours alone, so one activation less is allocated per layer.
+        return y.add_(self.bias) if y.dtype == self.bias.dtype else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -243,7 +247,7 @@ class VocabParallelEmbedding(nn.Module):
         local = (idx - self.start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight, self.padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_parallel(out, self.comm, "tp.g")
+        return reduce_from_parallel(out, self.comm, "tp.g", fresh=True)
 
 
 # ---- applying a plan -----------------------------------------------------------

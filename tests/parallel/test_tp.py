@@ -99,6 +99,19 @@ def _collectives(rank: int, device: torch.device) -> None:
     assert torch.equal(y, torch.full((2, 3), 3.0))
     y.backward(torch.full((2, 3), float(rank + 5)))
     assert torch.equal(x.grad, torch.full((2, 3), float(rank + 5)))
+    # g on a fresh intermediate: reduced in place (no copy), the same values and gradient.
+    x.grad = None
+    part = x * 2
+    y = reduce_from_parallel(part, comm, fresh=True)
+    assert y.data_ptr() == part.data_ptr() and torch.equal(y, torch.full((2, 3), 6.0))
+    y.backward(torch.full((2, 3), float(rank + 5)))
+    assert torch.equal(x.grad, torch.full((2, 3), 2.0 * (rank + 5)))
+    # ... but never a leaf that requires grad, nor a view: those are copied as before.
+    x.grad = None
+    for src in (x, (x * 1).t()):
+        y = reduce_from_parallel(src, comm, fresh=True)
+        assert y.data_ptr() != src.data_ptr() and torch.equal(y, torch.full(src.shape, 3.0))
+    assert torch.equal(x, torch.full((2, 3), float(rank + 1)))
     # gather along the last dim: concatenation in rank order; backward keeps own slice.
     x.grad = None
     y = gather_from_parallel(x, comm)
