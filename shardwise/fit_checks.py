@@ -1,0 +1,239 @@
+"""Everything :meth:`shardwise.Trainer.fit` checks before any process starts or blocks.
+
+Separate from the trainer so that the Trainer class keeps only its options
+and the launch (issue 11: no class over about 250 lines): each check takes
+the trainer whose options it reads. A run refused here fails in the caller,
+with the fix in the message, instead of deep inside a rank.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise import checkpoint, launch
+from shardwise.data import DataSource, Kwargs
+from shardwise.evaluate import Validation
+from shardwise.strategy import HasServers, LossFn, OptimizerFactory, Strategy
+
+if TYPE_CHECKING:
+    from shardwise.fit_job import SchedulerFactory
+    from shardwise.trainer import Trainer
+
+
+def validate(t: Trainer, model: nn.Module, dataset: Any, batch_size: int, max_steps: int,
+             optimizer: OptimizerFactory, loss_fn: LossFn,
+             lr_scheduler: SchedulerFactory | None = None) -> dict[str, Any]:
+    """Everything that can be checked before any process starts or blocks; returns the run's record
+    for checkpoints (:func:`shardwise.checkpoint.run_info`)."""
+    from shardwise import preflight
+
+    if max_steps < 1:
+        raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a factory that builds the optimizer from parameters (each rank builds "
+                        f"its own, over the parameters it holds), not a built {type(optimizer).__name__}; pass "
+                        f"e.g. functools.partial(torch.optim.{type(optimizer).__name__}, lr=...)")
+    preflight.check_source(dataset, batch_size)  # map-style or a stream, with at least one global batch
+    dp, k = t.strategy.batch_shards(t.devices), t.accumulate_grad_batches
+    if batch_size % (dp * k):
+        raise ValueError(
+            f"batch_size={batch_size} is not divisible by data-parallel size {dp} x "
+            f"accumulate_grad_batches {k} = {dp * k}; the global batch must split evenly "
+            f"(try batch_size={max(dp * k, batch_size // (dp * k) * dp * k)})")
+    t.strategy.check_model(model, t.devices, batch_size, t.accumulate_grad_batches)
+    check_batchnorm(t, model)
+    if isinstance(t.strategy, HasServers) and (t.precision == "16-mixed" or t.on_nonfinite == "skip"):
+        # Both make every training rank agree each step, in an all-reduce over the world
+        # that the server ranks, busy in their own loop, never join: the job would hang.
+        what = "precision='16-mixed'" if t.precision == "16-mixed" else "on_nonfinite='skip'"
+        raise ValueError(f"strategy {t.strategy.name!r} does not support {what}: the loss-scale overflow and "
+                         "skip decisions are agreed by every rank each step, and the server ranks take no part "
+                         "in training steps; use precision='bf16-mixed' (no loss scaling) or "
+                         "on_nonfinite='error' with it")
+    # One micro-batch of the real data (at most 64 samples: only shapes matter), then the model and loss on meta.
+    batch = preflight.first_batch(dataset, max(1, min(64, batch_size // (dp * k))))
+    preflight.check_loss(model, batch, loss_fn)
+    if t.sizes["tp"] > 1:  # the plan, applied to a meta copy, and the split forward, before any rank exists
+        from shardwise.parallel.tp_check import check_plan
+
+        check_plan(model, tp_plan(t.strategy), t.sizes["tp"], batch[0])
+    check_devices(t)
+    probe = optimizer([nn.Parameter(torch.zeros(1))])
+    if not isinstance(probe, torch.optim.Optimizer):
+        raise TypeError("optimizer must be a factory that returns a torch.optim.Optimizer when called with "
+                        "parameters, e.g. functools.partial(torch.optim.AdamW, lr=1e-3); got "
+                        f"{type(probe).__name__}")
+    t.strategy.check_optimizer(probe)
+    if lr_scheduler is not None:
+        check_scheduler(lr_scheduler, probe, t.strategy)
+    info = checkpoint.run_info(model, probe, batch_size, t.precision)
+    if t.checkpoint_dir is not None:
+        checkpoint.check_directory(t.checkpoint_dir)
+        if t.resume:
+            checkpoint.check_resume(t.checkpoint_dir, info, max_steps)
+    if t.memory_check != "off":
+        check_memory(t, model, probe, batch_size)
+    return info
+
+
+def check_batchnorm(t: Trainer, model: nn.Module) -> None:
+    """Say once what BatchNorm computes under this layout, or refuse sync_batchnorm where it cannot work."""
+    from shardwise.parallel.sync_bn import batchnorm_layers
+
+    layers = batchnorm_layers(model)
+    dp = t.strategy.sizes(t.devices)["dp"]
+    several = t.strategy.batch_shards(t.devices) > 1 and t.strategy.processes(t.devices) > 1
+    if t.sync_batchnorm and t.strategy.processes(t.devices) == 1 and t.devices > 1:
+        raise ValueError(f"sync_batchnorm is not supported by strategy {t.strategy.name!r}: one process "
+                         "drives every device, so there is no group to synchronise over; use 'ddp'")
+    if layers and several and dp > 1 and not t.sync_batchnorm:
+        shown = ", ".join(layers[:5]) + (f" and {len(layers) - 5} more" if len(layers) > 5 else "")
+        warnings.warn(f"the model has BatchNorm layers ({shown}): under {t.strategy.name!r} each of the "
+                      f"{dp} data-parallel ranks normalises with the statistics of its own part of the batch, so "
+                      "training differs from one device, and the running statistics are those of rank 0 "
+                      "(broadcast after every step). Trainer(sync_batchnorm=True) normalises with the whole "
+                      "batch's statistics, equal to single-device training", stacklevel=4)
+
+
+def check_memory(t: Trainer, model: nn.Module, probe: torch.optim.Optimizer, batch_size: int) -> None:
+    """Ask the planner whether exactly this run fits before anything starts.
+
+    The strategy describes its whole layout (sizes, zero stage, HSDP
+    replicas, offload, pipeline micro-batches); the run adds precision and
+    activation checkpointing. The planner lays the model states out rank by
+    rank on a meta copy of the model (exact, see :mod:`shardwise.plan.states`)
+    and adds activations and buffers for this batch. A run it cannot model
+    is said so in a warning, never silently waved through.
+    """
+    from shardwise.plan import NotModelled, plan_run
+
+    layout = t.strategy.describe(t.devices).with_run(t.precision, bool(t.activation_checkpointing))
+    memory = t.device_memory or device_memory(t.accelerator, t.strategy.processes(t.devices))
+    split = tp_plan(t.strategy)
+    try:
+        plan = plan_run(model, layout, memory, batch_size, probe,
+                        accumulate_grad_batches=t.accumulate_grad_batches,
+                        batch_shards=t.strategy.batch_shards(t.devices), tp_plan=split,
+                        split_points=getattr(t.strategy, "split_points", None))
+    except NotModelled as e:
+        warnings.warn(f"memory check skipped: the planner cannot model this run ({e}); "
+                      "Trainer(memory_check='off') silences this", stacklevel=3)
+        return
+    if not plan.fits:
+        text = f"the planner predicts this run will not fit in device memory: {plan.message()}"
+        if t.memory_check == "error":
+            raise MemoryError(text + " (Trainer(memory_check='warn') to try anyway)")
+        warnings.warn(text, stacklevel=3)
+        return
+    # A part the planner could not estimate must not pass as zero bytes without a word.
+    for note in plan.notes:
+        if note.startswith("activations and buffers not estimated"):
+            warnings.warn(f"memory check incomplete: {note}; only parameters, gradients and optimizer states "
+                          "were checked (Trainer(memory_check='off') silences this)", stacklevel=3)
+
+
+def check_devices(t: Trainer) -> None:
+    nprocs = t.strategy.processes(t.devices)
+    if t.accelerator == "cuda" and not torch.cuda.is_available():
+        raise ValueError("accelerator='cuda' but no CUDA device is available; use accelerator='cpu' "
+                         "(or 'auto', which picks CUDA only when present)")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", nprocs)) if launch.under_torchrun() else nprocs
+    cuda = t.accelerator == "cuda" or (t.accelerator == "auto" and torch.cuda.is_available())
+    if cuda and local > torch.cuda.device_count():
+        raise ValueError(f"devices={t.devices} needs {local} CUDA devices on this machine but only "
+                         f"{torch.cuda.device_count()} exist; lower devices or add machines (--nnodes)")
+    cores = os.cpu_count() or 1
+    bound = t.max_processes_per_core
+    if not cuda and bound is not None and local > bound * cores:
+        raise ValueError(f"devices={t.devices} would start {local} processes on {cores} CPU cores, more than "
+                         f"max_processes_per_core={bound} per core: each rank is a whole Python process with its "
+                         "own copy of the model, so this many would thrash or exhaust memory; lower devices, or "
+                         "pass Trainer(max_processes_per_core=None) to start them anyway")
+    if not cuda and local > cores:
+        warnings.warn(f"devices={t.devices} starts {local} processes on {cores} CPU cores: ranks will "
+                      "share cores, which is correct but slower than fewer ranks", stacklevel=3)
+
+
+def tp_plan(strategy: Strategy) -> Any:
+    # How the strategy will split this model: not part of RunLayout (they describe the model, not the run).
+    return getattr(strategy, "tp_plan", None) or getattr(strategy, "plan", None)
+
+
+def device_memory(accelerator: str, nprocs: int) -> int:
+    """Bytes one rank may use: its GPU's memory, or this machine's RAM shared by the ranks on this machine."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", nprocs)) if launch.under_torchrun() else nprocs
+    if accelerator in ("cuda", "auto") and torch.cuda.is_available():
+        index = int(os.environ.get("LOCAL_RANK", 0)) % max(1, torch.cuda.device_count())
+        return int(torch.cuda.get_device_properties(index).total_memory)
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        ram = 1 << 40  # unknown: do not block
+    return int(ram // max(1, local))
+
+
+def parse_inputs(inputs: Any) -> str | tuple[str, ...] | None:
+    """fit's ``inputs`` (dict samples): None, one key, or a list of keys."""
+    if inputs is None or isinstance(inputs, str):
+        return inputs
+    if isinstance(inputs, (list, tuple)) and inputs and all(isinstance(k, str) for k in inputs):
+        return tuple(inputs)
+    raise TypeError(f"inputs must be a key of the dict samples, a list of keys, or None, got {inputs!r}")
+
+
+def check_fit_options(trainer: Trainer, model: nn.Module, loss_fn: LossFn, data: DataSource, batch_size: int,
+                      val_dataset: Any, val_every: int | None, val_metrics: dict[str, Any] | None,
+                      val_batch_size: int | None, checkpoint_best: Any) -> Validation | None:
+    """fit's data, validation and callback options, checked before any process starts; the run's validation."""
+    from shardwise import preflight
+    from shardwise.callbacks import check_picklable
+    from shardwise.evaluate import check_validation, make_validation
+
+    strat = trainer.strategy
+    val_data = None if val_dataset is None else DataSource(val_dataset, data.loader, data.inputs)
+    val = make_validation(val_data, val_every, val_metrics, val_batch_size, checkpoint_best, batch_size,
+                          trainer.checkpoint_dir, strat)
+    if val is not None:
+        check_validation(model, loss_fn, val)
+    for cb in trainer.callbacks:
+        if hasattr(cb, "check"):
+            cb.check(val.names if val is not None else [])
+    x = preflight.first_batch(data, 1)[0]
+    if isinstance(x, Kwargs) and strat.name in ("pp", "parallel", "naive_mp"):
+        raise ValueError(f"strategy {strat.name!r} feeds the model's input through its layers as one tensor, but the "
+                         f"dict samples pass keyword inputs ({', '.join(x)}); pass inputs='<key>' (e.g. "
+                         "inputs='input_ids') to call the model with that tensor")
+    if strat.processes(trainer.devices) > 1 and not (dist.is_initialized() or launch.under_torchrun()):
+        # Spawned ranks receive these pickled: name the one that is not, with the fix, before anything starts.
+        check_picklable(trainer.callbacks)
+        named = {"collate_fn": data.loader.collate_fn, "val_dataset": val_dataset,
+                 **{f"val_metrics[{k!r}]": f for k, f in (val.metrics.items() if val is not None else [])},
+                 **{k: v for k, v in data.loader.extra.items() if callable(v)}}
+        for what, obj in named.items():
+            try:
+                pickle.dumps(obj)
+            except Exception as e:
+                raise TypeError(f"fit's {what} cannot be sent to the rank processes ({type(e).__name__}: {e}): each "
+                                "rank is a fresh process that receives it pickled, so define it at the top level of "
+                                "a module (a `def`, a class, or functools.partial of one), not a lambda or a local "
+                                "function; or launch with `shardwise run`") from None
+    return val
+
+
+def check_scheduler(factory: SchedulerFactory, probe: torch.optim.Optimizer, strategy: Strategy) -> None:
+    """Before any process starts: the factory builds a per-step schedule this strategy can drive (tried on
+    the probe optimizer the other checks use)."""
+    if isinstance(strategy, HasServers):
+        raise ValueError(f"strategy {strategy.name!r} does not support lr_scheduler: its optimizer runs on the "
+                         "server ranks, which take no part in the trainer's steps")
+    made = factory(probe)
+    if isinstance(made, torch.optim.lr_scheduler.ReduceLROnPlateau) or \
+            not isinstance(made, torch.optim.lr_scheduler.LRScheduler):
+        raise TypeError(f"lr_scheduler must build a torch.optim.lr_scheduler.LRScheduler stepped once per "
+                        f"optimizer step, got {type(made).__name__} (ReduceLROnPlateau needs a metric: not supported)")

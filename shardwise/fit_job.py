@@ -1,0 +1,290 @@
+"""One fit on one rank: a :class:`Job` is what every rank needs to train, pickled into spawned ranks.
+
+:meth:`Job.run` builds the topology, applies the strategy, resumes, runs the
+step loop (:func:`shardwise.fit_loop.train_loop`) or a server's part, and
+gathers the result and every rank's stats; after each step
+:meth:`Job.after_step` runs callbacks, validation and checkpoints.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise import checkpoint
+from shardwise import precision as precision_mod
+from shardwise.callbacks import CallbackInfo, Control, agree_stop, call, improved
+from shardwise.evaluate import Validation, best_so_far, evaluate, history_from, history_tensors, save_best
+from shardwise.fit_loop import count_state, global_losses, train_loop
+from shardwise.progress import StepLog, want_progress
+from shardwise.stats import cuda_peak_bytes, peak_rss_bytes, reset_cuda_peak, reset_peak_rss
+from shardwise.strategy import HasServers, LossFn, OptimizerFactory, StepRun
+from shardwise.topology import Topology
+
+if TYPE_CHECKING:
+    from shardwise.trainer import Trainer
+
+# Builds the run's learning-rate schedule from its optimizer, e.g. partial(lr_scheduler.OneCycleLR, ...).
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+
+
+@dataclass
+class FitResult:
+    """What :meth:`Trainer.fit` returns (the public contract in DESIGN.md)."""
+
+    losses: list[float]
+    state_dict: dict[str, torch.Tensor]
+    stats: list[dict[str, Any]] = field(default_factory=list)
+    # One entry per validation: {"step": optimizer steps done, "val_loss": ..., <each val_metrics name>: ...}.
+    val_metrics: list[dict[str, float]] = field(default_factory=list)
+
+
+def spawned_fit(rank: int, device: torch.device, job: bytes, path: str) -> None:
+    reset_peak_rss()  # peak_rss_bytes is this run's, also on a process that ran jobs before (WorkerPool)
+    result = pickle.loads(job).run(device)
+    if rank == 0:
+        torch.save({f.name: getattr(result, f.name) for f in fields(result)}, path)
+
+
+def pickled(job: Job) -> bytes:
+    """The job for the rank processes, in plain pickle (not multiprocessing's: torch's multiprocessing
+    pickler would move the parameters into shared memory, and every rank would then step the same storage).
+    What cannot be pickled is named, with the fix, instead of a bare PicklingError."""
+    try:
+        return pickle.dumps(job)
+    except Exception as e:  # PicklingError, AttributeError ("Can't pickle local object"), TypeError
+        for what in ("loss_fn", "optimizer_fn", "lr_scheduler", "model", "dataset"):
+            try:
+                pickle.dumps(getattr(job, what))
+            except Exception:
+                arg = {"optimizer_fn": "optimizer"}.get(what, what)
+                raise TypeError(f"fit's {arg} cannot be sent to the rank processes ({type(e).__name__}: {e}): "
+                                "each rank is a fresh process that receives it pickled, so it must be defined at "
+                                "the top level of a module (a `def`, a class, or functools.partial of one), not a "
+                                "lambda or a function defined inside another; or launch with `shardwise run`, "
+                                "where every rank builds it itself") from None
+        raise
+
+
+@dataclass
+class Job:
+    """Everything one rank needs to train; pickled into spawned workers."""
+
+    trainer: Trainer
+    model: nn.Module
+    dataset: Any
+    loss_fn: LossFn
+    optimizer_fn: OptimizerFactory
+    batch_size: int
+    max_steps: int
+    info: dict[str, Any]  # what checkpoints record about the run (checkpoint.run_info)
+    lr_scheduler: SchedulerFactory | None = None
+    validation: Validation | None = None
+
+    def run(self, device: torch.device) -> FitResult:
+        t = self.trainer
+        topo = Topology.create(device, timeout=t.timeout, debug=t.debug, **t.sizes)
+        try:
+            return self._run(topo)
+        finally:
+            topo.close()
+
+    def _run(self, topo: Topology) -> FitResult:
+        t, strat = self.trainer, self.trainer.strategy
+        torch.manual_seed(t.seed)
+        reset_cuda_peak(topo.device)  # cuda_peak_*_bytes are this run's (a no-op on CPU)
+        shapes = checkpoint.model_shapes(self.model)
+        self.aliases = checkpoint.tied_aliases(self.model)
+        if t.activation_checkpointing:
+            from shardwise.parallel.checkpointing import apply_activation_checkpointing
+
+            classes = None if t.activation_checkpointing is True else t.activation_checkpointing
+            apply_activation_checkpointing(self.model, classes)  # type: ignore[arg-type]
+        if t.sync_batchnorm and topo.size("dp") > 1:
+            from shardwise.parallel.sync_bn import convert_sync_batchnorm
+
+            convert_sync_batchnorm(self.model, topo.comm("dp"))
+        model, opt = strat.setup(self.model, self.optimizer_fn, topo)
+        prev: list[float] = []
+        extra: dict[str, torch.Tensor] = {}
+        self.control, self.stop_reason = Control(), None
+        if t.checkpoint_dir is not None and t.resume:
+            path = checkpoint.resume_point(t.checkpoint_dir, topo)
+            if path is not None:
+                restored = checkpoint.load(path, strat, model, opt, topo, shapes)
+                prev, extra = restored.losses[:self.max_steps], restored.extra
+            if "stopped" in extra:  # a run that stopped early is complete: rerunning it returns its result
+                self.stop_reason = f"stopped early at step {len(prev)} (by a callback; the checkpoint's run)"
+            if topo.rank == 0:  # resuming is the default: say what it does, also when there is nothing to do
+                line = resume_line(path, len(prev), self.max_steps) if self.stop_reason is None else \
+                    f"shardwise: already complete: {path} {self.stop_reason.partition(' (')[0]}, 0 steps to run"
+                print(line, file=sys.stderr, flush=True)
+        self.history = history_from(extra)  # validations of the run so far (a resumed run's included)
+        sent_after_setup = topo.stats.sent
+        received_after_setup = topo.stats.received
+        server = isinstance(strat, HasServers) and strat.is_server(topo)
+        if server:
+            times = self._serve(model, opt, topo, prev, shapes)
+            losses = [0.0] * (self.max_steps - len(prev))  # a server owns no loss: zeros in the all-reduce
+            state_bytes = count_state(strat, model, opt)
+        else:
+            losses, times, state_bytes = train_loop(self, model, opt, topo, prev, shapes, extra)
+        steps_run = max(1, len(losses))
+        train_sent = topo.stats.sent - sent_after_setup
+        train_received = topo.stats.received - received_after_setup
+        all_losses = prev + global_losses(losses, strat, topo)
+        state_dict = strat.full_state_dict(model, topo)
+        mine = {
+            "rank": topo.rank,
+            "peak_rss_bytes": peak_rss_bytes(),
+            **cuda_peak_bytes(topo.device),  # cuda_peak_allocated_bytes, cuda_peak_reserved_bytes (CUDA only)
+            "model_state_bytes": sum(state_bytes.values()),
+            **{f"{k}_bytes": v for k, v in state_bytes.items()},
+            "comm_bytes": topo.stats.sent,
+            "comm_bytes_per_step": train_sent / steps_run,
+            "comm_received_bytes_per_step": train_received / steps_run,
+            "comm_by_name": dict(topo.stats.by_name),
+            "comm_by_group": dict(topo.stats.by_group),
+            # The first step pays one-off costs (allocations, lazy initialisation): left out when there are more.
+            "step_time_s": statistics.median(times[1:] if len(times) > 1 else times) if times else 0.0,
+            "activation_bytes": getattr(self, "activation_bytes", 0),
+            # The sum of every buffer this rank holds (running statistics...): equal on replicas.
+            "buffers_sum": float(sum(float(b.double().sum()) for b in model.buffers()
+                                     if b.is_floating_point() and b.device.type != "meta")),  # (ps servers: meta)
+            **(strat.rank_stats(model, topo) if isinstance(strat, HasServers) else {}),
+        }
+        stats = topo.comm("world").all_gather_object(mine, name="stats")
+        result = FitResult(losses=all_losses, state_dict=state_dict, stats=stats, val_metrics=list(self.history))
+        call(t.callbacks, "on_fit_end", CallbackInfo(len(all_losses), self.max_steps, topo.rank, topo.world_size,
+                                                     history=list(self.history), losses=list(all_losses),
+                                                     stop_reason=self.stop_reason, control=self.control))
+        return result
+
+    def _serve(self, model: nn.Module, opt: torch.optim.Optimizer, topo: Topology, prev: list[float],
+               shapes: dict[str, list[int]]) -> list[float]:
+        """A server rank's part from step ``len(prev)`` (a resumed run starts at its checkpoint's step).
+
+        It serves up to each step at which the workers save (every
+        ``checkpoint_every`` steps and after the last), then saves with them:
+        the same :func:`checkpoint.save` call and, before it, the same loss
+        all-reduce, to which a server contributes zeros. Returns the per-step times.
+        """
+        t, strat = self.trainer, self.trainer.strategy
+        times: list[float] = []
+        done = len(prev)
+        while done < self.max_steps:
+            stop = self.max_steps
+            if t.checkpoint_dir is not None and t.checkpoint_every is not None:
+                stop = min(stop, (done // t.checkpoint_every + 1) * t.checkpoint_every)
+            times += strat.serve(model, opt, topo, stop - done)  # type: ignore[attr-defined]
+            done = stop
+            if t.checkpoint_dir is not None:
+                self._save(done, prev, [0.0] * (done - len(prev)), model, opt, topo, shapes, None)
+        return times
+
+    def _save(self, done: int, prev: list[float], losses: list[float], model: nn.Module, opt: torch.optim.Optimizer,
+              topo: Topology, shapes: dict[str, list[int]], extra: dict[str, torch.Tensor] | None,
+              directory: str | None = None, run: dict[str, Any] | None = None) -> str:
+        """Checkpoint after ``done`` steps, on every rank: this run's ``losses`` made global (an all-reduce in
+        which servers add zeros) follow the restored ``prev``. ``directory`` (the best checkpoint's) and ``run``
+        replace the checkpoint directory and the run record; returns the checkpoint's path."""
+        t = self.trainer
+        so_far = prev + global_losses(losses, t.strategy, topo)
+        return checkpoint.save(directory or t.checkpoint_dir, done, so_far, t.strategy, model, opt,  # type: ignore
+                               topo, shapes, keep=t.checkpoint_keep if directory is None else None,
+                               aliases=self.aliases, run=run or self.info, extra=extra)
+
+    def after_step(self, done: int, local: float | None, model: nn.Module, opt: torch.optim.Optimizer,
+                   topo: Topology, prev: list[float], losses: list[float], shapes: dict[str, list[int]],
+                   scaler: precision_mod.LossScaler | None, log: StepLog | None) -> bool:
+        """After ``done`` optimizer steps, on every training rank: ``on_step_end``, validation when due, the
+        agreement on a stop any callback asked for (with callbacks only: one flag all-reduce), then the periodic
+        checkpoint, or the final one of a run that stops here. Returns whether the run stops."""
+        t = self.trainer
+        call(t.callbacks, "on_step_end", self._info(done, topo, loss=local))
+        validated = self.validation is not None and self.validation.due(done, self.max_steps)
+        if validated:
+            self._validate_now(done, model, opt, topo, prev, losses, shapes, scaler, log)
+        stop = agree_stop(self.control, t.strategy, topo) if t.callbacks and done < self.max_steps else None
+        if stop is not None and self.validation is not None and not validated:
+            self._validate_now(done, model, opt, topo, prev, losses, shapes, scaler, log)  # the run's last step
+        if t.checkpoint_dir is not None and (done == self.max_steps or stop is not None or (
+                t.checkpoint_every is not None and done % t.checkpoint_every == 0)):
+            path = self._save(done, prev, losses, model, opt, topo, shapes, self._extra(scaler, done, stop))
+            call(t.callbacks, "on_checkpoint_saved",
+                 self._info(done, topo, path=path, kind="final" if stop is not None else "periodic"))
+        if stop is not None:
+            self.stop_reason = stop
+            if topo.rank == 0 and want_progress(t.progress):
+                print(f"shardwise: stopping after step {done}/{self.max_steps}: {stop}", file=sys.stderr, flush=True)
+        return stop is not None
+
+    def _info(self, done: int, topo: Topology, **kw: Any) -> CallbackInfo:
+        return CallbackInfo(done, self.max_steps, topo.rank, topo.world_size, history=list(self.history),
+                            control=self.control, **kw)
+
+    def _validate_now(self, done: int, model: nn.Module, opt: torch.optim.Optimizer, topo: Topology,
+                      prev: list[float], losses: list[float], shapes: dict[str, list[int]],
+                      scaler: precision_mod.LossScaler | None, log: StepLog | None) -> None:
+        """Evaluate (:func:`shardwise.evaluate.evaluate`), record and show the metrics, tell the callbacks, and
+        save ``<checkpoint_dir>/best`` when this validation is the best so far."""
+        t, val = self.trainer, self.validation
+        assert val is not None
+        metrics = evaluate(model, t.strategy, val, self.loss_fn, topo, StepRun(t.precision), seed=t.seed)
+        before = list(self.history)
+        self.history.append({"step": done, **metrics})
+        if log is not None:
+            log.write_validation(done - 1, metrics)  # the row of the step whose weights were evaluated
+        if topo.rank == 0 and want_progress(t.progress):
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+            print(f"shardwise: validation after step {done}/{self.max_steps}: {shown}", file=sys.stderr, flush=True)
+        call(t.callbacks, "on_validation_end", self._info(done, topo, metrics=dict(metrics)))
+        if val.best is not None and improved(metrics[val.best[0]], best_so_far(before, val.best), val.best[1]):
+            name, mode = val.best
+            run = {**self.info, "best": {"metric": name, "mode": mode, "value": metrics[name]}}
+            path = save_best(t.checkpoint_dir, lambda d: self._save(  # type: ignore[arg-type]
+                done, prev, losses, model, opt, topo, shapes, self._extra(scaler, done, None), directory=d, run=run),
+                topo)
+            call(t.callbacks, "on_checkpoint_saved", self._info(done, topo, path=path, kind="best"))
+
+    def _extra(self, scaler: precision_mod.LossScaler | None, done: int,
+               stop: str | None) -> dict[str, torch.Tensor] | None:
+        """Run state a checkpoint keeps beside the model: the fp16 scaler, the validation history, whether the
+        run stopped early (then a resume finds it complete)."""
+        extra = {"scaler": scaler.as_tensor()} if scaler is not None else {}
+        extra.update(history_tensors(self.history))
+        if stop is not None:
+            extra["stopped"] = torch.tensor([done], dtype=torch.int64)
+        return extra or None
+
+
+def resume_line(path: str | None, done: int, max_steps: int) -> str:
+    if path is None:
+        return f"shardwise: no checkpoint to resume from: training steps 0 to {max_steps}"
+    if done >= max_steps:
+        return f"shardwise: already complete: {path} is at step {done} of max_steps={max_steps}, 0 steps to run"
+    return f"shardwise: resuming from step {done} of {path}: {max_steps - done} steps to run"
+
+
+def leave_after_error(e: BaseException) -> None:
+    """A rank failed under torchrun: say so in one line first, and leave the group without a barrier.
+
+    The peers may never reach a barrier (they wait in a collective for this
+    rank), so a barrier here would hold the job until the collective timeout;
+    leaving at once lets this process exit and the launcher stop the others
+    within seconds. The one line (rank and error) comes before the traceback
+    and before the peers' lost-connection errors, so the cause reads first.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+    first = (str(e).splitlines() or [""])[0]
+    print(f"shardwise: rank {rank} failed: {type(e).__name__}: {first}", file=sys.stderr, flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()

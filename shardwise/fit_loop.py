@@ -1,0 +1,167 @@
+"""The step loop of a training rank: data, forward and backward, clipping, the optimizer step.
+
+:func:`train_loop` is :class:`shardwise.fit_job.Job`'s loop, kept in a module
+of its own with the per-step helpers it calls (loss scaling, the non-finite
+check, the schedule, the state count and the global losses), so that each
+piece of the fit stays small enough to read in one sitting.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from shardwise import precision as precision_mod
+from shardwise.data import Kwargs, as_source, leaves
+from shardwise.progress import StepLog, batch_tokens, progress_bar, total_numel, want_progress
+from shardwise.stats import unique_bytes
+from shardwise.strategy import StepRun, Strategy, iter_chunks
+from shardwise.topology import Topology
+
+if TYPE_CHECKING:
+    from shardwise.fit_job import Job, SchedulerFactory
+
+
+def train_loop(job: Job, model: nn.Module, opt: torch.optim.Optimizer, topo: Topology, prev: list[float],
+               shapes: dict[str, list[int]], restored: dict[str, torch.Tensor]
+               ) -> tuple[list[float], list[float], dict[str, int]]:
+    """The step loop of a training rank from step ``len(prev)``: data, forward/backward, clip, step; after
+    each step :meth:`Job.after_step` (callbacks, validation, checkpoints) may end it early."""
+    t, strat, device = job.trainer, job.trainer.strategy, topo.device
+    shards, shard = strat.data_parallel(topo)
+    source = as_source(job.dataset)
+    end = len(prev) if job.stop_reason is not None else job.max_steps  # a stopped run stays stopped
+    data = source.train_batches(job.batch_size, shards, shard, seed=t.seed, start=len(prev), stop=end)
+    k = t.accumulate_grad_batches
+    rank0 = topo.rank == 0
+    losses: list[float] = []  # floats, not tensors: a long run must not accumulate tensor objects
+    times: list[float] = []
+    state_bytes: dict[str, int] = {}
+    log = StepLog(t.metrics_path, t.tensorboard_dir, t.peak_flops, total_numel(shapes), topo.world_size,
+                  start=len(prev)) \
+        if rank0 and (t.metrics_path or t.tensorboard_dir) else None
+    scaler = precision_mod.LossScaler() if t.precision == "16-mixed" else None
+    bn_buffers = unsynced_batchnorm_buffers(model) if topo.size("dp") > 1 else []
+    sched = scheduler(job.lr_scheduler, opt, len(prev)) if job.lr_scheduler is not None else None
+    if scaler is not None and "scaler" in restored:
+        scaler.load_tensor(restored["scaler"])  # the scale and clean-step count the checkpoint's run had
+    with progress_bar(rank0 and want_progress(t.progress), job.max_steps) as advance:
+        advance.skip(len(prev))  # type: ignore[attr-defined]
+        for step in range(len(prev), end):
+            if topo.diag is not None:
+                topo.diag.step = step
+            start = time.perf_counter()
+            x, y = source.split(data.batch(step, device))
+            micro = list(zip(iter_chunks(x, k), iter_chunks(y, k)))
+            run = StepRun(t.precision, scaler.scale if scaler is not None else 1.0)
+            if step == len(prev):
+                # Once, on the first step: the peak bytes autograd holds for backward
+                # (activations; parameters and the batch excluded), FitResult.stats["activation_bytes"].
+                from shardwise.parallel.checkpointing import track_saved_activations
+
+                with track_saved_activations(model.parameters(), leaves(x) + leaves(y)) as saved:
+                    loss = strat.train_step(model, micro, job.loss_fn, topo, run)
+                job.activation_bytes = saved.peak
+            else:
+                loss = strat.train_step(model, micro, job.loss_fn, topo, run)
+            # Both checks agree across ranks, so every rank skips the same steps.
+            skip = (scaler is not None and overflow(scaler, opt, topo)) or \
+                not finite(loss, step, t.on_nonfinite, topo)
+            if not skip:
+                if t.gradient_clip_val is not None:
+                    strat.clip_grad_norm(model, t.gradient_clip_val, topo)
+                opt.step()
+                if step == job.max_steps - 1:
+                    # Counted at the high point of a step: gradients and optimizer states both live.
+                    state_bytes = count_state(strat, model, opt)
+            opt.zero_grad(set_to_none=True)
+            for b in bn_buffers:  # rank 0's running statistics are every replica's, as torch DDP's
+                topo.comm("dp").broadcast(b, src=0, name="batchnorm.buffers")
+            if sched is not None:
+                step_schedule(sched, 1)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+            local = float(loss) if loss is not None else None
+            losses.append(0.0 if local is None else local)
+            tokens = batch_tokens(x.get("input_ids") if isinstance(x, Kwargs) else x) * shards
+            advance(local, times[-1])
+            if log is not None:
+                log.write(step, local, times[-1], tokens)
+            if job.after_step(step + 1, local, model, opt, topo, prev, losses, shapes, scaler, log):
+                state_bytes = state_bytes or count_state(strat, model, opt)  # stopped early
+                break
+    data.close()
+    if log is not None:
+        log.close()
+    return losses, times, state_bytes
+
+
+def unsynced_batchnorm_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """The running statistics of BatchNorm layers that normalise with their own rank's batch."""
+    return [b for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) for b in m.buffers()]
+
+
+def scheduler(factory: SchedulerFactory, opt: torch.optim.Optimizer, done: int) -> Any:
+    """The run's schedule, advanced by the ``done`` steps a resumed run already took (a schedule is a function
+    of the step count, so replaying the count restores it exactly, under any layout)."""
+    sched = factory(opt)
+    step_schedule(sched, done)
+    return sched
+
+
+def step_schedule(sched: Any, steps: int) -> None:
+    """``steps`` steps of the schedule. torch warns when the first one comes before an optimizer step;
+    here that is meant (a replay on resume, or a step skipped for an fp16 overflow is a step all the same)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)`")
+        for _ in range(steps):
+            sched.step()
+
+
+def overflow(scaler: precision_mod.LossScaler, opt: torch.optim.Optimizer, topo: Topology) -> bool:
+    """Unscale fp16 gradients; every rank learns whether any rank overflowed (one flag all-reduce)."""
+    flag = torch.tensor([1.0 if scaler.unscale(opt) else 0.0], device=topo.device)
+    topo.comm("world").all_reduce(flag, name="metrics.overflow")
+    found = float(flag) > 0
+    scaler.update(found)
+    return found
+
+
+def finite(loss: torch.Tensor | None, step: int, mode: str, topo: Topology) -> bool:
+    """Whether to take this step; raises in ``"error"`` mode on a non-finite local loss.
+
+    In ``"skip"`` mode every rank must agree (a rank that steps alone would
+    desynchronise the replicas), hence one all-reduce of a flag.
+    """
+    bad = loss is not None and not bool(torch.isfinite(loss.detach()).all())
+    if mode == "error":
+        if bad:
+            raise FloatingPointError(f"non-finite loss {float(loss):g} at step {step} on rank {topo.rank}; "
+                                     "pass Trainer(on_nonfinite='skip') to skip such steps instead")
+        return True
+    flag = torch.tensor([1.0 if bad else 0.0], device=topo.device)
+    topo.comm("world").all_reduce(flag, name="metrics.nonfinite")
+    return float(flag) == 0.0
+
+
+def count_state(strat: Strategy, model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
+    return {kind: unique_bytes(ts) for kind, ts in strat.state_tensors(model, opt).items()}
+
+
+def global_losses(losses: list[float], strat: Strategy, topo: Topology) -> list[float]:
+    """Mean over data-parallel replicas of each step's loss, known on every rank.
+
+    One all-reduce over the world at the end (not one per step): ranks that do
+    not own a loss (non-last pipeline stages, tp ranks > 0) contribute zero.
+    """
+    if not losses:
+        return []
+    t = torch.tensor(losses, dtype=torch.float64, device=topo.device)
+    shards, _ = strat.data_parallel(topo)
+    t = t / shards if strat.owns_loss(topo) else torch.zeros_like(t)  # server ranks own no loss
+    topo.comm("world").all_reduce(t, name="metrics.losses")
+    return [float(v) for v in t.cpu()]
