@@ -27,7 +27,11 @@ from shardwise.workloads import CharText, digits, stdlib_text
 
 pytestmark = pytest.mark.timeout(300)
 
-ADAMW = functools.partial(torch.optim.AdamW, lr=3e-3)
+# lr 1e-3, as most equivalence tests: the digits MLP has hidden units that die in the first steps, and Adam
+# moves their near-zero-gradient weights by about lr whatever the gradient's size, so a weight's difference from
+# the single-device run grows with lr. At 3e-3 every 4-rank layout (zero3, hsdp, and ddp on some CPUs) came
+# within 0.9-1.35x of the tolerance on one weight; at 1e-3 every layout here is at 0.27x of it.
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 STEPS = 4
 
 
