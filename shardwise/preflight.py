@@ -89,21 +89,32 @@ def first_batch(dataset: Any, count: int, what: str = "dataset") -> Any:
     return src.split(batch)
 
 
+_NO_VERDICT = object()  # the meta device could not run the model or the function: nothing to say
+
+
+def _call_on_meta(model: nn.Module, batch: Any, fn: Any, who: str, call: str, advice: str = "") -> Any:
+    """``fn(model(x), y)`` on the meta device, or ``_NO_VERDICT``; a ``fn`` that cannot take the model's output
+    (a type, attribute, index or key error) is refused, naming ``who`` and what the model returns."""
+    out = _meta_forward(model, batch[0])
+    if out is None:
+        return _NO_VERDICT
+    try:
+        with torch.no_grad():
+            return fn(out, _to_meta(batch[1]))
+    except (TypeError, AttributeError, IndexError, KeyError) as e:
+        raise TypeError(f"{who} cannot take the model's output: the model returns {_describe(out)}, and {call} "
+                        f"raised {type(e).__name__}: {e}{advice}" + _dict_hint(batch)) from None
+    except Exception:  # noqa: BLE001 - another meta limitation (.item() on meta, ...): no verdict
+        return _NO_VERDICT
+
+
 def check_loss(model: nn.Module, batch: Any, loss_fn: Any) -> None:
     """Run ``loss_fn(model(x), y)`` on the meta device; refuse a loss that is not a scalar or cannot take the
     model's output."""
-    out = _meta_forward(model, batch[0])
-    if out is None:
-        return
-    try:
-        with torch.no_grad():
-            loss = loss_fn(out, _to_meta(batch[1]))
-    except (TypeError, AttributeError, IndexError, KeyError) as e:
-        raise TypeError(f"the loss function cannot take the model's output: the model returns {_describe(out)}, "
-                        f"and loss_fn(output, target) raised {type(e).__name__}: {e}. Make the forward return the "
-                        "tensor the loss needs, or unpack the output in loss_fn (e.g. out[0] or out.logits)"
-                        + _dict_hint(batch)) from None
-    except Exception:  # noqa: BLE001 - another meta limitation, inside the loss
+    loss = _call_on_meta(model, batch, loss_fn, "the loss function", "loss_fn(output, target)",
+                         ". Make the forward return the tensor the loss needs, or unpack the output in loss_fn "
+                         "(e.g. out[0] or out.logits)")
+    if loss is _NO_VERDICT:
         return
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__}")
@@ -114,16 +125,8 @@ def check_loss(model: nn.Module, batch: Any, loss_fn: Any) -> None:
 
 def check_metric(model: nn.Module, batch: Any, fn: Any, name: str) -> None:
     """A validation metric takes the model's output and returns one number (checked on meta, as the loss is)."""
-    out = _meta_forward(model, batch[0])
-    if out is None:
-        return
-    try:
-        with torch.no_grad():
-            value = fn(out, _to_meta(batch[1]))
-    except (TypeError, AttributeError, IndexError, KeyError) as e:
-        raise TypeError(f"val_metrics[{name!r}] cannot take the model's output: the model returns {_describe(out)}, "
-                        f"and fn(output, target) raised {type(e).__name__}: {e}" + _dict_hint(batch)) from None
-    except Exception:  # noqa: BLE001 - a meta limitation (.item() on meta, ...): no verdict
+    value = _call_on_meta(model, batch, fn, f"val_metrics[{name!r}]", "fn(output, target)")
+    if value is _NO_VERDICT:
         return
     if isinstance(value, torch.Tensor) and value.numel() != 1:
         raise ValueError(f"val_metrics[{name!r}] must return one number per batch (the mean over the batch), got a "
