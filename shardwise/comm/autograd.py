@@ -96,7 +96,6 @@ class ReduceFromParallel(torch.autograd.Function):
         return grad, None, None, None
 
 
-
 class GatherFromParallel(torch.autograd.Function):
     """All-gather along the last dimension forward; this rank's slice of the gradient backward.
 
