@@ -194,7 +194,7 @@ class Trainer:
                                                   collate_fn=collate_fn, pin_memory=pin_memory), parse_inputs(inputs))
         info = validate(self, model, data, batch_size, max_steps, optimizer, loss_fn, lr_scheduler)
         val = check_fit_options(self, model, loss_fn, data, batch_size, val_dataset, val_every, val_metrics,
-                                 val_batch_size, checkpoint_best)
+                                val_batch_size, checkpoint_best)
         job = Job(self, model, data, loss_fn, optimizer, batch_size, max_steps, info, lr_scheduler, val)
         result = self._launch(job)
         # One semantics whatever the launch: the model passed in ends trained. The run itself trains a copy
