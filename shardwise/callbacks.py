@@ -36,10 +36,11 @@ returns its result instead of training on.
 from __future__ import annotations
 
 import math
-import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from shardwise.launch import require_picklable
 
 HOOKS = ("on_step_end", "on_validation_end", "on_checkpoint_saved", "on_fit_end")
 
@@ -171,14 +172,8 @@ def check_callbacks(callbacks: Any) -> list[Any]:
 
 def check_picklable(callbacks: Sequence[Any]) -> None:
     """Spawned ranks receive the callbacks pickled: refuse one that is not, naming it and the fix."""
-    for cb in callbacks:
-        try:
-            pickle.dumps(cb)
-        except Exception as e:  # PicklingError, AttributeError ("Can't pickle local object"), TypeError
-            raise TypeError(f"callback {type(cb).__name__} cannot be sent to the rank processes ({type(e).__name__}: "
-                            f"{e}): each rank is a fresh process that receives the callbacks pickled, so define its "
-                            "class at the top level of a module and keep no lambdas, open files or locks in it; or "
-                            "launch with `shardwise run`, where every rank builds it itself") from None
+    require_picklable({f"callback {type(cb).__name__}": cb for cb in callbacks},
+                      "its class must be defined at the top level of a module and hold no lambdas, open files or locks")
 
 
 def agree_stop(control: Control, strategy: Any, topo: Any) -> str | None:

@@ -32,6 +32,7 @@ training (docs/practical.md, "Data").
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -168,13 +169,16 @@ def batch_len(x: Any) -> int:
 
 
 def leaves(x: Any) -> list[torch.Tensor]:
-    """The tensors of a batch (a tensor, or tuples, lists and dicts of them), in order."""
+    """The tensors of a batch or a model output, in order: a tensor, or tuples, lists, dicts and
+    dataclasses of them (a Hugging Face ``ModelOutput`` is a dict holding only its set fields)."""
     if isinstance(x, torch.Tensor):
         return [x]
     if isinstance(x, Mapping):
         return [t for v in x.values() for t in leaves(v)]
     if isinstance(x, (list, tuple)):
         return [t for v in x for t in leaves(v)]
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return [t for f in dataclasses.fields(x) for t in leaves(getattr(x, f.name))]
     return []
 
 

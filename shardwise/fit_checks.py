@@ -8,7 +8,6 @@ with the fix in the message, instead of deep inside a rank.
 from __future__ import annotations
 
 import os
-import pickle
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -215,14 +214,8 @@ def check_fit_options(trainer: Trainer, model: nn.Module, loss_fn: LossFn, data:
         named = {"collate_fn": data.loader.collate_fn, "val_dataset": val_dataset,
                  **{f"val_metrics[{k!r}]": f for k, f in (val.metrics.items() if val is not None else [])},
                  **{k: v for k, v in data.loader.extra.items() if callable(v)}}
-        for what, obj in named.items():
-            try:
-                pickle.dumps(obj)
-            except Exception as e:
-                raise TypeError(f"fit's {what} cannot be sent to the rank processes ({type(e).__name__}: {e}): each "
-                                "rank is a fresh process that receives it pickled, so define it at the top level of "
-                                "a module (a `def`, a class, or functools.partial of one), not a lambda or a local "
-                                "function; or launch with `shardwise run`") from None
+        named = {f"fit's {k}": v for k, v in named.items()}
+        launch.require_picklable(named)
     return val
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise import checkpoint
+from shardwise import checkpoint, launch
 from shardwise import precision as precision_mod
 from shardwise.callbacks import CallbackInfo, Control, agree_stop, call, improved
 from shardwise.evaluate import Validation, best_so_far, evaluate, history_from, history_tensors, save_best
@@ -60,17 +60,10 @@ def pickled(job: Job) -> bytes:
     What cannot be pickled is named, with the fix, instead of a bare PicklingError."""
     try:
         return pickle.dumps(job)
-    except Exception as e:  # PicklingError, AttributeError ("Can't pickle local object"), TypeError
-        for what in ("loss_fn", "optimizer_fn", "lr_scheduler", "model", "dataset"):
-            try:
-                pickle.dumps(getattr(job, what))
-            except Exception:
-                arg = {"optimizer_fn": "optimizer"}.get(what, what)
-                raise TypeError(f"fit's {arg} cannot be sent to the rank processes ({type(e).__name__}: {e}): "
-                                "each rank is a fresh process that receives it pickled, so it must be defined at "
-                                "the top level of a module (a `def`, a class, or functools.partial of one), not a "
-                                "lambda or a function defined inside another; or launch with `shardwise run`, "
-                                "where every rank builds it itself") from None
+    except Exception:  # PicklingError, AttributeError ("Can't pickle local object"), TypeError
+        args = {"optimizer_fn": "optimizer"}
+        launch.require_picklable({f"fit's {args.get(k, k)}": getattr(job, k)
+                                  for k in ("loss_fn", "optimizer_fn", "lr_scheduler", "model", "dataset")})
         raise
 
 

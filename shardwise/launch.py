@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import pickle
 import signal
 import tempfile
 import threading
@@ -138,6 +139,22 @@ def check_main_module() -> None:
         raise RuntimeError(f"{path}, line {line}, starts rank processes from the top level of the script: each rank "
                            "imports the script again (the 'spawn' start method) and would run this code too. Put "
                            "it under `if __name__ == \"__main__\":` (or launch with `shardwise run`)")
+
+
+TOP_LEVEL = ("it must be defined at the top level of a module (a `def`, a class, or functools.partial of one), not a "
+             "lambda or a function defined inside another")
+
+
+def require_picklable(named: dict[str, Any], fix: str = TOP_LEVEL) -> None:
+    """Spawned ranks receive these pickled: refuse the first that is not, naming it (``named``'s key) and ``fix``,
+    instead of the bare PicklingError a rank would die of after start-up."""
+    for what, obj in named.items():
+        try:
+            pickle.dumps(obj)
+        except Exception as e:  # PicklingError, AttributeError ("Can't pickle local object"), TypeError
+            raise TypeError(f"{what} cannot be sent to the rank processes ({type(e).__name__}: {e}): each rank is "
+                            f"a fresh process that receives it pickled, so {fix}; or launch with `shardwise run`, "
+                            "where every rank builds it itself") from None
 
 
 def die_with_parent() -> None:

@@ -26,6 +26,7 @@ from torch import nn
 
 from shardwise.comm import Comm, Handle
 from shardwise.comm.streams import SideStream
+from shardwise.data import leaves
 
 AllReduceFn = Callable[[torch.Tensor, Comm, str], Handle]
 
@@ -208,7 +209,7 @@ class DDPModule(GradSync, nn.Module):
         single device.
         """
         reached: set[int] = set()
-        stack = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
+        stack = [t.grad_fn for t in leaves(out) if t.grad_fn is not None]
         seen: set[Any] = set()
         while stack:
             fn = stack.pop()
@@ -286,18 +287,3 @@ class DDPModule(GradSync, nn.Module):
                 elif p.grad is None or p.grad.data_ptr() != view.data_ptr():
                     p.grad = view
         self._queued = False
-
-
-def _tensors(out: Any) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, dict):
-        return [t for v in out.values() for t in _tensors(v)]
-    if isinstance(out, (list, tuple)):
-        return [t for v in out for t in _tensors(v)]
-    if hasattr(out, "__dataclass_fields__") or hasattr(out, "to_tuple"):
-        try:
-            return _tensors(tuple(out.values()) if hasattr(out, "values") else out.to_tuple())
-        except Exception:  # pragma: no cover - best effort for model output containers
-            return []
-    return []

@@ -23,7 +23,8 @@ import torch
 from torch import Tensor, nn
 
 from shardwise.comm import Comm, Handle
-from shardwise.parallel.ddp import GradSync, _tensors, check_same_parameters
+from shardwise.data import leaves
+from shardwise.parallel.ddp import GradSync, check_same_parameters
 from shardwise.parallel.fsdp_units import WrapPolicy, _Unit, _to_device, unit_modules
 from shardwise.parallel.sharding import broadcast_inplace, chunk_numel, local_numel, pick_collectives, shard_parts
 
@@ -71,7 +72,7 @@ class _Reduction(GradSync):
             if not torch.is_grad_enabled():
                 u.reshard()
                 return
-            for t in _tensors(output):
+            for t in leaves(output):
                 if t.requires_grad:
                     t.register_hook(self._pre_backward_hook(u))
             if self.reshard_after_forward:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from shardwise.data import leaves
 from shardwise.plan.model import ModelSpec, Trace
 
 DTYPES: dict[str, torch.dtype] = {"long": torch.long, "int64": torch.long, "int": torch.int32, "int32": torch.int32,
@@ -102,7 +103,7 @@ def trace_module(model: nn.Module, input_shape: Sequence[int], input_dtype: torc
     try:
         with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = model(x)
-            first = out if isinstance(out, torch.Tensor) else next(o for o in _tensors(out))
+            first = out if isinstance(out, torch.Tensor) else leaves(out)[0]
             if first.requires_grad:
                 first.float().sum().backward()
     finally:
@@ -133,15 +134,5 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _tensors(out: object) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, dict):
-        out = list(out.values())
-    if isinstance(out, (list, tuple)):
-        return [t for o in out for t in _tensors(o)]
-    return []
-
-
 def _tensor_bytes(out: object) -> int:
-    return sum(_nbytes(t) for t in _tensors(out))
+    return sum(_nbytes(t) for t in leaves(out))
