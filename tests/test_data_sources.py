@@ -224,3 +224,17 @@ def test_a_dict_key_the_model_does_not_take(no_spawn):
     with pytest.raises(TypeError, match=r"^the model does not take the dict batch's inputs as keyword arguments "
                                         r"\(pixels\): .*unexpected keyword argument 'pixels'.* fit\(inputs=\.\.\.\) names"):
         fit("ddp", 2, DictDigits(), loss=dict_loss)  # MLP.forward(x): no 'pixels'
+
+
+def test_the_digits_workload_reads_exactly_scikit_learns_digits():
+    # The workload parses the bundled CSV itself (no scikit-learn import in every rank): it must give
+    # load_digits' pixels (scaled by 1/16) and labels, in the same 80/20 split as before.
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(d.target, dtype=torch.long)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    work = digits()
+    assert torch.equal(work.train.tensors[0], x[perm[:1437]]) and torch.equal(work.train.tensors[1], y[perm[:1437]])
+    assert torch.equal(work.test.tensors[0], x[perm[1437:]]) and torch.equal(work.test.tensors[1], y[perm[1437:]])
