@@ -214,8 +214,7 @@ def check_fit_options(trainer: Trainer, model: nn.Module, loss_fn: LossFn, data:
         named = {"collate_fn": data.loader.collate_fn, "val_dataset": val_dataset,
                  **{f"val_metrics[{k!r}]": f for k, f in (val.metrics.items() if val is not None else [])},
                  **{k: v for k, v in data.loader.extra.items() if callable(v)}}
-        named = {f"fit's {k}": v for k, v in named.items()}
-        launch.require_picklable(named)
+        launch.require_picklable({f"fit's {k}": v for k, v in named.items()})
     return val
 
 
