@@ -143,7 +143,7 @@ def evaluate(model: nn.Module, strat: Strategy, val: Validation, loss_fn: LossFn
     def per_batch(out: Any, y: Any) -> torch.Tensor:
         loss = loss_fn(out, y)
         values = [_number("val_loss", loss)] + [_number(name, fn(out, y)) for name, fn in fns]
-        return torch.stack([v.to(values[0].device) for v in values]).float()
+        return torch.stack([v.to(device=values[0].device, dtype=torch.float64) for v in values])
 
     owner = strat.owns_loss(topo)
     sums = torch.zeros(2 + len(fns), dtype=torch.float64, device=topo.device)  # samples, loss, metrics
@@ -165,7 +165,7 @@ def _number(name: str, v: Any) -> torch.Tensor:
     if t.numel() != 1:
         raise ValueError(f"{'loss_fn' if name == 'val_loss' else f'val_metrics[{name!r}]'} must return one number "
                          f"per batch (the mean over the batch), got a tensor of shape {list(t.shape)}")
-    return t.reshape(()).float()
+    return t.reshape(())
 
 
 # ---- the best checkpoint and the history in checkpoints ----------------------------------------

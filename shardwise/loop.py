@@ -64,7 +64,7 @@ class Prepared(nn.Module):
         micro = list(zip(iter_chunks(x, accumulate), iter_chunks(y, accumulate)))
         loss = self.strategy.train_step(self.module, micro, loss_fn, self.topo, StepRun(self.precision))
         shards, _ = self.strategy.data_parallel(self.topo)
-        mine = loss.detach().float() / shards if loss is not None and self.strategy.owns_loss(self.topo) \
+        mine = precision_mod.widened(loss.detach()) / shards if loss is not None and self.strategy.owns_loss(self.topo) \
             else torch.zeros((), device=self.topo.device)
         t = mine.reshape(1).clone()
         self.topo.comm("world").all_reduce(t, name="loop.loss")
@@ -250,7 +250,7 @@ def gather(tensor: torch.Tensor, model: nn.Module | None = None) -> torch.Tensor
 
 def all_reduce_mean(tensor: torch.Tensor, model: nn.Module | None = None) -> torch.Tensor:
     """The mean of ``tensor`` over the ranks (``model``'s data-parallel group, or the world), on every rank."""
-    return gather(tensor, model).float().mean(0).to(tensor.dtype)
+    return precision_mod.widened(gather(tensor, model)).mean(0).to(tensor.dtype)
 
 
 def save(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | os.PathLike[str], step: int,

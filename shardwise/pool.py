@@ -47,7 +47,7 @@ def _serve(conn: Connection) -> None:
         os.environ.update(header["env"])
         os.chdir(header["cwd"])
         torch.seed()  # a fresh process starts from a random seed too (torch >= 2.12), never the last job's
-        torch.set_default_dtype(torch.float32)
+        torch.set_default_dtype(getattr(torch, header["default_dtype"]))  # the caller's, as launch.spawn passes it
         torch.set_grad_enabled(True)
         ok = launch.run_rank(header["rank"], _Unpickled(payload), header["world"], header["port"],
                              header["accelerator"], header["timeout_s"], ())
@@ -161,7 +161,8 @@ class WorkerPool:
         launch.check_main_module()
         store = launch.job_store(timeout)
         job = {"world": nprocs, "port": store.port, "accelerator": accelerator,
-               "timeout_s": timeout.total_seconds(), "env": dict(os.environ), "cwd": os.getcwd()}
+               "timeout_s": timeout.total_seconds(), "env": dict(os.environ), "cwd": os.getcwd(),
+               "default_dtype": str(torch.get_default_dtype()).removeprefix("torch.")}
         ranks = []
         for r in range(nprocs):
             w = self._worker(r)

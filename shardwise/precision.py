@@ -16,6 +16,12 @@ import torch
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 
 
+def widened(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in the dtype losses, norms and metrics are summed in: float32 for half precision (whose sums
+    lose digits), float64 left as it is (a float64 model's loss must not be rounded to float32)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def check(precision: str) -> str:
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(repr(p) for p in PRECISIONS)}, got {precision!r}")

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from shardwise.layout import RunLayout
+from shardwise.precision import widened
 from shardwise.topology import Topology
 
 if TYPE_CHECKING:  # the checkpoint machinery (torch.distributed.checkpoint) loads only when a checkpoint is made
@@ -89,15 +90,15 @@ class Strategy:
         gradient is that of the mean over the whole (local) batch.
         """
         k = len(micro_batches)
-        total = torch.zeros((), device=topo.device)
+        total: torch.Tensor | float = 0.0
         for i, (x, y) in enumerate(micro_batches):
             ctx = self.no_sync(model) if i < k - 1 else contextlib.nullcontext()
             with ctx:
                 with run.forward_context(topo.device):
                     loss = loss_fn(call_model(model, x), y)
-                (loss.float() * (run.loss_scale / k)).backward()
-            total += loss.detach().float()
-        return total / k
+                (widened(loss) * (run.loss_scale / k)).backward()
+            total = total + widened(loss.detach())
+        return total / k  # type: ignore[return-value]
 
     def eval_step(self, model: nn.Module, x: Any, y: Any, fn: Callable[[Any, Any], torch.Tensor], topo: Topology,
                   run: StepRun = StepRun()) -> torch.Tensor | None:

@@ -82,6 +82,8 @@ if __name__ == "__main__":
     p.add_argument("--out", required=True)
     p.add_argument("--start-dir", default=None, help="resume from this checkpoint directory (sw.load)")
     p.add_argument("--save-dir", default=None, help="save here at the end (sw.save)")
+    p.add_argument("--dtype", default="float32", help="the default dtype, in which the model and data are built")
     a = p.parse_args()
+    torch.set_default_dtype(getattr(torch, a.dtype))
     train(a.strategy, a.steps, a.out, a.start_dir, a.save_dir)
     sw.teardown()

@@ -14,7 +14,7 @@ from shardwise import checkpoint
 from shardwise.callbacks import Callback, EarlyStopping
 from shardwise.workloads import digits
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=3e-3)
 

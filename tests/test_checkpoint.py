@@ -12,7 +12,7 @@ import shardwise as sw
 from shardwise import checkpoint
 from shardwise.workloads import digits
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.float64]
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 

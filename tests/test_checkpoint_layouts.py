@@ -25,7 +25,7 @@ from shardwise.parallel.compose import PP, Parallel
 from shardwise.workloads import CharText, stdlib_text
 from tiny_hf import gpt2, logits_loss
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.float64]
 
 K = 2  # steps before the checkpoint; resumed runs go to 2K
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)

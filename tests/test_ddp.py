@@ -15,7 +15,7 @@ from shardwise.parallel.ddp import DDPModule
 from shardwise.topology import Topology
 from shardwise.workloads import digits
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.float64]
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 
@@ -102,6 +102,7 @@ def _mismatched(rank, device):
     DDPModule(nn.Sequential(nn.Linear(8, width), nn.Linear(width, 2)), topo.comm("dp"))
 
 
+@pytest.mark.float32  # the message names the dtype
 def test_mismatched_model_is_a_clear_error():
     with pytest.raises(Exception) as e:
         launch.spawn(_mismatched, 2)

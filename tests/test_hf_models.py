@@ -15,7 +15,7 @@ import shardwise as sw
 from shardwise.workloads import CharText, stdlib_text
 from tiny_hf import gpt2, llama, logits_loss
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # lr 1e-4: Adam normalises each gradient, so a near-zero gradient whose rounding

@@ -10,7 +10,7 @@ import shardwise as sw
 from shardwise.parallel.compose import Parallel
 from shardwise.workloads import digits
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.float64]
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 # Warm up over 2 steps to 1e-2, then anneal: a schedule whose every step changes the update.

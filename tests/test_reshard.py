@@ -11,7 +11,7 @@ import shardwise as sw
 from shardwise import checkpoint
 from shardwise.workloads import digits
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 K = 3  # steps before the checkpoint; the resumed run goes to 2K

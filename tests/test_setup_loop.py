@@ -14,7 +14,7 @@ from shardwise import launch
 from conftest import assert_same_run
 from loop_script import MAX_NORM, reference, train
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.float64]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 4
@@ -65,7 +65,8 @@ def test_save_and_load_resume_the_loop_under_another_layout(tmp_path):
 
 def shardwise_run(strategy, steps, out, *flags):
     r = subprocess.run([sys.executable, "-m", "shardwise", "run", "--nproc", "2", "tests/loop_script.py",
-                        "--strategy", strategy, "--steps", str(steps), "--out", str(out), *flags], cwd=ROOT,
+                        "--strategy", strategy, "--steps", str(steps), "--out", str(out), *flags,
+                        "--dtype", str(torch.get_default_dtype()).removeprefix("torch.")], cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT}/tests"}, capture_output=True, text=True,
                        timeout=200)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -25,7 +25,7 @@ from shardwise.models import GPT, GPTConfig, lm_loss
 from shardwise.parallel.compose import Parallel
 from shardwise.workloads import CharText, digits, stdlib_text
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]
 
 # lr 1e-3, as most equivalence tests: the digits MLP has hidden units that die in the first steps, and Adam
 # moves their near-zero-gradient weights by about lr whatever the gradient's size, so a weight's difference from

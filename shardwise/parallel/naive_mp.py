@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from shardwise.parallel.pipeline import pipeline_layers, stage_starts
+from shardwise.precision import widened
 from shardwise.strategy import LossFn, OptimizerFactory, StepRun, Strategy, first_named, held_state
 from shardwise.topology import Topology
 
@@ -143,14 +144,14 @@ class NaiveMP(Strategy):
                    topo: Topology, run: StepRun = StepRun()) -> torch.Tensor | None:
         out_dev = model.output_device  # type: ignore[union-attr]
         k = len(micro_batches)
-        total = torch.zeros((), device=out_dev)
+        total: torch.Tensor | float = 0.0
         for x, y in micro_batches:
             # Autocast of the primary device's type covers every device of that type (all CUDA
             # devices, or the CPU list of the tests); the loss scale is the fp16 scaler's.
             with run.forward_context(topo.device):
                 loss = loss_fn(model(x), _move(y, out_dev))
-            (loss.float() * (run.loss_scale / k)).backward()
-            total += loss.detach().float()
+            (widened(loss) * (run.loss_scale / k)).backward()
+            total = total + widened(loss.detach())
         return (total / k).to(topo.device)
 
     def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:

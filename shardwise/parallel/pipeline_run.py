@@ -25,6 +25,7 @@ import torch
 
 from shardwise.comm import Comm, Handle
 from shardwise.parallel.checkpointing import SavedActivations
+from shardwise.precision import widened
 from shardwise.parallel.schedules import Action, Recorder, check_message_order, execute, get_schedule
 from shardwise.strategy import LossFn
 from shardwise.topology import Topology
@@ -94,8 +95,8 @@ class _Runner:
             out = self.pm(self.x[key], chunk=a.chunk)
             if self._k(a) == self.last:
                 loss = self.loss_fn(out, self.mbs[a.mb][1])
-                self.losses.append(loss.detach().float())
-                out = loss.float() * (self.loss_scale / len(self.mbs))
+                self.losses.append(widened(loss.detach()))
+                out = widened(loss) * (self.loss_scale / len(self.mbs))
         self.out[key] = out
 
     def send_forward(self, a: Action) -> None:

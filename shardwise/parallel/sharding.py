@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from shardwise.comm import Comm, Handle
+from shardwise.precision import widened
 from shardwise.topology import Topology
 
 
@@ -278,9 +279,11 @@ name its all-reduce is counted under. ``every`` are all the
     total norm, the same on every rank. The coefficient is torch's
     (``max_norm / (norm + 1e-6)``, at most 1).
     """
-    sq = torch.zeros((), dtype=torch.float32, device=device)
+    # Each piece's squares are summed in its own dtype (half widened to float32) and the pieces in float64:
+    # a float64 model's norm is not rounded to float32, and every rank reduces the same dtype.
+    sq = torch.zeros((), dtype=torch.float64, device=device)
     for g in counted:
-        sq += g.detach().float().pow(2).sum().to(device)
+        sq += widened(g.detach()).pow(2).sum().to(device=device, dtype=torch.float64)
     for comm, name in groups:
         if comm is not None and comm.size > 1:
             comm.all_reduce(sq, name=name)

@@ -18,7 +18,7 @@ import shardwise as sw
 from shardwise.parallel.compose import Parallel
 from shardwise.workloads import digits
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=3e-3)
 

@@ -11,7 +11,7 @@ from shardwise.models import GPT, GPTConfig, lm_loss
 from shardwise.parallel.compose import Parallel
 from shardwise.workloads import CharText, stdlib_text
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 

@@ -12,7 +12,7 @@ import shardwise as sw
 from shardwise.parallel.dp import DP, DataParallelModule, gather, replicate, scatter
 from shardwise.workloads import digits, gpt
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.float64]
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 CPU = torch.device("cpu")

@@ -20,7 +20,7 @@ import shardwise as sw
 from shardwise.parallel.tp_plans import Plan
 from shardwise.workloads import CharText, stdlib_text
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]
 
 # SGD, not Adam: the key bias gets no gradient in exact arithmetic (softmax ignores a shift shared by every
 # key), only rounding noise of ~1e-9, which Adam would normalise into lr-sized steps of random sign under any
