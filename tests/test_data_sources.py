@@ -20,7 +20,7 @@ from shardwise.data import DataSource, GlobalBatches, LoaderOptions, StreamBatch
 from shardwise.models import GPT, MLP, GPTConfig, lm_loss
 from shardwise.workloads import CharText, digits, stdlib_text
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 

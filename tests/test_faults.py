@@ -115,6 +115,7 @@ def test_debug_mode_names_the_rank_that_differs():
         "rank 1 issues all_reduce 'grads' with sizes [[5]] at step -1 but rank 0" in msg
 
 
+@pytest.mark.float64
 def test_debug_mode_passes_a_correct_run(same_run):
     same_run(_fit("single", 1, steps=3), _fit("ddp", 2, steps=3, debug=True))
 
@@ -182,6 +183,7 @@ def test_nonfinite_loss_stops_with_step_and_rank():
                                    r"Trainer\(on_nonfinite='skip'\)", str(e.value))
 
 
+@pytest.mark.float64
 def test_nonfinite_loss_skip_equals_single(same_run):
     work, data = _poisoned(0)
     runs = [sw.Trainer(s, n, accelerator="cpu", progress=False, on_nonfinite="skip").fit(
@@ -203,6 +205,7 @@ def test_planner_stops_a_layout_that_does_not_fit():
     assert "parameters 104.49 kB, gradients 104.49 kB, optimizer 208.98 kB" in msg
 
 
+@pytest.mark.float64
 def test_planner_check_can_be_a_warning(same_run):
     work = digits()
     with pytest.warns(UserWarning, match="the planner predicts this run will not fit"):

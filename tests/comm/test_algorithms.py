@@ -123,6 +123,7 @@ def reference():
     return _fit("single", 1)
 
 
+@pytest.mark.float64
 @pytest.mark.parametrize("algo,devices", [("ring", 3), ("naive", 2)])
 def test_ddp_with_p2p_allreduce_equals_single(reference, same_run, algo, devices):
     run = _fit(sw.DDP(allreduce=algo), devices)

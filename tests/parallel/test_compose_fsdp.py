@@ -20,7 +20,7 @@ from shardwise.parallel.compose import Parallel
 from shardwise.workloads import CharText, stdlib_text
 from tiny_hf import gpt2, llama, logits_loss
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)

@@ -15,7 +15,7 @@ from shardwise.parallel.sharding import chunk_numel
 from shardwise.topology import Topology
 from shardwise.workloads import digits
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 CLIP = 0.05  # far below the digits MLP's gradient norm: every step is clipped
@@ -40,8 +40,8 @@ def reference(accumulate=1, clip=None):
 
 
 def padded_shard_bytes(n: int) -> int:
-    """fp32 bytes of one rank's padded shard of the digits MLP: sum of ceil(numel/N) x 4."""
-    return 4 * sum(chunk_numel(p.numel(), n) for p in digits().make_model().parameters())
+    """Bytes of one rank's padded shard of the digits MLP: sum of ceil(numel/N) x the default dtype's size."""
+    return torch.empty(()).element_size() * sum(chunk_numel(p.numel(), n) for p in digits().make_model().parameters())
 
 
 @pytest.mark.parametrize("strategy,devices,accumulate,clip", [
@@ -109,6 +109,7 @@ def test_meta_device_model_equals_the_same_model_built_normally(same_run):
 
 
 # ---- in one process ------------------------------------------------------------
+@pytest.mark.float32  # the claim is fp32 bytes
 def test_meta_model_is_materialised_one_module_at_a_time():
     topo = Topology.create(torch.device("cpu"))
     with torch.device("meta"):

@@ -13,7 +13,7 @@ from shardwise.models import GPT, GPTConfig
 from shardwise.parallel.naive_mp import NaiveModelParallel, NaiveMP
 from shardwise.workloads import digits
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.float64]
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 
@@ -37,6 +37,7 @@ def test_forward_and_gradients_are_the_unsplit_models():
     assert nmp.output_device == torch.device("cpu")
 
 
+@pytest.mark.float32  # the claim is fp32 bytes
 def test_split_points_and_hops_between_distinct_devices():
     net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     nmp = NaiveModelParallel(net, ["cpu", "meta"], split_points=["2"])
@@ -67,6 +68,7 @@ def test_trainer_with_naive_mp_equals_single(same_run):
     same_run(ref, run, rtol=0, atol=0)
 
 
+@pytest.mark.float32  # the claim is about mixed precision over fp32 weights
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 def test_naive_mp_honours_mixed_precision(precision):
     """The same operations as single-device training under autocast: exactly the same losses, and not fp32's."""

@@ -23,7 +23,7 @@ from shardwise.parallel.zero import ZeRO1, ZeRO2
 from shardwise.topology import Topology
 from shardwise.workloads import digits
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 CLIP = 0.05  # far below the digits MLP's gradient norm: every step is clipped
@@ -37,12 +37,12 @@ def fit(strategy, devices, steps=4, accumulate=1, clip=None):
 
 
 def shard_bytes(n: int) -> int:
-    """fp32 bytes of one rank's padded shard of the digits MLP."""
-    return 4 * sum(chunk_numel(p.numel(), n) for p in digits().make_model().parameters())
+    """Bytes of one rank's padded shard of the digits MLP, in the default dtype (float64 here)."""
+    return torch.empty(()).element_size() * sum(chunk_numel(p.numel(), n) for p in digits().make_model().parameters())
 
 
 def full_bytes() -> int:
-    return 4 * sum(p.numel() for p in digits().make_model().parameters())
+    return torch.empty(()).element_size() * sum(p.numel() for p in digits().make_model().parameters())
 
 
 # ---- training equals one process, and the bytes land on the host -------------------

@@ -17,7 +17,7 @@ from shardwise.parallel.schedules import (Action, Recorder, bubble_fraction, che
 from shardwise.topology import Topology
 from shardwise.workloads import CharText, stdlib_text
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 CFG = GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=4, n_embd=32)
@@ -160,9 +160,9 @@ def test_pipeline_equals_single(reference, same_run, schedule, stages):
     run = fit(PP(schedule=schedule, microbatches=4, split_points=split), stages)
     same_run(reference, run)
     if stages == 2:
-        # Stage 0 sends each micro-batch's activations (B*T*D*4 bytes per step in all) plus one
+        # Stage 0 sends each micro-batch's activations (B*T*D*itemsize bytes per step in all) plus one
         # 80-byte shape header in the first step; stage 1 sends the same bytes of gradients back.
-        act = 8 * 16 * CFG.n_embd * 4
+        act = 8 * 16 * CFG.n_embd * torch.empty(()).element_size()
         assert run.stats[0]["comm_bytes_per_step"] == (4 * act + 80) / 4
         assert run.stats[1]["comm_bytes_per_step"] == act
 

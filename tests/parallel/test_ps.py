@@ -44,6 +44,7 @@ def reference():
 
 
 # ---- synchronous: the same optimisation as one device -------------------------------------
+@pytest.mark.float64
 @pytest.mark.parametrize("servers,workers", [(1, 2), (2, 2)])
 def test_sync_equals_single_and_bytes_are_exact(reference, same_run, servers, workers):
     steps = 4
@@ -65,6 +66,7 @@ def test_sync_equals_single_and_bytes_are_exact(reference, same_run, servers, wo
             assert s["optimizer_bytes"] == 0
 
 
+@pytest.mark.float64
 def test_sync_sharded_with_clipping_and_accumulation_equals_single(same_run):
     # Clipping needs the norm of the *averaged* gradient over all shards: the servers exchange theirs.
     same_run(fit("single", 1, gradient_clip_val=0.05),

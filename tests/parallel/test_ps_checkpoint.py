@@ -170,6 +170,7 @@ def test_each_server_writes_exactly_its_range_and_the_first_worker_the_rest(tmp_
             assert int(read(path, f"optim.{name}.step")) == 1
 
 
+@pytest.mark.float64
 def test_sync_resume_under_another_number_of_servers_equals_one_run(tmp_path, same_run):
     ckpt = str(tmp_path / "ck")
     ref = fit("single", 1, 4)

@@ -17,7 +17,7 @@ from shardwise.parallel.tp import TP, gather_tensor, parallelize, shard_tensor, 
 from shardwise.topology import Topology
 from shardwise.workloads import CharText, stdlib_text
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.float64]
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 CFG = GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=4, n_embd=32)
@@ -180,15 +180,16 @@ def test_tp_training_equals_single_and_bytes_match_megatron_count(reference, sam
     # Per step (batch B=8, T=16, D=32, V=128, N=2): one all-reduce per row-parallel layer and per
     # vocab embedding forward (g), one per column-parallel group backward (f), and the logits all-gather.
     n, b, t, d, v = 2, 8, 16, CFG.n_embd, CFG.vocab_size
-    act = b * t * d * 4
+    item = torch.empty(()).element_size()  # the default dtype's (float64 in this module)
+    act = b * t * d * item
     ar = 2 * (n - 1) * act // n
     per_block = 4 * ar            # attn.proj g + mlp.fc2 g forward; f before q|k|v and fc1 backward
     embed = ar                    # vocab-parallel embedding g (its f-free input needs no gradient)
-    head = ar + (n - 1) * b * t * (v // n) * 4   # f backward + all-gather of the logits
+    head = ar + (n - 1) * b * t * (v // n) * item   # f backward + all-gather of the logits
     want = CFG.n_layer * per_block + embed + head
     for s in run.stats:
         assert s["comm_bytes_per_step"] == want
-        assert s["params_bytes"] < sum(p.numel() * 4 for p in make_gpt().parameters())
+        assert s["params_bytes"] < sum(p.numel() * item for p in make_gpt().parameters())
 
 
 def test_tp4_training_with_clipping_equals_single(same_run):
@@ -222,6 +223,7 @@ def _block_bytes(rank: int, device: torch.device, needs_grad: bool, path: str) -
         torch.save(torch.tensor([topo.stats.sent - before[0], topo.stats.calls - before[1]]), path)
 
 
+@pytest.mark.float32  # the claim is fp32 bytes
 def test_one_block_costs_two_all_reduces_forward_and_two_backward(tmp_path):
     path = str(tmp_path / "bytes.pt")
     launch.spawn(_block_bytes, 2, args=(True, path))

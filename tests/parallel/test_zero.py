@@ -15,7 +15,7 @@ from shardwise.parallel.zero import ShardedOptimizer, ZeRO1, ZeRO2
 from shardwise.topology import Topology
 from shardwise.workloads import digits
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.float64]
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 
@@ -53,6 +53,7 @@ def test_sgd_with_momentum_equals_single(same_run):
     same_run(fit("single", 1, optimizer=sgd), fit("zero2", 2, optimizer=sgd))
 
 
+@pytest.mark.float32  # the claim is fp32 bytes
 @pytest.mark.parametrize("devices", [2, 4])
 @pytest.mark.parametrize("strategy", ["zero1", "zero2"])
 def test_bytes_equal_formulas(strategy, devices):
@@ -229,6 +230,7 @@ def _when_zero1_reduces(rank, device, path):
         torch.save(sent, path)
 
 
+@pytest.mark.float32  # the claim is fp32 bytes
 def test_zero1_reduces_while_backward_runs(tmp_path):
     """Stage 1 reduce-scatters from the last backward's hooks (overlapping it), not at the step, and never twice."""
     path = str(tmp_path / "s.pt")
