@@ -71,9 +71,9 @@ def test_offloaded_training_equals_single_and_states_are_host_bytes(same_run, st
             # "optimizer" keeps a device copy of the shard for the all-gathers; "all" keeps nothing.
             assert s["params_bytes"] == (0 if strategy.offload == "all" else shard)
         # Offload changes where the update runs, not what travels: the ZeRO paper's 2 or 3 x (N-1)/N x Psi
-        # (ZeRO-3 gathers again for each accumulated micro-batch), plus the clip's 4-byte scalar all-reduce.
+        # (ZeRO-3 gathers again for each accumulated micro-batch), plus the clip's float64 scalar all-reduce.
         collectives = 2 if stage < 3 else 2 * accumulate + 1
-        assert s["comm_bytes_per_step"] == collectives * (2 - 1) * shard + (4 if clip else 0)
+        assert s["comm_bytes_per_step"] == collectives * (2 - 1) * shard + (8 if clip else 0)
 
 
 # ---- where the states live --------------------------------------------------------

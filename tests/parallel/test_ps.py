@@ -47,6 +47,7 @@ def reference():
 @pytest.mark.float64
 @pytest.mark.parametrize("servers,workers", [(1, 2), (2, 2)])
 def test_sync_equals_single_and_bytes_are_exact(reference, same_run, servers, workers):
+    E = torch.empty(()).element_size()  # the default dtype's (float64 here), not the module's fp32 one
     steps = 4
     run = fit(ParameterServer(servers=servers), servers + workers, steps=steps)
     same_run(reference, run)
