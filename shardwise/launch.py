@@ -3,7 +3,9 @@
 From a plain ``python script.py`` the trainer spawns its workers here. The
 parent process hosts the rendezvous store on an OS-chosen loopback port, so
 there is no free-port race and nothing listens beyond this machine. Under
-torchrun (``shardwise run``), :func:`init` joins the group torchrun describes.
+torchrun (``shardwise run``), :func:`init` joins the group torchrun describes;
+under ``srun`` or ``mpirun`` the job their variables describe
+(:func:`adopt_cluster_env`, :mod:`shardwise.cluster`).
 :class:`shardwise.pool.WorkerPool` runs the same jobs on processes kept alive
 between them; both report failures through :func:`supervise`.
 """
@@ -17,7 +19,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from multiprocessing import connection as mp_connection
 from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
@@ -26,23 +28,44 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shardwise import cluster
+from shardwise.cluster import ClusterEnv, loopback_interface  # loopback_interface: its former home was here
 from shardwise.topology import backend_for, pick_device, threads_per_rank
 
 
-def under_torchrun() -> bool:
-    """True when torchrun (or another launcher using its variables) started this process."""
+def adopt_cluster_env(environ: MutableMapping[str, str] | None = None) -> ClusterEnv | None:
+    """:func:`shardwise.cluster.adopt` on ``os.environ`` (or ``environ``): srun's or mpirun's job, exported in
+    torchrun's variables, so that every reader of those (fit, sw.init, the checks) sees the job."""
+    return cluster.adopt(os.environ if environ is None else environ)
+
+
+def under_launcher() -> bool:
+    """True when a launcher started this process as one rank of a job: torchrun (``shardwise run``), srun, mpirun.
+    Another launcher's variables are adopted first, so that what reads torchrun's after this sees the same job."""
+    adopt_cluster_env()
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
+under_torchrun = under_launcher  # its former name, from when torchrun's variables were the only ones read
+
+
 def init(accelerator: str = "auto", timeout: _dt.timedelta = _dt.timedelta(minutes=5)) -> torch.device:
-    """Join the process group torchrun describes (idempotent); returns this rank's device."""
+    """Join the process group the launcher describes (idempotent); returns this rank's device."""
+    joining = not dist.is_initialized() and under_launcher()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(accelerator, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if not dist.is_initialized() and under_torchrun():
-        dist.init_process_group(backend_for(device), store=_torchrun_store(timeout), rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+    if joining:
+        try:
+            dist.init_process_group(backend_for(device), store=_torchrun_store(timeout),
+                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                    timeout=timeout)
+        except Exception as e:
+            hint = cluster.join_hint(os.environ)  # which job srun's or mpirun's variables described
+            if hint is not None and hasattr(e, "add_note"):
+                e.add_note(hint)
+            raise
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     return device
@@ -56,12 +79,15 @@ def _torchrun_store(timeout: _dt.timedelta) -> dist.Store:
     plain ``env://`` initialisation the restarted workers read the dead
     attempt's gloo addresses ("connectFullMesh failed ... Connection
     refused"), so we namespace by run id and restart count ourselves.
+    Without torchrun's agent (srun, mpirun) rank 0 hosts it: :func:`_hosted_store`.
     """
     env = os.environ
     agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "False") == "True"
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=int(env["WORLD_SIZE"]),
-                          is_master=(not agent_store and env["RANK"] == "0"), timeout=timeout,
-                          wait_for_workers=False)
+    if not agent_store and env["RANK"] == "0":
+        store = _hosted_store(env["MASTER_ADDR"], int(env["MASTER_PORT"]), timeout)
+    else:
+        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=int(env["WORLD_SIZE"]),
+                              is_master=False, timeout=timeout, wait_for_workers=False)
     # Every rank joins a new group as often as the others (one per ``fit`` in the script), so a count of
     # this process's joins names the same group on every rank and keeps a second ``fit`` from reading the
     # first group's keys (it hung in the address exchange).
@@ -72,6 +98,23 @@ def _torchrun_store(timeout: _dt.timedelta) -> dist.Store:
 
 
 _JOINS = [0]  # groups this process joined through _torchrun_store (see there)
+
+# The store servers this process hosts as rank 0 of a job without torchrun's agent, by port: not a group's
+# state, the server outlives the groups, as torchrun's agent store does. A finished group's store can stay
+# referenced, so a second fit could not bind the port again ("address already in use", torch 2.13).
+_HOSTED: dict[int, dist.TCPStore] = {}
+
+
+def _hosted_store(addr: str, port: int, timeout: _dt.timedelta) -> dist.TCPStore:
+    """The store this process hosts on ``port`` for its job's groups: started on the first join, then reused."""
+    if port not in _HOSTED:
+        # A job on one node meeting on loopback: the store listens there only (as spawned jobs' stores do), not
+        # on every interface, which is what TCPStore binds given a host name.
+        fd = cluster.loopback_listener(port) if cluster.meets_on_loopback(os.environ) else None
+        _HOSTED[port] = dist.TCPStore(addr, port, world_size=None, is_master=True, timeout=timeout,
+                                      wait_for_workers=False, **({} if fd is None else {"master_listen_fd": fd}))
+    _HOSTED[port].set_timeout(timeout)
+    return _HOSTED[port]
 
 
 def start_method() -> str:
@@ -307,17 +350,6 @@ def loopback_rendezvous(timeout: _dt.timedelta = _dt.timedelta(minutes=5)) -> tu
         os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
     return store, ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store.port}",
                    "--rdzv-conf", "is_host=false", "--local-addr", "127.0.0.1"]
-
-
-def loopback_interface() -> str | None:
-    """The name of the loopback network interface ("lo" on Linux, "lo0" on macOS), if there is one."""
-    import socket
-
-    try:
-        names = [n for _, n in socket.if_nameindex()]
-    except OSError:
-        return None
-    return next((n for n in names if n.startswith("lo")), None)
 
 
 class RankHandle(Protocol):
