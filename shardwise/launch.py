@@ -230,8 +230,11 @@ def die_with_parent() -> None:
 
 
 def _worker(rank: int, fn: Callable[..., Any], world: int, port: int, accelerator: str,
-            timeout_s: float, args: tuple[Any, ...]) -> None:
+            timeout_s: float, args: tuple[Any, ...], default_dtype: str = "float32") -> None:
     die_with_parent()
+    # The caller's default dtype, as a forked rank would have it: a model or data a rank builds itself
+    # has the dtype the caller's reference has (a float64 run stays float64 in every rank).
+    torch.set_default_dtype(getattr(torch, default_dtype))
     if not run_rank(rank, fn, world, port, accelerator, timeout_s, args):
         raise SystemExit(1)
 
@@ -284,7 +287,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), accel
     check_main_module()
     store = job_store(timeout)
     ctx = mp.get_context(start_method())
-    procs = [ctx.Process(target=_worker, args=(r, fn, nprocs, store.port, accelerator, timeout.total_seconds(), args),
+    procs = [ctx.Process(target=_worker, args=(r, fn, nprocs, store.port, accelerator, timeout.total_seconds(), args,
+                                                  str(torch.get_default_dtype()).removeprefix("torch.")),
                          name=f"shardwise-rank{r}") for r in range(nprocs)]
     for p in procs:
         p.start()
