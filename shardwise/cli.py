@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Mapping
 
 RUN_HELP = """usage: shardwise run [--nproc N] [--standalone] [torchrun flags ...] SCRIPT [SCRIPT ARGS ...]
 
@@ -25,11 +26,44 @@ Every other flag goes to torchrun unchanged, for example:
   --max-restarts 3       restart every worker after a failure (resume from checkpoint_dir)
   --rdzv-id ID           the job's name in the rendezvous
 
+Inside a SLURM allocation, `srun --ntasks-per-node=1 shardwise run --nproc N
+SCRIPT` starts one per node and, with no rendezvous flag given, they meet on
+the allocation's first node by themselves (--nnodes, --node-rank and a c10d
+rendezvous from SLURM's variables; docs/clusters.md).
+
 Threads per rank default to the cores of this machine divided by N
 (OMP_NUM_THREADS, when not set). Examples:
   shardwise run --nproc 2 examples/char_gpt.py --strategy fsdp
   shardwise run --nnodes 2 --node-rank 0 --nproc 4 --rdzv-endpoint 10.0.0.1:29400 train.py
 """
+
+
+def torchrun_args(argv: list[str], env: Mapping[str, str]) -> tuple[list[str], bool]:
+    """torchrun's arguments for ``shardwise run ARGV`` in environment ``env``, and whether the job is one node
+    with a private rendezvous on loopback (the caller prepends those flags: they need a live store).
+
+    Nothing is started here. ``--nproc N`` is short for ``--nproc-per-node N``.
+    Inside an srun step of several tasks (one ``shardwise run`` per node),
+    with no rendezvous flag given, the tasks meet as torchrun's nodes
+    (:func:`shardwise.cluster.allocation_run_args`); otherwise one node gets the
+    private rendezvous, as does ``--standalone``.
+    """
+    from shardwise import cluster
+
+    args = list(argv)
+    for i, a in enumerate(args):
+        if a in ("--nproc", "--nprocs"):
+            args[i] = "--nproc-per-node"
+        elif a.startswith(("--nproc=", "--nprocs=")):
+            args[i] = "--nproc-per-node=" + a.split("=", 1)[1]
+    if "--standalone" in args:
+        return [a for a in args if a != "--standalone"], True
+    if cluster.gives_rendezvous(args):
+        return args, False  # the user said how the nodes meet
+    allocation = cluster.allocation_run_args(env)
+    if allocation:
+        return allocation + args, False
+    return args, True
 
 
 def _run(argv: list[str]) -> int:
@@ -41,21 +75,21 @@ def _run(argv: list[str]) -> int:
         argv = ["--help"]
     from torch.distributed import run as torchrun
 
+    from shardwise import cluster
     from shardwise.topology import threads_per_rank
 
-    args = list(argv)
-    for i, a in enumerate(args):
-        if a in ("--nproc", "--nprocs"):
-            args[i] = "--nproc-per-node"
-        elif a.startswith(("--nproc=", "--nprocs=")):
-            args[i] = "--nproc-per-node=" + a.split("=", 1)[1]
-    flags = " ".join(a for a in args if a.startswith("--"))
-    # One node and no rendezvous given (or --standalone): a private rendezvous on loopback only.
+    try:
+        args, private = torchrun_args(argv, os.environ)
+    except cluster.ClusterError as e:
+        print(f"shardwise run: {e}", file=sys.stderr)
+        return 2
     store = None
-    if ("--nnodes" not in flags and "--rdzv" not in flags and "--master" not in flags) or "--standalone" in args:
+    if private:
+        note = cluster.allocation_note(os.environ)
+        if note is not None and argv != ["--help"]:
+            print(f"shardwise run: {note}", file=sys.stderr)
         from shardwise.launch import loopback_rendezvous
 
-        args = [a for a in args if a != "--standalone"]
         store, rdzv = loopback_rendezvous()
         args = rdzv + args
     nproc = 1
@@ -83,10 +117,11 @@ def _verify(a: argparse.Namespace) -> int:
     from shardwise.workloads import load
 
     work = load(a.model)
-    v = judge(work, a.strategy, a.devices, a.steps, rtol=a.rtol, accumulate_grad_batches=a.accumulate)
+    v = judge(work, a.strategy, a.devices, a.steps, rtol=a.rtol, accumulate_grad_batches=a.accumulate,
+              sync_batchnorm=a.sync_batchnorm)
     r, f = v.run, v.floor
     print(f"verify {a.strategy} on {a.devices} devices, workload {work.name}, {a.steps} steps")
-    print(f"  noise floor (single device, the gradient summed in another order): losses {f.max_loss_rel:.2e}, "
+    print(f"  noise floor (single device, float32 against float64): losses {f.max_loss_rel:.2e}, "
           f"weights {f.max_param_rel:.2e} relative (worst tensor); tolerance {FLOOR_FACTOR:g}x the floor, per weight "
           f"tensor, at least {a.rtol:g}")
     print(f"  losses:  largest difference {r.max_loss_diff:.3e} (relative {r.max_loss_rel:.3e}, tolerance "
@@ -94,6 +129,8 @@ def _verify(a: argparse.Namespace) -> int:
     name, diff, tol = v.worst
     print(f"  weights: largest difference {r.max_param_diff:.3e}; closest to its tolerance: {name} (relative "
           f"{diff:.3e}, tolerance {tol:.2e}) {'equal' if v.params_equal else 'DIFFERENT'}")
+    if v.reason is not None:  # not the same maths: the numbers above cannot make it equal
+        print(f"  {v.reason}")
     print(f"  {'EQUAL' if v.equal else 'MISMATCH'}")
     return 0 if v.equal else 1
 
@@ -146,9 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--plot", dest="plot_dir", default=None, metavar="DIR",
                    help="also write throughput, memory and pipeline-timeline PNGs under DIR")
     v = _verb(sub, "verify", "check a strategy against single-device training",
-              "Train the same model under STRATEGY and on one device, measure the noise floor (one device "
-              "against itself, the gradient summed in another order) and report EQUAL (exit 0) or MISMATCH "
-              "(exit 1) for the losses and every weight tensor.")
+              "Train the same model under STRATEGY and on one device, measure the noise floor (the one-device "
+              "run in float32 against the same run in float64) and report EQUAL (exit 0) or MISMATCH (exit 1) "
+              "for the losses and every weight tensor; a model that mixes the samples of a batch (BatchNorm) "
+              "under a strategy that splits the batch is a MISMATCH with the reason (docs/verify.md).")
     v.add_argument("--strategy", default="ddp", metavar="NAME",
                    help="the strategy to check: ddp, dp, ps, zero1, zero2, zero3, fsdp, hsdp, tp, pp "
                         "(default: ddp)")
@@ -160,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accumulate_grad_batches of every run (default: 1)")
     v.add_argument("--rtol", type=float, default=1e-6,
                    help="the smallest relative tolerance, used when the measured noise floor is lower (default: 1e-6)")
+    v.add_argument("--sync-batchnorm", action="store_true",
+                   help="train the strategy's run with Trainer(sync_batchnorm=True): BatchNorm normalises with the "
+                        "whole global batch's statistics")
     bench_args(_verb(sub, "bench", "ours against PyTorch's own implementation, side by side",
                      "Run each of our implementations next to PyTorch's own (DDP, ZeRO, FSDP, pipeline, "
                      "tensor parallel...) on the same model and data, alternating repetitions, and print "

@@ -56,7 +56,7 @@ def test_verify_on_a_user_factory(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     lines = r.stdout.splitlines()
     assert lines[0].startswith("verify ddp on 2 devices, workload ") and lines[0].endswith(", 4 steps")
-    assert lines[1].startswith("  noise floor (single device, the gradient summed in another order): losses ")
+    assert lines[1].startswith("  noise floor (single device, float32 against float64): losses ")
     assert lines[2].startswith("  losses:  largest difference ") and lines[2].endswith(" equal")
     assert lines[3].startswith("  weights: largest difference ") and lines[3].endswith(" equal")
     assert lines[4] == "  EQUAL"
