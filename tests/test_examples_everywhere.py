@@ -1,5 +1,8 @@
 """Every example under every strategy it accepts exits 0 under `shardwise run --nproc 2` (issue 15).
 
+One launch per example runs it under each strategy in turn, in the same ranks
+(tests/scripts/each_strategy.py); a pair the example refuses is launched alone.
+
 The strategies are every registered name that runs as one process per
 device (one-process strategies, `single` and `dp`, do not belong under a
 two-process launch), so a strategy added later is covered without an edit
@@ -36,14 +39,28 @@ def test_the_strategies_cover_every_family():
     assert {"ddp", "ps", "zero1", "zero2", "zero3", "fsdp", "hsdp", "tp", "pp", "parallel"} <= set(MULTI_PROCESS)
 
 
-@pytest.mark.parametrize("strategy", MULTI_PROCESS)
+def shardwise_run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardwise", "run", "--nproc", "2", *args], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=280)
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("example", list(EXAMPLES))
-def test_example_exits_0_under_shardwise_run(example, strategy):
-    r = subprocess.run([sys.executable, "-m", "shardwise", "run", "--nproc", "2", f"examples/{example}",
-                        "--strategy", strategy, *EXAMPLES[example]], cwd=ROOT, env=ENV, capture_output=True,
-                       text=True, timeout=140)
-    if (example, strategy) in REFUSED:  # refused at once, with the reason, not a failure deep in a rank
-        assert r.returncode != 0 and "cannot run in a hand-written loop" in r.stderr, r.stderr[-3000:]
-        return
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert "final loss" in r.stdout or "epoch 0: last loss" in r.stdout, r.stdout[-2000:]
+def test_example_exits_0_under_shardwise_run_with_every_strategy(example):
+    """One launch per example runs it under every strategy in turn (tests/scripts/each_strategy.py): the
+    same runs as one launch per pair, with the launcher's and the ranks' start-up paid once."""
+    names = [s for s in MULTI_PROCESS if (example, s) not in REFUSED]
+    r = shardwise_run("tests/scripts/each_strategy.py", f"examples/{example}", ",".join(names), "--",
+                      *EXAMPLES[example])
+    done = [line.split()[1] for line in r.stdout.splitlines() if line.startswith("each_strategy:")
+            and line.endswith(" ok")]
+    assert r.returncode == 0, f"failed after {done}:\n" + r.stdout[-2000:] + r.stderr[-4000:]
+    assert done == names, r.stdout[-2000:]
+    finals = [line for line in r.stdout.splitlines() if "final loss" in line or "epoch 0: last loss" in line]
+    assert len(finals) == len(names), r.stdout[-2000:]
+
+
+@pytest.mark.parametrize("example,strategy", sorted(REFUSED))
+def test_a_refused_pair_fails_at_once_with_the_reason(example, strategy):
+    r = shardwise_run(f"examples/{example}", "--strategy", strategy, *EXAMPLES[example])
+    assert r.returncode != 0 and "cannot run in a hand-written loop" in r.stderr, r.stderr[-3000:]
