@@ -77,7 +77,8 @@ def reference(steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("--strategy", required=True)
+    p.add_argument("--strategy", required=True, help="a name, or several separated by commas: the loop runs under "
+                   "each in turn in these processes (a new group each), writing OUT with {strategy} replaced")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--out", required=True)
     p.add_argument("--start-dir", default=None, help="resume from this checkpoint directory (sw.load)")
@@ -85,5 +86,6 @@ if __name__ == "__main__":
     p.add_argument("--dtype", default="float32", help="the default dtype, in which the model and data are built")
     a = p.parse_args()
     torch.set_default_dtype(getattr(torch, a.dtype))
-    train(a.strategy, a.steps, a.out, a.start_dir, a.save_dir)
-    sw.teardown()
+    for name in a.strategy.split(","):
+        train(name, a.steps, a.out.replace("{strategy}", name), a.start_dir, a.save_dir)
+        sw.teardown()

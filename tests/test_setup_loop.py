@@ -63,7 +63,7 @@ def test_save_and_load_resume_the_loop_under_another_layout(tmp_path):
     same((ref_state, ref_losses[3:]), state, losses)
 
 
-def shardwise_run(strategy, steps, out, *flags):
+def shardwise_run(strategy, steps, out, *flags, load=True):
     r = subprocess.run([sys.executable, "-m", "shardwise", "run", "--nproc", "2", "tests/loop_script.py",
                         "--strategy", strategy, "--steps", str(steps), "--out", str(out), *flags,
                         "--dtype", str(torch.get_default_dtype()).removeprefix("torch.")], cwd=ROOT,
@@ -71,7 +71,7 @@ def shardwise_run(strategy, steps, out, *flags):
                        timeout=200)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "terminate called" not in r.stderr  # the abort at exit once seen under zero2
-    return torch.load(out, weights_only=True)
+    return torch.load(out, weights_only=True) if load else None
 
 
 def close_to(state, ref):
@@ -80,10 +80,22 @@ def close_to(state, ref):
         torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6 + 1e-5 * float(v.abs().max()), msg=k)
 
 
+UNDER_RUN = [s for s in STRATEGIES if s != "ddp"]
+
+
+@pytest.fixture(scope="module")
+def under_shardwise_run(tmp_path_factory):
+    """One `shardwise run` launch runs the loop under every strategy of UNDER_RUN in turn (a new group each,
+    as a script with several loops would): the launcher's and the ranks' start-up are paid once."""
+    folder = tmp_path_factory.mktemp("under_run")
+    shardwise_run(",".join(UNDER_RUN), STEPS, folder / "{strategy}.pt", load=False)
+    return folder
+
+
 @pytest.mark.fresh_processes
-@pytest.mark.parametrize("strategy", [s for s in STRATEGIES if s != "ddp"])
-def test_under_shardwise_run_the_loop_exits_0_and_equals_single(tmp_path, single, strategy):
-    close_to(shardwise_run(strategy, STEPS, tmp_path / "state.pt"), single[0])
+@pytest.mark.parametrize("strategy", UNDER_RUN)
+def test_under_shardwise_run_the_loop_exits_0_and_equals_single(under_shardwise_run, single, strategy):
+    close_to(torch.load(under_shardwise_run / f"{strategy}.pt", weights_only=True), single[0])
 
 
 @pytest.mark.fresh_processes
