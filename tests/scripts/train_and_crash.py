@@ -36,6 +36,25 @@ class KillOnce:
         return self.inner(model, micro, loss_fn, topo, *run)
 
 
+def build(name: str) -> tuple:
+    """(strategy, model, data, loss_fn, batch) of a run named ``name``: only shardwise's own objects, so that
+    tests/test_elastic.py can run the same training through the worker pool as its uninterrupted reference."""
+    if name in ("pp", "3d"):
+        strategy = PP() if name == "pp" else Parallel(dp=2, tp=2, pp=2, zero=1)
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=4, n_embd=32, tie_weights=True))
+        return strategy, model, CharText(stdlib_text(20_000), 16), lm_loss, 8
+    strategy, work = resolve(name), digits()
+    return strategy, work.make_model(), work.train, work.loss_fn, 64
+
+
+def fit(strategy, model, data, loss_fn, batch: int, devices: int, checkpoint_dir: str, checkpoint_every: int,
+        steps: int) -> sw.FitResult:
+    return sw.Trainer(strategy, devices, accelerator="cpu", progress=False, checkpoint_dir=checkpoint_dir,
+                      checkpoint_every=checkpoint_every, timeout_s=30).fit(
+        model, data, loss_fn, functools.partial(torch.optim.AdamW, lr=1e-3), batch_size=batch, max_steps=steps)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--strategy", default="ddp")
@@ -46,19 +65,11 @@ def main() -> None:
     p.add_argument("--kill-step", type=int, default=-1)
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    if a.strategy in ("pp", "3d"):
-        strategy = PP() if a.strategy == "pp" else Parallel(dp=2, tp=2, pp=2, zero=1)
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=4, n_embd=32, tie_weights=True))
-        data, loss_fn, batch = CharText(stdlib_text(20_000), 16), lm_loss, 8
-    else:
-        strategy, work = resolve(a.strategy), digits()
-        model, data, loss_fn, batch = work.make_model(), work.train, work.loss_fn, 64
+    strategy, model, data, loss_fn, batch = build(a.strategy)
     if a.kill_rank >= 0:
         strategy.train_step = KillOnce(strategy.train_step, a.kill_rank, a.kill_step)  # type: ignore[method-assign]
-    result = sw.Trainer(strategy, int(os.environ["WORLD_SIZE"]), accelerator="cpu", progress=False,
-                        checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every, timeout_s=30).fit(
-        model, data, loss_fn, functools.partial(torch.optim.AdamW, lr=1e-3), batch_size=batch, max_steps=a.steps)
+    result = fit(strategy, model, data, loss_fn, batch, int(os.environ["WORLD_SIZE"]), a.checkpoint_dir,
+                 a.checkpoint_every, a.steps)
     if int(os.environ["RANK"]) == 0:
         with open(a.out, "w") as f:
             json.dump({"losses": result.losses,
