@@ -24,7 +24,11 @@ SKIP_AT_STEP = 2
 
 
 def skip_one_collective_on_rank1(topo: Topology) -> None:
-    """Fault injection: on rank 1, the first collective of step 2 is silently not issued."""
+    """Fault injection: on rank 1, the first collective of step 2 is silently not issued.
+
+    It patches ``Comm`` in rank 1's interpreter. On the session's worker pool that is safe: the job fails
+    by design, and a failed job retires every worker it used, so no later job runs on a patched one.
+    """
     if topo.rank != 1:
         return
     original = collectives.Comm._issue
@@ -66,7 +70,6 @@ def _fit(strategy, devices=2, steps=5, timeout_s=6.0, debug=False):
 
 # The 60 s bound: the timeout (6 s) ends the job, not a watchdog minutes later.
 @pytest.mark.timeout(60)
-@pytest.mark.fresh_processes  # the fault is injected by patching Comm in the ranks' interpreters
 def test_skipped_collective_is_diagnosed_within_the_timeout():
     with pytest.raises(Exception) as e:
         _fit(SkippingDDP())
@@ -89,7 +92,6 @@ def test_skipped_collective_is_diagnosed_within_the_timeout():
      "rank(s) [1] never arrived at the matching send of recv 'pp.grad' (step 2; rank 0 is waiting)"),
 ])
 @pytest.mark.timeout(60)
-@pytest.mark.fresh_processes  # the fault is injected by patching Comm in the ranks' interpreters
 def test_skipped_collective_under_zero3_and_pp(strategy, missing):
     with pytest.raises(Exception) as e:
         _fit(strategy)
