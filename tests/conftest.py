@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from shardwise import launch
-from shardwise.pool import WorkerPool
+from shardwise.pool import PRELOAD, WorkerPool
 
 # Tests run ranks as processes on a small machine: one thread each keeps them
 # from fighting over cores (the library divides cores itself; this only makes
@@ -107,9 +107,15 @@ def no_spawn(monkeypatch):
     return Spawned
 
 
+# The pool's fork server also imports the Hugging Face models the tests build (1.8 s per interpreter): every
+# worker that replaces one retired by a failing job would otherwise import them again at its first HF test.
+HF_MODULES = ("transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
+              "transformers.models.bert.modeling_bert")
+
+
 @pytest.fixture(scope="session")
 def worker_pool():
-    with WorkerPool(8) as pool:
+    with WorkerPool(8, preload=PRELOAD + HF_MODULES) as pool:
         yield pool
 
 
