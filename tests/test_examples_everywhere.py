@@ -1,7 +1,7 @@
 """Every example under every strategy it accepts exits 0 under `shardwise run --nproc 2` (issue 15).
 
-One launch per example runs it under each strategy in turn, in the same ranks
-(tests/scripts/each_strategy.py); a pair the example refuses is launched alone.
+One launch runs every example under each strategy in turn, in the same ranks
+(tests/scripts/each_strategy.py); a pair an example refuses is launched alone.
 
 The strategies are every registered name that runs as one process per
 device (one-process strategies, `single` and `dp`, do not belong under a
@@ -41,23 +41,37 @@ def test_the_strategies_cover_every_family():
 
 def shardwise_run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "shardwise", "run", "--nproc", "2", *args], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=280)
+                          capture_output=True, text=True, timeout=420)
+
+
+def accepted(example: str) -> list[str]:
+    return [s for s in MULTI_PROCESS if (example, s) not in REFUSED]
+
+
+@pytest.fixture(scope="module")
+def every_run() -> subprocess.CompletedProcess:
+    """One launch runs every example under every strategy it accepts, in turn, in the same two ranks
+    (tests/scripts/each_strategy.py): the same runs as one launch per pair, with the launcher's and the
+    ranks' start-up (torch, transformers) paid once."""
+    argv: list[str] = []
+    for example, flags in EXAMPLES.items():
+        argv += [*(["++"] if argv else []), f"examples/{example}", ",".join(accepted(example)), "--", *flags]
+    return shardwise_run("tests/scripts/each_strategy.py", *argv)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("example", list(EXAMPLES))
-def test_example_exits_0_under_shardwise_run_with_every_strategy(example):
-    """One launch per example runs it under every strategy in turn (tests/scripts/each_strategy.py): the
-    same runs as one launch per pair, with the launcher's and the ranks' start-up paid once."""
-    names = [s for s in MULTI_PROCESS if (example, s) not in REFUSED]
-    r = shardwise_run("tests/scripts/each_strategy.py", f"examples/{example}", ",".join(names), "--",
-                      *EXAMPLES[example])
-    done = [line.split()[1] for line in r.stdout.splitlines() if line.startswith("each_strategy:")
-            and line.endswith(" ok")]
-    assert r.returncode == 0, f"failed after {done}:\n" + r.stdout[-2000:] + r.stderr[-4000:]
-    assert done == names, r.stdout[-2000:]
-    finals = [line for line in r.stdout.splitlines() if "final loss" in line or "epoch 0: last loss" in line]
+def test_example_exits_0_under_shardwise_run_with_every_strategy(every_run, example):
+    r, names = every_run, accepted(example)
+    done = [line.split()[2] for line in r.stdout.splitlines()
+            if line.startswith(f"each_strategy: examples/{example} ") and line.endswith(" ok")]
+    where = [line for line in r.stdout.splitlines() if line.startswith("each_strategy:")][-1:]
+    assert done == names, f"failed at {where}:\n" + r.stdout[-2000:] + r.stderr[-4000:]
+    ran = r.stdout.split(f"each_strategy: examples/{example} {names[0]} starts")[1].split(
+        f"each_strategy: examples/{example} {names[-1]} ok")[0]
+    finals = [line for line in ran.splitlines() if "final loss" in line or "epoch 0: last loss" in line]
     assert len(finals) == len(names), r.stdout[-2000:]
+    assert r.returncode == 0, r.stderr[-4000:]
 
 
 @pytest.mark.parametrize("example,strategy", sorted(REFUSED))
