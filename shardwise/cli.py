@@ -6,6 +6,8 @@ import os
 import sys
 from collections.abc import Mapping
 
+import shardwise.cluster as cluster  # torch-free (`from shardwise import` would ask the package, which imports torch)
+
 RUN_HELP = """usage: shardwise run [--nproc N] [--standalone] [torchrun flags ...] SCRIPT [SCRIPT ARGS ...]
 
 Start SCRIPT on N processes with torchrun (torch.distributed.run). Inside,
@@ -48,8 +50,6 @@ def torchrun_args(argv: list[str], env: Mapping[str, str]) -> tuple[list[str], b
     (:func:`shardwise.cluster.allocation_run_args`); otherwise one node gets the
     private rendezvous, as does ``--standalone``.
     """
-    from shardwise import cluster
-
     args = list(argv)
     for i, a in enumerate(args):
         if a in ("--nproc", "--nprocs"):
@@ -75,7 +75,6 @@ def _run(argv: list[str]) -> int:
         argv = ["--help"]
     from torch.distributed import run as torchrun
 
-    from shardwise import cluster
     from shardwise.topology import threads_per_rank
 
     try:

@@ -20,6 +20,7 @@ Nothing is started here and torch is not imported (``shardwise run`` builds its 
 """
 from __future__ import annotations
 
+import socket
 import warnings
 import zlib
 from collections.abc import Mapping, MutableMapping, Sequence
@@ -397,8 +398,6 @@ def allocation_run_args(env: Mapping[str, str]) -> list[str]:
 
 def loopback_interface() -> str | None:
     """The name of the loopback network interface ("lo" on Linux, "lo0" on macOS), if there is one."""
-    import socket
-
     try:
         names = [n for _, n in socket.if_nameindex()]
     except OSError:
@@ -408,8 +407,6 @@ def loopback_interface() -> str | None:
 
 def loopback_listener(port: int) -> int:
     """A socket listening on 127.0.0.1:``port``, handed over as a file descriptor (the caller owns it)."""
-    import socket
-
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     # A job that just ended here on the same port (the previous run of the script) may have left connections
     # in TIME_WAIT, which would refuse the bind for a minute.

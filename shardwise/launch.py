@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 
 from shardwise import cluster
 from shardwise.cluster import ClusterEnv, loopback_interface  # loopback_interface: its former home was here
+from shardwise.precision import default_dtype_name
 from shardwise.topology import backend_for, pick_device, threads_per_rank
 
 
@@ -232,8 +233,7 @@ def die_with_parent() -> None:
 def _worker(rank: int, fn: Callable[..., Any], world: int, port: int, accelerator: str,
             timeout_s: float, args: tuple[Any, ...], default_dtype: str = "float32") -> None:
     die_with_parent()
-    # The caller's default dtype, as a forked rank would have it: a model or data a rank builds itself
-    # has the dtype the caller's reference has (a float64 run stays float64 in every rank).
+    # The caller's default dtype, as a forked rank has it (precision.default_dtype_name says why).
     torch.set_default_dtype(getattr(torch, default_dtype))
     if not run_rank(rank, fn, world, port, accelerator, timeout_s, args):
         raise SystemExit(1)
@@ -288,7 +288,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), accel
     store = job_store(timeout)
     ctx = mp.get_context(start_method())
     procs = [ctx.Process(target=_worker, args=(r, fn, nprocs, store.port, accelerator, timeout.total_seconds(), args,
-                                                  str(torch.get_default_dtype()).removeprefix("torch.")),
+                                                  default_dtype_name()),
                          name=f"shardwise-rank{r}") for r in range(nprocs)]
     for p in procs:
         p.start()

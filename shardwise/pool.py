@@ -30,6 +30,7 @@ from multiprocessing import util as mp_util
 from multiprocessing.reduction import ForkingPickler  # torch.multiprocessing registers its tensor reductions here
 
 from shardwise import launch
+from shardwise.precision import default_dtype_name
 
 
 def _serve(conn: Connection) -> None:
@@ -184,7 +185,7 @@ class WorkerPool:
         store = launch.job_store(timeout)
         job = {"world": nprocs, "port": store.port, "accelerator": accelerator,
                "timeout_s": timeout.total_seconds(), "env": dict(os.environ), "cwd": os.getcwd(),
-               "default_dtype": str(torch.get_default_dtype()).removeprefix("torch.")}
+               "default_dtype": default_dtype_name()}
         ranks = []
         for r in range(nprocs):
             w = self._worker(r)

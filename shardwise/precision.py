@@ -16,6 +16,12 @@ import torch
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 
 
+def default_dtype_name() -> str:
+    """The default dtype as its name in ``torch`` ("float32"): what rank processes are given, so that a model or
+    data a rank builds itself has the caller's dtype (launch.spawn, the worker pool)."""
+    return str(torch.get_default_dtype()).removeprefix("torch.")
+
+
 def widened(t: torch.Tensor) -> torch.Tensor:
     """``t`` in the dtype losses, norms and metrics are summed in: float32 for half precision (whose sums
     lose digits), float64 left as it is (a float64 model's loss must not be rounded to float32)."""

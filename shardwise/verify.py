@@ -295,6 +295,8 @@ def batch_split(strategy: str | Strategy, devices: int, batch_size: int,
     (``topo.comm("dp")``, see :mod:`shardwise.fit_job`): micro-batches that one
     rank runs one after another are never normalised together.
     """
+    # Imported when asked: the registry loads a paradigm's module only when its strategy is named, and
+    # verify needs these two classes only to read a pipeline's micro-batches and DP's replicas.
     from shardwise.parallel.compose import Parallel
     from shardwise.parallel.dp import DP
 

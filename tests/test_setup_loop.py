@@ -11,6 +11,7 @@ import torch
 
 import shardwise as sw
 from shardwise import launch
+from shardwise.precision import default_dtype_name
 from conftest import assert_same_run
 from loop_script import MAX_NORM, reference, train
 
@@ -66,7 +67,7 @@ def test_save_and_load_resume_the_loop_under_another_layout(tmp_path):
 def shardwise_run(strategy, steps, out, *flags, load=True):
     r = subprocess.run([sys.executable, "-m", "shardwise", "run", "--nproc", "2", "tests/loop_script.py",
                         "--strategy", strategy, "--steps", str(steps), "--out", str(out), *flags,
-                        "--dtype", str(torch.get_default_dtype()).removeprefix("torch.")], cwd=ROOT,
+                        "--dtype", default_dtype_name()], cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT}/tests"}, capture_output=True, text=True,
                        timeout=200)
     assert r.returncode == 0, r.stderr[-3000:]
