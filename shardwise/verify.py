@@ -14,15 +14,16 @@ docs/verify.md.
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, IterableDataset, default_collate
+from torch.utils.data import Dataset, IterableDataset
 
-from shardwise.data import is_stream, leaves, split_batch
+from shardwise.data import collate, is_stream, leaves, split_batch
 from shardwise.strategy import Strategy, call_model, resolve
 from shardwise.trainer import FitResult, Trainer
 from shardwise.workloads import Workload
@@ -182,12 +183,7 @@ class Coupling:
 
 def _first_items(dataset: Any, count: int) -> list[Any]:
     if is_stream(dataset):
-        out = []
-        for item in dataset:
-            if len(out) == count:
-                break
-            out.append(item)
-        return out
+        return list(itertools.islice(dataset, count))
     return [dataset[i] for i in range(min(count, len(dataset)))]
 
 
@@ -243,7 +239,7 @@ def probe_coupling(model: nn.Module, dataset: Any, samples: int = 8, seed: int =
     n = len(items) // 3
     if n < 1:
         return Coupling(False, False, names)  # too few items for two distinct batches: nothing can be seen
-    batches = [default_collate(items[:2 * n]), default_collate(items[:n] + items[2 * n:3 * n])]
+    batches = [collate(items[:2 * n]), collate(items[:n] + items[2 * n:3 * n])]
 
     def changed(freeze: bool) -> bool:
         try:
