@@ -15,8 +15,8 @@ __version__ = "0.1.0"
 _PUBLIC: dict[str, str] = {
     "init": "shardwise.loop:init",
     "Prepared": "shardwise.loop:Prepared",
-    "Callback": "shardwise.callbacks:Callback",
-    "EarlyStopping": "shardwise.callbacks:EarlyStopping",
+    "Callback": "shardwise.fit.callbacks:Callback",
+    "EarlyStopping": "shardwise.fit.callbacks:EarlyStopping",
     "all_reduce_mean": "shardwise.loop:all_reduce_mean",
     "clip_grad_norm_": "shardwise.loop:clip_grad_norm_",
     "gather": "shardwise.loop:gather",
@@ -24,34 +24,53 @@ _PUBLIC: dict[str, str] = {
     "prepare_dataloader": "shardwise.loop:prepare_dataloader",
     "save": "shardwise.loop:save",
     "load": "shardwise.loop:load",
-    "CLASSES": "shardwise.strategy:CLASSES",
-    "DDP": "shardwise.strategy:DDP",
-    "REGISTRY": "shardwise.strategy:REGISTRY",
-    "Single": "shardwise.strategy:Single",
-    "Strategy": "shardwise.strategy:Strategy",
-    "available_strategies": "shardwise.strategy:available_strategies",
-    "register": "shardwise.strategy:register",
-    "resolve": "shardwise.strategy:resolve",
-    "Topology": "shardwise.topology:Topology",
-    "teardown": "shardwise.topology:teardown",
-    "FitResult": "shardwise.trainer:FitResult",
-    "Trainer": "shardwise.trainer:Trainer",
+    "CLASSES": "shardwise.strategies.registry:CLASSES",
+    "DDP": "shardwise.strategies.ddp:DDP",
+    "REGISTRY": "shardwise.strategies.registry:REGISTRY",
+    "Single": "shardwise.strategies.single:Single",
+    "Strategy": "shardwise.strategies.base:Strategy",
+    "available_strategies": "shardwise.strategies.registry:available_strategies",
+    "register": "shardwise.strategies.registry:register",
+    "resolve": "shardwise.strategies.registry:resolve",
+    "Topology": "shardwise.comm.topology:Topology",
+    "teardown": "shardwise.comm.topology:teardown",
+    "FitResult": "shardwise.fit.trainer:FitResult",
+    "Trainer": "shardwise.fit.trainer:Trainer",
     "setup": "shardwise.loop:setup",
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is imported on first use
-    from shardwise.callbacks import Callback, EarlyStopping
-    from shardwise.loop import (Prepared, all_reduce_mean, clip_grad_norm_, gather, init, load, no_sync,
-                                prepare_dataloader, save, setup)
-    from shardwise.strategy import CLASSES, DDP, REGISTRY, Single, Strategy, available_strategies, register, resolve
-    from shardwise.topology import Topology, teardown
-    from shardwise.trainer import FitResult, Trainer
+    from shardwise.comm.topology import Topology, teardown
+    from shardwise.fit.callbacks import Callback, EarlyStopping
+    from shardwise.fit.trainer import FitResult, Trainer
+    from shardwise.loop import (
+        Prepared,
+        all_reduce_mean,
+        clip_grad_norm_,
+        gather,
+        init,
+        load,
+        no_sync,
+        prepare_dataloader,
+        save,
+        setup,
+    )
+    from shardwise.strategies.base import Strategy
+    from shardwise.strategies.ddp import DDP
+    from shardwise.strategies.registry import (
+        CLASSES,
+        REGISTRY,
+        available_strategies,
+        register,
+        resolve,
+    )
+    from shardwise.strategies.single import Single
 
 
 def __getattr__(name: str) -> Any:
     target = _PUBLIC.get(name)
     if target is None:
-        from shardwise.strategy import CLASSES
+        from shardwise.strategies.registry import CLASSES
 
         target = CLASSES.get(name)
     if target is None:
@@ -63,7 +82,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    from shardwise.strategy import CLASSES
+    from shardwise.strategies.registry import CLASSES
 
     return sorted({*globals(), *_PUBLIC, *CLASSES})
 

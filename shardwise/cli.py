@@ -75,7 +75,7 @@ def _run(argv: list[str]) -> int:
         argv = ["--help"]
     from torch.distributed import run as torchrun
 
-    from shardwise.topology import threads_per_rank
+    from shardwise.comm.topology import threads_per_rank
 
     try:
         args, private = torchrun_args(argv, os.environ)
@@ -136,7 +136,7 @@ def _verify(a: argparse.Namespace) -> int:
 
 def _checkpoint(a: argparse.Namespace) -> int:
     """``ls``: one line per checkpoint, exit 1 when the newest is not intact; ``export``: the model, plainly."""
-    from shardwise import checkpoint_tools as tools
+    from shardwise.checkpoint import tools
 
     try:
         if a.verb == "ls":

@@ -8,8 +8,9 @@ from rich.console import Console
 from rich.table import Table
 
 from shardwise.console import make_console
-from shardwise.strategy import Strategy, available_strategies
-from shardwise.trainer import Trainer
+from shardwise.fit.trainer import Trainer
+from shardwise.strategies.base import Strategy
+from shardwise.strategies.registry import available_strategies
 from shardwise.verify import accuracy, compare
 from shardwise.workloads import digits
 
@@ -17,7 +18,7 @@ from shardwise.workloads import digits
 def _three_d() -> Strategy:
     """dp=2 x tp=2 x pp=2 with ZeRO-1 over dp on the digits MLP: stage 0 is net.0, stage 1 net.2..net.4,
     whose two Linear layers are split Megatron-style (column then row)."""
-    from shardwise.parallel.compose import Parallel
+    from shardwise.strategies.parallel import Parallel
     return Parallel(dp=2, tp=2, pp=2, zero=1, split_points=["net.2"],
                     tp_plan={"net.2": "colwise", "net.4": "rowwise"}, microbatches=2)
 

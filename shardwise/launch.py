@@ -29,9 +29,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shardwise import cluster
-from shardwise.cluster import ClusterEnv, loopback_interface  # loopback_interface: its former home was here
+from shardwise.cluster import (  # loopback_interface: its former home was here
+    ClusterEnv,
+    loopback_interface,
+)
+from shardwise.comm.topology import backend_for, pick_device, threads_per_rank
 from shardwise.precision import default_dtype_name
-from shardwise.topology import backend_for, pick_device, threads_per_rank
 
 
 def adopt_cluster_env(environ: MutableMapping[str, str] | None = None) -> ClusterEnv | None:
@@ -340,7 +343,9 @@ def loopback_rendezvous(timeout: _dt.timedelta = _dt.timedelta(minutes=5)) -> tu
     """
     store = job_store(timeout)
     try:
-        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+            DynamicRendezvousHandler,
+        )
 
         def on_loopback(self: Any, master_addr: str, master_port: int) -> dist.TCPStore:
             return job_store(timeout)

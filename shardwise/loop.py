@@ -31,8 +31,10 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from shardwise import launch
 from shardwise import precision as precision_mod
-from shardwise.strategy import LossFn, OptimizerFactory, StepRun, Strategy, iter_chunks, resolve
-from shardwise.topology import Topology
+from shardwise.comm.topology import Topology
+from shardwise.step import LossFn, OptimizerFactory, StepRun, iter_chunks
+from shardwise.strategies.base import Strategy
+from shardwise.strategies.registry import resolve
 
 
 class Prepared(nn.Module):
@@ -107,7 +109,7 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
     needs a loss scaler that a hand-written loop would have to drive: use the Trainer for ``"16-mixed"``.
     ``sync_batchnorm``: BatchNorm normalises with the whole global batch's statistics (see the Trainer).
     """
-    from shardwise import checkpoint
+    from shardwise.checkpoint import store as checkpoint
 
     precision = precision_mod.check(precision)
     if precision == "16-mixed":
@@ -117,7 +119,7 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
         raise TypeError("optimizer_fn must be a factory that builds the optimizer from parameters (each rank builds "
                         "its own, over the parameters it holds), e.g. functools.partial(torch.optim.AdamW, lr=1e-3)")
     strat = resolve(strategy)
-    from shardwise.strategy import HasServers
+    from shardwise.strategies.base import HasServers
 
     if isinstance(strat, HasServers):
         raise ValueError(f"strategy {strat.name!r} cannot run in a hand-written loop: its server ranks hold no "
@@ -142,7 +144,7 @@ def init(accelerator: str = "auto") -> torch.device:
     """Join the running group (``shardwise run``/torchrun), or, from a plain ``python script.py``, form a group
     of one on loopback, so that ``torch.distributed`` calls work there too; returns this rank's device."""
     if not dist.is_initialized() and not launch.under_torchrun():
-        from shardwise.topology import backend_for, pick_device
+        from shardwise.comm.topology import backend_for, pick_device
 
         device = pick_device(accelerator, 0)
         store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
@@ -258,7 +260,7 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | os
     """Write the layout-free checkpoint of step ``step`` under ``directory`` (``step_<N>``; a collective), the
     format the Trainer writes: any strategy and device count can :func:`load` it, and a Trainer can resume from
     it. ``losses``: the loss of each step so far, if the loop kept them (NaN otherwise). Returns its path."""
-    from shardwise import checkpoint
+    from shardwise.checkpoint import store as checkpoint
 
     m = _prepared(model)
     history = list(losses) if losses is not None else [float("nan")] * step
@@ -271,7 +273,7 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | os
 def load(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike[str]) -> int:
     """Restore model and optimizer in place from a checkpoint (a ``step_<N>`` directory, or the newest intact
     one under a checkpoint directory), written under any layout; returns its step (a collective)."""
-    from shardwise import checkpoint
+    from shardwise.checkpoint import store as checkpoint
 
     m = _prepared(model)
     p = os.fspath(path)

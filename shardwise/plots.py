@@ -32,7 +32,7 @@ import torch
 from torch.nn import functional as F
 
 from shardwise import launch
-from shardwise.topology import Topology
+from shardwise.comm.topology import Topology
 
 KINDS = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer states"),
          ("activation", "activations"))
@@ -127,7 +127,7 @@ def throughput_bars(records: Sequence[Mapping[str, Any]], title: str = "Throughp
 
 
 def _fit(strategy: str, devices: int, workload: str, steps: int) -> Any:
-    from shardwise.trainer import Trainer
+    from shardwise.fit.trainer import Trainer
     from shardwise.workloads import load
 
     work = load(workload)

@@ -21,13 +21,15 @@ import gc
 import os
 import pickle
 from collections.abc import Callable
+from multiprocessing import util as mp_util
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import (
+    ForkingPickler,  # torch.multiprocessing registers its tensor reductions here
+)
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
-from multiprocessing import util as mp_util
-from multiprocessing.reduction import ForkingPickler  # torch.multiprocessing registers its tensor reductions here
 
 from shardwise import launch
 from shardwise.precision import default_dtype_name
@@ -134,7 +136,7 @@ def _stop_all(workers: list[_Worker | None]) -> None:
 
 # What the pool's fork server imports once, before it forks each worker: torch, its distributed package and
 # dynamo (which the first optimizer a rank builds imports, about 1 s) and the rank's side of shardwise.
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "shardwise.pool", "shardwise.trainer")
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "shardwise.pool", "shardwise.fit.trainer")
 
 
 class WorkerPool:

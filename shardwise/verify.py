@@ -24,8 +24,10 @@ from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
 from shardwise.data import collate, is_stream, leaves, split_batch
-from shardwise.strategy import Strategy, call_model, resolve
-from shardwise.trainer import FitResult, Trainer
+from shardwise.fit.trainer import FitResult, Trainer
+from shardwise.step import call_model
+from shardwise.strategies.base import Strategy
+from shardwise.strategies.registry import resolve
 from shardwise.workloads import Workload
 
 
@@ -293,8 +295,8 @@ def batch_split(strategy: str | Strategy, devices: int, batch_size: int,
     """
     # Imported when asked: the registry loads a paradigm's module only when its strategy is named, and
     # verify needs these two classes only to read a pipeline's micro-batches and DP's replicas.
-    from shardwise.parallel.compose import Parallel
-    from shardwise.parallel.dp import DP
+    from shardwise.strategies.dp import DP
+    from shardwise.strategies.parallel import Parallel
 
     strat, k = resolve(strategy), accumulate_grad_batches
     sizes = strat.sizes(devices)

@@ -10,8 +10,8 @@ import torch
 from torch.utils.data import Subset
 
 import shardwise as sw
-from shardwise import checkpoint
-from shardwise.callbacks import Callback, EarlyStopping
+from shardwise.checkpoint import store as checkpoint
+from shardwise.fit.callbacks import Callback, EarlyStopping
 from shardwise.workloads import digits
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]
@@ -136,7 +136,7 @@ def test_bad_callbacks_are_refused_before_any_process_starts(no_spawn):
 
 
 def test_early_stopping_decides_from_the_history():
-    from shardwise.callbacks import CallbackInfo, Control
+    from shardwise.fit.callbacks import CallbackInfo, Control
 
     es = EarlyStopping(monitor="acc", mode="max", patience=2, min_delta=0.01)
     history = [{"step": 1, "acc": 0.5}, {"step": 2, "acc": 0.6}, {"step": 3, "acc": 0.605}, {"step": 4, "acc": 0.59}]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise import checkpoint
+from shardwise.checkpoint import store as checkpoint
 from shardwise.workloads import digits
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.float64]

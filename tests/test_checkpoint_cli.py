@@ -19,15 +19,16 @@ import warnings
 
 import pytest
 import torch
+from tiny_hf import gpt2, logits_loss
 from torch import nn
 
 import shardwise as sw
-from shardwise import checkpoint_tools as tools
+from shardwise.checkpoint import tools
 from shardwise.cli import main as cli
 from shardwise.models import GPT, GPTConfig, lm_loss
-from shardwise.parallel.compose import PP, Parallel
+from shardwise.strategies.parallel import Parallel
+from shardwise.strategies.pp import PP
 from shardwise.workloads import CharText, stdlib_text
-from tiny_hf import gpt2, logits_loss
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -16,14 +16,15 @@ import shutil
 
 import pytest
 import torch
+from tiny_hf import gpt2, logits_loss
 from torch import nn
 
 import shardwise as sw
-from shardwise import checkpoint
+from shardwise.checkpoint import store as checkpoint
 from shardwise.models import GPT, GPTConfig, lm_loss
-from shardwise.parallel.compose import PP, Parallel
+from shardwise.strategies.parallel import Parallel
+from shardwise.strategies.pp import PP
 from shardwise.workloads import CharText, stdlib_text
-from tiny_hf import gpt2, logits_loss
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.float64]
 

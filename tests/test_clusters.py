@@ -16,7 +16,13 @@ import torch
 
 from shardwise import cluster, launch
 from shardwise.cli import torchrun_args
-from shardwise.cluster import ClusterEnv, ClusterError, detect, expand_hostlist, slurm_port
+from shardwise.cluster import (
+    ClusterEnv,
+    ClusterError,
+    detect,
+    expand_hostlist,
+    slurm_port,
+)
 
 pytestmark = pytest.mark.timeout(120)
 

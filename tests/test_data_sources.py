@@ -16,7 +16,13 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
 import shardwise as sw
-from shardwise.data import DataSource, GlobalBatches, LoaderOptions, StreamBatches, stream_steps
+from shardwise.data import (
+    DataSource,
+    GlobalBatches,
+    LoaderOptions,
+    StreamBatches,
+    stream_steps,
+)
 from shardwise.models import GPT, MLP, GPTConfig, lm_loss
 from shardwise.workloads import CharText, digits, stdlib_text
 

@@ -11,8 +11,8 @@ from torch.nn import functional as F
 
 import shardwise as sw
 from shardwise import launch
+from shardwise.comm.topology import Topology
 from shardwise.parallel.ddp import DDPModule
-from shardwise.topology import Topology
 from shardwise.workloads import digits
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.float64]

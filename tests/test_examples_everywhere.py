@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from shardwise.strategy import available_strategies, resolve
+from shardwise.strategies.registry import available_strategies, resolve
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.fresh_processes]
 

@@ -11,10 +11,10 @@ import torch
 import shardwise as sw
 from shardwise import launch
 from shardwise.comm import collectives
-from shardwise.parallel.fsdp import ZeRO3
-from shardwise.parallel.pipeline import PP
-from shardwise.strategy import DDP
-from shardwise.topology import Topology
+from shardwise.comm.topology import Topology
+from shardwise.strategies.ddp import DDP
+from shardwise.strategies.fsdp import ZeRO3
+from shardwise.strategies.pp import PP
 from shardwise.workloads import digits
 
 pytestmark = pytest.mark.timeout(180)

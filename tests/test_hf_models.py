@@ -10,10 +10,10 @@ import os
 
 import pytest
 import torch
+from tiny_hf import gpt2, llama, logits_loss
 
 import shardwise as sw
 from shardwise.workloads import CharText, stdlib_text
-from tiny_hf import gpt2, llama, logits_loss
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

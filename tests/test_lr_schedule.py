@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise.parallel.compose import Parallel
+from shardwise.strategies.parallel import Parallel
 from shardwise.workloads import digits
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.float64]

@@ -16,7 +16,8 @@ import torch
 import shardwise as sw
 from shardwise.models import GPT, GPTConfig, lm_loss
 from shardwise.plan import plan_run
-from shardwise.strategy import DDP, resolve
+from shardwise.strategies.ddp import DDP
+from shardwise.strategies.registry import resolve
 from shardwise.workloads import CharText, stdlib_text
 
 pytestmark = pytest.mark.timeout(120)

@@ -80,7 +80,7 @@ def _single(tmp_path):
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_two_nodes_train_like_one_process(two_hosts, tmp_path, strategy):
-    from shardwise.strategy import available_strategies
+    from shardwise.strategies.registry import available_strategies
 
     if strategy not in available_strategies():
         pytest.skip(f"strategy {strategy} is not in this build")

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from shardwise import checkpoint
+from shardwise.checkpoint import store as checkpoint
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.fresh_processes]
 

@@ -10,9 +10,17 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.models import GPT, GPTConfig, lm_loss
-from shardwise.plan import ClusterSpec, Layout, ModelSpec, TrainingSpec, estimate, plan_run, rank_states
+from shardwise.plan import (
+    ClusterSpec,
+    Layout,
+    ModelSpec,
+    TrainingSpec,
+    estimate,
+    plan_run,
+    rank_states,
+)
 from shardwise.plan.states import busiest
-from shardwise.strategy import available_strategies
+from shardwise.strategies.registry import available_strategies
 from shardwise.workloads import CharText, digits, stdlib_text
 
 pytestmark = pytest.mark.timeout(240)

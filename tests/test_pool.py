@@ -16,7 +16,9 @@ import torch.nn.functional as F
 import shardwise as sw
 from shardwise import launch
 from shardwise.launch import WorkerFailed
-from shardwise.launch import spawn as fresh_spawn  # bound before the suite routes launch.spawn to the pool
+from shardwise.launch import (
+    spawn as fresh_spawn,  # bound before the suite routes launch.spawn to the pool
+)
 from shardwise.pool import WorkerPool
 from shardwise.workloads import digits
 

@@ -8,9 +8,12 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise import checkpoint
+from shardwise.checkpoint import store as checkpoint
 from shardwise.models import GPT, GPTConfig
-from shardwise.parallel.checkpointing import apply_activation_checkpointing, saved_activation_bytes
+from shardwise.parallel.checkpointing import (
+    apply_activation_checkpointing,
+    saved_activation_bytes,
+)
 from shardwise.workloads import gpt
 
 pytestmark = pytest.mark.timeout(240)

@@ -8,12 +8,12 @@ import sys
 
 import pytest
 import torch
+from conftest import assert_same_run
+from loop_script import MAX_NORM, reference, train
 
 import shardwise as sw
 from shardwise import launch
 from shardwise.precision import default_dtype_name
-from conftest import assert_same_run
-from loop_script import MAX_NORM, reference, train
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.float64]
 

@@ -20,9 +20,9 @@ from torch.nn import functional as F
 from torch.utils.data import Subset
 
 import shardwise as sw
-from shardwise import checkpoint
+from shardwise.checkpoint import store as checkpoint
 from shardwise.models import GPT, GPTConfig, lm_loss
-from shardwise.parallel.compose import Parallel
+from shardwise.strategies.parallel import Parallel
 from shardwise.workloads import CharText, digits, stdlib_text
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]

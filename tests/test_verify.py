@@ -16,6 +16,7 @@ import os
 
 import pytest
 import torch
+from tiny_hf import bert_mlm, gpt2, logits_loss
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
@@ -23,10 +24,9 @@ from torch.utils.data import TensorDataset
 from shardwise.comm.collectives import Handle
 from shardwise.models import lm_loss
 from shardwise.parallel.ddp import native_allreduce
-from shardwise.strategy import DDP
+from shardwise.strategies.ddp import DDP
 from shardwise.verify import batch_split, in_float64, judge, probe_coupling
 from shardwise.workloads import CharText, Workload, digits, stdlib_text
-from tiny_hf import bert_mlm, gpt2, logits_loss
 
 pytestmark = pytest.mark.timeout(300)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import platform
-
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -30,8 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
-    from shardwise.console import make_console
     from shardwise.bench.pairs import PAIRS
+    from shardwise.console import make_console
 
     console = make_console(min_width=140)
     names = list(PAIRS) if a.pairs == "all" else a.pairs.split(",")

@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from shardwise.bench.harness import optimizer_step, spawn_collect, timed_steps
-from shardwise.topology import Topology
+from shardwise.comm.topology import Topology
 from shardwise.workloads import mlp1024
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
@@ -79,7 +79,7 @@ def _one_core_per_device(device: torch.device) -> None:
 
 
 def _dp_worker(rank: int, device: torch.device, n: int, batch: int, reps: int, steps: int, path: str) -> None:
-    from shardwise.parallel.dp import DP
+    from shardwise.strategies.dp import DP
 
     _one_core_per_device(device)
     work = mlp1024()
@@ -169,8 +169,8 @@ def dp_vs_ddp(a: argparse.Namespace) -> Table:
 # ---- parameter server against DDP ----------------------------------------------------------------
 def _ps_configs(workers: int) -> list[tuple[str, str, Any, int]]:
     """(series, label, strategy, processes) for ``workers`` data-parallel workers."""
-    from shardwise.parallel.ps import ParameterServer
-    from shardwise.strategy import DDP
+    from shardwise.strategies.ddp import DDP
+    from shardwise.strategies.ps import ParameterServer
 
     return [("DDP", "DDP", DDP(), workers),
             ("PS sync, 1 server", "PS sync, 1 server", ParameterServer(), workers + 1),
@@ -359,9 +359,8 @@ BENCHES: dict[str, Callable[[argparse.Namespace], Table]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shardwise.console import make_console
-
     from shardwise.bench import add_arguments
+    from shardwise.console import make_console
 
     p = argparse.ArgumentParser(prog="python -m shardwise.bench.classic", description=__doc__)
     p.add_argument("which", nargs="+", choices=list(BENCHES))

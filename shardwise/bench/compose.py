@@ -24,8 +24,8 @@ from torch import nn
 
 from shardwise.bench.harness import PairResult, alternate, gather_results, spawn_collect
 from shardwise.bench.mp import StepContender, _summary_worst, _time
+from shardwise.comm.topology import Topology
 from shardwise.models import GPT, GPTConfig, lm_loss
-from shardwise.topology import Topology
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 CFG = GPTConfig(vocab_size=512, block_size=64, n_layer=4, n_head=8, n_embd=128)
@@ -39,7 +39,7 @@ def gpt(cfg: GPTConfig = CFG) -> GPT:
 
 
 def ours_fsdp_tp(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int = 1) -> LossStep:
-    from shardwise.parallel.compose import Parallel
+    from shardwise.strategies.parallel import Parallel
 
     strat = Parallel(dp=topo.size("dp"), tp=topo.size("tp"), zero=ZERO)
     pm, opt = strat.setup(model, ADAMW, topo)
@@ -55,7 +55,11 @@ def ours_fsdp_tp(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Ten
 def torch_fsdp_tp(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int = 1) -> LossStep:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     mesh = topo.mesh["dp", "tp"]  # type: ignore[index]
     tp = mesh["tp"].size()

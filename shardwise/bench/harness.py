@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from shardwise import launch
+from shardwise.comm.topology import Topology
 from shardwise.stats import current_rss_bytes, peak_rss_bytes, reset_peak_rss
-from shardwise.topology import Topology
 
 # build(model, topo) -> (model, optimizer); after the contender ran, comm_bytes()
 # tells the bytes it sent per step (None when it cannot be observed).

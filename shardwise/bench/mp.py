@@ -24,9 +24,16 @@ from rich.table import Table
 from torch import nn
 from torch.nn import functional as F
 
-from shardwise.bench.harness import (PairResult, alternate, gather_results, measure, optimizer_step, spawn_collect,
-                                     summarize)
-from shardwise.topology import Topology
+from shardwise.bench.harness import (
+    PairResult,
+    alternate,
+    gather_results,
+    measure,
+    optimizer_step,
+    spawn_collect,
+    summarize,
+)
+from shardwise.comm.topology import Topology
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 Step = Callable[[], None]
@@ -107,7 +114,11 @@ def ours_tp(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, 
 
 
 def torch_tp(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int) -> Step:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     styles = {k: ColwiseParallel() if v == "colwise" else RowwiseParallel()
               for k, v in _tp_plan(model).items()}  # type: ignore[arg-type]
@@ -372,7 +383,11 @@ def main(argv: list[str] | None = None) -> int:
             t.add_row(str(n), str(calls), f"{sent:,}", f"{4 * (2 * (n - 1) * act // n):,}")
         console.print(t)
     elif a.what == "timeline":
-        from shardwise.parallel.schedules import bubble_fraction, peak_in_flight, simulate
+        from shardwise.parallel.schedules import (
+            bubble_fraction,
+            peak_in_flight,
+            simulate,
+        )
 
         for p in stages:
             for m in [int(x) for x in a.micro.split(",")]:

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import functools
+import importlib
 from collections.abc import Callable
 
 import torch
@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from shardwise.bench.harness import Contender, run_pair, same_shape_target, summarize
-from shardwise.topology import Topology
+from shardwise.comm.topology import Topology
 from shardwise.workloads import mlp1024
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)

@@ -27,8 +27,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from shardwise.bench.harness import Contender, run_pair, same_shape_target, summarize
+from shardwise.comm.topology import Topology
 from shardwise.models import GPT, GPTConfig, lm_loss
-from shardwise.topology import Topology
 from shardwise.workloads import mlp1024
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
@@ -54,7 +54,7 @@ def _token_target(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 
 # ---- contenders ---------------------------------------------------------------
 def ours_zero1(model: nn.Module, topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from shardwise.parallel.zero import ZeRO1
+    from shardwise.strategies.zero import ZeRO1
 
     return ZeRO1().setup(model, ADAMW, topo)
 
@@ -72,7 +72,7 @@ def torch_zero1(model: nn.Module, topo: Topology) -> tuple[nn.Module, torch.opti
 
 def ours_sharded(strategy: str, model: nn.Module, topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Our ``strategy`` ("zero3", "fsdp") set up on ``model`` (bind the name with functools.partial)."""
-    from shardwise.strategy import resolve
+    from shardwise.strategies.registry import resolve
 
     return resolve(strategy).setup(model, ADAMW, topo)
 
@@ -81,8 +81,8 @@ def torch_fully_shard(strategy: str, model: nn.Module, topo: Topology) -> tuple[
     """FSDP2 on the same units our ``strategy`` picks, every unit resharded after forward (as ours)."""
     from torch.distributed.fsdp import fully_shard
 
-    from shardwise.parallel.fsdp import unit_modules
-    from shardwise.strategy import resolve
+    from shardwise.parallel.fsdp_units import unit_modules
+    from shardwise.strategies.registry import resolve
 
     mesh = topo.mesh["dp"]  # type: ignore[index]
     # Bottom-up (the root is last): a unit's parameters are those not already in a unit below it.

@@ -18,21 +18,18 @@ Only APIs present in both torch 2.11 and 2.13 are used.
 from __future__ import annotations
 
 import datetime as _dt
-from collections import defaultdict
-from dataclasses import dataclass, field
-from collections.abc import Callable
-from typing import Any
-
 import json
 import time
 import warnings
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from shardwise.comm.diagnostics import CollectiveTimeout, Diagnostics, Record
-
-
 
 
 def _quiet_deprecation(start: Callable[[], Any]) -> Callable[[], Any]:

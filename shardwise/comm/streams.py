@@ -26,7 +26,6 @@ from collections.abc import Iterator
 
 import torch
 
-
 _SHARED: dict[tuple[str, str], "SideStream"] = {}
 
 

@@ -25,8 +25,14 @@ from torch import Tensor, nn
 from shardwise.comm import Comm, Handle
 from shardwise.data import leaves
 from shardwise.parallel.ddp import GradSync, check_same_parameters
-from shardwise.parallel.fsdp_units import WrapPolicy, _Unit, _to_device, unit_modules
-from shardwise.parallel.sharding import broadcast_inplace, chunk_numel, local_numel, pick_collectives, shard_parts
+from shardwise.parallel.fsdp_units import WrapPolicy, _to_device, _Unit, unit_modules
+from shardwise.parallel.sharding import (
+    broadcast_inplace,
+    chunk_numel,
+    local_numel,
+    pick_collectives,
+    shard_parts,
+)
 
 
 # ---- hooks and gradient reduction -------------------------------------------

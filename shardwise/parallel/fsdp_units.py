@@ -17,7 +17,13 @@ from torch import nn
 
 from shardwise.comm import Comm
 from shardwise.comm.streams import SideStream, pinned_like
-from shardwise.parallel.sharding import FlatLayout, Waitable, all_gather, local_numel, reduce_scatter
+from shardwise.parallel.sharding import (
+    FlatLayout,
+    Waitable,
+    all_gather,
+    local_numel,
+    reduce_scatter,
+)
 
 WrapPolicy = Any  # "auto" | int | set/tuple/list of module classes | Callable[[str, nn.Module], bool]
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.comm.topology import Topology
 from shardwise.parallel.pipeline_layers import pipeline_layers, stage_layers
 from shardwise.parallel.pipeline_run import pipeline_step, resplit, sync_ties
-from shardwise.topology import Topology
 
 
 # ---- partitioning ------------------------------------------------------------------
@@ -280,7 +280,7 @@ def gather_full_state(pm: PipelineModel, topo: Topology) -> dict[str, torch.Tens
 def __getattr__(name: str) -> Any:
     # The PP strategy is a preset of the composition (shardwise.parallel.compose), which imports this module.
     if name == "PP":
-        from shardwise.parallel.compose import PP
+        from shardwise.strategies.pp import PP
 
         return PP
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,11 +24,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardwise.comm import Comm, Handle
+from shardwise.comm.topology import Topology
 from shardwise.parallel.checkpointing import SavedActivations
+from shardwise.parallel.schedules import (
+    Action,
+    Recorder,
+    check_message_order,
+    execute,
+    get_schedule,
+)
 from shardwise.precision import widened
-from shardwise.parallel.schedules import Action, Recorder, check_message_order, execute, get_schedule
-from shardwise.strategy import LossFn
-from shardwise.topology import Topology
+from shardwise.step import LossFn
 
 if TYPE_CHECKING:
     from shardwise.parallel.pipeline import PipelineModel
@@ -160,7 +166,7 @@ class _Runner:
 
 def resplit(micro_batches: Sequence[tuple[Any, Any]], m: int | None) -> list[tuple[Any, Any]]:
     """The trainer's micro-batches, or the same local batch cut into ``m`` equal ones."""
-    from shardwise.strategy import iter_chunks
+    from shardwise.step import iter_chunks
 
     if m is None:
         return list(micro_batches)

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from shardwise.comm import Comm, Handle
+from shardwise.comm.topology import Topology
 from shardwise.precision import widened
-from shardwise.topology import Topology
 
 
 def chunk_numel(numel: int, n: int) -> int:

@@ -26,19 +26,30 @@ import math
 import re
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from shardwise.comm import Comm
-from shardwise.comm.autograd import copy_to_parallel, gather_from_parallel, reduce_from_parallel
-from shardwise.parallel.tp_plans import (STYLES, Plan, Style, as_style, gpt2_plan, gpt_plan, llama_plan, mlp_plan,
-                                         plan_for, resolve_plan)
-from shardwise.strategy import OptimizerFactory, Strategy, unwrap
-from shardwise.topology import Topology
+from shardwise.comm.autograd import (
+    copy_to_parallel,
+    gather_from_parallel,
+    reduce_from_parallel,
+)
+from shardwise.parallel.tp_plans import (
+    STYLES,
+    Plan,
+    Style,
+    as_style,
+    gpt2_plan,
+    gpt_plan,
+    llama_plan,
+    mlp_plan,
+    plan_for,
+    resolve_plan,
+)
 
 # A sharded parameter carries (dim, parts): split along ``dim``, where the
 # full tensor is ``parts`` equal pieces (fused q|k|v) each split separately.
@@ -364,36 +375,6 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, tp: Comm | 
     device = every[0].device if every else torch.device("cpu")
     return clip_global_norm(counted, [p.grad for p in ps], max_norm,  # type: ignore[misc]
                             [(tp, "tp.clip"), (pp, "pp.clip")], device)
-
-
-@dataclass
-class TP(Strategy):
-    """Tensor parallelism over all devices (``tp = devices``); see the module docstring.
-
-    Args:
-        plan: module-pattern -> style dict, a :class:`Plan`, a built-in name
-            (``"gpt"``, ``"gpt2"``, ``"llama"``) or None to pick by model type.
-    """
-
-    plan: Plan | dict[str, str | Style] | str | None = None
-    name: ClassVar[str] = "tp"
-
-    def sizes(self, devices: int) -> dict[str, int]:
-        return {"dp": 1, "tp": devices, "pp": 1}
-
-    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
-              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
-        model = parallelize(model.to(topo.device), self.plan, topo.comm("tp"))
-        return model, optimizer_fn(model.parameters())
-
-    def owns_loss(self, topo: Topology) -> bool:
-        return topo.coord("tp") == 0
-
-    def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
-        return clip_grad_norm_(unwrap(model).parameters(), max_norm, tp=topo.comm("tp"))
-
-    def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
-        return gather_state(unwrap(model), topo.comm("tp"))
 
 
 __all__ = ["TP", "Plan", "Style", "STYLES", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",

@@ -22,8 +22,15 @@ from torch import Tensor, nn
 
 from shardwise.comm import Comm
 from shardwise.parallel.ddp import GradSync, bucket_params, check_same_parameters
-from shardwise.parallel.sharding import (FlatLayout, Waitable, all_gather, broadcast_inplace, pick_collectives,
-                                         reduce_scatter, shard_parts)
+from shardwise.parallel.sharding import (
+    FlatLayout,
+    Waitable,
+    all_gather,
+    broadcast_inplace,
+    pick_collectives,
+    reduce_scatter,
+    shard_parts,
+)
 
 
 class _Bucket:

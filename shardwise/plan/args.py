@@ -10,7 +10,13 @@ import argparse
 import re
 
 from shardwise.plan.known import SHAPES
-from shardwise.plan.specs import GPU_PRESETS, OFFLOADS, OPTIMIZERS, PRECISIONS, SCHEDULES
+from shardwise.plan.specs import (
+    GPU_PRESETS,
+    OFFLOADS,
+    OPTIMIZERS,
+    PRECISIONS,
+    SCHEDULES,
+)
 
 _SI = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12, "P": 1e15}
 _BYTES = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,

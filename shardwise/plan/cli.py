@@ -13,14 +13,22 @@ from rich.table import Table
 
 from shardwise.console import make_console
 
+# Re-exported: tests and the lead CLI take the flags from here too.
+from shardwise.plan.args import (  # noqa: F401
+    add_arguments,
+    parse_bytes,
+    parse_count,
+    parse_flops,
+    parse_rate,
+    parse_seconds,
+    parse_shape,
+)
 from shardwise.plan.estimate import Estimate, plan, recommend
 from shardwise.plan.fit import fmt_bytes
 from shardwise.plan.model import ModelSpec, known_model, short_count
-# Re-exported: tests and the lead CLI take the flags from here too.
-from shardwise.plan.args import (add_arguments, parse_bytes, parse_count, parse_flops, parse_rate,  # noqa: F401
-                                 parse_seconds, parse_shape)
 from shardwise.plan.specs import GPU_PRESETS, ClusterSpec, TrainingSpec
 from shardwise.plan.trace import trace_factory
+
 
 def build_model(a: argparse.Namespace) -> ModelSpec:
     if a.model and ":" in a.model and a.model.split(":")[0].endswith(".py"):

@@ -6,9 +6,19 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardwise.plan.comm import (NETWORK_KINDS, Collective, data_parallel_collectives, model_parallel_collectives,
-                                 offload_copies)
-from shardwise.plan.memory import activation_bytes, buffer_bytes, bytes_per_param, model_state_bytes
+from shardwise.plan.comm import (
+    NETWORK_KINDS,
+    Collective,
+    data_parallel_collectives,
+    model_parallel_collectives,
+    offload_copies,
+)
+from shardwise.plan.memory import (
+    activation_bytes,
+    buffer_bytes,
+    bytes_per_param,
+    model_state_bytes,
+)
 from shardwise.plan.model import ModelSpec
 from shardwise.plan.specs import STRATEGIES, ClusterSpec, Layout, TrainingSpec, divisors
 from shardwise.plan.timing import StepTime, model_flops_per_step, step_time

@@ -25,8 +25,17 @@ from shardwise.plan.estimate import check_layout, estimate
 from shardwise.plan.fit import fmt_bytes
 from shardwise.plan.model import ModelSpec
 from shardwise.plan.specs import ClusterSpec, Layout, TrainingSpec
-from shardwise.plan.states import (NotModelled, RankStates, busiest, check_modelled, full_grad_bytes, local_chunks,
-                                   optimizer_states, states_of, zero_stage)
+from shardwise.plan.states import (
+    NotModelled,
+    RankStates,
+    busiest,
+    check_modelled,
+    full_grad_bytes,
+    local_chunks,
+    optimizer_states,
+    states_of,
+    zero_stage,
+)
 
 _OPTIMIZER_NAMES = {2: "adamw", 1: "sgd-momentum", 0: "sgd"}  # for the time model only; bytes use the real count
 

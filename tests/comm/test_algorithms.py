@@ -8,9 +8,15 @@ import torch
 
 import shardwise as sw
 from shardwise import launch
-from shardwise.strategy import allreduce_fn
-from shardwise.comm.algorithms import chunk_sizes, naive_allreduce, naive_bytes, ring_allreduce, ring_bytes
-from shardwise.topology import Topology
+from shardwise.comm.algorithms import (
+    chunk_sizes,
+    naive_allreduce,
+    naive_bytes,
+    ring_allreduce,
+    ring_bytes,
+)
+from shardwise.comm.topology import Topology
+from shardwise.strategies.ddp import allreduce_fn
 from shardwise.workloads import digits
 
 pytestmark = pytest.mark.timeout(240)

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import shardwise as sw
-from shardwise.parallel.compose import Parallel
+from shardwise.strategies.parallel import Parallel
 from shardwise.workloads import digits
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]

@@ -8,7 +8,7 @@ import torch
 
 import shardwise as sw
 from shardwise.models import GPT, GPTConfig, lm_loss
-from shardwise.parallel.compose import Parallel
+from shardwise.strategies.parallel import Parallel
 from shardwise.workloads import CharText, stdlib_text
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]

@@ -12,13 +12,13 @@ import os
 
 import pytest
 import torch
+from tiny_hf import gpt2, llama, logits_loss
 from torch import nn
 
 import shardwise as sw
 from shardwise.models import GPT, GPTConfig, lm_loss
-from shardwise.parallel.compose import Parallel
+from shardwise.strategies.parallel import Parallel
 from shardwise.workloads import CharText, stdlib_text
-from tiny_hf import gpt2, llama, logits_loss
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

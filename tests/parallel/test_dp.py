@@ -9,7 +9,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import shardwise as sw
-from shardwise.parallel.dp import DP, DataParallelModule, gather, replicate, scatter
+from shardwise.parallel.dp import DataParallelModule, gather, replicate, scatter
+from shardwise.strategies.dp import DP
 from shardwise.workloads import digits, gpt
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.float64]

@@ -9,10 +9,12 @@ from torch import nn
 
 import shardwise as sw
 from shardwise import launch
+from shardwise.comm.topology import Topology
 from shardwise.models import MLP
-from shardwise.parallel.fsdp import FSDP, HSDP, FSDPModule, unit_modules
+from shardwise.parallel.fsdp_module import FSDPModule
+from shardwise.parallel.fsdp_units import unit_modules
 from shardwise.parallel.sharding import chunk_numel
-from shardwise.topology import Topology
+from shardwise.strategies.fsdp import FSDP, HSDP
 from shardwise.workloads import digits
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]

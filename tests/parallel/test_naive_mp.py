@@ -10,7 +10,8 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.models import GPT, GPTConfig
-from shardwise.parallel.naive_mp import NaiveModelParallel, NaiveMP
+from shardwise.parallel.naive_mp import NaiveModelParallel
+from shardwise.strategies.naive_mp import NaiveMP
 from shardwise.workloads import digits
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.float64]

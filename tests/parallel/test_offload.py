@@ -17,10 +17,10 @@ from torch import nn
 from torch.nn import functional as F
 
 import shardwise as sw
-from shardwise.parallel.fsdp import FSDP, ZeRO3
+from shardwise.comm.topology import Topology
 from shardwise.parallel.sharding import chunk_numel
-from shardwise.parallel.zero import ZeRO1, ZeRO2
-from shardwise.topology import Topology
+from shardwise.strategies.fsdp import FSDP, ZeRO3
+from shardwise.strategies.zero import ZeRO1, ZeRO2
 from shardwise.workloads import digits
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]

@@ -10,11 +10,27 @@ from torch.nn import functional as F
 
 import shardwise as sw
 from shardwise import launch
+from shardwise.comm.topology import Topology
 from shardwise.models import GPT, GPTConfig, lm_loss
-from shardwise.parallel.pipeline import PP, balanced_starts, build_pipeline, pipeline_step, resplit, stage_starts
-from shardwise.parallel.schedules import (Action, Recorder, bubble_fraction, check_message_order, gpipe_bubble,
-                                          interleaved_1f1b, one_f_one_b, peak_in_flight, simulate)
-from shardwise.topology import Topology
+from shardwise.parallel.pipeline import (
+    balanced_starts,
+    build_pipeline,
+    pipeline_step,
+    resplit,
+    stage_starts,
+)
+from shardwise.parallel.schedules import (
+    Action,
+    Recorder,
+    bubble_fraction,
+    check_message_order,
+    gpipe_bubble,
+    interleaved_1f1b,
+    one_f_one_b,
+    peak_in_flight,
+    simulate,
+)
+from shardwise.strategies.pp import PP
 from shardwise.workloads import CharText, stdlib_text
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]

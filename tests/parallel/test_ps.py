@@ -13,7 +13,8 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 import shardwise as sw
-from shardwise.parallel.ps import APPLY, HEADER, PULL, ParameterServer, StalenessGate
+from shardwise.parallel.ps import APPLY, HEADER, PULL, StalenessGate
+from shardwise.strategies.ps import ParameterServer
 from shardwise.verify import accuracy
 from shardwise.workloads import digits
 

@@ -24,10 +24,11 @@ from torch import nn
 from torch.nn import functional as F
 
 import shardwise as sw
-from shardwise import checkpoint, launch
-from shardwise.parallel.ps import ParameterServer, _server_held
+from shardwise import launch
+from shardwise.checkpoint import store as checkpoint
+from shardwise.checkpoint.pieces import build_state
 from shardwise.parallel.ps_roles import _Layout, _Server
-from shardwise.pieces import build_state
+from shardwise.strategies.ps import ParameterServer, _server_held
 from shardwise.workloads import digits
 
 pytestmark = pytest.mark.timeout(240)

@@ -7,8 +7,12 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise import launch
-from shardwise.parallel.sync_bn import SyncBatchNorm, batchnorm_layers, convert_sync_batchnorm
-from shardwise.topology import Topology
+from shardwise.comm.topology import Topology
+from shardwise.parallel.sync_bn import (
+    SyncBatchNorm,
+    batchnorm_layers,
+    convert_sync_batchnorm,
+)
 
 pytestmark = pytest.mark.timeout(120)
 

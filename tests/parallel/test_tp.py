@@ -11,10 +11,16 @@ from torch import nn
 
 import shardwise as sw
 from shardwise import launch
-from shardwise.comm.autograd import copy_to_parallel, gather_from_parallel, reduce_from_parallel, scatter_to_parallel
+from shardwise.comm.autograd import (
+    copy_to_parallel,
+    gather_from_parallel,
+    reduce_from_parallel,
+    scatter_to_parallel,
+)
+from shardwise.comm.topology import Topology
 from shardwise.models import GPT, Block, GPTConfig, lm_loss
-from shardwise.parallel.tp import TP, gather_tensor, parallelize, shard_tensor, tp_spec
-from shardwise.topology import Topology
+from shardwise.parallel.tp import gather_tensor, parallelize, shard_tensor, tp_spec
+from shardwise.strategies.tp import TP
 from shardwise.workloads import CharText, stdlib_text
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.float64]

@@ -10,9 +10,10 @@ from torch.nn import functional as F
 
 import shardwise as sw
 from shardwise import launch
+from shardwise.comm.topology import Topology
 from shardwise.parallel.sharding import chunk_numel, local_numel
-from shardwise.parallel.zero import ShardedOptimizer, ZeRO1, ZeRO2
-from shardwise.topology import Topology
+from shardwise.parallel.zero import ShardedOptimizer
+from shardwise.strategies.zero import ZeRO1, ZeRO2
 from shardwise.workloads import digits
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.float64]
@@ -152,8 +153,8 @@ def test_weights_equal_torch_zero_redundancy_optimizer(tmp_path):
 def _dcp_round_trip(rank, device, strategy, path):
     import torch.distributed.checkpoint as dcp
 
-    from shardwise.checkpoint import model_shapes
-    from shardwise.pieces import LoadPlanner, SavePlanner, build_state
+    from shardwise.checkpoint.pieces import LoadPlanner, SavePlanner, build_state
+    from shardwise.checkpoint.store import model_shapes
 
     topo = Topology.create(device)
     strat = sw.resolve(strategy)

@@ -3,7 +3,14 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise.plan import KNOWN_MODELS, ClusterSpec, Layout, ModelSpec, TrainingSpec, estimate
+from shardwise.plan import (
+    KNOWN_MODELS,
+    ClusterSpec,
+    Layout,
+    ModelSpec,
+    TrainingSpec,
+    estimate,
+)
 from shardwise.plan.memory import in_flight_microbatches, layer_activation_bytes
 
 pytestmark = pytest.mark.timeout(60)

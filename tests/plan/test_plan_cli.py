@@ -10,7 +10,13 @@ import textwrap
 import pytest
 
 from shardwise.plan.__main__ import main
-from shardwise.plan.cli import add_arguments, parse_bytes, parse_count, parse_rate, parse_seconds
+from shardwise.plan.cli import (
+    add_arguments,
+    parse_bytes,
+    parse_count,
+    parse_rate,
+    parse_seconds,
+)
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -5,8 +5,18 @@ import math
 
 import pytest
 
-from shardwise.plan import (ClusterSpec, Layout, ModelSpec, TrainingSpec, bytes_sent, collective_time, estimate,
-                            group_link, shard_numel, sharded_numel)
+from shardwise.plan import (
+    ClusterSpec,
+    Layout,
+    ModelSpec,
+    TrainingSpec,
+    bytes_sent,
+    collective_time,
+    estimate,
+    group_link,
+    shard_numel,
+    sharded_numel,
+)
 from shardwise.plan.comm import Link
 
 pytestmark = pytest.mark.timeout(60)

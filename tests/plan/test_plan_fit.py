@@ -6,7 +6,14 @@ import torch
 from torch import nn
 
 from shardwise.models import GPT, MLP, GPTConfig, lm_loss
-from shardwise.plan import ClusterSpec, Layout, ModelSpec, TrainingSpec, check_fit, estimate
+from shardwise.plan import (
+    ClusterSpec,
+    Layout,
+    ModelSpec,
+    TrainingSpec,
+    check_fit,
+    estimate,
+)
 
 pytestmark = pytest.mark.timeout(60)
 

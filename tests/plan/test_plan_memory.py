@@ -3,8 +3,16 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise.plan import (ClusterSpec, Layout, ModelSpec, TrainingSpec, bytes_per_param, estimate,
-                            model_state_bytes, shard_numel)
+from shardwise.plan import (
+    ClusterSpec,
+    Layout,
+    ModelSpec,
+    TrainingSpec,
+    bytes_per_param,
+    estimate,
+    model_state_bytes,
+    shard_numel,
+)
 
 pytestmark = pytest.mark.timeout(60)
 

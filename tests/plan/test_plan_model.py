@@ -9,7 +9,13 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shardwise.models import GPT, MLP, GPTConfig
-from shardwise.plan import KNOWN_MODELS, ModelSpec, known_model, trace_factory, trace_module
+from shardwise.plan import (
+    KNOWN_MODELS,
+    ModelSpec,
+    known_model,
+    trace_factory,
+    trace_module,
+)
 from shardwise.stats import current_rss_bytes
 
 pytestmark = pytest.mark.timeout(60)

@@ -12,7 +12,16 @@ from torch import nn
 import shardwise as sw
 from shardwise.layout import RunLayout
 from shardwise.models import GPT, GPTConfig
-from shardwise.plan import ClusterSpec, Layout, ModelSpec, NotModelled, TrainingSpec, estimate, plan_run, rank_states
+from shardwise.plan import (
+    ClusterSpec,
+    Layout,
+    ModelSpec,
+    NotModelled,
+    TrainingSpec,
+    estimate,
+    plan_run,
+    rank_states,
+)
 from shardwise.plan.estimate import check_layout
 from shardwise.plan.states import busiest, local_chunks, optimizer_states
 

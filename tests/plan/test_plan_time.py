@@ -3,7 +3,14 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise.plan import KNOWN_MODELS, ClusterSpec, Layout, TrainingSpec, estimate, training_time_s
+from shardwise.plan import (
+    KNOWN_MODELS,
+    ClusterSpec,
+    Layout,
+    TrainingSpec,
+    estimate,
+    training_time_s,
+)
 from shardwise.plan.timing import days, steps_for_tokens
 
 pytestmark = pytest.mark.timeout(60)

@@ -7,7 +7,7 @@ import functools
 import torch
 
 import shardwise as sw
-from shardwise.strategy import resolve
+from shardwise.strategies.registry import resolve
 from shardwise.workloads import digits
 
 

@@ -18,8 +18,9 @@ import torch
 
 import shardwise as sw
 from shardwise.models import GPT, GPTConfig, lm_loss
-from shardwise.parallel.compose import PP, Parallel
-from shardwise.strategy import resolve
+from shardwise.strategies.parallel import Parallel
+from shardwise.strategies.pp import PP
+from shardwise.strategies.registry import resolve
 from shardwise.workloads import CharText, digits, stdlib_text
 
 

@@ -35,27 +35,25 @@ the module's ``reset_parameters``), copied into this rank's shard and freed
 before the next module, so no rank ever holds more than one module's full
 parameters plus its shards.
 
-This module holds the strategies (``FSDP``, ``ZeRO3``, ``HSDP``), which the
-strategy registry names as ``shardwise.parallel.fsdp:...``. The wrapper
-:class:`FSDPModule` lives in :mod:`shardwise.parallel.fsdp_module` and the
-unit machinery in :mod:`shardwise.parallel.fsdp_units` (issue 11: small
-modules); both ``FSDPModule`` and ``unit_modules`` stay importable from here.
+The wrapper :class:`~shardwise.parallel.fsdp_module.FSDPModule` and the unit machinery
+(:mod:`shardwise.parallel.fsdp_units`) are the mechanism; this module holds the strategies.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from shardwise.parallel.fsdp_module import FSDPModule
-from shardwise.parallel.fsdp_units import WrapPolicy, unit_modules
-from shardwise.parallel.zero import ShardedOptimizer, check_offload, zero_clip_grad_norm
+from shardwise.comm.topology import Topology
 from shardwise.layout import RunLayout
-from shardwise.strategy import OptimizerFactory, Strategy, unwrap
-from shardwise.topology import Topology
+from shardwise.parallel.fsdp_module import FSDPModule
+from shardwise.parallel.fsdp_units import WrapPolicy
+from shardwise.parallel.zero import ShardedOptimizer, check_offload, zero_clip_grad_norm
+from shardwise.step import OptimizerFactory, unwrap
+from shardwise.strategies.base import Strategy
 
 
 # ---- strategies ------------------------------------------------------------
@@ -102,7 +100,7 @@ class FSDP(Strategy):
 
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
-        from shardwise.parallelize import DataParallelOptions, wrap_module
+        from shardwise.parallel.parallelize import DataParallelOptions, wrap_module
 
         if all(p.device.type != "meta" for p in model.parameters()):
             model = model.to(topo.device)
@@ -127,7 +125,6 @@ class FSDP(Strategy):
         for k, v in unwrap(model).state_dict(keep_vars=True).items():
             out[k] = full[v].clone() if v in full else v.detach().cpu().clone()  # type: ignore[index]
         return out
-
 
 
 @dataclass
@@ -167,6 +164,3 @@ class HSDP(FSDP):
 
     def _replicas(self, topo: Topology) -> int:
         return topo.size("dp") // self._shard(topo)
-
-
-__all__ = ["FSDP", "ZeRO3", "HSDP", "FSDPModule", "WrapPolicy", "unit_modules"]

@@ -15,14 +15,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise import checkpoint, launch
+from shardwise import launch
+from shardwise.checkpoint import store as checkpoint
 from shardwise.data import DataSource, Kwargs
-from shardwise.evaluate import Validation
-from shardwise.strategy import HasServers, LossFn, OptimizerFactory, Strategy
+from shardwise.fit.evaluate import Validation
+from shardwise.step import LossFn, OptimizerFactory
+from shardwise.strategies.base import HasServers, Strategy
 
 if TYPE_CHECKING:
-    from shardwise.fit_job import SchedulerFactory
-    from shardwise.trainer import Trainer
+    from shardwise.fit.job import SchedulerFactory
+    from shardwise.fit.trainer import Trainer
 
 
 def validate(t: Trainer, model: nn.Module, dataset: Any, batch_size: int, max_steps: int,
@@ -30,7 +32,7 @@ def validate(t: Trainer, model: nn.Module, dataset: Any, batch_size: int, max_st
              lr_scheduler: SchedulerFactory | None = None) -> dict[str, Any]:
     """Everything that can be checked before any process starts or blocks; returns the run's record
     for checkpoints (:func:`shardwise.checkpoint.run_info`)."""
-    from shardwise import preflight
+    from shardwise.fit import preflight
 
     if max_steps < 1:
         raise ValueError(f"max_steps must be >= 1, got {max_steps}")
@@ -59,7 +61,7 @@ def validate(t: Trainer, model: nn.Module, dataset: Any, batch_size: int, max_st
     batch = preflight.first_batch(dataset, max(1, min(64, batch_size // (dp * k))))
     preflight.check_loss(model, batch, loss_fn)
     if t.sizes["tp"] > 1:  # the plan, applied to a meta copy, and the split forward, before any rank exists
-        from shardwise.parallel.tp_check import check_plan
+        from shardwise.fit.tp_check import check_plan
 
         check_plan(model, tp_plan(t.strategy), t.sizes["tp"], batch[0])
     check_devices(t)
@@ -190,9 +192,9 @@ def check_fit_options(trainer: Trainer, model: nn.Module, loss_fn: LossFn, data:
                       val_dataset: Any, val_every: int | None, val_metrics: dict[str, Any] | None,
                       val_batch_size: int | None, checkpoint_best: Any) -> Validation | None:
     """fit's data, validation and callback options, checked before any process starts; the run's validation."""
-    from shardwise import preflight
-    from shardwise.callbacks import check_picklable
-    from shardwise.evaluate import check_validation, make_validation
+    from shardwise.fit import preflight
+    from shardwise.fit.callbacks import check_picklable
+    from shardwise.fit.evaluate import check_validation, make_validation
 
     strat = trainer.strategy
     val_data = None if val_dataset is None else DataSource(val_dataset, data.loader, data.inputs)

@@ -21,12 +21,21 @@ from torch import nn
 
 from shardwise import launch
 from shardwise import precision as precision_mod
-from shardwise.callbacks import check_callbacks
+from shardwise.comm.topology import pick_device, teardown
 from shardwise.data import DataSource, loader_options
-from shardwise.fit_checks import check_fit_options, parse_inputs, validate
-from shardwise.fit_job import FitResult, Job, SchedulerFactory, leave_after_error, pickled, spawned_fit
-from shardwise.strategy import LossFn, OptimizerFactory, Strategy, resolve
-from shardwise.topology import pick_device, teardown
+from shardwise.fit.callbacks import check_callbacks
+from shardwise.fit.checks import check_fit_options, parse_inputs, validate
+from shardwise.fit.job import (
+    FitResult,
+    Job,
+    SchedulerFactory,
+    leave_after_error,
+    pickled,
+    spawned_fit,
+)
+from shardwise.step import LossFn, OptimizerFactory
+from shardwise.strategies.base import Strategy
+from shardwise.strategies.registry import resolve
 
 __all__ = ["FitResult", "SchedulerFactory", "Trainer", "auto_devices", "setup", "trained_into"]
 

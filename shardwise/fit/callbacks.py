@@ -179,7 +179,7 @@ def check_picklable(callbacks: Sequence[Any]) -> None:
 def agree_stop(control: Control, strategy: Any, topo: Any) -> str | None:
     """Whether any rank's callbacks asked to stop, the same answer on every rank (one flag all-reduce over the
     world): the reason (this rank's, or that another rank asked), or None."""
-    from shardwise.strategy import HasServers
+    from shardwise.strategies.base import HasServers
 
     mine = control.reason
     if isinstance(strategy, HasServers):

@@ -49,9 +49,9 @@ def check_plan(model: nn.Module, plan: Plan | dict[str, str | Style] | str | Non
     forward depends on a width or count that tp divides (the error says which
     operation failed and how a plan adjusts per-rank attributes).
     """
+    from shardwise.fit.preflight import _to_meta
     from shardwise.parallel.tp import parallelize
     from shardwise.plan.trace import meta_copy
-    from shardwise.preflight import _to_meta
 
     whole = meta_copy(model)
     split = parallelize(meta_copy(model), plan, MetaComm(tp))  # type: ignore[arg-type]

@@ -19,18 +19,32 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise import checkpoint, launch
+from shardwise import launch
 from shardwise import precision as precision_mod
-from shardwise.callbacks import CallbackInfo, Control, agree_stop, call, improved
-from shardwise.evaluate import Validation, best_so_far, evaluate, history_from, history_tensors, save_best
-from shardwise.fit_loop import count_state, global_losses, train_loop
-from shardwise.progress import StepLog, want_progress
-from shardwise.stats import cuda_peak_bytes, peak_rss_bytes, reset_cuda_peak, reset_peak_rss
-from shardwise.strategy import HasServers, LossFn, OptimizerFactory, StepRun
-from shardwise.topology import Topology
+from shardwise.checkpoint import store as checkpoint
+from shardwise.comm.topology import Topology
+from shardwise.fit.callbacks import CallbackInfo, Control, agree_stop, call, improved
+from shardwise.fit.evaluate import (
+    Validation,
+    best_so_far,
+    evaluate,
+    history_from,
+    history_tensors,
+    save_best,
+)
+from shardwise.fit.progress import StepLog, want_progress
+from shardwise.fit.steps import count_state, global_losses, train_loop
+from shardwise.stats import (
+    cuda_peak_bytes,
+    peak_rss_bytes,
+    reset_cuda_peak,
+    reset_peak_rss,
+)
+from shardwise.step import LossFn, OptimizerFactory, StepRun
+from shardwise.strategies.base import HasServers
 
 if TYPE_CHECKING:
-    from shardwise.trainer import Trainer
+    from shardwise.fit.trainer import Trainer
 
 # Builds the run's learning-rate schedule from its optimizer, e.g. partial(lr_scheduler.OneCycleLR, ...).
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]

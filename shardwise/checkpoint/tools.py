@@ -16,8 +16,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardwise import checkpoint
-from shardwise.checkpoint import MANIFEST
+from shardwise.checkpoint import store as checkpoint
+from shardwise.checkpoint.store import MANIFEST
 
 _STEP = re.compile(r"^step_(\d{8})(\.tmp)?$")
 FORMATS = ("pt", "hf")

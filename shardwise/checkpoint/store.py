@@ -40,8 +40,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.strategy import Strategy, unwrap
-from shardwise.topology import Topology
+from shardwise.comm.topology import Topology
+from shardwise.step import unwrap
+from shardwise.strategies.base import Strategy
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 MANIFEST = "manifest.json"
@@ -63,14 +64,14 @@ def model_shapes(model: nn.Module) -> dict[str, list[int]]:
 
     A tied weight appears under its first name only; :func:`tied_aliases` lists its other names.
     """
-    from shardwise.strategy import named_state
+    from shardwise.checkpoint.held import named_state
 
     return {n: list(t.shape) for n, t in named_state(unwrap(model))}
 
 
 def tied_aliases(model: nn.Module) -> dict[str, str]:
     """State-dict names that are another name of an earlier tensor (tied weights): alias -> saved name."""
-    from shardwise.strategy import named_state
+    from shardwise.checkpoint.held import named_state
 
     m = unwrap(model)
     first = {id(t): k for k, t in named_state(m)}
@@ -222,7 +223,7 @@ def check_resume(directory: str, info: dict[str, Any], max_steps: int) -> str | 
 def _state(strat: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology,
            shapes: dict[str, list[int]], step: int, losses: list[float],
            extra: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
-    from shardwise.pieces import build_state
+    from shardwise.checkpoint.pieces import build_state
 
     held = strat.checkpoint_held(model, optimizer, topo)
     state: dict[str, Any] = dict(build_state(held, shapes, topo.coord("tp"), topo.size("tp")))
@@ -254,7 +255,7 @@ def save(directory: str, step: int, losses: list[float], strat: Strategy, model:
         os.makedirs(tmp)
     _barrier(topo)
     with _quiet_single_process():
-        from shardwise.pieces import SavePlanner
+        from shardwise.checkpoint.pieces import SavePlanner
 
         dcp.save(_state(strat, model, optimizer, topo, shapes, step, losses, extra), checkpoint_id=tmp,
                  planner=SavePlanner())
@@ -338,7 +339,7 @@ def load(path: str, strat: Strategy, model: nn.Module, optimizer: torch.optim.Op
     check_compatible(path, shapes, manifest)
     step = int(manifest["step"])
     extra = {k: torch.zeros(shape, dtype=getattr(torch, dt)) for k, (shape, dt) in manifest.get("extra", {}).items()}
-    from shardwise.pieces import LoadPlanner
+    from shardwise.checkpoint.pieces import LoadPlanner
 
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     # A checkpoint written before the optimizer's first step (fp16 skipping overflowed steps)

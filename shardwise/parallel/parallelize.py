@@ -33,9 +33,9 @@ import torch
 from torch import nn
 
 from shardwise.comm import Comm
+from shardwise.comm.topology import Topology
 from shardwise.layout import check_data_parallel
-from shardwise.strategy import OptimizerFactory
-from shardwise.topology import Topology
+from shardwise.step import OptimizerFactory
 
 
 @dataclass(frozen=True)
@@ -121,12 +121,12 @@ def wrap_module(module: nn.Module, topo: Topology, opts: DataParallelOptions) ->
                          find_unused_parameters=opts.find_unused_parameters,
                          allreduce=opts.allreduce or native_allreduce, reduce_dtype=opts.reduce_dtype)
     if opts.zero in (1, 2):
-        from shardwise.parallel.zero import ZeROModule
+        from shardwise.parallel.zero_module import ZeROModule
 
         return ZeROModule(module, topo.comm("dp"), stage=opts.zero, bucket_cap_mb=opts.bucket_cap_mb or 4.0,
                           collectives=opts.collectives,
                           offload_device=opts.offload_device if opts.offload == "optimizer" else None)
-    from shardwise.parallel.fsdp import FSDPModule
+    from shardwise.parallel.fsdp_module import FSDPModule
 
     shard, rep = fsdp_groups(topo, opts.replicate, opts.hybrid)
     return FSDPModule(module, shard, wrap=opts.wrap, reshard_after_forward=opts.reshard_after_forward,

@@ -15,14 +15,21 @@ import torch
 from torch import nn
 
 from shardwise import precision as precision_mod
+from shardwise.comm.topology import Topology
 from shardwise.data import Kwargs, as_source, leaves
-from shardwise.progress import StepLog, batch_tokens, progress_bar, total_numel, want_progress
+from shardwise.fit.progress import (
+    StepLog,
+    batch_tokens,
+    progress_bar,
+    total_numel,
+    want_progress,
+)
 from shardwise.stats import unique_bytes
-from shardwise.strategy import StepRun, Strategy, iter_chunks
-from shardwise.topology import Topology
+from shardwise.step import StepRun, iter_chunks
+from shardwise.strategies.base import Strategy
 
 if TYPE_CHECKING:
-    from shardwise.fit_job import Job, SchedulerFactory
+    from shardwise.fit.job import Job, SchedulerFactory
 
 
 def train_loop(job: Job, model: nn.Module, opt: torch.optim.Optimizer, topo: Topology, prev: list[float],

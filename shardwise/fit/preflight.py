@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from shardwise.data import DataSource, Kwargs, as_source, check_dataset, is_stream
-from shardwise.strategy import call_model
+from shardwise.step import call_model
 
 
 def check_indexable(dataset: Any) -> None:

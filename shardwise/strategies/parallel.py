@@ -23,18 +23,26 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from shardwise.checkpoint.held import first_named, held_state
+from shardwise.comm.topology import Topology
 from shardwise.layout import RunLayout
-from shardwise.parallel.pipeline import PipelineModel, find_ties, gather_full_state, pipeline_step, stage_starts
+from shardwise.parallel.accounting import model_state_tensors, with_optimizer_states
+from shardwise.parallel.parallelize import DataParallelOptions, Owners, parallelize
+from shardwise.parallel.pipeline import (
+    PipelineModel,
+    find_ties,
+    gather_full_state,
+    pipeline_step,
+    stage_starts,
+)
 from shardwise.parallel.pipeline_layers import stage_layers
 from shardwise.parallel.schedules import Recorder, get_schedule
 from shardwise.parallel.tp import Plan, Style, counts_in_norm
-from shardwise.parallelize import DataParallelOptions, Owners, parallelize
-from shardwise.strategy import (LossFn, OptimizerFactory, StepRun, Strategy, first_named, held_state,
-                                model_state_tensors, with_optimizer_states)
-from shardwise.topology import Topology
+from shardwise.step import LossFn, OptimizerFactory, StepRun
+from shardwise.strategies.base import Strategy
 
 if TYPE_CHECKING:
-    from shardwise.pieces import Held
+    from shardwise.checkpoint.pieces import Held
 
 
 @dataclass
@@ -57,7 +65,7 @@ class Parallel(Strategy):
         tp_plan: tensor-parallel plan (None: the built-in plan for the model type).
         bucket_cap_mb: DDP/ZeRO bucket size (None: each one's default).
         collectives, offload, offload_device, wrap, reshard_after_forward: as in
-            :class:`~shardwise.parallel.fsdp.FSDP` (offload and collectives for ZeRO-1/2 too).
+            :class:`~shardwise.strategies.fsdp.FSDP` (offload and collectives for ZeRO-1/2 too).
     """
 
     schedule: str = "1f1b"
@@ -235,22 +243,6 @@ class Parallel(Strategy):
             for k, v in model_state_tensors(h).items():
                 parts.setdefault(k, []).extend(v)
         return with_optimizer_states(parts, optimizer)
-
-
-@dataclass
-class PP(Parallel):
-    """Pipeline parallelism over all devices (``pp = devices``): the preset of :class:`Parallel`."""
-
-    name: ClassVar[str] = "pp"
-
-    def __post_init__(self) -> None:
-        if (self.dp, self.tp, self.pp, self.zero) != (-1, 1, 1, 0):
-            raise ValueError("PP puts every device in the pipeline; for dp/tp/zero use sw.Parallel(dp=, tp=, pp=, "
-                             "zero=)")
-        super().__post_init__()
-
-    def sizes(self, devices: int) -> dict[str, int]:
-        return {"dp": 1, "tp": 1, "pp": devices}
 
 
 __all__ = ["PP", "Parallel"]

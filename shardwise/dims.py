@@ -1,0 +1,140 @@
+"""The parallel dimensions of a run: one value owns their names, their sizes and their rules.
+
+Every other module names a dimension through the constants below (``topo.comm(TP)``,
+``dims.size(DP)``); the strings themselves are written here and nowhere else in
+the package (``tests/test_structure.py`` checks it). Adding a dimension starts
+here: see docs/architecture.md, "How to add a parallel dimension".
+
+The device mesh has the dimensions of :data:`MESH`, outermost first, in
+torchtitan's order (``ParallelDims`` in torchtitan's ``parallel_dims.py``):
+
+* ``pp``: pipeline stages (outermost: stages exchange only activations, the
+  lightest traffic, so they may cross nodes);
+* ``dp_replicate`` x ``dp_shard``: data parallelism, as replicas of shards
+  (DDP is all replicas, ZeRO/FSDP all shards, HSDP both);
+* ``cp``: context parallelism (the sequence split over ranks);
+* ``tp``: tensor parallelism (innermost: a tp group is made of neighbouring
+  ranks, the ones on one node, because it talks in every layer).
+
+Two more names are derived, not mesh dimensions of their own: ``dp``, the
+flattened data-parallel group (``dp_replicate * dp_shard`` ranks: what the data
+is split over), and ``ep``, expert parallelism, which borrows its ranks from
+``dp_shard * cp`` as torchtitan's does (each expert group sees different tokens).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+PP = "pp"
+DP_REPLICATE = "dp_replicate"
+DP_SHARD = "dp_shard"
+CP = "cp"
+TP = "tp"
+EP = "ep"
+DP = "dp"  # the flattened data-parallel group: dp_replicate x dp_shard
+WORLD = "world"  # every rank: not a dimension, the name of the whole group
+
+MESH: tuple[str, ...] = (PP, DP_REPLICATE, DP_SHARD, CP, TP)  # the device mesh, outermost first
+DERIVED: tuple[str, ...] = (DP, EP)
+SIZES: tuple[str, ...] = (PP, DP, TP)  # the classic three: Trainer.sizes, the checkpoint manifest, the CLI
+SPLIT_BY: tuple[str, ...] = (DP, CP, TP, PP)  # the order "dp*cp*tp*pp = ..." names the sizes in messages
+NAMES: tuple[str, ...] = MESH + DERIVED
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Named sizes of the parallel dimensions; the world is their product (``ep`` is carved out of dp x cp).
+
+    Build one with :meth:`for_world` (``dp=-1``: the ranks left over) or directly;
+    either way it is valid once built: every size is at least 1 and ``ep``
+    divides ``dp_shard * cp``.
+    """
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for name, v in asdict(self).items():
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}={v}: parallel sizes must be >= 1")
+        if (self.dp_shard * self.cp) % self.ep:
+            raise ValueError(f"{EP}={self.ep} must divide {DP_SHARD}*{CP} = {self.dp_shard}*{self.cp}: experts are "
+                             f"spread over the ranks that see different tokens")
+
+    # ---- sizes --------------------------------------------------------------------------------
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: the batch is split ``dp`` ways."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return math.prod(self.size(d) for d in MESH)
+
+    def size(self, name: str) -> int:
+        """The size of a dimension (``dp``, ``ep`` and ``world`` included) by name."""
+        if name == WORLD:
+            return self.world
+        if name == DP:
+            return self.dp
+        if name not in NAMES:
+            raise KeyError(f"unknown parallel dimension {name!r}; valid: {', '.join((*NAMES, WORLD))}")
+        return int(getattr(self, name))
+
+    def sizes(self) -> dict[str, int]:
+        """``{"pp", "dp", "tp"}``, plus ``cp`` and ``ep`` when they are used: the sizes people read and compare."""
+        out = {d: self.size(d) for d in SIZES}
+        out.update({d: self.size(d) for d in (CP, EP) if self.size(d) > 1})
+        return out
+
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(self.size(d) for d in MESH)
+
+    def label(self) -> str:
+        """``"dp=2, tp=2"``: the sizes above 1, in the order of :data:`SPLIT_BY`."""
+        return ", ".join(f"{d}={self.size(d)}" for d in (*SPLIT_BY, EP) if self.size(d) > 1)
+
+    # ---- building -------------------------------------------------------------------------------
+    @classmethod
+    def for_world(cls, world: int, dp: int = -1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                  replicate: int = 1) -> ParallelDims:
+        """The dims of ``world`` ranks: ``dp=-1`` takes the ranks ``tp*pp*cp`` leave; ``replicate`` data-parallel
+        replicas of ``dp // replicate`` shards (1: every dp rank one shard; ``replicate = dp``: pure replicas)."""
+        given = {TP: tp, PP: pp, CP: cp}
+        for name, v in given.items():
+            if v < 1:
+                raise ValueError(f"{name}={v}: parallel sizes must be >= 1")
+        rest = tp * pp * cp
+        if dp == -1:
+            if world % rest:
+                named = "*".join(d for d in SPLIT_BY if d != DP and (given[d] > 1 or d != CP))
+                values = "*".join(str(given[d]) for d in SPLIT_BY if d != DP and (given[d] > 1 or d != CP))
+                raise ValueError(f"world size {world} is not divisible by {named} = {values} = {rest}")
+            dp = world // rest
+        if dp < 1:
+            raise ValueError(f"{DP}={dp}: parallel sizes must be >= 1")
+        sizes = {DP: dp, **given}
+        shown = [d for d in SPLIT_BY if d != CP or cp > 1]
+        if dp * rest != world:
+            raise ValueError(
+                f"{'*'.join(shown)} = {'*'.join(str(sizes[d]) for d in shown)} = {dp * rest} does not equal the "
+                f"world size {world}; choose sizes whose product is {world} (or pass devices={dp * rest})")
+        if replicate < 1 or dp % replicate:
+            raise ValueError(f"replicate={replicate} must divide the data-parallel size {DP}={dp} "
+                             f"(HSDP: {replicate} replicas of dp/replicate shards)")
+        return cls(pp=pp, dp_replicate=replicate, dp_shard=dp // replicate, cp=cp, tp=tp, ep=ep)
+
+    def with_replicas(self, replicate: int) -> ParallelDims:
+        """The same world with the data-parallel ranks regrouped as ``replicate`` replicas of shards."""
+        if replicate < 1 or self.dp % replicate:
+            raise ValueError(f"replicate={replicate} must divide the data-parallel size {DP}={self.dp}")
+        return replace(self, dp_replicate=replicate, dp_shard=self.dp // replicate)
+
+
+__all__ = ["CP", "DERIVED", "DP", "DP_REPLICATE", "DP_SHARD", "EP", "MESH", "NAMES", "PP", "ParallelDims", "SIZES",
+           "SPLIT_BY", "TP", "WORLD"]

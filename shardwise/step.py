@@ -1,0 +1,67 @@
+"""TODO docstring."""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    pass
+
+
+OptimizerFactory = Callable[..., torch.optim.Optimizer]
+
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)
+
+
+@dataclass(frozen=True)
+class StepRun:
+    """What the run, not the strategy, decides about one step: passed in, never stored in a strategy.
+
+    ``precision``: autocast for forward and loss (backward runs outside it);
+    ``loss_scale``: the fp16 loss scaler's current factor (1 otherwise).
+    """
+
+    precision: str = "32"
+    loss_scale: float = 1.0
+
+    def forward_context(self, device: torch.device) -> contextlib.AbstractContextManager[object]:
+        from shardwise.precision import autocast
+
+        return autocast(self.precision, device)
+
+
+def call_model(model: nn.Module, x: Any) -> Any:
+    """``model(x)``, or ``model(**x)`` for the keyword inputs of a dict batch (:class:`shardwise.data.Kwargs`)."""
+    from shardwise.data import Kwargs
+
+    return model(**x) if isinstance(x, Kwargs) else model(x)
+
+
+def iter_chunks(x: Any, k: int) -> Iterator[Any]:
+    """Split a batch (tensor or tuple/dict of tensors) into ``k`` equal micro-batches along dim 0."""
+    if isinstance(x, torch.Tensor):
+        yield from x.chunk(k)
+    elif isinstance(x, (list, tuple)) and x and all(isinstance(v, (str, bytes, int, float)) for v in x):
+        n = -(-len(x) // k)  # a collated list of plain values (the strings of a dict batch): split like a tensor
+        yield from (x[i:i + n] for i in range(0, len(x), n))
+    elif isinstance(x, (list, tuple)):
+        for parts in zip(*(list(iter_chunks(v, k)) for v in x)):
+            yield type(x)(parts) if isinstance(x, tuple) else list(parts)
+    elif isinstance(x, dict):
+        from shardwise.data import Kwargs
+
+        keys = list(x)
+        for parts in zip(*(list(iter_chunks(x[kk], k)) for kk in keys)):
+            yield Kwargs(zip(keys, parts)) if isinstance(x, Kwargs) else dict(zip(keys, parts))
+    else:
+        raise TypeError(f"cannot split a batch of type {type(x).__name__} into micro-batches")

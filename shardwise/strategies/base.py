@@ -1,0 +1,157 @@
+"""TODO docstring."""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from shardwise.checkpoint.held import held_state, named_state
+from shardwise.comm.topology import Topology
+from shardwise.layout import RunLayout
+from shardwise.parallel.accounting import model_state_tensors, with_optimizer_states
+from shardwise.precision import widened
+from shardwise.step import LossFn, OptimizerFactory, StepRun, call_model, unwrap
+
+if TYPE_CHECKING:
+    from shardwise.checkpoint.pieces import Held
+
+
+class Strategy:
+    """Base class: a single replica on one device; subclasses override what they change.
+
+    A strategy object holds only its own options: the run's state (precision,
+    the loss scale) reaches :meth:`train_step` as a :class:`StepRun`.
+    """
+
+    name: ClassVar[str] = "single"
+
+    def sizes(self, devices: int) -> dict[str, int]:
+        """Parallel sizes (dp, tp, pp) for ``devices`` processes."""
+        return {"dp": devices, "tp": 1, "pp": 1}
+
+    def describe(self, devices: int) -> RunLayout:
+        """The whole layout this strategy builds on ``devices`` (for the planner); subclasses add their options."""
+        s = self.sizes(devices)
+        return RunLayout(self.name, s["dp"], s["tp"], s["pp"])
+
+    def processes(self, devices: int) -> int:
+        """How many processes to start for ``devices`` (1 for single-process strategies)."""
+        return devices
+
+    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
+              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = model.to(topo.device)
+        return model, optimizer_fn(model.parameters())
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """Suppress gradient communication for a non-final micro-batch: the wrapper's own
+        ``no_sync`` (DDP, ZeRO-1/2, FSDP); nothing for models that communicate no gradients."""
+        from shardwise.parallel.ddp import GradSync
+
+        return model.no_sync() if isinstance(model, GradSync) else contextlib.nullcontext()
+
+    def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
+                   topo: Topology, run: StepRun = StepRun()) -> torch.Tensor | None:
+        """Forward and backward over the micro-batches of one step; returns this rank's mean loss.
+
+        Each micro-batch's loss is divided by their count, so the accumulated
+        gradient is that of the mean over the whole (local) batch.
+        """
+        k = len(micro_batches)
+        total: torch.Tensor | float = 0.0
+        for i, (x, y) in enumerate(micro_batches):
+            ctx = self.no_sync(model) if i < k - 1 else contextlib.nullcontext()
+            with ctx:
+                with run.forward_context(topo.device):
+                    loss = loss_fn(call_model(model, x), y)
+                (widened(loss) * (run.loss_scale / k)).backward()
+            total = total + widened(loss.detach())
+        return total / k  # type: ignore[return-value]
+
+    def eval_step(self, model: nn.Module, x: Any, y: Any, fn: Callable[[Any, Any], torch.Tensor], topo: Topology,
+                  run: StepRun = StepRun()) -> torch.Tensor | None:
+        """The forward of one evaluation batch, no backward: ``fn(output, y)`` (a 1-D tensor of per-batch values)
+        where this rank computes the model's output, None on ranks that do not (pipeline stages but the last).
+
+        The caller puts the model in eval mode; this runs under ``torch.no_grad`` and the run's autocast, so
+        data-parallel wrappers gather what they shard (ZeRO-3, FSDP) and free it again without preparing a
+        backward. Only :meth:`owns_loss` ranks' values count (tensor-parallel ranks compute the same ones).
+        """
+        from shardwise.data import leaves, to_device
+
+        with torch.no_grad(), run.forward_context(topo.device):
+            out = call_model(model, x)
+            where = next(iter(leaves(out)), None)  # the output's device (naive model parallelism: the last one)
+            return fn(out, to_device(y, where.device) if where is not None else y)
+
+    def owns_loss(self, topo: Topology) -> bool:
+        """Whether this rank's loss counts in the global mean (one per data-parallel replica)."""
+        return True
+
+    def data_parallel(self, topo: Topology) -> tuple[int, int]:
+        """(number of data shards, this rank's shard): which part of each global batch this rank reads."""
+        return topo.size("dp"), topo.coord("dp")
+
+    def batch_shards(self, devices: int) -> int:
+        """How many parts each global batch is split into on ``devices`` (the ranks that read data)."""
+        return self.sizes(devices)["dp"]
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Reject, before any process starts, an optimizer this strategy cannot drive."""
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError(f"strategy {self.name!r} does not support torch.optim.LBFGS: it needs a closure that "
+                             "re-evaluates the loss several times per step, which the Trainer's step does not provide")
+
+    def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int) -> None:
+        """Reject (or warn about), before any process starts, a model or batch this layout cannot use well."""
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
+        """The unsharded state dict on CPU (a collective for sharded strategies)."""
+        return {k: v.detach().cpu().clone() for k, v in unwrap(model).state_dict().items()}
+
+    def checkpoint_held(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology) -> list[Held]:
+        """What this rank holds of every tensor of the layout-free checkpoint (see :mod:`shardwise.pieces`).
+
+        Keys are ``model.<fqn>`` (parameters and persistent buffers, named as in
+        the unsplit model) and ``optim.<fqn>.<state>`` (e.g.
+        ``optim.net.0.weight.exp_avg``). Every tensor is a view of live storage,
+        so a load (in place) restores the run; optimizer states must exist (see
+        :func:`shardwise.checkpoint.materialize`). The default covers a model
+        whose tensors are whole or tensor-parallel slices, wrapped (or not) by
+        one data-parallel wrapper that reports its shards (``checkpoint_parts``).
+        """
+        return held_state(named_state(unwrap(model)), [model], optimizer)
+
+    def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
+        """Tensors this rank holds for the model state, by kind, for exact byte accounting.
+
+        A data-parallel wrapper reports its own (``model_state_tensors``: flat
+        buckets, shard rows, host copies); the optimizer's states are added here.
+        """
+        return with_optimizer_states(model_state_tensors(model), optimizer)
+
+
+class HasServers(Strategy):
+    """A strategy some of whose ranks serve instead of training (the parameter server).
+
+    Only such strategies carry a server loop; the trainer asks
+    ``isinstance(strategy, HasServers)`` before calling it.
+    """
+
+    def is_server(self, topo: Topology) -> bool:
+        """True on ranks that read no data and run :meth:`serve` instead of the step loop."""
+        return False
+
+    def serve(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology, steps: int) -> list[float]:
+        """The loop of a server rank for ``steps`` optimizer steps; returns per-step times (seconds)."""
+        raise NotImplementedError
+
+    def rank_stats(self, model: nn.Module, topo: Topology) -> dict[str, Any]:
+        """Extra per-rank entries for ``FitResult.stats`` (e.g. a parameter server's staleness record)."""
+        return {}

@@ -1,0 +1,70 @@
+"""TODO docstring."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from shardwise.checkpoint.held import held_state
+from shardwise.comm.topology import Topology
+from shardwise.parallel.naive_mp import NaiveModelParallel, _move
+from shardwise.precision import widened
+from shardwise.step import LossFn, OptimizerFactory, StepRun
+from shardwise.strategies.base import Strategy
+
+if TYPE_CHECKING:
+    from shardwise.checkpoint.pieces import Held
+
+
+@dataclass
+class NaiveMP(Strategy):
+    """Naive model parallel as a strategy: one process, the model spread over ``devices``.
+
+    ``devices=None`` takes every CUDA device (at least two), else two CPU
+    "devices" (same code path, no speed-up: a way to test it anywhere).
+    """
+
+    devices: list[str] | None = None
+    split_points: list[str] | None = None
+    name: ClassVar[str] = "naive_mp"
+
+    def _devices(self) -> list[str]:
+        if self.devices:
+            return list(self.devices)
+        n = torch.cuda.device_count()
+        return [f"cuda:{i}" for i in range(n)] if n >= 2 else ["cpu", "cpu"]
+
+    def sizes(self, devices: int) -> dict[str, int]:
+        return {"dp": 1, "tp": 1, "pp": 1}
+
+    def processes(self, devices: int) -> int:
+        return 1
+
+    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
+              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+        nmp = NaiveModelParallel(model, self._devices(), self.split_points)
+        return nmp, optimizer_fn(nmp.parameters())
+
+    def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
+                   topo: Topology, run: StepRun = StepRun()) -> torch.Tensor | None:
+        out_dev = model.output_device  # type: ignore[union-attr]
+        k = len(micro_batches)
+        total: torch.Tensor | float = 0.0
+        for x, y in micro_batches:
+            # Autocast of the primary device's type covers every device of that type (all CUDA
+            # devices, or the CPU list of the tests); the loss scale is the fp16 scaler's.
+            with run.forward_context(topo.device):
+                loss = loss_fn(model(x), _move(y, out_dev))
+            (widened(loss) * (run.loss_scale / k)).backward()
+            total = total + widened(loss.detach())
+        return (total / k).to(topo.device)
+
+    def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
+        return model.original_state_dict()  # type: ignore[operator,no-any-return]
+
+    def checkpoint_held(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology) -> list[Held]:
+        """Every layer group's tensors under the original model's names, whole (one process holds them all)."""
+        return held_state(model.held(), [], optimizer)  # type: ignore[operator]

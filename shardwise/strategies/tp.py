@@ -1,0 +1,44 @@
+"""TODO docstring."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from shardwise.comm.topology import Topology
+from shardwise.parallel.tp import clip_grad_norm_, gather_state, parallelize
+from shardwise.parallel.tp_plans import Plan, Style
+from shardwise.step import OptimizerFactory, unwrap
+from shardwise.strategies.base import Strategy
+
+
+@dataclass
+class TP(Strategy):
+    """Tensor parallelism over all devices (``tp = devices``); see the module docstring.
+
+    Args:
+        plan: module-pattern -> style dict, a :class:`Plan`, a built-in name
+            (``"gpt"``, ``"gpt2"``, ``"llama"``) or None to pick by model type.
+    """
+
+    plan: Plan | dict[str, str | Style] | str | None = None
+    name: ClassVar[str] = "tp"
+
+    def sizes(self, devices: int) -> dict[str, int]:
+        return {"dp": 1, "tp": devices, "pp": 1}
+
+    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
+              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = parallelize(model.to(topo.device), self.plan, topo.comm("tp"))
+        return model, optimizer_fn(model.parameters())
+
+    def owns_loss(self, topo: Topology) -> bool:
+        return topo.coord("tp") == 0
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
+        return clip_grad_norm_(unwrap(model).parameters(), max_norm, tp=topo.comm("tp"))
+
+    def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
+        return gather_state(unwrap(model), topo.comm("tp"))
