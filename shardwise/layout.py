@@ -1,17 +1,22 @@
-"""What a run will build, described once: the input of the planner and of the composition.
+"""What a run will build, described once: the input of the planner, of the Trainer and of the composition.
 
-A :class:`RunLayout` is a plain value: the parallel sizes, the data-parallel
-form over ``dp`` (DDP, ZeRO stage 1/2/3, HSDP replicas), offload, the
-pipeline's schedule and micro-batches, and the run options that change
-memory (precision, activation checkpointing). Every strategy returns one from
-:meth:`shardwise.strategy.Strategy.describe`; the Trainer completes it with its
-own options (precision, activation checkpointing), so the memory check before a
-run plans exactly the run that was asked for.
+A :class:`RunLayout` is a plain value: the parallel sizes (its :attr:`RunLayout.dims`,
+a :class:`~shardwise.dims.ParallelDims`), the data-parallel form over ``dp``
+(DDP, ZeRO stage 1/2/3, HSDP replicas), offload, the pipeline's schedule and
+micro-batches, and the run options that change memory (precision, activation
+checkpointing). Every strategy returns one from its single
+:meth:`~shardwise.strategies.base.Strategy.layout` method; the Trainer completes
+it with its own options, builds the :class:`~shardwise.comm.topology.Topology`
+from its dims, starts :attr:`RunLayout.processes` processes and splits each
+batch :attr:`RunLayout.batch_shards` ways, so the memory check before a run
+plans exactly the run that was asked for.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Any
+
+from shardwise.dims import CP, DP, EP, PP, TP, ParallelDims
 
 
 def check_data_parallel(zero: int, replicate: int) -> None:
@@ -28,11 +33,11 @@ def check_data_parallel(zero: int, replicate: int) -> None:
 
 @dataclass(frozen=True)
 class RunLayout:
-    """The layout of one run on ``dp * tp * pp`` processes.
+    """The layout of one run on ``dp * cp * tp * pp`` processes.
 
     Attributes:
         strategy: the strategy's name (``"ddp"``, ``"zero3"``, ``"parallel"``...).
-        dp, tp, pp: mesh sizes.
+        dp, tp, pp, cp, ep: the parallel sizes (see :mod:`shardwise.dims`).
         zero: the data-parallel form over dp: 0 = replicated (DDP), 1/2 = ZeRO
             stage 1/2, 3 = parameters sharded too (ZeRO-3/FSDP).
         replicate: HSDP: the dp ranks form ``replicate`` replicas of
@@ -42,7 +47,9 @@ class RunLayout:
         schedule, microbatches, chunks: the pipeline's (None/1 without one).
         precision: ``"32"``, ``"bf16-mixed"``, ``"16-mixed"`` (set by the Trainer).
         activation_checkpointing: recompute blocks in backward (set by the Trainer).
-        servers: parameter-server ranks (0 otherwise).
+        servers: parameter-server ranks among the dp ranks (0 otherwise); they read no data.
+        devices_per_process: devices one process drives (single-process DP and naive
+            model parallelism drive all of them from one process; 1 otherwise).
     """
 
     strategy: str
@@ -59,18 +66,47 @@ class RunLayout:
     precision: str = "32"
     activation_checkpointing: bool = False
     servers: int = 0
+    cp: int = 1
+    ep: int = 1
+    devices_per_process: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "replicate", "chunks"):
+        for name in ("chunks", "devices_per_process"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         check_data_parallel(self.zero, self.replicate)
-        if self.dp % self.replicate:
-            raise ValueError(f"replicate={self.replicate} must divide the data-parallel size dp={self.dp}")
+        self.dims  # every size and divisibility rule, checked by ParallelDims
+
+    @classmethod
+    def of(cls, strategy: str, dims: ParallelDims, **form: Any) -> RunLayout:
+        """The layout of ``dims`` (``replicate`` taken from them when the form shards parameters)."""
+        if form.get("zero", 0) == 3:
+            form.setdefault("replicate", dims.dp_replicate)
+        return cls(strategy, dp=dims.dp, tp=dims.tp, pp=dims.pp, cp=dims.cp, ep=dims.ep, **form)
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The parallel dimensions: dp as replicas of shards by the data-parallel form (DDP: all replicas;
+        ZeRO-1/2 and FSDP: all shards; HSDP: ``replicate`` replicas of shards)."""
+        replicas = self.dp if self.zero == 0 else self.replicate
+        if replicas < 1 or self.dp % replicas:
+            raise ValueError(f"replicate={self.replicate} must divide the data-parallel size {DP}={self.dp}")
+        return ParallelDims(pp=self.pp, dp_replicate=replicas, dp_shard=self.dp // replicas, cp=self.cp,
+                            tp=self.tp, ep=self.ep)
 
     @property
     def devices(self) -> int:
-        return self.dp * self.tp * self.pp
+        """Ranks (processes) of the run: the product of its parallel sizes."""
+        return self.dims.world
+
+    @property
+    def processes(self) -> int:
+        return self.dims.world
+
+    @property
+    def batch_shards(self) -> int:
+        """Parts each global batch is split into: the data-parallel ranks that read data (servers do not)."""
+        return self.dp - self.servers
 
     @property
     def shard_size(self) -> int:
@@ -82,7 +118,8 @@ class RunLayout:
         return replace(self, precision=precision, activation_checkpointing=bool(activation_checkpointing))
 
     def label(self) -> str:
-        parts = [f"{d}={getattr(self, d)}" for d in ("dp", "tp", "pp") if getattr(self, d) > 1]
+        sizes = {DP: self.dp, CP: self.cp, TP: self.tp, PP: self.pp, EP: self.ep}
+        parts = [f"{d}={sizes[d]}" for d in (DP, TP, PP, CP, EP) if sizes[d] > 1]
         if self.zero:
             parts.append(f"zero={self.zero}")
         if self.replicate > 1:

@@ -26,14 +26,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.utils as utils
+import torch.nn.utils.clip_grad as clip_grad
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from shardwise import launch
 from shardwise import precision as precision_mod
-from shardwise.comm.topology import Topology
+from shardwise.checkpoint import store as checkpoint
+from shardwise.comm.topology import Topology, backend_for, pick_device
+from shardwise.dims import DP, PP
+from shardwise.parallel.sync_bn import convert_sync_batchnorm
 from shardwise.step import LossFn, OptimizerFactory, StepRun, iter_chunks
-from shardwise.strategies.base import Strategy
+from shardwise.strategies.base import HasServers, Strategy
 from shardwise.strategies.registry import resolve
 
 
@@ -52,7 +57,7 @@ class Prepared(nn.Module):
         self.__dict__["aliases"] = aliases
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.topo.size("pp") > 1:
+        if self.topo.size(PP) > 1:
             raise RuntimeError("under pipeline parallelism a rank holds one stage, so model(x) cannot give the "
                                "model's output; run a step with `loss = model.train_step(x, y, loss_fn)` (forward "
                                "and backward over the pipeline's schedule), then optimizer.step() as usual")
@@ -109,8 +114,6 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
     needs a loss scaler that a hand-written loop would have to drive: use the Trainer for ``"16-mixed"``.
     ``sync_batchnorm``: BatchNorm normalises with the whole global batch's statistics (see the Trainer).
     """
-    from shardwise.checkpoint import store as checkpoint
-
     precision = precision_mod.check(precision)
     if precision == "16-mixed":
         raise ValueError("sw.setup supports precision='32' and 'bf16-mixed'; '16-mixed' needs a dynamic loss "
@@ -119,7 +122,6 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
         raise TypeError("optimizer_fn must be a factory that builds the optimizer from parameters (each rank builds "
                         "its own, over the parameters it holds), e.g. functools.partial(torch.optim.AdamW, lr=1e-3)")
     strat = resolve(strategy)
-    from shardwise.strategies.base import HasServers
 
     if isinstance(strat, HasServers):
         raise ValueError(f"strategy {strat.name!r} cannot run in a hand-written loop: its server ranks hold no "
@@ -127,12 +129,10 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
                          f"sw.Trainer({strat.name!r}, devices=N).fit(...)")
     device = init(accelerator)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    topo = Topology.create(device, **strat.sizes(world))
+    topo = Topology.create(device, strat.layout(world).dims)
     shapes, aliases = checkpoint.model_shapes(model), checkpoint.tied_aliases(model)
-    if sync_batchnorm and topo.size("dp") > 1:
-        from shardwise.parallel.sync_bn import convert_sync_batchnorm
-
-        convert_sync_batchnorm(model, topo.comm("dp"))
+    if sync_batchnorm and topo.size(DP) > 1:
+        convert_sync_batchnorm(model, topo.comm(DP))
     inner, opt = strat.setup(model, optimizer_fn, topo)
     prepared = Prepared(inner, strat, topo, precision, shapes, aliases)
     _PREPARED.add(prepared)
@@ -144,8 +144,6 @@ def init(accelerator: str = "auto") -> torch.device:
     """Join the running group (``shardwise run``/torchrun), or, from a plain ``python script.py``, form a group
     of one on loopback, so that ``torch.distributed`` calls work there too; returns this rank's device."""
     if not dist.is_initialized() and not launch.under_torchrun():
-        from shardwise.comm.topology import backend_for, pick_device
-
         device = pick_device(accelerator, 0)
         store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
         dist.init_process_group(backend_for(device), store=store, rank=0, world_size=1)
@@ -173,9 +171,6 @@ def _guard_torch_clip() -> None:
     right: 0.0 under zero2 and fsdp. Given exactly a prepared model's parameters, the global clip runs
     instead; given some of them, it raises with the fix.
     """
-    import torch.nn.utils as utils
-    import torch.nn.utils.clip_grad as clip_grad
-
     if getattr(utils.clip_grad_norm_, "_shardwise_guard", False):
         return
     original = utils.clip_grad_norm_
@@ -210,7 +205,7 @@ def _group(model: nn.Module | None) -> tuple[Any, int, int]:
     """(comm or None, size, rank) of the data-parallel group of ``model`` (the world without a model)."""
     if model is not None:
         topo = _prepared(model).topo
-        return topo.comm("dp"), topo.size("dp"), topo.coord("dp")
+        return topo.comm(DP), topo.size(DP), topo.coord(DP)
     if dist.is_initialized():
         return None, dist.get_world_size(), dist.get_rank()
     return None, 1, 0
@@ -260,8 +255,6 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | os
     """Write the layout-free checkpoint of step ``step`` under ``directory`` (``step_<N>``; a collective), the
     format the Trainer writes: any strategy and device count can :func:`load` it, and a Trainer can resume from
     it. ``losses``: the loss of each step so far, if the loop kept them (NaN otherwise). Returns its path."""
-    from shardwise.checkpoint import store as checkpoint
-
     m = _prepared(model)
     history = list(losses) if losses is not None else [float("nan")] * step
     if len(history) != step:
@@ -273,8 +266,6 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | os
 def load(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike[str]) -> int:
     """Restore model and optimizer in place from a checkpoint (a ``step_<N>`` directory, or the newest intact
     one under a checkpoint directory), written under any layout; returns its step (a collective)."""
-    from shardwise.checkpoint import store as checkpoint
-
     m = _prepared(model)
     p = os.fspath(path)
     if not os.path.exists(os.path.join(p, checkpoint.MANIFEST)):

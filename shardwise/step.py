@@ -1,17 +1,24 @@
-"""TODO docstring."""
+"""What one training step is made of, below every strategy: the user's callables and the batch helpers.
+
+``OptimizerFactory`` and ``LossFn`` are the types of fit's ``optimizer`` and
+``loss_fn``; :class:`StepRun` is what the run (not the strategy) decides about
+one step; :func:`call_model` calls a model with a tensor or keyword inputs,
+:func:`iter_chunks` cuts a batch into micro-batches and :func:`unwrap` finds
+the user's module inside a wrapper. Strategies, mechanisms and the fit loop
+all use these, so they live in a base module that imports no layer.
+"""
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    pass
-
+from shardwise.data import Kwargs
+from shardwise.precision import autocast
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 
@@ -35,15 +42,11 @@ class StepRun:
     loss_scale: float = 1.0
 
     def forward_context(self, device: torch.device) -> contextlib.AbstractContextManager[object]:
-        from shardwise.precision import autocast
-
         return autocast(self.precision, device)
 
 
 def call_model(model: nn.Module, x: Any) -> Any:
     """``model(x)``, or ``model(**x)`` for the keyword inputs of a dict batch (:class:`shardwise.data.Kwargs`)."""
-    from shardwise.data import Kwargs
-
     return model(**x) if isinstance(x, Kwargs) else model(x)
 
 
@@ -58,8 +61,6 @@ def iter_chunks(x: Any, k: int) -> Iterator[Any]:
         for parts in zip(*(list(iter_chunks(v, k)) for v in x)):
             yield type(x)(parts) if isinstance(x, tuple) else list(parts)
     elif isinstance(x, dict):
-        from shardwise.data import Kwargs
-
         keys = list(x)
         for parts in zip(*(list(iter_chunks(x[kk], k)) for kk in keys)):
             yield Kwargs(zip(keys, parts)) if isinstance(x, Kwargs) else dict(zip(keys, parts))

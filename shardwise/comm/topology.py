@@ -1,25 +1,25 @@
-"""The explicit, validated layout of a run: parallel sizes -> device mesh -> groups.
+"""The explicit, validated layout of a run: :class:`~shardwise.dims.ParallelDims` -> device mesh -> groups.
 
 A :class:`Topology` is created once per process and handed to every strategy
 as an argument; nothing in the library reads process groups from globals.
-Mesh dimensions follow torchtitan's order, outermost first: ``pp``, ``dp``,
-``tp`` (``tp`` innermost, so a tensor-parallel group is made of neighbouring
-ranks, the ones on the same node).
+The mesh has the dimensions of :data:`shardwise.dims.MESH`, outermost first
+(``tp`` innermost, so a tensor-parallel group is made of neighbouring ranks,
+the ones on the same node); every group, the flattened data-parallel one
+included, is looked up by its dimension's name.
 """
 from __future__ import annotations
 
 import datetime as _dt
-import math
 import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardwise.comm import Comm, CommStats, Diagnostics
 from shardwise.comm.diagnostics import default_store
-
-DIMS = ("pp", "dp", "tp")
+from shardwise.dims import DP, DP_REPLICATE, DP_SHARD, MESH, WORLD, ParallelDims
 
 
 def pick_device(accelerator: str, local_rank: int) -> torch.device:
@@ -41,73 +41,72 @@ def backend_for(device: torch.device) -> str:
 
 @dataclass
 class Topology:
-    """Parallel sizes of a run and the groups that realise them.
+    """The parallel dimensions of a run and the groups that realise them.
 
     Build with :meth:`create` inside an initialised process group (or with
     world size 1 without one).
     """
 
-    sizes: dict[str, int]
+    dims: ParallelDims
     device: torch.device
     rank: int = 0
     world_size: int = 1
     stats: CommStats = field(default_factory=CommStats)
     timeout: _dt.timedelta = _dt.timedelta(minutes=5)
-    mesh: object | None = None  # torch DeviceMesh when distributed
+    mesh: DeviceMesh | None = None  # torch DeviceMesh when distributed
     diag: Diagnostics | None = None
     _groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
-    _dp_splits: dict[int, object] = field(default_factory=dict)
+    _regrouped: dict[int, tuple[Comm, Comm]] = field(default_factory=dict)
 
     @staticmethod
     def validate(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1) -> dict[str, int]:
-        """Check that the sizes multiply to the world size; ``dp=-1`` means 'the rest'."""
-        for name, v in (("tp", tp), ("pp", pp)):
-            if v < 1:
-                raise ValueError(f"{name}={v}: parallel sizes must be >= 1")
-        if dp == -1:
-            if world_size % (tp * pp):
-                raise ValueError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}")
-            dp = world_size // (tp * pp)
-        if dp < 1:
-            raise ValueError(f"dp={dp}: parallel sizes must be >= 1")
-        if dp * tp * pp != world_size:
-            raise ValueError(
-                f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} does not equal the world size {world_size}; "
-                f"choose sizes whose product is {world_size} (or pass devices={dp * tp * pp})")
-        return {"pp": pp, "dp": dp, "tp": tp}
+        """Check that the sizes multiply to the world size (``dp=-1``: 'the rest'); their ``{pp, dp, tp}`` dict."""
+        return ParallelDims.for_world(world_size, dp=dp, tp=tp, pp=pp).sizes()
 
     @classmethod
-    def create(cls, device: torch.device, dp: int = -1, tp: int = 1, pp: int = 1,
-               timeout: _dt.timedelta = _dt.timedelta(minutes=5), debug: bool = False) -> "Topology":
+    def create(cls, device: torch.device, dims: ParallelDims | None = None, *,
+               timeout: _dt.timedelta = _dt.timedelta(minutes=5), debug: bool = False, **sizes: int) -> Topology:
+        """The topology of ``dims`` (or of ``**sizes`` as :meth:`ParallelDims.for_world` takes them, ``dp=-1``
+        by default) on the running process group; every rank calls it (it creates the groups)."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
-        sizes = cls.validate(world, dp, tp, pp)
-        topo = cls(sizes=sizes, device=device, rank=rank, world_size=world, timeout=timeout)
+        if dims is None:
+            dims = ParallelDims.for_world(world, **sizes)
+        elif sizes:
+            raise TypeError(f"Topology.create takes dims or sizes, not both (got dims and {sorted(sizes)})")
+        elif dims.world != world:
+            raise ValueError(f"the layout {dims.label() or 'of one rank'} needs {dims.world} processes but the "
+                             f"process group has {world}")
+        topo = cls(dims=dims, device=device, rank=rank, world_size=world, timeout=timeout)
         if world > 1:
-            from torch.distributed.device_mesh import init_device_mesh
-
             # DeviceMesh builds one group per dimension for us; size-1 dims keep
             # every strategy's code path identical whatever the layout.
-            topo.mesh = init_device_mesh(device.type, tuple(sizes[d] for d in DIMS), mesh_dim_names=DIMS)
-            for d in DIMS:
-                topo._groups[d] = topo.mesh.get_group(d)  # type: ignore[attr-defined]
-            topo._groups["world"] = None
+            topo.mesh = init_device_mesh(device.type, dims.mesh_shape(), mesh_dim_names=MESH)
+            for d in MESH:
+                topo._groups[d] = topo.mesh.get_group(d)
+            topo._groups[DP] = topo.mesh[DP_REPLICATE, DP_SHARD]._flatten(DP).get_group()
+            topo._groups[WORLD] = None
             topo.diag = Diagnostics(rank, default_store(), debug=debug)
         return topo
 
+    @property
+    def sizes(self) -> dict[str, int]:
+        """``{pp, dp, tp}`` (and cp, ep when used): see :meth:`ParallelDims.sizes`."""
+        return self.dims.sizes()
+
     def size(self, dim: str) -> int:
-        return math.prod(self.sizes.values()) if dim == "world" else self.sizes[dim]
+        return self.dims.size(dim)
 
     def coord(self, dim: str) -> int:
         """This rank's index along ``dim``."""
         if self.world_size == 1:
             return 0
-        if dim == "world":
+        if dim == WORLD:
             return self.rank
         return dist.get_rank(self._groups[dim])
 
-    def comm(self, dim: str = "world") -> Comm:
-        """A communicator on the group of ``dim`` ("pp", "dp", "tp" or "world")."""
+    def comm(self, dim: str = WORLD) -> Comm:
+        """A communicator on the group of ``dim`` (a name of :data:`shardwise.dims.NAMES`, or ``"world"``)."""
         if self.world_size == 1:
             return Comm(None, self.stats, self.timeout)
         return Comm(self._groups[dim], self.stats, self.timeout, self.diag, label=dim)
@@ -120,27 +119,24 @@ class Topology:
     def group(self, dim: str) -> dist.ProcessGroup | None:
         return self._groups.get(dim)
 
-    def dp_split(self, shard: int) -> object:
-        """The data-parallel ranks as a 2-D ``("dp_replicate", "dp_shard")`` DeviceMesh (for HSDP).
+    def replicas_and_shards(self, replicate: int) -> tuple[Comm, Comm] | None:
+        """(shard comm, replicate comm) of the data-parallel ranks as ``replicate`` replicas of shards (HSDP).
 
-        ``shard`` consecutive dp ranks form a sharding group; the groups are
-        replicas of each other. Built from the world mesh ``(pp, dp/shard,
-        shard, tp)``, so it composes with the other dimensions. A collective
-        (creates groups on first use, cached per ``shard``); ``None`` with one process.
+        The mesh's own ``dp_shard``/``dp_replicate`` groups when the run's dims
+        already split dp that way (the Trainer's and ``sw.setup``'s runs);
+        otherwise (a Topology built by hand) a second mesh of the same world
+        with dp regrouped, created on first use, a collective. ``None`` with one process.
         """
-        dp = self.sizes["dp"]
-        if shard < 1 or dp % shard:
-            raise ValueError(f"HSDP shard size {shard} must be a positive divisor of the data-parallel size {dp}")
+        regrouped = self.dims.with_replicas(replicate)  # checks that replicate divides dp
         if self.world_size == 1:
             return None
-        if shard not in self._dp_splits:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            names = ("pp", "dp_replicate", "dp_shard", "tp")
-            mesh = init_device_mesh(self.device.type, (self.sizes["pp"], dp // shard, shard, self.sizes["tp"]),
-                                    mesh_dim_names=names)
-            self._dp_splits[shard] = mesh["dp_replicate", "dp_shard"]
-        return self._dp_splits[shard]
+        if regrouped == self.dims:
+            return self.comm(DP_SHARD), self.comm(DP_REPLICATE)
+        if replicate not in self._regrouped:
+            mesh = init_device_mesh(self.device.type, regrouped.mesh_shape(), mesh_dim_names=MESH)
+            self._regrouped[replicate] = tuple(  # type: ignore[assignment]
+                Comm(mesh.get_group(d), self.stats, self.timeout, self.diag, label=d) for d in (DP_SHARD, DP_REPLICATE))
+        return self._regrouped[replicate]
 
 
 def teardown() -> None:

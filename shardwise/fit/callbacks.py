@@ -40,7 +40,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from shardwise.launch import require_picklable
+from shardwise.strategies.base import HasServers
 
 HOOKS = ("on_step_end", "on_validation_end", "on_checkpoint_saved", "on_fit_end")
 
@@ -179,15 +182,12 @@ def check_picklable(callbacks: Sequence[Any]) -> None:
 def agree_stop(control: Control, strategy: Any, topo: Any) -> str | None:
     """Whether any rank's callbacks asked to stop, the same answer on every rank (one flag all-reduce over the
     world): the reason (this rank's, or that another rank asked), or None."""
-    from shardwise.strategies.base import HasServers
-
     mine = control.reason
     if isinstance(strategy, HasServers):
         if mine is not None:  # the servers run their own loop for max_steps and join no agreement
             raise RuntimeError(f"strategy {strategy.name!r} cannot stop early (asked: {mine}): its server ranks "
                                "serve a fixed number of steps")
         return None
-    import torch
 
     flag = torch.tensor([0.0 if mine is None else 1.0], device=topo.device)
     topo.comm("world").all_reduce(flag, name="callbacks.stop")

@@ -1,15 +1,16 @@
 """Everything :meth:`shardwise.Trainer.fit` checks before any process starts or blocks.
 
-Separate from the trainer so that the Trainer class keeps only its options
-and the launch (issue 11: no class over about 250 lines): each check takes
-the trainer whose options it reads. A run refused here fails in the caller,
-with the fix in the message, instead of deep inside a rank.
+Each check takes the run's :class:`~shardwise.fit.options.FitOptions` (the
+Trainer's options as one value) and reads the strategy's capabilities
+(:mod:`shardwise.strategies.base`) with isinstance, never its name. A run
+refused here fails in the caller, with the fix in the message, instead of
+deep inside a rank.
 """
 from __future__ import annotations
 
 import os
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,22 +19,21 @@ from torch import nn
 from shardwise import launch
 from shardwise.checkpoint import store as checkpoint
 from shardwise.data import DataSource, Kwargs
-from shardwise.fit.evaluate import Validation
+from shardwise.fit import preflight
+from shardwise.fit.callbacks import check_picklable
+from shardwise.fit.evaluate import Validation, check_validation, make_validation
+from shardwise.fit.options import FitOptions, SchedulerFactory
+from shardwise.fit.tp_check import check_plan
+from shardwise.parallel.sync_bn import batchnorm_layers
 from shardwise.step import LossFn, OptimizerFactory
-from shardwise.strategies.base import HasServers, Strategy
-
-if TYPE_CHECKING:
-    from shardwise.fit.job import SchedulerFactory
-    from shardwise.fit.trainer import Trainer
+from shardwise.strategies.base import HasServers, HasTPPlan, SplitsModel, Strategy
 
 
-def validate(t: Trainer, model: nn.Module, dataset: Any, batch_size: int, max_steps: int,
+def validate(t: FitOptions, model: nn.Module, dataset: Any, batch_size: int, max_steps: int,
              optimizer: OptimizerFactory, loss_fn: LossFn,
              lr_scheduler: SchedulerFactory | None = None) -> dict[str, Any]:
     """Everything that can be checked before any process starts or blocks; returns the run's record
     for checkpoints (:func:`shardwise.checkpoint.run_info`)."""
-    from shardwise.fit import preflight
-
     if max_steps < 1:
         raise ValueError(f"max_steps must be >= 1, got {max_steps}")
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -41,7 +41,7 @@ def validate(t: Trainer, model: nn.Module, dataset: Any, batch_size: int, max_st
                         f"its own, over the parameters it holds), not a built {type(optimizer).__name__}; pass "
                         f"e.g. functools.partial(torch.optim.{type(optimizer).__name__}, lr=...)")
     preflight.check_source(dataset, batch_size)  # map-style or a stream, with at least one global batch
-    dp, k = t.strategy.batch_shards(t.devices), t.accumulate_grad_batches
+    dp, k = t.layout.batch_shards, t.accumulate_grad_batches
     if batch_size % (dp * k):
         raise ValueError(
             f"batch_size={batch_size} is not divisible by data-parallel size {dp} x "
@@ -60,10 +60,9 @@ def validate(t: Trainer, model: nn.Module, dataset: Any, batch_size: int, max_st
     # One micro-batch of the real data (at most 64 samples: only shapes matter), then the model and loss on meta.
     batch = preflight.first_batch(dataset, max(1, min(64, batch_size // (dp * k))))
     preflight.check_loss(model, batch, loss_fn)
-    if t.sizes["tp"] > 1:  # the plan, applied to a meta copy, and the split forward, before any rank exists
-        from shardwise.fit.tp_check import check_plan
+    if t.layout.tp > 1:  # the plan, applied to a meta copy, and the split forward, before any rank exists
 
-        check_plan(model, tp_plan(t.strategy), t.sizes["tp"], batch[0])
+        check_plan(model, tp_plan(t.strategy), t.layout.tp, batch[0])
     check_devices(t)
     probe = optimizer([nn.Parameter(torch.zeros(1))])
     if not isinstance(probe, torch.optim.Optimizer):
@@ -83,14 +82,12 @@ def validate(t: Trainer, model: nn.Module, dataset: Any, batch_size: int, max_st
     return info
 
 
-def check_batchnorm(t: Trainer, model: nn.Module) -> None:
+def check_batchnorm(t: FitOptions, model: nn.Module) -> None:
     """Say once what BatchNorm computes under this layout, or refuse sync_batchnorm where it cannot work."""
-    from shardwise.parallel.sync_bn import batchnorm_layers
-
     layers = batchnorm_layers(model)
-    dp = t.strategy.sizes(t.devices)["dp"]
-    several = t.strategy.batch_shards(t.devices) > 1 and t.strategy.processes(t.devices) > 1
-    if t.sync_batchnorm and t.strategy.processes(t.devices) == 1 and t.devices > 1:
+    dp = t.layout.dp
+    several = t.layout.batch_shards > 1 and t.layout.processes > 1
+    if t.sync_batchnorm and t.layout.processes == 1 and t.devices > 1:
         raise ValueError(f"sync_batchnorm is not supported by strategy {t.strategy.name!r}: one process "
                          "drives every device, so there is no group to synchronise over; use 'ddp'")
     if layers and several and dp > 1 and not t.sync_batchnorm:
@@ -102,7 +99,7 @@ def check_batchnorm(t: Trainer, model: nn.Module) -> None:
                       "batch's statistics, equal to single-device training", stacklevel=4)
 
 
-def check_memory(t: Trainer, model: nn.Module, probe: torch.optim.Optimizer, batch_size: int) -> None:
+def check_memory(t: FitOptions, model: nn.Module, probe: torch.optim.Optimizer, batch_size: int) -> None:
     """Ask the planner whether exactly this run fits before anything starts.
 
     The strategy describes its whole layout (sizes, zero stage, HSDP
@@ -114,14 +111,14 @@ def check_memory(t: Trainer, model: nn.Module, probe: torch.optim.Optimizer, bat
     """
     from shardwise.plan import NotModelled, plan_run
 
-    layout = t.strategy.describe(t.devices).with_run(t.precision, bool(t.activation_checkpointing))
-    memory = t.device_memory or device_memory(t.accelerator, t.strategy.processes(t.devices))
+    layout = t.layout.with_run(t.precision, bool(t.activation_checkpointing))
+    memory = t.device_memory or device_memory(t.accelerator, t.layout.processes)
     split = tp_plan(t.strategy)
     try:
         plan = plan_run(model, layout, memory, batch_size, probe,
                         accumulate_grad_batches=t.accumulate_grad_batches,
-                        batch_shards=t.strategy.batch_shards(t.devices), tp_plan=split,
-                        split_points=getattr(t.strategy, "split_points", None))
+                        batch_shards=t.layout.batch_shards, tp_plan=split,
+                        split_points=t.strategy.split_points if isinstance(t.strategy, SplitsModel) else None)
     except NotModelled as e:
         warnings.warn(f"memory check skipped: the planner cannot model this run ({e}); "
                       "Trainer(memory_check='off') silences this", stacklevel=3)
@@ -139,8 +136,8 @@ def check_memory(t: Trainer, model: nn.Module, probe: torch.optim.Optimizer, bat
                           "were checked (Trainer(memory_check='off') silences this)", stacklevel=3)
 
 
-def check_devices(t: Trainer) -> None:
-    nprocs = t.strategy.processes(t.devices)
+def check_devices(t: FitOptions) -> None:
+    nprocs = t.layout.processes
     if t.accelerator == "cuda" and not torch.cuda.is_available():
         raise ValueError("accelerator='cuda' but no CUDA device is available; use accelerator='cpu' "
                          "(or 'auto', which picks CUDA only when present)")
@@ -163,7 +160,7 @@ def check_devices(t: Trainer) -> None:
 
 def tp_plan(strategy: Strategy) -> Any:
     # How the strategy will split this model: not part of RunLayout (they describe the model, not the run).
-    return getattr(strategy, "tp_plan", None) or getattr(strategy, "plan", None)
+    return strategy.tensor_parallel_plan() if isinstance(strategy, HasTPPlan) else None
 
 
 def device_memory(accelerator: str, nprocs: int) -> int:
@@ -188,14 +185,10 @@ def parse_inputs(inputs: Any) -> str | tuple[str, ...] | None:
     raise TypeError(f"inputs must be a key of the dict samples, a list of keys, or None, got {inputs!r}")
 
 
-def check_fit_options(trainer: Trainer, model: nn.Module, loss_fn: LossFn, data: DataSource, batch_size: int,
+def check_fit_options(trainer: FitOptions, model: nn.Module, loss_fn: LossFn, data: DataSource, batch_size: int,
                       val_dataset: Any, val_every: int | None, val_metrics: dict[str, Any] | None,
                       val_batch_size: int | None, checkpoint_best: Any) -> Validation | None:
     """fit's data, validation and callback options, checked before any process starts; the run's validation."""
-    from shardwise.fit import preflight
-    from shardwise.fit.callbacks import check_picklable
-    from shardwise.fit.evaluate import check_validation, make_validation
-
     strat = trainer.strategy
     val_data = None if val_dataset is None else DataSource(val_dataset, data.loader, data.inputs)
     val = make_validation(val_data, val_every, val_metrics, val_batch_size, checkpoint_best, batch_size,
@@ -206,11 +199,11 @@ def check_fit_options(trainer: Trainer, model: nn.Module, loss_fn: LossFn, data:
         if hasattr(cb, "check"):
             cb.check(val.names if val is not None else [])
     x = preflight.first_batch(data, 1)[0]
-    if isinstance(x, Kwargs) and strat.name in ("pp", "parallel", "naive_mp"):
+    if isinstance(x, Kwargs) and isinstance(strat, SplitsModel):
         raise ValueError(f"strategy {strat.name!r} feeds the model's input through its layers as one tensor, but the "
                          f"dict samples pass keyword inputs ({', '.join(x)}); pass inputs='<key>' (e.g. "
                          "inputs='input_ids') to call the model with that tensor")
-    if strat.processes(trainer.devices) > 1 and not (dist.is_initialized() or launch.under_torchrun()):
+    if trainer.layout.processes > 1 and not (dist.is_initialized() or launch.under_torchrun()):
         # Spawned ranks receive these pickled: name the one that is not, with the fix, before anything starts.
         check_picklable(trainer.callbacks)
         named = {"collate_fn": data.loader.collate_fn, "val_dataset": val_dataset,

@@ -38,9 +38,10 @@ from torch import nn
 
 from shardwise.comm.topology import Topology
 from shardwise.data import DataSource, batch_len, eval_batches, to_device
+from shardwise.fit import preflight
 from shardwise.fit.callbacks import improved
 from shardwise.step import LossFn, StepRun
-from shardwise.strategies.base import Strategy
+from shardwise.strategies.base import HasServers, Strategy
 
 Metric = Callable[[Any, Any], Any]
 _RESERVED = ("val_loss", "step")
@@ -69,8 +70,6 @@ def make_validation(data: DataSource | None, every: int | None, metrics: Mapping
                     batch_size: int | None, best: str | tuple[str, str] | None, train_batch: int,
                     checkpoint_dir: str | None, strategy: Strategy) -> Validation | None:
     """fit's validation arguments, checked; None when there is no validation set."""
-    from shardwise.strategies.base import HasServers
-
     if data is None:
         for name, v in (("val_every", every), ("val_metrics", metrics), ("val_batch_size", batch_size),
                         ("checkpoint_best", best)):
@@ -113,8 +112,6 @@ def make_validation(data: DataSource | None, every: int | None, metrics: Mapping
 def check_validation(model: nn.Module, loss_fn: LossFn, val: Validation) -> None:
     """Before any process starts: the validation set holds a sample, batches, and the loss and every metric take
     the model's output (on the meta device, as the training data is checked)."""
-    from shardwise.fit import preflight
-
     preflight.check_source(val.data, 1, what="val_dataset")
     batch = preflight.first_batch(val.data, min(64, val.batch_size), what="val_dataset")
     preflight.check_loss(model, batch, loss_fn)

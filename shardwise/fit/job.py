@@ -11,9 +11,8 @@ import os
 import pickle
 import statistics
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +22,7 @@ from shardwise import launch
 from shardwise import precision as precision_mod
 from shardwise.checkpoint import store as checkpoint
 from shardwise.comm.topology import Topology
+from shardwise.dims import DP
 from shardwise.fit.callbacks import CallbackInfo, Control, agree_stop, call, improved
 from shardwise.fit.evaluate import (
     Validation,
@@ -32,8 +32,11 @@ from shardwise.fit.evaluate import (
     history_tensors,
     save_best,
 )
+from shardwise.fit.options import FitOptions, SchedulerFactory
 from shardwise.fit.progress import StepLog, want_progress
 from shardwise.fit.steps import count_state, global_losses, train_loop
+from shardwise.parallel.checkpointing import apply_activation_checkpointing
+from shardwise.parallel.sync_bn import convert_sync_batchnorm
 from shardwise.stats import (
     cuda_peak_bytes,
     peak_rss_bytes,
@@ -42,12 +45,6 @@ from shardwise.stats import (
 )
 from shardwise.step import LossFn, OptimizerFactory, StepRun
 from shardwise.strategies.base import HasServers
-
-if TYPE_CHECKING:
-    from shardwise.fit.trainer import Trainer
-
-# Builds the run's learning-rate schedule from its optimizer, e.g. partial(lr_scheduler.OneCycleLR, ...).
-SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 
 @dataclass
@@ -85,7 +82,7 @@ def pickled(job: Job) -> bytes:
 class Job:
     """Everything one rank needs to train; pickled into spawned workers."""
 
-    trainer: Trainer
+    options: FitOptions
     model: nn.Module
     dataset: Any
     loss_fn: LossFn
@@ -97,28 +94,24 @@ class Job:
     validation: Validation | None = None
 
     def run(self, device: torch.device) -> FitResult:
-        t = self.trainer
-        topo = Topology.create(device, timeout=t.timeout, debug=t.debug, **t.sizes)
+        t = self.options
+        topo = Topology.create(device, t.layout.dims, timeout=t.timeout, debug=t.debug)
         try:
             return self._run(topo)
         finally:
             topo.close()
 
     def _run(self, topo: Topology) -> FitResult:
-        t, strat = self.trainer, self.trainer.strategy
+        t, strat = self.options, self.options.strategy
         torch.manual_seed(t.seed)
         reset_cuda_peak(topo.device)  # cuda_peak_*_bytes are this run's (a no-op on CPU)
         shapes = checkpoint.model_shapes(self.model)
         self.aliases = checkpoint.tied_aliases(self.model)
         if t.activation_checkpointing:
-            from shardwise.parallel.checkpointing import apply_activation_checkpointing
-
             classes = None if t.activation_checkpointing is True else t.activation_checkpointing
             apply_activation_checkpointing(self.model, classes)  # type: ignore[arg-type]
-        if t.sync_batchnorm and topo.size("dp") > 1:
-            from shardwise.parallel.sync_bn import convert_sync_batchnorm
-
-            convert_sync_batchnorm(self.model, topo.comm("dp"))
+        if t.sync_batchnorm and topo.size(DP) > 1:
+            convert_sync_batchnorm(self.model, topo.comm(DP))
         model, opt = strat.setup(self.model, self.optimizer_fn, topo)
         prev: list[float] = []
         extra: dict[str, torch.Tensor] = {}
@@ -184,7 +177,7 @@ class Job:
         the same :func:`checkpoint.save` call and, before it, the same loss
         all-reduce, to which a server contributes zeros. Returns the per-step times.
         """
-        t, strat = self.trainer, self.trainer.strategy
+        t, strat = self.options, self.options.strategy
         times: list[float] = []
         done = len(prev)
         while done < self.max_steps:
@@ -203,7 +196,7 @@ class Job:
         """Checkpoint after ``done`` steps, on every rank: this run's ``losses`` made global (an all-reduce in
         which servers add zeros) follow the restored ``prev``. ``directory`` (the best checkpoint's) and ``run``
         replace the checkpoint directory and the run record; returns the checkpoint's path."""
-        t = self.trainer
+        t = self.options
         so_far = prev + global_losses(losses, t.strategy, topo)
         return checkpoint.save(directory or t.checkpoint_dir, done, so_far, t.strategy, model, opt,  # type: ignore
                                topo, shapes, keep=t.checkpoint_keep if directory is None else None,
@@ -215,7 +208,7 @@ class Job:
         """After ``done`` optimizer steps, on every training rank: ``on_step_end``, validation when due, the
         agreement on a stop any callback asked for (with callbacks only: one flag all-reduce), then the periodic
         checkpoint, or the final one of a run that stops here. Returns whether the run stops."""
-        t = self.trainer
+        t = self.options
         call(t.callbacks, "on_step_end", self._info(done, topo, loss=local))
         validated = self.validation is not None and self.validation.due(done, self.max_steps)
         if validated:
@@ -243,7 +236,7 @@ class Job:
                       scaler: precision_mod.LossScaler | None, log: StepLog | None) -> None:
         """Evaluate (:func:`shardwise.evaluate.evaluate`), record and show the metrics, tell the callbacks, and
         save ``<checkpoint_dir>/best`` when this validation is the best so far."""
-        t, val = self.trainer, self.validation
+        t, val = self.options, self.validation
         assert val is not None
         metrics = evaluate(model, t.strategy, val, self.loss_fn, topo, StepRun(t.precision), seed=t.seed)
         before = list(self.history)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from shardwise.data import DataSource, Kwargs, as_source, check_dataset, is_stream
+from shardwise.plan.trace import meta_copy
 from shardwise.step import call_model
 
 
@@ -138,8 +139,6 @@ def check_metric(model: nn.Module, batch: Any, fn: Any, name: str) -> None:
 
 def _meta_forward(model: nn.Module, x: Any) -> Any:
     """The model's output on the meta device, or None where the meta device cannot run it (no verdict)."""
-    from shardwise.plan.trace import meta_copy
-
     try:
         m = meta_copy(model)
         with torch.no_grad():

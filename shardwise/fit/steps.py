@@ -1,6 +1,6 @@
 """The step loop of a training rank: data, forward and backward, clipping, the optimizer step.
 
-:func:`train_loop` is :class:`shardwise.fit_job.Job`'s loop, kept in a module
+:func:`train_loop` is :class:`shardwise.fit.job.Job`'s loop, kept in a module
 of its own with the per-step helpers it calls (loss scaling, the non-finite
 check, the schedule, the state count and the global losses), so that each
 piece of the fit stays small enough to read in one sitting.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -17,6 +17,8 @@ from torch import nn
 from shardwise import precision as precision_mod
 from shardwise.comm.topology import Topology
 from shardwise.data import Kwargs, as_source, leaves
+from shardwise.dims import DP
+from shardwise.fit.options import FitOptions, SchedulerFactory
 from shardwise.fit.progress import (
     StepLog,
     batch_tokens,
@@ -24,20 +26,36 @@ from shardwise.fit.progress import (
     total_numel,
     want_progress,
 )
+from shardwise.parallel.checkpointing import track_saved_activations
 from shardwise.stats import unique_bytes
-from shardwise.step import StepRun, iter_chunks
+from shardwise.step import LossFn, StepRun, iter_chunks
 from shardwise.strategies.base import Strategy
 
-if TYPE_CHECKING:
-    from shardwise.fit.job import Job, SchedulerFactory
+
+class StepHost(Protocol):
+    """What the loop needs from the run it belongs to (:class:`~shardwise.fit.job.Job`): its options and data,
+    and the decision after each step. A protocol, so the loop does not import the job that calls it."""
+
+    options: FitOptions
+    dataset: Any
+    loss_fn: LossFn
+    batch_size: int
+    max_steps: int
+    lr_scheduler: SchedulerFactory | None
+    stop_reason: str | None
+    activation_bytes: int
+
+    def after_step(self, done: int, local: float | None, model: nn.Module, opt: torch.optim.Optimizer,
+                   topo: Topology, prev: list[float], losses: list[float], shapes: dict[str, list[int]],
+                   scaler: precision_mod.LossScaler | None, log: StepLog | None) -> bool: ...
 
 
-def train_loop(job: Job, model: nn.Module, opt: torch.optim.Optimizer, topo: Topology, prev: list[float],
+def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo: Topology, prev: list[float],
                shapes: dict[str, list[int]], restored: dict[str, torch.Tensor]
                ) -> tuple[list[float], list[float], dict[str, int]]:
     """The step loop of a training rank from step ``len(prev)``: data, forward/backward, clip, step; after
-    each step :meth:`Job.after_step` (callbacks, validation, checkpoints) may end it early."""
-    t, strat, device = job.trainer, job.trainer.strategy, topo.device
+    each step :meth:`StepHost.after_step` (callbacks, validation, checkpoints) may end it early."""
+    t, strat, device = job.options, job.options.strategy, topo.device
     shards, shard = strat.data_parallel(topo)
     source = as_source(job.dataset)
     end = len(prev) if job.stop_reason is not None else job.max_steps  # a stopped run stays stopped
@@ -51,7 +69,7 @@ def train_loop(job: Job, model: nn.Module, opt: torch.optim.Optimizer, topo: Top
                   start=len(prev)) \
         if rank0 and (t.metrics_path or t.tensorboard_dir) else None
     scaler = precision_mod.LossScaler() if t.precision == "16-mixed" else None
-    bn_buffers = unsynced_batchnorm_buffers(model) if topo.size("dp") > 1 else []
+    bn_buffers = unsynced_batchnorm_buffers(model) if topo.size(DP) > 1 else []
     sched = scheduler(job.lr_scheduler, opt, len(prev)) if job.lr_scheduler is not None else None
     if scaler is not None and "scaler" in restored:
         scaler.load_tensor(restored["scaler"])  # the scale and clean-step count the checkpoint's run had
@@ -67,7 +85,6 @@ def train_loop(job: Job, model: nn.Module, opt: torch.optim.Optimizer, topo: Top
             if step == len(prev):
                 # Once, on the first step: the peak bytes autograd holds for backward
                 # (activations; parameters and the batch excluded), FitResult.stats["activation_bytes"].
-                from shardwise.parallel.checkpointing import track_saved_activations
 
                 with track_saved_activations(model.parameters(), leaves(x) + leaves(y)) as saved:
                     loss = strat.train_step(model, micro, job.loss_fn, topo, run)
@@ -86,7 +103,7 @@ def train_loop(job: Job, model: nn.Module, opt: torch.optim.Optimizer, topo: Top
                     state_bytes = count_state(strat, model, opt)
             opt.zero_grad(set_to_none=True)
             for b in bn_buffers:  # rank 0's running statistics are every replica's, as torch DDP's
-                topo.comm("dp").broadcast(b, src=0, name="batchnorm.buffers")
+                topo.comm(DP).broadcast(b, src=0, name="batchnorm.buffers")
             if sched is not None:
                 step_schedule(sched, 1)
             if device.type == "cuda":

@@ -16,7 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.dims import TP
+from shardwise.fit.preflight import _to_meta
+from shardwise.parallel.tp import parallelize
 from shardwise.parallel.tp_plans import Plan, Style
+from shardwise.plan.trace import meta_copy
 
 DOC = "docs/model_parallel.md, 'Your own model under tp'"
 
@@ -25,7 +29,7 @@ class MetaComm:
     """What the tensor-parallel layers need of a :class:`~shardwise.comm.Comm`, for meta tensors: the
     group's size and rank, and collectives that leave their outputs' shapes as the real ones would."""
 
-    label = "tp"
+    label = TP
 
     def __init__(self, size: int) -> None:
         self.size, self.rank = size, 0
@@ -49,10 +53,6 @@ def check_plan(model: nn.Module, plan: Plan | dict[str, str | Style] | str | Non
     forward depends on a width or count that tp divides (the error says which
     operation failed and how a plan adjusts per-rank attributes).
     """
-    from shardwise.fit.preflight import _to_meta
-    from shardwise.parallel.tp import parallelize
-    from shardwise.plan.trace import meta_copy
-
     whole = meta_copy(model)
     split = parallelize(meta_copy(model), plan, MetaComm(tp))  # type: ignore[arg-type]
     if x is None:

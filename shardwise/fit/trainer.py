@@ -8,7 +8,6 @@ it (``shardwise run``).
 from __future__ import annotations
 
 import copy
-import datetime as _dt
 import os
 import sys
 import warnings
@@ -20,10 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise import launch
-from shardwise import precision as precision_mod
 from shardwise.comm.topology import pick_device, teardown
 from shardwise.data import DataSource, loader_options
-from shardwise.fit.callbacks import check_callbacks
 from shardwise.fit.checks import check_fit_options, parse_inputs, validate
 from shardwise.fit.job import (
     FitResult,
@@ -33,11 +30,12 @@ from shardwise.fit.job import (
     pickled,
     spawned_fit,
 )
+from shardwise.fit.options import FitOptions
 from shardwise.step import LossFn, OptimizerFactory
-from shardwise.strategies.base import Strategy
-from shardwise.strategies.registry import resolve
+from shardwise.strategies.base import OwnDevices, Strategy
+from shardwise.strategies.single import Single
 
-__all__ = ["FitResult", "SchedulerFactory", "Trainer", "auto_devices", "setup", "trained_into"]
+__all__ = ["FitResult", "SchedulerFactory", "Trainer", "trained_into"]
 
 
 class Trainer:
@@ -109,59 +107,26 @@ class Trainer:
                  tensorboard_dir: str | os.PathLike[str] | None = None, peak_flops: float | None = None,
                  max_processes_per_core: int | None = 8, sync_batchnorm: bool = False,
                  callbacks: list[Any] | None = None, dataloader_kwargs: dict[str, Any] | None = None) -> None:
-        self.strategy = resolve(strategy)
-        self.callbacks = check_callbacks(callbacks)
-        self.dataloader_kwargs = dict(dataloader_kwargs or {})
-        loader_options(self.dataloader_kwargs)  # an unknown or refused option fails here
-        if accelerator not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"unknown accelerator {accelerator!r}; valid: 'auto', 'cpu', 'cuda'")
-        if max_processes_per_core is not None and max_processes_per_core < 1:
-            raise ValueError(f"max_processes_per_core must be >= 1 (or None for no bound), "
-                             f"got {max_processes_per_core}")
-        self.max_processes_per_core = max_processes_per_core
-        self.sync_batchnorm = sync_batchnorm
-        if checkpoint_every is not None and checkpoint_every < 1:
-            raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
-        if checkpoint_every is not None and checkpoint_dir is None:
-            raise ValueError("checkpoint_every was given without checkpoint_dir: say where checkpoints go")
-        self.checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
-        self.checkpoint_every = checkpoint_every
-        self.resume = resume
-        if checkpoint_keep is not None and checkpoint_keep < 1:
-            raise ValueError(f"checkpoint_keep must be >= 1 (or None to keep all), got {checkpoint_keep}")
-        self.checkpoint_keep = checkpoint_keep
-        if memory_check not in ("error", "warn", "off"):
-            raise ValueError(f"memory_check must be 'error', 'warn' or 'off', got {memory_check!r}")
-        self.memory_check = memory_check
-        self.precision = precision_mod.check(precision)
-        self.activation_checkpointing = activation_checkpointing
-        self.tensorboard_dir = os.fspath(tensorboard_dir) if tensorboard_dir is not None else None
-        self.peak_flops = peak_flops
-        self.device_memory = device_memory
-        self.debug = debug
-        if on_nonfinite not in ("error", "skip"):
-            raise ValueError(f"on_nonfinite must be 'error' or 'skip', got {on_nonfinite!r}")
-        self.on_nonfinite = on_nonfinite
-        if devices == "auto":
-            devices = auto_devices(self.strategy, accelerator)
-        elif not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
-            raise ValueError(f"devices must be a positive integer or 'auto', got {devices!r}")
-        if accumulate_grad_batches < 1:
-            raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}")
-        self.devices = devices
-        self.accelerator = accelerator
-        self.accumulate_grad_batches = accumulate_grad_batches
-        self.gradient_clip_val = gradient_clip_val
-        self.seed = seed
-        self.progress = progress
-        self.metrics_path = str(metrics_path) if metrics_path is not None else None
-        self.timeout = _dt.timedelta(seconds=timeout_s)
-        self.sizes = self.strategy.sizes(devices)
-        if devices == 1 and self.strategy.name not in ("single", "naive_mp"):  # naive_mp lists its own devices
+        self.options = FitOptions.build(
+            strategy, devices, accelerator, accumulate_grad_batches=accumulate_grad_batches,
+            gradient_clip_val=gradient_clip_val, seed=seed, progress=progress, metrics_path=metrics_path,
+            timeout_s=timeout_s, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
+            debug=debug, on_nonfinite=on_nonfinite, checkpoint_keep=checkpoint_keep, memory_check=memory_check,
+            device_memory=device_memory, precision=precision, activation_checkpointing=activation_checkpointing,
+            tensorboard_dir=tensorboard_dir, peak_flops=peak_flops, max_processes_per_core=max_processes_per_core,
+            sync_batchnorm=sync_batchnorm, callbacks=callbacks, dataloader_kwargs=dataloader_kwargs)
+        o = self.options
+        if o.devices == 1 and not isinstance(o.strategy, (Single, OwnDevices)):
             # Trainer("ddp") alone used to run one process without a word: nothing is split then.
-            warnings.warn(f"strategy {self.strategy.name!r} with devices=1 runs one process on one device: nothing "
+            warnings.warn(f"strategy {o.strategy.name!r} with devices=1 runs one process on one device: nothing "
                           "is split or communicated; pass devices=N (devices='auto' takes the world size under "
                           "`shardwise run`, or every GPU)", stacklevel=2)
+
+    def __getattr__(self, name: str) -> Any:
+        # trainer.devices, trainer.strategy, trainer.sizes, ...: read-only views of the options.
+        if name == "options":  # not set yet (unpickling, copying): no recursion
+            raise AttributeError(name)
+        return getattr(self.options, name)
 
     # ------------------------------------------------------------------
     def fit(self, model: nn.Module, dataset: Any, loss_fn: LossFn, optimizer: OptimizerFactory,
@@ -201,10 +166,10 @@ class Trainer:
         """
         data = DataSource(dataset, loader_options(self.dataloader_kwargs, num_workers=num_workers,
                                                   collate_fn=collate_fn, pin_memory=pin_memory), parse_inputs(inputs))
-        info = validate(self, model, data, batch_size, max_steps, optimizer, loss_fn, lr_scheduler)
-        val = check_fit_options(self, model, loss_fn, data, batch_size, val_dataset, val_every, val_metrics,
+        info = validate(self.options, model, data, batch_size, max_steps, optimizer, loss_fn, lr_scheduler)
+        val = check_fit_options(self.options, model, loss_fn, data, batch_size, val_dataset, val_every, val_metrics,
                                 val_batch_size, checkpoint_best)
-        job = Job(self, model, data, loss_fn, optimizer, batch_size, max_steps, info, lr_scheduler, val)
+        job = Job(self.options, model, data, loss_fn, optimizer, batch_size, max_steps, info, lr_scheduler, val)
         result = self._launch(job)
         # One semantics whatever the launch: the model passed in ends trained. The run itself trains a copy
         # (strategies shard, wrap and split the model they are given), then the final weights go back here.
@@ -213,7 +178,7 @@ class Trainer:
 
     def _launch(self, job: Job) -> FitResult:
         """Run ``job`` in this process, in the running group, or in rank processes started here."""
-        nprocs = self.strategy.processes(self.devices)
+        nprocs = self.layout.processes
         if dist.is_initialized() or launch.under_torchrun():
             owned = not dist.is_initialized()
             device = launch.init(self.accelerator, self.timeout)
@@ -260,26 +225,3 @@ def trained_into(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
     """Load a run's final full state dict into the model the user passed (every key, strictly)."""
     with torch.no_grad():
         model.load_state_dict(state_dict, strict=True)
-
-
-def auto_devices(strategy: Strategy, accelerator: str) -> int:
-    """What ``devices="auto"`` means for this strategy (see :class:`Trainer`)."""
-    if launch.under_torchrun():
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        return next((d for d in range(1, world + 1) if strategy.processes(d) == world), world)
-    cuda = accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available())
-    first = torch.cuda.device_count() if cuda else 1
-    for d in [first, *range(1, 65)]:
-        try:
-            strategy.sizes(d)
-        except ValueError:
-            continue
-        return d
-    return first
-
-
-def setup(*args: Any, **kwargs: Any) -> Any:
-    """Kept for ``from shardwise.trainer import setup``: see :func:`shardwise.loop.setup`."""
-    from shardwise.loop import setup as loop_setup
-
-    return loop_setup(*args, **kwargs)

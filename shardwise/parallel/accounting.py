@@ -1,13 +1,13 @@
-"""TODO docstring."""
-from __future__ import annotations
+"""Which tensors a rank holds for the model state, by kind: the exact byte account of ``FitResult.stats``.
 
-from typing import TYPE_CHECKING
+A data-parallel wrapper reports its own (flat buckets, shard rows, host
+copies, ``model_state_tensors``); a bare module its parameters and gradients;
+:func:`with_optimizer_states` adds the optimizer's states.
+"""
+from __future__ import annotations
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    pass
 
 
 def model_state_tensors(module: nn.Module) -> dict[str, list[torch.Tensor]]:

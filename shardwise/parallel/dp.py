@@ -216,4 +216,4 @@ class DataParallelModule(nn.Module):
         return gather(parallel_apply(replicas, inputs, devices), self.devices[0])
 
 
-__all__ = ["DP", "DataParallelModule", "gather", "parallel_apply", "replicate", "scatter"]
+__all__ = ["DataParallelModule", "gather", "parallel_apply", "replicate", "scatter"]

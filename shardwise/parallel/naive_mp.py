@@ -108,4 +108,4 @@ class NaiveModelParallel(nn.Module):
         return [(self._keys[id(t)], t) for t in [*self.parameters(), *self.buffers()] if id(t) in self._keys]
 
 
-__all__ = ["NaiveModelParallel", "NaiveMP"]
+__all__ = ["NaiveModelParallel"]

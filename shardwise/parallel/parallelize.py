@@ -34,7 +34,14 @@ from torch import nn
 
 from shardwise.comm import Comm
 from shardwise.comm.topology import Topology
+from shardwise.dims import DP, TP
 from shardwise.layout import check_data_parallel
+from shardwise.parallel.ddp import DDPModule, native_allreduce
+from shardwise.parallel.fsdp_module import FSDPModule
+from shardwise.parallel.pipeline import build_pipeline
+from shardwise.parallel.tp import parallelize as tensor_parallel
+from shardwise.parallel.zero import ShardedOptimizer
+from shardwise.parallel.zero_module import ZeROModule
 from shardwise.step import OptimizerFactory
 
 
@@ -100,38 +107,29 @@ def fsdp_groups(topo: Topology, replicate: int, hybrid: bool = False) -> tuple[C
     ``hybrid`` (the ``hsdp`` strategy) uses the 2-D (replicate, shard) split of
     dp even with one replica, so its groups look alike at every size.
     """
-    from shardwise.parallel.sharding import comm_on
-
     if replicate == 1 and not hybrid:
-        return topo.comm("dp"), None
-    hmesh = topo.dp_split(topo.size("dp") // replicate)
-    if hmesh is None:
-        return topo.comm("dp"), None
-    shard = comm_on(topo, hmesh.get_group("dp_shard"), "dp_shard")  # type: ignore[attr-defined]
-    rep = comm_on(topo, hmesh.get_group("dp_replicate"), "dp_replicate")  # type: ignore[attr-defined]
-    return shard, rep
+        return topo.comm(DP), None
+    groups = topo.replicas_and_shards(replicate)
+    if groups is None:
+        return topo.comm(DP), None
+    return groups
 
 
 def wrap_module(module: nn.Module, topo: Topology, opts: DataParallelOptions) -> nn.Module:
     """One module (a whole model, or one pipeline chunk) wrapped by the data-parallel family member."""
     if opts.zero == 0:
-        from shardwise.parallel.ddp import DDPModule, native_allreduce
-
-        return DDPModule(module, topo.comm("dp"), bucket_cap_mb=opts.bucket_cap_mb or 25.0,
+        return DDPModule(module, topo.comm(DP), bucket_cap_mb=opts.bucket_cap_mb or 25.0,
                          find_unused_parameters=opts.find_unused_parameters,
                          allreduce=opts.allreduce or native_allreduce, reduce_dtype=opts.reduce_dtype)
     if opts.zero in (1, 2):
-        from shardwise.parallel.zero_module import ZeROModule
-
-        return ZeROModule(module, topo.comm("dp"), stage=opts.zero, bucket_cap_mb=opts.bucket_cap_mb or 4.0,
+        return ZeROModule(module, topo.comm(DP), stage=opts.zero, bucket_cap_mb=opts.bucket_cap_mb or 4.0,
                           collectives=opts.collectives,
                           offload_device=opts.offload_device if opts.offload == "optimizer" else None)
-    from shardwise.parallel.fsdp_module import FSDPModule
 
     shard, rep = fsdp_groups(topo, opts.replicate, opts.hybrid)
     return FSDPModule(module, shard, wrap=opts.wrap, reshard_after_forward=opts.reshard_after_forward,
                       replicate=rep, param_init_fn=opts.param_init_fn, device=topo.device,
-                      dp_comm=topo.comm("dp"), collectives=opts.collectives, offload=opts.offload,
+                      dp_comm=topo.comm(DP), collectives=opts.collectives, offload=opts.offload,
                       offload_device=opts.offload_device)
 
 
@@ -144,10 +142,8 @@ def data_parallel(chunks: nn.ModuleList, optimizer_fn: OptimizerFactory, topo: T
     ZeRO-1 reduces at the optimizer step, so one wrapper owns every chunk;
     ZeRO-2 and FSDP reduce inside each chunk's backward, so each chunk gets its own.
     """
-    from shardwise.parallel.zero import ShardedOptimizer
-
     if opts.zero == 0:
-        if topo.size("dp") > 1:
+        if topo.size(DP) > 1:
             # One DDP per chunk: a chunk's final backward is where its buckets reduce.
             for c in range(len(chunks)):
                 chunks[c] = wrap_module(chunks[c], topo, opts)
@@ -173,19 +169,16 @@ def parallelize(model: nn.Module, optimizer_fn: OptimizerFactory, topo: Topology
     Every size-1 dimension is a no-op, so the same function builds pp-only,
     tp x pp, dp x pp, dp x tp and dp x tp x pp layouts.
     """
-    from shardwise.parallel.pipeline import build_pipeline
-    from shardwise.parallel.tp import parallelize as tensor_parallel
-
     if data.zero == 3 and any(p.device.type == "meta" for p in model.parameters()):
         raise ValueError("a meta-device model is supported by the fsdp/zero3/hsdp strategies, not yet when "
                          "composed with tensor or pipeline parallelism (it needs real weights to split)")
-    tp = topo.comm("tp")
+    tp = topo.comm(TP)
 
     def apply_tp(m: nn.Module, keep: Callable[[str], bool]) -> nn.Module:
         return tensor_parallel(m, tp_plan, tp, keep)
 
     pm = build_pipeline(model.to(topo.device), topo, split_points, chunks, tied,
-                        apply_tp if topo.size("tp") > 1 else None)
+                        apply_tp if topo.size(TP) > 1 else None)
     owner, optimizer = data_parallel(pm.chunks, optimizer_fn, topo, data)
     pm.data = owner
     return pm, optimizer

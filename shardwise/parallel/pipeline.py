@@ -9,9 +9,8 @@ go forward and gradients backward point to point through
 :class:`~shardwise.comm.Comm` (so their bytes are counted, under ``pp``); the
 loss is computed on the last stage. Which micro-batch runs when is the job of
 :mod:`shardwise.parallel.schedules`; this module partitions, and
-:mod:`shardwise.parallel.pipeline_run` runs a step (:func:`pipeline_step`,
-re-exported here with :func:`resplit` and :func:`sync_ties`; issue 11: small
-modules).
+:mod:`shardwise.parallel.pipeline_run` runs a step on the model built here
+(:func:`~shardwise.parallel.pipeline_run.pipeline_step`).
 
 The loss of each of ``m`` micro-batches is divided by ``m`` before its
 backward, so the accumulated gradient is that of the mean over the batch
@@ -33,8 +32,9 @@ import torch
 from torch import nn
 
 from shardwise.comm.topology import Topology
+from shardwise.dims import PP, TP
 from shardwise.parallel.pipeline_layers import pipeline_layers, stage_layers
-from shardwise.parallel.pipeline_run import pipeline_step, resplit, sync_ties
+from shardwise.parallel.tp import gather_tensor, tp_spec
 
 
 # ---- partitioning ------------------------------------------------------------------
@@ -183,7 +183,7 @@ def build_pipeline(model: nn.Module, topo: Topology, split_points: Sequence[str]
     """
     if tied not in ("sync", "error"):
         raise ValueError(f"tied={tied!r}; valid: 'sync' (keep tied copies in sync) or 'error'")
-    p, r, v = topo.size("pp"), topo.coord("pp"), chunks
+    p, r, v = topo.size(PP), topo.coord(PP), chunks
     if v < 1 or (v > 1 and p == 1):
         raise ValueError(f"chunks={v}: interleaving needs chunks >= 1 and more than one pipeline stage")
     layers = stage_layers(model, p * v)
@@ -239,9 +239,7 @@ def find_ties(model: nn.Module, parts: list[list[tuple[str, nn.Module]]], p: int
 # ---- the full state dict -------------------------------------------------------
 def gather_full_state(pm: PipelineModel, topo: Topology) -> dict[str, torch.Tensor]:
     """The original model's full state dict on every rank: tp shards gathered, then stages exchanged."""
-    from shardwise.parallel.tp import gather_tensor, tp_spec
-
-    tp, pp = topo.comm("tp"), topo.comm("pp")
+    tp, pp = topo.comm(TP), topo.comm(PP)
     mine: dict[str, torch.Tensor] = {}
     for k in pm.keys:
         if k in pm.claimed:
@@ -277,14 +275,5 @@ def gather_full_state(pm: PipelineModel, topo: Topology) -> dict[str, torch.Tens
     return {k: out[k] for k in pm.keys}
 
 
-def __getattr__(name: str) -> Any:
-    # The PP strategy is a preset of the composition (shardwise.parallel.compose), which imports this module.
-    if name == "PP":
-        from shardwise.strategies.pp import PP
-
-        return PP
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = ["PipelineModel", "PipelineStage", "balanced_starts", "build_pipeline", "find_ties", "gather_full_state",
-           "pipeline_layers", "pipeline_step", "resplit", "stage_starts", "sync_ties"]
+           "pipeline_layers", "stage_starts"]

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.models import GPT, MLP
+
 
 # ---- a model as a list of layers -------------------------------------------------
 class _GPTEmbed(nn.Module):
@@ -75,8 +77,6 @@ class _HFBlock(nn.Module):
 
 def pipeline_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``model`` as ``[(name, layer)]`` whose composition is ``model``'s forward (tensor in, tensor out)."""
-    from shardwise.models import GPT, MLP
-
     if hasattr(model, "pipeline_layers"):
         return list(model.pipeline_layers())
     if isinstance(model, nn.Sequential):

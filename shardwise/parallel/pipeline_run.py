@@ -9,36 +9,32 @@ forward and their gradients backward; :func:`resplit` cuts the local batch
 into equal micro-batches and :func:`sync_ties` sums the gradients of weights
 tied across stages.
 
-It is separate from ``pipeline.py`` (partitioning a model into stages) to
-keep each module small (issue 11). It needs ``PipelineModel`` for type
-annotations only, so it imports nothing from ``pipeline.py`` at run time;
-``pipeline.py`` re-exports :func:`pipeline_step`, :func:`resplit` and
-:func:`sync_ties`.
+It is separate from ``pipeline.py``, which partitions a model into stages:
+that one builds the model, this one runs it (and imports it, never the reverse).
 """
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from shardwise.comm import Comm, Handle
 from shardwise.comm.topology import Topology
+from shardwise.dims import PP
 from shardwise.parallel.checkpointing import SavedActivations
+from shardwise.parallel.pipeline import PipelineModel
 from shardwise.parallel.schedules import (
     Action,
     Recorder,
     check_message_order,
     execute,
+    forward_only,
     get_schedule,
 )
 from shardwise.precision import widened
-from shardwise.step import LossFn
-
-if TYPE_CHECKING:
-    from shardwise.parallel.pipeline import PipelineModel
-
+from shardwise.step import LossFn, iter_chunks
 
 # ---- running a step ------------------------------------------------------------
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
@@ -166,7 +162,6 @@ class _Runner:
 
 def resplit(micro_batches: Sequence[tuple[Any, Any]], m: int | None) -> list[tuple[Any, Any]]:
     """The trainer's micro-batches, or the same local batch cut into ``m`` equal ones."""
-    from shardwise.step import iter_chunks
 
     if m is None:
         return list(micro_batches)
@@ -197,9 +192,7 @@ def pipeline_eval(pm: PipelineModel, x: Any, y: Any, fn: LossFn, topo: Topology,
     """One evaluation batch forward through every stage, no backward: ``fn(output, y)`` on the last stage, None
     elsewhere. The batch goes as one micro-batch, chunk after chunk (:func:`~shardwise.parallel.schedules.
     forward_only`); nothing is kept for a backward and tied weights are left alone."""
-    from shardwise.parallel.schedules import forward_only
-
-    runner = _Runner(pm, topo.comm("pp"), [(x, y)], fn, None, forward_context)
+    runner = _Runner(pm, topo.comm(PP), [(x, y)], fn, None, forward_context)
     with torch.no_grad():
         execute(forward_only(pm.stages, 1, pm.rank, len(pm.chunks)), runner, pm.rank)
         runner.finish()
@@ -243,14 +236,14 @@ def pipeline_step(pm: PipelineModel, micro_batches: Sequence[tuple[Any, Any]], l
         # Parameters and the batch itself are not activations (micro-batches are views of one batch).
         data = [t for xy in mbs for t in xy if isinstance(t, torch.Tensor)]
         saved = SavedActivations(pm.parameters(), data)
-    runner = _Runner(pm, topo.comm("pp"), mbs, loss_fn, saved, forward_context, loss_scale)
+    runner = _Runner(pm, topo.comm(PP), mbs, loss_fn, saved, forward_context, loss_scale)
     execute(acts, runner, pm.rank, recorder)
     runner.finish()
     if recorder is not None:
         recorder.step += 1
         if saved is not None:
             recorder.peak_saved_bytes = max(recorder.peak_saved_bytes, saved.peak)
-    sync_ties(pm, topo.comm("pp"))
+    sync_ties(pm, topo.comm(PP))
     if not runner.losses:
         return None
     return torch.stack(runner.losses).mean()

@@ -79,4 +79,4 @@ class PSModule(nn.Module):
         return self.module(*args, **kwargs)
 
 
-__all__ = ["PSModule", "ParameterServer", "StalenessGate", "HEADER", "APPLY", "PULL"]
+__all__ = ["PSModule", "StalenessGate", "HEADER", "APPLY", "PULL"]

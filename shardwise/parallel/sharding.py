@@ -21,10 +21,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardwise.comm import Comm, Handle
-from shardwise.comm.topology import Topology
 from shardwise.precision import widened
 
 
@@ -162,7 +162,6 @@ def pick_collectives(choice: str, comm: Comm) -> str:
         raise ValueError(f"unknown collectives {choice!r}; use one of {', '.join(COLLECTIVES)}")
     if choice != "auto":
         return choice
-    import torch.distributed as dist
 
     if comm.size == 1 or not dist.is_initialized():
         return "native"
@@ -232,13 +231,6 @@ def all_gather(comm: Comm, out: torch.Tensor, shard: torch.Tensor, name: str, ho
         handles.append(comm.isend(shard, dst, name))
         handles.append(comm.irecv(slots[src], src, name))
     return Exchange(handles, keep=(shard,))
-
-
-def comm_on(topo: Topology, group: Any, label: str) -> Comm:
-    """A communicator on an explicit group (HSDP's shard and replicate groups), counted in ``topo.stats``."""
-    if topo.world_size == 1:
-        return Comm(None, topo.stats, topo.timeout)
-    return Comm(group, topo.stats, topo.timeout, getattr(topo, "diag", None), label=label)
 
 
 def shard_parts(shard: torch.Tensor, start: int, held: int, optimizer: torch.optim.Optimizer,

@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from shardwise.models import GPT, MLP
+from shardwise.parallel.tp_layers import ColumnParallelLinear
+
 
 @dataclass(frozen=True)
 class Style:
@@ -104,8 +107,6 @@ def _check_hf(model: nn.Module, tp: int) -> None:
 def _fix_gpt2(model: nn.Module, tp: int) -> None:
     # GPT2Attention splits the fused q|k|v output at ``split_size`` (= hidden
     # size); each rank now holds hidden/tp of each part.
-    from shardwise.parallel.tp import ColumnParallelLinear  # tp.py imports this module
-
     for m in model.modules():
         if type(m).__name__ == "GPT2Attention" and isinstance(getattr(m, "c_attn", None), ColumnParallelLinear):
             m.split_size = m.embed_dim // tp
@@ -148,8 +149,6 @@ def llama_plan(prefix: str = "model.") -> Plan:
 def _fix_bert(model: nn.Module, tp: int) -> None:
     # Older transformers reshape q/k/v with the full head count (``num_attention_heads``,
     # ``all_head_size``); each rank holds heads/tp of them (5.x infers it with -1, and this is a no-op).
-    from shardwise.parallel.tp import ColumnParallelLinear  # tp.py imports this module
-
     for m in model.modules():
         if type(m).__name__.endswith("SelfAttention") and isinstance(getattr(m, "query", None), ColumnParallelLinear):
             if hasattr(m, "num_attention_heads"):
@@ -190,8 +189,6 @@ def mlp_plan(model: nn.Module) -> Plan:
 
 def plan_for(model: nn.Module) -> Plan:
     """The built-in plan for ``model``'s type."""
-    from shardwise.models import GPT, MLP
-
     kind = type(model).__name__
     if isinstance(model, GPT):
         return gpt_plan()

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from shardwise.comm import Comm
+from shardwise.parallel.sharding import clip_global_norm
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -116,8 +117,6 @@ def zero_clip_grad_norm(grads: Sequence[torch.Tensor], max_norm: float, comm: Co
     up over ``comm``'s group: one all-reduce of a scalar, on ``device`` (the
     communication device; offloaded gradients live elsewhere).
     """
-    from shardwise.parallel.sharding import clip_global_norm
-
     here = grads[0].device if grads else (device or torch.device("cpu"))
     return clip_global_norm(grads, grads, max_norm, [(comm, name)], device or here)
 

@@ -1,4 +1,15 @@
-"""TODO docstring."""
+"""The strategy base class and the capabilities the fit asks a strategy for.
+
+A strategy object carries its own options (``sw.DDP(bucket_cap_mb=25)``) and
+decides what the Trainer does not: its layout on a device count (one method,
+:meth:`Strategy.layout`), how to wrap the model and optimizer on a
+:class:`~shardwise.comm.topology.Topology`, and how one optimizer step's
+forward and backward run (pipelines schedule their own). This module knows no
+concrete strategy: names are looked up in :mod:`shardwise.strategies.registry`,
+and what only some strategies can do is a capability class below
+(:class:`SplitsModel`, :class:`OwnDevices`, :class:`HasTPPlan`,
+:class:`HasServers`), asked with isinstance, never by name.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -10,8 +21,11 @@ from torch import nn
 
 from shardwise.checkpoint.held import held_state, named_state
 from shardwise.comm.topology import Topology
+from shardwise.data import leaves, to_device
+from shardwise.dims import DP
 from shardwise.layout import RunLayout
 from shardwise.parallel.accounting import model_state_tensors, with_optimizer_states
+from shardwise.parallel.ddp import GradSync
 from shardwise.precision import widened
 from shardwise.step import LossFn, OptimizerFactory, StepRun, call_model, unwrap
 
@@ -28,18 +42,31 @@ class Strategy:
 
     name: ClassVar[str] = "single"
 
+    def layout(self, devices: int) -> RunLayout:
+        """What this strategy builds on ``devices``: its parallel dims, data-parallel form and options.
+
+        The one method a strategy overrides to describe its run; the Trainer,
+        ``sw.setup``, the planner and the checks all read this value. Raises
+        ValueError when the strategy cannot run on ``devices``.
+        """
+        return RunLayout(self.name, dp=devices)
+
+    # Derived from layout() (the public names of earlier versions); not meant to be overridden.
     def sizes(self, devices: int) -> dict[str, int]:
-        """Parallel sizes (dp, tp, pp) for ``devices`` processes."""
-        return {"dp": devices, "tp": 1, "pp": 1}
+        """``{"pp", "dp", "tp"}`` for ``devices`` (see :meth:`shardwise.dims.ParallelDims.sizes`)."""
+        return self.layout(devices).dims.sizes()
 
     def describe(self, devices: int) -> RunLayout:
-        """The whole layout this strategy builds on ``devices`` (for the planner); subclasses add their options."""
-        s = self.sizes(devices)
-        return RunLayout(self.name, s["dp"], s["tp"], s["pp"])
+        """The planner's name for :meth:`layout`."""
+        return self.layout(devices)
 
     def processes(self, devices: int) -> int:
         """How many processes to start for ``devices`` (1 for single-process strategies)."""
-        return devices
+        return self.layout(devices).processes
+
+    def batch_shards(self, devices: int) -> int:
+        """How many parts each global batch is split into on ``devices`` (the ranks that read data)."""
+        return self.layout(devices).batch_shards
 
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -49,8 +76,6 @@ class Strategy:
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Suppress gradient communication for a non-final micro-batch: the wrapper's own
         ``no_sync`` (DDP, ZeRO-1/2, FSDP); nothing for models that communicate no gradients."""
-        from shardwise.parallel.ddp import GradSync
-
         return model.no_sync() if isinstance(model, GradSync) else contextlib.nullcontext()
 
     def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
@@ -80,8 +105,6 @@ class Strategy:
         data-parallel wrappers gather what they shard (ZeRO-3, FSDP) and free it again without preparing a
         backward. Only :meth:`owns_loss` ranks' values count (tensor-parallel ranks compute the same ones).
         """
-        from shardwise.data import leaves, to_device
-
         with torch.no_grad(), run.forward_context(topo.device):
             out = call_model(model, x)
             where = next(iter(leaves(out)), None)  # the output's device (naive model parallelism: the last one)
@@ -93,11 +116,8 @@ class Strategy:
 
     def data_parallel(self, topo: Topology) -> tuple[int, int]:
         """(number of data shards, this rank's shard): which part of each global batch this rank reads."""
-        return topo.size("dp"), topo.coord("dp")
+        return topo.size(DP), topo.coord(DP)
 
-    def batch_shards(self, devices: int) -> int:
-        """How many parts each global batch is split into on ``devices`` (the ranks that read data)."""
-        return self.sizes(devices)["dp"]
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Reject, before any process starts, an optimizer this strategy cannot drive."""
@@ -135,6 +155,27 @@ class Strategy:
         buckets, shard rows, host copies); the optimizer's states are added here.
         """
         return with_optimizer_states(model_state_tensors(model), optimizer)
+
+
+# ---- capabilities: what the Trainer and the checks ask a strategy with isinstance, never by its name ----
+class SplitsModel:
+    """The model is cut into parts that run one after another (pipeline stages, naive model parallelism):
+    the input reaches the first part only, as one positional tensor, so keyword (dict) inputs do not fit."""
+
+    split_points: list[str] | None = None  # names of the layers where parts 1.. begin (None: balanced)
+
+
+class OwnDevices:
+    """One process drives several devices that the strategy lists itself (naive model parallelism):
+    ``devices=1`` is not "nothing split" for it."""
+
+
+class HasTPPlan:
+    """Splits layers over a tensor-parallel group by a plan: ``tp_plan`` is a module-pattern -> style dict,
+    a :class:`~shardwise.parallel.tp_plans.Plan`, a built-in name, or None (the plan for the model type)."""
+
+    def tensor_parallel_plan(self) -> Any:
+        raise NotImplementedError
 
 
 class HasServers(Strategy):

@@ -1,4 +1,9 @@
-"""TODO docstring."""
+"""Distributed data parallel (``strategy="ddp"``): a full replica per rank, gradients averaged in buckets.
+
+The mechanism is :class:`~shardwise.parallel.ddp.DDPModule`; this preset of
+:class:`~shardwise.strategies.data_parallel.DataParallel` picks its options,
+including the all-reduce algorithm by name (the backend's, or our naive and ring ones).
+"""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -6,18 +11,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from torch import nn
 
+from shardwise.comm.algorithms import ALGORITHMS
 from shardwise.comm.topology import Topology
-from shardwise.step import OptimizerFactory
-from shardwise.strategies.base import Strategy
+from shardwise.parallel.ddp import native_allreduce
+from shardwise.parallel.parallelize import DataParallelOptions
+from shardwise.strategies.data_parallel import DataParallel
 
 if TYPE_CHECKING:
     pass
 
 
 @dataclass
-class DDP(Strategy):
+class DDP(DataParallel):
     """Our distributed data parallel (see :mod:`shardwise.parallel.ddp`)."""
 
     bucket_cap_mb: float = 25.0
@@ -26,23 +32,15 @@ class DDP(Strategy):
     reduce_dtype: str | None = None  # e.g. "bfloat16": gradients travel in this dtype
     name: ClassVar[str] = "ddp"
 
-    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
-              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
-        from shardwise.parallel.parallelize import DataParallelOptions, wrap_module
-
-        model = model.to(topo.device)
-        opts = DataParallelOptions(zero=0, bucket_cap_mb=self.bucket_cap_mb,
+    def data_options(self, topo: Topology) -> DataParallelOptions:
+        return DataParallelOptions(zero=0, bucket_cap_mb=self.bucket_cap_mb,
                                    find_unused_parameters=self.find_unused_parameters,
                                    allreduce=allreduce_fn(self.allreduce),
                                    reduce_dtype=getattr(torch, self.reduce_dtype) if self.reduce_dtype else None)
-        return wrap_module(model, topo, opts), optimizer_fn(model.parameters())
 
 
 def allreduce_fn(name: str) -> Callable[..., Any]:
     """DDP's all-reduce algorithm by name: ``"native"`` (the backend's), ``"naive"`` or ``"ring"``."""
-    from shardwise.comm.algorithms import ALGORITHMS
-    from shardwise.parallel.ddp import native_allreduce
-
     table = {"native": native_allreduce, **ALGORITHMS}
     if name not in table:
         raise ValueError(f"unknown all-reduce algorithm {name!r}; valid: {sorted(table)}")

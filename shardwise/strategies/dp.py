@@ -1,4 +1,7 @@
-"""TODO docstring."""
+"""Single-process data parallel (``strategy="dp"``): one process drives every device, in threads.
+
+The mechanism (scatter, replicate, parallel_apply, gather) is :mod:`shardwise.parallel.dp`.
+"""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -9,6 +12,7 @@ import torch
 from torch import nn
 
 from shardwise.comm.topology import Topology
+from shardwise.layout import RunLayout
 from shardwise.parallel.dp import DataParallelModule, DeviceLike
 from shardwise.step import OptimizerFactory
 from shardwise.strategies.base import Strategy
@@ -30,15 +34,15 @@ class DP(Strategy):
     def __post_init__(self) -> None:
         self._count = len(self.device_ids) if self.device_ids is not None else 1
 
-    def sizes(self, devices: int) -> dict[str, int]:
+    def layout(self, devices: int) -> RunLayout:
         # One process: every device is driven from it, so the process group is of size 1.
         if self.device_ids is not None and devices not in (1, len(self.device_ids)):
             raise ValueError(f"devices={devices} but device_ids names {len(self.device_ids)} devices")
-        self._count = len(self.device_ids) if self.device_ids is not None else devices
-        return {"dp": 1, "tp": 1, "pp": 1}
-
-    def processes(self, devices: int) -> int:
-        return 1
+        count = len(self.device_ids) if self.device_ids is not None else devices
+        # The one place a strategy remembers a layout: device_list() without a count lists the devices of the
+        # last layout asked for (the Trainer asks once, at construction), as it always has.
+        self._count = count
+        return RunLayout(self.name, devices_per_process=count)
 
     def device_list(self, primary: torch.device) -> list[torch.device]:
         """The devices replicas run on, ``primary``'s type unless ``device_ids`` says otherwise."""

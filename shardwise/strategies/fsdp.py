@@ -41,24 +41,25 @@ The wrapper :class:`~shardwise.parallel.fsdp_module.FSDPModule` and the unit mac
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import nn
 
 from shardwise.comm.topology import Topology
+from shardwise.dims import DP
 from shardwise.layout import RunLayout
 from shardwise.parallel.fsdp_module import FSDPModule
 from shardwise.parallel.fsdp_units import WrapPolicy
-from shardwise.parallel.zero import ShardedOptimizer, check_offload, zero_clip_grad_norm
-from shardwise.step import OptimizerFactory, unwrap
-from shardwise.strategies.base import Strategy
+from shardwise.parallel.parallelize import DataParallelOptions
+from shardwise.parallel.zero import check_offload
+from shardwise.step import unwrap
+from shardwise.strategies.data_parallel import DataParallel
 
 
-# ---- strategies ------------------------------------------------------------
 @dataclass
-class FSDP(Strategy):
+class FSDP(DataParallel):
     """Fully sharded data parallel: ZeRO-3 in units, one per block/layer by default (``wrap="auto"``).
 
     Args:
@@ -86,37 +87,28 @@ class FSDP(Strategy):
     offload: str = "none"
     offload_device: str = "cpu"
     name: ClassVar[str] = "fsdp"
+    clip_label: ClassVar[str] = "fsdp_clip"
     hybrid: ClassVar[bool] = False  # HSDP's 2-D (replicate, shard) groups
 
     def __post_init__(self) -> None:
         check_offload(self.offload, self.name, 3)
 
-    def describe(self, devices: int) -> RunLayout:
-        return replace(super().describe(devices), zero=3, offload=self.offload, wrap=self.wrap)
+    def layout(self, devices: int) -> RunLayout:
+        return RunLayout(self.name, dp=devices, zero=3, replicate=self._replicas_of(devices), offload=self.offload,
+                         wrap=self.wrap)
 
-    def _replicas(self, topo: Topology) -> int:
-        """HSDP replicas over dp (1: shard over all of dp)."""
+    def _replicas_of(self, dp: int) -> int:
+        """HSDP replicas over ``dp`` ranks (1: shard over all of dp)."""
         return 1
 
-    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
-              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
-        from shardwise.parallel.parallelize import DataParallelOptions, wrap_module
+    def _replicas(self, topo: Topology) -> int:
+        return self._replicas_of(topo.size(DP))
 
-        if all(p.device.type != "meta" for p in model.parameters()):
-            model = model.to(topo.device)
-        opts = DataParallelOptions(zero=3, replicate=self._replicas(topo), hybrid=self.hybrid,
-                                   collectives=self.collectives,
-                                   offload=self.offload, offload_device=self.offload_device, wrap=self.wrap,
-                                   reshard_after_forward=self.reshard_after_forward,
-                                   param_init_fn=self.param_init_fn)
-        wrapped = wrap_module(model, topo, opts)
-        return wrapped, ShardedOptimizer(optimizer_fn(wrapped.shard_params), wrapped)
-
-    def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
-        fm: FSDPModule = model  # type: ignore[assignment]
-        fm.before_step()
-        # Replicas hold identical pieces after the all-reduce: sum squares over the shard group only.
-        return zero_clip_grad_norm(fm.shard_grads(), max_norm, fm.comm, "fsdp_clip", device=topo.device)
+    def data_options(self, topo: Topology) -> DataParallelOptions:
+        return DataParallelOptions(zero=3, replicate=self._replicas(topo), hybrid=self.hybrid,
+                                   collectives=self.collectives, offload=self.offload,
+                                   offload_device=self.offload_device, wrap=self.wrap,
+                                   reshard_after_forward=self.reshard_after_forward, param_init_fn=self.param_init_fn)
 
     def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
         fm: FSDPModule = model  # type: ignore[assignment]
@@ -149,12 +141,6 @@ class HSDP(FSDP):
     name: ClassVar[str] = "hsdp"
     hybrid: ClassVar[bool] = True
 
-    def describe(self, devices: int) -> RunLayout:
-        out = super().describe(devices)
-        return replace(out, replicate=out.dp // self._shard_of(out.dp))
-
-    def _shard(self, topo: Topology) -> int:
-        return self._shard_of(topo.size("dp"))
 
     def _shard_of(self, dp: int) -> int:
         s = self.shard_size if self.shard_size is not None else (2 if dp % 2 == 0 else 1)
@@ -162,5 +148,5 @@ class HSDP(FSDP):
             raise ValueError(f"HSDP shard_size={s} must divide the data-parallel size {dp}")
         return s
 
-    def _replicas(self, topo: Topology) -> int:
-        return topo.size("dp") // self._shard(topo)
+    def _replicas_of(self, dp: int) -> int:
+        return dp // self._shard_of(dp)

@@ -1,4 +1,7 @@
-"""TODO docstring."""
+"""Naive model parallelism as a strategy (``strategy="naive_mp"``): one process, the layers spread over devices.
+
+The mechanism is :class:`~shardwise.parallel.naive_mp.NaiveModelParallel`.
+"""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -10,17 +13,18 @@ from torch import nn
 
 from shardwise.checkpoint.held import held_state
 from shardwise.comm.topology import Topology
+from shardwise.layout import RunLayout
 from shardwise.parallel.naive_mp import NaiveModelParallel, _move
 from shardwise.precision import widened
 from shardwise.step import LossFn, OptimizerFactory, StepRun
-from shardwise.strategies.base import Strategy
+from shardwise.strategies.base import OwnDevices, SplitsModel, Strategy
 
 if TYPE_CHECKING:
     from shardwise.checkpoint.pieces import Held
 
 
 @dataclass
-class NaiveMP(Strategy):
+class NaiveMP(Strategy, SplitsModel, OwnDevices):
     """Naive model parallel as a strategy: one process, the model spread over ``devices``.
 
     ``devices=None`` takes every CUDA device (at least two), else two CPU
@@ -37,11 +41,9 @@ class NaiveMP(Strategy):
         n = torch.cuda.device_count()
         return [f"cuda:{i}" for i in range(n)] if n >= 2 else ["cpu", "cpu"]
 
-    def sizes(self, devices: int) -> dict[str, int]:
-        return {"dp": 1, "tp": 1, "pp": 1}
-
-    def processes(self, devices: int) -> int:
-        return 1
+    def layout(self, devices: int) -> RunLayout:
+        # One process drives every device of the split model: the process group is of size 1.
+        return RunLayout(self.name, devices_per_process=devices)
 
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -25,28 +25,26 @@ from torch import nn
 
 from shardwise.checkpoint.held import first_named, held_state
 from shardwise.comm.topology import Topology
+from shardwise.dims import PP, TP, ParallelDims
 from shardwise.layout import RunLayout
 from shardwise.parallel.accounting import model_state_tensors, with_optimizer_states
 from shardwise.parallel.parallelize import DataParallelOptions, Owners, parallelize
-from shardwise.parallel.pipeline import (
-    PipelineModel,
-    find_ties,
-    gather_full_state,
-    pipeline_step,
-    stage_starts,
-)
+from shardwise.parallel.pipeline import PipelineModel, find_ties, gather_full_state, stage_starts
 from shardwise.parallel.pipeline_layers import stage_layers
+from shardwise.parallel.pipeline_run import pipeline_eval, pipeline_step
 from shardwise.parallel.schedules import Recorder, get_schedule
+from shardwise.parallel.sharding import clip_global_norm
 from shardwise.parallel.tp import Plan, Style, counts_in_norm
+from shardwise.parallel.zero import check_offload
 from shardwise.step import LossFn, OptimizerFactory, StepRun
-from shardwise.strategies.base import Strategy
+from shardwise.strategies.base import HasTPPlan, SplitsModel, Strategy
 
 if TYPE_CHECKING:
     from shardwise.checkpoint.pieces import Held
 
 
 @dataclass
-class Parallel(Strategy):
+class Parallel(Strategy, SplitsModel, HasTPPlan):
     """dp x tp x pp with the data-parallel family over dp; see the module docstring.
 
     Args:
@@ -89,8 +87,6 @@ class Parallel(Strategy):
     name: ClassVar[str] = "parallel"
 
     def __post_init__(self) -> None:
-        from shardwise.parallel.zero import check_offload
-
         get_schedule(self.schedule)
         self.data_options()  # zero / replicate checked here, before any process starts
         check_offload(self.offload, self.name, 3 if self.zero == 0 else self.zero)
@@ -109,18 +105,17 @@ class Parallel(Strategy):
                                    offload_device=self.offload_device, wrap=self.wrap,
                                    reshard_after_forward=self.reshard_after_forward)
 
-    def sizes(self, devices: int) -> dict[str, int]:
-        sizes = Topology.validate(devices, self.dp, self.tp, self.pp)
-        if sizes["dp"] % self.replicate:
-            raise ValueError(f"replicate={self.replicate} must divide the data-parallel size dp={sizes['dp']} "
-                             f"(HSDP: {self.replicate} replicas of dp/replicate shards)")
-        return sizes
+    def tensor_parallel_plan(self) -> Plan | dict[str, str | Style] | str | None:
+        return self.tp_plan
 
-    def describe(self, devices: int) -> RunLayout:
-        s = self.sizes(devices)
-        return RunLayout(self.name, s["dp"], s["tp"], s["pp"], zero=self.zero, replicate=self.replicate,
-                         offload=self.offload, wrap=self.wrap if self.zero == 3 else None,
-                         schedule=self.schedule, microbatches=self.microbatches, chunks=self.n_chunks())
+    def layout(self, devices: int) -> RunLayout:
+        return self._layout(ParallelDims.for_world(devices, self.dp, self.tp, self.pp,
+                                                   replicate=self.replicate if self.zero == 3 else 1))
+
+    def _layout(self, dims: ParallelDims) -> RunLayout:
+        return RunLayout.of(self.name, dims, zero=self.zero, replicate=self.replicate, offload=self.offload,
+                            wrap=self.wrap if self.zero == 3 else None, schedule=self.schedule,
+                            microbatches=self.microbatches, chunks=self.n_chunks())
 
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -133,7 +128,7 @@ class Parallel(Strategy):
         The same checks run again inside each rank, but there a mistake would surface
         once per process, after the process group was formed; here it costs nothing.
         """
-        p, v = self.sizes(devices)["pp"], self.n_chunks()
+        p, v = self.layout(devices).pp, self.n_chunks()
         layers = stage_layers(model, p * v)
         starts = stage_starts(layers, p * v, self.split_points) + [len(layers)]  # too few layers: ValueError
         if self.zero == 2 and p > 1:
@@ -163,8 +158,6 @@ class Parallel(Strategy):
 
     def eval_step(self, model: nn.Module, x: Any, y: Any, fn: LossFn, topo: Topology,
                   run: StepRun = StepRun()) -> torch.Tensor | None:
-        from shardwise.parallel.pipeline_run import pipeline_eval
-
         return pipeline_eval(model, x, y, fn, topo, lambda: run.forward_context(topo.device))  # type: ignore[arg-type]
 
     def _micro(self, micro_batches: Sequence[tuple[Any, Any]], topo: Topology) -> int | None:
@@ -173,7 +166,7 @@ class Parallel(Strategy):
         # One chunk from the trainer would leave every stage but one idle: by default
         # feed as many micro-batches as there are stages, when the batch divides evenly.
         x = micro_batches[0][0]
-        n, p = (x.shape[0] if isinstance(x, torch.Tensor) else 0), topo.size("pp")
+        n, p = (x.shape[0] if isinstance(x, torch.Tensor) else 0), topo.size(PP)
         return p if p > 1 and n % p == 0 else None
 
     def effective_microbatches(self, local_batch: int, stages: int, accumulate_grad_batches: int = 1) -> int:
@@ -185,17 +178,15 @@ class Parallel(Strategy):
         return stages if stages > 1 and local_batch % stages == 0 else 1
 
     def owns_loss(self, topo: Topology) -> bool:
-        return topo.coord("pp") == topo.size("pp") - 1 and topo.coord("tp") == 0
+        return topo.coord(PP) == topo.size(PP) - 1 and topo.coord(TP) == 0
 
     # ---- gradients and state ----------------------------------------------------
     def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
-        from shardwise.parallel.sharding import clip_global_norm
-
         pm: PipelineModel = model  # type: ignore[assignment]
         owner: Owners | None = pm.data
-        tp = topo.comm("tp") if topo.size("tp") > 1 else None
+        tp = topo.comm(TP) if topo.size(TP) > 1 else None
         elsewhere = pm.elsewhere()
-        groups: list[tuple[Any, str]] = [(tp, "tp.clip"), (topo.comm("pp"), "pp.clip")]
+        groups: list[tuple[Any, str]] = [(tp, "tp.clip"), (topo.comm(PP), "pp.clip")]
         if owner is None:
             # DDP has averaged the gradients: they are equal over dp, so dp takes no part in the norm.
             pieces = [(p.grad, p) for p in pm.parameters() if p.grad is not None]

@@ -1,13 +1,12 @@
-"""TODO docstring."""
+"""Pipeline parallelism over all devices (``strategy="pp"``): the preset of :class:`~shardwise.strategies.parallel.Parallel` with ``pp = devices``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
+from shardwise.dims import ParallelDims
+from shardwise.layout import RunLayout
 from shardwise.strategies.parallel import Parallel
-
-if TYPE_CHECKING:
-    pass
 
 
 @dataclass
@@ -22,5 +21,5 @@ class PP(Parallel):
                              "zero=)")
         super().__post_init__()
 
-    def sizes(self, devices: int) -> dict[str, int]:
-        return {"dp": 1, "tp": 1, "pp": devices}
+    def layout(self, devices: int) -> RunLayout:
+        return self._layout(ParallelDims(pp=devices))

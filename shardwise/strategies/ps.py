@@ -1,8 +1,14 @@
-"""TODO docstring."""
+"""The parameter server as a strategy (``strategy="ps"``): server ranks hold the parameters, workers train.
+
+The roles (servers, workers, the staleness gate) are the mechanism in
+:mod:`shardwise.parallel.ps_roles` and :mod:`shardwise.parallel.ps`; this
+strategy lays them out on the dp group (servers first; only workers read
+data), and saves and loads the servers' shards in the layout-free checkpoint.
+"""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -10,6 +16,7 @@ from torch import nn
 
 from shardwise.checkpoint.held import named_state
 from shardwise.comm.topology import Topology
+from shardwise.dims import DP
 from shardwise.layout import RunLayout
 from shardwise.parallel.accounting import with_optimizer_states
 from shardwise.parallel.ddp import check_same_parameters
@@ -52,35 +59,27 @@ class ParameterServer(HasServers):
             if self.max_staleness < 0:
                 raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
 
-    def describe(self, devices: int) -> RunLayout:
-        return replace(super().describe(devices), servers=self.servers)
-
-    def sizes(self, devices: int) -> dict[str, int]:
+    def layout(self, devices: int) -> RunLayout:
+        # Servers and workers form the dp group; only the workers read data (RunLayout.batch_shards).
         if devices < self.servers + 1:
             raise ValueError(f"the parameter server with servers={self.servers} needs at least "
                              f"{self.servers + 1} devices (the servers plus one worker), got devices={devices}")
-        return {"dp": devices, "tp": 1, "pp": 1}
-
-    def processes(self, devices: int) -> int:
-        return devices
-
-    def batch_shards(self, devices: int) -> int:
-        return devices - self.servers
+        return RunLayout(self.name, dp=devices, servers=self.servers)
 
     def is_server(self, topo: Topology) -> bool:
-        return topo.coord("dp") < self.servers
+        return topo.coord(DP) < self.servers
 
     def owns_loss(self, topo: Topology) -> bool:
         return not self.is_server(topo)
 
     def data_parallel(self, topo: Topology) -> tuple[int, int]:
         # Servers read no data: -1 makes any attempt to give them a shard fail loudly.
-        workers = topo.size("dp") - self.servers
-        return workers, (topo.coord("dp") - self.servers if not self.is_server(topo) else -1)
+        workers = topo.size(DP) - self.servers
+        return workers, (topo.coord(DP) - self.servers if not self.is_server(topo) else -1)
 
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
-        comm = topo.comm("dp")
+        comm = topo.comm(DP)
         if comm.size < self.servers + 1:
             raise ValueError(f"the parameter server with servers={self.servers} needs at least "
                              f"{self.servers + 1} ranks, the group has {comm.size}")
@@ -88,7 +87,7 @@ class ParameterServer(HasServers):
         check_same_parameters(model, comm)
         layout = _Layout(model, self.servers)
         if self.is_server(topo):
-            s = topo.coord("dp")
+            s = topo.coord(DP)
             lo, hi = layout.ranges[s]
             with torch.no_grad():
                 flat = torch.cat([p.detach().reshape(-1) for p in layout.params])
@@ -138,7 +137,7 @@ class ParameterServer(HasServers):
         worker.
         """
         wrapper: PSModule = model  # type: ignore[assignment]
-        comm, layout = topo.comm("dp"), wrapper.role.layout
+        comm, layout = topo.comm(DP), wrapper.role.layout
         dev = topo.device
         flat = torch.empty(layout.numel, dtype=layout.dtype, device=dev)
         for s, (lo, hi) in enumerate(layout.ranges):
@@ -173,7 +172,7 @@ class ParameterServer(HasServers):
         role = model.role  # type: ignore[union-attr]
         if isinstance(role, _Server):
             return _server_held(role, optimizer)
-        if topo.coord("dp") != self.servers:
+        if topo.coord(DP) != self.servers:
             return []
         from shardwise.checkpoint.pieces import Held
 

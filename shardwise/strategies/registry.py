@@ -1,14 +1,15 @@
-"""TODO docstring."""
+"""Strategy names -> strategy classes: the one table ``strategy="..."`` and ``sw.<Class>`` are looked up in.
+
+Built-in strategies are imported only when named, so that importing the core
+never imports every paradigm; :func:`register` adds a user's own.
+"""
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from shardwise.strategies.base import Strategy
-
-if TYPE_CHECKING:
-    pass
-
 
 # Built-in strategies live with their paradigm in shardwise/parallel/ and are
 # imported only when named, so that the core never imports every paradigm.
@@ -47,8 +48,6 @@ def register(name: str, factory: Callable[[], Strategy]) -> None:
 def load(target: str) -> Any:
     """``"module:Attr"`` imported. An ImportError inside a strategy's module propagates with its traceback:
     it is a broken installation or a bug, not an unknown strategy."""
-    import importlib
-
     mod, _, attr = target.partition(":")
     return getattr(importlib.import_module(mod), attr)
 

@@ -1,13 +1,11 @@
-"""TODO docstring."""
+"""One process, one device (``strategy="single"``): the reference every other strategy must equal."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
+from shardwise.layout import RunLayout
 from shardwise.strategies.base import Strategy
-
-if TYPE_CHECKING:
-    pass
 
 
 @dataclass
@@ -16,7 +14,7 @@ class Single(Strategy):
 
     name: ClassVar[str] = "single"
 
-    def sizes(self, devices: int) -> dict[str, int]:
+    def layout(self, devices: int) -> RunLayout:
         if devices != 1:
             raise ValueError(f"strategy 'single' runs on exactly one device, got devices={devices}")
-        return {"dp": 1, "tp": 1, "pp": 1}
+        return RunLayout(self.name)

@@ -1,28 +1,26 @@
-"""TODO docstring."""
+"""ZeRO stages 1 and 2 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models", section 5): the optimizer states (stage 1), and the gradients too (stage 2), sharded over dp.
+
+The mechanism is :class:`~shardwise.parallel.zero_module.ZeROModule` with a
+:class:`~shardwise.parallel.zero.ShardedOptimizer`; these are presets of
+:class:`~shardwise.strategies.data_parallel.DataParallel`.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
 from torch import nn
 
 from shardwise.comm.topology import Topology
 from shardwise.layout import RunLayout
-from shardwise.parallel.zero import ShardedOptimizer, check_offload, zero_clip_grad_norm
-from shardwise.parallel.zero_module import ZeROModule
-from shardwise.step import OptimizerFactory
-from shardwise.strategies.base import Strategy
-
-
-def _check_not_meta(model: nn.Module, name: str) -> None:
-    if any(p.device.type == "meta" for p in model.parameters()):
-        raise ValueError(f"strategy {name!r} keeps full parameters on every rank, so it cannot set up a model "
-                         "on the meta device; use 'zero3' or 'fsdp', which materialise it shard by shard")
+from shardwise.parallel.parallelize import DataParallelOptions
+from shardwise.parallel.zero import check_offload
+from shardwise.strategies.data_parallel import DataParallel, on_meta
 
 
 @dataclass
-class ZeRO1(Strategy):
+class ZeRO1(DataParallel):
     """ZeRO stage 1: optimizer states sharded; full parameters and gradients on every rank.
 
     Gradients are reduce-scattered in buckets while backward runs (overlapping
@@ -55,23 +53,17 @@ class ZeRO1(Strategy):
     def __post_init__(self) -> None:
         check_offload(self.offload, self.name, self.stage)
 
-    def describe(self, devices: int) -> RunLayout:
-        return replace(super().describe(devices), zero=self.stage, offload=self.offload)
+    def layout(self, devices: int) -> RunLayout:
+        return RunLayout(self.name, dp=devices, zero=self.stage, offload=self.offload)
 
-    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
-              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
-        from shardwise.parallel.parallelize import DataParallelOptions, wrap_module
-
-        _check_not_meta(model, self.name)
-        opts = DataParallelOptions(zero=self.stage, bucket_cap_mb=self.bucket_cap_mb, collectives=self.collectives,
+    def data_options(self, topo: Topology) -> DataParallelOptions:
+        return DataParallelOptions(zero=self.stage, bucket_cap_mb=self.bucket_cap_mb, collectives=self.collectives,
                                    offload=self.offload, offload_device=self.offload_device)
-        wrapped = wrap_module(model.to(topo.device), topo, opts)
-        return wrapped, ShardedOptimizer(optimizer_fn(wrapped.shard_params), wrapped)
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
-        zm: ZeROModule = model  # type: ignore[assignment]
-        zm.before_step()
-        return zero_clip_grad_norm(zm.shard_grads(), max_norm, zm.comm, "zero_clip", device=topo.device)
+    def check_setup(self, model: nn.Module) -> None:
+        if on_meta(model):
+            raise ValueError(f"strategy {self.name!r} keeps full parameters on every rank, so it cannot set up a "
+                             "model on the meta device; use 'zero3' or 'fsdp', which materialise it shard by shard")
 
 
 @dataclass

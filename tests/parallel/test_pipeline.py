@@ -12,13 +12,8 @@ import shardwise as sw
 from shardwise import launch
 from shardwise.comm.topology import Topology
 from shardwise.models import GPT, GPTConfig, lm_loss
-from shardwise.parallel.pipeline import (
-    balanced_starts,
-    build_pipeline,
-    pipeline_step,
-    resplit,
-    stage_starts,
-)
+from shardwise.parallel.pipeline import balanced_starts, build_pipeline, stage_starts
+from shardwise.parallel.pipeline_run import pipeline_step, resplit
 from shardwise.parallel.schedules import (
     Action,
     Recorder,

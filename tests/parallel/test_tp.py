@@ -19,7 +19,8 @@ from shardwise.comm.autograd import (
 )
 from shardwise.comm.topology import Topology
 from shardwise.models import GPT, Block, GPTConfig, lm_loss
-from shardwise.parallel.tp import gather_tensor, parallelize, shard_tensor, tp_spec
+from shardwise.parallel.tp import gather_tensor, parallelize, tp_spec
+from shardwise.parallel.tp_layers import shard_tensor
 from shardwise.strategies.tp import TP
 from shardwise.workloads import CharText, stdlib_text
 
