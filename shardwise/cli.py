@@ -5,8 +5,14 @@ import argparse
 import os
 import sys
 from collections.abc import Mapping
+from importlib.metadata import PackageNotFoundError, version
 
-import shardwise.cluster as cluster  # torch-free (`from shardwise import` would ask the package, which imports torch)
+# Only torch-free modules here, so that `shardwise --help` answers at once: each command imports what it runs.
+import shardwise.cluster as cluster  # (`from shardwise import cluster` would ask the package, which imports torch)
+from shardwise import __version__
+from shardwise.bench import add_arguments as bench_args
+from shardwise.bench import run as bench_run
+from shardwise.plan.args import add_arguments as plan_args
 
 RUN_HELP = """usage: shardwise run [--nproc N] [--standalone] [torchrun flags ...] SCRIPT [SCRIPT ARGS ...]
 
@@ -162,10 +168,6 @@ def _checkpoint(a: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """Every verb and flag, without importing torch (so that ``--help`` answers at once)."""
-    from shardwise import __version__
-    from shardwise.bench import add_arguments as bench_args
-    from shardwise.plan.args import add_arguments as plan_args
-
     p = argparse.ArgumentParser(prog="shardwise", description="Distributed training, every classic way.")
     p.add_argument("--version", action="version", version=f"shardwise {__version__} (torch {_torch_version()})",
                    help="print shardwise's and torch's versions and exit")
@@ -232,8 +234,6 @@ def _verb(sub: argparse._SubParsersAction, name: str, help: str, description: st
 
 
 def _torch_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("torch")  # the installed distribution's metadata: no import of torch itself
     except PackageNotFoundError:
@@ -252,7 +252,6 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "verify":
         return _verify(a)
     if a.cmd == "bench":
-        from shardwise.bench import run as bench_run
         return bench_run(a)
     if a.cmd == "plan":
         from shardwise.plan.cli import run as plan_run

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+from torch.utils.data._utils import worker as loader_worker
 from torch.utils.data._utils.collate import default_collate
 
 # Keys of a dict batch that are targets, not model inputs (Hugging Face's names), unless ``inputs=`` says otherwise.
@@ -274,14 +275,12 @@ def check_dataset(n: int, global_batch: int) -> None:
 def _as_main_process() -> Iterator[None]:
     """Hide DataLoader worker info from the user's dataset: inside our workers it must yield the whole stream,
     as in the main process (a dataset that splits itself over workers would otherwise yield a part)."""
-    from torch.utils.data._utils import worker
-
-    saved = getattr(worker, "_worker_info", None)
-    worker._worker_info = None
+    saved = getattr(loader_worker, "_worker_info", None)
+    loader_worker._worker_info = None
     try:
         yield
     finally:
-        worker._worker_info = saved
+        loader_worker._worker_info = saved
 
 
 class _Reader:

@@ -7,9 +7,12 @@ from collections.abc import Callable
 from rich.console import Console
 from rich.table import Table
 
+from shardwise import plots
 from shardwise.console import make_console
+from shardwise.dims import DP, PP, TP
 from shardwise.fit.trainer import Trainer
 from shardwise.strategies.base import Strategy
+from shardwise.strategies.parallel import Parallel
 from shardwise.strategies.registry import available_strategies
 from shardwise.verify import accuracy, compare
 from shardwise.workloads import digits
@@ -18,7 +21,6 @@ from shardwise.workloads import digits
 def _three_d() -> Strategy:
     """dp=2 x tp=2 x pp=2 with ZeRO-1 over dp on the digits MLP: stage 0 is net.0, stage 1 net.2..net.4,
     whose two Linear layers are split Megatron-style (column then row)."""
-    from shardwise.strategies.parallel import Parallel
     return Parallel(dp=2, tp=2, pp=2, zero=1, split_points=["net.2"],
                     tp_plan={"net.2": "colwise", "net.4": "rowwise"}, microbatches=2)
 
@@ -26,9 +28,9 @@ def _three_d() -> Strategy:
 # (label, strategy name or factory, devices) in the order shown. With --devices
 # other than 2, the rows of 2 devices use that many instead; the others keep theirs.
 DEMO_RUNS: list[tuple[str, str | Callable[[], Strategy], int]] = [
-    ("single", "single", 1), ("ddp", "ddp", 2), ("dp", "dp", 2), ("ps", "ps", 3), ("zero1", "zero1", 2),
-    ("zero2", "zero2", 2), ("zero3", "zero3", 2), ("fsdp", "fsdp", 2), ("hsdp", "hsdp", 4), ("tp", "tp", 2),
-    ("pp", "pp", 2), ("3d+zero1", _three_d, 8),
+    ("single", "single", 1), ("ddp", "ddp", 2), (DP, DP, 2), ("ps", "ps", 3), ("zero1", "zero1", 2),
+    ("zero2", "zero2", 2), ("zero3", "zero3", 2), ("fsdp", "fsdp", 2), ("hsdp", "hsdp", 4), (TP, TP, 2),
+    (PP, PP, 2), ("3d+zero1", _three_d, 8),
 ]
 
 
@@ -74,8 +76,6 @@ def main(steps: int = 60, devices: int = 2, rtol: float = 1e-4, console: Console
         finished[name] = (res, n, work.batch_size)
     console.print(table)
     if plot_dir is not None:
-        from shardwise import plots
-
         for path in plots.write_demo(plot_dir, finished):
             console.print(f"wrote {path}")
     console.print("3d+zero1: dp=2 x tp=2 x pp=2 on one mesh, ZeRO-1 over dp, tp inside pipeline stage 1.")

@@ -11,10 +11,15 @@ between them; both report failures through :func:`supervise`.
 """
 from __future__ import annotations
 
+import ast
+import ctypes
 import datetime as _dt
+import inspect
 import os
 import pickle
 import signal
+import socket
+import sys
 import tempfile
 import threading
 import time
@@ -33,6 +38,7 @@ from shardwise.cluster import (  # loopback_interface: its former home was here
     ClusterEnv,
     loopback_interface,
 )
+from shardwise.comm.diagnostics import diag_store, explain_job
 from shardwise.comm.topology import backend_for, pick_device, threads_per_rank
 from shardwise.precision import default_dtype_name
 
@@ -127,8 +133,6 @@ def start_method() -> str:
     ``python -c``), since a fresh interpreter cannot re-import it and objects defined there reach the
     ranks only in a copy of this process. Fork is refused once CUDA is initialised here (a forked child
     cannot use CUDA) and where the platform has no fork."""
-    import sys
-
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     interactive = main is None or hasattr(sys, "ps1") or "ipykernel" in sys.modules
@@ -156,10 +160,6 @@ def check_main_module() -> None:
     with a long error or a hang. A main without a file (a notebook, stdin,
     ``python -c``) is not re-imported: :func:`start_method` forks instead.
     """
-    import ast
-    import inspect
-    import sys
-
     if start_method() == "fork":
         return
     main = sys.modules.get("__main__")
@@ -215,8 +215,6 @@ def die_with_parent() -> None:
     """
     parent = os.getppid()
     try:
-        import ctypes
-
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0:  # 1 = PR_SET_PDEATHSIG
             if os.getppid() != parent:  # the parent died before the signal was armed
@@ -320,8 +318,6 @@ def job_store(timeout: _dt.timedelta) -> dist.TCPStore:
     is given, so anyone who can reach this machine could read and write the
     job's keys; it is handed a socket already listening on loopback instead.
     """
-    import socket
-
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)
@@ -378,8 +374,6 @@ def supervise(ranks: Sequence[RankHandle], store: dist.TCPStore, grace_s: float)
     from both: every rank's traceback from the store, how each silent death
     ended, and the diagnosis of where each rank was.
     """
-    from shardwise.comm.diagnostics import diag_store, explain_job
-
     try:
         while any(r.exitcode is None for r in ranks):
             if any(r.exitcode not in (None, 0) for r in ranks):

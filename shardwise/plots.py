@@ -22,6 +22,7 @@ write.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import pickle
 import tempfile
@@ -33,6 +34,12 @@ from torch.nn import functional as F
 
 from shardwise import launch
 from shardwise.comm.topology import Topology
+from shardwise.dims import PP, TP
+from shardwise.fit.trainer import Trainer
+from shardwise.parallel.pipeline import build_pipeline
+from shardwise.parallel.pipeline_run import pipeline_step
+from shardwise.parallel.schedules import Recorder, bubble_fraction, simulate
+from shardwise.workloads import load as load_workload
 
 KINDS = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer states"),
          ("activation", "activations"))
@@ -43,7 +50,8 @@ BAR = "throughput-bar"  # gid of each bar of throughput_bars
 BOX_LABEL = "box-label"  # gid of each box's "Fi"/"Bi" text in a timeline (hidden where the box is too narrow)
 
 
-def _plt() -> Any:
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend; matplotlib (about 0.3 s) loads when the first figure is drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -64,14 +72,14 @@ def save(fig: Any, path: str | os.PathLike[str], dpi: int = 100) -> str:
     path = os.fspath(path)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=dpi, format="png")
-    _plt().close(fig)
+    pyplot().close(fig)
     return path
 
 
 # ---- throughput ----------------------------------------------------------------------------------
 def throughput_figure(records: Iterable[Mapping[str, Any]], title: str = "Throughput against device count") -> Any:
     """Samples/s against devices, one line per strategy; records have ``strategy``, ``devices``, ``samples_per_s``."""
-    plt = _plt()
+    plt = pyplot()
     by: dict[str, list[tuple[int, float]]] = {}
     for r in records:
         by.setdefault(str(r["strategy"]), []).append((int(r["devices"]), float(r["samples_per_s"])))
@@ -105,7 +113,7 @@ def distinct_colors(n: int) -> list[Any]:
 def throughput_bars(records: Sequence[Mapping[str, Any]], title: str = "Throughput by strategy") -> Any:
     """One horizontal bar per run (strategy and device count), samples/s, each its own colour, the value
     printed at the bar's end; for runs at one or two device counts, where lines would be single points."""
-    plt = _plt()
+    plt = pyplot()
     rows = list(records)
     labels = [f"{r['strategy']} ({r['devices']} dev.)" for r in rows]
     values = [float(r["samples_per_s"]) for r in rows]
@@ -127,10 +135,7 @@ def throughput_bars(records: Sequence[Mapping[str, Any]], title: str = "Throughp
 
 
 def _fit(strategy: str, devices: int, workload: str, steps: int) -> Any:
-    from shardwise.fit.trainer import Trainer
-    from shardwise.workloads import load
-
-    work = load(workload)
+    work = load_workload(workload)
     return Trainer(strategy, devices, accelerator="cpu", progress=False, memory_check="off").fit(
         work.make_model(), work.train, work.loss_fn, work.optimizer(), work.batch_size, steps), work.batch_size
 
@@ -160,7 +165,7 @@ def memory_rows(results: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 def memory_figure(rows: Sequence[Mapping[str, Any]], title: str = "Memory per rank") -> Any:
     """Stacked bars, one per rank per strategy: parameters, gradients, optimizer states, activations."""
-    plt = _plt()
+    plt = pyplot()
     totals = [sum(r[k] for k, _ in KINDS) for r in rows]
     scale, unit = _unit(max(totals, default=1))
     fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * len(rows) + 2), 4.4))
@@ -202,9 +207,7 @@ def timeline_figure(runs: Mapping[str, Sequence[Any]], title: str = "Pipeline sc
     """
     from matplotlib.patches import Patch
 
-    from shardwise.parallel.schedules import bubble_fraction
-
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(runs), figsize=(6.0 * len(runs), 0.6 * _stages(runs) + 2.8), squeeze=False,
                              sharey=True)
     span = max((e.end for ev in runs.values() for e in ev), default=1.0) - \
@@ -263,9 +266,6 @@ def count_boxes(fig: Any) -> int:
 
 def _timeline_worker(rank: int, device: torch.device, schedules: list[str], m: int, width: int, batch: int,
                      path: str) -> None:
-    from shardwise.parallel.pipeline import build_pipeline, pipeline_step
-    from shardwise.parallel.schedules import Recorder
-
     p = torch.distributed.get_world_size()
     topo = Topology.create(device, dp=1, tp=1, pp=p)
     g = torch.Generator().manual_seed(0)
@@ -279,7 +279,7 @@ def _timeline_worker(rank: int, device: torch.device, schedules: list[str], m: i
         for step in range(3):  # the first step exchanges shapes; the last one is drawn
             topo.comm("world").barrier(name="plots.barrier")
             pipeline_step(pm, [(x, torch.zeros_like(x))], F.mse_loss, topo, schedule, m, rec)
-        events = [e for e in rec.gather(topo.comm("pp")) if e.step == rec.step - 1]
+        events = [e for e in rec.gather(topo.comm(PP)) if e.step == rec.step - 1]
         out[schedule] = events
     if rank == 0:
         with open(path, "wb") as f:
@@ -304,7 +304,7 @@ def write_all(plot_dir: str | os.PathLike[str], max_devices: int = 2, steps: int
     """Measure (unless given) and write ``throughput_<tag>.png``, ``memory_<tag>.png``, ``pipeline_timeline.png``."""
     devices = [n for n in (1, 2, 4, 8) if n <= max_devices]
     if throughput_records is None:
-        throughput_records = measure_throughput(["ddp", "zero1", "zero2", "zero3", "fsdp", "tp", "pp"], devices,
+        throughput_records = measure_throughput(["ddp", "zero1", "zero2", "zero3", "fsdp", TP, PP], devices,
                                                 "gpt", steps)
     if memory_results is None:
         memory_results = measure_memory(["ddp", "zero1", "zero2", "zero3"], 2, "digits", min(steps, 3))
@@ -342,16 +342,12 @@ def samples_per_s(results: Mapping[str, tuple[Any, int, int]]) -> list[dict[str,
 
 
 __all__ = ["BAR", "BOX", "BOX_LABEL", "count_boxes", "count_boxes_in", "distinct_colors", "measure_memory",
-           "measure_throughput", "memory_figure", "memory_rows", "record_pipeline", "samples_per_s", "save",
+           "measure_throughput", "memory_figure", "memory_rows", "pyplot", "record_pipeline", "samples_per_s", "save",
            "throughput_bars", "throughput_figure", "timeline_figure", "write_all", "write_demo"]
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m shardwise.plots DIR``: the PNGs of docs/pictures.md (real runs, plus a simulated timeline)."""
-    import argparse
-
-    from shardwise.parallel.schedules import simulate
-
     ap = argparse.ArgumentParser(prog="python -m shardwise.plots",
                                  description="Measure and draw the PNGs of docs/pictures.md (throughput, memory, "
                                              "recorded and simulated pipeline timelines), printing every number.")
@@ -361,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=6, metavar="N", help="steps of each measured run (default: 6)")
     a = ap.parse_args(argv)
     devices = [n for n in (1, 2, 4, 8) if n <= a.max_devices]
-    records = measure_throughput(["ddp", "zero1", "zero2", "zero3", "fsdp", "tp", "pp"], devices, "gpt", a.steps)
+    records = measure_throughput(["ddp", "zero1", "zero2", "zero3", "fsdp", TP, PP], devices, "gpt", a.steps)
     for r in records:
         print(f"throughput {r['strategy']:6s} devices={r['devices']}: {r['samples_per_s']:8.1f} samples/s "
               f"(median step {1e3 * r['step_time_s']:.2f} ms)")

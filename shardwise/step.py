@@ -10,7 +10,7 @@ all use these, so they live in a base module that imports no layer.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,3 +66,14 @@ def iter_chunks(x: Any, k: int) -> Iterator[Any]:
             yield Kwargs(zip(keys, parts)) if isinstance(x, Kwargs) else dict(zip(keys, parts))
     else:
         raise TypeError(f"cannot split a batch of type {type(x).__name__} into micro-batches")
+
+
+def first_named(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Each tensor of ``named`` once, under the first name it comes with (a tied weight's saved name)."""
+    seen: set[int] = set()
+    out = []
+    for k, v in named:
+        if id(v) not in seen:
+            seen.add(id(v))
+            out.append((k, v))
+    return out

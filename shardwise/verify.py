@@ -27,6 +27,8 @@ from shardwise.data import collate, is_stream, leaves, split_batch
 from shardwise.fit.trainer import FitResult, Trainer
 from shardwise.step import call_model
 from shardwise.strategies.base import Strategy
+from shardwise.strategies.dp import DP
+from shardwise.strategies.parallel import Parallel
 from shardwise.strategies.registry import resolve
 from shardwise.workloads import Workload
 
@@ -293,16 +295,11 @@ def batch_split(strategy: str | Strategy, devices: int, batch_size: int,
     (``topo.comm("dp")``, see :mod:`shardwise.fit_job`): micro-batches that one
     rank runs one after another are never normalised together.
     """
-    # Imported when asked: the registry loads a paradigm's module only when its strategy is named, and
-    # verify needs these two classes only to read a pipeline's micro-batches and DP's replicas.
-    from shardwise.strategies.dp import DP
-    from shardwise.strategies.parallel import Parallel
-
     strat, k = resolve(strategy), accumulate_grad_batches
-    sizes = strat.sizes(devices)
-    shards, dp, procs = strat.batch_shards(devices), sizes["dp"], strat.processes(devices)
+    sizes = strat.layout(devices).dims
+    shards, dp, procs = strat.batch_shards(devices), sizes.dp, strat.processes(devices)
     local = batch_size // shards
-    micro = strat.effective_microbatches(local, sizes["pp"], k) if isinstance(strat, Parallel) else k
+    micro = strat.effective_microbatches(local, sizes.pp, k) if isinstance(strat, Parallel) else k
     per, unit = local // max(1, micro), "micro-batch" if micro > 1 else "rank"
     replicas = len(strat.device_ids) if isinstance(strat, DP) and strat.device_ids is not None else devices
     if isinstance(strat, DP) and replicas > 1:

@@ -1,4 +1,4 @@
-"""`shardwise checkpoint ls` and `shardwise checkpoint export` (shardwise/checkpoint_tools.py, shardwise/cli.py).
+"""`shardwise checkpoint ls` and `shardwise checkpoint export` (shardwise/checkpoint/tools.py, shardwise/cli.py).
 
 Small runs save checkpoints under tp, pp (1F1B) and the 3-D layout
 (dp2 x tp2 x pp2, ZeRO-1, 8 ranks) on the project's GPT with tied embeddings,
@@ -231,7 +231,7 @@ def test_help_imports_nothing_heavy():
     code = ("import sys\nfrom shardwise.cli import main\n"
             "for argv in (['checkpoint', '--help'], ['checkpoint', 'ls', '--help'], ['checkpoint', 'export', '--help']):\n"
             "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
-            "print(sorted(m for m in ('transformers', 'shardwise.checkpoint_tools') if m in sys.modules))")
+            "print(sorted(m for m in ('transformers', 'shardwise.checkpoint.tools') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "--format {pt,hf}" in proc.stdout

@@ -2,16 +2,16 @@
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import platform
 from typing import TYPE_CHECKING, Any
+
+from shardwise.dims import PP, TP
 
 if TYPE_CHECKING:
     from rich.table import Table
 
 # The pairs' names, for the command line's help without importing torch (shardwise.bench.pairs does);
 # tests/test_cli_output.py checks that they are PAIRS' keys.
-PAIR_NAMES = ("ddp", "zero1", "zero3", "fsdp", "pp", "tp", "fsdp-tp", "dp-vs-ddp", "ps-vs-ddp", "allreduce")
+PAIR_NAMES = ("ddp", "zero1", "zero3", "fsdp", PP, TP, "fsdp-tp", "dp-vs-ddp", "ps-vs-ddp", "allreduce")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,26 +29,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
-    from shardwise.bench.pairs import PAIRS
-    from shardwise.console import make_console
+    """``shardwise bench``: the pairs ``a.pairs`` names, one table each (:func:`shardwise.bench.pairs.run`)."""
+    # torch and the pairs load when a benchmark runs, not for `shardwise --help`
+    from shardwise.bench.pairs import run as run_pairs
 
-    console = make_console(min_width=140)
-    names = list(PAIRS) if a.pairs == "all" else a.pairs.split(",")
-    unknown = [n for n in names if n not in PAIRS]
-    if unknown:
-        console.print(f"unknown pair(s) {unknown}; valid: {', '.join(PAIRS)}")
-        return 2
-    console.print(f"{_dt.date.today()} on {platform.node()} ({platform.processor() or platform.machine()}), "
-                  f"{a.nproc} ranks, {a.reps} alternating repetitions x {a.steps} steps, medians")
-    for n in names:
-        table = PAIRS[n](a)
-        console.print(table)
-    if getattr(a, "plot_dir", None):
-        from shardwise import plots
-
-        for path in plots.write_all(a.plot_dir, max_devices=a.nproc, steps=a.steps):
-            console.print(f"wrote {path}")
-    return 0
+    return run_pairs(a)
 
 
 def __getattr__(name: str) -> Any:

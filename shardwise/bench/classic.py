@@ -25,8 +25,23 @@ from rich.table import Table
 from torch import nn
 from torch.nn import functional as F
 
+import shardwise.dims as dims  # as a module: dims.DP is the dimension, DP the strategy
+from shardwise import plots
+from shardwise.bench import add_arguments
 from shardwise.bench.harness import optimizer_step, spawn_collect, timed_steps
+from shardwise.comm.algorithms import (
+    naive_allreduce,
+    naive_bytes,
+    ring_allreduce,
+    ring_bytes,
+)
 from shardwise.comm.topology import Topology
+from shardwise.console import make_console
+from shardwise.fit.trainer import Trainer
+from shardwise.parallel.ddp import DDPModule
+from shardwise.strategies.ddp import DDP
+from shardwise.strategies.dp import DP
+from shardwise.strategies.ps import ParameterServer
 from shardwise.workloads import mlp1024
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
@@ -43,15 +58,6 @@ def plot_path(a: argparse.Namespace, name: str) -> str | None:
         return None
     os.makedirs(d, exist_ok=True)
     return os.path.join(d, name)
-
-
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _mib(b: float) -> str:
@@ -79,8 +85,6 @@ def _one_core_per_device(device: torch.device) -> None:
 
 
 def _dp_worker(rank: int, device: torch.device, n: int, batch: int, reps: int, steps: int, path: str) -> None:
-    from shardwise.strategies.dp import DP
-
     _one_core_per_device(device)
     work = mlp1024()
     g = torch.Generator().manual_seed(0)
@@ -97,12 +101,10 @@ def _dp_worker(rank: int, device: torch.device, n: int, batch: int, reps: int, s
 
 
 def _ddp_worker(rank: int, device: torch.device, batch: int, reps: int, steps: int, path: str) -> None:
-    from shardwise.parallel.ddp import DDPModule
-
     _one_core_per_device(device)
     work = mlp1024()
     topo = Topology.create(device)
-    comm = topo.comm("dp")
+    comm = topo.comm(dims.DP)
     n = comm.size
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(batch // n, 1024, generator=g).to(device)
@@ -127,19 +129,19 @@ def dp_vs_ddp(a: argparse.Namespace) -> Table:
     for n in counts:
         # One repetition per launch, alternating which goes first, so that load from
         # other work on the machine falls on both alike (the ratio stays fair).
-        times: dict[str, list[float]] = {"dp": [], "ddp": []}
+        times: dict[str, list[float]] = {"DP": [], "DDP": []}
         for rep in range(a.reps):
-            order = ("dp", "ddp") if rep % 2 == 0 else ("ddp", "dp")
+            order = ("DP", "DDP") if rep % 2 == 0 else ("DDP", "DP")
             for which in order:
-                if which == "dp":
-                    times["dp"].append(spawn_collect(_dp_worker, 1, n, a.batch, 1, a.steps, accelerator=a.accelerator))
+                if which == "DP":
+                    times["DP"].append(spawn_collect(_dp_worker, 1, n, a.batch, 1, a.steps, accelerator=a.accelerator))
                 elif n > 1:
-                    times["ddp"].append(spawn_collect(_ddp_worker, n, a.batch, 1, a.steps, accelerator=a.accelerator))
+                    times["DDP"].append(spawn_collect(_ddp_worker, n, a.batch, 1, a.steps, accelerator=a.accelerator))
         if n == 1:
             # With one device DDP has nothing to communicate: it is the single-device run, as is DP.
-            times["ddp"] = times["dp"]
-        rows.append((n, statistics.median(times["dp"]), statistics.median(times["ddp"])))
-        spread[n] = (min(times["dp"]), max(times["dp"]), min(times["ddp"]), max(times["ddp"]))
+            times["DDP"] = times["DP"]
+        rows.append((n, statistics.median(times["DP"]), statistics.median(times["DDP"])))
+        spread[n] = (min(times["DP"]), max(times["DP"]), min(times["DDP"]), max(times["DDP"]))
     t = Table(title=f"DP (1 process, N threads) vs DDP (N processes): 4 x Linear(1024) MLP, global batch "
                     f"{a.batch}, AdamW, {a.accelerator}, median (min-max) of {a.reps} alternating launches")
     for col in ("devices N", "DP step", "DP samples/s", "DDP step", "DDP samples/s", "DDP / DP throughput"):
@@ -151,7 +153,7 @@ def dp_vs_ddp(a: argparse.Namespace) -> Table:
                   f"{dp_t / ddp_t:.2f}x")
     path = plot_path(a, "dp_vs_ddp.png")
     if path:
-        plt = _pyplot()
+        plt = plots.pyplot()
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.plot(counts, [a.batch / r[1] for r in rows], "o-", label="DP (threads in one process)")
         ax.plot(counts, [a.batch / r[2] for r in rows], "s-", label="DDP (one process per device)")
@@ -169,9 +171,6 @@ def dp_vs_ddp(a: argparse.Namespace) -> Table:
 # ---- parameter server against DDP ----------------------------------------------------------------
 def _ps_configs(workers: int) -> list[tuple[str, str, Any, int]]:
     """(series, label, strategy, processes) for ``workers`` data-parallel workers."""
-    from shardwise.strategies.ddp import DDP
-    from shardwise.strategies.ps import ParameterServer
-
     return [("DDP", "DDP", DDP(), workers),
             ("PS sync, 1 server", "PS sync, 1 server", ParameterServer(), workers + 1),
             ("PS sync, 2 servers", "PS sync, 2 servers", ParameterServer(servers=2), workers + 2),
@@ -181,8 +180,6 @@ def _ps_configs(workers: int) -> list[tuple[str, str, Any, int]]:
 
 def ps_vs_ddp(a: argparse.Namespace) -> Table:
     """Throughput and the busiest rank's received bytes per step, as the number of workers grows."""
-    import shardwise as sw
-
     workers_list = sorted({1, 2, max(2, a.nproc)} | {4})
     work = mlp1024()
     p_bytes = sum(p.numel() * p.element_size() for p in work.make_model().parameters())
@@ -201,7 +198,7 @@ def ps_vs_ddp(a: argparse.Namespace) -> Table:
             for _, label, strat, procs in configs[rep % len(configs):] + configs[:rep % len(configs)]:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    run = sw.Trainer(strat, procs, accelerator=a.accelerator, progress=False).fit(
+                    run = Trainer(strat, procs, accelerator=a.accelerator, progress=False).fit(
                         work.make_model(), work.train, work.loss_fn, ADAMW, batch_size=a.batch,
                         max_steps=a.steps)
                 workers_stats = [s for s in run.stats if s.get("role", "worker") == "worker"]
@@ -234,7 +231,7 @@ def ps_vs_ddp(a: argparse.Namespace) -> Table:
                       f"{text} = {_mib(formula)}")
     path = plot_path(a, "ps_vs_ddp.png")
     if path:
-        plt = _pyplot()
+        plt = plots.pyplot()
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
         for label, pts in results.items():
             ws = [p[0] for p in pts]
@@ -257,10 +254,8 @@ def ps_vs_ddp(a: argparse.Namespace) -> Table:
 
 # ---- all-reduce algorithms ----------------------------------------------------------------------
 def _allreduce_worker(rank: int, device: torch.device, sizes: tuple[int, ...], reps: int, path: str) -> None:
-    from shardwise.comm.algorithms import naive_allreduce, ring_allreduce
-
     topo = Topology.create(device)
-    comm = topo.comm("dp")
+    comm = topo.comm(dims.DP)
     algos: dict[str, Callable[..., Any]] = {
         "naive": naive_allreduce, "ring": ring_allreduce,
         "native": lambda t, c, name: c.all_reduce(t, name=name, async_op=True)}
@@ -292,8 +287,6 @@ def _allreduce_worker(rank: int, device: torch.device, sizes: tuple[int, ...], r
 
 def allreduce_algorithms(a: argparse.Namespace) -> Table:
     """Naive vs ring vs the backend's all-reduce for world sizes 2, 4, 8 and 1 KB .. 64 MB of fp32."""
-    from shardwise.comm.algorithms import naive_bytes, ring_bytes
-
     worlds = tuple(getattr(a, "allreduce_worlds", ALLREDUCE_WORLDS))
     sizes = tuple(getattr(a, "allreduce_sizes", ALLREDUCE_SIZES))
     rows: list[dict[str, Any]] = []
@@ -319,7 +312,7 @@ def allreduce_algorithms(a: argparse.Namespace) -> Table:
                   f"{sent:,}", f"{recv:,}", f"{label} = {fb:,}", f"{recv / s:.3f}")
     path = plot_path(a, "allreduce_algorithms.png")
     if path:
-        plt = _pyplot()
+        plt = plots.pyplot()
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
         colors = {"naive": "tab:red", "ring": "tab:blue", "native": "tab:green"}
         styles = {2: ":", 4: "--", 8: "-"}
@@ -359,9 +352,6 @@ BENCHES: dict[str, Callable[[argparse.Namespace], Table]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shardwise.bench import add_arguments
-    from shardwise.console import make_console
-
     p = argparse.ArgumentParser(prog="python -m shardwise.bench.classic", description=__doc__)
     p.add_argument("which", nargs="+", choices=list(BENCHES))
     add_arguments(p)

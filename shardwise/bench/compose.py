@@ -21,11 +21,22 @@ from typing import Any
 import torch
 from rich.table import Table
 from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import parallel as dtensor_tp
 
-from shardwise.bench.harness import PairResult, alternate, gather_results, spawn_collect
+from shardwise.bench.harness import (
+    PairResult,
+    alternate,
+    gather_results,
+    pair_table,
+    spawn_collect,
+)
 from shardwise.bench.mp import StepContender, _summary_worst, _time
 from shardwise.comm.topology import Topology
+from shardwise.dims import DP, TP
 from shardwise.models import GPT, GPTConfig, lm_loss
+from shardwise.strategies.parallel import Parallel
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 CFG = GPTConfig(vocab_size=512, block_size=64, n_layer=4, n_head=8, n_embd=128)
@@ -39,9 +50,7 @@ def gpt(cfg: GPTConfig = CFG) -> GPT:
 
 
 def ours_fsdp_tp(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int = 1) -> LossStep:
-    from shardwise.strategies.parallel import Parallel
-
-    strat = Parallel(dp=topo.size("dp"), tp=topo.size("tp"), zero=ZERO)
+    strat = Parallel(dp=topo.size(DP), tp=topo.size(TP), zero=ZERO)
     pm, opt = strat.setup(model, ADAMW, topo)
 
     def step() -> torch.Tensor:  # as Trainer._loop drives a strategy
@@ -53,29 +62,22 @@ def ours_fsdp_tp(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Ten
 
 
 def torch_fsdp_tp(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int = 1) -> LossStep:
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    mesh = topo.mesh["dp", "tp"]  # type: ignore[index]
-    tp = mesh["tp"].size()
+    mesh = topo.mesh[DP, TP]  # type: ignore[index]
+    tp = mesh[TP].size()
     model = model.to(topo.device)
     # gpt_plan's split without sequence parallelism: vocabulary-parallel embedding, logits gathered.
-    parallelize_module(model, mesh["tp"], {
-        "tok_emb": RowwiseParallel(input_layouts=Replicate()),
-        "head": ColwiseParallel(output_layouts=Replicate())})
+    dtensor_tp.parallelize_module(model, mesh[TP], {
+        "tok_emb": dtensor_tp.RowwiseParallel(input_layouts=Replicate()),
+        "head": dtensor_tp.ColwiseParallel(output_layouts=Replicate())})
     for block in model.blocks:  # type: ignore[union-attr]
-        parallelize_module(block, mesh["tp"], {
-            "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-            "attn.proj": RowwiseParallel(), "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()})
+        dtensor_tp.parallelize_module(block, mesh[TP], {
+            "attn.q": dtensor_tp.ColwiseParallel(), "attn.k": dtensor_tp.ColwiseParallel(),
+            "attn.v": dtensor_tp.ColwiseParallel(), "attn.proj": dtensor_tp.RowwiseParallel(),
+            "mlp.fc1": dtensor_tp.ColwiseParallel(), "mlp.fc2": dtensor_tp.RowwiseParallel()})
         block.attn.n_head //= tp  # type: ignore[operator]  # local heads, as torchtitan adjusts n_heads
     for block in model.blocks:  # type: ignore[union-attr]
-        fully_shard(block, mesh=mesh["dp"], reshard_after_forward=True)
-    fully_shard(model, mesh=mesh["dp"], reshard_after_forward=True)
+        fully_shard(block, mesh=mesh[DP], reshard_after_forward=True)
+    fully_shard(model, mesh=mesh[DP], reshard_after_forward=True)
     opt = ADAMW(model.parameters())
     # The root returns the gathered logits as a view; lm_loss only reshapes them (no in-place op to lose a hook).
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
@@ -94,14 +96,14 @@ def local_batch(topo: Topology, batch: int, cfg: GPTConfig = CFG,
     """This rank's dp shard of one global batch of ``batch`` random token sequences (inputs, next tokens)."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=g)
-    n, r = topo.size("dp"), topo.coord("dp")
+    n, r = topo.size(DP), topo.coord(DP)
     mine = tokens.chunk(n)[r]
     return mine[:, :-1].to(topo.device), mine[:, 1:].to(topo.device)
 
 
 def _worker(rank: int, device: torch.device, blob: bytes, path: str) -> None:
     job = pickle.loads(blob)
-    topo = Topology.create(device, dp=job["dp"], tp=job["tp"])
+    topo = Topology.create(device, dp=job[DP], tp=job[TP])
     x, y = local_batch(topo, job["batch"], job["model"].cfg)
     res = alternate(job["contenders"], job["reps"], lambda c: _time(
         c, job["model"], topo, x, y, 1, job["warmup"], job["steps"]))
@@ -131,8 +133,6 @@ def expected_sent(model: nn.Module, dp: int, tp: int, batch: int, zero: int = ZE
 
 
 def fsdp_tp_pair(a: argparse.Namespace) -> Table:
-    from shardwise.bench.pairs import pair_table
-
     tp = 2
     if a.nproc % tp or a.batch % (a.nproc // tp):
         raise SystemExit(f"fsdp-tp: --nproc {a.nproc} must be a multiple of tp={tp}, and --batch a multiple of dp")

@@ -8,6 +8,8 @@ builds ``(model, optimizer, step_sent_bytes)`` from a fresh model copy.
 from __future__ import annotations
 
 import copy
+import ctypes
+import ctypes.util
 import gc
 import os
 import pickle
@@ -19,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from rich.table import Table
 from torch import nn
 
 from shardwise import launch
@@ -116,9 +119,6 @@ def trim_malloc() -> bool:
     the next one reuses it: that one's RSS increase reads too low, and depends
     on who ran first. Called between contenders only, so step times are untouched.
     """
-    import ctypes
-    import ctypes.util
-
     try:
         return bool(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0))
     except (OSError, AttributeError):
@@ -204,3 +204,26 @@ def summarize(results: list[PairResult]) -> dict[str, Any]:
             "sent_per_step": results[0].sent_per_step[n],
         }
     return out
+
+
+def _fmt_mib(b: float) -> str:
+    return f"{b / 2**20:.2f} MiB"
+
+
+def pair_table(title: str, summary: dict, formula_bytes: float | None, formula_label: str) -> Table:
+    """One row per contender of a :func:`summarize` result, torch's own as the baseline of the ratios."""
+    ours, theirs = summary["names"]
+    t = Table(title=title)
+    for col in ("implementation", "median step", "throughput vs torch", "peak RSS increase",
+                "memory vs torch", "sent / rank / step", formula_label):
+        t.add_column(col, justify="left" if col == "implementation" else "right")
+    base_t = summary[theirs]["step_time_s"]
+    base_m = max(1, summary[theirs]["peak_rss_delta_bytes"])
+    for n in (ours, theirs):
+        s = summary[n]
+        sent = s["sent_per_step"]
+        t.add_row(n, f"{1e3 * s['step_time_s']:.2f} ms", f"{base_t / s['step_time_s']:.3f}x",
+                  _fmt_mib(s["peak_rss_delta_bytes"]), f"{s['peak_rss_delta_bytes'] / base_m:.3f}x",
+                  "(not observable)" if sent is None else f"{sent:,.0f} B",
+                  "" if formula_bytes is None else f"{formula_bytes:,.0f} B")
+    return t

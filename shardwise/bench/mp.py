@@ -20,8 +20,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from rich.console import Console
 from rich.table import Table
 from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
 from torch.nn import functional as F
 
 from shardwise.bench.harness import (
@@ -30,10 +37,24 @@ from shardwise.bench.harness import (
     gather_results,
     measure,
     optimizer_step,
+    pair_table,
     spawn_collect,
     summarize,
 )
 from shardwise.comm.topology import Topology
+from shardwise.dims import DP, PP, TP
+from shardwise.models import GPT, Block, GPTConfig, lm_loss
+from shardwise.parallel.pipeline import build_pipeline, stage_starts
+from shardwise.parallel.pipeline_layers import pipeline_layers
+from shardwise.parallel.pipeline_run import pipeline_step
+from shardwise.parallel.schedules import (
+    Recorder,
+    bubble_fraction,
+    gpipe_bubble,
+    peak_in_flight,
+    simulate,
+)
+from shardwise.parallel.tp import parallelize
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 Step = Callable[[], None]
@@ -56,8 +77,6 @@ def mlp(width: int = 1024, depth: int = 4) -> nn.Sequential:
 
 
 def ours_1f1b(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int) -> Step:
-    from shardwise.parallel.pipeline import build_pipeline, pipeline_step
-
     pm = build_pipeline(model.to(topo.device), topo)
     opt = ADAMW(pm.parameters())
 
@@ -69,16 +88,12 @@ def ours_1f1b(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor
 
 
 def torch_1f1b(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int) -> Step:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-    from shardwise.parallel.pipeline import pipeline_layers, stage_starts
-
-    p, r = topo.size("pp"), topo.coord("pp")
+    p, r = topo.size(PP), topo.coord(PP)
     layers = pipeline_layers(model)
     starts = stage_starts(layers, p) + [len(layers)]  # the same cut as ours
     sub = nn.Sequential(*[mod for _, mod in layers[starts[r]:starts[r + 1]]]).to(topo.device)
     example = x.chunk(m)[0]
-    stage = PipelineStage(sub, r, p, topo.device, input_args=(example,), group=topo.group("pp"))
+    stage = PipelineStage(sub, r, p, topo.device, input_args=(example,), group=topo.group(PP))
     sched = Schedule1F1B(stage, n_microbatches=m, loss_fn=F.mse_loss)
     opt = ADAMW(sub.parameters())
 
@@ -107,22 +122,14 @@ def _tp_plan(model: nn.Sequential) -> dict[str, str]:
 
 
 def ours_tp(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int) -> Step:
-    from shardwise.parallel.tp import parallelize
-
-    model = parallelize(model.to(topo.device), _tp_plan(model), topo.comm("tp"))  # type: ignore[arg-type]
+    model = parallelize(model.to(topo.device), _tp_plan(model), topo.comm(TP))  # type: ignore[arg-type]
     return optimizer_step(model, ADAMW(model.parameters()), F.mse_loss, x, y)
 
 
 def torch_tp(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int) -> Step:
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
     styles = {k: ColwiseParallel() if v == "colwise" else RowwiseParallel()
               for k, v in _tp_plan(model).items()}  # type: ignore[arg-type]
-    model = parallelize_module(model.to(topo.device), topo.mesh["tp"], styles)  # type: ignore[index]
+    model = parallelize_module(model.to(topo.device), topo.mesh[TP], styles)  # type: ignore[index]
     return optimizer_step(model, ADAMW(model.parameters()), F.mse_loss, x, y)
 
 
@@ -149,7 +156,7 @@ def run_steps(contenders: tuple[StepContender, StepContender], model: nn.Module,
     """Both contenders' full training steps on ``dp*tp*pp`` ranks; one PairResult per rank."""
     job = dict(contenders=contenders, model=model, sizes=sizes, batch=batch, width=width,
                microbatches=microbatches, reps=reps, warmup=warmup, steps=steps)
-    n = sizes["dp"] * sizes["tp"] * sizes["pp"]
+    n = sizes[DP] * sizes[TP] * sizes[PP]
     out: list[PairResult] = spawn_collect(_worker, n, pickle.dumps(job), accelerator=accelerator)
     return out
 
@@ -164,12 +171,10 @@ def _summary_worst(results: list[PairResult]) -> dict[str, Any]:
 
 
 def pp_pair(a: argparse.Namespace) -> Table:
-    from shardwise.bench.pairs import pair_table
-
     n, m, width = a.nproc, 4, 1024
     res = run_steps((StepContender("shardwise 1F1B", ours_1f1b),
                      StepContender("torch Schedule1F1B", torch_1f1b, counts_bytes=False)),
-                    mlp(width), {"dp": 1, "tp": 1, "pp": n}, a.batch, width, m, a.reps, steps=a.steps,
+                    mlp(width), {DP: 1, TP: 1, PP: n}, a.batch, width, m, a.reps, steps=a.steps,
                     accelerator=a.accelerator)
     act = a.batch * width * 4  # one boundary's activations (or gradients) over the m micro-batches
     return pair_table(f"PP 1F1B: 4 x Linear({width}) MLP, {n} stages, {m} micro-batches, batch {a.batch}, AdamW",
@@ -177,12 +182,10 @@ def pp_pair(a: argparse.Namespace) -> Table:
 
 
 def tp_pair(a: argparse.Namespace) -> Table:
-    from shardwise.bench.pairs import pair_table
-
     n, width, blocks = a.nproc, 1024, 2
     res = run_steps((StepContender("shardwise TP", ours_tp),
                      StepContender("torch DTensor TP", torch_tp, counts_bytes=False)),
-                    megatron_mlp(width, blocks), {"dp": 1, "tp": n, "pp": 1}, a.batch, width, 1, a.reps,
+                    megatron_mlp(width, blocks), {DP: 1, TP: n, PP: 1}, a.batch, width, 1, a.reps,
                     steps=a.steps, accelerator=a.accelerator)
     # Per block: one all-reduce forward (g after the row-parallel layer), one backward (f before the
     # column one), except the first block's f: the input needs no gradient, so autograd skips it.
@@ -224,9 +227,6 @@ class SleepLayer(nn.Module):
 
 
 def _bubble_worker(rank: int, device: torch.device, cases: list[tuple[int, str, float, float]], path: str) -> None:
-    from shardwise.parallel.pipeline import build_pipeline, pipeline_step
-    from shardwise.parallel.schedules import Recorder, bubble_fraction
-
     p = torch.distributed.get_world_size()
     topo = Topology.create(device, dp=1, tp=1, pp=p)
     rows = []
@@ -243,7 +243,7 @@ def _bubble_worker(rank: int, device: torch.device, cases: list[tuple[int, str, 
             rec.events.clear()
             topo.comm("world").barrier()
             pipeline_step(pm, [(x, torch.zeros_like(x))], F.mse_loss, topo, schedule, m, rec)
-        events = rec.gather(topo.comm("pp"))
+        events = rec.gather(topo.comm(PP))
         rows.append((p, m, schedule, "sleep" if t_f > 0 else "mlp1024", bubble_fraction(events)))
     if rank == 0:
         with open(path, "wb") as f:
@@ -260,10 +260,6 @@ def measure_bubbles(stages: list[int], micro: list[int], schedule: str = "gpipe"
 
 
 def _memory_worker(rank: int, device: torch.device, m: int, path: str) -> None:
-    from shardwise.models import GPT, GPTConfig, lm_loss
-    from shardwise.parallel.pipeline import build_pipeline, pipeline_step
-    from shardwise.parallel.schedules import Recorder, peak_in_flight
-
     p = torch.distributed.get_world_size()
     topo = Topology.create(device, dp=1, tp=1, pp=p)
     cfg = GPTConfig(vocab_size=128, block_size=64, n_layer=2 * p - 2, n_head=4, n_embd=64)
@@ -275,8 +271,8 @@ def _memory_worker(rank: int, device: torch.device, m: int, path: str) -> None:
         pm = build_pipeline(GPT(cfg), topo)
         rec = Recorder(track_saved=True)
         pipeline_step(pm, [(x, x)], lm_loss, topo, schedule, m, rec)
-        peaks = topo.comm("pp").all_gather_object(rec.peak_saved_bytes, name="bench.mem")
-        out[schedule] = (peak_in_flight(rec.gather(topo.comm("pp"))), peaks)
+        peaks = topo.comm(PP).all_gather_object(rec.peak_saved_bytes, name="bench.mem")
+        out[schedule] = (peak_in_flight(rec.gather(topo.comm(PP))), peaks)
     if rank == 0:
         with open(path, "wb") as f:
             pickle.dump(out, f)
@@ -288,9 +284,6 @@ def measure_activation_memory(p: int, m: int) -> dict[str, tuple[dict[int, int],
 
 
 def _tp_bytes_worker(rank: int, device: torch.device, path: str) -> None:
-    from shardwise.models import Block, GPTConfig
-    from shardwise.parallel.tp import parallelize
-
     n = torch.distributed.get_world_size()
     topo = Topology.create(device, dp=1, tp=n)
     cfg = GPTConfig(n_head=8, n_embd=128)
@@ -298,7 +291,7 @@ def _tp_bytes_worker(rank: int, device: torch.device, path: str) -> None:
     block = Block(cfg)
     plan = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.proj": "rowwise",
             "mlp.fc1": "colwise", "mlp.fc2": "rowwise"}
-    parallelize(block, plan, topo.comm("tp"))
+    parallelize(block, plan, topo.comm(TP))
     x = torch.randn(8, 32, cfg.n_embd, requires_grad=True)
     s0, c0 = topo.stats.sent, topo.stats.calls
     block(x).sum().backward()
@@ -333,10 +326,6 @@ def ascii_timeline(events: list[Any], unit: float = 1.0) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m shardwise.bench.mp {bubble,memory,tpbytes,pairs,timeline}``: the numbers in docs/model_parallel.md."""
-    from rich.console import Console
-
-    from shardwise.parallel.schedules import gpipe_bubble
-
     ap = argparse.ArgumentParser(prog="python -m shardwise.bench.mp")
     ap.add_argument("what", choices=["bubble", "memory", "tpbytes", "pairs", "timeline"])
     ap.add_argument("--stages", default="2,4,8")
@@ -377,18 +366,12 @@ def main(argv: list[str] | None = None) -> int:
                 console.print(t)
     elif a.what == "tpbytes":
         t = Table(title="TP bytes per block per step (forward + backward, one rank) vs 4 all-reduces")
-        for c in ("tp", "all-reduce calls", "measured bytes", "4 x 2(N-1)/N x B*T*D*4"):
+        for c in (TP, "all-reduce calls", "measured bytes", "4 x 2(N-1)/N x B*T*D*4"):
             t.add_column(c, justify="right")
         for n, sent, calls, act in measure_tp_block_bytes(stages):
             t.add_row(str(n), str(calls), f"{sent:,}", f"{4 * (2 * (n - 1) * act // n):,}")
         console.print(t)
     elif a.what == "timeline":
-        from shardwise.parallel.schedules import (
-            bubble_fraction,
-            peak_in_flight,
-            simulate,
-        )
-
         for p in stages:
             for m in [int(x) for x in a.micro.split(",")]:
                 chunks = 2 if a.schedule == "interleaved" else 1

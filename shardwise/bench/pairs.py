@@ -2,55 +2,42 @@
 from __future__ import annotations
 
 import argparse
+import datetime as _dt
 import functools
 import importlib
+import platform
 from collections.abc import Callable
 
 import torch
 from rich.table import Table
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
 
-from shardwise.bench.harness import Contender, run_pair, same_shape_target, summarize
+from shardwise import plots
+from shardwise.bench.harness import (
+    Contender,
+    pair_table,
+    run_pair,
+    same_shape_target,
+    summarize,
+)
 from shardwise.comm.topology import Topology
+from shardwise.console import make_console
+from shardwise.dims import DP, PP, TP
+from shardwise.parallel.ddp import DDPModule
 from shardwise.workloads import mlp1024
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 
 
 def ours_ddp(model: nn.Module, topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from shardwise.parallel.ddp import DDPModule
-
-    return DDPModule(model, topo.comm("dp")), ADAMW(model.parameters())
+    return DDPModule(model, topo.comm(DP)), ADAMW(model.parameters())
 
 
 def torch_ddp(model: nn.Module, topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from torch.nn.parallel import DistributedDataParallel
-
     ids = [topo.device.index] if topo.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids, process_group=topo.group("dp")), ADAMW(model.parameters())
-
-
-def _fmt_mib(b: float) -> str:
-    return f"{b / 2**20:.2f} MiB"
-
-
-def pair_table(title: str, summary: dict, formula_bytes: float | None, formula_label: str) -> Table:
-    ours, theirs = summary["names"]
-    t = Table(title=title)
-    for col in ("implementation", "median step", "throughput vs torch", "peak RSS increase",
-                "memory vs torch", "sent / rank / step", formula_label):
-        t.add_column(col, justify="left" if col == "implementation" else "right")
-    base_t = summary[theirs]["step_time_s"]
-    base_m = max(1, summary[theirs]["peak_rss_delta_bytes"])
-    for n in (ours, theirs):
-        s = summary[n]
-        sent = s["sent_per_step"]
-        t.add_row(n, f"{1e3 * s['step_time_s']:.2f} ms", f"{base_t / s['step_time_s']:.3f}x",
-                  _fmt_mib(s["peak_rss_delta_bytes"]), f"{s['peak_rss_delta_bytes'] / base_m:.3f}x",
-                  "(not observable)" if sent is None else f"{sent:,.0f} B",
-                  "" if formula_bytes is None else f"{formula_bytes:,.0f} B")
-    return t
+    return DistributedDataParallel(model, device_ids=ids, process_group=topo.group(DP)), ADAMW(model.parameters())
 
 
 def ddp_pair(a: argparse.Namespace) -> Table:
@@ -78,10 +65,29 @@ PAIRS: dict[str, Callable[[argparse.Namespace], Table]] = {
     "zero1": _lazy("shardwise.bench.zero:zero1_pair"),
     "zero3": _lazy("shardwise.bench.zero:zero3_pair"),
     "fsdp": _lazy("shardwise.bench.zero:fsdp_pair"),
-    "pp": _lazy("shardwise.bench.mp:pp_pair"),
-    "tp": _lazy("shardwise.bench.mp:tp_pair"),
+    PP: _lazy("shardwise.bench.mp:pp_pair"),
+    TP: _lazy("shardwise.bench.mp:tp_pair"),
     "fsdp-tp": _lazy("shardwise.bench.compose:fsdp_tp_pair"),
     "dp-vs-ddp": _lazy("shardwise.bench.classic:dp_vs_ddp"),
     "ps-vs-ddp": _lazy("shardwise.bench.classic:ps_vs_ddp"),
     "allreduce": _lazy("shardwise.bench.classic:allreduce_algorithms"),
 }
+
+
+def run(a: argparse.Namespace) -> int:
+    """``shardwise bench``: each pair of ``a.pairs`` (or ``all``) as a table; ``a.plot_dir``: also the PNGs."""
+    console = make_console(min_width=140)
+    names = list(PAIRS) if a.pairs == "all" else a.pairs.split(",")
+    unknown = [n for n in names if n not in PAIRS]
+    if unknown:
+        console.print(f"unknown pair(s) {unknown}; valid: {', '.join(PAIRS)}")
+        return 2
+    console.print(f"{_dt.date.today()} on {platform.node()} ({platform.processor() or platform.machine()}), "
+                  f"{a.nproc} ranks, {a.reps} alternating repetitions x {a.steps} steps, medians")
+    for n in names:
+        table = PAIRS[n](a)
+        console.print(table)
+    if getattr(a, "plot_dir", None):
+        for path in plots.write_all(a.plot_dir, max_devices=a.nproc, steps=a.steps):
+            console.print(f"wrote {path}")
+    return 0

@@ -18,18 +18,39 @@ from __future__ import annotations
 
 import argparse
 import functools
+import pickle
+import statistics
+import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from rich.console import Console
 from rich.table import Table
 from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
 
-from shardwise.bench.harness import Contender, run_pair, same_shape_target, summarize
+from shardwise.bench.harness import (
+    Contender,
+    run_pair,
+    same_shape_target,
+    spawn_collect,
+    summarize,
+)
 from shardwise.comm.topology import Topology
+from shardwise.dims import DP
+from shardwise.fit.trainer import Trainer
 from shardwise.models import GPT, GPTConfig, lm_loss
-from shardwise.workloads import mlp1024
+from shardwise.parallel.fsdp_units import unit_modules
+from shardwise.parallel.sharding import all_gather, reduce_scatter
+from shardwise.strategies.fsdp import FSDP
+from shardwise.strategies.registry import resolve
+from shardwise.strategies.zero import ZeRO1, ZeRO2
+from shardwise.workloads import digits, mlp1024
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 GPT_CFG = GPTConfig(vocab_size=128, block_size=64, n_layer=4, n_head=4, n_embd=128)
@@ -54,37 +75,25 @@ def _token_target(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 
 # ---- contenders ---------------------------------------------------------------
 def ours_zero1(model: nn.Module, topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from shardwise.strategies.zero import ZeRO1
-
     return ZeRO1().setup(model, ADAMW, topo)
 
 
 def torch_zero1(model: nn.Module, topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel
-
     ids = [topo.device.index] if topo.device.type == "cuda" else None
-    ddp = DistributedDataParallel(model, device_ids=ids, process_group=topo.group("dp"))
+    ddp = DistributedDataParallel(model, device_ids=ids, process_group=topo.group(DP))
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
-                                  process_group=topo.group("dp"), lr=1e-3)
+                                  process_group=topo.group(DP), lr=1e-3)
     return ddp, opt
 
 
 def ours_sharded(strategy: str, model: nn.Module, topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Our ``strategy`` ("zero3", "fsdp") set up on ``model`` (bind the name with functools.partial)."""
-    from shardwise.strategies.registry import resolve
-
     return resolve(strategy).setup(model, ADAMW, topo)
 
 
 def torch_fully_shard(strategy: str, model: nn.Module, topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
     """FSDP2 on the same units our ``strategy`` picks, every unit resharded after forward (as ours)."""
-    from torch.distributed.fsdp import fully_shard
-
-    from shardwise.parallel.fsdp_units import unit_modules
-    from shardwise.strategies.registry import resolve
-
-    mesh = topo.mesh["dp"]  # type: ignore[index]
+    mesh = topo.mesh[DP]  # type: ignore[index]
     # Bottom-up (the root is last): a unit's parameters are those not already in a unit below it.
     for m in unit_modules(model, resolve(strategy).wrap):  # type: ignore[attr-defined]
         fully_shard(m, mesh=mesh, reshard_after_forward=True)
@@ -167,9 +176,6 @@ def _formula(strategy: str, offload: str, p: int, n: int) -> tuple[int, int, int
 
 def bytes_table(devices: list[int], steps: int = 3) -> Table:
     """Counted model-state bytes and bytes sent per rank (``result.stats`` of real Trainer runs), and the formulas."""
-    import shardwise as sw
-    from shardwise.workloads import digits
-
     work = digits()
     p = 4 * sum(q.numel() for q in _even_mlp().parameters())
     t = Table(title=f"Per-rank bytes, AdamW fp32, P = {p:,} B of parameters (digits MLP 64-128-64-12), "
@@ -180,12 +186,12 @@ def bytes_table(devices: list[int], steps: int = 3) -> Table:
     runs: list[tuple[str, Any, str]] = [
         ("ddp", "ddp", "none"), ("zero1", "zero1", "none"), ("zero2", "zero2", "none"),
         ("zero3", "zero3", "none"), ("fsdp", "fsdp", "none"),
-        ("zero2 offload=optimizer", sw.ZeRO2(offload="optimizer"), "optimizer"),
-        ("fsdp offload=all", sw.FSDP(offload="all"), "all")]
+        ("zero2 offload=optimizer", ZeRO2(offload="optimizer"), "optimizer"),
+        ("fsdp offload=all", FSDP(offload="all"), "all")]
     for n in devices:
         for label, strategy, offload in runs:
             name = strategy if isinstance(strategy, str) else strategy.name
-            res = sw.Trainer(strategy, n, accelerator="cpu", progress=False).fit(
+            res = Trainer(strategy, n, accelerator="cpu", progress=False).fit(
                 _even_mlp(), work.train, work.loss_fn, ADAMW, batch_size=64, max_steps=steps)
             s = max(res.stats, key=lambda d: d["model_state_bytes"])
             host = sum(v for k, v in s.items() if k.startswith("host_") and k.endswith("_bytes"))
@@ -199,13 +205,8 @@ def bytes_table(devices: list[int], steps: int = 3) -> Table:
 
 # ---- the collectives themselves: native against pairwise exchange -------------------
 def _collectives_worker(rank: int, device: torch.device, mib: int, reps: int, path: str) -> None:
-    import statistics
-    import time
-
-    from shardwise.parallel.sharding import all_gather, reduce_scatter
-
     topo = Topology.create(device)
-    comm = topo.comm("dp")
+    comm = topo.comm(DP)
     n = mib * 2**20 // 4
     full = torch.randn(n, device=device)
     piece = torch.empty(n // comm.size, device=device)
@@ -227,16 +228,12 @@ def _collectives_worker(rank: int, device: torch.device, mib: int, reps: int, pa
         rows[f"all-gather {how}"] = timed(lambda: all_gather(comm, gathered, piece, "ag", how).wait())
     rows["all-reduce native"] = timed(lambda: comm.all_reduce(full, "ar"))
     if rank == 0:
-        import pickle
-
         with open(path, "wb") as f:
             pickle.dump(rows, f)
 
 
 def collectives_table(nproc: int = 2, mib: int = 16, reps: int = 15) -> Table:
     """Median time of one reduce-scatter / all-gather of ``mib`` MiB, backend-native against pairwise exchange."""
-    from shardwise.bench.harness import spawn_collect
-
     rows = spawn_collect(_collectives_worker, nproc, mib, reps)
     t = Table(title=f"{mib} MiB fp32 over {nproc} ranks, median of {reps}")
     t.add_column("operation")
@@ -247,10 +244,6 @@ def collectives_table(nproc: int = 2, mib: int = 16, reps: int = 15) -> Table:
 
 
 if __name__ == "__main__":
-    import sys
-
-    from rich.console import Console
-
     what, args = (sys.argv[1], sys.argv[2:]) if len(sys.argv) > 1 else ("bytes", [])
     if what == "bytes":
         Console(width=200).print(bytes_table([int(a) for a in args] or [2, 4]))

@@ -1,25 +1,40 @@
-"""TODO docstring."""
+"""What a rank holds of every tensor of the layout-free checkpoint, named as in the unsplit model.
+
+:func:`held_state` turns a rank's tensors (whole, tp slices, or dp shards
+reported by a wrapper's ``checkpoint_parts``) into
+:class:`Held` entries; :func:`named_state` and
+:func:`first_named` name each tensor once (a tied weight under its first name).
+"""
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from shardwise.checkpoint.pieces import Held
+from shardwise.parallel.tp import tp_spec
+from shardwise.step import first_named
 
 
-def first_named(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """Each tensor of ``named`` once, under the first name it comes with (a tied weight's saved name)."""
-    seen: set[int] = set()
-    out = []
-    for k, v in named:
-        if id(v) not in seen:
-            seen.add(id(v))
-            out.append((k, v))
-    return out
+@dataclass(frozen=True)
+class Held:
+    """What this rank holds of one checkpoint tensor.
+
+    ``key``: ``model.<fqn>`` or ``optim.<fqn>.<state>`` (names of the unsplit model);
+    ``data``: the tensor itself when the rank holds its whole tensor-parallel slice
+    (``start == 0`` and the slice's shape), else a 1-D view of elements
+    ``[start, start + data.numel())`` of the slice flattened;
+    ``tp``: ``(dim, parts)`` of a tensor-parallel slice, None when not split by tp.
+
+    Defined here, not beside the DCP planners of :mod:`shardwise.checkpoint.pieces` (which re-exports it), so
+    that a strategy describes its state without loading torch.distributed.checkpoint.
+    """
+
+    key: str
+    data: torch.Tensor
+    start: int = 0
+    tp: tuple[int, int] | None = None
 
 
 def named_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -30,7 +45,7 @@ def named_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 def held_state(named: Sequence[tuple[str, torch.Tensor]], wrappers: Sequence[nn.Module],
                optimizer: torch.optim.Optimizer) -> list[Held]:
-    """:class:`~shardwise.pieces.Held` entries for the tensors ``named`` (names of the unsplit model).
+    """:class:`Held` entries for the tensors ``named`` (names of the unsplit model).
 
     A data-parallel wrapper among ``wrappers`` that shards a parameter reports
     its parts (``checkpoint_parts(optimizer)``: per parameter, ``(what, start,
@@ -38,9 +53,6 @@ def held_state(named: Sequence[tuple[str, torch.Tensor]], wrappers: Sequence[nn.
     other tensor is whole on this rank, its optimizer states keyed by the
     parameter itself. Tensor-parallel slices carry their ``tp_spec``.
     """
-    from shardwise.checkpoint.pieces import Held
-    from shardwise.parallel.tp import tp_spec
-
     parts: dict[int, list[tuple[str, int, torch.Tensor]]] = {}
     for w in wrappers:
         if hasattr(w, "checkpoint_parts"):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,24 +38,9 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
+from shardwise.checkpoint.held import Held
+
 Box = tuple[tuple[int, ...], tuple[int, ...], int]  # (offsets, sizes, flat start) in one tensor
-
-
-@dataclass(frozen=True)
-class Held:
-    """What this rank holds of one checkpoint tensor.
-
-    ``key``: ``model.<fqn>`` or ``optim.<fqn>.<state>`` (names of the unsplit model);
-    ``data``: the tensor itself when the rank holds its whole tensor-parallel slice
-    (``start == 0`` and the slice's shape), else a 1-D view of elements
-    ``[start, start + data.numel())`` of the slice flattened;
-    ``tp``: ``(dim, parts)`` of a tensor-parallel slice, None when not split by tp.
-    """
-
-    key: str
-    data: torch.Tensor
-    start: int = 0
-    tp: tuple[int, int] | None = None
 
 
 def flat_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:

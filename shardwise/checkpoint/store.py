@@ -12,7 +12,7 @@ The checkpoint is layout-free: every tensor is stored under its name in the
 unsplit model with its global shape (``model.<fqn>``, ``optim.<fqn>.<state>``),
 and each rank writes only the rectangles of it that it holds (a
 tensor-parallel slice, a pipeline stage's layers, a ZeRO/FSDP shard, a
-parameter server's range; :mod:`shardwise.pieces`). A load asks for the
+parameter server's range; :mod:`shardwise.checkpoint.pieces`). A load asks for the
 rectangles the new layout holds, and DCP reads them from whichever chunks the
 old layout wrote, so any layout resumes any other (docs/checkpoints.md).
 
@@ -34,15 +34,17 @@ import shutil
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.checkpoint.held import Held, named_state
 from shardwise.comm.topology import Topology
+from shardwise.dims import SIZES, SPLIT_BY, TP
 from shardwise.step import unwrap
-from shardwise.strategies.base import Strategy
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 MANIFEST = "manifest.json"
@@ -57,6 +59,29 @@ class Restored:
 
 
 FORMAT = 2  # 1: shardwise < issue 13, every tensor flattened to 1-D (not readable by this version)
+# The manifest's "sizes": the sizes of dims.SIZES, in the order messages name them (dp, tp, pp).
+MANIFEST_SIZES: tuple[str, ...] = tuple(d for d in SPLIT_BY if d in SIZES)
+
+
+class Checkpointed(Protocol):
+    """What a checkpoint needs of a strategy (:class:`shardwise.strategies.base.Strategy` is one): its name,
+    and what this rank holds of every tensor of the layout-free checkpoint."""
+
+    @property
+    def name(self) -> str: ...
+
+    def checkpoint_held(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology) -> list[Held]: ...
+
+
+def _dcp() -> tuple[ModuleType, ModuleType]:
+    """torch.distributed.checkpoint and the planners built on it (:mod:`shardwise.checkpoint.pieces`), imported
+    when a checkpoint is written or read: they take about 0.5 s to load, which a run that never checkpoints
+    does not pay."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardwise.checkpoint import pieces
+
+    return dcp, pieces
 
 
 def model_shapes(model: nn.Module) -> dict[str, list[int]]:
@@ -64,15 +89,11 @@ def model_shapes(model: nn.Module) -> dict[str, list[int]]:
 
     A tied weight appears under its first name only; :func:`tied_aliases` lists its other names.
     """
-    from shardwise.checkpoint.held import named_state
-
     return {n: list(t.shape) for n, t in named_state(unwrap(model))}
 
 
 def tied_aliases(model: nn.Module) -> dict[str, str]:
     """State-dict names that are another name of an earlier tensor (tied weights): alias -> saved name."""
-    from shardwise.checkpoint.held import named_state
-
     m = unwrap(model)
     first = {id(t): k for k, t in named_state(m)}
     return {k: first[id(v)] for k, v in m.state_dict(keep_vars=True).items() if first[id(v)] != k}
@@ -220,13 +241,12 @@ def check_resume(directory: str, info: dict[str, Any], max_steps: int) -> str | 
     return path
 
 
-def _state(strat: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology,
+def _state(strat: Checkpointed, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology,
            shapes: dict[str, list[int]], step: int, losses: list[float],
            extra: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
-    from shardwise.checkpoint.pieces import build_state
-
+    _, pieces = _dcp()
     held = strat.checkpoint_held(model, optimizer, topo)
-    state: dict[str, Any] = dict(build_state(held, shapes, topo.coord("tp"), topo.size("tp")))
+    state: dict[str, Any] = dict(pieces.build_state(held, shapes, topo.coord(TP), topo.size(TP)))
     state["trainer.step"] = torch.tensor(step, dtype=torch.int64)
     state["trainer.losses"] = torch.tensor(losses, dtype=torch.float64)
     state["trainer.rng"] = torch.get_rng_state()
@@ -235,7 +255,7 @@ def _state(strat: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer, 
     return state
 
 
-def save(directory: str, step: int, losses: list[float], strat: Strategy, model: nn.Module,
+def save(directory: str, step: int, losses: list[float], strat: Checkpointed, model: nn.Module,
          optimizer: torch.optim.Optimizer, topo: Topology, shapes: dict[str, list[int]],
          keep: int | None = None, aliases: dict[str, str] | None = None,
          run: dict[str, Any] | None = None, extra: dict[str, torch.Tensor] | None = None) -> str:
@@ -245,8 +265,7 @@ def save(directory: str, step: int, losses: list[float], strat: Strategy, model:
     the new one is complete. ``extra``: small replicated tensors of run state (the
     fp16 loss scaler), restored by :func:`load` as :attr:`Restored.extra`.
     """
-    import torch.distributed.checkpoint as dcp  # loads only when a checkpoint is used (~0.5 s)
-
+    dcp, pieces = _dcp()
     final = os.path.join(directory, f"step_{step:08d}")
     tmp = final + ".tmp"
     if topo.rank == 0:
@@ -255,15 +274,13 @@ def save(directory: str, step: int, losses: list[float], strat: Strategy, model:
         os.makedirs(tmp)
     _barrier(topo)
     with _quiet_single_process():
-        from shardwise.checkpoint.pieces import SavePlanner
-
         dcp.save(_state(strat, model, optimizer, topo, shapes, step, losses, extra), checkpoint_id=tmp,
-                 planner=SavePlanner())
+                 planner=pieces.SavePlanner())
     _barrier(topo)
     if topo.rank == 0:
         files = {f: _sha256(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))}
         manifest = {"format": FORMAT, "step": step, "world_size": topo.world_size, "strategy": strat.name,
-                    "sizes": {d: topo.size(d) for d in ("dp", "tp", "pp")}, "shapes": shapes,
+                    "sizes": {d: topo.size(d) for d in MANIFEST_SIZES}, "shapes": shapes,
                     "aliases": aliases or {}, "run": run or {},
                     "extra": {k: [list(v.shape), str(v.dtype).replace("torch.", "")] for k, v in (extra or {}).items()},
                     "files": files}
@@ -330,17 +347,14 @@ def check_compatible(path: str, shapes: dict[str, list[int]], manifest: dict[str
                          + "\n  ".join(problems))
 
 
-def load(path: str, strat: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology,
+def load(path: str, strat: Checkpointed, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology,
          shapes: dict[str, list[int]]) -> Restored:
     """Restore model, optimizer, step, loss history and RNG from ``path`` in place (collective)."""
-    import torch.distributed.checkpoint as dcp  # loads only when a checkpoint is used (~0.5 s)
-
+    dcp, pieces = _dcp()
     manifest = current_manifest(path)
     check_compatible(path, shapes, manifest)
     step = int(manifest["step"])
     extra = {k: torch.zeros(shape, dtype=getattr(torch, dt)) for k, (shape, dt) in manifest.get("extra", {}).items()}
-    from shardwise.checkpoint.pieces import LoadPlanner
-
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     # A checkpoint written before the optimizer's first step (fp16 skipping overflowed steps)
     # holds no optimizer states: the optimizer must then start without any, as that run did.
@@ -351,7 +365,7 @@ def load(path: str, strat: Strategy, model: nn.Module, optimizer: torch.optim.Op
     if not has_states:
         state = {k: v for k, v in state.items() if not k.startswith("optim.")}
     with _quiet_single_process():
-        dcp.load(state, checkpoint_id=path, planner=LoadPlanner())
+        dcp.load(state, checkpoint_id=path, planner=pieces.LoadPlanner())
     torch.set_rng_state(state["trainer.rng"])
     return Restored(step=int(state["trainer.step"]), losses=[float(v) for v in state["trainer.losses"]], path=path,
                     extra=extra)
@@ -375,8 +389,7 @@ def export(path: str, out_file: str | None = None, *, check: bool = True) -> dic
     stored. ``check=False`` skips the checksums (for a caller that just ran
     :func:`verify`).
     """
-    import torch.distributed.checkpoint as dcp  # loads only when a checkpoint is used (~0.5 s)
-
+    dcp, _ = _dcp()
     if check:
         problem = verify(path)
         if problem:

@@ -16,8 +16,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from shardwise.checkpoint import store as checkpoint
-from shardwise.checkpoint.store import MANIFEST
+from shardwise.checkpoint.store import MANIFEST, MANIFEST_SIZES
 
 _STEP = re.compile(r"^step_(\d{8})(\.tmp)?$")
 FORMATS = ("pt", "hf")
@@ -167,7 +169,7 @@ def exit_code(entries: list[Entry]) -> int:
     return 0 if last is not None and last.ok else 1
 
 
-HEADER = ("STEP", "STRATEGY", "RANKS", "DP", "TP", "PP", "BYTES", "SIZE", "INTEGRITY")
+HEADER = ("STEP", "STRATEGY", "RANKS", *(d.upper() for d in MANIFEST_SIZES), "BYTES", "SIZE", "INTEGRITY")
 
 
 def rows(entries: list[Entry]) -> list[tuple[str, ...]]:
@@ -177,7 +179,7 @@ def rows(entries: list[Entry]) -> list[tuple[str, ...]]:
     out = []
     for e in entries:
         s = e.sizes or {}
-        out.append((str(e.step), n(e.strategy), n(e.world_size), n(s.get("dp")), n(s.get("tp")), n(s.get("pp")),
+        out.append((str(e.step), n(e.strategy), n(e.world_size), *(n(s.get(d)) for d in MANIFEST_SIZES),
                     str(e.bytes), human_bytes(e.bytes), e.integrity))
     return out
 
@@ -268,15 +270,15 @@ def _hf_class(model: dict[str, Any], config: Any) -> Any:
 
 
 def _save_hf(sd: dict[str, Any], model: dict[str, Any], out: str) -> str:
-    import torch
-    from transformers import CONFIG_MAPPING
+    import transformers
 
+    configs, hf_logging = transformers.CONFIG_MAPPING, transformers.logging  # logging: transformers.utils.logging
     raw = dict(model["hf_config"])
     model_type = raw.get("model_type")
-    if model_type not in CONFIG_MAPPING:
+    if model_type not in configs:
         raise ValueError(f"the checkpoint's Hugging Face config has model_type={model_type!r}, which this "
                          "transformers does not know; export with --format pt")
-    config = CONFIG_MAPPING[model_type].from_dict(raw)
+    config = configs[model_type].from_dict(raw)
     cls = _hf_class(model, config)
     dtypes = {v.dtype for v in sd.values() if v.is_floating_point()}
     with torch.device("cpu"):
@@ -284,8 +286,6 @@ def _save_hf(sd: dict[str, Any], model: dict[str, Any], out: str) -> str:
     if len(dtypes) == 1:
         m = m.to(dtypes.pop())  # keep the trained precision (a bf16 run exports bf16)
     m.load_state_dict(sd, strict=True)
-    from transformers.utils import logging as hf_logging
-
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # one small write; a bar on stderr says nothing
     try:

@@ -169,7 +169,7 @@ def check_callbacks(callbacks: Any) -> list[Any]:
             raise TypeError(f"callbacks holds the class {cb.__name__}, not an instance: pass {cb.__name__}(...)")
         if not any(callable(getattr(cb, h, None)) for h in HOOKS):
             raise TypeError(f"callback {cb!r} has none of the hooks {', '.join(HOOKS)}; subclass "
-                            "shardwise.callbacks.Callback")
+                            "shardwise.Callback")
     return list(callbacks)
 
 

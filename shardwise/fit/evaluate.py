@@ -10,7 +10,7 @@ stops at). What is computed equals evaluating the same weights on one device:
   (:func:`shardwise.data.eval_batches`);
 * each batch runs forward only, in eval mode (dropout off, BatchNorm on its
   running statistics), under ``torch.no_grad`` and the run's autocast, through
-  the strategy's :meth:`~shardwise.strategy.Strategy.eval_step` (a pipeline
+  the strategy's :meth:`~shardwise.strategies.base.Strategy.eval_step` (a pipeline
   runs the batch through its stages; ZeRO-3/FSDP gather and free their units);
 * ``val_loss`` is ``loss_fn(output, target)`` and each metric is
   ``fn(output, target)``; both are the MEAN over the batch (one number per

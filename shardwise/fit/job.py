@@ -1,7 +1,7 @@
 """One fit on one rank: a :class:`Job` is what every rank needs to train, pickled into spawned ranks.
 
 :meth:`Job.run` builds the topology, applies the strategy, resumes, runs the
-step loop (:func:`shardwise.fit_loop.train_loop`) or a server's part, and
+step loop (:func:`shardwise.fit.steps.train_loop`) or a server's part, and
 gathers the result and every rank's stats; after each step
 :meth:`Job.after_step` runs callbacks, validation and checkpoints.
 """
@@ -49,7 +49,7 @@ from shardwise.strategies.base import HasServers
 
 @dataclass
 class FitResult:
-    """What :meth:`Trainer.fit` returns (the public contract in DESIGN.md)."""
+    """What :meth:`Trainer.fit` returns (public: its fields are what users read)."""
 
     losses: list[float]
     state_dict: dict[str, torch.Tensor]
@@ -234,7 +234,7 @@ class Job:
     def _validate_now(self, done: int, model: nn.Module, opt: torch.optim.Optimizer, topo: Topology,
                       prev: list[float], losses: list[float], shapes: dict[str, list[int]],
                       scaler: precision_mod.LossScaler | None, log: StepLog | None) -> None:
-        """Evaluate (:func:`shardwise.evaluate.evaluate`), record and show the metrics, tell the callbacks, and
+        """Evaluate (:func:`shardwise.fit.evaluate.evaluate`), record and show the metrics, tell the callbacks, and
         save ``<checkpoint_dir>/best`` when this validation is the best so far."""
         t, val = self.options, self.validation
         assert val is not None

@@ -66,55 +66,41 @@ class FitOptions:
         return self.layout.dims.sizes()
 
     @classmethod
-    def build(cls, strategy: str | Strategy = "single", devices: int | str = "auto", accelerator: str = "auto", *,
-              accumulate_grad_batches: int = 1, gradient_clip_val: float | None = None, seed: int = 0,
-              progress: bool | str = "auto", metrics_path: str | os.PathLike[str] | None = None,
-              timeout_s: float = 300.0, checkpoint_dir: str | os.PathLike[str] | None = None,
-              checkpoint_every: int | None = None, resume: bool = True, debug: bool = False,
-              on_nonfinite: str = "error", checkpoint_keep: int | None = 3, memory_check: str = "error",
-              device_memory: int | None = None, precision: str = "32",
-              activation_checkpointing: bool | tuple[type[nn.Module], ...] = False,
-              tensorboard_dir: str | os.PathLike[str] | None = None, peak_flops: float | None = None,
-              max_processes_per_core: int | None = 8, sync_batchnorm: bool = False,
-              callbacks: list[Any] | None = None, dataloader_kwargs: dict[str, Any] | None = None) -> FitOptions:
-        """The Trainer's arguments, checked (a ValueError names the first one that is wrong)."""
+    def build(cls, strategy: str | Strategy, devices: int | str, accelerator: str, **given: Any) -> FitOptions:
+        """The Trainer's arguments (``given``: its keyword arguments, with the defaults of its signature),
+        checked: a ValueError names the first one that is wrong."""
         strat = resolve(strategy)
-        callbacks = check_callbacks(callbacks)
-        dataloader_kwargs = dict(dataloader_kwargs or {})
-        loader_options(dataloader_kwargs)  # an unknown or refused option fails here
+        callbacks = check_callbacks(given.pop("callbacks"))
+        loaders = dict(given.pop("dataloader_kwargs") or {})
+        loader_options(loaders)  # an unknown or refused option fails here
         if accelerator not in ("auto", "cpu", "cuda"):
             raise ValueError(f"unknown accelerator {accelerator!r}; valid: 'auto', 'cpu', 'cuda'")
-        if max_processes_per_core is not None and max_processes_per_core < 1:
-            raise ValueError(f"max_processes_per_core must be >= 1 (or None for no bound), "
-                             f"got {max_processes_per_core}")
-        if checkpoint_every is not None and checkpoint_every < 1:
-            raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
-        if checkpoint_every is not None and checkpoint_dir is None:
+        bound = given["max_processes_per_core"]
+        if bound is not None and bound < 1:
+            raise ValueError(f"max_processes_per_core must be >= 1 (or None for no bound), got {bound}")
+        every, directory, keep = given["checkpoint_every"], given["checkpoint_dir"], given["checkpoint_keep"]
+        if every is not None and every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, got {every}")
+        if every is not None and directory is None:
             raise ValueError("checkpoint_every was given without checkpoint_dir: say where checkpoints go")
-        if checkpoint_keep is not None and checkpoint_keep < 1:
-            raise ValueError(f"checkpoint_keep must be >= 1 (or None to keep all), got {checkpoint_keep}")
-        if memory_check not in ("error", "warn", "off"):
-            raise ValueError(f"memory_check must be 'error', 'warn' or 'off', got {memory_check!r}")
-        precision = precision_mod.check(precision)
-        if on_nonfinite not in ("error", "skip"):
-            raise ValueError(f"on_nonfinite must be 'error' or 'skip', got {on_nonfinite!r}")
+        if keep is not None and keep < 1:
+            raise ValueError(f"checkpoint_keep must be >= 1 (or None to keep all), got {keep}")
+        if given["memory_check"] not in ("error", "warn", "off"):
+            raise ValueError(f"memory_check must be 'error', 'warn' or 'off', got {given['memory_check']!r}")
+        given["precision"] = precision_mod.check(given["precision"])
+        if given["on_nonfinite"] not in ("error", "skip"):
+            raise ValueError(f"on_nonfinite must be 'error' or 'skip', got {given['on_nonfinite']!r}")
         if devices == "auto":
             devices = auto_devices(strat, accelerator)
         elif not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
             raise ValueError(f"devices must be a positive integer or 'auto', got {devices!r}")
-        if accumulate_grad_batches < 1:
-            raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}")
+        if given["accumulate_grad_batches"] < 1:
+            raise ValueError(f"accumulate_grad_batches must be >= 1, got {given['accumulate_grad_batches']}")
+        for path in ("checkpoint_dir", "tensorboard_dir", "metrics_path"):
+            given[path] = os.fspath(given[path]) if given[path] is not None else None
+        timeout = _dt.timedelta(seconds=given.pop("timeout_s"))
         return cls(strategy=strat, devices=devices, layout=strat.layout(devices), accelerator=accelerator,
-                   accumulate_grad_batches=accumulate_grad_batches, gradient_clip_val=gradient_clip_val, seed=seed,
-                   progress=progress, metrics_path=str(metrics_path) if metrics_path is not None else None,
-                   timeout=_dt.timedelta(seconds=timeout_s),
-                   checkpoint_dir=os.fspath(checkpoint_dir) if checkpoint_dir is not None else None,
-                   checkpoint_every=checkpoint_every, checkpoint_keep=checkpoint_keep, resume=resume, debug=debug,
-                   on_nonfinite=on_nonfinite, memory_check=memory_check, device_memory=device_memory,
-                   precision=precision, activation_checkpointing=activation_checkpointing,
-                   tensorboard_dir=os.fspath(tensorboard_dir) if tensorboard_dir is not None else None,
-                   peak_flops=peak_flops, max_processes_per_core=max_processes_per_core,
-                   sync_batchnorm=sync_batchnorm, callbacks=tuple(callbacks), dataloader_kwargs=dataloader_kwargs)
+                   timeout=timeout, callbacks=tuple(callbacks), dataloader_kwargs=loaders, **given)
 
 
 def auto_devices(strategy: Strategy, accelerator: str) -> int:

@@ -1,6 +1,6 @@
 """What rank 0 shows and records while a run trains: the progress bar and the per-step metrics log.
 
-Separate from the fit loop (:mod:`shardwise.trainer`) because neither takes
+Separate from the fit loop (:mod:`shardwise.fit.steps`) because neither takes
 part in the optimisation: they only read the loss, the step time and the
 process's memory.
 """

@@ -88,7 +88,7 @@ class Trainer:
             batch, and the running statistics of data-parallel rank 0 are every rank's (broadcast after
             each step, as torch DDP's ``broadcast_buffers``); a warning says so once.
         callbacks: objects with ``on_step_end``, ``on_validation_end``, ``on_checkpoint_saved``, ``on_fit_end``
-            (:class:`shardwise.callbacks.Callback`, e.g. :class:`~shardwise.callbacks.EarlyStopping`), called on
+            (:class:`shardwise.Callback`, e.g. :class:`shardwise.EarlyStopping`), called on
             every rank (pickled into spawned ranks: they must be picklable); any rank's ``info.stop()`` stops
             every rank after the same step.
         dataloader_kwargs: DataLoader options for the training and validation data (``num_workers``,
@@ -107,14 +107,10 @@ class Trainer:
                  tensorboard_dir: str | os.PathLike[str] | None = None, peak_flops: float | None = None,
                  max_processes_per_core: int | None = 8, sync_batchnorm: bool = False,
                  callbacks: list[Any] | None = None, dataloader_kwargs: dict[str, Any] | None = None) -> None:
-        self.options = FitOptions.build(
-            strategy, devices, accelerator, accumulate_grad_batches=accumulate_grad_batches,
-            gradient_clip_val=gradient_clip_val, seed=seed, progress=progress, metrics_path=metrics_path,
-            timeout_s=timeout_s, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
-            debug=debug, on_nonfinite=on_nonfinite, checkpoint_keep=checkpoint_keep, memory_check=memory_check,
-            device_memory=device_memory, precision=precision, activation_checkpointing=activation_checkpointing,
-            tensorboard_dir=tensorboard_dir, peak_flops=peak_flops, max_processes_per_core=max_processes_per_core,
-            sync_batchnorm=sync_batchnorm, callbacks=callbacks, dataloader_kwargs=dataloader_kwargs)
+        given = dict(locals())  # every argument of this signature, defaults included: the options' one source
+        for positional in ("self", "strategy", "devices", "accelerator"):
+            del given[positional]
+        self.options = FitOptions.build(strategy, devices, accelerator, **given)
         o = self.options
         if o.devices == 1 and not isinstance(o.strategy, (Single, OwnDevices)):
             # Trainer("ddp") alone used to run one process without a word: nothing is split then.
@@ -155,7 +151,7 @@ class Trainer:
         positionally, a list of keys passes those as keyword arguments; the loss gets ``loss_fn(output,
         batch)``, the whole batch dict (see :mod:`shardwise.data`).
 
-        Validation (:mod:`shardwise.evaluate`): with ``val_dataset``, every ``val_every`` optimizer steps
+        Validation (:mod:`shardwise.fit.evaluate`): with ``val_dataset``, every ``val_every`` optimizer steps
         and after the last step the model is evaluated under the run's own strategy (eval mode, no grad)
         in batches of ``val_batch_size`` (default ``batch_size``): ``val_loss`` and each ``val_metrics``
         ``{name: fn(output, target)}``, ``fn`` returning the batch's MEAN, are averaged over the whole set

@@ -1,17 +1,15 @@
 """The FSDP wrapper: :class:`FSDPModule`, its forward/backward hooks and its gradient reduction.
 
 What a model wrapped for ZeRO-3, FSDP or HSDP is (the mechanics are described
-in :mod:`shardwise.parallel.fsdp`): construction of the units over a module
+in :mod:`shardwise.strategies.fsdp`): construction of the units over a module
 tree (materialising a meta-device model one module at a time), the hooks that
 gather a unit before its forward and backward and free it after, and the
 reduce-scatter (and, for HSDP, all-reduce across replicas) of each unit's
 gradients once they are complete. The hooks and the reduction are the mixin
 :class:`_Reduction`, so that neither class grows past the size rule.
 
-It is separate from ``fsdp.py`` to keep each module small (issue 11): the
-strategies (``FSDP``, ``ZeRO3``, ``HSDP``) stay in ``fsdp.py``, where the
-strategy registry names them, and ``fsdp.py`` re-exports ``FSDPModule``.
-This module imports nothing from ``fsdp.py``.
+The strategies (``FSDP``, ``ZeRO3``, ``HSDP``) are :mod:`shardwise.strategies.fsdp`;
+the units' machinery is :mod:`shardwise.parallel.fsdp_units`.
 """
 from __future__ import annotations
 

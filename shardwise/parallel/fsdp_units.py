@@ -1,12 +1,10 @@
 """FSDP units: which modules become units, and one unit's sharded row and gathered parameters.
 
-The machinery under :class:`shardwise.parallel.fsdp.FSDPModule`: the wrap
+The machinery under :class:`shardwise.parallel.fsdp_module.FSDPModule`: the wrap
 policy (:func:`unit_modules`), a unit's parameter layout and collectives
 (:class:`_Unit`, :class:`_Group`) and the move of a meta parameter onto a
-real device (:func:`_to_device`). It is separate from ``fsdp.py`` to keep
-each module small (issue 11); it knows nothing of the wrapper's hooks or of
-the strategy. ``fsdp.py`` imports from here, so ``unit_modules`` and
-``WrapPolicy`` stay importable from ``shardwise.parallel.fsdp``.
+real device (:func:`_to_device`). One role: it knows nothing of the
+wrapper's hooks (``fsdp_module.py``) or of the strategies (``strategies/fsdp.py``).
 """
 from __future__ import annotations
 

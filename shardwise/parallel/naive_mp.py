@@ -13,16 +13,13 @@ optimizer states.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from shardwise.checkpoint.held import first_named
 from shardwise.parallel.pipeline import pipeline_layers, stage_starts
-
-if TYPE_CHECKING:
-    pass
+from shardwise.step import first_named
 
 
 def _move(x: Any, device: torch.device) -> Any:

@@ -132,7 +132,7 @@ class PipelineModel(nn.Module):
         self.ties = ties
         self.meta_sent: set[Any] = set()
         self.meta_recv: dict[Any, tuple[tuple[int, ...], torch.dtype]] = {}
-        # The data-parallel wrappers of the chunks (shardwise.parallelize.Owners; None: DDP or none).
+        # The data-parallel wrappers of the chunks (shardwise.parallel.parallelize.Owners; None: DDP or none).
         self.data: Any = None
 
     def grad_of_tie(self, p: nn.Parameter) -> torch.Tensor:

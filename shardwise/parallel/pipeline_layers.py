@@ -4,9 +4,8 @@
 composition is its forward (tensor in, tensor out): ``nn.Sequential``,
 shardwise's MLP and GPT, Hugging Face GPT-2 and Llama (wrapped in the small
 adapter modules below), or whatever a model's own ``pipeline_layers()``
-returns. It is separate from ``pipeline.py`` (partitioning and running the
-stages) to keep each module small (issue 11): per-model-family knowledge
-lives here, and ``pipeline.py`` re-exports :func:`pipeline_layers`.
+returns. Per-model-family knowledge lives here; ``pipeline.py`` partitions
+the layers into stages and ``pipeline_run.py`` runs them.
 """
 from __future__ import annotations
 

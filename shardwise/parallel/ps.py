@@ -40,10 +40,9 @@ optimizer states; the first worker writes the buffers and frozen parameters;
 the trainer makes the servers serve in segments between the saves and join
 each one (docs/classic.md, "Checkpoints under the parameter server").
 
-This module holds the strategy (:class:`ParameterServer`) and the wrapper
-(:class:`PSModule`); the roles each rank runs (worker, server,
-:class:`StalenessGate`) live in :mod:`shardwise.parallel.ps_roles` (issue 11:
-small modules), whose public names are re-exported here.
+This module holds the wrapper (:class:`PSModule`); the roles each rank runs
+(worker, server, :class:`StalenessGate`) are :mod:`shardwise.parallel.ps_roles`,
+and the strategy (``ParameterServer``) is :mod:`shardwise.strategies.ps`.
 """
 from __future__ import annotations
 

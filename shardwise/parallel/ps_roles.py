@@ -8,10 +8,8 @@ and its :class:`_PushOptimizer`) and the server side (:class:`_Server`), with
 the wire constants ``HEADER`` (a push's 16-byte header) and ``APPLY``/``PULL``
 (the async leader's decisions).
 
-It is separate from ``ps.py`` (the strategy, ``ParameterServer``, and the
-wrapper ``PSModule``) to keep each module small (issue 11); it imports
-nothing from ``ps.py``, which re-exports ``StalenessGate``, ``HEADER``,
-``APPLY`` and ``PULL``.
+The roles are this module's one role: the wrapper ``PSModule`` is ``ps.py``
+(which imports this module) and the strategy :mod:`shardwise.strategies.ps`.
 """
 from __future__ import annotations
 

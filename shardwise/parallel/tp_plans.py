@@ -4,10 +4,9 @@ A :class:`Plan` maps module-name patterns to a :class:`Style` (``colwise``,
 ``rowwise``, ``vocab``), with model-level checks and fix-ups; the built-in
 plans cover :class:`shardwise.models.GPT` and MLP and Hugging Face GPT-2 and
 Llama. It is separate from ``tp.py`` (the parallel layers, applying a plan,
-the strategy) to keep each module small (issue 11): per-model-family
-knowledge lives here. This module imports nothing from ``tp.py`` at import
-time (``tp.py`` imports it and re-exports every public name; only
-``_fix_gpt2`` imports ``ColumnParallelLinear`` from it, when it runs).
+the strategy) by role: per-model-family knowledge lives here. It imports
+the layers (:mod:`shardwise.parallel.tp_layers`) and nothing from ``tp.py``,
+which imports it.
 """
 from __future__ import annotations
 

@@ -21,10 +21,8 @@ so its update rule runs unchanged on the piece, and writes straight into the
 full parameter before the all-gather spreads it.
 
 This module holds that optimizer (:class:`ShardedOptimizer`, shared with
-FSDP), the offload and clipping helpers and the strategies (``ZeRO1``,
-``ZeRO2``); the wrapper :class:`ZeROModule` and its buckets live in
-:mod:`shardwise.parallel.zero_module` (issue 11: small modules), and
-``ZeROModule`` stays importable from here.
+FSDP) and the offload and clipping helpers; the wrapper and its buckets are
+:mod:`shardwise.parallel.zero_module`, the strategies :mod:`shardwise.strategies.zero`.
 """
 from __future__ import annotations
 

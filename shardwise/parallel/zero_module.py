@@ -7,11 +7,10 @@ and, under ZeRO-Offload, a master row on the offload device; the hooks that
 reduce-scatter a bucket's gradients while backward runs; and the all-gather
 of the updated pieces after the optimizer step.
 
-It is separate from ``zero.py`` to keep each module small (issue 11): the
-strategies (``ZeRO1``, ``ZeRO2``, which the strategy registry names there),
-the :class:`~shardwise.parallel.zero.ShardedOptimizer` shared with FSDP and the
-offload and clipping helpers stay in ``zero.py``, which re-exports
-``ZeROModule``. This module imports nothing from ``zero.py``.
+The wrapper is this module's one role: the
+:class:`~shardwise.parallel.zero.ShardedOptimizer` shared with FSDP and the
+offload and clipping helpers are in ``zero.py``; the strategies (``ZeRO1``,
+``ZeRO2``) in :mod:`shardwise.strategies.zero`.
 """
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from shardwise.dims import DP, DP_REPLICATE, DP_SHARD, PP, TP
 from shardwise.plan.memory import BytesPerParam, Numels, sharded_numel, total_numel
 from shardwise.plan.model import ModelSpec
 from shardwise.plan.specs import ClusterSpec, Layout, TrainingSpec
@@ -134,13 +135,13 @@ def data_parallel_collectives(model: ModelSpec, cluster: ClusterSpec, training: 
         shard_link = group_link(cluster, n, layout.tp)
         repl_link = group_link(cluster, r, layout.tp * n)
         full = n * sharded_numel(numels, n) * eb
-        out += [_make("all_gather", "dp_shard", "gather parameters (forward)", full * m, units * m, n, shard_link,
+        out += [_make("all_gather", DP_SHARD, "gather parameters (forward)", full * m, units * m, n, shard_link,
                       "forward", True),
-                _make("all_gather", "dp_shard", "gather parameters (backward)", full * m, units * m, n, shard_link,
+                _make("all_gather", DP_SHARD, "gather parameters (backward)", full * m, units * m, n, shard_link,
                       "backward", True),
-                _make("reduce_scatter", "dp_shard", "reduce-scatter gradients", full * rs, units * rs, n,
+                _make("reduce_scatter", DP_SHARD, "reduce-scatter gradients", full * rs, units * rs, n,
                       shard_link, "backward", rs > 1),
-                _make("all_reduce", "dp_replicate", "all-reduce gradient shards across replicas",
+                _make("all_reduce", DP_REPLICATE, "all-reduce gradient shards across replicas",
                       sharded_numel(numels, n) * eb, units, r, repl_link, "backward")]
         return [c for c in out if c.ranks > 1]
     n = layout.dp
@@ -151,18 +152,18 @@ def data_parallel_collectives(model: ModelSpec, cluster: ClusterSpec, training: 
     buckets = max(1, math.ceil(local_numel * eb / training.bucket_bytes))
     stage = layout.zero_stage
     if stage == 0:
-        out.append(_make("all_reduce", "dp", "all-reduce gradients", local_numel * eb, buckets, n, link, "backward"))
+        out.append(_make("all_reduce", DP, "all-reduce gradients", local_numel * eb, buckets, n, link, "backward"))
     elif stage in (1, 2):
         k = rs if stage == 2 else 1  # ZeRO-1 keeps full gradients anyway and reduces once
-        out.append(_make("reduce_scatter", "dp", "reduce-scatter gradients", full * k, buckets * k, n, link,
+        out.append(_make("reduce_scatter", DP, "reduce-scatter gradients", full * k, buckets * k, n, link,
                          "backward", k > 1))
-        out.append(_make("all_gather", "dp", "all-gather updated parameters", full, buckets, n, link, "none"))
+        out.append(_make("all_gather", DP, "all-gather updated parameters", full, buckets, n, link, "none"))
     else:
-        out += [_make("all_gather", "dp", "gather parameters (forward)", full * m, units * m, n, link, "forward",
+        out += [_make("all_gather", DP, "gather parameters (forward)", full * m, units * m, n, link, "forward",
                       True),
-                _make("all_gather", "dp", "gather parameters (backward)", full * m, units * m, n, link, "backward",
+                _make("all_gather", DP, "gather parameters (backward)", full * m, units * m, n, link, "backward",
                       True),
-                _make("reduce_scatter", "dp", "reduce-scatter gradients", full * rs, units * rs, n, link,
+                _make("reduce_scatter", DP, "reduce-scatter gradients", full * rs, units * rs, n, link,
                       "backward", rs > 1)]
     return out
 
@@ -184,17 +185,17 @@ def model_parallel_collectives(model: ModelSpec, cluster: ClusterSpec, training:
         n_ar = layers * (6 if training.activation_checkpointing else 4) * microbatches
         if training.sequence_parallel:
             # Korthikanti et al.: each all-reduce becomes a reduce-scatter plus an all-gather, same volume.
-            out.append(_make("all_gather", "tp", "sequence-parallel all-gather", act * n_ar, n_ar, t, link, "slot"))
-            out.append(_make("reduce_scatter", "tp", "sequence-parallel reduce-scatter", act * n_ar, n_ar, t, link,
+            out.append(_make("all_gather", TP, "sequence-parallel all-gather", act * n_ar, n_ar, t, link, "slot"))
+            out.append(_make("reduce_scatter", TP, "sequence-parallel reduce-scatter", act * n_ar, n_ar, t, link,
                              "slot"))
         else:
-            out.append(_make("all_reduce", "tp", "tensor-parallel all-reduce", act * n_ar, n_ar, t, link, "slot"))
+            out.append(_make("all_reduce", TP, "tensor-parallel all-reduce", act * n_ar, n_ar, t, link, "slot"))
     if layout.pp > 1:
         link = group_link(cluster, layout.pp, t * layout.dp)
         # A middle stage sends each micro-batch's activation forward and its gradient backward; with tp
         # each rank sends only its 1/t slice (Narayanan et al. 2021, scatter/gather optimisation).
         msg = -(-act // t)
-        out.append(_make("send_recv", "pp", "pipeline activations and gradients", 2 * microbatches * msg,
+        out.append(_make("send_recv", PP, "pipeline activations and gradients", 2 * microbatches * msg,
                          2 * microbatches, 2, link, "slot"))
     return out
 

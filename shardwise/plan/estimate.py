@@ -6,6 +6,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardwise.dims import DP, PP, TP
 from shardwise.plan.comm import (
     NETWORK_KINDS,
     Collective,
@@ -132,7 +133,7 @@ class Estimate:
         """A JSON-ready dict (the ``--format json`` schema)."""
         t = self.time
         return {
-            "strategy": self.strategy, "dp": self.dp, "tp": self.tp, "pp": self.pp, "devices": self.devices,
+            "strategy": self.strategy, DP: self.dp, TP: self.tp, PP: self.pp, "devices": self.devices,
             "shard_group": self.layout.shard_size if self.strategy == "hsdp" else None, "label": self.layout.label,
             "zero": self.layout.zero_stage, "code": self.layout.code(self.schedule), "largest_term": self.largest_term,
             "model": self.model, "global_batch": self.global_batch, "micro_batch": self.micro_batch,

@@ -6,13 +6,14 @@ import math
 import torch
 from torch import nn
 
+from shardwise.dims import DP, PP, TP
 from shardwise.plan.estimate import Estimate, check_layout, estimate
 from shardwise.plan.model import ModelSpec
 from shardwise.plan.specs import ClusterSpec, Layout, TrainingSpec
 from shardwise.plan.trace import trace_module
 
 # The trainer's strategy names -> how model states sit on the data-parallel dimension.
-_STATES = {"single": "ddp", "dp": "ddp", "ddp": "ddp", "tp": "ddp", "pp": "ddp", "ps": "ddp",
+_STATES = {"single": "ddp", DP: "ddp", "ddp": "ddp", TP: "ddp", PP: "ddp", "ps": "ddp",
            "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "fsdp": "fsdp", "hsdp": "hsdp"}
 
 

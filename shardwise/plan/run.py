@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.dims import PP
 from shardwise.layout import RunLayout
 from shardwise.plan.estimate import check_layout, estimate
 from shardwise.plan.fit import fmt_bytes
@@ -74,7 +75,7 @@ class RunPlan:
     def summary(self) -> str:
         """``<strategy> on dp= tp= pp=[, options]: <total> of <memory> per device (<breakdown>)``."""
         lay, s = self.layout, self.states
-        opts = [f"zero={lay.zero}"] if lay.strategy in ("parallel", "pp") and lay.zero else []
+        opts = [f"zero={lay.zero}"] if lay.strategy in ("parallel", PP) and lay.zero else []
         opts += [f"replicate={lay.replicate}"] * (lay.replicate > 1) + [f"offload={lay.offload}"] * (
             lay.offload != "none") + [f"precision {lay.precision}"] * (lay.precision != "32") + [
             "activation checkpointing"] * lay.activation_checkpointing
@@ -155,7 +156,7 @@ def alternatives(layout: RunLayout) -> list[tuple[str, RunLayout]]:
 
 def microbatches(layout: RunLayout, local_batch: int, accumulate_grad_batches: int = 1) -> int:
     """Micro-batches per step: the pipeline's (``sw.Parallel.effective_microbatches``), else the accumulation's."""
-    if layout.strategy in ("parallel", "pp"):
+    if layout.strategy in ("parallel", PP):
         if layout.microbatches is not None:
             return layout.microbatches
         if accumulate_grad_batches > 1:

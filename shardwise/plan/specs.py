@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from shardwise.dims import DP, PP, TP
+
 PRECISIONS = ("fp32", "bf16-mixed")
 OPTIMIZERS = ("adamw", "sgd", "sgd-momentum")
 SCHEDULES = ("1f1b", "gpipe")
@@ -193,7 +195,7 @@ class Layout:
 
     @property
     def label(self) -> str:
-        dims = [f"dp{self.dp}"] + [f"tp{self.tp}"] * (self.tp > 1) + [f"pp{self.pp}"] * (self.pp > 1)
+        dims = [f"{DP}{self.dp}"] + [f"{TP}{self.tp}"] * (self.tp > 1) + [f"{PP}{self.pp}"] * (self.pp > 1)
         extra = f" (shard {self.shard_size})" if self.strategy == "hsdp" else ""
         return f"{self.strategy} {'x'.join(dims)}{extra}"
 
@@ -203,7 +205,7 @@ class Layout:
             if self.strategy == "hsdp":
                 return f"sw.HSDP(shard_size={self.shard_size})"
             return repr(self.strategy)
-        args = [f"{d}={getattr(self, d)}" for d in ("dp", "tp", "pp")] + [f"zero={min(self.zero_stage, 3)}"]
+        args = [f"{d}={getattr(self, d)}" for d in (DP, TP, PP)] + [f"zero={min(self.zero_stage, 3)}"]
         if self.strategy == "hsdp":
             args.append(f"replicate={self.dp // self.shard_size}")
         if self.pp > 1:

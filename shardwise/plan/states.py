@@ -34,12 +34,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.dims import DP, PP, TP
 from shardwise.layout import RunLayout
+from shardwise.parallel.pipeline import stage_starts
+from shardwise.parallel.pipeline_layers import stage_layers
+from shardwise.parallel.tp import parallelize as tensor_parallel
+from shardwise.plan.trace import meta_copy as copy_to_meta
 
 # Strategies whose state this module can lay out, by how the whole model is wrapped.
-_WHOLE_MODEL = {"single": 0, "dp": 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3, "hsdp": 3}
-_PIPELINE = ("parallel", "pp")
-MODELLED = tuple(_WHOLE_MODEL) + _PIPELINE + ("tp", "ps")
+_WHOLE_MODEL = {"single": 0, DP: 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3, "hsdp": 3}
+_PIPELINE = ("parallel", PP)
+MODELLED = tuple(_WHOLE_MODEL) + _PIPELINE + (TP, "ps")
 
 
 class NotModelled(ValueError):
@@ -131,8 +136,6 @@ class _StandIn:
 
 def meta_copy(model: nn.Module) -> nn.Module:
     """:func:`shardwise.plan.trace.meta_copy`, a copy failure reported as :class:`NotModelled`."""
-    from shardwise.plan.trace import meta_copy as copy_to_meta
-
     try:
         return copy_to_meta(model)
     except Exception as e:  # e.g. a module holding a lock or a process group
@@ -148,10 +151,6 @@ def _params(modules: Iterable[nn.Module]) -> list[Param]:
 def local_chunks(model: nn.Module, layout: RunLayout, tp_plan: Any = None,
                  split_points: Sequence[str] | None = None) -> list[list[list[Param]]]:
     """Per pipeline rank, per model chunk, the parameters a rank of that stage holds (after the tp split)."""
-    from shardwise.parallel.pipeline import stage_starts
-    from shardwise.parallel.pipeline_layers import stage_layers
-    from shardwise.parallel.tp import parallelize as tensor_parallel
-
     tp = layout.tp
     if layout.strategy not in _PIPELINE:
         if layout.pp > 1:

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from shardwise.checkpoint.held import held_state, named_state
+from shardwise.checkpoint.held import Held, held_state, named_state
 from shardwise.comm.topology import Topology
 from shardwise.data import leaves, to_device
 from shardwise.dims import DP
@@ -28,9 +28,6 @@ from shardwise.parallel.accounting import model_state_tensors, with_optimizer_st
 from shardwise.parallel.ddp import GradSync
 from shardwise.precision import widened
 from shardwise.step import LossFn, OptimizerFactory, StepRun, call_model, unwrap
-
-if TYPE_CHECKING:
-    from shardwise.checkpoint.pieces import Held
 
 
 class Strategy:
@@ -136,7 +133,7 @@ class Strategy:
         return {k: v.detach().cpu().clone() for k, v in unwrap(model).state_dict().items()}
 
     def checkpoint_held(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology) -> list[Held]:
-        """What this rank holds of every tensor of the layout-free checkpoint (see :mod:`shardwise.pieces`).
+        """What this rank holds of every tensor of the layout-free checkpoint (see :mod:`shardwise.checkpoint.pieces`).
 
         Keys are ``model.<fqn>`` (parameters and persistent buffers, named as in
         the unsplit model) and ``optim.<fqn>.<state>`` (e.g.

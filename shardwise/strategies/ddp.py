@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -18,8 +18,6 @@ from shardwise.parallel.ddp import native_allreduce
 from shardwise.parallel.parallelize import DataParallelOptions
 from shardwise.strategies.data_parallel import DataParallel
 
-if TYPE_CHECKING:
-    pass
 
 
 @dataclass

@@ -6,21 +6,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from shardwise.checkpoint.held import held_state
+from shardwise.checkpoint.held import Held, held_state
 from shardwise.comm.topology import Topology
 from shardwise.layout import RunLayout
 from shardwise.parallel.naive_mp import NaiveModelParallel, _move
 from shardwise.precision import widened
 from shardwise.step import LossFn, OptimizerFactory, StepRun
 from shardwise.strategies.base import OwnDevices, SplitsModel, Strategy
-
-if TYPE_CHECKING:
-    from shardwise.checkpoint.pieces import Held
 
 
 @dataclass

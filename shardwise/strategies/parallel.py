@@ -2,9 +2,9 @@
 
 ``sw.Parallel(dp=2, tp=2, pp=2, zero=3, schedule="1f1b", microbatches=8)``
 lays the world out as the mesh ``(pp, dp, tp)`` of
-:class:`~shardwise.topology.Topology` (tp innermost: a tensor-parallel group is
+:class:`~shardwise.comm.topology.Topology` (tp innermost: a tensor-parallel group is
 made of neighbouring ranks, the ones that talk most). The model is built by
-:func:`shardwise.parallelize.parallelize`, the one place that fixes the order
+:func:`shardwise.parallel.parallelize.parallelize`, the one place that fixes the order
 (pipeline split, tensor parallel, then the data-parallel family over dp).
 
 ``zero`` picks the data-parallel form over dp: 0 DDP, 1/2 ZeRO stage 1/2,
@@ -18,12 +18,12 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from shardwise.checkpoint.held import first_named, held_state
+from shardwise.checkpoint.held import Held, held_state
 from shardwise.comm.topology import Topology
 from shardwise.dims import PP, TP, ParallelDims
 from shardwise.layout import RunLayout
@@ -36,11 +36,8 @@ from shardwise.parallel.schedules import Recorder, get_schedule
 from shardwise.parallel.sharding import clip_global_norm
 from shardwise.parallel.tp import Plan, Style, counts_in_norm
 from shardwise.parallel.zero import check_offload
-from shardwise.step import LossFn, OptimizerFactory, StepRun
+from shardwise.step import LossFn, OptimizerFactory, StepRun, first_named
 from shardwise.strategies.base import HasTPPlan, SplitsModel, Strategy
-
-if TYPE_CHECKING:
-    from shardwise.checkpoint.pieces import Held
 
 
 @dataclass

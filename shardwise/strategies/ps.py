@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from shardwise.checkpoint.held import named_state
+from shardwise.checkpoint.held import Held, named_state
 from shardwise.comm.topology import Topology
 from shardwise.dims import DP
 from shardwise.layout import RunLayout
@@ -24,10 +24,6 @@ from shardwise.parallel.ps import PSModule
 from shardwise.parallel.ps_roles import _Layout, _PushOptimizer, _Server, _Worker
 from shardwise.step import LossFn, OptimizerFactory, StepRun, unwrap
 from shardwise.strategies.base import HasServers
-
-if TYPE_CHECKING:
-    from shardwise.checkpoint.pieces import Held
-
 
 MODES = ("sync", "async")
 
@@ -159,7 +155,7 @@ class ParameterServer(HasServers):
         return out
 
     def checkpoint_held(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology) -> list[Held]:
-        """What this rank holds of the layout-free checkpoint (:mod:`shardwise.pieces`).
+        """What this rank holds of the layout-free checkpoint (:mod:`shardwise.checkpoint.pieces`).
 
         A server: for every parameter its range ``[lo, hi)`` overlaps, the run of
         that parameter (flattened) it holds, as a 1-D view of its shard, and the
@@ -174,8 +170,6 @@ class ParameterServer(HasServers):
             return _server_held(role, optimizer)
         if topo.coord(DP) != self.servers:
             return []
-        from shardwise.checkpoint.pieces import Held
-
         trainable = {id(p) for p in role.layout.params}
         return [Held(f"model.{name}", t.detach()) for name, t in named_state(unwrap(model)) if id(t) not in trainable]
 
@@ -196,8 +190,6 @@ class ParameterServer(HasServers):
 
 def _server_held(role: _Server, optimizer: torch.optim.Optimizer) -> list[Held]:
     """A server's pieces: per parameter of its range, the run of it and of each optimizer state (live views)."""
-    from shardwise.checkpoint.pieces import Held
-
     shard = role.shard.detach()
     states = [(k, v) for k, v in optimizer.state.get(role.shard, {}).items() if isinstance(v, torch.Tensor)]
     for k, v in states:

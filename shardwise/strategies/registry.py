@@ -57,7 +57,7 @@ def _load_builtin(name: str) -> Callable[[], Strategy]:
 
 
 def available_strategies() -> list[str]:
-    """Every name ``strategy=`` accepts, in the order of the table in DESIGN.md, then registered ones."""
+    """Every name ``strategy=`` accepts, in the order of the README's strategy table, then registered ones."""
     return list(BUILTIN) + [n for n in REGISTRY if n not in BUILTIN]
 
 

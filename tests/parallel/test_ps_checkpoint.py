@@ -240,7 +240,7 @@ def test_a_worker_dying_during_a_save_fails_the_run_without_a_hang(tmp_path, mod
     model.die_saving = (1, ckpt)  # rank 1, the first worker, writes the buffers
     start = time.monotonic()
     # The peers fail in the save's collective (gloo: "Connection reset by peer"), not at the timeout.
-    with pytest.raises(launch.WorkerFailed, match=r"checkpoint\.py\", line \d+, in save"):
+    with pytest.raises(launch.WorkerFailed, match=r"checkpoint/store\.py\", line \d+, in save"):
         fit(ParameterServer(mode=mode), 3, 4, ckpt, every=2, model=model, timeout_s=8)
     assert time.monotonic() - start < 90
     assert checkpoint.checkpoints(ckpt) == []  # the interrupted save never became a checkpoint
