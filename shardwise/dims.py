@@ -110,29 +110,29 @@ class ParallelDims:
             if v < 1:
                 raise ValueError(f"{name}={v}: parallel sizes must be >= 1")
         rest = tp * pp * cp
+        shown = [d for d in SPLIT_BY if d != CP or cp > 1]  # the sizes messages name: cp only when it is used
         if dp == -1:
             if world % rest:
-                named = "*".join(d for d in SPLIT_BY if d != DP and (given[d] > 1 or d != CP))
-                values = "*".join(str(given[d]) for d in SPLIT_BY if d != DP and (given[d] > 1 or d != CP))
-                raise ValueError(f"world size {world} is not divisible by {named} = {values} = {rest}")
+                others = [d for d in shown if d != DP]
+                raise ValueError(f"world size {world} is not divisible by {'*'.join(others)} = "
+                                 f"{'*'.join(str(given[d]) for d in others)} = {rest}")
             dp = world // rest
         if dp < 1:
             raise ValueError(f"{DP}={dp}: parallel sizes must be >= 1")
         sizes = {DP: dp, **given}
-        shown = [d for d in SPLIT_BY if d != CP or cp > 1]
         if dp * rest != world:
             raise ValueError(
                 f"{'*'.join(shown)} = {'*'.join(str(sizes[d]) for d in shown)} = {dp * rest} does not equal the "
                 f"world size {world}; choose sizes whose product is {world} (or pass devices={dp * rest})")
-        if replicate < 1 or dp % replicate:
-            raise ValueError(f"replicate={replicate} must divide the data-parallel size {DP}={dp} "
-                             f"(HSDP: {replicate} replicas of dp/replicate shards)")
-        return cls(pp=pp, dp_replicate=replicate, dp_shard=dp // replicate, cp=cp, tp=tp, ep=ep)
+        return cls(pp=pp, dp_shard=dp, cp=cp, tp=tp, ep=ep).with_replicas(replicate)
 
     def with_replicas(self, replicate: int) -> ParallelDims:
-        """The same world with the data-parallel ranks regrouped as ``replicate`` replicas of shards."""
+        """The same world with the data-parallel ranks regrouped as ``replicate`` replicas of shards.
+
+        The one check that ``replicate`` divides dp (the Trainer's layouts, ``sw.Parallel``, a hand-built Topology)."""
         if replicate < 1 or self.dp % replicate:
-            raise ValueError(f"replicate={replicate} must divide the data-parallel size {DP}={self.dp}")
+            raise ValueError(f"replicate={replicate} must divide the data-parallel size {DP}={self.dp} "
+                             f"(HSDP: {replicate} replicas of dp/replicate shards)")
         return replace(self, dp_replicate=replicate, dp_shard=self.dp // replicate)
 
 

@@ -89,10 +89,7 @@ class RunLayout:
         """The parallel dimensions: dp as replicas of shards by the data-parallel form (DDP: all replicas;
         ZeRO-1/2 and FSDP: all shards; HSDP: ``replicate`` replicas of shards)."""
         replicas = self.dp if self.zero == 0 else self.replicate
-        if replicas < 1 or self.dp % replicas:
-            raise ValueError(f"replicate={self.replicate} must divide the data-parallel size {DP}={self.dp}")
-        return ParallelDims(pp=self.pp, dp_replicate=replicas, dp_shard=self.dp // replicas, cp=self.cp,
-                            tp=self.tp, ep=self.ep)
+        return ParallelDims(pp=self.pp, dp_shard=self.dp, cp=self.cp, tp=self.tp, ep=self.ep).with_replicas(replicas)
 
     @property
     def devices(self) -> int:
@@ -101,7 +98,8 @@ class RunLayout:
 
     @property
     def processes(self) -> int:
-        return self.dims.world
+        """Processes to start: one per rank (a single-process strategy has one rank and drives its devices)."""
+        return self.devices
 
     @property
     def batch_shards(self) -> int:

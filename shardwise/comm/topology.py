@@ -109,7 +109,11 @@ class Topology:
         """A communicator on the group of ``dim`` (a name of :data:`shardwise.dims.NAMES`, or ``"world"``)."""
         if self.world_size == 1:
             return Comm(None, self.stats, self.timeout)
-        return Comm(self._groups[dim], self.stats, self.timeout, self.diag, label=dim)
+        return self._comm(self._groups[dim], dim)
+
+    def _comm(self, group: dist.ProcessGroup | None, label: str) -> Comm:
+        # Every communicator counts into this topology's stats and reports to its diagnostics under its dim.
+        return Comm(group, self.stats, self.timeout, self.diag, label=label)
 
     def close(self) -> None:
         """Stop the diagnostics thread (the process group itself is torn down by :func:`teardown`)."""
@@ -134,8 +138,8 @@ class Topology:
             return self.comm(DP_SHARD), self.comm(DP_REPLICATE)
         if replicate not in self._regrouped:
             mesh = init_device_mesh(self.device.type, regrouped.mesh_shape(), mesh_dim_names=MESH)
-            self._regrouped[replicate] = tuple(  # type: ignore[assignment]
-                Comm(mesh.get_group(d), self.stats, self.timeout, self.diag, label=d) for d in (DP_SHARD, DP_REPLICATE))
+            self._regrouped[replicate] = (self._comm(mesh.get_group(DP_SHARD), DP_SHARD),
+                                          self._comm(mesh.get_group(DP_REPLICATE), DP_REPLICATE))
         return self._regrouped[replicate]
 
 

@@ -101,11 +101,8 @@ class FSDP(DataParallel):
         """HSDP replicas over ``dp`` ranks (1: shard over all of dp)."""
         return 1
 
-    def _replicas(self, topo: Topology) -> int:
-        return self._replicas_of(topo.size(DP))
-
     def data_options(self, topo: Topology) -> DataParallelOptions:
-        return DataParallelOptions(zero=3, replicate=self._replicas(topo), hybrid=self.hybrid,
+        return DataParallelOptions(zero=3, replicate=self._replicas_of(topo.size(DP)), hybrid=self.hybrid,
                                    collectives=self.collectives, offload=self.offload,
                                    offload_device=self.offload_device, wrap=self.wrap,
                                    reshard_after_forward=self.reshard_after_forward, param_init_fn=self.param_init_fn)
