@@ -120,8 +120,9 @@ class Trainer:
 
     def __getattr__(self, name: str) -> Any:
         # trainer.devices, trainer.strategy, trainer.sizes, ...: read-only views of the options.
-        if name == "options":  # not set yet (unpickling, copying): no recursion
-            raise AttributeError(name)
+        if name == "options" or name not in FitOptions.__dataclass_fields__ and name != "sizes":
+            # "options" not set yet (unpickling, copying): no recursion; a typo names the Trainer, not FitOptions
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(self.options, name)
 
     # ------------------------------------------------------------------
