@@ -16,9 +16,12 @@ torchtitan's order (``ParallelDims`` in torchtitan's ``parallel_dims.py``):
 * ``tp``: tensor parallelism (innermost: a tp group is made of neighbouring
   ranks, the ones on one node, because it talks in every layer).
 
-Two more names are derived, not mesh dimensions of their own: ``dp``, the
+Four more names are derived, not mesh dimensions of their own: ``dp``, the
 flattened data-parallel group (``dp_replicate * dp_shard`` ranks: what the data
-is split over), and ``ep``, expert parallelism, which borrows its ranks from
+is split over); ``dp_cp`` and ``dp_shard_cp``, the same with the cp ranks added
+(the cp ranks of a replica hold the same parameters but see other tokens, so
+gradients are averaged over ``dp_cp`` and sharded over ``dp_shard_cp``, as in
+torchtitan); and ``ep``, expert parallelism, which borrows its ranks from
 ``dp_shard * cp`` as torchtitan's does (each expert group sees different tokens).
 """
 from __future__ import annotations
@@ -33,10 +36,12 @@ CP = "cp"
 TP = "tp"
 EP = "ep"
 DP = "dp"  # the flattened data-parallel group: dp_replicate x dp_shard
+DP_CP = "dp_cp"  # dp x cp: the ranks that hold one replica's parameters and see different tokens (DDP, losses)
+DP_SHARD_CP = "dp_shard_cp"  # dp_shard x cp: where ZeRO/FSDP shard parameters and reduce-scatter gradients
 WORLD = "world"  # every rank: not a dimension, the name of the whole group
 
 MESH: tuple[str, ...] = (PP, DP_REPLICATE, DP_SHARD, CP, TP)  # the device mesh, outermost first
-DERIVED: tuple[str, ...] = (DP, EP)
+DERIVED: tuple[str, ...] = (DP, DP_CP, DP_SHARD_CP, EP)
 SIZES: tuple[str, ...] = (PP, DP, TP)  # the classic three: Trainer.sizes, the checkpoint manifest, the CLI
 SPLIT_BY: tuple[str, ...] = (DP, CP, TP, PP)  # the order "dp*cp*tp*pp = ..." names the sizes in messages
 NAMES: tuple[str, ...] = MESH + DERIVED
@@ -82,6 +87,10 @@ class ParallelDims:
             return self.world
         if name == DP:
             return self.dp
+        if name == DP_CP:
+            return self.dp * self.cp
+        if name == DP_SHARD_CP:
+            return self.dp_shard * self.cp
         if name not in NAMES:
             raise KeyError(f"unknown parallel dimension {name!r}; valid: {', '.join((*NAMES, WORLD))}")
         return int(getattr(self, name))
@@ -91,6 +100,13 @@ class ParallelDims:
         out = {d: self.size(d) for d in SIZES}
         out.update({d: self.size(d) for d in (CP, EP) if self.size(d) > 1})
         return out
+
+    def same_group(self, name: str) -> str:
+        """The dimension whose group is ``name``'s in these dims: with cp = 1, ``dp_cp`` is ``dp`` and
+        ``dp_shard_cp`` is ``dp_shard`` (one group, one label in the byte counts, no extra group made)."""
+        if self.cp == 1:
+            return {DP_CP: DP, DP_SHARD_CP: DP_SHARD}.get(name, name)
+        return name
 
     def mesh_shape(self) -> tuple[int, ...]:
         return tuple(self.size(d) for d in MESH)
@@ -136,5 +152,5 @@ class ParallelDims:
         return replace(self, dp_replicate=replicate, dp_shard=self.dp // replicate)
 
 
-__all__ = ["CP", "DERIVED", "DP", "DP_REPLICATE", "DP_SHARD", "EP", "MESH", "NAMES", "PP", "ParallelDims", "SIZES",
+__all__ = ["CP", "DERIVED", "DP", "DP_CP", "DP_REPLICATE", "DP_SHARD", "DP_SHARD_CP", "EP", "MESH", "NAMES", "PP", "ParallelDims", "SIZES",
            "SPLIT_BY", "TP", "WORLD"]

@@ -50,6 +50,12 @@ class RunLayout:
         servers: parameter-server ranks among the dp ranks (0 otherwise); they read no data.
         devices_per_process: devices one process drives (single-process DP and naive
             model parallelism drive all of them from one process; 1 otherwise).
+        cp_mode: how attention crosses the cp ranks: ``"ring"`` (keys and values passed
+            around the cp group) or ``"ulysses"`` (two all-to-alls turn a sequence shard
+            into a head shard); None when cp = 1.
+        sequence_parallel: Megatron sequence parallelism over the tp group (norms,
+            dropout and residuals on ``s / tp`` tokens; each tp all-reduce becomes a
+            reduce-scatter plus an all-gather).
     """
 
     strategy: str
@@ -69,6 +75,8 @@ class RunLayout:
     cp: int = 1
     ep: int = 1
     devices_per_process: int = 1
+    cp_mode: str | None = None
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("chunks", "devices_per_process"):
@@ -124,6 +132,10 @@ class RunLayout:
             parts.append(f"replicate={self.replicate}")
         if self.offload != "none":
             parts.append(f"offload={self.offload}")
+        if self.cp > 1 and self.cp_mode:
+            parts.append(f"cp_mode={self.cp_mode}")
+        if self.sequence_parallel:
+            parts.append("sequence_parallel")
         return f"{self.strategy}({', '.join(parts)})"
 
 

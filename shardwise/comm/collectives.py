@@ -199,6 +199,19 @@ class Comm:
         return self._issue("reduce_scatter", name, [full], _quiet_deprecation(lambda: dist.reduce_scatter_tensor(
             out, full, op=op, group=self.group, async_op=True)), async_op)
 
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, name: str, async_op: bool = False) -> Handle | None:
+        """Rank r's i-th equal slice of ``inp`` along dim 0 becomes rank i's r-th slice of ``out``.
+
+        Each rank keeps 1/n of its tensor and sends the rest: (n-1)/n of its bytes out, as many in.
+        """
+        if self.size == 1:
+            out.copy_(inp)
+            return self._noop(name, async_op)
+        s = _nbytes(inp) * (self.size - 1) // self.size
+        self.stats.add(name, s, s, self.label)
+        return self._issue("all_to_all", name, [inp], lambda: dist.all_to_all_single(
+            out, inp, group=self.group, async_op=True), async_op)
+
     def isend(self, t: torch.Tensor, dst: int, name: str) -> Handle:
         """Send to group rank ``dst`` (exact bytes); wait on the handle."""
         self.stats.add(name, _nbytes(t), 0, self.label)

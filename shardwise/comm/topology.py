@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardwise.comm import Comm, CommStats, Diagnostics
 from shardwise.comm.diagnostics import default_store
-from shardwise.dims import DP, DP_REPLICATE, DP_SHARD, MESH, WORLD, ParallelDims
+from shardwise.dims import CP, DP, DP_CP, DP_REPLICATE, DP_SHARD, DP_SHARD_CP, MESH, WORLD, ParallelDims
 
 
 def pick_device(accelerator: str, local_rank: int) -> torch.device:
@@ -85,6 +85,11 @@ class Topology:
             for d in MESH:
                 topo._groups[d] = topo.mesh.get_group(d)
             topo._groups[DP] = topo.mesh[DP_REPLICATE, DP_SHARD]._flatten(DP).get_group()
+            if dims.cp > 1:
+                # Gradients of a replica's parameters come from every cp rank's tokens: averaged over
+                # dp x cp, sharded over dp_shard x cp (torchtitan's flattened dp_cp and dp_shard_cp).
+                topo._groups[DP_CP] = topo.mesh[DP_REPLICATE, DP_SHARD, CP]._flatten(DP_CP).get_group()
+                topo._groups[DP_SHARD_CP] = topo.mesh[DP_SHARD, CP]._flatten(DP_SHARD_CP).get_group()
             topo._groups[WORLD] = None
             topo.diag = Diagnostics(rank, default_store(), debug=debug)
         return topo
@@ -103,12 +108,13 @@ class Topology:
             return 0
         if dim == WORLD:
             return self.rank
-        return dist.get_rank(self._groups[dim])
+        return dist.get_rank(self._groups[self.dims.same_group(dim)])
 
     def comm(self, dim: str = WORLD) -> Comm:
         """A communicator on the group of ``dim`` (a name of :data:`shardwise.dims.NAMES`, or ``"world"``)."""
         if self.world_size == 1:
             return Comm(None, self.stats, self.timeout)
+        dim = self.dims.same_group(dim)
         return self._comm(self._groups[dim], dim)
 
     def _comm(self, group: dist.ProcessGroup | None, label: str) -> Comm:
@@ -121,7 +127,7 @@ class Topology:
             self.diag.close()
 
     def group(self, dim: str) -> dist.ProcessGroup | None:
-        return self._groups.get(dim)
+        return self._groups.get(self.dims.same_group(dim))
 
     def replicas_and_shards(self, replicate: int) -> tuple[Comm, Comm] | None:
         """(shard comm, replicate comm) of the data-parallel ranks as ``replicate`` replicas of shards (HSDP).

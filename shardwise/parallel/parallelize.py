@@ -162,7 +162,8 @@ def data_parallel(chunks: nn.ModuleList, optimizer_fn: OptimizerFactory, topo: T
 
 def parallelize(model: nn.Module, optimizer_fn: OptimizerFactory, topo: Topology, *,
                 tp_plan: Any = None, split_points: Sequence[str] | None = None, chunks: int = 1, tied: str = "sync",
-                data: DataParallelOptions = DataParallelOptions()) -> tuple[Any, torch.optim.Optimizer]:
+                data: DataParallelOptions = DataParallelOptions(),
+                sequence_parallel: bool = False) -> tuple[Any, torch.optim.Optimizer]:
     """``model`` split, tensor-parallelized and data-parallel-wrapped for ``topo``, in the order of the module
     docstring; returns (this rank's :class:`~shardwise.parallel.pipeline.PipelineModel`, its optimizer).
 
@@ -175,7 +176,7 @@ def parallelize(model: nn.Module, optimizer_fn: OptimizerFactory, topo: Topology
     tp = topo.comm(TP)
 
     def apply_tp(m: nn.Module, keep: Callable[[str], bool]) -> nn.Module:
-        return tensor_parallel(m, tp_plan, tp, keep)
+        return tensor_parallel(m, tp_plan, tp, keep, sequence_parallel=sequence_parallel)
 
     pm = build_pipeline(model.to(topo.device), topo, split_points, chunks, tied,
                         apply_tp if topo.size(TP) > 1 else None)

@@ -58,12 +58,15 @@ def _pattern(p: str) -> re.Pattern[str]:
 
 
 def parallelize(model: nn.Module, plan: Plan | dict[str, str | Style] | str | None, comm: Comm,
-                keep: Callable[[str], bool] | None = None) -> nn.Module:
+                keep: Callable[[str], bool] | None = None, sequence_parallel: bool = False) -> nn.Module:
     """Replace the modules ``plan`` names by their tensor-parallel versions, in place.
 
     ``keep(name)`` limits the change to some modules (a pipeline stage's own);
     every pattern must match at least one module of the whole model.
+    ``sequence_parallel``: Megatron sequence parallelism (Korthikanti et al. 2022).
     """
+    if sequence_parallel:
+        raise NotImplementedError("sequence_parallel: being written")
     p = resolve_plan(plan, model)
     if p.check is not None:
         p.check(model, comm.size)

@@ -81,6 +81,9 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
     offload_device: str = "cpu"
     wrap: Any = "auto"
     reshard_after_forward: bool = True
+    cp: int = 1
+    cp_mode: str = "ring"
+    sequence_parallel: bool = False
     name: ClassVar[str] = "parallel"
 
     def __post_init__(self) -> None:
@@ -106,18 +109,21 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
         return self.tp_plan
 
     def layout(self, devices: int) -> RunLayout:
-        return self._layout(ParallelDims.for_world(devices, self.dp, self.tp, self.pp,
+        return self._layout(ParallelDims.for_world(devices, self.dp, self.tp, self.pp, cp=self.cp,
                                                    replicate=self.replicate if self.zero == 3 else 1))
 
     def _layout(self, dims: ParallelDims) -> RunLayout:
         return RunLayout.of(self.name, dims, zero=self.zero, replicate=self.replicate, offload=self.offload,
                             wrap=self.wrap if self.zero == 3 else None, schedule=self.schedule,
-                            microbatches=self.microbatches, chunks=self.n_chunks())
+                            microbatches=self.microbatches, chunks=self.n_chunks(),
+                            cp_mode=self.cp_mode if dims.cp > 1 else None,
+                            sequence_parallel=self.sequence_parallel)
 
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
         return parallelize(model, optimizer_fn, topo, tp_plan=self.tp_plan, split_points=self.split_points,
-                           chunks=self.n_chunks(), tied=self.tied, data=self.data_options())
+                           chunks=self.n_chunks(), tied=self.tied, data=self.data_options(),
+                           sequence_parallel=self.sequence_parallel)
 
     def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int) -> None:
         """Before any process starts: every stage gets a layer, the batch splits, the stages can all fill.
