@@ -5,6 +5,7 @@ They are deliberately plain PyTorch so that every strategy sees an ordinary
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +41,21 @@ class GPTConfig:
     tie_weights: bool = False
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal softmax attention of (B, H, T, d) queries, keys and values over the whole local sequence."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
+    """Causal multi-head self-attention.
+
+    The attention itself is the ``attend`` attribute (:func:`causal_attention`):
+    context parallelism replaces it on each instance with attention across the
+    cp ranks (:mod:`shardwise.parallel.cp`), which the projections never see.
+    """
+
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = staticmethod(causal_attention)
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
@@ -57,7 +72,7 @@ class Attention(nn.Module):
         q = self.q(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.k(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.attend(q, k, v)
         y = y.transpose(1, 2).reshape(b, t, -1)
         return self.proj(y)
 
@@ -110,9 +125,10 @@ class GPT(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        pos = torch.arange(t, device=idx.device)
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of token ids ``idx`` (B, T); ``position_ids`` (T or 1 x T) are the tokens' places in their
+        sequence (default ``0..T-1``; under context parallelism a rank's tokens are not the first T)."""
+        pos = torch.arange(idx.shape[1], device=idx.device) if position_ids is None else position_ids
         x = self.tok_emb(idx) + self.pos_emb(pos)
         for block in self.blocks:
             x = block(x)

@@ -19,13 +19,20 @@ from shardwise.models import GPT, MLP
 
 
 # ---- a model as a list of layers -------------------------------------------------
+# The adapters that place tokens take ``position_ids`` as the whole models do: the
+# first T positions by default, a rank's own under context parallelism.
+def _positions(x: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    pos = torch.arange(x.shape[1], device=x.device) if position_ids is None else position_ids
+    return pos.reshape(1, -1) if pos.dim() == 1 else pos
+
+
 class _GPTEmbed(nn.Module):
     def __init__(self, tok_emb: nn.Module, pos_emb: nn.Module) -> None:
         super().__init__()
         self.tok_emb, self.pos_emb = tok_emb, pos_emb
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.tok_emb(idx) + self.pos_emb(_positions(idx, position_ids))
 
 
 class _Head(nn.Module):
@@ -44,9 +51,8 @@ class _GPT2Embed(nn.Module):
         super().__init__()
         self.wte, self.wpe, self.drop = wte, wpe, drop
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
-        return self.drop(self.wte(ids) + self.wpe(pos))
+    def forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.drop(self.wte(ids) + self.wpe(_positions(ids, position_ids)))
 
 
 def _causal_mask(layer: nn.Module, config: Any, h: torch.Tensor, pos: torch.Tensor) -> Any:
@@ -64,8 +70,8 @@ class _HFBlock(nn.Module):
         self.layer, self.rotary = layer, rotary
         self.config = config
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+    def forward(self, h: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        pos = _positions(h, position_ids)
         kw: dict[str, Any] = {"attention_mask": _causal_mask(self.layer, self.config, h, pos), "position_ids": pos,
                               "past_key_values": None, "use_cache": False}
         if self.rotary is not None:
