@@ -88,6 +88,8 @@ LOCAL_IMPORTS: dict[str, str] = {
     "shardwise.checkpoint.store: torch.distributed.checkpoint": _DCP,
     "shardwise.checkpoint.store: shardwise.checkpoint.pieces": _DCP + " (its planners build on it)",
     "shardwise.checkpoint.tools: transformers": _HF,
+    "shardwise.parallel.cp: transformers": _HF,
+    "shardwise.parallel.cp: transformers.masking_utils": _HF,
     "shardwise.fit.progress: torch.utils.tensorboard": "tensorboard is optional: only with a log directory",
     "shardwise.fit.progress: rich.progress": "rich.progress loads only when a progress bar is drawn",
     "shardwise.fit.checks: shardwise.plan": "the planner loads only when the memory check runs (memory_check='off' "

@@ -24,6 +24,7 @@ from shardwise.fit.callbacks import check_picklable
 from shardwise.fit.evaluate import Validation, check_validation, make_validation
 from shardwise.fit.options import FitOptions, SchedulerFactory
 from shardwise.fit.tp_check import check_plan
+from shardwise.parallel.cp import check_context_parallel
 from shardwise.parallel.sync_bn import batchnorm_layers
 from shardwise.step import LossFn, OptimizerFactory
 from shardwise.strategies.base import HasServers, HasTPPlan, SplitsModel, Strategy
@@ -60,6 +61,8 @@ def validate(t: FitOptions, model: nn.Module, dataset: Any, batch_size: int, max
     # One micro-batch of the real data (at most 64 samples: only shapes matter), then the model and loss on meta.
     batch = preflight.first_batch(dataset, max(1, min(64, batch_size // (dp * k))))
     preflight.check_loss(model, batch, loss_fn)
+    if t.layout.cp > 1:  # attention it can replace, positions it can pass, a sequence that splits, heads
+        check_context_parallel(model, t.layout.cp, t.layout.cp_mode, t.layout.tp, batch[0])
     if t.layout.tp > 1:  # the plan, applied to a meta copy, and the split forward, before any rank exists
 
         check_plan(model, tp_plan(t.strategy), t.layout.tp, batch[0])

@@ -17,7 +17,7 @@ from torch import nn
 from shardwise import precision as precision_mod
 from shardwise.comm.topology import Topology
 from shardwise.data import Kwargs, as_source, leaves
-from shardwise.dims import DP
+from shardwise.dims import CP, DP
 from shardwise.fit.options import FitOptions, SchedulerFactory
 from shardwise.fit.progress import (
     StepLog,
@@ -186,6 +186,7 @@ def global_losses(losses: list[float], strat: Strategy, topo: Topology) -> list[
         return []
     t = torch.tensor(losses, dtype=torch.float64, device=topo.device)
     shards, _ = strat.data_parallel(topo)
+    shards *= topo.size(CP)  # every cp rank owns the loss of its tokens (equal counts: the mean of means)
     t = t / shards if strat.owns_loss(topo) else torch.zeros_like(t)  # server ranks own no loss
     topo.comm("world").all_reduce(t, name="metrics.losses")
     return [float(v) for v in t.cpu()]

@@ -34,8 +34,10 @@ from torch import nn
 
 from shardwise.comm import Comm
 from shardwise.comm.topology import Topology
-from shardwise.dims import DP, TP
+from shardwise.dims import CP, DP, DP_CP, DP_REPLICATE, DP_SHARD_CP, TP
 from shardwise.layout import check_data_parallel
+from shardwise.parallel.cp import ContextParallel, apply_context_parallel
+from shardwise.parallel.cp_attention import RING
 from shardwise.parallel.ddp import DDPModule, native_allreduce
 from shardwise.parallel.fsdp_module import FSDPModule
 from shardwise.parallel.pipeline import build_pipeline
@@ -102,11 +104,17 @@ class Owners:
 
 
 def fsdp_groups(topo: Topology, replicate: int, hybrid: bool = False) -> tuple[Comm, Comm | None]:
-    """(shard comm, replicate comm or None) for FSDP/HSDP over dp.
+    """(shard comm, replicate comm or None) for FSDP/HSDP over dp (and cp: shards over dp_shard x cp).
 
     ``hybrid`` (the ``hsdp`` strategy) uses the 2-D (replicate, shard) split of
     dp even with one replica, so its groups look alike at every size.
     """
+    if topo.size(CP) > 1:
+        # The cp ranks of a replica hold the same parameters: they shard them too (torchtitan's dp_shard_cp).
+        if topo.dims.with_replicas(replicate) != topo.dims:
+            raise ValueError(f"context parallel with HSDP needs the run's dims built with replicate={replicate} "
+                             f"(sw.Parallel(zero=3, replicate={replicate}, cp=...) does)")
+        return topo.comm(DP_SHARD_CP), (topo.comm(DP_REPLICATE) if replicate > 1 else None)
     if replicate == 1 and not hybrid:
         return topo.comm(DP), None
     groups = topo.replicas_and_shards(replicate)
@@ -117,19 +125,20 @@ def fsdp_groups(topo: Topology, replicate: int, hybrid: bool = False) -> tuple[C
 
 def wrap_module(module: nn.Module, topo: Topology, opts: DataParallelOptions) -> nn.Module:
     """One module (a whole model, or one pipeline chunk) wrapped by the data-parallel family member."""
+    # Gradients are averaged over every rank that holds this replica's parameters: dp, and cp's token shards.
     if opts.zero == 0:
-        return DDPModule(module, topo.comm(DP), bucket_cap_mb=opts.bucket_cap_mb or 25.0,
+        return DDPModule(module, topo.comm(DP_CP), bucket_cap_mb=opts.bucket_cap_mb or 25.0,
                          find_unused_parameters=opts.find_unused_parameters,
                          allreduce=opts.allreduce or native_allreduce, reduce_dtype=opts.reduce_dtype)
     if opts.zero in (1, 2):
-        return ZeROModule(module, topo.comm(DP), stage=opts.zero, bucket_cap_mb=opts.bucket_cap_mb or 4.0,
+        return ZeROModule(module, topo.comm(DP_CP), stage=opts.zero, bucket_cap_mb=opts.bucket_cap_mb or 4.0,
                           collectives=opts.collectives,
                           offload_device=opts.offload_device if opts.offload == "optimizer" else None)
 
     shard, rep = fsdp_groups(topo, opts.replicate, opts.hybrid)
     return FSDPModule(module, shard, wrap=opts.wrap, reshard_after_forward=opts.reshard_after_forward,
                       replicate=rep, param_init_fn=opts.param_init_fn, device=topo.device,
-                      dp_comm=topo.comm(DP), collectives=opts.collectives, offload=opts.offload,
+                      dp_comm=topo.comm(DP_CP), collectives=opts.collectives, offload=opts.offload,
                       offload_device=opts.offload_device)
 
 
@@ -143,7 +152,7 @@ def data_parallel(chunks: nn.ModuleList, optimizer_fn: OptimizerFactory, topo: T
     ZeRO-2 and FSDP reduce inside each chunk's backward, so each chunk gets its own.
     """
     if opts.zero == 0:
-        if topo.size(DP) > 1:
+        if topo.size(DP_CP) > 1:
             # One DDP per chunk: a chunk's final backward is where its buckets reduce.
             for c in range(len(chunks)):
                 chunks[c] = wrap_module(chunks[c], topo, opts)
@@ -163,7 +172,7 @@ def data_parallel(chunks: nn.ModuleList, optimizer_fn: OptimizerFactory, topo: T
 def parallelize(model: nn.Module, optimizer_fn: OptimizerFactory, topo: Topology, *,
                 tp_plan: Any = None, split_points: Sequence[str] | None = None, chunks: int = 1, tied: str = "sync",
                 data: DataParallelOptions = DataParallelOptions(),
-                sequence_parallel: bool = False) -> tuple[Any, torch.optim.Optimizer]:
+                sequence_parallel: bool = False, cp_mode: str = RING) -> tuple[Any, torch.optim.Optimizer]:
     """``model`` split, tensor-parallelized and data-parallel-wrapped for ``topo``, in the order of the module
     docstring; returns (this rank's :class:`~shardwise.parallel.pipeline.PipelineModel`, its optimizer).
 
@@ -180,6 +189,10 @@ def parallelize(model: nn.Module, optimizer_fn: OptimizerFactory, topo: Topology
 
     pm = build_pipeline(model.to(topo.device), topo, split_points, chunks, tied,
                         apply_tp if topo.size(TP) > 1 else None)
+    if topo.size(CP) > 1:
+        pm.context = ContextParallel(topo.comm(CP), cp_mode)
+        for chunk in pm.chunks:
+            apply_context_parallel(chunk, pm.context)
     owner, optimizer = data_parallel(pm.chunks, optimizer_fn, topo, data)
     pm.data = owner
     return pm, optimizer

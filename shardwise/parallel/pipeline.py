@@ -134,6 +134,8 @@ class PipelineModel(nn.Module):
         self.meta_recv: dict[Any, tuple[tuple[int, ...], torch.dtype]] = {}
         # The data-parallel wrappers of the chunks (shardwise.parallel.parallelize.Owners; None: DDP or none).
         self.data: Any = None
+        # The chunks' context parallelism (shardwise.parallel.cp.ContextParallel; None without cp).
+        self.context: Any = None
 
     def grad_of_tie(self, p: nn.Parameter) -> torch.Tensor:
         """The tensor holding this rank's gradient of tied parameter ``p`` (zeros if it got none).

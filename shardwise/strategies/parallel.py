@@ -25,9 +25,11 @@ from torch import nn
 
 from shardwise.checkpoint.held import Held, held_state
 from shardwise.comm.topology import Topology
-from shardwise.dims import PP, TP, ParallelDims
+from shardwise.dims import CP, PP, TP, ParallelDims
 from shardwise.layout import RunLayout
 from shardwise.parallel.accounting import model_state_tensors, with_optimizer_states
+from shardwise.parallel.cp import shard_batch
+from shardwise.parallel.cp_attention import MODES
 from shardwise.parallel.parallelize import DataParallelOptions, Owners, parallelize
 from shardwise.parallel.pipeline import PipelineModel, find_ties, gather_full_state, stage_starts
 from shardwise.parallel.pipeline_layers import stage_layers
@@ -88,6 +90,8 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
 
     def __post_init__(self) -> None:
         get_schedule(self.schedule)
+        if self.cp_mode not in MODES:
+            raise ValueError(f"cp_mode={self.cp_mode!r}: valid are {', '.join(map(repr, MODES))}")
         self.data_options()  # zero / replicate checked here, before any process starts
         check_offload(self.offload, self.name, 3 if self.zero == 0 else self.zero)
         if self.offload != "none" and self.zero == 0:
@@ -123,7 +127,7 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
         return parallelize(model, optimizer_fn, topo, tp_plan=self.tp_plan, split_points=self.split_points,
                            chunks=self.n_chunks(), tied=self.tied, data=self.data_options(),
-                           sequence_parallel=self.sequence_parallel)
+                           sequence_parallel=self.sequence_parallel, cp_mode=self.cp_mode)
 
     def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int) -> None:
         """Before any process starts: every stage gets a layer, the batch splits, the stages can all fill.
@@ -155,13 +159,21 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
     # ---- a step ----------------------------------------------------------------
     def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
                    topo: Topology, run: StepRun = StepRun()) -> torch.Tensor | None:
+        micro_batches = [self._tokens(x, y, topo) for x, y in micro_batches]
         return pipeline_step(model, micro_batches, loss_fn, topo, self.schedule,  # type: ignore[arg-type]
                              self._micro(micro_batches, topo), self.recorder,
                              lambda: run.forward_context(topo.device), run.loss_scale)
 
     def eval_step(self, model: nn.Module, x: Any, y: Any, fn: LossFn, topo: Topology,
                   run: StepRun = StepRun()) -> torch.Tensor | None:
+        x, y = self._tokens(x, y, topo)
         return pipeline_eval(model, x, y, fn, topo, lambda: run.forward_context(topo.device))  # type: ignore[arg-type]
+
+    @staticmethod
+    def _tokens(x: Any, y: Any, topo: Topology) -> tuple[Any, Any]:
+        """This cp rank's tokens of inputs and targets, cut at the same places (everything, without cp)."""
+        cp, r = topo.size(CP), topo.coord(CP)
+        return shard_batch(x, cp, r), shard_batch(y, cp, r)
 
     def _micro(self, micro_batches: Sequence[tuple[Any, Any]], topo: Topology) -> int | None:
         if self.microbatches is not None or len(micro_batches) > 1:

@@ -1,0 +1,240 @@
+"""Context parallelism on a model: its attention across the cp ranks, its tokens' real positions, its batches cut.
+
+Each of the C ranks of a cp group holds the same parameters and ``S / C``
+tokens of every sequence, the head-tail chunks of
+:mod:`shardwise.parallel.cp_attention`. Three things change on the model,
+and nothing else does (no parameter is added, removed or split, so the
+data-parallel wrappers and the checkpoints see the same tensors):
+
+* **attention** (:func:`apply_context_parallel`): shardwise's
+  :class:`~shardwise.models.Attention` gets the cp attention as its
+  ``attend``; a Hugging Face model's attention modules are switched, through
+  transformers' own attention-function registry (``AttentionInterface``), to
+  a function that calls it. The projections, the rotary embedding, the
+  norms and the MLP run unchanged on the local tokens.
+* **positions**: the outermost modules whose forward takes ``position_ids``
+  (the whole model, or the pipeline's embedding and block adapters) get a
+  forward pre-hook that passes this rank's real positions (the head chunk's
+  and then the tail chunk's), so learned position embeddings and RoPE see
+  the places the tokens have in the whole sequence.
+* **the batch** (:func:`shard_batch`): inputs and targets are cut at the
+  same places along the sequence dimension, after the micro-batches are cut.
+  Each rank's loss is the mean over its tokens; with equal token counts the
+  average over dp x cp (what the data-parallel wrappers do to gradients and
+  :func:`~shardwise.fit.steps.global_losses` to losses) is the mean over
+  every token of the global batch.
+
+:func:`check_context_parallel` refuses, before any process starts, what
+cannot work (no attention it can replace, no way to pass positions, a
+sequence that does not split into ``2C`` chunks, heads Ulysses cannot share).
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.comm.collectives import Comm
+from shardwise.data import Kwargs
+from shardwise.models import Attention
+from shardwise.parallel.cp_attention import (
+    MODES,
+    ULYSSES,
+    RingWork,
+    attention,
+    check_ulysses_heads,
+    local_positions,
+    shard_sequence,
+)
+
+HF_ATTENTION = "shardwise_cp"  # the name the cp attention is registered under in transformers' registries
+
+
+@dataclass
+class ContextParallel:
+    """The cp group and mode one rank's attention modules share, and the work its ring attention counted."""
+
+    comm: Comm
+    mode: str
+    work: RingWork = field(default_factory=RingWork)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        return attention(self.mode, q, k, v, self.comm, scale, self.work)
+
+    def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
+        return local_positions(local_len, self.comm.size, self.comm.rank, device).unsqueeze(0)
+
+
+# ---- which modules change -------------------------------------------------------------------------
+def _is_hf(m: nn.Module) -> bool:
+    return type(m).__module__.startswith("transformers.")
+
+
+def hf_attention_modules(model: nn.Module) -> list[nn.Module]:
+    """A Hugging Face model's self-attention modules that dispatch through ``config._attn_implementation``."""
+    return [m for m in model.modules() if _is_hf(m) and type(m).__name__.endswith("Attention")
+            and hasattr(m, "config") and getattr(m, "is_causal", True)]
+
+
+def position_takers(model: nn.Module) -> list[nn.Module]:
+    """The outermost modules whose forward takes ``position_ids`` (the model, or its pipeline adapters)."""
+    found: list[str] = []
+    out = []
+    for name, m in model.named_modules():
+        if any(name == f or name.startswith(f + ".") for f in found if f) or ("" in found):
+            continue
+        try:
+            takes = "position_ids" in inspect.signature(m.forward).parameters
+        except (TypeError, ValueError):
+            takes = False
+        if takes:
+            found.append(name)
+            out.append(m)
+    return out
+
+
+def _with_positions(cp: ContextParallel, module: nn.Module, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if kwargs.get("position_ids") is None:
+        x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if x is None:
+            raise ValueError(f"context parallel: {type(module).__name__} was called without a tensor input, so "
+                             "the positions of its tokens are unknown")
+        kwargs["position_ids"] = cp.positions(x.shape[1], x.device)
+    return args, kwargs
+
+
+def _hf_cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: (B, H, T, d) in, (B, T, H, d) and no weights out."""
+    cp: ContextParallel | None = getattr(module, "shardwise_cp", None)
+    if cp is None:
+        raise RuntimeError(f"{type(module).__name__} uses attn_implementation={HF_ATTENTION!r} but was not "
+                           "prepared by shardwise's context parallelism")
+    if dropout:
+        raise ValueError(f"context parallel: attention dropout ({dropout}) is not supported (the masked "
+                         "probabilities are never formed); set the config's attention dropout to 0")
+    return cp.attend(query, key, value, scaling).transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    # The cp attention is causal by construction (it knows each chunk's place); no mask tensor is built.
+    return None
+
+
+def _register_hf() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(HF_ATTENTION, _hf_cp_attention)
+    AttentionMaskInterface.register(HF_ATTENTION, _no_mask)
+
+
+def apply_context_parallel(model: nn.Module, cp: ContextParallel) -> nn.Module:
+    """Switch ``model``'s attention to ``cp``'s and pass its tokens' positions, in place (module docstring)."""
+    ours = [m for m in model.modules() if isinstance(m, Attention)]
+    for m in ours:
+        m.attend = cp.attend  # type: ignore[method-assign]
+    theirs = hf_attention_modules(model)
+    if theirs:
+        _register_hf()
+        for m in theirs:
+            m.shardwise_cp = cp
+            m.config._attn_implementation = HF_ATTENTION
+    if not ours and not theirs:
+        raise ValueError(no_attention_message(model))
+    for m in position_takers(model):
+        m.register_forward_pre_hook(_bind(cp), with_kwargs=True)
+    return model
+
+
+def _bind(cp: ContextParallel) -> Callable[..., Any]:
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return _with_positions(cp, module, args, kwargs)
+    return hook
+
+
+# ---- the batch ------------------------------------------------------------------------------------
+def shard_batch(x: Any, cp: int, rank: int) -> Any:
+    """This cp rank's tokens of a batch: every tensor of two or more dimensions cut along dim 1."""
+    if cp == 1:
+        return x
+    if isinstance(x, torch.Tensor):
+        return shard_sequence(x, cp, rank) if x.dim() >= 2 else x
+    if isinstance(x, dict):
+        if "attention_mask" in x:
+            raise ValueError("context parallel: batches with an attention_mask (padding) are not supported; "
+                             "pack sequences to the full length instead")
+        parts = ((k, shard_batch(v, cp, rank)) for k, v in x.items())
+        return Kwargs(parts) if isinstance(x, Kwargs) else dict(parts)
+    if isinstance(x, (list, tuple)):
+        return type(x)(shard_batch(v, cp, rank) for v in x)
+    return x
+
+
+# ---- before any process starts ------------------------------------------------------------------
+def no_attention_message(model: nn.Module) -> str:
+    return (f"context parallel: {type(model).__name__} has no attention that shardwise can replace; it needs "
+            "shardwise.models.Attention modules (or any module whose attention is its `attend(q, k, v)` "
+            "attribute), or a Hugging Face model whose attention goes through transformers' AttentionInterface "
+            "(config._attn_implementation); without cp, use sw.Parallel(cp=1)")
+
+
+def _heads(model: nn.Module) -> tuple[int, int] | None:
+    """(query heads, kv heads) of the model's attention, or None when they cannot be read."""
+    for m in model.modules():
+        if isinstance(m, Attention):
+            return m.n_head, m.n_head
+    cfg = getattr(model, "config", None)
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
+    if heads is None:
+        return None
+    return int(heads), int(getattr(cfg, "num_key_value_heads", None) or heads)
+
+
+def check_context_parallel(model: nn.Module, cp: int, mode: str | None, tp: int, x: Any) -> None:
+    """Refuse a cp layout that cannot work on this model and batch, naming the fix (module docstring)."""
+    if mode not in MODES:
+        raise ValueError(f"cp_mode={mode!r}: valid are {', '.join(map(repr, MODES))}")
+    if not any(isinstance(m, Attention) for m in model.modules()) and not hf_attention_modules(model):
+        raise ValueError(no_attention_message(model))
+    if not position_takers(model):
+        raise ValueError(f"context parallel: {type(model).__name__}.forward takes no position_ids, so a rank "
+                         "cannot tell its tokens where they are in the sequence; add a position_ids=None "
+                         "argument (the positions of the tokens passed) to its forward")
+    for m in hf_attention_modules(model):
+        p = getattr(m.config, "attention_dropout", 0.0) or getattr(m.config, "attn_pdrop", 0.0)
+        if p:
+            raise ValueError(f"context parallel: attention dropout {p} is not supported; set the config's "
+                             "attention dropout to 0")
+        break
+    seq = next((t.shape[1] for t in _tensors(x) if t.dim() >= 2), None)
+    if seq is not None and seq % (2 * cp):
+        raise ValueError(f"context parallel: a sequence of {seq} tokens does not split into 2*cp = {2 * cp} equal "
+                         f"chunks (each rank holds a head and a tail chunk); use a sequence length divisible "
+                         f"by {2 * cp}")
+    heads = _heads(model)
+    if mode == ULYSSES and heads is not None:
+        q, kv = heads
+        if q % tp or kv % tp:
+            return  # the tensor-parallel check says what is wrong
+        check_ulysses_heads(q // tp, kv // tp, cp)
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    return []
+
+
+__all__ = ["ContextParallel", "HF_ATTENTION", "apply_context_parallel", "check_context_parallel",
+           "hf_attention_modules", "position_takers", "shard_batch"]
