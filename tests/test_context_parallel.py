@@ -1,0 +1,171 @@
+"""Context parallelism (issue 25): equal to one device, exact bytes, refusals before any process starts.
+
+Each layout trains shardwise's GPT, Hugging Face Llama (RoPE, 4 heads and 2
+kv heads) and Hugging Face GPT-2 (learned positions) for three steps with two
+accumulated micro-batches and gradient clipping, and must equal the
+single-process run (float64: losses and weights to 1e-9 relative). A wrong
+position, a mask off by one chunk or a gradient averaged over the wrong group
+moves the losses by far more (``test_wrong_positions_are_caught`` shows it).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+from tiny_hf import gpt2, llama, logits_loss
+from torch import nn
+
+import shardwise as sw
+from shardwise.dims import CP
+from shardwise.models import GPT, GPTConfig, lm_loss
+from shardwise.workloads import CharText, stdlib_text
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.float64]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SEQ, BATCH, STEPS, ACC = 16, 8, 3, 2
+
+
+def gpt() -> nn.Module:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=128, block_size=SEQ, n_layer=2, n_head=4, n_embd=32))
+
+
+MODELS = {
+    "gpt": (gpt, lm_loss, functools.partial(torch.optim.AdamW, lr=1e-3)),
+    # lr 1e-4 as tests/test_hf_models.py: Adam turns rounding noise of near-zero gradients into updates of ~lr.
+    "llama": (llama, logits_loss, functools.partial(torch.optim.AdamW, lr=1e-4)),
+    "gpt2": (gpt2, logits_loss, functools.partial(torch.optim.AdamW, lr=1e-4)),
+}
+LAYOUTS = {
+    "cp2-ring": (lambda: sw.Parallel(cp=2), 2),
+    "cp4-ring": (lambda: sw.Parallel(cp=4), 4),
+    "cp2-ulysses": (lambda: sw.Parallel(cp=2, cp_mode="ulysses"), 2),
+    "cp2-dp2-zero3": (lambda: sw.Parallel(cp=2, dp=2, zero=3), 4),
+    "cp2-tp2": (lambda: sw.Parallel(cp=2, tp=2), 4),
+    "cp2-pp2": (lambda: sw.Parallel(cp=2, pp=2), 4),
+}
+
+
+def fit(model: str, strategy: object, devices: int, **kw: object) -> sw.FitResult:
+    make, loss, opt = MODELS[model]
+    return sw.Trainer(strategy, devices, accelerator="cpu", progress=False, accumulate_grad_batches=ACC,
+                      gradient_clip_val=0.05, **kw).fit(
+        make(), CharText(stdlib_text(20_000), SEQ), loss, opt, batch_size=BATCH, max_steps=STEPS)
+
+
+_refs: dict[str, sw.FitResult] = {}
+
+
+def reference(model: str) -> sw.FitResult:
+    if model not in _refs:
+        _refs[model] = fit(model, "single", 1)
+    return _refs[model]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_context_parallel_equals_single_device(model, layout, same_run):
+    make, devices = LAYOUTS[layout]
+    run = fit(model, make(), devices)
+    same_run(reference(model), run)
+    assert all(s["comm_by_group"].get(CP, 0) > 0 for s in run.stats)  # attention did cross the cp ranks
+
+
+# ---- bytes -----------------------------------------------------------------------------------------------
+def _cp_bytes(mode: str, cp: int) -> int:
+    """Bytes one rank sends over its cp group in the whole run of ``gpt()``, from the formulas of
+    docs/long_context.md: per attention layer and micro-batch of B sequences, S/C tokens per rank,
+    h heads (= kv heads here) of width d, element size e."""
+    cfg = gpt().cfg
+    b, s, h, d, e = BATCH // ACC, SEQ, cfg.n_head, cfg.n_embd // cfg.n_head, 8
+    if mode == "ring":
+        block = 2 * (s // cp) * h * d * b * e  # k and v of this rank's tokens
+        per_layer = block * (cp - 1) + block * (cp - 1) + block * cp  # forward; backward: kv again, gradients home
+    else:
+        per_layer = 2 * 4 * (s // cp) * h * d * b * (cp - 1) // cp * e  # q, k, v, out; forward and backward
+    return per_layer * cfg.n_layer * ACC * STEPS
+
+
+@pytest.mark.parametrize("mode,cp", [("ring", 2), ("ring", 4), ("ulysses", 2), ("ulysses", 4)])
+def test_cp_bytes_per_rank_equal_the_formula(mode, cp):
+    run = fit("gpt", sw.Parallel(cp=cp, cp_mode=mode), cp)
+    want = _cp_bytes(mode, cp)
+    assert [s["comm_by_group"][CP] for s in run.stats] == [want] * cp
+    # Gradients are averaged over dp x cp: here the cp ranks alone, under the flattened group's name.
+    assert all(s["comm_by_group"]["dp_cp"] > 0 for s in run.stats)
+
+
+class IgnoresPositions(GPT):
+    """Takes position_ids but places every rank's tokens at 0..T-1: what a cp run without real positions does."""
+
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(idx)
+
+
+def test_wrong_positions_are_caught():
+    """The equivalence tests can fail: a model that drops the real positions gives other losses under cp."""
+    def first_loss(strategy: object, devices: int) -> float:
+        torch.manual_seed(0)
+        model = IgnoresPositions(GPTConfig(vocab_size=128, block_size=SEQ, n_layer=2, n_head=4, n_embd=32))
+        return sw.Trainer(strategy, devices, accelerator="cpu", progress=False).fit(
+            model, CharText(stdlib_text(20_000), SEQ), lm_loss, functools.partial(torch.optim.AdamW, lr=1e-3),
+            batch_size=BATCH, max_steps=1).losses[0]
+
+    ref, run = first_loss("single", 1), first_loss(sw.Parallel(cp=2), 2)
+    assert abs(run - ref) > 1e-4 * abs(ref)  # against the 1e-9 the equivalence tests allow
+
+
+# ---- refusals before any process starts ----------------------------------------------------------------
+class NoAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(128, 16)
+        self.out = nn.Linear(16, 128)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.out(self.emb(x))
+
+
+class NoPositions(GPT):
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(idx)
+
+
+def _refused(model: nn.Module, strategy: object, devices: int, seq: int = SEQ) -> str:
+    with pytest.raises(ValueError) as e:
+        sw.Trainer(strategy, devices, accelerator="cpu", progress=False).fit(
+            model, CharText(stdlib_text(20_000), seq), lm_loss, functools.partial(torch.optim.AdamW, lr=1e-3),
+            batch_size=BATCH, max_steps=1)
+    return str(e.value)
+
+
+def test_refusals_name_the_fix(no_spawn):
+    assert _refused(gpt(), sw.Parallel(cp=4), 4, seq=12) == (
+        "context parallel: a sequence of 12 tokens does not split into 2*cp = 8 equal chunks (each rank holds a "
+        "head and a tail chunk); use a sequence length divisible by 8")
+    six = GPT(GPTConfig(vocab_size=128, block_size=SEQ, n_layer=1, n_head=6, n_embd=48))
+    assert _refused(six, sw.Parallel(cp=4, cp_mode="ulysses"), 4) == (
+        "cp_mode='ulysses' splits attention heads over the cp ranks: 6 heads (per tensor-parallel rank) do not "
+        "divide by cp=4; use a cp size that divides 6, or cp_mode='ring'")
+    assert _refused(NoAttention(), sw.Parallel(cp=2), 2) == (
+        "context parallel: NoAttention has no attention that shardwise can replace; it needs "
+        "shardwise.models.Attention modules (or any module whose attention is its `attend(q, k, v)` attribute), "
+        "or a Hugging Face model whose attention goes through transformers' AttentionInterface "
+        "(config._attn_implementation); without cp, use sw.Parallel(cp=1)")
+    assert _refused(NoPositions(GPTConfig(vocab_size=128, block_size=SEQ)), sw.Parallel(cp=2), 2) == (
+        "context parallel: NoPositions.forward takes no position_ids, so a rank cannot tell its tokens where they "
+        "are in the sequence; add a position_ids=None argument (the positions of the tokens passed) to its forward")
+    with pytest.raises(ValueError, match=r"^cp_mode='zigzag': valid are 'ring', 'ulysses'$"):
+        sw.Parallel(cp=2, cp_mode="zigzag")
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by cp\*tp\*pp = 4\*1\*1 = 4"):
+        sw.Parallel(cp=4).layout(6)
+
+
+def test_cp_is_in_the_layout():
+    layout = sw.Parallel(cp=2, dp=2, zero=3).layout(4)
+    assert (layout.cp, layout.dp, layout.cp_mode, layout.devices, layout.batch_shards) == (2, 2, "ring", 4, 2)
+    assert layout.dims.size("dp_shard_cp") == 4 and layout.dims.size("dp_cp") == 4
+    assert layout.label() == "parallel(dp=2, cp=2, zero=3, cp_mode=ring)"
