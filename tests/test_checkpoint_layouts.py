@@ -1,5 +1,8 @@
 """Layout-free checkpoints: saved under one layout and world size, resumed under another, exactly (issue 13).
 
+Context-parallel layouts (issue 25) are sources and targets too: cp ranks hold the
+same tensors, so a cp run's checkpoint is the same as any other layout's.
+
 The matrix runs on the project's GPT with tied embeddings and on Hugging Face
 GPT-2 from a tiny config (tied ``lm_head``, fused q|k|v split by tensor
 parallelism). Each source layout trains K steps and saves; each of its
@@ -45,11 +48,13 @@ LAYOUTS = {
     "dp2-tp2-pp2-zero1": (lambda: Parallel(dp=2, tp=2, pp=2, zero=1), 8),
     "dp2-tp2-zero3": (lambda: Parallel(dp=2, tp=2, zero=3), 4),
     "ps-sync-2": (lambda: sw.ParameterServer(servers=2, mode="sync"), 4),
+    "cp2-ring": (lambda: Parallel(cp=2), 2),
+    "dp2-cp2-zero3-ulysses": (lambda: Parallel(dp=2, cp=2, zero=3, cp_mode="ulysses"), 4),
 }
 # source -> targets (each a different world size from its source)
 MATRIX = {
-    "single": ["tp", "dp2-tp2-pp2-zero1"],
-    "ddp": ["hsdp", "ps-sync-2"],
+    "single": ["tp", "dp2-tp2-pp2-zero1", "cp2-ring"],
+    "ddp": ["hsdp", "ps-sync-2", "dp2-cp2-zero3-ulysses"],
     "zero1": ["zero3", "pp-1f1b"],
     "zero3": ["hsdp", "dp2-tp2-pp2-zero1"],
     "hsdp": ["single", "pp-1f1b"],
@@ -59,6 +64,8 @@ MATRIX = {
     "dp2-tp2-pp2-zero1": ["single", "tp", "ps-sync-2"],
     "dp2-tp2-zero3": ["ddp", "zero3", "pp-interleaved"],
     "ps-sync-2": ["ddp", "pp-interleaved"],
+    "cp2-ring": ["dp2-cp2-zero3-ulysses", "single"],
+    "dp2-cp2-zero3-ulysses": ["cp2-ring", "zero3", "single"],
 }
 PAIRS = [(s, t) for s, ts in MATRIX.items() for t in ts]
 
