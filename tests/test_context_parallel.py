@@ -14,12 +14,18 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 from tiny_hf import gpt2, llama, logits_loss
 from torch import nn
 
 import shardwise as sw
-from shardwise.dims import CP
+from shardwise import launch
+from shardwise.comm.collectives import Comm, CommStats
+from shardwise.comm.topology import Topology
+from shardwise.dims import CP, ParallelDims
 from shardwise.models import GPT, GPTConfig, lm_loss
+from shardwise.parallel.checkpointing import track_saved_activations
+from shardwise.parallel.cp import ContextParallel, apply_context_parallel, shard_batch
 from shardwise.workloads import CharText, stdlib_text
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.float64]
@@ -169,3 +175,43 @@ def test_cp_is_in_the_layout():
     assert (layout.cp, layout.dp, layout.cp_mode, layout.devices, layout.batch_shards) == (2, 2, "ring", 4, 2)
     assert layout.dims.size("dp_shard_cp") == 4 and layout.dims.size("dp_cp") == 4
     assert layout.label() == "parallel(dp=2, cp=2, zero=3, cp_mode=ring)"
+
+
+# ---- activation memory ----------------------------------------------------------------------------------
+LONG = 64  # tokens per sequence for the activation measurement
+
+
+def _saved_bytes(cp_comm: Comm, x: torch.Tensor, y: torch.Tensor) -> int:
+    """Bytes autograd keeps for backward in one training step of gpt() on this rank's tokens (parameters and
+    the batch itself not counted; each storage once; the peak over the step)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=128, block_size=LONG, n_layer=2, n_head=4, n_embd=32))
+    apply_context_parallel(model, ContextParallel(cp_comm, "ring"))
+    xs, ys = shard_batch(x, cp_comm.size, cp_comm.rank), shard_batch(y, cp_comm.size, cp_comm.rank)
+    with track_saved_activations(model.parameters(), [xs, ys]) as saved:
+        lm_loss(model(xs), ys).backward()
+    return saved.peak
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 128, (2, LONG + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _measure(rank: int, device: torch.device, out: str) -> None:
+    topo = Topology.create(device, ParallelDims(cp=dist.get_world_size()))
+    peak = _saved_bytes(topo.comm(CP), *_batch())
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(str(peak))
+    topo.close()
+
+
+def test_saved_activations_per_rank_fall_as_one_over_cp(tmp_path):
+    one = _saved_bytes(Comm(None, CommStats()), *_batch())  # cp = 1: the same attention code, no ring
+    for cp in (2, 4):
+        launch.spawn(_measure, cp, args=(str(tmp_path / f"cp{cp}"),))
+        peaks = [int((tmp_path / f"cp{cp}.{r}").read_text()) for r in range(cp)]
+        # Everything saved belongs to a token, except the loss's one float64 scalar (cross entropy's total
+        # weight): with that aside, each rank keeps exactly 1/cp of what one device keeps.
+        assert [(p - 8) * cp for p in peaks] == [one - 8] * cp, (cp, one, peaks)

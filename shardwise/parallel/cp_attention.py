@@ -213,7 +213,9 @@ class RingAttention(torch.autograd.Function):
                     dq[i] += torch.einsum("bhgqk,bhkd->bhgqd", ds, ks[j]) * scale
                     dk[..., sl, :] += torch.einsum("bhgqk,bhgqd->bhkd", ds, qs[i]) * scale
             # This block's gradient goes on with it (after the last step: home to its owner).
-            dkv, handles = ring.start(dkv.contiguous(), "cp.dkv")
+            handles: list[Handle] = []
+            if cp > 1:
+                dkv, handles = ring.start(dkv.contiguous(), "cp.dkv")
             _wait(pending + handles)
             if step < cp - 1:
                 kv = nxt
