@@ -11,17 +11,27 @@ Language Model Training on GPU Clusters Using Megatron-LM", section 3):
    (:func:`shardwise.parallel.tp.parallelize` on the tp group). Before data
    parallelism, because the data-parallel wrappers shard, bucket and reduce
    the parameters as they are *after* the tp split (a rank's tp slice).
-3. **the data-parallel family** over the dp ranks of each (pp, tp) slice, one
-   wrapper per model chunk (:func:`data_parallel`): DDP (``zero=0``), ZeRO-1/2
-   (``zero=1|2``), FSDP/ZeRO-3 (``zero=3``) or HSDP (``zero=3, replicate=R``).
-   Last, because it must see the final parameters and wraps each chunk's
-   forward and backward (FSDP's gathers run inside the stage's schedule).
+3. **context parallel** (cp > 1): each chunk's attention switched to
+   attention across the cp group, and its tokens given their real positions
+   (:func:`shardwise.parallel.cp.apply_context_parallel`). After tp, because
+   tp splits attention by heads and cp by tokens (the cp exchange carries
+   only this rank's heads); before the data-parallel wrappers, which must see
+   the final modules. It adds and splits no parameter.
+4. **the data-parallel family** over the ranks that hold the same parameters,
+   one wrapper per model chunk (:func:`data_parallel`): DDP (``zero=0``),
+   ZeRO-1/2 (``zero=1|2``), FSDP/ZeRO-3 (``zero=3``) or HSDP (``zero=3,
+   replicate=R``). Gradients are averaged over dp x cp (``dp_cp``) and states
+   sharded over dp_shard x cp (``dp_shard_cp``): the cp ranks of a replica see
+   other tokens of the same samples. Last, because it must see the final
+   parameters and wraps each chunk's forward and backward (FSDP's gathers
+   run inside the stage's schedule).
 
 Activation checkpointing is applied by the trainer before step 1, on the
 unsplit model (it only wraps blocks' forwards, so it survives every split).
 
-Data is sharded over dp only: every rank of a (pp, tp) slice of one replica
-reads the same batch (inputs are used by the first stage, targets by the last).
+Data is sharded over dp only: every rank of a (pp, cp, tp) slice of one replica
+reads the same batch (inputs are used by the first stage, targets by the last;
+each cp rank then keeps its own tokens of both).
 """
 from __future__ import annotations
 

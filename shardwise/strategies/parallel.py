@@ -1,11 +1,14 @@
-"""Composition: data x tensor x pipeline parallelism on one 3-D device mesh.
+"""Composition: data x context x tensor x pipeline parallelism on one device mesh.
 
-``sw.Parallel(dp=2, tp=2, pp=2, zero=3, schedule="1f1b", microbatches=8)``
-lays the world out as the mesh ``(pp, dp, tp)`` of
-:class:`~shardwise.comm.topology.Topology` (tp innermost: a tensor-parallel group is
+``sw.Parallel(dp=2, cp=2, tp=2, pp=2, zero=3, schedule="1f1b", microbatches=8)``
+lays the world out as the mesh of :class:`~shardwise.comm.topology.Topology`
+(``pp, dp_replicate, dp_shard, cp, tp``, tp innermost: a tensor-parallel group is
 made of neighbouring ranks, the ones that talk most). The model is built by
 :func:`shardwise.parallel.parallelize.parallelize`, the one place that fixes the order
-(pipeline split, tensor parallel, then the data-parallel family over dp).
+(pipeline split, tensor parallel, context parallel, then the data-parallel family
+over dp x cp). ``cp`` splits every sequence over ranks (``cp_mode`` ring or
+Ulysses; docs/long_context.md); ``sequence_parallel`` shards tp's norm and
+residual regions along the sequence (Megatron sequence parallelism).
 
 ``zero`` picks the data-parallel form over dp: 0 DDP, 1/2 ZeRO stage 1/2,
 3 FSDP (parameters, gradients and optimizer states sharded in units, gathered
@@ -59,6 +62,10 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
         dp, tp, pp: mesh sizes (``dp=-1``: the devices left over).
         zero: 0 = DDP over dp, 1 = ZeRO-1, 2 = ZeRO-2, 3 = FSDP (ZeRO-3 in units).
         replicate: with ``zero=3``, HSDP: ``replicate`` replicas of ``dp/replicate`` shards.
+        cp: context-parallel size: each rank holds S/cp tokens of every sequence.
+        cp_mode: ``"ring"`` (key/value blocks passed around the cp ranks, any cp) or
+            ``"ulysses"`` (all-to-alls between sequence and head shards; heads divide by cp).
+        sequence_parallel: with tp > 1, Megatron sequence parallelism.
         tp_plan: tensor-parallel plan (None: the built-in plan for the model type).
         bucket_cap_mb: DDP/ZeRO bucket size (None: each one's default).
         collectives, offload, offload_device, wrap, reshard_after_forward: as in
