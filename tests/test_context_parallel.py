@@ -55,11 +55,11 @@ LAYOUTS = {
 }
 
 
-def fit(model: str, strategy: object, devices: int, **kw: object) -> sw.FitResult:
+def fit(model: str, strategy: object, devices: int, fit_kw: dict | None = None, **kw: object) -> sw.FitResult:
     make, loss, opt = MODELS[model]
     return sw.Trainer(strategy, devices, accelerator="cpu", progress=False, accumulate_grad_batches=ACC,
                       gradient_clip_val=0.05, **kw).fit(
-        make(), CharText(stdlib_text(20_000), SEQ), loss, opt, batch_size=BATCH, max_steps=STEPS)
+        make(), CharText(stdlib_text(20_000), SEQ), loss, opt, batch_size=BATCH, max_steps=STEPS, **(fit_kw or {}))
 
 
 _refs: dict[str, sw.FitResult] = {}
@@ -78,6 +78,31 @@ def test_context_parallel_equals_single_device(model, layout, same_run):
     run = fit(model, make(), devices)
     same_run(reference(model), run)
     assert all(s["comm_by_group"].get(CP, 0) > 0 for s in run.stats)  # attention did cross the cp ranks
+
+
+GPT_ONLY = {
+    "cp2-dp2-zero1": (lambda: sw.Parallel(cp=2, dp=2, zero=1), 4, {}),
+    "cp2-dp2-zero2-ulysses": (lambda: sw.Parallel(cp=2, dp=2, zero=2, cp_mode="ulysses"), 4, {}),
+    "cp2-hsdp": (lambda: sw.Parallel(cp=2, dp=2, zero=3, replicate=2), 4, {}),
+    "cp2-activation-checkpointing": (lambda: sw.Parallel(cp=2), 2, {"activation_checkpointing": True}),
+    "cp2-tp2-pp2-ulysses": (lambda: sw.Parallel(cp=2, tp=2, pp=2, cp_mode="ulysses"), 8, {}),
+}
+
+
+@pytest.mark.parametrize("layout", list(GPT_ONLY))
+def test_more_compositions_on_gpt(layout, same_run):
+    """The other data-parallel forms over dp x cp, recomputation in backward (the ring runs again there),
+    and all of cp, tp and pp at once."""
+    make, devices, kw = GPT_ONLY[layout]
+    same_run(reference("gpt"), fit("gpt", make(), devices, **kw))
+
+
+def test_validation_under_cp_equals_single():
+    """Validation cuts the sequences as training does; its loss is the mean over every token."""
+    val = CharText(stdlib_text(30_000)[20_000:], SEQ)  # text the training run does not read
+    runs = [fit("gpt", s, d, {"val_dataset": val, "val_every": STEPS}) for s, d in [("single", 1), (sw.Parallel(cp=2), 2)]]
+    a, b = (r.val_metrics[-1]["val_loss"] for r in runs)
+    assert abs(a - b) <= 1e-9 * abs(a), (a, b)
 
 
 # ---- bytes -----------------------------------------------------------------------------------------------

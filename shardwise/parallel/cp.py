@@ -213,6 +213,8 @@ def check_context_parallel(model: nn.Module, cp: int, mode: str | None, tp: int,
             raise ValueError(f"context parallel: attention dropout {p} is not supported; set the config's "
                              "attention dropout to 0")
         break
+    if isinstance(x, dict) and "attention_mask" in x:
+        shard_batch(x, cp, 0)  # the same refusal the ranks would give, now
     seq = next((t.shape[1] for t in _tensors(x) if t.dim() >= 2), None)
     if seq is not None and seq % (2 * cp):
         raise ValueError(f"context parallel: a sequence of {seq} tokens does not split into 2*cp = {2 * cp} equal "
