@@ -16,19 +16,23 @@ path segment)::
 
     {"blocks.*.attn.q": "colwise", "blocks.*.attn.proj": "rowwise", "tok_emb": "vocab"}
 
+With ``sequence_parallel`` (Korthikanti et al. 2022) the activations between
+the pairs are split along the sequence and each all-reduce becomes a
+reduce-scatter plus an all-gather (:mod:`shardwise.parallel.sequence_parallel`).
+
 Built-in plans exist for :class:`shardwise.models.GPT` and for Hugging Face
 GPT-2 and Llama models. Sharded parameters keep their original names (with a
 shard's shape), so :func:`full_state_dict` restores the original keys.
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from shardwise.comm import Comm
+from shardwise.parallel.sequence_parallel import apply_sequence_parallel, sequence_layout
 from shardwise.parallel.sharding import clip_global_norm
 from shardwise.parallel.tp_layers import (
     ColumnParallelLinear,
@@ -41,36 +45,35 @@ from shardwise.parallel.tp_layers import (
 from shardwise.parallel.tp_plans import (
     STYLES,
     Plan,
+    SequenceLayout,
     Style,
     as_style,
     gpt2_plan,
     gpt_plan,
     llama_plan,
     mlp_plan,
+    module_pattern,
     plan_for,
     resolve_plan,
 )
 
 
 # ---- applying a plan -----------------------------------------------------------
-def _pattern(p: str) -> re.Pattern[str]:
-    return re.compile("^" + ".".join("[^.]+" if s == "*" else re.escape(s) for s in p.split(".")) + "$")
-
-
 def parallelize(model: nn.Module, plan: Plan | dict[str, str | Style] | str | None, comm: Comm,
                 keep: Callable[[str], bool] | None = None, sequence_parallel: bool = False) -> nn.Module:
     """Replace the modules ``plan`` names by their tensor-parallel versions, in place.
 
     ``keep(name)`` limits the change to some modules (a pipeline stage's own);
     every pattern must match at least one module of the whole model.
-    ``sequence_parallel``: Megatron sequence parallelism (Korthikanti et al. 2022).
+    ``sequence_parallel``: Megatron sequence parallelism (Korthikanti et al. 2022), where the plan's
+    :class:`SequenceLayout` says (see :mod:`shardwise.parallel.sequence_parallel`). The sequence length
+    must divide by tp; that is checked at the first forward, where the length is known.
     """
-    if sequence_parallel:
-        raise NotImplementedError("sequence_parallel: being written")
     p = resolve_plan(plan, model)
+    layout = sequence_layout(p) if sequence_parallel else None
     if p.check is not None:
         p.check(model, comm.size)
-    pats = [(k, _pattern(k), as_style(v)) for k, v in p.styles.items()]
+    pats = [(k, module_pattern(k), as_style(v)) for k, v in p.styles.items()]
     found: dict[str, tuple[nn.Module, Style]] = {}
     hits = {k: 0 for k, _, _ in pats}
     for name, mod in model.named_modules():
@@ -95,12 +98,14 @@ def parallelize(model: nn.Module, plan: Plan | dict[str, str | Style] | str | No
         if keep is not None and not keep(name):
             continue
         new: nn.Module
+        sp = layout is not None
         if style.kind == "colwise":
-            new = ColumnParallelLinear(mod, comm, shared, name, style.gather_output, style.parts)
+            new = ColumnParallelLinear(mod, comm, shared, name, style.gather_output, style.parts, sp)
         elif style.kind == "rowwise":
-            new = RowParallelLinear(mod, comm, shared, name)
+            new = RowParallelLinear(mod, comm, shared, name, sp)
         else:
-            new = VocabParallelEmbedding(mod, comm, shared, name)  # type: ignore[arg-type]
+            starts_region = layout is not None and any(module_pattern(e).match(name) for e in layout.embeddings)
+            new = VocabParallelEmbedding(mod, comm, shared, name, starts_region)  # type: ignore[arg-type]
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
     replaced = {id(mod) for mod, _ in found.values()}
@@ -111,13 +116,15 @@ def parallelize(model: nn.Module, plan: Plan | dict[str, str | Style] | str | No
     _divide_local_attrs(model, p.local_attrs, comm.size)
     if p.fixup is not None:
         p.fixup(model, comm.size)
+    if layout is not None:
+        apply_sequence_parallel(model, layout, comm, keep)
     return model
 
 
 def _divide_local_attrs(model: nn.Module, local_attrs: dict[str, tuple[str, ...]], tp: int) -> None:
     """Each rank's module attributes that count what tp splits (heads, widths) become the local counts."""
     for pattern, attrs in local_attrs.items():
-        rx = _pattern(pattern)
+        rx = module_pattern(pattern)
         mods = [(n, m) for n, m in model.named_modules() if rx.match(n)]
         if not mods:
             raise ValueError(f"tensor parallel: local_attrs pattern '{pattern}' matches no module of "
@@ -147,7 +154,11 @@ def gather_state(module: nn.Module, comm: Comm) -> dict[str, torch.Tensor]:
 
 def counts_in_norm(p: torch.Tensor, tp: Comm | None, elsewhere: set[int]) -> bool:
     """Whether this rank counts ``p``'s gradient in the global norm: not a tied copy another pipeline stage
-    counts (``elsewhere``), and a tp-replicated parameter only on tp rank 0 (tp slices on every rank)."""
+    counts (``elsewhere``), and a tp-replicated parameter only on tp rank 0 (tp slices on every rank).
+
+    Under sequence parallelism a norm weight sees S/t tokens per rank, but its gradient is summed over tp in
+    backward (:func:`~shardwise.comm.autograd.all_reduce_grad`), so it is replicated by the time the norm is
+    taken and this same rule counts it once."""
     return id(p) not in elsewhere and (tp is None or tp_spec(p) is not None or tp.rank == 0)
 
 
@@ -169,4 +180,4 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, tp: Comm | 
                             [(tp, "tp.clip"), (pp, "pp.clip")], device)
 
 
-__all__ = ["Plan", "Style", "STYLES", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "parallelize", "plan_for", "gpt_plan", "gpt2_plan", "llama_plan", "mlp_plan", "gather_state", "clip_grad_norm_", "counts_in_norm", "gather_tensor", "tp_spec"]
+__all__ = ["Plan", "SequenceLayout", "Style", "STYLES", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "parallelize", "plan_for", "gpt_plan", "gpt2_plan", "llama_plan", "mlp_plan", "gather_state", "clip_grad_norm_", "counts_in_norm", "gather_tensor", "tp_spec"]

@@ -8,6 +8,14 @@ tensor carries its split (:func:`tp_spec`), so checkpoints, clipping and
 gathering know which tensors are slices. :mod:`shardwise.parallel.tp` applies
 a plan with these layers; :mod:`shardwise.parallel.tp_plans` names which
 modules become which.
+
+With ``sequence_parallel`` (Korthikanti et al. 2022) the activations around
+these layers are split along the sequence: a column-parallel layer reads an
+input already all-gathered along the sequence (by
+:mod:`shardwise.parallel.sequence_parallel`, whose backward reduce-scatter
+replaces ``f``), a row-parallel layer reduce-scatters its partial sums along
+the sequence instead of all-reducing them, and a vocabulary-parallel
+embedding may do the same.
 """
 from __future__ import annotations
 
@@ -20,7 +28,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from shardwise.comm import Comm
-from shardwise.comm.autograd import copy_to_parallel, gather_from_parallel, reduce_from_parallel
+from shardwise.comm.autograd import (
+    all_reduce_grad,
+    copy_to_parallel,
+    gather_from_parallel,
+    is_sequence_gathered,
+    reduce_from_parallel,
+    reduce_scatter_to_sequence,
+)
 
 # A sharded parameter carries (dim, parts): split along ``dim``, where the
 # full tensor is ``parts`` equal pieces (fused q|k|v) each split separately.
@@ -152,7 +167,7 @@ class ColumnParallelLinear(_TPLinear):
     """
 
     def __init__(self, mod: nn.Module, comm: Comm, shared: _Shared, where: str, gather_output: bool = False,
-                 parts: int = 1) -> None:
+                 parts: int = 1, sequence_parallel: bool = False) -> None:
         n_in, n_out, transposed = _linear_shape(mod)
         super().__init__(comm, transposed)
         _check_split(n_out, comm.size, parts, where, "the output size",
@@ -162,13 +177,25 @@ class ColumnParallelLinear(_TPLinear):
                              "projection would interleave the parts")
         self.in_features, self.out_features = n_in, n_out // comm.size
         self.gather_output = gather_output
+        self.where = where
+        # Under sequence parallelism the input comes gathered along the sequence, and the gather's backward
+        # reduce-scatter sums the input gradient over tp: ``f`` would sum it a second time.
+        self.sequence_parallel = sequence_parallel
         self.f = shared.f
         self.weight = shared.shard(mod.weight, 1 if transposed else 0, parts, comm, where)
         self.bias = shared.shard(mod.bias, 0, parts, comm, where) if getattr(mod, "bias", None) is not None \
             else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._mm(self.f(x, self.comm), self.bias)
+        if self.sequence_parallel:
+            if self.comm.size > 1 and not is_sequence_gathered(x):
+                raise RuntimeError(f"sequence parallel: the input of the column-parallel layer '{self.where}' was "
+                                   "not all-gathered along the sequence; every column-parallel layer must read "
+                                   "the output of a module the plan's SequenceLayout lists in 'gather' (or its "
+                                   "'exit' feeding a column-parallel head)")
+            y = self._mm(x, self.bias)
+        else:
+            y = self._mm(self.f(x, self.comm), self.bias)
         return gather_from_parallel(y, self.comm, "tp.gather") if self.gather_output else y
 
 
@@ -179,7 +206,8 @@ class RowParallelLinear(_TPLinear):
     before the all-reduce would count it tp times).
     """
 
-    def __init__(self, mod: nn.Module, comm: Comm, shared: _Shared, where: str) -> None:
+    def __init__(self, mod: nn.Module, comm: Comm, shared: _Shared, where: str,
+                 sequence_parallel: bool = False) -> None:
         n_in, n_out, transposed = _linear_shape(mod)
         super().__init__(comm, transposed)
         _check_split(n_in, comm.size, 1, where, "the input size",
@@ -187,9 +215,17 @@ class RowParallelLinear(_TPLinear):
         self.in_features, self.out_features = n_in // comm.size, n_out
         self.weight = shared.shard(mod.weight, 0 if transposed else 1, 1, comm, where)
         self.bias = mod.bias if getattr(mod, "bias", None) is not None else None
+        # Under sequence parallelism the sum is reduce-scattered along the sequence (dim 1): the bias is then
+        # added to this rank's tokens only, so its gradient is summed over tp, as Megatron does.
+        self.sequence_parallel = sequence_parallel
+        if sequence_parallel and self.bias is not None and self.bias.requires_grad:
+            all_reduce_grad(self.bias, comm, f"sp_grads.{where}.bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_parallel(self._mm(x, None), self.comm, "tp.g", fresh=True)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence(self._mm(x, None), self.comm, "tp.sp_reduce_scatter")
+        else:
+            y = reduce_from_parallel(self._mm(x, None), self.comm, "tp.g", fresh=True)
         if self.bias is None:
             return y
         # In place where no type promotion is involved (bf16 autocast output + fp32 bias promotes): g saved
@@ -204,7 +240,8 @@ class VocabParallelEmbedding(nn.Module):
     others, and ``g`` sums the partial lookups into the full embedding.
     """
 
-    def __init__(self, mod: nn.Embedding, comm: Comm, shared: _Shared, where: str) -> None:
+    def __init__(self, mod: nn.Embedding, comm: Comm, shared: _Shared, where: str,
+                 reduce_scatter: bool = False) -> None:
         super().__init__()
         if not isinstance(mod, nn.Embedding):
             raise TypeError(f"tensor parallel: 'vocab' applies to nn.Embedding, '{where}' is {type(mod).__name__}")
@@ -223,10 +260,15 @@ class VocabParallelEmbedding(nn.Module):
         self.padding_idx = pad - self.start if pad is not None and 0 <= pad - self.start < self.num_embeddings \
             else None
         self.weight = shared.shard(mod.weight, 0, 1, comm, where)
+        # Sequence parallelism starting here: the partial lookups are reduce-scattered along the sequence
+        # (dim 1 of the (B, S, H) output), half the bytes of the all-reduce forward, the other half backward.
+        self.reduce_scatter = reduce_scatter
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         outside = (idx < self.start) | (idx >= self.start + self.num_embeddings)
         local = (idx - self.start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight, self.padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.reduce_scatter:
+            return reduce_scatter_to_sequence(out, self.comm, "tp.sp_reduce_scatter")
         return reduce_from_parallel(out, self.comm, "tp.g", fresh=True)

@@ -1,7 +1,8 @@
 """Tensor-parallel plans: which submodule becomes what, and the built-in plans per model family.
 
 A :class:`Plan` maps module-name patterns to a :class:`Style` (``colwise``,
-``rowwise``, ``vocab``), with model-level checks and fix-ups; the built-in
+``rowwise``, ``vocab``), with model-level checks and fix-ups and, for
+sequence parallelism, a :class:`SequenceLayout`; the built-in
 plans cover :class:`shardwise.models.GPT` and MLP and Hugging Face GPT-2 and
 Llama. It is separate from ``tp.py`` (the parallel layers, applying a plan,
 the strategy) by role: per-model-family knowledge lives here. It imports
@@ -10,6 +11,7 @@ which imports it.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -46,12 +48,66 @@ STYLES: dict[str, Style] = {
 }
 
 
+def module_pattern(p: str) -> re.Pattern[str]:
+    """A plan's module-name pattern as a regular expression: ``*`` matches one path segment."""
+    return re.compile("^" + ".".join("[^.]+" if s == "*" else re.escape(s) for s in p.split(".")) + "$")
+
+
 def as_style(s: str | Style) -> Style:
     if isinstance(s, Style):
         return s
     if s not in STYLES:
         raise ValueError(f"unknown tensor-parallel style {s!r}; valid: {', '.join(STYLES)} (or a Style object)")
     return STYLES[s]
+
+
+# ---- where the sequence-parallel region begins and ends ----------------------------
+@dataclass(frozen=True)
+class SequenceLayout:
+    """Where one model family's sequence-parallel region lies (Korthikanti et al. 2022, section 4.2.2).
+
+    Under ``sequence_parallel`` the activations between the tensor-parallel
+    layers (norms, residual sums, dropout) are split along the sequence (dim 1
+    of (B, S, H)) over the tp group. Every entry is a module-name pattern, as
+    in :class:`Plan` (``*`` matches one path segment):
+
+    * ``gather``: the modules whose input is all-gathered along the sequence
+      (attention and MLP: their forwards reshape with the length they are given,
+      so the whole sequence must arrive at the module, not at its first linear
+      layer). The backward reduce-scatters, which replaces the ``f`` of the
+      column-parallel layers inside;
+    * ``norms``: the modules whose replicated parameters act on this rank's
+      tokens only; their gradients are summed over tp in every backward (the
+      row-parallel biases are handled by the layers themselves);
+    * ``exit``: the module whose output is all-gathered, the region's end (the
+      final norm); ``exit_to_head``: that output feeds only a column-parallel
+      head, so its gradient is reduce-scattered (else the output is consumed
+      replicated, as a bare model's hidden states are, and each rank keeps its slice);
+    * the region's start, one of: ``embeddings``, vocabulary-parallel
+      embeddings whose all-reduce becomes a reduce-scatter, with
+      ``scatter_outputs`` (position embeddings: output split along dim -2, so
+      (T, H) and (1, T, H) alike); or ``scatter_inputs``, modules whose input
+      is split along the sequence (the first block, for models whose forward
+      derives positions and the causal mask from the embedding's length, as
+      Hugging Face's do: their embedding keeps its all-reduce);
+    * ``stage_safe``: the layout still holds when a pipeline cuts the model
+      into stages (False when the pipeline's adapters would derive positions
+      from a split sequence).
+    """
+
+    gather: tuple[str, ...]
+    norms: tuple[str, ...]
+    exit: str
+    exit_to_head: bool = True
+    embeddings: tuple[str, ...] = ()
+    scatter_outputs: tuple[str, ...] = ()
+    scatter_inputs: tuple[str, ...] = ()
+    stage_safe: bool = True
+
+    def __post_init__(self) -> None:
+        if bool(self.embeddings or self.scatter_outputs) == bool(self.scatter_inputs):
+            raise ValueError("SequenceLayout: the region starts either at the embeddings (embeddings, "
+                             "scatter_outputs) or at a block's input (scatter_inputs), exactly one of the two")
 
 
 # ---- plans ----------------------------------------------------------------------
@@ -66,6 +122,8 @@ class Plan:
     each divided by tp on every rank, e.g. ``{"blocks.*.attn": ("n_head",
     "n_embd")}`` for attention whose forward reshapes with ``self.n_head``
     (see docs/model_parallel.md, "Your own model under tp").
+    ``sequence``: where the sequence-parallel region lies (None: the plan
+    cannot run with ``sequence_parallel``).
     """
 
     styles: dict[str, str | Style]
@@ -73,6 +131,7 @@ class Plan:
     fixup: Callable[[nn.Module, int], None] | None = None
     name: str = "custom"
     local_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    sequence: SequenceLayout | None = None
 
 
 def _divisible(what: str, n: int, tp: int, why: str) -> None:
@@ -114,9 +173,24 @@ def _fix_gpt2(model: nn.Module, tp: int) -> None:
 
 def gpt_plan() -> Plan:
     """For :class:`shardwise.models.GPT`."""
+    # GPT.forward takes positions from the token ids, not from the embedding: the region starts at the
+    # embedding (its all-reduce becomes a reduce-scatter), and each rank adds its own rows of the positions.
+    seq = SequenceLayout(gather=("blocks.*.attn", "blocks.*.mlp"), norms=("blocks.*.ln1", "blocks.*.ln2", "ln_f"),
+                         exit="ln_f", embeddings=("tok_emb",), scatter_outputs=("pos_emb",))
     return Plan({"tok_emb": "vocab", "blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise",
                  "blocks.*.attn.v": "colwise", "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.fc1": "colwise",
-                 "blocks.*.mlp.fc2": "rowwise", "head": "colwise_gather"}, _check_gpt, None, "gpt")
+                 "blocks.*.mlp.fc2": "rowwise", "head": "colwise_gather"}, _check_gpt, None, "gpt", sequence=seq)
+
+
+def _hf_sequence(base: str, blocks: str, attn: str, norms: tuple[str, str], final: str,
+                 head: bool) -> SequenceLayout:
+    # Hugging Face forwards derive position ids and the causal mask from the embedding output's length, so
+    # the embedding keeps its all-reduce and the region starts at the first block's input; the pipeline's
+    # block adapters derive positions from their input's length, which the split would make wrong.
+    b = base + blocks + ".*."
+    return SequenceLayout(gather=(b + attn, b + "mlp"), norms=(b + norms[0], b + norms[1], base + final),
+                          exit=base + final, exit_to_head=head, scatter_inputs=(base + blocks + ".0",),
+                          stage_safe=False)
 
 
 def gpt2_plan(prefix: str = "transformer.") -> Plan:
@@ -127,7 +201,8 @@ def gpt2_plan(prefix: str = "transformer.") -> Plan:
                                       h + "mlp.c_proj": "rowwise"}
     if prefix:
         styles["lm_head"] = "colwise_gather"
-    return Plan(styles, _check_hf, _fix_gpt2, "gpt2")
+    return Plan(styles, _check_hf, _fix_gpt2, "gpt2",
+                sequence=_hf_sequence(prefix, "h", "attn", ("ln_1", "ln_2"), "ln_f", bool(prefix)))
 
 
 def llama_plan(prefix: str = "model.") -> Plan:
@@ -142,7 +217,8 @@ def llama_plan(prefix: str = "model.") -> Plan:
     styles[L + "mlp.down_proj"] = "rowwise"
     if prefix:
         styles["lm_head"] = "colwise_gather"
-    return Plan(styles, _check_hf, None, "llama")
+    return Plan(styles, _check_hf, None, "llama", sequence=_hf_sequence(
+        prefix, "layers", "self_attn", ("input_layernorm", "post_attention_layernorm"), "norm", bool(prefix)))
 
 
 def _fix_bert(model: nn.Module, tp: int) -> None:
