@@ -65,7 +65,8 @@ def validate(t: FitOptions, model: nn.Module, dataset: Any, batch_size: int, max
         check_context_parallel(model, t.layout.cp, t.layout.cp_mode, t.layout.tp, batch[0])
     if t.layout.tp > 1:  # the plan, applied to a meta copy, and the split forward, before any rank exists
 
-        check_plan(model, tp_plan(t.strategy), t.layout.tp, batch[0])
+        check_plan(model, tp_plan(t.strategy), t.layout.tp, batch[0],
+                   sequence_parallel=t.layout.sequence_parallel)
     check_devices(t)
     probe = optimizer([nn.Parameter(torch.zeros(1))])
     if not isinstance(probe, torch.optim.Optimizer):

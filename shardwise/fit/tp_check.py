@@ -43,9 +43,12 @@ class MetaComm:
     def broadcast(self, t: torch.Tensor, **_: Any) -> None:
         pass
 
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, **_: Any) -> None:
+        pass
+
 
 def check_plan(model: nn.Module, plan: Plan | dict[str, str | Style] | str | None, tp: int,
-               x: Any = None) -> None:
+               x: Any = None, sequence_parallel: bool = False) -> None:
     """Raise what applying ``plan`` with ``tp`` ranks would raise in every rank, before any rank exists.
 
     With a sample input ``x``, also run the split model forward on the meta
@@ -54,7 +57,8 @@ def check_plan(model: nn.Module, plan: Plan | dict[str, str | Style] | str | Non
     operation failed and how a plan adjusts per-rank attributes).
     """
     whole = meta_copy(model)
-    split = parallelize(meta_copy(model), plan, MetaComm(tp))  # type: ignore[arg-type]
+    split = parallelize(meta_copy(model), plan, MetaComm(tp),  # type: ignore[arg-type]
+                        sequence_parallel=sequence_parallel)
     if x is None:
         return
     try:
@@ -66,6 +70,8 @@ def check_plan(model: nn.Module, plan: Plan | dict[str, str | Style] | str | Non
         with torch.no_grad():
             split(_to_meta(x))
     except Exception as e:  # noqa: BLE001 - any failure here is one every rank would meet
+        if str(e).startswith("sequence parallel:"):
+            raise ValueError(str(e)) from None  # already names the fix
         first = (str(e).splitlines() or [""])[0]
         raise ValueError(f"tensor parallel: {type(model).__name__} runs whole, but its forward fails once split "
                          f"over tp={tp} ranks: {type(e).__name__}: {first}. Each rank holds 1/{tp} of the heads "
