@@ -7,7 +7,10 @@
 Memory follows the ZeRO paper (model states) and Korthikanti et al. 2022
 (activations); communication the ring algorithms' bus-bandwidth factors in an
 alpha-beta model; time 6 (or 8 with recomputation) x parameters x tokens FLOPs
-plus the pipeline bubble plus the communication nothing hides. The command
+plus the pipeline bubble plus the communication nothing hides. Layouts
+split the sequence too: context parallelism (ring attention, Liu et al. 2023;
+DeepSpeed-Ulysses, Jacobs et al. 2023) and Megatron sequence parallelism
+(Korthikanti et al. 2022). The command
 line is ``shardwise plan`` (see :mod:`shardwise.plan.cli`). For a real module
 under the layout of one run (:class:`shardwise.layout.RunLayout`),
 :func:`plan_run` lays out the model states exactly, rank by rank

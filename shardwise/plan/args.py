@@ -11,6 +11,7 @@ import re
 
 from shardwise.plan.known import SHAPES
 from shardwise.plan.specs import (
+    CP_MODES,
     GPU_PRESETS,
     OFFLOADS,
     OPTIMIZERS,
@@ -95,11 +96,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t = parser.add_argument_group("training")
     t.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: micro-batch x devices)")
     t.add_argument("--micro-batch", type=int, default=1, help="sequences per device per forward (default 1)")
-    t.add_argument("--seq-len", type=int, help="default: the model's, else 2048")
+    t.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's, else 2048); long ones "
+                   "call for context parallelism (cp), which the layouts try")
     t.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS, help="default bf16-mixed")
     t.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="sets the optimizer-state bytes (default adamw)")
     t.add_argument("--activation-checkpointing", action="store_true", help="full recomputation of every layer")
-    t.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism with tp")
+    t.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron sequence parallelism wherever tp > 1 (otherwise tried with and without)")
     t.add_argument("--flash-attention", action="store_true", help="attention scores are never stored")
     t.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule")
     t.add_argument("--fp32-grads", action="store_true", help="keep gradients in fp32 (as DeepSpeed's ZeRO does)")
@@ -113,6 +116,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--format", default="table", choices=("table", "json"), help="a table, or JSON for scripts")
     o.add_argument("--strategies", help="comma-separated subset of ddp,zero1,zero2,zero3,fsdp,hsdp")
     o.add_argument("--max-tp", type=int, help="largest tensor-parallel size (default devices per node)")
+    o.add_argument("--max-cp", type=int, help="largest context-parallel size, a power of two (default: any that "
+                   "splits the sequence into 2 x cp chunks; 1: no context parallelism)")
+    o.add_argument("--cp-modes", default=",".join(CP_MODES),
+                   help=f"comma-separated context-parallel attention: {', '.join(CP_MODES)} (default both)")
     o.add_argument("--top", type=int, default=25, help="rows of the table (0: all)")
     o.add_argument("--width", type=int, help="table width in characters")
     o.add_argument("--explain", type=int, default=3,

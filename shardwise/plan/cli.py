@@ -77,7 +77,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         model, cluster, training = build_model(args), build_cluster(args), build_training(args)
         strategies = [s.strip() for s in args.strategies.split(",")] if args.strategies else None
-        ests = plan(model, cluster, training, strategies, args.max_tp)
+        modes = [m.strip() for m in args.cp_modes.split(",") if m.strip()]
+        if args.max_cp is not None and args.max_cp < 1:
+            raise ValueError(f"--max-cp {args.max_cp}: must be at least 1")
+        ests = plan(model, cluster, training, strategies, args.max_tp, args.max_cp, modes)
     except (ValueError, KeyError, FileNotFoundError, AttributeError, argparse.ArgumentTypeError) as e:
         print(f"shardwise plan: error: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
@@ -126,6 +129,11 @@ def print_table(ests: list[Estimate], best: Estimate | None, model: ModelSpec, c
         least = min(ests, key=lambda e: e.total_bytes)
         con.print(f"[bold red]Nothing fits.[/] The leanest layout, {least.layout.label}, needs "
                   f"{fmt_bytes(least.total_bytes)} of {fmt_bytes(least.available_bytes)} per device.")
+        if model.is_transformer and model.trace is None and not training.flash_attention and \
+                least.largest_term == "activations":
+            # Korthikanti et al.'s 5 a s^2 b bytes of scores per layer grow with the square of the sequence.
+            con.print(f"The stored attention scores grow with the square of the {least.seq_len}-token sequence: "
+                      "--flash-attention (SDPA's flash and memory-efficient kernels on GPUs) stores none of them.")
     # Device memory sets the unit: a layout needing 100x the device still reads in the same unit.
     mem_unit, mem_scale = _unit(cluster.device_memory_bytes)
     comm_unit, comm_scale = _unit(max(e.comm_bytes_per_step for e in ests))

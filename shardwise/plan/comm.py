@@ -14,19 +14,38 @@ other logarithmic algorithms exactly when latency dominates, and a pure ring's
 Volumes per data-parallel rank per step are the ZeRO paper's (section 7):
 DDP, ZeRO-1 and ZeRO-2 move 2 Psi (all-reduce, or reduce-scatter + all-gather),
 ZeRO-3 3 Psi (all-gather in forward, again in backward, reduce-scatter).
-The byte counts equal what :class:`shardwise.comm.Comm` records.
+The byte counts equal what :class:`shardwise.comm.Comm` records, under the
+labels of the groups it records them in.
+
+Context parallelism over c ranks (the cp group, tp ranks apart) adds, per
+attention layer and micro-batch, with k = key/value heads on this tp rank, d
+the head size, b the micro-batch and e the element size:
+
+* ring (Liu et al. 2023, "Ring Attention with Blockwise Transformers"):
+  forward, c-1 steps each sending the key block and the value block
+  (b (s/c) k d e bytes each, name ``cp.kv``); backward, the same c-1 sends
+  again plus c sends of the key and value gradients (``cp.dkv``);
+* Ulysses (Jacobs et al. 2023, "DeepSpeed Ulysses"): all-to-alls of q, k, v
+  and of the attention output in forward, their mirror in backward
+  (``cp.a2a``); each sends (c-1)/c of the local tensor, so q, k, v and the
+  output of a whole sequence of N tokens and hidden size h move 4 N h / P per
+  rank and direction as c grows, the paper's per-link volume.
+
+and the data-parallel collectives run over dp x cp ranks (``dp_cp`` for DDP,
+``dp_shard_cp`` for ZeRO/FSDP), because the cp ranks of a replica compute
+gradients of the same parameters from different tokens.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from shardwise.dims import DP, DP_REPLICATE, DP_SHARD, PP, TP
-from shardwise.plan.memory import BytesPerParam, Numels, sharded_numel, total_numel
+from shardwise.dims import CP, DP, DP_CP, DP_REPLICATE, DP_SHARD, DP_SHARD_CP, PP, TP
+from shardwise.plan.memory import BytesPerParam, Numels, cp_block_bytes, sharded_numel, total_numel, ulysses_kv_bytes
 from shardwise.plan.model import ModelSpec
-from shardwise.plan.specs import ClusterSpec, Layout, TrainingSpec
+from shardwise.plan.specs import ClusterSpec, Layout, TrainingSpec, uses_sequence_parallel
 
-NETWORK_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+NETWORK_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "all_to_all")
 
 
 @dataclass(frozen=True)
@@ -63,6 +82,8 @@ def collective_time(kind: str, size_bytes: float, n: int, link: Link) -> float:
         return link.latency + size_bytes / link.bandwidth
     if n <= 1:
         return 0.0
+    if kind == "all_to_all":  # every rank keeps 1/n and sends the rest, to n - 1 peers at once
+        return latency_steps(n) * link.latency + (n - 1) / n * size_bytes / link.bandwidth
     if kind == "all_reduce":
         return 2 * latency_steps(n) * link.latency + 2 * (n - 1) / n * size_bytes / link.bandwidth
     if kind in ("all_gather", "reduce_scatter"):
@@ -78,6 +99,8 @@ def bytes_sent(kind: str, size_bytes: int, n: int) -> int:
         return 0
     if kind == "all_reduce":
         return 2 * (n - 1) * size_bytes // n
+    if kind == "all_to_all":  # size_bytes is the local tensor (Comm.all_to_all's count)
+        return size_bytes * (n - 1) // n
     return (n - 1) * (-(-size_bytes // n))
 
 
@@ -88,7 +111,12 @@ class Collective:
     ``overlap`` says what it can hide behind: ``"backward"``/``"forward"``
     compute (per micro-batch when ``per_microbatch``), ``"slot"`` means it
     sits inside every micro-batch's critical path (tensor and pipeline
-    parallel traffic), ``"none"`` that nothing hides it.
+    parallel traffic, Ulysses' all-to-alls), ``"attention-forward"`` /
+    ``"attention-backward"`` that it hides behind that micro-batch's attention
+    compute of that pass (ring attention), ``"none"`` that nothing hides it.
+    ``name`` is the prefix of the names :class:`shardwise.comm.Comm` records
+    the calls under, where the planner knows it (``"cp.kv"``); every kind
+    here receives what it sends.
     """
 
     kind: str
@@ -101,10 +129,16 @@ class Collective:
     time_s: float
     overlap: str
     per_microbatch: bool = False
+    name: str = ""
 
     @property
     def call_time_s(self) -> float:
         return self.time_s / self.calls if self.calls else 0.0
+
+    @property
+    def bytes_received(self) -> int:
+        """Ring collectives, all-to-alls and the ring's sends receive as much as they send (host copies: 0)."""
+        return self.bytes_sent if self.kind in NETWORK_KINDS else 0
 
 
 def _make(kind: str, group: str, purpose: str, total_bytes: int, calls: int, n: int, link: Link,
@@ -130,21 +164,24 @@ def data_parallel_collectives(model: ModelSpec, cluster: ClusterSpec, training: 
     m = microbatches
     # Sharded gradients cannot stay unreduced across micro-batches unless the full ones are kept (no_sync).
     rs = 1 if training.no_sync else m
+    shard = dp_group(layout)
+    # The cp ranks sit between dp and tp in the mesh: a dp x cp group is tp ranks apart, cp innermost.
     if layout.strategy == "hsdp":
-        n, r = layout.shard_size, layout.dp // layout.shard_size
+        n = layout.shard_size  # dp_shard x cp ranks
+        r = layout.dp * layout.cp // n
         shard_link = group_link(cluster, n, layout.tp)
         repl_link = group_link(cluster, r, layout.tp * n)
         full = n * sharded_numel(numels, n) * eb
-        out += [_make("all_gather", DP_SHARD, "gather parameters (forward)", full * m, units * m, n, shard_link,
+        out += [_make("all_gather", shard, "gather parameters (forward)", full * m, units * m, n, shard_link,
                       "forward", True),
-                _make("all_gather", DP_SHARD, "gather parameters (backward)", full * m, units * m, n, shard_link,
+                _make("all_gather", shard, "gather parameters (backward)", full * m, units * m, n, shard_link,
                       "backward", True),
-                _make("reduce_scatter", DP_SHARD, "reduce-scatter gradients", full * rs, units * rs, n,
+                _make("reduce_scatter", shard, "reduce-scatter gradients", full * rs, units * rs, n,
                       shard_link, "backward", rs > 1),
                 _make("all_reduce", DP_REPLICATE, "all-reduce gradient shards across replicas",
                       sharded_numel(numels, n) * eb, units, r, repl_link, "backward")]
         return [c for c in out if c.ranks > 1]
-    n = layout.dp
+    n = layout.dp * layout.cp
     if n == 1:
         return []
     link = group_link(cluster, n, layout.tp)
@@ -152,30 +189,44 @@ def data_parallel_collectives(model: ModelSpec, cluster: ClusterSpec, training: 
     buckets = max(1, math.ceil(local_numel * eb / training.bucket_bytes))
     stage = layout.zero_stage
     if stage == 0:
-        out.append(_make("all_reduce", DP, "all-reduce gradients", local_numel * eb, buckets, n, link, "backward"))
+        out.append(_make("all_reduce", shard, "all-reduce gradients", local_numel * eb, buckets, n, link,
+                         "backward"))
     elif stage in (1, 2):
         k = rs if stage == 2 else 1  # ZeRO-1 keeps full gradients anyway and reduces once
-        out.append(_make("reduce_scatter", DP, "reduce-scatter gradients", full * k, buckets * k, n, link,
+        out.append(_make("reduce_scatter", shard, "reduce-scatter gradients", full * k, buckets * k, n, link,
                          "backward", k > 1))
-        out.append(_make("all_gather", DP, "all-gather updated parameters", full, buckets, n, link, "none"))
+        out.append(_make("all_gather", shard, "all-gather updated parameters", full, buckets, n, link, "none"))
     else:
-        out += [_make("all_gather", DP, "gather parameters (forward)", full * m, units * m, n, link, "forward",
+        out += [_make("all_gather", shard, "gather parameters (forward)", full * m, units * m, n, link, "forward",
                       True),
-                _make("all_gather", DP, "gather parameters (backward)", full * m, units * m, n, link, "backward",
-                      True),
-                _make("reduce_scatter", DP, "reduce-scatter gradients", full * rs, units * rs, n, link,
+                _make("all_gather", shard, "gather parameters (backward)", full * m, units * m, n, link,
+                      "backward", True),
+                _make("reduce_scatter", shard, "reduce-scatter gradients", full * rs, units * rs, n, link,
                       "backward", rs > 1)]
     return out
 
 
+def dp_group(layout: Layout) -> str:
+    """The label of the group that reduces (and, under ZeRO/FSDP, shards) the gradients, as ``Comm`` records it.
+
+    With cp > 1 the cp ranks join it: DDP all-reduces over ``dp_cp``, ZeRO and FSDP (HSDP's shard groups too)
+    over ``dp_shard_cp``. With cp = 1 those groups are ``dp`` (DDP, ZeRO, FSDP: every dp rank one shard) and
+    ``dp_shard`` (HSDP), the labels of before.
+    """
+    if layout.cp == 1:
+        return DP_SHARD if layout.strategy == "hsdp" else DP
+    return DP_CP if layout.zero_stage == 0 else DP_SHARD_CP
+
+
 def model_parallel_collectives(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, layout: Layout,
                                s: int, microbatches: int) -> list[Collective]:
-    """Tensor-parallel activation traffic (Megatron f/g) and pipeline sends, per step."""
+    """Tensor-parallel activation traffic (Megatron f/g), context-parallel attention traffic and pipeline
+    sends, per step. ``s`` is the whole sequence; a cp rank's activations are those of ``s / cp`` tokens."""
     out: list[Collective] = []
     if not model.is_transformer:
         return out
     eb = 4 if training.precision == "fp32" else 2
-    act = s * training.micro_batch * model.hidden * eb
+    act = s // layout.cp * training.micro_batch * model.hidden * eb
     layers = math.ceil(model.layers / layout.pp)
     t = layout.tp
     if t > 1:
@@ -183,21 +234,98 @@ def model_parallel_collectives(model: ModelSpec, cluster: ClusterSpec, training:
         # Two all-reduces in forward and two in backward per layer (Shoeybi et al. 2019, Fig. 4);
         # recomputation replays the forward ones.
         n_ar = layers * (6 if training.activation_checkpointing else 4) * microbatches
-        if training.sequence_parallel:
+        if uses_sequence_parallel(training, layout):
             # Korthikanti et al.: each all-reduce becomes a reduce-scatter plus an all-gather, same volume.
             out.append(_make("all_gather", TP, "sequence-parallel all-gather", act * n_ar, n_ar, t, link, "slot"))
             out.append(_make("reduce_scatter", TP, "sequence-parallel reduce-scatter", act * n_ar, n_ar, t, link,
                              "slot"))
         else:
             out.append(_make("all_reduce", TP, "tensor-parallel all-reduce", act * n_ar, n_ar, t, link, "slot"))
+    out += context_parallel_collectives(model, cluster, training, layout, s, microbatches)
     if layout.pp > 1:
-        link = group_link(cluster, layout.pp, t * layout.dp)
+        link = group_link(cluster, layout.pp, t * layout.cp * layout.dp)
         # A middle stage sends each micro-batch's activation forward and its gradient backward; with tp
         # each rank sends only its 1/t slice (Narayanan et al. 2021, scatter/gather optimisation).
         msg = -(-act // t)
         out.append(_make("send_recv", PP, "pipeline activations and gradients", 2 * microbatches * msg,
                          2 * microbatches, 2, link, "slot"))
     return out
+
+
+def context_parallel_collectives(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, layout: Layout,
+                                 s: int, microbatches: int) -> list[Collective]:
+    """The cp group's attention traffic per step (group label ``cp``), forward and backward separately.
+
+    Per attention layer and micro-batch (see the module docstring): ring, c-1 sends of the key and the value
+    block forward, the same c-1 plus c sends of their gradients backward; Ulysses, 4 all-to-alls forward
+    (q, k, v, output) and their 4 mirrors backward. Full recomputation replays the forward's traffic in
+    backward, as it replays tensor parallelism's all-reduces.
+    """
+    c = layout.cp
+    if c == 1 or not model.is_transformer:
+        return []
+    eb = 4 if training.precision == "fp32" else 2
+    b, t = training.micro_batch, layout.tp
+    calls = math.ceil(model.layers / layout.pp) * microbatches  # attention layers run on this rank per step
+    replays = 2 if training.activation_checkpointing else 1
+    if layout.cp_mode == "ulysses":
+        q = b * (s // c) * (model.heads // t) * model.head_dim * eb  # the output has q's shape
+        kv = ulysses_kv_bytes(model, s, b, t, c, eb)
+        per_layer = [q, kv, kv, q]
+        sent = sum(bytes_sent("all_to_all", x, c) for x in per_layer)  # Comm counts each call's (c-1)/c apart
+        busy = sum(all_to_all_time(cluster, x, c, t) for x in per_layer)
+        again = ", and again in its recomputation" if replays > 1 else ""
+        return [Collective("all_to_all", CP, f"Ulysses all-to-alls of q, k, v and the output (forward{again})", c,
+                           max(per_layer), 4 * calls * replays, sent * calls * replays, busy * calls * replays,
+                           "slot", True, "cp.a2a"),
+                Collective("all_to_all", CP, "Ulysses all-to-alls of their gradients (backward)", c, max(per_layer),
+                           4 * calls, sent * calls, busy * calls, "slot", True, "cp.a2a")]
+    block = cp_block_bytes(model, s, b, t, c, eb)
+    link = ring_link(cluster, c, t)
+    step = collective_time("send_recv", block, 2, link)
+
+    def sends(n: int, purpose: str, overlap: str, name: str) -> Collective:
+        return Collective("send_recv", CP, purpose, c, block, n, n * block, n * step, overlap, True, name)
+
+    again = ", and again in its recomputation" if replays > 1 else ""
+    return [sends(2 * (c - 1) * calls * replays, f"ring attention: key and value blocks (forward{again})",
+                  "attention-forward", "cp.kv"),
+            sends(2 * (c - 1) * calls, "ring attention: key and value blocks again (backward)",
+                  "attention-backward", "cp.kv"),
+            sends(2 * c * calls, "ring attention: key and value gradients (backward)", "attention-backward",
+                  "cp.dkv")]
+
+
+def all_to_all_time(cluster: ClusterSpec, size_bytes: float, ranks: int, stride: int) -> float:
+    """Seconds for one all-to-all of a ``size_bytes`` local tensor over ``ranks`` ranks ``stride`` apart.
+
+    Each rank sends 1/n of its tensor to every other rank at once. Inside a node that is (n-1)/n of it over
+    the fabric; across nodes the part for other nodes leaves through the device's own network card while the
+    part for its node's k ranks crosses the fabric, and the slower of the two sets the time (unlike a ring,
+    an all-to-all cannot spread one device's traffic over its node's other cards).
+    """
+    link = group_link(cluster, ranks, stride)
+    if ranks <= 1:
+        return 0.0
+    if not link.spans_nodes:
+        return collective_time("all_to_all", size_bytes, ranks, link)
+    g = cluster.devices_per_node
+    k = max(1, min(ranks, g // stride)) if stride < g else 1  # the group's ranks on one node
+    off_node = (ranks - k) / ranks * size_bytes / cluster.inter_bw
+    on_node = (k - 1) / ranks * size_bytes / cluster.intra_bw
+    return latency_steps(ranks) * link.latency + max(off_node, on_node)
+
+
+def ring_link(cluster: ClusterSpec, ranks: int, stride: int) -> Link:
+    """The slowest hop of a ring of point-to-point sends over ``ranks`` ranks ``stride`` apart.
+
+    Every rank sends its block to the next at each step, so the ring moves at its slowest hop: a node's
+    fabric when the ring stays in a node, else one device's own network card (the hop that leaves a node).
+    """
+    inside = group_link(cluster, ranks, stride)
+    if not inside.spans_nodes:
+        return inside
+    return Link(min(cluster.intra_bw, cluster.inter_bw), cluster.inter_latency_s, True)
 
 
 def offload_copies(cluster: ClusterSpec, training: TrainingSpec, layout: Layout, numels: Numels,

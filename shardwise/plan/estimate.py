@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from shardwise.dims import DP, PP, TP
+from shardwise.dims import CP, DP, PP, TP
 from shardwise.plan.comm import (
     NETWORK_KINDS,
     Collective,
@@ -21,7 +21,7 @@ from shardwise.plan.memory import (
     model_state_bytes,
 )
 from shardwise.plan.model import ModelSpec
-from shardwise.plan.specs import STRATEGIES, ClusterSpec, Layout, TrainingSpec, divisors
+from shardwise.plan.specs import CP_MODES, STRATEGIES, ClusterSpec, Layout, TrainingSpec, divisors
 from shardwise.plan.timing import StepTime, model_flops_per_step, step_time
 
 
@@ -66,6 +66,10 @@ class Estimate:
     @property
     def pp(self) -> int:
         return self.layout.pp
+
+    @property
+    def cp(self) -> int:
+        return self.layout.cp
 
     @property
     def devices(self) -> int:
@@ -133,7 +137,8 @@ class Estimate:
         """A JSON-ready dict (the ``--format json`` schema)."""
         t = self.time
         return {
-            "strategy": self.strategy, DP: self.dp, TP: self.tp, PP: self.pp, "devices": self.devices,
+            "strategy": self.strategy, DP: self.dp, TP: self.tp, PP: self.pp, CP: self.cp,
+            "cp_mode": self.layout.cp_mode, "sequence_parallel": self.layout.sequence_parallel, "devices": self.devices,
             "shard_group": self.layout.shard_size if self.strategy == "hsdp" else None, "label": self.layout.label,
             "zero": self.layout.zero_stage, "code": self.layout.code(self.schedule), "largest_term": self.largest_term,
             "model": self.model, "global_batch": self.global_batch, "micro_batch": self.micro_batch,
@@ -144,10 +149,11 @@ class Estimate:
             "host_bytes": self.host_bytes, "total_bytes": self.total_bytes, "available_bytes": self.available_bytes,
             "fits": self.fits, "comm_bytes_per_step": self.comm_bytes_per_step,
             "comm_bytes_by_kind": self.comm_bytes_by_kind,
-            "collectives": [{"kind": c.kind, "group": c.group, "purpose": c.purpose, "ranks": c.ranks,
-                             "calls": c.calls, "bytes_sent": c.bytes_sent, "time_s": c.time_s, "overlap": c.overlap}
-                            for c in self.collectives],
-            "compute_time_s": t.compute_s, "model_parallel_comm_time_s": t.slot_comm_s, "bubble_time_s": t.bubble_s,
+            "collectives": [{"kind": c.kind, "group": c.group, "purpose": c.purpose, "name": c.name,
+                             "ranks": c.ranks, "calls": c.calls, "bytes_sent": c.bytes_sent, "time_s": c.time_s,
+                             "overlap": c.overlap} for c in self.collectives],
+            "compute_time_s": t.compute_s, "model_parallel_comm_time_s": t.slot_comm_s,
+            "cp_exposed_comm_time_s": t.cp_exposed_s, "bubble_time_s": t.bubble_s,
             "exposed_comm_time_s": t.exposed_dp_s, "optimizer_time_s": t.optimizer_s, "step_time_s": t.total_s,
             "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "notes": list(self.notes),
         }
@@ -169,6 +175,26 @@ def check_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     gb = training.resolved_global_batch(cluster.devices)
     if gb % (layout.dp * training.micro_batch):
         return f"global batch {gb} is not a multiple of dp x micro-batch = {layout.dp * training.micro_batch}"
+    return _check_cp(model, training, layout)
+
+
+def _check_cp(model: ModelSpec, training: TrainingSpec, layout: Layout) -> str | None:
+    """Why the sequence cannot be split ``layout.cp`` ways, or None (see :mod:`shardwise.plan.comm`)."""
+    c = layout.cp
+    if c == 1:
+        return None
+    if not model.is_transformer:
+        return "context parallelism needs a transformer shape (layers, hidden, heads)"
+    s = _seq_len(model, training)
+    if s % (2 * c):
+        # Rank r holds chunks r and 2c-1-r of 2c equal chunks: causal attention's work is then even.
+        return f"{CP}={c}: the sequence of {s} tokens does not split into 2 x {c} equal chunks"
+    if layout.cp_mode == "ulysses":
+        heads, kv = model.heads // layout.tp, model.kv_heads_per_rank(layout.tp)
+        if heads % c:
+            return f"ulysses over {CP}={c} splits the {heads} heads of a tp rank {c} ways: {c} must divide them"
+        if kv % c and c % kv:
+            return f"ulysses over {CP}={c}: the {kv} key/value heads of a tp rank neither split nor replicate {c} ways"
     return None
 
 
@@ -178,6 +204,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, lay
     if problem:
         raise ValueError(f"{layout.label}: {problem}")
     notes: list[str] = []
+    if training.sequence_parallel and layout.tp > 1 and not layout.sequence_parallel:
+        layout = replace(layout, sequence_parallel=True)  # the recipe asks for it wherever tp > 1
     gb = training.resolved_global_batch(cluster.devices)
     m = gb // (layout.dp * training.micro_batch)
     s = _seq_len(model, training)
@@ -223,43 +251,66 @@ def _seq_len(model: ModelSpec, training: TrainingSpec) -> int:
 
 
 def enumerate_layouts(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
-                      strategies: Iterable[str] | None = None, max_tp: int | None = None) -> list[Layout]:
+                      strategies: Iterable[str] | None = None, max_tp: int | None = None,
+                      max_cp: int | None = None, cp_modes: Iterable[str] | None = None) -> list[Layout]:
     """Every valid layout on all of the cluster's devices.
 
-    dp x tp x pp over the divisors of the device count, tp inside a node (at
-    most ``max_tp``, default devices per node), ZeRO stage 0-3 and FSDP over
-    dp (with a pipeline, ZeRO-3 is FSDP with a unit per pipeline layer, as
-    ``sw.Parallel(zero=3)`` builds it); HSDP (shard inside a node, replicate
-    across nodes) when dp spans nodes.
+    dp x cp x tp x pp over the divisors of the device count, tp inside a node
+    (at most ``max_tp``, default devices per node), cp a power of two (at most
+    ``max_cp``) that splits the sequence into 2 cp equal chunks, in each of
+    ``cp_modes`` (default ring and Ulysses), with and without sequence
+    parallelism where tp > 1 (only with it when the recipe asks for it);
+    ZeRO stage 0-3 and FSDP over dp x cp (with a pipeline, ZeRO-3 is FSDP with
+    a unit per pipeline layer, as ``sw.Parallel(zero=3)`` builds it); HSDP
+    (shard dp_shard x cp inside a node, replicate across nodes) when dp spans nodes.
     """
     wanted = set(strategies or STRATEGIES)
     unknown = wanted - set(STRATEGIES)
     if unknown:
         raise ValueError(f"unknown strategies {sorted(unknown)}; use {', '.join(STRATEGIES)}")
+    modes = list(cp_modes or CP_MODES)
+    if set(modes) - set(CP_MODES):
+        raise ValueError(f"unknown cp modes {sorted(set(modes) - set(CP_MODES))}; use {', '.join(CP_MODES)}")
     d, g = cluster.devices, cluster.devices_per_node
     out: list[Layout] = []
     for tp in divisors(d):
         if tp > (max_tp or g):
             continue
-        for pp in divisors(d // tp):
-            dp = d // (tp * pp)
-            # With a pipeline, ZeRO-3 is FSDP with one unit per pipeline layer (Parallel(zero=3)).
-            names = ["ddp", "zero1", "zero2", "fsdp"] if pp > 1 else ["ddp", "zero1", "zero2", "zero3", "fsdp"]
-            if dp == 1:  # nothing to shard over: every ZeRO stage is plain replication
-                names = ["ddp"]
-            candidates = [Layout(n, dp, tp, pp) for n in names if n in wanted]
-            shard = g // tp if g % tp == 0 else 0
-            if "hsdp" in wanted and 1 < shard < dp and dp % shard == 0:
-                candidates.append(Layout("hsdp", dp, tp, pp, shard_group=shard))
-            out += [c for c in candidates if check_layout(model, cluster, training, c) is None]
+        sps = [True] if tp > 1 and training.sequence_parallel else [False, True] if tp > 1 else [False]
+        for cp in _powers_of_two(d // tp, max_cp):
+            for pp in divisors(d // (tp * cp)):
+                dp = d // (tp * cp * pp)
+                # With a pipeline, ZeRO-3 is FSDP with one unit per pipeline layer (Parallel(zero=3)).
+                names = ["ddp", "zero1", "zero2", "fsdp"] if pp > 1 else ["ddp", "zero1", "zero2", "zero3", "fsdp"]
+                if dp * cp == 1:  # nothing to shard over: every ZeRO stage is plain replication
+                    names = ["ddp"]
+                shapes = [dict(cp=cp, cp_mode=mode, sequence_parallel=sp) for mode in (modes if cp > 1 else [None])
+                          for sp in sps]
+                candidates = [Layout(n, dp, tp, pp, **shape) for shape in shapes for n in names if n in wanted]
+                # HSDP shards over dp_shard x cp ranks filling a node and replicates across nodes.
+                shard = g // (tp * cp) if g % (tp * cp) == 0 else 0
+                if "hsdp" in wanted and shard and shard * cp > 1 and shard < dp and dp % shard == 0:
+                    candidates += [Layout("hsdp", dp, tp, pp, shard_group=shard, **shape) for shape in shapes]
+                out += [c for c in candidates if check_layout(model, cluster, training, c) is None]
+    return out
+
+
+def _powers_of_two(n: int, most: int | None) -> list[int]:
+    """1, 2, 4, ... up to ``most`` (default ``n``), each dividing ``n``: the cp sizes tried, powers of two as
+    Megatron-Core's and torchtitan's context parallelism are run."""
+    out, c = [], 1
+    while n % c == 0 and c <= (most or n):
+        out.append(c)
+        c *= 2
     return out
 
 
 def plan(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, strategies: Iterable[str] | None = None,
-         max_tp: int | None = None) -> list[Estimate]:
+         max_tp: int | None = None, max_cp: int | None = None, cp_modes: Iterable[str] | None = None
+         ) -> list[Estimate]:
     """Estimates of every layout: those that fit first, each group by predicted step time."""
     ests = [estimate(model, cluster, training, lay)
-            for lay in enumerate_layouts(model, cluster, training, strategies, max_tp)]
+            for lay in enumerate_layouts(model, cluster, training, strategies, max_tp, max_cp, cp_modes)]
     return sorted(ests, key=_rank)
 
 

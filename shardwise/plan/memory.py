@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shardwise.plan.model import ModelSpec
-from shardwise.plan.specs import Layout, TrainingSpec
+from shardwise.plan.specs import Layout, TrainingSpec, uses_sequence_parallel
 
 
 def shard_numel(numel: int, n: int) -> int:
@@ -133,7 +133,7 @@ def model_state_bytes(numel: Numels, strategy: str, shard: int, bpp: BytesPerPar
 # Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 # Transformer Models" (arXiv:2205.05198): bytes stored per transformer layer for one
 # micro-batch of b sequences of length s, 16-bit activations, 1-byte dropout
-# masks, a heads, hidden size h, tensor-parallel size t:
+# masks, a heads, hidden size h, tensor-parallel size t (their Table 2):
 #   no parallelism           s*b*h*(34 + 5*a*s/h)
 #   tensor parallel          s*b*h*(10 + 24/t + 5*a*s/(h*t))
 #   tensor + sequence par.   s*b*h*(34/t + 5*a*s/(h*t))
@@ -145,6 +145,15 @@ def model_state_bytes(numel: Numels, strategy: str, shard: int, bpp: BytesPerPar
 # bytes each) to other inner sizes and to gated MLPs (gate, up, activation and
 # product: four tensors of the inner size), so the formula is exact for GPT-style
 # models and reasonable for Llama-style ones.
+#
+# Context parallelism over c ranks: each rank holds s/c tokens of every sequence,
+# so every term that grows with the tokens (the s*b*h ones) is that of s/c
+# tokens. The attention scores are the exception: a rank's s/c queries meet all
+# s keys, (s/c)*s scores per head (5 bytes each, as the paper counts them) in
+# both modes: ring attention computes them block by block against every rank's
+# keys (Liu et al. 2023), Ulysses computes a/c heads over the whole sequence
+# (Jacobs et al. 2023), a/c * s * s = a * (s/c) * s. The key/value blocks a ring
+# is receiving are a temporary buffer (see buffer_bytes), not per-layer storage.
 
 def layer_coefficient(model: ModelSpec) -> float:
     """The paper's 34 for this model (per s*b*h bytes, attention scores excluded)."""
@@ -153,25 +162,37 @@ def layer_coefficient(model: ModelSpec) -> float:
 
 
 def layer_activation_bytes(model: ModelSpec, s: int, b: int, tp: int = 1, sequence_parallel: bool = False,
-                           recompute: bool = False, flash_attention: bool = False) -> float:
-    """Bytes one transformer layer keeps for backward for one micro-batch (16-bit activations)."""
+                           recompute: bool = False, flash_attention: bool = False, cp: int = 1) -> float:
+    """Bytes one transformer layer keeps for backward for one micro-batch (16-bit activations).
+
+    ``s`` is the whole sequence; with ``cp`` > 1 this rank holds ``s / cp`` of its tokens.
+    """
     h, a = model.hidden, model.heads
-    sbh = s * b * h
+    sbh = s / cp * b * h  # this rank's tokens
     sp = sequence_parallel and tp > 1
     if recompute:
         return 2 * sbh / (tp if sp else 1)
     c = layer_coefficient(model)
-    # Flash attention never stores the a*s*s score matrices, only a per-row fp32 log-sum-exp.
+    # Flash attention never stores the a*s*s score matrices, only a per-row fp32 log-sum-exp (per local query).
+    # Otherwise every local query keeps a score for each of the s keys, the whole sequence's.
     scores = 4 * a / h if flash_attention else 5 * a * s / h
     if sp:
         return sbh * (c / tp + scores / tp)
     return sbh * (10 + (c - 10) / tp + scores / tp)
 
 
-def output_activation_bytes(model: ModelSpec, s: int, b: int, tp: int = 1, sequence_parallel: bool = False) -> float:
-    """Final norm and output-layer inputs (4*s*b*h) plus fp32 logits kept for cross entropy (4*s*b*V/t)."""
+def output_activation_bytes(model: ModelSpec, s: int, b: int, tp: int = 1, sequence_parallel: bool = False,
+                            cp: int = 1) -> float:
+    """Final norm and output-layer inputs (4*s*b*h) plus fp32 logits kept for cross entropy (4*s*b*V/t), for the
+    ``s / cp`` tokens this rank holds."""
     sp = sequence_parallel and tp > 1
-    return 4 * s * b * model.hidden / (tp if sp else 1) + 4 * s * b * model.vocab / tp
+    tokens = s / cp
+    return 4 * tokens * b * model.hidden / (tp if sp else 1) + 4 * tokens * b * model.vocab / tp
+
+
+def cp_block_bytes(model: ModelSpec, s: int, b: int, tp: int, cp: int, element_bytes: int) -> int:
+    """One key (or value) block of a ring step: b x (s/cp) tokens x this tp rank's kv heads x head size."""
+    return b * (s // cp) * model.kv_heads_per_rank(tp) * model.head_dim * element_bytes
 
 
 def in_flight_microbatches(schedule: str, pp: int, microbatches: int) -> int:
@@ -188,7 +209,7 @@ def in_flight_microbatches(schedule: str, pp: int, microbatches: int) -> int:
 
 def activation_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, s: int, microbatches: int) -> int:
     """Peak activation bytes of the busiest device, or 0 when the model has neither shape nor trace."""
-    b, tp, pp = training.micro_batch, layout.tp, layout.pp
+    b, tp, pp, cp = training.micro_batch, layout.tp, layout.pp, layout.cp
     act_scale = 2 if training.precision == "fp32" else 1  # the formulas count 16-bit activations
     if model.trace is not None:
         tr = model.trace
@@ -196,12 +217,13 @@ def activation_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, s
         return math.ceil(per_sample / tr.batch * b)
     if not model.is_transformer:
         return 0
-    per_layer = layer_activation_bytes(model, s, b, tp, training.sequence_parallel,
-                                       training.activation_checkpointing, training.flash_attention)
+    sp = uses_sequence_parallel(training, layout)
+    per_layer = layer_activation_bytes(model, s, b, tp, sp, training.activation_checkpointing,
+                                       training.flash_attention, cp)
     layers = math.ceil(model.layers / pp)
     first = in_flight_microbatches(training.schedule, pp, microbatches) * layers * per_layer
     last_inflight = microbatches if (training.schedule == "gpipe" and pp > 1) else 1
-    last = last_inflight * (layers * per_layer + output_activation_bytes(model, s, b, tp, training.sequence_parallel))
+    last = last_inflight * (layers * per_layer + output_activation_bytes(model, s, b, tp, sp, cp))
     return math.ceil(act_scale * max(first, last))
 
 
@@ -223,12 +245,28 @@ def buffer_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, s: in
         unit = math.ceil(model.unit_params / layout.tp)
         out["gathered units"] = live * unit * (bpp.param + comm_grad)
     if model.is_transformer and model.trace is None:
-        b = training.micro_batch
+        b, cp = training.micro_batch, layout.cp
         if training.activation_checkpointing:
             # Backward recomputes one layer at a time: that layer's full activations come back.
-            full = layer_activation_bytes(model, s, b, layout.tp, training.sequence_parallel, False,
-                                          training.flash_attention)
+            full = layer_activation_bytes(model, s, b, layout.tp, uses_sequence_parallel(training, layout), False,
+                                          training.flash_attention, cp)
             out["recomputed layer"] = math.ceil(full * act_bytes / 2)
         if layout.pp > 1:
-            out["pipeline send/recv"] = 2 * math.ceil(s * b * model.hidden * act_bytes / layout.tp)
+            out["pipeline send/recv"] = 2 * math.ceil(s // cp * b * model.hidden * act_bytes / layout.tp)
+        if cp > 1 and layout.cp_mode == "ring":
+            # Ring attention computes on one key/value block while the next arrives: two blocks (each a key
+            # and a value) are being received at any time (Liu et al. 2023, double buffering).
+            out["cp key/value blocks in flight"] = 2 * 2 * cp_block_bytes(model, s, b, layout.tp, cp, act_bytes)
+        elif cp > 1:
+            # Ulysses' all-to-alls are out of place: while q, k and v change from sequence to head shards both
+            # copies exist; the head-sharded ones are what attention saves (the same bytes as Korthikanti's).
+            q = b * (s // cp) * (model.heads // layout.tp) * model.head_dim * act_bytes
+            out["cp all-to-all buffers"] = q + 2 * ulysses_kv_bytes(model, s, b, layout.tp, cp, act_bytes)
     return out
+
+
+def ulysses_kv_bytes(model: ModelSpec, s: int, b: int, tp: int, cp: int, element_bytes: int) -> int:
+    """A key (or value) tensor one rank gives Ulysses' all-to-all: its s/cp tokens of this tp rank's kv heads,
+    replicated up to cp heads when there are fewer (each cp rank needs at least one head; Jacobs et al. 2023)."""
+    heads = max(model.kv_heads_per_rank(tp), cp)
+    return b * (s // cp) * heads * model.head_dim * element_bytes

@@ -84,6 +84,15 @@ class ModelSpec:
             return max(self.layer_params(), self.vocab * self.hidden)
         return self.params
 
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def kv_heads_per_rank(self, tp: int = 1) -> int:
+        """Key/value heads one of ``tp`` ranks holds (grouped-query attention: one replicated head when fewer
+        than tp)."""
+        return -(-(self.kv_heads or self.heads) // tp)
+
     def layer_params(self) -> int:
         """Parameters of one transformer block (attention, MLP, two norms)."""
         h, f = self.hidden, self.ffn

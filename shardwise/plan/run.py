@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.dims import PP
+from shardwise.dims import CP, PP
 from shardwise.layout import RunLayout
 from shardwise.plan.estimate import check_layout, estimate
 from shardwise.plan.fit import fmt_bytes
@@ -81,6 +81,10 @@ class RunPlan:
             "activation checkpointing"] * lay.activation_checkpointing
         parts = [("parameters", s.params), ("gradients", s.grads), ("optimizer", s.optimizer),
                  ("activations", self.activation_bytes), ("buffers", self.buffer_bytes)]
+        if lay.cp > 1:
+            opts = [f"{CP}={lay.cp} ({lay.cp_mode or 'ring'})"] + opts
+        if lay.sequence_parallel and lay.tp > 1:
+            opts.append("sequence parallel")
         text = (f"{lay.strategy} on dp={lay.dp} tp={lay.tp} pp={lay.pp}{''.join(', ' + o for o in opts)}: "
                 f"{fmt_bytes(self.total_bytes)} of {fmt_bytes(self.device_memory_bytes)} per device ("
                 + ", ".join(f"{n} {fmt_bytes(v)}" for n, v in parts) + ")")
@@ -166,17 +170,19 @@ def microbatches(layout: RunLayout, local_batch: int, accumulate_grad_batches: i
 
 
 def planner_layout(layout: RunLayout) -> Layout:
-    """The formula planner's :class:`~shardwise.plan.specs.Layout` for a run's layout."""
+    """The formula planner's :class:`~shardwise.plan.specs.Layout` for a run's layout (cp, its mode and
+    sequence parallelism included; sequence parallelism only where there is a tp group to split over)."""
     stage = zero_stage(layout)
     if layout.strategy == "ps":
         return Layout("ddp", max(1, layout.dp - layout.servers))
+    split = dict(cp=layout.cp, cp_mode=layout.cp_mode, sequence_parallel=layout.sequence_parallel and layout.tp > 1)
     if stage < 3:
-        return Layout(("ddp", "zero1", "zero2")[stage], layout.dp, layout.tp, layout.pp)
+        return Layout(("ddp", "zero1", "zero2")[stage], layout.dp, layout.tp, layout.pp, **split)
     if layout.replicate > 1:
-        return Layout("hsdp", layout.dp, layout.tp, layout.pp, shard_group=layout.shard_size)
+        return Layout("hsdp", layout.dp, layout.tp, layout.pp, shard_group=layout.shard_size, **split)
     # Units per pipeline layer or block prefetch the next (FSDP); the zero3 preset's size-based units do too,
     # but the formula planner's "zero3" counts one live unit, as DeepSpeed's estimator does.
-    return Layout("zero3" if layout.strategy == "zero3" else "fsdp", layout.dp, layout.tp, layout.pp)
+    return Layout("zero3" if layout.strategy == "zero3" else "fsdp", layout.dp, layout.tp, layout.pp, **split)
 
 
 def training_spec(layout: RunLayout, local_batch: int, m: int, k: int) -> TrainingSpec:
@@ -197,8 +203,8 @@ def _activations_and_buffers(model: nn.Module, layout: RunLayout, local: int, m:
     notes: list[str] = []
     if not spec.is_transformer:
         notes.append("activations not counted (no transformer config on the model)")
-        if lay.tp > 1 or lay.pp > 1:
-            lay = replace(lay, tp=1, pp=1)
+        if lay.tp > 1 or lay.pp > 1 or lay.cp > 1:
+            lay = replace(lay, tp=1, pp=1, cp=1, cp_mode=None, sequence_parallel=False)
     training = training_spec(layout, local, m, k)
     cluster = ClusterSpec.with_devices(lay.devices, devices_per_node=lay.devices, device_memory_bytes=max(1, memory))
     problem = check_layout(spec, cluster, training, lay)

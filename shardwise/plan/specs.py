@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from shardwise.dims import DP, PP, TP
+from shardwise.dims import CP, DP, PP, TP
 
 PRECISIONS = ("fp32", "bf16-mixed")
 OPTIMIZERS = ("adamw", "sgd", "sgd-momentum")
@@ -16,6 +16,8 @@ SCHEDULES = ("1f1b", "gpipe")
 OFFLOADS = ("none", "optimizer", "all")
 # Names of the data-parallel treatment of the model states; tp and pp are sizes of a layout.
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
+# How attention crosses the cp ranks (RunLayout.cp_mode): key/value blocks around a ring, or all-to-alls.
+CP_MODES = ("ring", "ulysses")
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,8 @@ class TrainingSpec:
 
     ``global_batch`` is in samples (sequences) per optimizer step; ``None``
     means one micro-batch per device. ``seq_len`` ``None`` takes the model's.
+    ``sequence_parallel`` asks for Megatron sequence parallelism in every
+    layout with tp > 1 (without it the layouts are tried with and without).
     ``fp32_grads`` keeps the (sharded) gradients in fp32 as DeepSpeed's ZeRO
     does; ``offload`` moves optimizer states (and gradients), or everything,
     to host memory (ZeRO-Offload), and only applies to ZeRO layouts.
@@ -155,11 +159,22 @@ class TrainingSpec:
 
 @dataclass(frozen=True)
 class Layout:
-    """One way to place the model: ``strategy`` over the data-parallel dimension of a dp x tp x pp mesh.
+    """One way to place the model: ``strategy`` over the data-parallel ranks of a pp x dp x cp x tp mesh.
 
-    The mesh is ordered tp (innermost, neighbouring devices), then dp, then pp,
-    as Megatron-LM orders it, so tensor-parallel groups stay inside a node.
-    ``shard_group`` is HSDP's sharding group size (replicas = dp / shard_group).
+    The mesh is ordered tp (innermost, neighbouring devices), then cp, then dp,
+    then pp, as :data:`shardwise.dims.MESH` orders it (torchtitan's order; tp
+    inside a node as in Megatron-LM): the dimension that talks most is innermost.
+    ``shard_group`` is HSDP's data-parallel shard count (replicas = dp / shard_group).
+
+    ``cp`` splits every sequence over that many ranks (context parallelism):
+    the batch is still split over dp only, parameters are whole on every cp
+    rank, and gradients are averaged over dp x cp, so ZeRO/FSDP shard the model
+    states over dp_shard x cp ranks (:attr:`shard_size`). ``cp_mode`` says how
+    attention crosses the cp ranks: ``"ring"`` (key/value blocks passed around,
+    Liu et al. 2023) or ``"ulysses"`` (all-to-alls from sequence to head shards,
+    Jacobs et al. 2023); it is ``"ring"`` when unset with cp > 1, as
+    ``sw.Parallel`` defaults it, and None with cp = 1. ``sequence_parallel``:
+    Megatron sequence parallelism over the tp ranks (Korthikanti et al. 2022).
     """
 
     strategy: str
@@ -167,20 +182,30 @@ class Layout:
     tp: int = 1
     pp: int = 1
     shard_group: int | None = None
+    cp: int = 1
+    cp_mode: str | None = None
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {self.strategy!r}; use one of {', '.join(STRATEGIES)}")
-        if min(self.dp, self.tp, self.pp) < 1:
-            raise ValueError("dp, tp and pp must be at least 1")
+        if min(self.dp, self.tp, self.pp, self.cp) < 1:
+            raise ValueError(f"{DP}, {TP}, {PP} and {CP} must be at least 1")
         if self.strategy == "hsdp":
             s = self.shard_group or self.dp
             if self.dp % s:
                 raise ValueError(f"hsdp shard group {s} does not divide dp={self.dp}")
+        # One spelling per layout (equal layouts compare equal): no mode without cp, ring by default with it.
+        mode = None if self.cp == 1 else (self.cp_mode or "ring")
+        if mode is not None and mode not in CP_MODES:
+            raise ValueError(f"unknown cp_mode {mode!r}; use one of {', '.join(CP_MODES)}")
+        object.__setattr__(self, "cp_mode", mode)
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel splits the sequence over the tp ranks: it needs tp > 1")
 
     @property
     def devices(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def zero_stage(self) -> int:
@@ -188,29 +213,43 @@ class Layout:
 
     @property
     def shard_size(self) -> int:
-        """Ranks over which model states are sharded (1 for ddp's replicated states)."""
+        """Ranks over which model states are sharded: dp_shard x cp (the size of ddp's dp x cp group, where
+        nothing is sharded)."""
         if self.strategy == "hsdp":
-            return self.shard_group or self.dp
-        return self.dp
+            return (self.shard_group or self.dp) * self.cp
+        return self.dp * self.cp
 
     @property
     def label(self) -> str:
-        dims = [f"{DP}{self.dp}"] + [f"{TP}{self.tp}"] * (self.tp > 1) + [f"{PP}{self.pp}"] * (self.pp > 1)
-        extra = f" (shard {self.shard_size})" if self.strategy == "hsdp" else ""
-        return f"{self.strategy} {'x'.join(dims)}{extra}"
+        """``"fsdp dp4xcp8xtp2 (ulysses, sp)"``: the sizes above 1 (dp always), then the options."""
+        sizes = ((DP, self.dp), (CP, self.cp), (TP, self.tp), (PP, self.pp))
+        dims = "x".join(f"{d}{n}" for d, n in sizes if d == DP or n > 1)
+        extra = [f"shard {self.shard_size}"] * (self.strategy == "hsdp") + [self.cp_mode or ""] * (self.cp > 1) \
+            + ["sp"] * self.sequence_parallel
+        return f"{self.strategy} {dims}" + (f" ({', '.join(extra)})" if extra else "")
 
     def code(self, schedule: str = "1f1b") -> str:
         """The strategy argument of ``sw.Trainer`` that builds this layout."""
-        if self.tp == self.pp == 1:
+        if self.tp == self.pp == self.cp == 1:
             if self.strategy == "hsdp":
                 return f"sw.HSDP(shard_size={self.shard_size})"
             return repr(self.strategy)
         args = [f"{d}={getattr(self, d)}" for d in (DP, TP, PP)] + [f"zero={min(self.zero_stage, 3)}"]
         if self.strategy == "hsdp":
-            args.append(f"replicate={self.dp // self.shard_size}")
+            args.append(f"replicate={self.dp // (self.shard_group or self.dp)}")
         if self.pp > 1:
             args.append(f"schedule={schedule!r}")
+        if self.cp > 1:
+            args += [f"{CP}={self.cp}", f"cp_mode={self.cp_mode!r}"]
+        if self.sequence_parallel:
+            args.append("sequence_parallel=True")
         return f"sw.Parallel({', '.join(args)})"
+
+
+def uses_sequence_parallel(training: TrainingSpec, layout: Layout) -> bool:
+    """Whether ``layout`` runs Megatron sequence parallelism: its own flag, or the recipe's (``--sequence-parallel``
+    asks for it wherever tp > 1)."""
+    return layout.sequence_parallel or (training.sequence_parallel and layout.tp > 1)
 
 
 def divisors(n: int) -> list[int]:

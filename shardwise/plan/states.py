@@ -14,7 +14,9 @@ device), so the prediction cannot drift from what the strategies build:
    (:func:`shardwise.parallel.tp.parallelize` on a stand-in tp group), which
    gives every local parameter its shape and the size of the storage behind it;
 3. the byte conventions of the data-parallel family over dp (one ZeRO-1
-   wrapper over all chunks, one ZeRO-2/FSDP/DDP wrapper per chunk): each
+   wrapper over all chunks, one ZeRO-2/FSDP/DDP wrapper per chunk), whose
+   sharding group under context parallelism is dp_shard x cp (the cp ranks of
+   a replica hold the same parameters): each
    sharded parameter is padded on its own to ``N * ceil(numel / N)``
    (:mod:`shardwise.parallel.sharding`), FSDP keeps one row of
    ``ceil(numel / N)`` elements per parameter for weights, gradients and each
@@ -245,7 +247,7 @@ def fsdp(params: Sequence[Param], k: int, n: int, offload: str) -> RankStates:
 
 def rank_states(model: nn.Module, layout: RunLayout, optimizer: torch.optim.Optimizer | str = "adamw", *,
                 tp_plan: Any = None, split_points: Sequence[str] | None = None) -> list[RankStates]:
-    """Model-state bytes of every rank, in rank order of the mesh ``(pp, dp, tp)`` (tp innermost).
+    """Model-state bytes of every rank, in rank order of the mesh ``(pp, dp, cp, tp)`` (tp innermost).
 
     Raises :class:`NotModelled` for a strategy or model this module cannot lay out.
     """
@@ -265,10 +267,17 @@ def zero_stage(layout: RunLayout) -> int:
 
 
 def states_of(chunks: list[list[list[Param]]], layout: RunLayout, k: int) -> list[RankStates]:
-    """Every rank's bytes from :func:`local_chunks` and ``k`` optimizer states per parameter element."""
+    """Every rank's bytes from :func:`local_chunks` and ``k`` optimizer states per parameter element.
+
+    ZeRO and FSDP shard over dp_shard x cp: ``N = shard_size * cp`` ranks, and a rank's place in that group
+    (which decides ZeRO-1/2's padded copies) is ``shard * cp + cp coordinate``, the order of the flattened
+    ``dp_shard_cp`` group. HSDP's replicas (dp_replicate, outermost of dp) hold the same shards.
+    """
     if layout.strategy == "ps":
         return _ps(chunks[0][0], k, layout)
-    stage, n, offload = zero_stage(layout), layout.shard_size, layout.offload
+    stage, offload, cp = zero_stage(layout), layout.offload, layout.cp
+    n = layout.shard_size * cp if stage else 1
+    shards = layout.shard_size if stage else layout.dp
 
     def per(cs: list[list[Param]], d: int) -> RankStates:
         if stage == 0:
@@ -279,7 +288,8 @@ def states_of(chunks: list[list[list[Param]]], layout: RunLayout, k: int) -> lis
             return _sum(zero(c, k, 2, n, d, offload) for c in cs)
         return _sum(fsdp(c, k, n, offload) for c in cs)
 
-    return [per(chunks[r], d) for r in range(layout.pp) for d in range(layout.dp) for _ in range(layout.tp)]
+    return [per(chunks[r], (d % shards) * cp + c) for r in range(layout.pp) for d in range(layout.dp)
+            for c in range(cp) for _ in range(layout.tp)]
 
 
 def full_grad_bytes(chunks: list[list[list[Param]]]) -> int:

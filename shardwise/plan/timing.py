@@ -5,6 +5,14 @@ costs 6 x parameters x tokens (2 forward, 4 backward) plus the attention
 score products (4*s*h per layer per token in forward), and full activation
 recomputation adds one more forward, 8 x parameters x tokens in all, which
 is the 8 of Narayanan et al.'s equation 4, time ~ 8 T P / (n X).
+
+Context parallelism over c ranks splits every sequence, and so every
+micro-batch's FLOPs, c ways (the 2c-chunk split balances causal attention,
+Megatron-Core's scheme). Ulysses' all-to-alls block the layer (they sit on the
+critical path like tensor parallelism's all-reduces); ring attention sends the
+next key/value block while the current one is computed (Liu et al. 2023,
+section 3), so its traffic shows only where it outlasts the attention compute
+of its pass.
 """
 from __future__ import annotations
 
@@ -54,19 +62,21 @@ class StepTime:
     exposed_dp_s: float  # data-parallel and host traffic that nothing hides
     optimizer_s: float
     total_s: float
+    cp_exposed_s: float = 0.0  # ring attention's sends that outlast the attention compute, all micro-batches
 
 
 def step_time(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, layout: Layout, s: int,
               microbatches: int, numels: Numels, bpp: BytesPerParam, comms: list[Collective]) -> StepTime:
     """Compose compute, bubble and exposed communication into one step's time."""
     speed = cluster.flops(training.precision)
-    # The busiest device does its stage's share of the work, split tp ways.
-    share = model.stage_flops_share(layout.pp) / layout.tp
+    # The busiest device does its stage's share of the work, split tp ways and, over the tokens, cp ways.
+    share = model.stage_flops_share(layout.pp) / (layout.tp * layout.cp)
     fwd = forward_flops_per_sample(model, s) * training.micro_batch * share / speed
     bwd = 2 * fwd + (fwd if training.activation_checkpointing else 0)
     slot_comm = sum(c.time_s for c in comms if c.overlap == "slot")
-    slot = fwd + bwd + slot_comm / microbatches
     m, p = microbatches, layout.pp
+    ring = _ring_exposed(comms, model, training, layout, s, speed, m)
+    slot = fwd + bwd + (slot_comm + ring) / m
     # Both GPipe and 1F1B idle (p - 1) slots per step (Narayanan et al. 2021, section 2.2).
     bubble = (p - 1) * slot if p > 1 else 0.0
     exposed = _exposed(comms, fwd, bwd, m)
@@ -75,7 +85,26 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, la
     on_host = training.offload != "none" and layout.zero_stage > 0
     optimizer = touched / (cluster.host_memory_bw if on_host else cluster.memory_bw)
     total = m * slot + bubble + exposed + optimizer
-    return StepTime(fwd, bwd, m * (fwd + bwd), slot_comm, bubble, exposed, optimizer, total)
+    return StepTime(fwd, bwd, m * (fwd + bwd), slot_comm, bubble, exposed, optimizer, total, ring)
+
+
+def _ring_exposed(comms: list[Collective], model: ModelSpec, training: TrainingSpec, layout: Layout, s: int,
+                  speed: float, m: int) -> float:
+    """Ring attention's traffic left over after hiding behind the attention compute of its pass, all micro-batches.
+
+    A micro-batch's attention on this rank costs 4 h s^2 FLOPs per layer and sample in forward (the score
+    and value products), split tp x cp ways, twice that in backward; recomputation replays the forward's
+    attention and its sends in backward.
+    """
+    ring = [c for c in comms if c.overlap.startswith("attention-")]
+    if not ring:
+        return 0.0
+    layers = math.ceil(model.layers / layout.pp)
+    attn_fwd = 4 * layers * model.hidden * s * s * training.micro_batch / (layout.tp * layout.cp) / speed
+    windows = {"attention-forward": attn_fwd * (2 if training.activation_checkpointing else 1),
+               "attention-backward": 2 * attn_fwd}
+    return sum(m * max(0.0, sum(c.time_s for c in ring if c.overlap == w) / m - window)
+               for w, window in windows.items())
 
 
 def _exposed(comms: list[Collective], fwd: float, bwd: float, m: int) -> float:

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.timeout(60)
 
 ISSUE_EXAMPLE = ["--params", "7.5e9", "--devices", "64", "--precision", "bf16-mixed", "--optimizer", "adamw",
                  "--format", "json"]
-REQUIRED_KEYS = {"strategy", "dp", "tp", "pp", "devices", "model_states_bytes", "activation_bytes",
-                 "comm_bytes_per_step", "step_time_s", "fits"}
+REQUIRED_KEYS = {"strategy", "dp", "tp", "pp", "cp", "cp_mode", "sequence_parallel", "devices", "model_states_bytes",
+                 "activation_bytes", "comm_bytes_per_step", "step_time_s", "fits"}
 
 
 def _json(capsys, argv):
@@ -36,7 +36,7 @@ def test_issue_example_json(capsys):
     assert isinstance(rows, list) and len(rows) > 10
     for r in rows:
         assert set(r) >= REQUIRED_KEYS
-        assert r["dp"] * r["tp"] * r["pp"] == r["devices"] == 64
+        assert r["dp"] * r["cp"] * r["tp"] * r["pp"] == r["devices"] == 64
     assert {r["strategy"] for r in rows} == {"ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp"}
     # Fitting layouts first, each group by predicted step time; the recommendation is the first.
     fit_flags = [r["fits"] for r in rows]
@@ -45,7 +45,7 @@ def test_issue_example_json(capsys):
     assert [r["step_time_s"] for r in fitting] == sorted(r["step_time_s"] for r in fitting)
     assert [r["recommended"] for r in rows].count(True) == 1 and rows[0]["recommended"]
     # The ZeRO paper's numbers for this very case (Table 1, 7.5B at N_d = 64).
-    plain = {r["strategy"]: r for r in rows if r["tp"] == r["pp"] == 1}
+    plain = {r["strategy"]: r for r in rows if r["tp"] == r["pp"] == r["cp"] == 1}
     assert plain["ddp"]["model_states_bytes"] == 120_000_000_000
     assert round(plain["zero1"]["model_states_bytes"] / 1e9, 1) == 31.4
     assert round(plain["zero3"]["model_states_bytes"] / 1e9, 2) == 1.88
@@ -134,14 +134,14 @@ def test_ranks_fsdp_with_tensor_and_pipeline_parallelism(capsys):
         assert r["fits"] == (r["total_bytes"] <= r["available_bytes"] == 79 * 10**9)
     # Plain FSDP over all 64 devices keeps only 1/64 of the states but every layer's activations:
     # it does not fit, and the reason given is the activations.
-    flat = next(r for r in rows if r["strategy"] == "fsdp" and r["tp"] == r["pp"] == 1)
+    flat = next(r for r in rows if r["strategy"] == "fsdp" and r["tp"] == r["pp"] == r["cp"] == 1)
     assert not flat["fits"] and flat["largest_term"] == "activations"
     assert flat["model_states_bytes"] == 70 * 10**9 * 16 // 64
 
 
 def test_table_explains_why(capsys):
-    assert main(["--params", "70e9", "--devices", "64", "--strategies", "fsdp,hsdp", "--explain", "2",
-                 "--width", "200"]) == 0
+    assert main(["--params", "70e9", "--devices", "64", "--strategies", "fsdp,hsdp", "--max-cp", "1", "--explain", "2",
+                 "--width", "300"]) == 0
     out = capsys.readouterr().out
     why = out.split("why (per device):")[1].splitlines()
     assert why[1].lstrip().startswith("1. fsdp") and "= sw.Parallel(" in why[1] and "GB free" in why[1]
