@@ -240,3 +240,38 @@ def test_saved_activations_per_rank_fall_as_one_over_cp(tmp_path):
         # Everything saved belongs to a token, except the loss's one float64 scalar (cross entropy's total
         # weight): with that aside, each rank keeps exactly 1/cp of what one device keeps.
         assert [(p - 8) * cp for p in peaks] == [one - 8] * cp, (cp, one, peaks)
+
+
+def _planned(layout: object, memory: int) -> object:
+    from shardwise.plan import plan_run  # as the Trainer's memory check imports it
+
+    model = GPT(GPTConfig(vocab_size=128, block_size=LONG_FIT, n_layer=2, n_head=4, n_embd=32))
+    return plan_run(model, layout.with_run("32", False), memory, BATCH,  # type: ignore[attr-defined]
+                    functools.partial(torch.optim.AdamW, lr=1e-3)([nn.Parameter(torch.zeros(1))]))
+
+
+LONG_FIT = 512  # tokens: activations, not parameters, decide whether this model fits
+
+
+def test_a_sequence_one_rank_refuses_fits_with_cp4(same_run):
+    """The planner's check refuses one rank under a memory cap that cp=4 fits in; the cp run trains to the
+    single run's result (which itself runs only with the check off)."""
+    one, four = sw.Parallel(cp=1).layout(1), sw.Parallel(cp=4).layout(4)
+    big = 1 << 40
+    need_one, need_four = _planned(one, big), _planned(four, big)
+    # Per rank, activations fall as 1/cp (the kv blocks in flight are counted as a buffer, not activations).
+    assert need_four.activation_bytes * 4 == need_one.activation_bytes
+    cap = (need_one.total_bytes + need_four.total_bytes) // 2
+    assert need_four.total_bytes < cap < need_one.total_bytes
+
+    def run(strategy: object, devices: int, check: str) -> sw.FitResult:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=128, block_size=LONG_FIT, n_layer=2, n_head=4, n_embd=32))
+        return sw.Trainer(strategy, devices, accelerator="cpu", progress=False, memory_check=check,
+                          device_memory=cap).fit(
+            model, CharText(stdlib_text(60_000), LONG_FIT), lm_loss, functools.partial(torch.optim.AdamW, lr=1e-3),
+            batch_size=BATCH, max_steps=2)
+
+    with pytest.raises(MemoryError, match="the planner predicts this run will not fit in device memory"):
+        run("single", 1, "error")
+    same_run(run("single", 1, "off"), run(sw.Parallel(cp=4), 4, "error"))
