@@ -52,6 +52,7 @@ LAYOUTS = {
     "cp2-dp2-zero3": (lambda: sw.Parallel(cp=2, dp=2, zero=3), 4),
     "cp2-tp2": (lambda: sw.Parallel(cp=2, tp=2), 4),
     "cp2-pp2": (lambda: sw.Parallel(cp=2, pp=2), 4),
+    "cp2-tp2-sequence-parallel": (lambda: sw.Parallel(cp=2, tp=2, sequence_parallel=True), 4),
 }
 
 
@@ -86,6 +87,7 @@ GPT_ONLY = {
     "cp2-hsdp": (lambda: sw.Parallel(cp=2, dp=2, zero=3, replicate=2), 4, {}),
     "cp2-activation-checkpointing": (lambda: sw.Parallel(cp=2), 2, {"activation_checkpointing": True}),
     "cp2-tp2-pp2-ulysses": (lambda: sw.Parallel(cp=2, tp=2, pp=2, cp_mode="ulysses"), 8, {}),
+    "cp2-tp4-sequence-parallel": (lambda: sw.Parallel(cp=2, tp=4, sequence_parallel=True), 8, {}),
 }
 
 

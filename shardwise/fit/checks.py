@@ -24,7 +24,7 @@ from shardwise.fit.callbacks import check_picklable
 from shardwise.fit.evaluate import Validation, check_validation, make_validation
 from shardwise.fit.options import FitOptions, SchedulerFactory
 from shardwise.fit.tp_check import check_plan
-from shardwise.parallel.cp import check_context_parallel
+from shardwise.parallel.cp import check_context_parallel, shard_batch
 from shardwise.parallel.sync_bn import batchnorm_layers
 from shardwise.step import LossFn, OptimizerFactory
 from shardwise.strategies.base import HasServers, HasTPPlan, SplitsModel, Strategy
@@ -65,7 +65,8 @@ def validate(t: FitOptions, model: nn.Module, dataset: Any, batch_size: int, max
         check_context_parallel(model, t.layout.cp, t.layout.cp_mode, t.layout.tp, batch[0])
     if t.layout.tp > 1:  # the plan, applied to a meta copy, and the split forward, before any rank exists
 
-        check_plan(model, tp_plan(t.strategy), t.layout.tp, batch[0],
+        # The split forward sees what a rank sees: under cp, its S/cp tokens (sequence parallelism splits those).
+        check_plan(model, tp_plan(t.strategy), t.layout.tp, shard_batch(batch[0], t.layout.cp, 0),
                    sequence_parallel=t.layout.sequence_parallel)
     check_devices(t)
     probe = optimizer([nn.Parameter(torch.zeros(1))])
