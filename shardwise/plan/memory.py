@@ -136,7 +136,7 @@ def model_state_bytes(numel: Numels, strategy: str, shard: int, bpp: BytesPerPar
 # masks, a heads, hidden size h, tensor-parallel size t (their Table 2):
 #   no parallelism           s*b*h*(34 + 5*a*s/h)
 #   tensor parallel          s*b*h*(10 + 24/t + 5*a*s/(h*t))
-#   tensor + sequence par.   s*b*h*(34/t + 5*a*s/(h*t))
+#   tensor + sequence par.   s*b*h*(34/t + 5*a*s/(h*t))   (Megatron; shardwise's: 4 + 30/t, see below)
 #   full recomputation       s*b*h*2            (only the layer input is kept; /t when it is
 #                                                sequence-parallel, as Megatron-LM stores it)
 # The 34 is 11 (attention) + 19 (MLP with 4h inner size) + 4 (two layernorms);
@@ -177,7 +177,10 @@ def layer_activation_bytes(model: ModelSpec, s: int, b: int, tp: int = 1, sequen
     # Otherwise every local query keeps a score for each of the s keys, the whole sequence's.
     scores = 4 * a / h if flash_attention else 5 * a * s / h
     if sp:
-        return sbh * (c / tp + scores / tp)
+        # shardwise's sequence parallelism keeps the all-gathered inputs of q/k/v and of fc1 whole (2 bytes x
+        # s*b*h each), so each layer moves exactly plain tp's bytes; Megatron keeps 1/t of them and gathers them
+        # again in backward (Table 2's 34/t). Ours: 4 + (34 - 4)/t (shardwise/parallel/sequence_parallel.py).
+        return sbh * (4 + (c - 4) / tp + scores / tp)
     return sbh * (10 + (c - 10) / tp + scores / tp)
 
 
