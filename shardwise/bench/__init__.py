@@ -4,14 +4,14 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from shardwise.dims import PP, TP
+from shardwise.dims import CP, PP, TP
 
 if TYPE_CHECKING:
     from rich.table import Table
 
 # The pairs' names, for the command line's help without importing torch (shardwise.bench.pairs does);
 # tests/test_cli_output.py checks that they are PAIRS' keys.
-PAIR_NAMES = ("ddp", "zero1", "zero3", "fsdp", PP, TP, "fsdp-tp", "dp-vs-ddp", "ps-vs-ddp", "allreduce")
+PAIR_NAMES = ("ddp", "zero1", "zero3", "fsdp", PP, TP, "fsdp-tp", "dp-vs-ddp", "ps-vs-ddp", "allreduce", CP)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -24,7 +24,7 @@ from shardwise.bench.harness import (
 )
 from shardwise.comm.topology import Topology
 from shardwise.console import make_console
-from shardwise.dims import DP, PP, TP
+from shardwise.dims import CP, DP, PP, TP
 from shardwise.parallel.ddp import DDPModule
 from shardwise.workloads import mlp1024
 
@@ -71,6 +71,7 @@ PAIRS: dict[str, Callable[[argparse.Namespace], Table]] = {
     "dp-vs-ddp": _lazy("shardwise.bench.classic:dp_vs_ddp"),
     "ps-vs-ddp": _lazy("shardwise.bench.classic:ps_vs_ddp"),
     "allreduce": _lazy("shardwise.bench.classic:allreduce_algorithms"),
+    CP: _lazy("shardwise.bench.cp:cp_pair"),
 }
 
 

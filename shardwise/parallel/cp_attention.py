@@ -173,10 +173,14 @@ class RingAttention(torch.autograd.Function):
             if pending:
                 _wait(pending)
                 kv = nxt
-        o_all, lse_all = torch.cat(out, dim=-2), torch.cat(lse, dim=-1)
-        ctx.save_for_backward(q, k, v, o_all, lse_all)
+        b, h, t, d = q.shape
+        # Laid out (B, T, H, d) like SDPA's output, returned as its (B, H, T, d) view: the model's
+        # transpose(1, 2).reshape(B, T, H*d) before the output projection is then a view, and the
+        # projection saves this very storage, which is also the one saved here (no second copy).
+        o_all = torch.cat(out, dim=-2).reshape(b, h, t, d).transpose(1, 2).contiguous().transpose(1, 2)
+        ctx.save_for_backward(q, k, v, o_all, torch.cat(lse, dim=-1))
         ctx.comm, ctx.scale = comm, scale
-        return o_all.reshape(q.shape)
+        return o_all
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -186,7 +190,7 @@ class RingAttention(torch.autograd.Function):
         ring = _Ring(comm)
         qg = _grouped(q, kvh)
         do = _grouped(grad.contiguous(), kvh)
-        delta = (do * o).sum(-1)  # D_i = sum_d dO_id O_id: the softmax backward's row term
+        delta = (do * _grouped(o.contiguous(), kvh)).sum(-1)  # D_i = sum_d dO_id O_id: the softmax's row term
         qs, dos = _halves(qg), _halves(do)
         c = qs[0].shape[-2]
         lses, deltas = (lse[..., :c], lse[..., c:]), (delta[..., :c], delta[..., c:])
