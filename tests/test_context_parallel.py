@@ -208,13 +208,17 @@ def test_cp_is_in_the_layout():
 LONG = 64  # tokens per sequence for the activation measurement
 
 
-def _saved_bytes(cp_comm: Comm, x: torch.Tensor, y: torch.Tensor) -> int:
-    """Bytes autograd keeps for backward in one training step of gpt() on this rank's tokens (parameters and
-    the batch itself not counted; each storage once; the peak over the step)."""
+def _saved_bytes(cp_comm: Comm | None, x: torch.Tensor, y: torch.Tensor) -> int:
+    """Bytes autograd keeps for backward in one training step of a GPT on this rank's tokens (parameters and
+    the batch itself not counted; each storage once; the peak over the step). ``cp_comm=None``: the model
+    as it is, on one device (CPU SDPA)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=128, block_size=LONG, n_layer=2, n_head=4, n_embd=32))
-    apply_context_parallel(model, ContextParallel(cp_comm, "ring"))
-    xs, ys = shard_batch(x, cp_comm.size, cp_comm.rank), shard_batch(y, cp_comm.size, cp_comm.rank)
+    if cp_comm is None:
+        xs, ys = x, y
+    else:
+        apply_context_parallel(model, ContextParallel(cp_comm, "ring"))
+        xs, ys = shard_batch(x, cp_comm.size, cp_comm.rank), shard_batch(y, cp_comm.size, cp_comm.rank)
     with track_saved_activations(model.parameters(), [xs, ys]) as saved:
         lm_loss(model(xs), ys).backward()
     return saved.peak
@@ -235,7 +239,8 @@ def _measure(rank: int, device: torch.device, out: str) -> None:
 
 
 def test_saved_activations_per_rank_fall_as_one_over_cp(tmp_path):
-    one = _saved_bytes(Comm(None, CommStats()), *_batch())  # cp = 1: the same attention code, no ring
+    one = _saved_bytes(None, *_batch())  # one device, the model unchanged
+    assert _saved_bytes(Comm(None, CommStats()), *_batch()) == one  # the ring on a one-rank group keeps the same
     for cp in (2, 4):
         launch.spawn(_measure, cp, args=(str(tmp_path / f"cp{cp}"),))
         peaks = [int((tmp_path / f"cp{cp}.{r}").read_text()) for r in range(cp)]
