@@ -21,9 +21,19 @@ log-sum-exp; a new block's partial result is merged with
 the same ring: the blocks go round again, each with the key/value gradient
 accumulated so far; after C steps every block's gradient is back on its
 owner. Only local tensors (q, k, v, output, lse) are saved, so activation
-memory per rank falls as 1/C. Bytes per rank and layer, element size e and
-h_kv kv heads of width d: forward ``2(S/C)·h_kv·d·B·(C-1)·e`` ("cp.kv");
-backward the same again plus ``2(S/C)·h_kv·d·B·C·e`` of gradients ("cp.dkv").
+memory per rank falls as 1/C.
+
+Each step's attention is a single kernel call (:func:`_span`): this rank's
+own block is plain causal attention over its 2c local tokens (head then
+tail is sequence order), another rank's block a rectangle seen whole (its
+head chunk by both query chunks, or both its chunks by the tail chunk). On
+CPU the call is PyTorch's flash-attention kernel, which returns the block's
+log-sum-exp with its output; backward calls the kernel's backward with the
+*merged* output and log-sum-exp, which gives exactly that block's share of
+dq, dk, dv. Other devices write the scores out (:func:`_explicit_forward`).
+Bytes per rank and layer, element size e and h_kv kv heads of width d:
+forward ``2(S/C)·h_kv·d·B·(C-1)·e`` ("cp.kv"); backward the same again plus
+``2(S/C)·h_kv·d·B·C·e`` of gradients ("cp.dkv").
 
 **ulysses** (Jacobs et al. 2023, "DeepSpeed Ulysses"): an all-to-all turns
 each of q, k, v from a sequence shard of all heads into the whole sequence
@@ -85,17 +95,6 @@ def unmasked_pairs(seq: int, cp: int, rank: int, head_tail: bool = True) -> int:
 
 
 # ---- blocks ---------------------------------------------------------------------------------------
-def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """(B, H, T, d) queries as (B, kv_heads, H/kv_heads, T, d): each kv head's group of query heads."""
-    b, h, t, d = q.shape
-    return q.view(b, kv_heads, h // kv_heads, t, d)
-
-
-def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    c = x.shape[-2] // 2
-    return x[..., :c, :], x[..., c:, :]
-
-
 def _kind(q_chunk: int, k_chunk: int) -> str | None:
     """How a query chunk sees a key chunk: all of it, the causal triangle, or none (a later chunk)."""
     if k_chunk > q_chunk:
@@ -103,12 +102,102 @@ def _kind(q_chunk: int, k_chunk: int) -> str | None:
     return "diag" if k_chunk == q_chunk else "full"
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, kind: str) -> torch.Tensor:
-    s = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scale
-    if kind == "diag":
-        c = s.shape[-1]
-        s = s.masked_fill(torch.ones(c, c, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return s
+@dataclass(frozen=True)
+class _Span:
+    """A ring step's attention, one call: local query rows against rows of the key/value block held now."""
+
+    rows: slice
+    keys: slice
+    causal: bool  # the top-left causal triangle (equal, aligned rows and keys); else every key is seen
+    pairs: int  # unmasked query-key pairs per sequence and query head
+
+
+def _span(mine: tuple[int, int], theirs: tuple[int, int], c: int) -> _Span:
+    """The blocks (query chunk, key chunk) of one ring step that see anything, as one call.
+
+    On both sides the local order is the sequence order (head chunk, then tail chunk). So this rank's own
+    block (the head sees its head causally, the tail sees the head whole and its tail causally, the head
+    never sees the tail) is plain causal attention over the 2c local tokens. Another rank's chunks are seen
+    whole or not at all, and what is seen is a rectangle: a rank before this one gives its head chunk to
+    both query chunks, a rank after it gives both its chunks to the tail chunk only."""
+    seen = {(i, j): kind for i, qa in enumerate(mine) for j, kb in enumerate(theirs) if (kind := _kind(qa, kb))}
+    pairs = sum(c * c if kind == "full" else c * (c + 1) // 2 for kind in seen.values())
+    if "diag" in seen.values():
+        assert seen == {(0, 0): "diag", (1, 0): "full", (1, 1): "diag"}, seen
+        return _Span(slice(0, 2 * c), slice(0, 2 * c), True, pairs)
+    rows, cols = sorted({i for i, _ in seen}), sorted({j for _, j in seen})
+    assert len(seen) == len(rows) * len(cols) and rows == list(range(rows[0], rows[-1] + 1)) \
+        and cols == list(range(cols[0], cols[-1] + 1)), seen
+    return _Span(slice(rows[0] * c, (rows[-1] + 1) * c), slice(cols[0] * c, (cols[-1] + 1) * c), False, pairs)
+
+
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with a unit stride in its last dim (the CPU kernels read rows by their other strides)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
+    """kv heads repeated over their query heads' group (the kernels pair query head h with kv head h)."""
+    return x if group == 1 else x.repeat_interleave(group, dim=1)
+
+
+def _fold_kv(x: torch.Tensor, group: int) -> torch.Tensor:
+    """The gradient of :func:`_expand_kv`: each kv head's group summed."""
+    return x if group == 1 else x.unflatten(1, (x.shape[1] // group, group)).sum(2)
+
+
+# Private aten ops, with the same schema in torch 2.11 (its generated ATen/ops headers) and 2.13:
+# (query, key, value, dropout_p, is_causal, *, attn_mask, scale) -> (output, logsumexp (B, H, T)), float64
+# included; the backward takes grad_out first and out, logsumexp after value. Older kernels assume as many
+# kv heads as query heads, hence _expand_kv.
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of (B, H, Tq, d) queries on (B, H, Tk, d) keys/values alone: its output and log-sum-exp
+    (B, H, Tq). On CPU, PyTorch's flash-attention kernel (score tiles stay in cache, never written out);
+    elsewhere :func:`_explicit_forward`."""
+    if q.device.type != "cpu":
+        return _explicit_forward(q, k, v, causal, scale)
+    return _FLASH_CPU(_dense(q), _dense(k), _dense(v), 0.0, causal, scale=scale)  # type: ignore[no-any-return]
+
+
+def _block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                    lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
+    """One block's share of dq, dk, dv, given the queries' *whole* output ``o`` and log-sum-exp ``lse``
+    (over every key, not this block's alone): exp(s - lse) is then the global softmax restricted to this
+    block, and sum_d dO O the global row term, so the blocks' shares add up to the exact gradient. On
+    CPU the flash kernel's backward; elsewhere :func:`_explicit_backward`."""
+    if q.device.type != "cpu":
+        return _explicit_backward(do, q, k, v, o, lse, causal, scale)
+    return _FLASH_CPU_BACKWARD(_dense(do), _dense(q), _dense(k), _dense(v), _dense(o),  # type: ignore[no-any-return]
+                               lse, 0.0, causal, scale=scale)
+
+
+def _causal_mask(s: torch.Tensor) -> torch.Tensor:
+    c = s.shape[-1]
+    return s.masked_fill(torch.ones(c, c, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+
+
+def _explicit_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_block_forward` with the scores written out (any device)."""
+    s = q @ k.transpose(-1, -2) * scale
+    if causal:
+        s = _causal_mask(s)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.exp(s - lse.unsqueeze(-1)) @ v, lse
+
+
+def _explicit_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                       lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
+    """:func:`_block_backward` with the probabilities written out (any device)."""
+    s = q @ k.transpose(-1, -2) * scale
+    p = torch.exp((_causal_mask(s) if causal else s) - lse.unsqueeze(-1))
+    ds = p * (do @ v.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
+    return ds @ k * scale, ds.transpose(-1, -2) @ q * scale, p.transpose(-1, -2) @ do
 
 
 @dataclass
@@ -142,59 +231,50 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, scale: float,
                 work: RingWork | None) -> torch.Tensor:
-        cp, r, kvh = comm.size, comm.rank, k.shape[1]
+        cp, r = comm.size, comm.rank
+        b, h, t, d = q.shape
+        group, c = h // k.shape[1], t // 2
         ring = _Ring(comm)
-        qg = _grouped(q, kvh)
-        qs = _halves(qg)
         mine = chunk_ids(cp, r)
-        out = [torch.zeros_like(x) for x in qs]
-        lse = [torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype, device=x.device) for x in qs]
+        # Laid out (B, T, H, d) like SDPA's output, returned as its (B, H, T, d) view: the model's
+        # transpose(1, 2).reshape(B, T, H*d) before the output projection is then a view, and the
+        # projection saves this very storage, which is also the one saved here (no second copy).
+        out = q.new_empty(b, t, h, d).transpose(1, 2)
+        lse: torch.Tensor | None = None  # (B, H, T): the log-sum-exp over the keys seen so far
         kv = torch.stack([k, v]).contiguous()
         for step in range(cp):
             pending: list[Handle] = []
             if step < cp - 1:  # the next block is on its way while this one is computed
                 nxt, pending = ring.start(kv, "cp.kv")
-            theirs = chunk_ids(cp, (r - step) % cp)
-            ks, vs = _halves(kv[0]), _halves(kv[1])
-            for i, qa in enumerate(mine):
-                for j, kb in enumerate(theirs):
-                    kind = _kind(qa, kb)
-                    if kind is None:
-                        continue
-                    s = _scores(qs[i], ks[j], scale, kind)
-                    block_lse = torch.logsumexp(s, dim=-1)
-                    o = torch.einsum("bhgqk,bhkd->bhgqd", torch.exp(s - block_lse.unsqueeze(-1)), vs[j])
-                    new = torch.logaddexp(lse[i], block_lse)
-                    out[i] = out[i] * torch.exp(lse[i] - new).unsqueeze(-1) + o * torch.exp(block_lse - new).unsqueeze(-1)
-                    lse[i] = new
-                    if work is not None:
-                        c = qs[i].shape[-2]
-                        work.pairs += c * c if kind == "full" else c * (c + 1) // 2
+            span = _span(mine, chunk_ids(cp, (r - step) % cp), c)
+            o, block_lse = _block_forward(q[:, :, span.rows], _expand_kv(kv[0][:, :, span.keys], group),
+                                          _expand_kv(kv[1][:, :, span.keys], group), span.causal, scale)
+            if lse is None:  # step 0, this rank's own block: every query row sees its first keys here
+                out.copy_(o)
+                lse = block_lse
+            else:  # o = o1 e^(lse1-lse) + o2 e^(lse2-lse), the two weights summing to 1: a lerp, in place
+                run_out, run_lse = out[:, :, span.rows], lse[:, :, span.rows]
+                new = torch.logaddexp(run_lse, block_lse)
+                run_out.lerp_(o, torch.exp(block_lse - new).unsqueeze(-1).to(o.dtype))
+                run_lse.copy_(new)
+            if work is not None:
+                work.pairs += span.pairs
             if pending:
                 _wait(pending)
                 kv = nxt
-        b, h, t, d = q.shape
-        # Laid out (B, T, H, d) like SDPA's output, returned as its (B, H, T, d) view: the model's
-        # transpose(1, 2).reshape(B, T, H*d) before the output projection is then a view, and the
-        # projection saves this very storage, which is also the one saved here (no second copy).
-        o_all = torch.cat(out, dim=-2).reshape(b, h, t, d).transpose(1, 2).contiguous().transpose(1, 2)
-        ctx.save_for_backward(q, k, v, o_all, torch.cat(lse, dim=-1))
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.scale = comm, scale
-        return o_all
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         comm, scale = ctx.comm, ctx.scale
-        cp, r, kvh = comm.size, comm.rank, k.shape[1]
+        cp, r = comm.size, comm.rank
+        group, c = q.shape[1] // k.shape[1], q.shape[2] // 2
         ring = _Ring(comm)
-        qg = _grouped(q, kvh)
-        do = _grouped(grad.contiguous(), kvh)
-        delta = (do * _grouped(o.contiguous(), kvh)).sum(-1)  # D_i = sum_d dO_id O_id: the softmax's row term
-        qs, dos = _halves(qg), _halves(do)
-        c = qs[0].shape[-2]
-        lses, deltas = (lse[..., :c], lse[..., c:]), (delta[..., :c], delta[..., c:])
-        dq = [torch.zeros_like(x) for x in qs]
+        grad = _dense(grad)
+        dq = torch.zeros_like(q)
         mine = chunk_ids(cp, r)
         kv = torch.stack([k, v]).contiguous()
         dkv = torch.zeros_like(kv)  # the gradient of the block held now, accumulated by the ranks it has visited
@@ -202,20 +282,14 @@ class RingAttention(torch.autograd.Function):
             pending: list[Handle] = []
             if step < cp - 1:
                 nxt, pending = ring.start(kv, "cp.kv")
-            theirs = chunk_ids(cp, (r - step) % cp)
-            ks, vs = _halves(kv[0]), _halves(kv[1])
-            dk, dv = dkv[0], dkv[1]
-            for i, qa in enumerate(mine):
-                for j, kb in enumerate(theirs):
-                    kind = _kind(qa, kb)
-                    if kind is None:
-                        continue
-                    p = torch.exp(_scores(qs[i], ks[j], scale, kind) - lses[i].unsqueeze(-1))
-                    sl = slice(j * c, (j + 1) * c)
-                    dv[..., sl, :] += torch.einsum("bhgqk,bhgqd->bhkd", p, dos[i])
-                    ds = p * (torch.einsum("bhgqd,bhkd->bhgqk", dos[i], vs[j]) - deltas[i].unsqueeze(-1))
-                    dq[i] += torch.einsum("bhgqk,bhkd->bhgqd", ds, ks[j]) * scale
-                    dk[..., sl, :] += torch.einsum("bhgqk,bhgqd->bhkd", ds, qs[i]) * scale
+            span = _span(mine, chunk_ids(cp, (r - step) % cp), c)
+            rows, keys = span.rows, span.keys
+            dq_b, dk_b, dv_b = _block_backward(
+                grad[:, :, rows], q[:, :, rows], _expand_kv(kv[0][:, :, keys], group),
+                _expand_kv(kv[1][:, :, keys], group), out[:, :, rows], lse[:, :, rows], span.causal, scale)
+            dq[:, :, rows] += dq_b
+            dkv[0][:, :, keys] += _fold_kv(dk_b, group)
+            dkv[1][:, :, keys] += _fold_kv(dv_b, group)
             # This block's gradient goes on with it (after the last step: home to its owner).
             handles: list[Handle] = []
             if cp > 1:
@@ -223,8 +297,7 @@ class RingAttention(torch.autograd.Function):
             _wait(pending + handles)
             if step < cp - 1:
                 kv = nxt
-        dq_all = torch.cat(dq, dim=-2).reshape(q.shape)
-        return dq_all, dkv[0], dkv[1], None, None, None
+        return dq, dkv[0], dkv[1], None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, scale: float | None = None,

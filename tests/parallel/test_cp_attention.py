@@ -14,12 +14,19 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from shardwise import launch
+from shardwise.comm.collectives import Comm, CommStats
 from shardwise.comm.topology import Topology
 from shardwise.dims import CP, ParallelDims
 from shardwise.parallel.cp_attention import (
     RingWork,
+    _block_backward,
+    _block_forward,
+    _explicit_backward,
+    _explicit_forward,
+    _span,
     attention,
     check_ulysses_heads,
+    chunk_ids,
     local_positions,
     shard_sequence,
     unmasked_pairs,
@@ -122,3 +129,66 @@ def test_ulysses_refuses_heads_that_do_not_divide():
     with pytest.raises(ValueError, match=r"3 kv heads neither divide by cp=2 nor divide it"):
         check_ulysses_heads(6, 3, 2)
     check_ulysses_heads(8, 2, 4)  # 2 kv heads, each repeated twice
+
+
+def test_each_ring_step_is_one_call_over_exactly_the_causal_pairs():
+    """Per step, the one span (query rows x key rows, causal or whole) is exactly where a local query's
+    position is at or after a held key's, and counts those pairs."""
+    c = 3
+    for cp in range(1, 7):
+        for r in range(cp):
+            queries = local_positions(2 * c, cp, r)
+            total = 0
+            for step in range(cp):
+                src = (r - step) % cp
+                want = local_positions(2 * c, cp, src)[None, :] <= queries[:, None]
+                span = _span(chunk_ids(cp, r), chunk_ids(cp, src), c)
+                got = torch.zeros(2 * c, 2 * c, dtype=torch.bool)
+                got[span.rows, span.keys] = True
+                if span.causal:
+                    got &= torch.ones(2 * c, 2 * c, dtype=torch.bool).tril()
+                assert torch.equal(got, want), (cp, r, step)
+                assert span.pairs == int(want.sum())
+                total += span.pairs
+            assert total == unmasked_pairs(2 * c * cp, cp, r)
+
+
+def test_block_shares_from_the_merged_lse_add_up_to_the_gradient():
+    """Two key blocks' forwards merged by log-sum-exp give the whole attention, and each block's backward
+    with the merged output and lse is its share of the gradient: CPU kernel and explicit scores alike."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v, do = (torch.randn(2, 3, n, 4, generator=g, dtype=torch.float64) for n in (6, 9, 9, 6))
+    scale = 0.4
+    ref_q, ref_k, ref_v = (t.clone().requires_grad_() for t in (q, k, v))
+    mask = torch.ones(6, 9, dtype=torch.bool).tril(3)  # keys 0..2 whole, keys 3..8 causal to queries 0..5
+    ref = F.scaled_dot_product_attention(ref_q, ref_k, ref_v, attn_mask=mask, scale=scale)
+    ref.backward(do)
+    blocks = [(slice(0, 3), False), (slice(3, 9), True)]
+    for fwd, bwd in ((_block_forward, _block_backward), (_explicit_forward, _explicit_backward)):
+        parts = [fwd(q, k[:, :, keys], v[:, :, keys], causal, scale) for keys, causal in blocks]
+        lse = torch.logaddexp(parts[0][1], parts[1][1])
+        out = sum(o * torch.exp(part_lse - lse).unsqueeze(-1) for o, part_lse in parts)
+        torch.testing.assert_close(out, ref.detach(), rtol=1e-12, atol=1e-12)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for keys, causal in blocks:
+            a, b, c = bwd(do, q, k[:, :, keys], v[:, :, keys], out, lse, causal, scale)
+            dq += a
+            dk[:, :, keys], dv[:, :, keys] = b, c
+        for got, want in ((dq, ref_q.grad), (dk, ref_k.grad), (dv, ref_v.grad)):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_one_rank_ring_takes_any_strides_and_lays_its_output_out_as_sdpa():
+    """On a one-rank group the ring is one causal call: inputs whose last dim is strided, grouped kv heads
+    and an expanded incoming gradient (``out.sum().backward()``) give SDPA's values and gradients."""
+    q, k, v, _ = _inputs(4, 2)
+    ref_out, ref_dq, ref_dk, ref_dv = _reference(q, k, v, torch.ones_like(q))
+    mine = [t.transpose(-1, -2).contiguous().transpose(-1, -2).requires_grad_() for t in (q, k, v)]
+    assert mine[0].stride(-1) != 1
+    work = RingWork()
+    out = attention("ring", *mine, Comm(None, CommStats()), work=work)
+    assert out.transpose(1, 2).is_contiguous()  # (B, T, H, d) storage, as CPU SDPA's output
+    out.sum().backward()
+    assert work.pairs == S * (S + 1) // 2
+    for got, want in ((out.detach(), ref_out), (mine[0].grad, ref_dq), (mine[1].grad, ref_dk), (mine[2].grad, ref_dv)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
