@@ -118,16 +118,33 @@ class GradSync:
 
     _sync: bool = True
     _queued: bool = False
+    _in_parts: bool = False
 
     def _finish(self) -> None:
         raise NotImplementedError
 
     def _finish_at_backward_end(self) -> None:
         """Run ``self._finish`` once when the current backward pass ends (the wrapper's end-of-backward work:
-        launch what is left, wait, reset); ``_finish`` clears ``_queued``."""
+        launch what is left, wait, reset); ``_finish`` clears ``_queued``. Inside :meth:`backward_in_parts`
+        the end is that block's end, not the first autograd pass's."""
         if not self._queued:
             self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            if not self._in_parts:
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+
+    @contextlib.contextmanager
+    def backward_in_parts(self) -> Iterator[None]:
+        """Several autograd passes that make one backward: a split backward's W (one pass per group of
+        parameters, :mod:`shardwise.parallel.split_backward`) ends its chunk's backward only after the last
+        pass, so the end-of-backward work (wait for every bucket, check that none is missing) runs once,
+        here, instead of after the first pass."""
+        self._in_parts = True
+        try:
+            yield
+        finally:
+            self._in_parts = False
+        if self._queued:
+            self._finish()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -33,6 +33,7 @@ from shardwise.parallel.schedules import (
     forward_only,
     get_schedule,
 )
+from shardwise.parallel.split_backward import WeightGrad, backward_input
 from shardwise.precision import widened
 from shardwise.step import LossFn, iter_chunks
 
@@ -60,6 +61,7 @@ class _Runner:
         self.grad: dict[tuple[int, int], torch.Tensor] = {}
         self.losses: list[torch.Tensor] = []
         self.sends: list[Handle] = []
+        self.weights: dict[tuple[int, int], WeightGrad] = {}  # split backward: W still to run, by (chunk, mb)
         self.saved = saved
 
     def _k(self, a: Action) -> int:
@@ -137,6 +139,30 @@ class _Runner:
         with ctx:
             torch.autograd.backward(out, self.grad.pop(key, None))
 
+    def backward_input(self, a: Action) -> None:
+        """B of a split backward: this chunk's input gradient only (what the previous stage waits for); the
+        weight gradients wait in a handle for the schedule's W (:mod:`shardwise.parallel.split_backward`)."""
+        key = (a.chunk, a.mb)
+        chunk = self.pm.chunks[a.chunk]
+        out, grad, x = self.out.pop(key), self.grad.pop(key, None), self.x[key]
+        wants = isinstance(x, torch.Tensor) and x.requires_grad
+        params = [p for p in chunk.parameters() if p.requires_grad]
+        # No parameter gradient arises in B, so a data-parallel wrapper has nothing to reduce: its end of
+        # backward (FSDP: reshard, nothing reduced) must not count B as the chunk's backward.
+        with _quiet(chunk, sync=False):
+            grads, self.weights[key] = backward_input(out, grad, [x] if wants else [], params)
+        if wants:
+            x.grad = grads[0]
+
+    def backward_weight(self, a: Action, last: bool) -> None:
+        """W: the weight gradients B left, accumulated into ``.grad`` as a plain backward would; data-parallel
+        wrappers reduce in the chunk's last W (their hooks fire there, once per parameter)."""
+        chunk = self.pm.chunks[a.chunk]
+        for u in getattr(chunk, "units", []):
+            u.unshard()  # FSDP: the weight-gradient nodes read the full parameters they saved
+        with _quiet(chunk, sync=last):
+            self.weights.pop((a.chunk, a.mb)).backward_weight()
+
     def send_backward(self, a: Action) -> None:
         k, key = self._k(a), (a.chunk, a.mb)
         x = self.x.pop(key)
@@ -146,7 +172,7 @@ class _Runner:
         self.sends.append(self.comm.isend(g, (k - 1) % self.p, "pp.grad"))
 
     def in_flight(self) -> int:
-        return len(self.out)
+        return len(self.out) + len(self.weights)  # a split backward frees a micro-batch's activations at W
 
     def saved_bytes(self) -> int:
         return self.saved.current if self.saved is not None else 0
@@ -158,6 +184,18 @@ class _Runner:
         for h in self.sends:
             h.wait()
         self.sends.clear()
+
+
+@contextlib.contextmanager
+def _quiet(chunk: Any, sync: bool) -> Any:
+    """A chunk's data-parallel wrapper during one half of a split backward: its reduction only when ``sync``,
+    and its end-of-backward work once, after every autograd pass of the half."""
+    with contextlib.ExitStack() as stack:
+        if not sync and hasattr(chunk, "no_sync"):
+            stack.enter_context(chunk.no_sync())
+        if hasattr(chunk, "backward_in_parts"):
+            stack.enter_context(chunk.backward_in_parts())
+        yield
 
 
 def resplit(micro_batches: Sequence[tuple[Any, Any]], m: int | None) -> list[tuple[Any, Any]]:

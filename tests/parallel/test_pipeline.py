@@ -107,7 +107,7 @@ def test_schedule_errors():
 
     with pytest.raises(RuntimeError, match="schedule deadlocks"):
         simulate(backward_first, 2, 1)
-    with pytest.raises(ValueError, match=r"unknown pipeline schedule 'zigzag'; valid: gpipe, 1f1b, interleaved"):
+    with pytest.raises(ValueError, match=r"unknown pipeline schedule 'zigzag'; valid: gpipe, 1f1b, interleaved, zb-h1"):
         PP(schedule="zigzag")
 
 
