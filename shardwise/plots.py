@@ -44,7 +44,7 @@ from shardwise.workloads import load as load_workload
 KINDS = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer states"),
          ("activation", "activations"))
 _COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activation": "#c44e52",
-           "F": "#8fbce6", "B": "#f2a65a"}
+           "F": "#8fbce6", "B": "#f2a65a", "W": "#9ccc65"}
 BOX = "box"  # gid of each forward/backward box in a timeline, so tests can count them
 BAR = "throughput-bar"  # gid of each bar of throughput_bars
 BOX_LABEL = "box-label"  # gid of each box's "Fi"/"Bi" text in a timeline (hidden where the box is too narrow)
@@ -230,9 +230,13 @@ def timeline_figure(runs: Mapping[str, Sequence[Any]], title: str = "Pipeline sc
         ax.set_title(f"{_NAMES.get(name, name)}: bubble {bubble_fraction(list(events)):.0%}")
         ax.set_xlabel("time in the step (ms)" if ms != 1.0 else "time (model units)")
         ax.set_ylabel("pipeline stage (rank)")
-        ax.legend(handles=[Patch(color=_COLORS["F"], label="forward of micro-batch i (Fi)"),
-                           Patch(color=_COLORS["B"], label="backward of micro-batch i (Bi)")], fontsize=8,
-                  loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
+        handles = [Patch(color=_COLORS["F"], label="forward of micro-batch i (Fi)"),
+                   Patch(color=_COLORS["B"], label="backward of micro-batch i (Bi)")]
+        if any(e.kind == "W" for e in events):  # a split backward: B is the input gradient, W the weights'
+            handles[1] = Patch(color=_COLORS["B"], label="input gradient of micro-batch i (Bi)")
+            handles.append(Patch(color=_COLORS["W"], label="weight gradient of micro-batch i (Wi)"))
+        ax.legend(handles=handles, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2),
+                  ncol=len(handles), frameon=False)
         ax.grid(axis="x", alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()

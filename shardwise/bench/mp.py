@@ -48,6 +48,7 @@ from shardwise.parallel.pipeline import build_pipeline, stage_starts
 from shardwise.parallel.pipeline_layers import pipeline_layers
 from shardwise.parallel.pipeline_run import pipeline_step
 from shardwise.parallel.schedules import (
+    SPLIT_BACKWARD,
     Recorder,
     bubble_fraction,
     gpipe_bubble,
@@ -310,14 +311,15 @@ def measure_tp_block_bytes(sizes: list[int]) -> list[tuple[int, int, int, int]]:
 
 def ascii_timeline(events: list[Any], unit: float = 1.0) -> str:
     """One line per stage, one character per ``unit`` of time: the micro-batch number for a forward,
-    a letter (a = 0, b = 1, ...) for a backward, ``.`` for idle."""
+    a letter (a = 0, b = 1, ...) for a backward (the input gradient B when the backward is split), a capital
+    letter for a weight gradient W, ``.`` for idle."""
     stages = sorted({e.stage for e in events})
     width = int(round(max(e.end for e in events) / unit))
     lines = []
     for s in stages:
         row = ["."] * width
         for e in (e for e in events if e.stage == s):
-            ch = str(e.mb % 10) if e.kind == "F" else chr(ord("a") + e.mb % 26)
+            ch = str(e.mb % 10) if e.kind == "F" else chr(ord("A" if e.kind == "W" else "a") + e.mb % 26)
             for i in range(int(round(e.start / unit)), int(round(e.end / unit))):
                 row[i] = ch
         lines.append(f"stage {s}: " + "".join(row))
@@ -376,10 +378,13 @@ def main(argv: list[str] | None = None) -> int:
             for m in [int(x) for x in a.micro.split(",")]:
                 chunks = 2 if a.schedule == "interleaved" else 1
                 ev = simulate(a.schedule, p, m, chunks, t_f=1.0 / chunks, t_b=2.0 / chunks)
+                theory = f"(p-1)/(m+p-1) = {gpipe_bubble(p, m):.4f}"
+                if a.schedule in SPLIT_BACKWARD:  # F = B = W = 1 (Qi et al. 2024): (p-1)/(3m+p-1)
+                    theory = f"(p-1)/(3m+p-1) = {(p - 1) / (3 * m + p - 1):.4f}, 1F1B's " + theory
                 print(f"{a.schedule}, p={p}, m={m} (forward 1, backward 2 time units per micro-batch"
+                      f"{', split into B 1 and W 1' if a.schedule in SPLIT_BACKWARD else ''}"
                       f"{', 2 chunks per rank' if chunks > 1 else ''}): simulated bubble "
-                      f"{bubble_fraction(ev):.4f}, (p-1)/(m+p-1) = {gpipe_bubble(p, m):.4f}, "
-                      f"peak in flight {peak_in_flight(ev)}")
+                      f"{bubble_fraction(ev):.4f}, {theory}, peak in flight {peak_in_flight(ev)}")
                 print(ascii_timeline(ev, 1.0 / chunks))
     else:
         for pair in (pp_pair, tp_pair):
