@@ -19,6 +19,8 @@ under the layout of one run (:class:`shardwise.layout.RunLayout`),
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
 # Public name -> module, imported on first use: ``shardwise plan --help`` and the command line's argument
@@ -58,6 +60,20 @@ _PUBLIC: dict[str, str] = {
     "trace_module": "shardwise.plan.trace",
     "training_time_s": "shardwise.plan.timing",
 }
+
+
+class _Package(types.ModuleType):
+    """The package, whose public ``estimate`` is the function: importing the submodule of the same name
+    (``shardwise.plan.estimate``) would otherwise bind the module over it, and ``from shardwise.plan import
+    estimate`` would then give the module or the function depending on what ran before."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and name in _PUBLIC and value.__name__ == _PUBLIC[name]:
+            return  # the submodule stays reachable through sys.modules; the name stays the function's
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> Any:
