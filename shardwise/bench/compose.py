@@ -36,6 +36,7 @@ from shardwise.bench.mp import StepContender, _summary_worst, _time
 from shardwise.comm.topology import Topology
 from shardwise.dims import DP, TP
 from shardwise.models import GPT, GPTConfig, lm_loss
+from shardwise.strategies.base import Strategy
 from shardwise.strategies.parallel import Parallel
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
@@ -49,16 +50,20 @@ def gpt(cfg: GPTConfig = CFG) -> GPT:
     return GPT(cfg)
 
 
-def ours_fsdp_tp(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int = 1) -> LossStep:
-    strat = Parallel(dp=topo.size(DP), tp=topo.size(TP), zero=ZERO)
+def strategy_step(strat: Strategy, model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor) -> LossStep:
+    """One optimizer step of ``strat`` on this rank's ``(x, y)``, driven as the Trainer's loop drives it."""
     pm, opt = strat.setup(model, ADAMW, topo)
 
-    def step() -> torch.Tensor:  # as Trainer._loop drives a strategy
+    def step() -> torch.Tensor:
         loss = strat.train_step(pm, [(x, y)], lm_loss, topo)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss  # type: ignore[return-value]
     return step
+
+
+def ours_fsdp_tp(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int = 1) -> LossStep:
+    return strategy_step(Parallel(dp=topo.size(DP), tp=topo.size(TP), zero=ZERO), model, topo, x, y)
 
 
 def torch_fsdp_tp(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int = 1) -> LossStep:

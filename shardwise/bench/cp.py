@@ -41,6 +41,7 @@ import torch
 from rich.table import Table
 from torch import nn
 
+from shardwise.bench.compose import strategy_step
 from shardwise.bench.harness import measure, spawn_collect
 from shardwise.comm.topology import Topology
 from shardwise.dims import CP, DP, WORLD
@@ -101,16 +102,8 @@ def local_batch(c: CPContender, topo: Topology, x: torch.Tensor, y: torch.Tensor
 
 
 def build_step(c: CPContender, model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor) -> Step:
-    """One optimizer step of ``c`` on this rank's batch, as compose's ``ours_fsdp_tp`` drives a strategy."""
-    strat = c.strategy(topo.world_size)
-    pm, opt = strat.setup(model, ADAMW, topo)
-
-    def step() -> torch.Tensor:  # as Trainer._loop drives a strategy
-        loss = strat.train_step(pm, [(x, y)], lm_loss, topo)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss  # type: ignore[return-value]
-    return step
+    """One optimizer step of ``c`` on this rank's batch."""
+    return strategy_step(c.strategy(topo.world_size), model, topo, x, y)
 
 
 def saved_bytes(c: CPContender, model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor) -> int:
