@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 
 import pytest
 import torch
 from tiny_hf import gpt2, llama, logits_loss
 
 import shardwise as sw
+from shardwise import launch
 from shardwise.models import GPT, GPTConfig, lm_loss
 from shardwise.parallel.schedules import (
     Action,
@@ -141,3 +143,81 @@ def test_zb_h1_with_fsdp_is_refused():
     with pytest.raises(ValueError, match=r"schedule='zb-h1' splits each backward into B and W, which zero=3 "
                                          r"\(FSDP\) does not support yet; use zero=1 or zero=2"):
         sw.Parallel(pp=2, dp=2, zero=3, schedule="zb-h1")
+
+
+# ---- measured against simulated: sleeps standing for compute ---------------------------------------------
+UNIT = 0.2  # seconds per F, B and W: large against the runtime's own per-action cost (a few milliseconds)
+
+
+class _InputPath(torch.autograd.Function):
+    """The part of a layer on the path to its input: F and B take one unit each."""
+
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001, ANN205
+        time.sleep(UNIT)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001, ANN205
+        time.sleep(UNIT)
+        return g
+
+
+class _WeightPath(torch.autograd.Function):
+    """The part only the weight's gradient needs (its input detached: nothing of B reaches it): W takes a unit."""
+
+    @staticmethod
+    def forward(ctx, x, w):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(x)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001, ANN205
+        time.sleep(UNIT)
+        (x,) = ctx.saved_tensors
+        return None, (g * x).sum().reshape(1)
+
+
+class SleepLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _InputPath.apply(x) + _WeightPath.apply(x.detach(), self.w)
+
+
+def _timed(rank: int, device: torch.device, p: int, m: int, path: str) -> None:
+    from shardwise.comm.topology import Topology
+    from shardwise.parallel.pipeline import build_pipeline
+    from shardwise.parallel.pipeline_run import pipeline_step
+    from shardwise.parallel.schedules import Recorder
+
+    topo = Topology.create(device, pp=p)
+    # The batch requires grad so that the first stage has an input gradient too (its B): otherwise B is empty
+    # there and W does the whole backward, which the uniform costs of the simulator do not describe.
+    x, y = torch.randn(m, 4, requires_grad=True), torch.randn(m, 4)
+    out = {}
+    for schedule in ("zb-h1", "1f1b"):
+        pm = build_pipeline(torch.nn.Sequential(*(SleepLayer() for _ in range(p))), topo)
+        pipeline_step(pm, [(x, y)], torch.nn.functional.mse_loss, topo, schedule, m)  # warm-up: headers, caches
+        rec = Recorder()
+        pipeline_step(pm, [(x, y)], torch.nn.functional.mse_loss, topo, schedule, m, rec)
+        out[schedule] = rec.gather(topo.comm("pp"))
+    if rank == 0:
+        torch.save(out, path)
+
+
+@pytest.mark.timeout(240)
+def test_measured_bubble_within_ten_percent_of_simulated(tmp_path):
+    """With F = B = W = 200 ms of sleep per stage (p = 4, m = 8), the recorded ZB-H1 step's bubble is within 10%
+    of the simulated (p-1)/(3m+p-1) = 1/9, and 1F1B's (same work, B and W in one backward) of (p-1)/(m+p-1)."""
+    p, m = 4, 8
+    path = str(tmp_path / "events.pt")
+    launch.spawn(_timed, p, args=(p, m, path))
+    out = torch.load(path, weights_only=False)
+    for schedule, expected in (("zb-h1", (p - 1) / (3 * m + p - 1)), ("1f1b", (p - 1) / (m + p - 1))):
+        simulated = bubble_fraction(simulate(schedule, p, m, t_f=1.0, t_b=2.0, t_w=1.0))
+        assert simulated == pytest.approx(expected, abs=1e-12)
+        measured = bubble_fraction(out[schedule])
+        assert abs(measured - simulated) <= 0.1 * simulated, (schedule, measured, simulated)
