@@ -61,7 +61,7 @@ class _Runner:
         self.grad: dict[tuple[int, int], torch.Tensor] = {}
         self.losses: list[torch.Tensor] = []
         self.sends: list[Handle] = []
-        self.weights: dict[tuple[int, int], WeightGrad] = {}  # split backward: W still to run, by (chunk, mb)
+        self.weights: dict[tuple[int, int], WeightGrad | _WholeBackward] = {}  # split backward: W still to run, by (chunk, mb)
         self.saved = saved
 
     def _k(self, a: Action) -> int:
@@ -149,10 +149,14 @@ class _Runner:
         params = [p for p in chunk.parameters() if p.requires_grad]
         # No parameter gradient arises in B, so a data-parallel wrapper has nothing to reduce: its end of
         # backward (FSDP: reshard, nothing reduced) must not count B as the chunk's backward.
+        if not wants:
+            # The first stage's input (token ids, the batch) needs no gradient: B has nothing to compute and W is
+            # the whole backward, run then as one plain pass.
+            self.weights[key] = _WholeBackward(out, grad)
+            return
         with _quiet(chunk, sync=False):
-            grads, self.weights[key] = backward_input(out, grad, [x] if wants else [], params)
-        if wants:
-            x.grad = grads[0]
+            grads, self.weights[key] = backward_input(out, grad, [x], params)
+        x.grad = grads[0]
 
     def backward_weight(self, a: Action, last: bool) -> None:
         """W: the weight gradients B left, accumulated into ``.grad`` as a plain backward would; data-parallel
@@ -184,6 +188,16 @@ class _Runner:
         for h in self.sends:
             h.wait()
         self.sends.clear()
+
+
+class _WholeBackward:
+    """W of a stage whose input needs no gradient: the plain backward, deferred to where the schedule puts W."""
+
+    def __init__(self, out: torch.Tensor, grad: torch.Tensor | None) -> None:
+        self.out, self.grad = out, grad
+
+    def backward_weight(self) -> None:
+        torch.autograd.backward(self.out, self.grad)
 
 
 @contextlib.contextmanager

@@ -102,8 +102,9 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
         self.data_options()  # zero / replicate checked here, before any process starts
         check_offload(self.offload, self.name, 3 if self.zero == 0 else self.zero)
         if self.schedule in SPLIT_BACKWARD and self.zero == 3:
-            # FSDP frees a unit's full parameters when its gradients are complete; with W apart from B the
-            # units' bookkeeping is not yet right (measured: wrong gradients on the first stage at pp=2).
+            # Measured: with B and W apart, FSDP's units give wrong gradients on the first stage at pp=2 (also
+            # when that stage's W is one plain backward, so the cause is FSDP's per-backward bookkeeping across
+            # the interleaved F, B and W of several micro-batches, not the split itself); refused until fixed.
             raise ValueError(f"schedule={self.schedule!r} splits each backward into B and W, which zero=3 "
                              "(FSDP) does not support yet; use zero=1 or zero=2 (or DDP) with it, or "
                              "schedule='1f1b' with zero=3")
