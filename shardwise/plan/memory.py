@@ -225,7 +225,10 @@ def activation_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, s
                                        training.flash_attention, cp)
     layers = math.ceil(model.layers / pp)
     first = in_flight_microbatches(training.schedule, pp, microbatches) * layers * per_layer
-    last_inflight = microbatches if (training.schedule == "gpipe" and pp > 1) else 1
+    # The last stage keeps one micro-batch under 1F1B; all of them under GPipe; under ZB-H1 it holds back p - 1
+    # weight gradients, so up to p micro-batches' activations (its logits included) wait for their W.
+    last_inflight = microbatches if (training.schedule == "gpipe" and pp > 1) else \
+        min(pp, microbatches) if training.schedule == "zb-h1" else 1
     last = last_inflight * (layers * per_layer + output_activation_bytes(model, s, b, tp, sp, cp))
     return math.ceil(act_scale * max(first, last))
 

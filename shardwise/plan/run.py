@@ -192,7 +192,7 @@ def training_spec(layout: RunLayout, local_batch: int, m: int, k: int) -> Traini
                         precision="fp32" if layout.precision == "32" else "bf16-mixed",
                         optimizer=_OPTIMIZER_NAMES.get(k, "adamw"),
                         activation_checkpointing=layout.activation_checkpointing,
-                        schedule="gpipe" if layout.schedule == "gpipe" else "1f1b",
+                        schedule=layout.schedule if layout.schedule in ("gpipe", "zb-h1") else "1f1b",
                         offload=layout.offload if zero_stage(layout) else "none", no_sync=True, autocast=True)
 
 

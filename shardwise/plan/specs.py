@@ -12,7 +12,7 @@ from shardwise.dims import CP, DP, PP, TP
 
 PRECISIONS = ("fp32", "bf16-mixed")
 OPTIMIZERS = ("adamw", "sgd", "sgd-momentum")
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "zb-h1")
 OFFLOADS = ("none", "optimizer", "all")
 # Names of the data-parallel treatment of the model states; tp and pp are sizes of a layout.
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")

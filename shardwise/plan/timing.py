@@ -77,8 +77,13 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, la
     m, p = microbatches, layout.pp
     ring = _ring_exposed(comms, model, training, layout, s, speed, m)
     slot = fwd + bwd + (slot_comm + ring) / m
-    # Both GPipe and 1F1B idle (p - 1) slots per step (Narayanan et al. 2021, section 2.2).
-    bubble = (p - 1) * slot if p > 1 else 0.0
+    # Both GPipe and 1F1B idle (p - 1) slots per step (Narayanan et al. 2021, section 2.2). ZB-H1 (Qi et al.
+    # 2024) idles (p - 1)(F + B - W): W, the weight gradient, costs the forward's FLOPs (dW = x^T dY against
+    # Y = x W), so the slot less 2 W; never less than a forward, which the drain still waits for.
+    if training.schedule == "zb-h1":
+        bubble = (p - 1) * max(slot - 2 * fwd, fwd) if p > 1 else 0.0
+    else:
+        bubble = (p - 1) * slot if p > 1 else 0.0
     exposed = _exposed(comms, fwd, bwd, m)
     updated = total_numel(numels) if layout.zero_stage == 0 else sharded_numel(numels, layout.shard_size)
     touched = updated * (2 * bpp.param + bpp.grad + 2 * bpp.optimizer)  # read-modify-write of every state

@@ -61,6 +61,25 @@ def test_bubble_follows_p_minus_1_over_m():
         assert est.time.bubble_s / (slots - est.time.bubble_s) == pytest.approx(3 / m)
 
 
+def test_zb_h1_bubble_is_p_minus_1_forwards():
+    """ZB-H1 (Qi et al. 2024): idle (p - 1)(F + B - W) with W = F (the weight gradient's FLOPs equal the
+    forward's): with B + W = 2F that is (p - 1) F, against 1F1B's (p - 1)(F + B + W) plus the slot's traffic."""
+    model = KNOWN_MODELS["gpt2-xl"]
+    cluster = ClusterSpec.with_devices(4)
+    for m in (4, 8, 32):
+        lay = Layout("ddp", dp=1, tp=1, pp=4)
+        one = estimate(model, cluster, TrainingSpec(global_batch=m), lay)
+        zb = estimate(model, cluster, TrainingSpec(global_batch=m, schedule="zb-h1"), lay)
+        f, b = zb.time.forward_s, zb.time.backward_s
+        assert b == pytest.approx(2 * f)
+        slot = one.time.bubble_s / 3  # 1F1B idles p - 1 = 3 slots
+        assert zb.time.bubble_s == pytest.approx(3 * max(slot - 2 * f, f))
+        assert zb.time.bubble_s < one.time.bubble_s / 2
+        assert zb.time.total_s == pytest.approx(one.time.total_s - one.time.bubble_s + zb.time.bubble_s)
+        # Same peak on the first stage; the last stage holds p micro-batches (its W held back), not one.
+        assert zb.activation_bytes >= one.activation_bytes
+
+
 def test_recomputation_costs_one_more_forward():
     model = KNOWN_MODELS["gpt2"]
     cluster = ClusterSpec.with_devices(1)
