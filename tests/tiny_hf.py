@@ -46,3 +46,23 @@ def bert_mlm() -> nn.Module:
     return BertForMaskedLM(BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                       intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
                                       attention_probs_dropout_prob=0.0))
+
+
+def qwen2() -> nn.Module:
+    """Qwen2: biases on q, k and v, grouped-query attention (4 heads, 2 kv heads), RoPE."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                        bos_token_id=0, eos_token_id=0, use_sliding_window=False))
+
+
+def mistral() -> nn.Module:
+    """Mistral: grouped-query attention (4 heads, 1 kv head), RoPE, no sliding window at this length."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    return MistralForCausalLM(MistralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=32,
+                                            bos_token_id=0, eos_token_id=0, sliding_window=None))
