@@ -111,6 +111,8 @@ LAYOUTS = {
     "dp2-pp2-ddp": (lambda: sw.Parallel(pp=2, dp=2, schedule="zb-h1"), 4),
     "dp2-pp2-zero1": (lambda: sw.Parallel(pp=2, dp=2, zero=1, schedule="zb-h1"), 4),
     "dp2-pp2-zero2": (lambda: sw.Parallel(pp=2, dp=2, zero=2, schedule="zb-h1"), 4),
+    "tp2-pp2": (lambda: sw.Parallel(pp=2, tp=2, schedule="zb-h1"), 4),  # tp's collectives sit on B's path
+    "cp2-pp2": (lambda: sw.Parallel(pp=2, cp=2, schedule="zb-h1"), 4),  # the ring's backward is B's too
 }
 
 
