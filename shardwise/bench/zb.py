@@ -1,0 +1,395 @@
+"""Benchmark pair ``zb``: our ZB-H1 pipeline against torch's zero-bubble schedule, and against both 1F1Bs.
+
+Four contenders train the same model, cut into the same stages (one per rank,
+at the same place: :func:`~shardwise.parallel.pipeline.stage_starts`), on the
+same batch cut into the same micro-batches:
+
+* ``shardwise ZB-H1``: :func:`~shardwise.parallel.pipeline_run.pipeline_step` with ``schedule="zb-h1"``;
+* ``torch ScheduleInterleavedZeroBubble`` (torch 2.13), given a list of one ``PipelineStage`` per rank. It
+  accepts one stage per rank, and then runs exactly our ZB-H1's actions (forward F, input gradient I = our B,
+  weight gradient W, in the same order on every rank: its schedule IR, read by :func:`torch_order`, is
+  compared with :func:`~shardwise.parallel.schedules.zb_h1`'s in the table's caption and in
+  tests/bench/test_zb_pair.py);
+* ``shardwise 1F1B``: ``schedule="1f1b"`` (the issue asks ZB-H1 against our 1F1B, at 1F1B's memory);
+* ``torch Schedule1F1B``: the common reference, as in the ``pp`` pair (its loop runs our 1F1B's order:
+  :func:`torch_1f1b_order`).
+
+They run in the same spawned ranks; repetitions rotate which one goes first;
+medians as in :mod:`shardwise.bench.harness` (median over a repetition's
+timed steps, median over repetitions, then the slowest rank for times and
+the largest for memory and bytes). Columns besides those: bytes sent per rank
+per step as our ``Comm`` counts them, against :func:`expected_sent`
+(activations forward, their gradients backward, over the ``m`` micro-batches),
+and each schedule's bubble on the model clock
+(:func:`~shardwise.parallel.schedules.simulate`, ``F = B = W = 1``; torch's
+schedules are simulated from their own action lists), and the activation
+bytes autograd held for backward at the peak of one step, per rank
+(:class:`SavedBytes`). One untimed step per contender from the same weights
+gives the loss and gradients that the caption compares (ours ZB-H1 against
+torch's).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import pickle
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from rich.table import Table
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleavedZeroBubble
+from torch.nn import functional as F
+
+from shardwise.bench.harness import measure, spawn_collect
+from shardwise.bench.mp import mlp
+from shardwise.comm.topology import Topology
+from shardwise.dims import PP, WORLD
+from shardwise.parallel.pipeline import build_pipeline, stage_starts
+from shardwise.parallel.pipeline_layers import pipeline_layers
+from shardwise.parallel.pipeline_run import pipeline_step
+from shardwise.parallel.schedules import Action, bubble_fraction, get_schedule, simulate
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
+WIDTH, DEPTH = 1024, 8  # 8 x Linear(1024): 2 layers per stage at p = 4
+MICROBATCHES = 8
+ZB, F1B, TORCH_ZB, TORCH_1F1B = "zb-h1", "1f1b", "torch-zb", "torch-1f1b"
+Order = list[str]  # per rank, its compute actions in order, e.g. "F0 F1 B0 W0 ...": kind F, B or W, micro-batch
+
+
+class Built:
+    """A contender's training step on this rank, callable (one optimizer step: the harness times it).
+
+    ``run(update)`` returns the step's mean loss on the last stage (None elsewhere); ``params``: this rank's
+    stage parameters, in layer order; ``order``: the schedule's actions of every rank (ours from
+    :func:`~shardwise.parallel.schedules.get_schedule`, torch's zero-bubble one from its schedule IR, its 1F1B's
+    from :func:`torch_1f1b_order`)."""
+
+    def __init__(self, run: Callable[[], torch.Tensor | None], opt: torch.optim.Optimizer, params: list[nn.Parameter],
+                 order: Order) -> None:
+        self._run, self.opt, self.params, self.order = run, opt, params, order
+
+    def run(self, update: bool = True) -> torch.Tensor | None:
+        loss = self._run()
+        if update:
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        return loss
+
+    def __call__(self) -> None:
+        self.run()
+
+
+BuildFn = Callable[[nn.Module, Topology, torch.Tensor, torch.Tensor, int], Built]
+
+
+@dataclass
+class ZBContender:
+    name: str
+    key: str
+    build: BuildFn
+    counts_bytes: bool = True
+
+
+def our_order(schedule: str, p: int, m: int) -> Order:
+    return [" ".join(f"{a.kind}{a.mb}" for a in get_schedule(schedule)(p, m, s, 1)) for s in range(p)]
+
+
+def _ours(schedule: str, model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int) -> Built:
+    pm = build_pipeline(model.to(topo.device), topo)
+    params = list(pm.parameters())
+    return Built(lambda: pipeline_step(pm, [(x, y)], F.mse_loss, topo, schedule, m), ADAMW(params), params,
+                 our_order(schedule, topo.size(PP), m))
+
+
+def ours_zb(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int) -> Built:
+    return _ours(ZB, model, topo, x, y, m)
+
+
+def ours_1f1b(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int) -> Built:
+    return _ours(F1B, model, topo, x, y, m)
+
+
+def _torch_stage(model: nn.Module, topo: Topology, x: torch.Tensor, m: int) -> tuple[nn.Sequential, PipelineStage]:
+    """This rank's stage for torch's schedules: the same layers ours keeps (the same cut)."""
+    p, r = topo.size(PP), topo.coord(PP)
+    layers = pipeline_layers(model)
+    starts = stage_starts(layers, p) + [len(layers)]
+    sub = nn.Sequential(*[mod for _, mod in layers[starts[r]:starts[r + 1]]]).to(topo.device)
+    return sub, PipelineStage(sub, r, p, topo.device, input_args=(x.chunk(m)[0],), group=topo.group(PP))
+
+
+_KINDS = {"F": "F", "I": "B", "B": "B", "W": "W"}  # torch's computation types -> ours (I: backward input)
+
+
+def torch_order(pipeline_order: dict[int, list[Any]]) -> Order:
+    """torch's compute-only schedule IR (``rank -> [_Action | None]``, None an idle slot) in our notation: a
+    full backward (``B``) and a backward-input (``I``) both become our ``B``; other actions (Schedule1F1B's
+    final ``REDUCE_GRAD``) are not compute on a micro-batch and are left out."""
+    return [" ".join(f"{_KINDS[a.computation_type.value]}{a.microbatch_index}" for a in pipeline_order[r]
+                     if a is not None and a.computation_type.value in _KINDS) for r in sorted(pipeline_order)]
+
+
+def _torch_run(sched: Any, topo: Topology, x: torch.Tensor, y: torch.Tensor) -> Callable[[], torch.Tensor | None]:
+    p, r = topo.size(PP), topo.coord(PP)
+
+    def run() -> torch.Tensor | None:
+        if r == 0:
+            sched.step(x)
+        elif r == p - 1:
+            losses: list[torch.Tensor] = []
+            sched.step(target=y, losses=losses)
+            return torch.stack([t.detach() for t in losses]).mean()
+        else:
+            sched.step()
+        return None
+    return run
+
+
+def torch_zb(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int) -> Built:
+    sub, stage = _torch_stage(model, topo, x, m)
+    sched = ScheduleInterleavedZeroBubble([stage], n_microbatches=m, loss_fn=F.mse_loss)
+    params = list(sub.parameters())
+    return Built(_torch_run(sched, topo, x, y), ADAMW(params), params, torch_order(sched.pipeline_order))
+
+
+def torch_1f1b(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int) -> Built:
+    sub, stage = _torch_stage(model, topo, x, m)
+    sched = Schedule1F1B(stage, n_microbatches=m, loss_fn=F.mse_loss)
+    params = list(sub.parameters())
+    return Built(_torch_run(sched, topo, x, y), ADAMW(params), params, torch_1f1b_order(topo.size(PP), m))
+
+
+def torch_1f1b_order(p: int, m: int) -> Order:
+    """The actions ``Schedule1F1B._step_microbatches`` runs (torch 2.13): ``min(m, p - s)`` forwards, then a
+    backward and a forward in turn until the forwards are done, then the remaining backwards. Not its schedule
+    IR (``_get_pipeline_order``, which only draws the schedule): that one numbers the last rank's micro-batches
+    1..m (``F1 B0 F2 B1 ... F8 B7`` for m = 8: its forward counter starts one ahead on a rank without warm-up
+    forwards), which would never run and cannot be simulated."""
+    out = []
+    for s in range(p):
+        warm = min(m, p - s)
+        acts = [f"F{i}" for i in range(warm)]
+        for b in range(m - warm):
+            acts += [f"B{b}", f"F{warm + b}"]
+        out.append(" ".join(acts + [f"B{b}" for b in range(m - warm, m)]))
+    return out
+
+
+CONTENDERS = (ZBContender("shardwise ZB-H1", ZB, ours_zb),
+              ZBContender("torch ScheduleInterleavedZeroBubble", TORCH_ZB, torch_zb, counts_bytes=False),
+              ZBContender("shardwise 1F1B", F1B, ours_1f1b),
+              ZBContender("torch Schedule1F1B", TORCH_1F1B, torch_1f1b, counts_bytes=False))
+
+
+# ---- running -------------------------------------------------------------------------------------
+class SavedBytes:
+    """Live and peak bytes of the distinct storages autograd saves for backward, parameters and the batch left
+    out: :class:`~shardwise.parallel.checkpointing.SavedActivations`' count, except that the pack hook keeps a
+    *detached* alias of the tensor. Kept as it is, a saved *output* (ReLU saves its result) refers back to its
+    own ``grad_fn``, a reference cycle through autograd's C++ graph that Python's collector cannot break; a
+    plain backward frees it anyway (it releases what each node saved as the node runs), but a split backward
+    retains the graph in B and W never runs the input-only nodes, so under ``SavedActivations`` those tensors
+    stayed counted (and allocated) after the step, even after ``gc.collect()``, in ours and in torch's
+    zero-bubble schedule alike. Use as ``with saved_tensors_hooks(c.pack, c.unpack)``."""
+
+    def __init__(self, params: list[nn.Parameter], data: list[torch.Tensor]) -> None:
+        self._skip = {t.untyped_storage().data_ptr() for t in list(params) + list(data)}
+        self._live: dict[int, list[int]] = {}  # storage address -> [bytes, references]
+        self.current = self.peak = 0
+
+    def pack(self, t: torch.Tensor) -> Any:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr == 0 or ptr in self._skip:
+            return t
+        entry = self._live.setdefault(ptr, [t.untyped_storage().nbytes(), 0])
+        if entry[1] == 0:
+            self.current += entry[0]
+            self.peak = max(self.peak, self.current)
+        entry[1] += 1
+        return _Alias(t.detach(), ptr, self)
+
+    @staticmethod
+    def unpack(h: Any) -> torch.Tensor:
+        return h.t if isinstance(h, _Alias) else h
+
+    def release(self, ptr: int) -> None:
+        entry = self._live[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self._live[ptr]
+
+
+class _Alias:
+    __slots__ = ("t", "ptr", "owner")
+
+    def __init__(self, t: torch.Tensor, ptr: int, owner: SavedBytes) -> None:
+        self.t, self.ptr, self.owner = t, ptr, owner
+
+    def __del__(self) -> None:
+        self.owner.release(self.ptr)
+
+
+def batch(n: int, width: int, dtype: torch.dtype, seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same batch on every rank (one model replica): inputs and regression targets."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, width, generator=g).to(dtype), torch.randn(n, width, generator=g).to(dtype)
+
+
+@dataclass
+class RankResult:
+    """One rank's figures, per contender key: step times, peak RSS increases, bytes sent per step (one per
+    repetition); from one untimed step from the common weights, the loss (last rank, None elsewhere) and the
+    largest difference of this rank's gradients from ZB-H1's, and the peak bytes autograd saved for backward
+    (:class:`SavedBytes`: each storage once, parameters and the batch left out, released when autograd drops
+    them: at B, or at W under a split backward); the schedule."""
+
+    times: dict[str, list[float]] = field(default_factory=dict)
+    rss: dict[str, list[int]] = field(default_factory=dict)
+    sent: dict[str, list[float]] = field(default_factory=dict)
+    loss: dict[str, float | None] = field(default_factory=dict)
+    grad_gap: dict[str, float] = field(default_factory=dict)
+    saved: dict[str, int] = field(default_factory=dict)  # peak activation bytes autograd held in that step
+    order: dict[str, Order] = field(default_factory=dict)
+
+
+def _worker(rank: int, device: torch.device, blob: bytes, path: str) -> None:
+    job = pickle.loads(blob)
+    p = torch.distributed.get_world_size()
+    topo = Topology.create(device, dp=1, tp=1, pp=p)
+    base: nn.Module = job["model"].to(job["dtype"])
+    x, y = (t.to(device) for t in batch(job["batch"], job["width"], job["dtype"]))
+    m = job["microbatches"]
+    contenders: tuple[ZBContender, ...] = job["contenders"]
+    res = RankResult()
+    grads: dict[str, torch.Tensor] = {}
+    for c in contenders:  # one untimed step each from the same weights: the loss and gradients to compare
+        built = c.build(copy.deepcopy(base), topo, x, y, m)
+        saved = SavedBytes(built.params, [x, y])
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            loss = built.run(update=False)
+        res.saved[c.key] = saved.peak
+        res.loss[c.key] = None if loss is None else float(loss)
+        grads[c.key] = torch.cat([q.grad.detach().flatten().cpu() for q in built.params])
+        res.order[c.key] = built.order
+        res.times[c.key], res.rss[c.key], res.sent[c.key] = [], [], []
+        del built
+    ref = grads[ZB]
+    res.grad_gap = {k: float((g - ref).abs().max()) for k, g in grads.items()}
+    del grads, ref
+    for rep in range(job["reps"]):  # rotate which contender goes first
+        k = rep % len(contenders)
+        for c in contenders[k:] + contenders[:k]:
+            t, mem, sent = measure(lambda c=c: c.build(copy.deepcopy(base), topo, x, y, m), topo,
+                                   device.type == "cuda", job["warmup"], job["steps"])
+            res.times[c.key].append(t)
+            res.rss[c.key].append(mem)
+            res.sent[c.key].append(sent)
+    everyone = [RankResult(**d) for d in topo.comm(WORLD).all_gather_object(asdict(res), name="bench.gather")]
+    if rank == 0:
+        with open(path, "wb") as f:
+            pickle.dump(everyone, f)
+    topo.close()
+
+
+def run_zb(model: nn.Module, nproc: int, batch_size: int, microbatches: int = MICROBATCHES, reps: int = 5,
+           warmup: int = 3, steps: int = 10, accelerator: str = "cpu", dtype: torch.dtype = torch.float32,
+           contenders: tuple[ZBContender, ...] = CONTENDERS) -> list[RankResult]:
+    """Every contender on ``nproc`` pipeline ranks (one stage each); one :class:`RankResult` per rank."""
+    if batch_size % microbatches:
+        raise SystemExit(f"zb: the batch of {batch_size} does not split into {microbatches} equal micro-batches")
+    width = next(q for q in model.parameters()).shape[-1]
+    job = {"model": model, "batch": batch_size, "width": width, "microbatches": microbatches, "reps": reps,
+           "warmup": warmup, "steps": steps, "dtype": dtype, "contenders": contenders}
+    out: list[RankResult] = spawn_collect(_worker, nproc, pickle.dumps(job), accelerator=accelerator)
+    return out
+
+
+# ---- the formulas --------------------------------------------------------------------------------
+def expected_sent(rank: int, p: int, batch_size: int, width: int, elem: int = 4) -> int:
+    """Bytes one stage sends per step: the activations of its last layer forward (every stage but the last)
+    and the gradient of its input backward (every stage but the first), ``batch x width x elem`` each over the
+    ``m`` micro-batches (the shape header goes once, in the first step, which is not timed)."""
+    return ((rank < p - 1) + (rank > 0)) * batch_size * width * elem
+
+
+def simulated_bubble(order: Order, p: int, m: int) -> float:
+    """The schedule's idle share on the model clock with ``F = B = W = 1`` (a whole backward 2)."""
+    plans = [[Action(a[0], int(a[1:])) for a in acts.split()] for acts in order]
+    return bubble_fraction(simulate(lambda _p, _m, s, _v: plans[s], p, m, t_f=1.0, t_b=2.0, t_w=1.0))
+
+
+# ---- the table -----------------------------------------------------------------------------------
+def summarize(results: list[RankResult]) -> dict[str, dict[str, Any]]:
+    """Per contender: medians over repetitions, then the slowest rank (time) or the largest (memory, bytes)."""
+    first = results[0]
+    return {key: {"step_time_s": max(statistics.median(r.times[key]) for r in results),
+                  "rss": max(statistics.median(r.rss[key]) for r in results),
+                  "sent": max(statistics.median(r.sent[key]) for r in results),
+                  "saved": [r.saved[key] for r in results],
+                  "order": first.order[key]} for key in first.times}
+
+
+def loss_gap(results: list[RankResult], key: str = TORCH_ZB) -> tuple[float, float]:
+    """Against the first contender (ZB-H1), from the same weights on the same batch: (|loss - its loss| on the
+    last rank, the largest |gradient - its gradient| over every rank's parameters)."""
+    la, lb = results[-1].loss[ZB], results[-1].loss[key]
+    assert la is not None and lb is not None
+    return abs(la - lb), max(r.grad_gap[key] for r in results)
+
+
+def zb_table(results: list[RankResult], contenders: tuple[ZBContender, ...], p: int, m: int, batch_size: int,
+             width: int, depth: int, elem: int = 4) -> Table:
+    s = summarize(results)
+    names = {c.key: c.name for c in contenders}
+    counts = {c.key: c.counts_bytes for c in contenders}
+    formula = max(expected_sent(r, p, batch_size, width, elem) for r in range(p))
+    same = s[ZB]["order"] == s[TORCH_ZB]["order"] if TORCH_ZB in s else False
+    dl, dg = loss_gap(results) if TORCH_ZB in s else (float("nan"), float("nan"))
+    zb_vs = ""
+    if F1B in s:
+        zb_vs = (f"shardwise ZB-H1 against shardwise 1F1B: throughput "
+                 f"{s[F1B]['step_time_s'] / s[ZB]['step_time_s']:.3f}x, peak RSS increase "
+                 f"{s[ZB]['rss'] / max(1, s[F1B]['rss']):.3f}x. ")
+    caption = (f"{zb_vs}torch ZB: ScheduleInterleavedZeroBubble given one PipelineStage per rank; it runs "
+               f"{'the same' if same else 'NOT the same'} actions in the same order as ours zb-h1 on every rank "
+               f"(its I = our B). First step from the same weights: |loss ZB-H1 - loss torch ZB| = {dl:.3g}, "
+               f"largest gradient difference {dg:.3g}. Formula: activations forward and their gradients backward, "
+               f"batch x width x {elem} B each, the worst rank (a middle stage sends both). Saved act.: the peak "
+               f"bytes autograd held for backward in one step, stage 0 first (saved-tensor hooks; no parameters, "
+               f"no batch). Simulated bubble: each "
+               f"schedule's actions on the model clock, F = B = W = 1 (1F1B's backward 2): (p-1)/(m+p-1) for 1F1B, "
+               f"(p-1)/(3m+p-1) for ZB-H1.")
+    t = Table(title=f"Zero bubble: {depth} x Linear({width}) MLP, {p} stages (one per rank), {m} micro-batches, "
+                    f"batch {batch_size}, AdamW", caption=caption)
+    for col in ("implementation", "simulated bubble", "median step", "throughput vs torch ZB",
+                "throughput vs torch 1F1B", "peak RSS increase", "memory vs torch ZB", "memory vs torch 1F1B",
+                "saved act. per rank", "sent / rank / step", "formula"):
+        t.add_column(col, justify="left" if col == "implementation" else "right")
+    for key, v in s.items():
+        st, mem = v["step_time_s"], v["rss"]
+        vs_t = [f"{s[k]['step_time_s'] / st:.3f}x" if k in s else "" for k in (TORCH_ZB, TORCH_1F1B)]
+        vs_m = [f"{mem / max(1, s[k]['rss']):.3f}x" if k in s else "" for k in (TORCH_ZB, TORCH_1F1B)]
+        t.add_row(names[key], f"{simulated_bubble(v['order'], p, m):.4f}", f"{1e3 * st:.2f} ms", *vs_t,
+                  f"{mem / 2**20:.2f} MiB", *vs_m, " / ".join(f"{b / 1024:,.0f}" for b in v["saved"]) + " KiB",
+                  f"{v['sent']:,.0f} B" if counts[key] else "(not observable)",
+                  f"{formula:,} B")
+    return t
+
+
+def zb_pair(a: argparse.Namespace) -> Table:
+    """``shardwise bench --pairs zb``: ``--nproc`` stages, :data:`MICROBATCHES` micro-batches of ``--batch``."""
+    model = mlp(WIDTH, DEPTH)
+    res = run_zb(model, a.nproc, a.batch, MICROBATCHES, a.reps, steps=a.steps, accelerator=a.accelerator)
+    return zb_table(res, CONTENDERS, a.nproc, MICROBATCHES, a.batch, WIDTH, DEPTH)
+
+
+__all__ = ["CONTENDERS", "DEPTH", "F1B", "MICROBATCHES", "TORCH_1F1B", "TORCH_ZB", "WIDTH", "ZB", "Built",
+           "RankResult", "SavedBytes", "ZBContender", "batch", "expected_sent", "loss_gap", "our_order", "ours_1f1b",
+           "ours_zb", "run_zb", "simulated_bubble", "summarize", "torch_1f1b", "torch_1f1b_order", "torch_order",
+           "torch_zb", "zb_pair", "zb_table"]

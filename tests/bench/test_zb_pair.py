@@ -1,0 +1,67 @@
+"""The ``zb`` benchmark pair on a tiny MLP: the four contenders train the same thing, torch's zero-bubble schedule
+runs our ZB-H1's actions, and our bytes equal the formula.
+
+torch's ``ScheduleInterleavedZeroBubble`` and ``Schedule1F1B`` run in float64 (the stage's example input gives the
+dtype), so the pair runs in float64 here and the losses and gradients are compared at 1e-12 (measured: bitwise
+equal, here at p = 2 and 4, and in float32 on the benchmark's MLP too; the tolerance only leaves room for a
+different summation order).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardwise.bench.mp import mlp
+from shardwise.bench.zb import (
+    CONTENDERS,
+    F1B,
+    TORCH_1F1B,
+    TORCH_ZB,
+    ZB,
+    expected_sent,
+    loss_gap,
+    our_order,
+    run_zb,
+    simulated_bubble,
+    summarize,
+    zb_table,
+)
+
+WIDTH, DEPTH, BATCH, M = 32, 4, 16, 8
+TOL = 1e-12
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("p", [2, 4])
+def test_zb_pair_same_training_same_schedule_bytes_formula(p):
+    ranks = run_zb(mlp(WIDTH, DEPTH), p, BATCH, M, reps=1, warmup=1, steps=1, dtype=torch.float64)
+    assert len(ranks) == p
+
+    # the same loss and gradients from the same weights on the same batch: ours ZB-H1 against torch's (and the 1F1Bs)
+    last = ranks[-1].loss
+    assert last[ZB] is not None and all(r.loss[ZB] is None for r in ranks[:-1])
+    for key in (TORCH_ZB, F1B, TORCH_1F1B):
+        d_loss, d_grad = loss_gap(ranks, key)
+        assert d_loss <= TOL * abs(last[ZB]), (key, d_loss)
+        assert d_grad <= TOL, (key, d_grad)
+
+    # one stage per rank, torch's zero-bubble schedule runs exactly our zb-h1 (its I is our B); its 1F1B our 1f1b
+    order = ranks[0].order
+    assert order[TORCH_ZB] == order[ZB] == our_order("zb-h1", p, M)
+    assert order[TORCH_1F1B] == order[F1B] == our_order("1f1b", p, M)
+    assert simulated_bubble(order[ZB], p, M) == pytest.approx((p - 1) / (3 * M + p - 1))
+    assert simulated_bubble(order[F1B], p, M) == pytest.approx((p - 1) / (M + p - 1))
+
+    # the activations autograd saves, per rank: ours and torch's hold the same bytes under each schedule
+    for res in ranks:
+        assert res.saved[ZB] == res.saved[TORCH_ZB] and res.saved[F1B] == res.saved[TORCH_1F1B]
+    assert max(res.saved[ZB] for res in ranks) > 0
+
+    # bytes our Comm counted in the timed step: activations forward, their gradients backward, nothing else
+    for r, res in enumerate(ranks):
+        for key in (ZB, F1B):
+            assert res.sent[key] == [expected_sent(r, p, BATCH, WIDTH, elem=8)], (r, key)
+    assert summarize(ranks)[ZB]["sent"] == (2 if p > 2 else 1) * BATCH * WIDTH * 8
+
+    table = zb_table(ranks, CONTENDERS, p, M, BATCH, WIDTH, DEPTH, elem=8)
+    assert table.row_count == 4
