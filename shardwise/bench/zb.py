@@ -24,8 +24,8 @@ and each schedule's bubble on the model clock
 (:func:`~shardwise.parallel.schedules.simulate`, ``F = B = W = 1``; torch's
 schedules are simulated from their own action lists), and the activation
 bytes autograd held for backward at the peak of one step, per rank
-(:class:`SavedBytes`). One untimed step per contender from the same weights
-gives the loss and gradients that the caption compares (ours ZB-H1 against
+(:class:`~shardwise.parallel.checkpointing.SavedActivations`). One untimed step per contender from the
+same weights gives the loss and gradients that the caption compares (ours ZB-H1 against
 torch's).
 """
 from __future__ import annotations
@@ -49,6 +49,7 @@ from shardwise.bench.harness import measure, spawn_collect
 from shardwise.bench.mp import mlp
 from shardwise.comm.topology import Topology
 from shardwise.dims import PP, WORLD
+from shardwise.parallel.checkpointing import SavedActivations
 from shardwise.parallel.pipeline import build_pipeline, stage_starts
 from shardwise.parallel.pipeline_layers import pipeline_layers
 from shardwise.parallel.pipeline_run import pipeline_step
@@ -187,54 +188,6 @@ CONTENDERS = (ZBContender("shardwise ZB-H1", ZB, ours_zb),
 
 
 # ---- running -------------------------------------------------------------------------------------
-class SavedBytes:
-    """Live and peak bytes of the distinct storages autograd saves for backward, parameters and the batch left
-    out: :class:`~shardwise.parallel.checkpointing.SavedActivations`' count, except that the pack hook keeps a
-    *detached* alias of the tensor. Kept as it is, a saved *output* (ReLU saves its result) refers back to its
-    own ``grad_fn``, a reference cycle through autograd's C++ graph that Python's collector cannot break; a
-    plain backward frees it anyway (it releases what each node saved as the node runs), but a split backward
-    retains the graph in B and W never runs the input-only nodes, so under ``SavedActivations`` those tensors
-    stayed counted (and allocated) after the step, even after ``gc.collect()``, in ours and in torch's
-    zero-bubble schedule alike. Use as ``with saved_tensors_hooks(c.pack, c.unpack)``."""
-
-    def __init__(self, params: list[nn.Parameter], data: list[torch.Tensor]) -> None:
-        self._skip = {t.untyped_storage().data_ptr() for t in list(params) + list(data)}
-        self._live: dict[int, list[int]] = {}  # storage address -> [bytes, references]
-        self.current = self.peak = 0
-
-    def pack(self, t: torch.Tensor) -> Any:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr == 0 or ptr in self._skip:
-            return t
-        entry = self._live.setdefault(ptr, [t.untyped_storage().nbytes(), 0])
-        if entry[1] == 0:
-            self.current += entry[0]
-            self.peak = max(self.peak, self.current)
-        entry[1] += 1
-        return _Alias(t.detach(), ptr, self)
-
-    @staticmethod
-    def unpack(h: Any) -> torch.Tensor:
-        return h.t if isinstance(h, _Alias) else h
-
-    def release(self, ptr: int) -> None:
-        entry = self._live[ptr]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.current -= entry[0]
-            del self._live[ptr]
-
-
-class _Alias:
-    __slots__ = ("t", "ptr", "owner")
-
-    def __init__(self, t: torch.Tensor, ptr: int, owner: SavedBytes) -> None:
-        self.t, self.ptr, self.owner = t, ptr, owner
-
-    def __del__(self) -> None:
-        self.owner.release(self.ptr)
-
-
 def batch(n: int, width: int, dtype: torch.dtype, seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
     """The same batch on every rank (one model replica): inputs and regression targets."""
     g = torch.Generator().manual_seed(seed)
@@ -246,8 +199,8 @@ class RankResult:
     """One rank's figures, per contender key: step times, peak RSS increases, bytes sent per step (one per
     repetition); from one untimed step from the common weights, the loss (last rank, None elsewhere) and the
     largest difference of this rank's gradients from ZB-H1's, and the peak bytes autograd saved for backward
-    (:class:`SavedBytes`: each storage once, parameters and the batch left out, released when autograd drops
-    them: at B, or at W under a split backward); the schedule."""
+    (:class:`~shardwise.parallel.checkpointing.SavedActivations`: each storage once, parameters and the batch
+    left out, released when autograd drops them: at B, or at W under a split backward); the schedule."""
 
     times: dict[str, list[float]] = field(default_factory=dict)
     rss: dict[str, list[int]] = field(default_factory=dict)
@@ -270,7 +223,7 @@ def _worker(rank: int, device: torch.device, blob: bytes, path: str) -> None:
     grads: dict[str, torch.Tensor] = {}
     for c in contenders:  # one untimed step each from the same weights: the loss and gradients to compare
         built = c.build(copy.deepcopy(base), topo, x, y, m)
-        saved = SavedBytes(built.params, [x, y])
+        saved = SavedActivations(built.params, [x, y])
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             loss = built.run(update=False)
         res.saved[c.key] = saved.peak
@@ -390,6 +343,6 @@ def zb_pair(a: argparse.Namespace) -> Table:
 
 
 __all__ = ["CONTENDERS", "DEPTH", "F1B", "MICROBATCHES", "TORCH_1F1B", "TORCH_ZB", "WIDTH", "ZB", "Built",
-           "RankResult", "SavedBytes", "ZBContender", "batch", "expected_sent", "loss_gap", "our_order", "ours_1f1b",
+           "RankResult", "ZBContender", "batch", "expected_sent", "loss_gap", "our_order", "ours_1f1b",
            "ours_zb", "run_zb", "simulated_bubble", "summarize", "torch_1f1b", "torch_1f1b_order", "torch_order",
            "torch_zb", "zb_pair", "zb_table"]

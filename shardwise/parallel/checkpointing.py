@@ -109,7 +109,11 @@ class SavedActivations:
             self.current += entry[0]
             self.peak = max(self.peak, self.current)
         entry[1] += 1
-        return _Held(t, ptr, self)
+        # A detached alias (same storage): a saved *output* (ReLU saves its result) kept as itself would refer
+        # back to its own grad_fn, a cycle through autograd's C++ graph that Python's collector cannot break.
+        # A plain backward frees it anyway, node by node; a split backward (B, then W) never runs B's nodes
+        # again, so the tensor would stay allocated, and counted, after the step.
+        return _Held(t.detach(), ptr, self)
 
     @staticmethod
     def unpack(h: Any) -> torch.Tensor:
