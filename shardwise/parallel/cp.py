@@ -82,18 +82,21 @@ def hf_attention_modules(model: nn.Module) -> list[nn.Module]:
 
 def position_takers(model: nn.Module) -> list[nn.Module]:
     """The outermost modules whose forward takes ``position_ids`` (the model, or its pipeline adapters)."""
-    found: list[str] = []
-    out = []
-    for name, m in model.named_modules():
-        if any(name == f or name.startswith(f + ".") for f in found if f) or ("" in found):
-            continue
+    out: list[nn.Module] = []
+
+    def walk(m: nn.Module) -> None:
         try:
             takes = "position_ids" in inspect.signature(m.forward).parameters
-        except (TypeError, ValueError):
+        except (TypeError, ValueError):  # a forward without a signature Python can read
             takes = False
         if takes:
-            found.append(name)
-            out.append(m)
+            if all(m is not o for o in out):  # a module shared by two parents gets one hook
+                out.append(m)  # it passes positions on to what it calls itself: look no deeper
+            return
+        for child in m.children():
+            walk(child)
+
+    walk(model)
     return out
 
 
