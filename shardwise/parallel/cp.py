@@ -30,8 +30,8 @@ sequence that does not split into ``2C`` chunks, heads Ulysses cannot share).
 """
 from __future__ import annotations
 
+import functools
 import inspect
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,13 +39,14 @@ import torch
 from torch import nn
 
 from shardwise.comm.collectives import Comm
-from shardwise.data import Kwargs
+from shardwise.data import Kwargs, leaves
 from shardwise.models import Attention
 from shardwise.parallel.cp_attention import (
     MODES,
     ULYSSES,
     RingWork,
     attention,
+    check_sequence,
     check_ulysses_heads,
     local_positions,
     shard_sequence,
@@ -152,14 +153,8 @@ def apply_context_parallel(model: nn.Module, cp: ContextParallel) -> nn.Module:
     if not ours and not theirs:
         raise ValueError(no_attention_message(model))
     for m in position_takers(model):
-        m.register_forward_pre_hook(_bind(cp), with_kwargs=True)
+        m.register_forward_pre_hook(functools.partial(_with_positions, cp), with_kwargs=True)
     return model
-
-
-def _bind(cp: ContextParallel) -> Callable[..., Any]:
-    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return _with_positions(cp, module, args, kwargs)
-    return hook
 
 
 # ---- the batch ------------------------------------------------------------------------------------
@@ -204,41 +199,30 @@ def check_context_parallel(model: nn.Module, cp: int, mode: str | None, tp: int,
     """Refuse a cp layout that cannot work on this model and batch, naming the fix (module docstring)."""
     if mode not in MODES:
         raise ValueError(f"cp_mode={mode!r}: valid are {', '.join(map(repr, MODES))}")
-    if not any(isinstance(m, Attention) for m in model.modules()) and not hf_attention_modules(model):
+    theirs = hf_attention_modules(model)
+    if not theirs and not any(isinstance(m, Attention) for m in model.modules()):
         raise ValueError(no_attention_message(model))
     if not position_takers(model):
         raise ValueError(f"context parallel: {type(model).__name__}.forward takes no position_ids, so a rank "
                          "cannot tell its tokens where they are in the sequence; add a position_ids=None "
                          "argument (the positions of the tokens passed) to its forward")
-    for m in hf_attention_modules(model):
-        p = getattr(m.config, "attention_dropout", 0.0) or getattr(m.config, "attn_pdrop", 0.0)
+    if theirs:  # one config for the model's attention modules
+        cfg = theirs[0].config
+        p = getattr(cfg, "attention_dropout", 0.0) or getattr(cfg, "attn_pdrop", 0.0)
         if p:
             raise ValueError(f"context parallel: attention dropout {p} is not supported; set the config's "
                              "attention dropout to 0")
-        break
     if isinstance(x, dict) and "attention_mask" in x:
         shard_batch(x, cp, 0)  # the same refusal the ranks would give, now
-    seq = next((t.shape[1] for t in _tensors(x) if t.dim() >= 2), None)
-    if seq is not None and seq % (2 * cp):
-        raise ValueError(f"context parallel: a sequence of {seq} tokens does not split into 2*cp = {2 * cp} equal "
-                         f"chunks (each rank holds a head and a tail chunk); use a sequence length divisible "
-                         f"by {2 * cp}")
+    seq = next((t.shape[1] for t in leaves(x) if t.dim() >= 2), None)
+    if seq is not None:
+        check_sequence(seq, cp)
     heads = _heads(model)
     if mode == ULYSSES and heads is not None:
         q, kv = heads
         if q % tp or kv % tp:
             return  # the tensor-parallel check says what is wrong
         check_ulysses_heads(q // tp, kv // tp, cp)
-
-
-def _tensors(x: Any) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, dict):
-        return [t for v in x.values() for t in _tensors(v)]
-    if isinstance(x, (list, tuple)):
-        return [t for v in x for t in _tensors(v)]
-    return []
 
 
 __all__ = ["ContextParallel", "HF_ATTENTION", "apply_context_parallel", "check_context_parallel",

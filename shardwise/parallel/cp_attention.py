@@ -71,12 +71,18 @@ def local_positions(local_len: int, cp: int, rank: int, device: torch.device | N
     return torch.cat([torch.arange(a * c, (a + 1) * c, device=device), torch.arange(b * c, (b + 1) * c, device=device)])
 
 
+def check_sequence(seq: int, cp: int) -> None:
+    """Refuse a sequence that does not cut into the ``2 * cp`` equal chunks the ranks hold, naming the fix."""
+    if seq % (2 * cp):
+        raise ValueError(f"context parallel: a sequence of {seq} tokens does not split into 2*cp = {2 * cp} equal "
+                         f"chunks (each rank holds a head and a tail chunk); use a sequence length divisible "
+                         f"by {2 * cp}")
+
+
 def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
     """This cp rank's tokens of ``x`` (its two chunks of ``2 * cp``, along ``dim``)."""
     s = x.shape[dim]
-    if s % (2 * cp):
-        raise ValueError(f"context parallel: a sequence of {s} tokens does not split into 2*cp = {2 * cp} equal "
-                         f"chunks; use a sequence length divisible by {2 * cp}")
+    check_sequence(s, cp)
     c = s // (2 * cp)
     a, b = chunk_ids(cp, rank)
     return torch.cat([x.narrow(dim, a * c, c), x.narrow(dim, b * c, c)], dim=dim)
@@ -330,9 +336,14 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None
 
 
+def _gathered(cp: int) -> list[int]:
+    """The chunks in the order an all-to-all gathers them: rank by rank, each rank's (head, tail)."""
+    return [cid for r in range(cp) for cid in chunk_ids(cp, r)]
+
+
 def _natural_order(cp: int) -> list[int]:
     """Where each chunk of the natural order sits in the rank-by-rank (head, tail) concatenation."""
-    gathered = [cid for r in range(cp) for cid in chunk_ids(cp, r)]
+    gathered = _gathered(cp)
     return [gathered.index(i) for i in range(2 * cp)]
 
 
@@ -352,8 +363,7 @@ def _heads_to_seq(y: torch.Tensor, comm: Comm) -> torch.Tensor:
     cp = comm.size
     b, hc, s, d = y.shape
     t = s // cp
-    gathered = [cid for r in range(cp) for cid in chunk_ids(cp, r)]
-    order = torch.tensor(gathered, device=y.device)
+    order = torch.tensor(_gathered(cp), device=y.device)
     parts = y.reshape(b, hc, 2 * cp, t // 2, d).index_select(2, order).reshape(b, hc, cp, t, d).permute(2, 0, 1, 3, 4)
     back = _AllToAll.apply(parts, comm, "cp.a2a")  # back[j]: this rank's tokens of rank j's heads
     return back.transpose(0, 1).reshape(b, cp * hc, t, d)
@@ -396,5 +406,6 @@ def attention(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm
     raise ValueError(f"cp_mode={mode!r}: valid are {', '.join(map(repr, MODES))}")
 
 
-__all__ = ["MODES", "RING", "RingAttention", "RingWork", "ULYSSES", "attention", "check_ulysses_heads", "chunk_ids",
+__all__ = ["MODES", "RING", "RingAttention", "RingWork", "ULYSSES", "attention", "check_sequence", "check_ulysses_heads",
+           "chunk_ids",
            "local_positions", "ring_attention", "shard_sequence", "ulysses_attention", "unmasked_pairs"]

@@ -118,8 +118,9 @@ def test_positions_and_shards_agree():
         assert torch.equal(shard_sequence(x, 4, r)[0], local_positions(4, 4, r))
     assert shard_sequence(x, 2, 0).tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]]
     assert shard_sequence(x, 2, 1).tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]
-    with pytest.raises(ValueError, match=r"a sequence of 16 tokens does not split into 2\*cp = 6 equal chunks; "
-                                         r"use a sequence length divisible by 6"):
+    with pytest.raises(ValueError, match=r"a sequence of 16 tokens does not split into 2\*cp = 6 equal chunks "
+                                         r"\(each rank holds a head and a tail chunk\); use a sequence length "
+                                         r"divisible by 6$"):
         shard_sequence(x, 3, 0)
 
 
