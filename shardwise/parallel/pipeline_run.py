@@ -61,7 +61,8 @@ class _Runner:
         self.grad: dict[tuple[int, int], torch.Tensor] = {}
         self.losses: list[torch.Tensor] = []
         self.sends: list[Handle] = []
-        self.weights: dict[tuple[int, int], WeightGrad | _WholeBackward] = {}  # split backward: W still to run, by (chunk, mb)
+        # A split backward's W still to run, by (chunk, micro-batch).
+        self.weights: dict[tuple[int, int], WeightGrad | _WholeBackward] = {}
         self.saved = saved
 
     def _k(self, a: Action) -> int:
@@ -141,30 +142,29 @@ class _Runner:
 
     def backward_input(self, a: Action) -> None:
         """B of a split backward: this chunk's input gradient only (what the previous stage waits for); the
-        weight gradients wait in a handle for the schedule's W (:mod:`shardwise.parallel.split_backward`)."""
+        weight gradients wait in a handle for the schedule's W (:mod:`shardwise.parallel.split_backward`).
+        No parameter gradient arises here, so no data-parallel wrapper's hook fires."""
         key = (a.chunk, a.mb)
-        chunk = self.pm.chunks[a.chunk]
         out, grad, x = self.out.pop(key), self.grad.pop(key, None), self.x[key]
-        wants = isinstance(x, torch.Tensor) and x.requires_grad
-        params = [p for p in chunk.parameters() if p.requires_grad]
-        # No parameter gradient arises in B, so a data-parallel wrapper has nothing to reduce: its end of
-        # backward (FSDP: reshard, nothing reduced) must not count B as the chunk's backward.
-        if not wants:
+        if not (isinstance(x, torch.Tensor) and x.requires_grad):
             # The first stage's input (token ids, the batch) needs no gradient: B has nothing to compute and W is
             # the whole backward, run then as one plain pass.
             self.weights[key] = _WholeBackward(out, grad)
             return
-        with _quiet(chunk, sync=False):
-            grads, self.weights[key] = backward_input(out, grad, [x], params)
+        params = [p for p in self.pm.chunks[a.chunk].parameters() if p.requires_grad]
+        grads, self.weights[key] = backward_input(out, grad, [x], params)
         x.grad = grads[0]
 
     def backward_weight(self, a: Action, last: bool) -> None:
         """W: the weight gradients B left, accumulated into ``.grad`` as a plain backward would; data-parallel
-        wrappers reduce in the chunk's last W (their hooks fire there, once per parameter)."""
+        wrappers reduce in the chunk's last W (their hooks fire there, once per parameter), and their
+        end-of-backward work runs once, after every autograd pass of the W."""
         chunk = self.pm.chunks[a.chunk]
-        for u in getattr(chunk, "units", []):
-            u.unshard()  # FSDP: the weight-gradient nodes read the full parameters they saved
-        with _quiet(chunk, sync=last):
+        with contextlib.ExitStack() as stack:
+            if not last and hasattr(chunk, "no_sync"):
+                stack.enter_context(chunk.no_sync())
+            if hasattr(chunk, "backward_in_parts"):
+                stack.enter_context(chunk.backward_in_parts())
             self.weights.pop((a.chunk, a.mb)).backward_weight()
 
     def send_backward(self, a: Action) -> None:
@@ -198,18 +198,6 @@ class _WholeBackward:
 
     def backward_weight(self) -> None:
         torch.autograd.backward(self.out, self.grad)
-
-
-@contextlib.contextmanager
-def _quiet(chunk: Any, sync: bool) -> Any:
-    """A chunk's data-parallel wrapper during one half of a split backward: its reduction only when ``sync``,
-    and its end-of-backward work once, after every autograd pass of the half."""
-    with contextlib.ExitStack() as stack:
-        if not sync and hasattr(chunk, "no_sync"):
-            stack.enter_context(chunk.no_sync())
-        if hasattr(chunk, "backward_in_parts"):
-            stack.enter_context(chunk.backward_in_parts())
-        yield
 
 
 def resplit(micro_batches: Sequence[tuple[Any, Any]], m: int | None) -> list[tuple[Any, Any]]:
