@@ -294,7 +294,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), accel
     for p in procs:
         p.start()
     try:
-        supervise(procs, store, grace_s)
+        supervise(procs, store, grace_s, timeout.total_seconds())
     finally:
         stop_processes(procs)
 
@@ -357,6 +357,9 @@ def loopback_rendezvous(timeout: _dt.timedelta = _dt.timedelta(minutes=5)) -> tu
                    "--rdzv-conf", "is_host=false", "--local-addr", "127.0.0.1"]
 
 
+REPORT_WAIT_CAP_S = 60.0  # the longest supervise waits, after a silent death, for a survivor's report
+
+
 class RankHandle(Protocol):
     """What :func:`supervise` watches: ``exitcode`` is None while the rank runs, 0 on success."""
 
@@ -367,12 +370,21 @@ class RankHandle(Protocol):
     def sentinel(self) -> Any: ...  # what multiprocessing.connection.wait accepts
 
 
-def supervise(ranks: Sequence[RankHandle], store: dist.TCPStore, grace_s: float) -> None:
+def supervise(ranks: Sequence[RankHandle], store: dist.TCPStore, grace_s: float,
+              collective_timeout_s: float = 0.0) -> None:
     """Wait until every rank succeeds, or raise :class:`WorkerFailed` once one fails.
 
     Shared by fresh processes and the worker pool, so a failure reads the same
     from both: every rank's traceback from the store, how each silent death
     ended, and the diagnosis of where each rank was.
+
+    After a failure the others get ``grace_s`` seconds to report. When no rank
+    has reported yet (a rank died by a signal, as gloo's abort on a mismatched
+    size does), the survivors get until their collective timeout on top: a rank
+    waiting for the dead one reports only when its wait times out or its
+    connection drops, and that report is the one that says what was missed.
+    That extra wait is capped at :data:`REPORT_WAIT_CAP_S`, so a survivor busy
+    outside any collective does not hold the failure for minutes.
     """
     try:
         while any(r.exitcode is None for r in ranks):
@@ -387,8 +399,15 @@ def supervise(ranks: Sequence[RankHandle], store: dist.TCPStore, grace_s: float)
         raise
     if all(r.exitcode == 0 for r in ranks):
         return
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(r.exitcode is None for r in ranks):
+    start = time.monotonic()
+
+    def reported() -> bool:
+        return any(store.check([f"shardwise/error/{i}"]) for i in range(len(ranks)))
+
+    while any(r.exitcode is None for r in ranks):
+        waited = time.monotonic() - start
+        if waited >= grace_s + min(collective_timeout_s, REPORT_WAIT_CAP_S) or (waited >= grace_s and reported()):
+            break
         time.sleep(0.05)
     # Every rank that failed by now, not only the first seen: which one noticed first is a race.
     failed = [i for i, r in enumerate(ranks) if r.exitcode not in (None, 0)]

@@ -198,7 +198,7 @@ class WorkerPool:
             ranks.append(_PooledRank(w))
         ok = False
         try:
-            launch.supervise(ranks, store, grace_s)
+            launch.supervise(ranks, store, grace_s, timeout.total_seconds())
             ok = True
         finally:
             if not ok:  # failed, timed out or interrupted: none of these workers is trusted again
