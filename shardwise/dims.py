@@ -22,7 +22,7 @@ is split over); ``dp_cp`` and ``dp_shard_cp``, the same with the cp ranks added
 (the cp ranks of a replica hold the same parameters but see other tokens, so
 gradients are averaged over ``dp_cp`` and sharded over ``dp_shard_cp``, as in
 torchtitan); and ``ep``, expert parallelism, which borrows its ranks from
-``dp_shard * cp`` as torchtitan's does (each expert group sees different tokens).
+``dp * cp`` (torchtitan's from ``dp_shard * cp``) (each expert group sees different tokens).
 """
 from __future__ import annotations
 
@@ -38,10 +38,11 @@ EP = "ep"
 DP = "dp"  # the flattened data-parallel group: dp_replicate x dp_shard
 DP_CP = "dp_cp"  # dp x cp: the ranks that hold one replica's parameters and see different tokens (DDP, losses)
 DP_SHARD_CP = "dp_shard_cp"  # dp_shard x cp: where ZeRO/FSDP shard parameters and reduce-scatter gradients
+EDP = "edp"  # expert data parallel: the ranks of dp_cp that hold the same experts (dp_cp / ep of them)
 WORLD = "world"  # every rank: not a dimension, the name of the whole group
 
 MESH: tuple[str, ...] = (PP, DP_REPLICATE, DP_SHARD, CP, TP)  # the device mesh, outermost first
-DERIVED: tuple[str, ...] = (DP, DP_CP, DP_SHARD_CP, EP)
+DERIVED: tuple[str, ...] = (DP, DP_CP, DP_SHARD_CP, EP, EDP)
 SIZES: tuple[str, ...] = (PP, DP, TP)  # the classic three: Trainer.sizes, the checkpoint manifest, the CLI
 SPLIT_BY: tuple[str, ...] = (DP, CP, TP, PP)  # the order "dp*cp*tp*pp = ..." names the sizes in messages
 NAMES: tuple[str, ...] = MESH + DERIVED
@@ -53,7 +54,7 @@ class ParallelDims:
 
     Build one with :meth:`for_world` (``dp=-1``: the ranks left over) or directly;
     either way it is valid once built: every size is at least 1 and ``ep``
-    divides ``dp_shard * cp``.
+    divides ``dp * cp``.
     """
 
     pp: int = 1
@@ -67,9 +68,12 @@ class ParallelDims:
         for name, v in asdict(self).items():
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}={v}: parallel sizes must be >= 1")
-        if (self.dp_shard * self.cp) % self.ep:
-            raise ValueError(f"{EP}={self.ep} must divide {DP_SHARD}*{CP} = {self.dp_shard}*{self.cp}: experts are "
-                             f"spread over the ranks that see different tokens")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"{EP}={self.ep} must divide {DP}*{CP} = {self.dp}*{self.cp}: experts are spread over "
+                             f"the ranks that see different tokens")
+        if self.ep > 1 and self.dp_replicate > 1 and self.dp_shard > 1:
+            raise ValueError(f"{EP}={self.ep} with HSDP ({DP_REPLICATE}={self.dp_replicate} replicas of "
+                             f"{DP_SHARD}={self.dp_shard} shards) is not supported; use replicate=1")
 
     # ---- sizes --------------------------------------------------------------------------------
     @property
@@ -91,6 +95,8 @@ class ParallelDims:
             return self.dp * self.cp
         if name == DP_SHARD_CP:
             return self.dp_shard * self.cp
+        if name == EDP:
+            return self.dp * self.cp // self.ep
         if name not in NAMES:
             raise KeyError(f"unknown parallel dimension {name!r}; valid: {', '.join((*NAMES, WORLD))}")
         return int(getattr(self, name))
@@ -104,6 +110,8 @@ class ParallelDims:
     def same_group(self, name: str) -> str:
         """The dimension whose group is ``name``'s in these dims: with cp = 1, ``dp_cp`` is ``dp`` and
         ``dp_shard_cp`` is ``dp_shard`` (one group, one label in the byte counts, no extra group made)."""
+        if name == EDP and self.ep == 1:
+            name = DP_CP  # every dp x cp rank holds every expert: the experts' group is the dense one
         if self.cp == 1:
             return {DP_CP: DP, DP_SHARD_CP: DP_SHARD}.get(name, name)
         return name
@@ -152,5 +160,5 @@ class ParallelDims:
         return replace(self, dp_replicate=replicate, dp_shard=self.dp // replicate)
 
 
-__all__ = ["CP", "DERIVED", "DP", "DP_CP", "DP_REPLICATE", "DP_SHARD", "DP_SHARD_CP", "EP", "MESH", "NAMES", "PP", "ParallelDims", "SIZES",
+__all__ = ["CP", "DERIVED", "DP", "DP_CP", "DP_REPLICATE", "DP_SHARD", "DP_SHARD_CP", "EDP", "EP", "MESH", "NAMES", "PP", "ParallelDims", "SIZES",
            "SPLIT_BY", "TP", "WORLD"]

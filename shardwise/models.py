@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from shardwise.moe import MoE
+
 
 class MLP(nn.Module):
     """`depth` Linear(width, width) layers with ReLU between, then a classifier head."""
@@ -39,6 +41,12 @@ class GPTConfig:
     n_embd: int = 64
     dropout: float = 0.0
     tie_weights: bool = False
+    # Mixture of experts (shardwise.moe): n_experts > 0 replaces every block's MLP by a routed MoE layer.
+    n_experts: int = 0
+    top_k: int = 2
+    moe_intermediate: int = 0   # each expert's hidden width (0: 2 * n_embd)
+    moe_score: str = "softmax"  # "softmax" (Mixtral) or "sigmoid" (DeepSeek-V3)
+    aux_loss_coef: float = 0.0  # the Switch load-balancing loss's weight (0: off)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -93,7 +101,9 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.attn = Attention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = FeedForward(cfg)
+        self.mlp: nn.Module = FeedForward(cfg) if not cfg.n_experts else MoE(
+            cfg.n_embd, cfg.moe_intermediate or 2 * cfg.n_embd, cfg.n_experts, cfg.top_k, cfg.moe_score,
+            cfg.aux_loss_coef)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))

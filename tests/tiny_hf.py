@@ -66,3 +66,14 @@ def mistral() -> nn.Module:
     return MistralForCausalLM(MistralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                             num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=32,
                                             bos_token_id=0, eos_token_id=0, sliding_window=None))
+
+
+def mixtral() -> nn.Module:
+    """Mixtral: 4 experts, top-2, as 3-D expert weights (transformers 5); grouped-query attention, RoPE."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    return MixtralForCausalLM(MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=48,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            num_local_experts=4, num_experts_per_tok=2,
+                                            max_position_embeddings=32, bos_token_id=0, eos_token_id=0))

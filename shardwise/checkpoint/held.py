@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shardwise.parallel.ep import expert_spec
 from shardwise.parallel.tp import tp_spec
 from shardwise.step import first_named
 
@@ -25,7 +26,8 @@ class Held:
     ``data``: the tensor itself when the rank holds its whole tensor-parallel slice
     (``start == 0`` and the slice's shape), else a 1-D view of elements
     ``[start, start + data.numel())`` of the slice flattened;
-    ``tp``: ``(dim, parts)`` of a tensor-parallel slice, None when not split by tp.
+    ``tp``: ``(dim, parts)`` of a tensor-parallel slice, None when not split by tp;
+    ``ep``: ``(ep rank, ep size)`` of an expert-parallel parameter (its rank's rows of dim 0), None otherwise.
 
     Defined here, not beside the DCP planners of :mod:`shardwise.checkpoint.pieces` (which re-exports it), so
     that a strategy describes its state without loading torch.distributed.checkpoint.
@@ -35,6 +37,7 @@ class Held:
     data: torch.Tensor
     start: int = 0
     tp: tuple[int, int] | None = None
+    ep: tuple[int, int] | None = None
 
 
 def named_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -59,13 +62,13 @@ def held_state(named: Sequence[tuple[str, torch.Tensor]], wrappers: Sequence[nn.
             parts.update({id(p): got for p, got in w.checkpoint_parts(optimizer).items()})
     out: list[Held] = []
     for name, t in named:
-        spec = tp_spec(t)
+        spec, ep = tp_spec(t), expert_spec(t)
         got = parts.get(id(t))
         states: list[tuple[str, int, torch.Tensor]] = got if got is not None else \
             [(k, 0, v) for k, v in optimizer.state.get(t, {}).items() if isinstance(v, torch.Tensor)]
         if not any(what == "param" for what, _, _ in states):
-            out.append(Held(f"model.{name}", t.detach(), 0, spec))
+            out.append(Held(f"model.{name}", t.detach(), 0, spec, ep))
         for what, start, v in states:
             key = f"model.{name}" if what == "param" else f"optim.{name}.{what}"
-            out.append(Held(key, v, start, spec if v.dim() > 0 else None))
+            out.append(Held(key, v, start, spec if v.dim() > 0 else None, ep if v.dim() > 0 else None))
     return out

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -79,6 +80,15 @@ Piece = tuple[tuple[int, ...], torch.Tensor]  # (offsets in the global tensor, a
 
 def pieces_of(held: Held, shape: Sequence[int], tp_rank: int, tp_size: int) -> list[Piece]:
     """(global offsets, view) of each rectangle of the global tensor ``shape`` that ``held`` covers."""
+    if held.ep is not None:
+        # An expert-parallel tensor: this rank's rows of dim 0 are a tensor of their own (tp may split it further).
+        rank, size = held.ep
+        if shape[0] % size:
+            raise ValueError(f"{held.key}: dimension 0 of {list(shape)} does not split into ep={size} parts")
+        rows = shape[0] // size
+        inner = replace(held, ep=None)
+        return [((o[0] + rank * rows, *o[1:]), v)
+                for o, v in pieces_of(inner, (rows, *tuple(shape)[1:]), tp_rank, tp_size)]
     shape = tuple(shape)
     local = list(shape)
     if held.tp is not None:

@@ -324,7 +324,37 @@ def scatter_to_parallel(x: torch.Tensor, comm: Comm, name: str = "tp.scatter") -
     return x if comm.size == 1 else ScatterToParallel.apply(x, comm, name)  # type: ignore[no-any-return]
 
 
-__all__ = ["CopyToParallel", "ReduceFromParallel", "GatherFromParallel", "ScatterToParallel",
+class AllToAllV(torch.autograd.Function):
+    """Rows exchanged by an all-to-all with uneven split sizes (expert parallelism's dispatch and combine).
+
+    Backward sends each row's gradient back where the row came from: the same
+    exchange with the split sizes swapped, counted under ``grad_name``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, out_splits: list[int], in_splits: list[int],  # type: ignore[override]
+                name: str, grad_name: str) -> torch.Tensor:
+        ctx.comm, ctx.splits, ctx.grad_name = comm, (out_splits, in_splits), grad_name
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        comm.all_to_all_v(out, x.contiguous(), out_splits, in_splits, name)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        ctx.comm.all_to_all_v(back, grad.contiguous(), in_splits, out_splits, ctx.grad_name)
+        return back, None, None, None, None, None
+
+
+def all_to_all_v(x: torch.Tensor, comm: Comm, out_splits: list[int], in_splits: list[int], name: str,
+                 grad_name: str) -> torch.Tensor:
+    """Differentiable :meth:`Comm.all_to_all_v`: ``in_splits[i]`` rows of ``x`` to rank i, ``out_splits[j]``
+    rows from rank j."""
+    return AllToAllV.apply(x, comm, out_splits, in_splits, name, grad_name)  # type: ignore[no-any-return]
+
+
+__all__ = ["AllToAllV", "all_to_all_v", "CopyToParallel", "ReduceFromParallel", "GatherFromParallel", "ScatterToParallel",
            "copy_to_parallel", "reduce_from_parallel", "gather_from_parallel", "scatter_to_parallel",
            "GatherFromSequence", "ReduceScatterToSequence", "ScatterToSequence", "SEQUENCE_GATHERED",
            "all_reduce_grad", "check_sequence_split", "gather_from_sequence", "is_sequence_gathered",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import time
 import warnings
 from collections import defaultdict
@@ -55,6 +56,11 @@ class CommStats:
     calls: int = 0
     by_name: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     by_group: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    # Events that are not bytes but belong beside them (tokens an expert layer dispatched or dropped).
+    counters: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def count(self, name: str, n: int) -> None:
+        self.counters[name] += int(n)
 
     def add(self, name: str, sent: int, received: int, group: str = "world") -> None:
         self.sent += sent
@@ -67,12 +73,13 @@ class CommStats:
 
     def snapshot(self) -> dict[str, Any]:
         return {"sent": self.sent, "received": self.received, "calls": self.calls, "by_name": dict(self.by_name),
-                "by_group": dict(self.by_group)}
+                "by_group": dict(self.by_group), "counters": dict(self.counters)}
 
     def reset(self) -> None:
         self.sent = self.received = self.calls = 0
         self.by_name = defaultdict(int)
         self.by_group = defaultdict(int)
+        self.counters = defaultdict(int)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -212,20 +219,37 @@ class Comm:
         return self._issue("all_to_all", name, [inp], lambda: dist.all_to_all_single(
             out, inp, group=self.group, async_op=True), async_op)
 
-    def isend(self, t: torch.Tensor, dst: int, name: str) -> Handle:
-        """Send to group rank ``dst`` (exact bytes); wait on the handle."""
+    def all_to_all_v(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                     name: str) -> None:
+        """Rows ``in_splits[i]`` of ``inp`` (in rank order along dim 0) go to rank i; ``out`` gets
+        ``out_splits[j]`` rows from rank j. Counted exactly: only the rows that leave this rank are sent."""
+        if self.size == 1:
+            out.copy_(inp)
+            return
+        row = inp.element_size() * math.prod(inp.shape[1:])  # bytes of one row (token)
+        me = self.rank
+        sent = row * (sum(in_splits) - in_splits[me])
+        received = row * (sum(out_splits) - out_splits[me])
+        self.stats.add(name, sent, received, self.label)
+        self._issue("all_to_all", name, [inp], lambda: dist.all_to_all_single(
+            out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits, group=self.group,
+            async_op=True), False)
+
+    def isend(self, t: torch.Tensor, dst: int, name: str, tag: int = 0) -> Handle:
+        """Send to group rank ``dst`` (exact bytes); wait on the handle. Messages between two ranks are matched
+        in order per ``tag`` (gloo keeps one ordered channel per tag; NCCL ignores tags: one channel)."""
         self.stats.add(name, _nbytes(t), 0, self.label)
         peer = self.global_rank(dst)
-        h = self._issue("send", name, [t], lambda: dist.isend(t, dst=peer, group=self.group), True,
+        h = self._issue("send", name, [t], lambda: dist.isend(t, dst=peer, group=self.group, tag=tag), True,
                         ranks=[self.global_rank(self.rank), peer])
         assert h is not None
         return h
 
-    def irecv(self, t: torch.Tensor, src: int, name: str) -> Handle:
-        """Receive from group rank ``src`` (exact bytes); wait on the handle."""
+    def irecv(self, t: torch.Tensor, src: int, name: str, tag: int = 0) -> Handle:
+        """Receive from group rank ``src`` (exact bytes); wait on the handle. ``tag``: as in :meth:`isend`."""
         self.stats.add(name, 0, _nbytes(t), self.label)
         peer = self.global_rank(src)
-        h = self._issue("recv", name, [t], lambda: dist.irecv(t, src=peer, group=self.group), True,
+        h = self._issue("recv", name, [t], lambda: dist.irecv(t, src=peer, group=self.group, tag=tag), True,
                         ranks=[self.global_rank(self.rank), peer])
         assert h is not None
         return h

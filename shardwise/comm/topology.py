@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardwise.comm import Comm, CommStats, Diagnostics
 from shardwise.comm.diagnostics import default_store
-from shardwise.dims import CP, DP, DP_CP, DP_REPLICATE, DP_SHARD, DP_SHARD_CP, MESH, WORLD, ParallelDims
+from shardwise.dims import CP, DP, DP_CP, DP_REPLICATE, DP_SHARD, DP_SHARD_CP, EDP, EP, MESH, WORLD, ParallelDims
 
 
 def pick_device(accelerator: str, local_rank: int) -> torch.device:
@@ -90,6 +90,8 @@ class Topology:
                 # dp x cp, sharded over dp_shard x cp (torchtitan's flattened dp_cp and dp_shard_cp).
                 topo._groups[DP_CP] = topo.mesh[DP_REPLICATE, DP_SHARD, CP]._flatten(DP_CP).get_group()
                 topo._groups[DP_SHARD_CP] = topo.mesh[DP_SHARD, CP]._flatten(DP_SHARD_CP).get_group()
+            if dims.ep > 1:
+                topo._groups[EP], topo._groups[EDP] = _expert_groups(topo.mesh, dims)
             topo._groups[WORLD] = None
             topo.diag = Diagnostics(rank, default_store(), debug=debug)
         return topo
@@ -147,6 +149,20 @@ class Topology:
             self._regrouped[replicate] = (self._comm(mesh.get_group(DP_SHARD), DP_SHARD),
                                           self._comm(mesh.get_group(DP_REPLICATE), DP_REPLICATE))
         return self._regrouped[replicate]
+
+
+def _expert_groups(mesh: DeviceMesh, dims: ParallelDims) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(ep, edp) groups of this rank: the dp x cp ranks of a (pp, tp) slice, read in mesh order, cut into blocks
+    of ``ep`` neighbours (one block: every expert once), and the ranks at the same place of every block (they
+    hold the same experts)."""
+    ranks = mesh.mesh.reshape(dims.pp, dims.dp * dims.cp // dims.ep, dims.ep, dims.tp)
+    ep_lists = [ranks[a, b, :, t].tolist() for a in range(dims.pp) for b in range(ranks.shape[1])
+                for t in range(dims.tp)]
+    edp_lists = [ranks[a, :, e, t].tolist() for a in range(dims.pp) for e in range(dims.ep) for t in range(dims.tp)]
+    # Every rank creates every group, in the same order (making a group is a collective).
+    ep_group, _ = dist.new_subgroups_by_enumeration(ep_lists)
+    edp_group, _ = dist.new_subgroups_by_enumeration(edp_lists)
+    return ep_group, edp_group
 
 
 def teardown() -> None:

@@ -153,6 +153,7 @@ class Job:
             "comm_received_bytes_per_step": train_received / steps_run,
             "comm_by_name": dict(topo.stats.by_name),
             "comm_by_group": dict(topo.stats.by_group),
+            "counters": dict(topo.stats.counters),  # e.g. tokens an expert layer dispatched and dropped
             # The first step pays one-off costs (allocations, lazy initialisation): left out when there are more.
             "step_time_s": statistics.median(times[1:] if len(times) > 1 else times) if times else 0.0,
             "activation_bytes": getattr(self, "activation_bytes", 0),

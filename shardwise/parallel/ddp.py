@@ -27,6 +27,7 @@ from torch import nn
 from shardwise.comm import Comm, Handle
 from shardwise.comm.streams import SideStream
 from shardwise.data import leaves
+from shardwise.parallel.ep import is_expert
 
 AllReduceFn = Callable[[torch.Tensor, Comm, str], Handle]
 
@@ -61,26 +62,38 @@ def check_same_parameters(module: nn.Module, comm: Comm) -> None:
                     f"but {fmt(b)} on rank {comm.global_rank(r)}; every rank must build the same model")
 
 
-def broadcast_module(module: nn.Module, comm: Comm, name: str = "ddp.broadcast") -> None:
-    """Make rank 0's parameters and buffers everyone's (one flat broadcast per dtype)."""
-    tensors = [t for t in list(module.parameters()) + list(module.buffers())]
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    with torch.no_grad():
-        for ts in by_dtype.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in ts])
-            comm.broadcast(flat, src=0, name=name)
-            off = 0
-            for t in ts:
-                t.copy_(flat[off:off + t.numel()].view_as(t))
-                off += t.numel()
+def broadcast_module(module: nn.Module, comm: Comm, name: str = "ddp.broadcast",
+                     expert_comm: Comm | None = None) -> None:
+    """Make rank 0's parameters and buffers everyone's (one flat broadcast per dtype and group); expert-parallel
+    parameters only over ``expert_comm`` (the ranks holding the same experts)."""
+    for group, tensors in by_group(list(module.parameters()) + list(module.buffers()), comm, expert_comm):
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        with torch.no_grad():
+            for ts in by_dtype.values():
+                flat = torch.cat([t.detach().reshape(-1) for t in ts])
+                group.broadcast(flat, src=0, name=name)
+                off = 0
+                for t in ts:
+                    t.copy_(flat[off:off + t.numel()].view_as(t))
+                    off += t.numel()
+
+
+def by_group(tensors: list[torch.Tensor], comm: Comm, expert_comm: Comm | None) -> list[tuple[Comm, list[Any]]]:
+    """``tensors`` split into (the group that replicates them, those tensors): expert-parallel parameters go
+    with ``expert_comm`` when there is one (see :mod:`shardwise.parallel.ep`), everything else with ``comm``."""
+    if expert_comm is None:
+        return [(comm, tensors)]
+    return [(comm, [t for t in tensors if not is_expert(t)]), (expert_comm, [t for t in tensors if is_expert(t)])]
 
 
 class _Bucket:
-    def __init__(self, index: int, params: list[nn.Parameter], device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, index: int, params: list[nn.Parameter], device: torch.device, dtype: torch.dtype,
+                 comm: Comm) -> None:
         self.index = index
         self.params = params
+        self.comm = comm  # the group that holds these parameters (the experts' own for expert-parallel ones)
         self.buffer = torch.zeros(sum(p.numel() for p in params), device=device, dtype=dtype)
         self.views: list[torch.Tensor] = []
         off = 0
@@ -93,13 +106,15 @@ class _Bucket:
 
 
 def bucket_params(params: list[nn.Parameter], cap_mb: float) -> list[list[nn.Parameter]]:
-    """``params`` in order, cut into buckets of one dtype and at most ``cap_mb`` MiB each (a bigger parameter
-    alone): the one bucketer of DDP and ZeRO-1/2 (one collective per bucket)."""
+    """``params`` in order, cut into buckets of one dtype, one group (expert-parallel or not) and at most
+    ``cap_mb`` MiB each (a bigger parameter alone): the one bucketer of DDP and ZeRO-1/2 (one collective per
+    bucket)."""
     cap = int(cap_mb * 1024 * 1024)
     out: list[list[nn.Parameter]] = []
     size = 0
     for p in params:
-        if out and out[-1] and size + p.numel() * p.element_size() <= cap and p.dtype == out[-1][0].dtype:
+        if (out and out[-1] and size + p.numel() * p.element_size() <= cap and p.dtype == out[-1][0].dtype
+                and is_expert(p) == is_expert(out[-1][0])):
             out[-1].append(p)
             size += p.numel() * p.element_size()
         else:
@@ -161,7 +176,7 @@ class DDPModule(GradSync, nn.Module):
 
     def __init__(self, module: nn.Module, comm: Comm, bucket_cap_mb: float = 25.0,
                  find_unused_parameters: bool = False, allreduce: AllReduceFn = native_allreduce,
-                 reduce_dtype: torch.dtype | None = None) -> None:
+                 reduce_dtype: torch.dtype | None = None, expert_comm: Comm | None = None) -> None:
         super().__init__()
         # Gradients can travel in a narrower dtype than they are kept in (bf16 halves
         # the bytes); they are averaged in that dtype and widened back afterwards.
@@ -172,12 +187,14 @@ class DDPModule(GradSync, nn.Module):
         self.allreduce = allreduce
         self._sync = True
         check_same_parameters(module, comm)
-        broadcast_module(module, comm)
+        broadcast_module(module, comm, expert_comm=expert_comm)
 
         names = {p: n for n, p in module.named_parameters()}
         params = [p for p in module.parameters() if p.requires_grad]
-        # Reverse order: the last layers' gradients are ready first in backward.
-        self.buckets = [_Bucket(i, ps, ps[0].device, ps[0].dtype)
+        # Reverse order: the last layers' gradients are ready first in backward. Expert-parallel parameters
+        # are summed over their own group (expert_comm) but divided by the same dp size: see parallel/ep.py.
+        self.buckets = [_Bucket(i, ps, ps[0].device, ps[0].dtype,
+                                expert_comm if expert_comm is not None and is_expert(ps[0]) else comm)
                         for i, ps in enumerate(bucket_params(list(reversed(params)), bucket_cap_mb))]
         self._where: dict[nn.Parameter, tuple[_Bucket, torch.Tensor]] = {}
         for b in self.buckets:
@@ -275,7 +292,7 @@ class DDPModule(GradSync, nn.Module):
                 wire = b.buffer
                 if self.reduce_dtype is not None and self.reduce_dtype != b.buffer.dtype:
                     wire = b.wire = b.buffer.to(self.reduce_dtype)
-                b.handle = self.allreduce(wire, self.comm, f"ddp.bucket{b.index}")
+                b.handle = self.allreduce(wire, b.comm, f"ddp.bucket{b.index}")
             self._next += 1
 
     def _finish(self) -> None:

@@ -22,7 +22,8 @@ from torch import Tensor, nn
 
 from shardwise.comm import Comm, Handle
 from shardwise.data import leaves
-from shardwise.parallel.ddp import GradSync, check_same_parameters
+from shardwise.parallel.ddp import GradSync, by_group, check_same_parameters
+from shardwise.parallel.ep import expert_modules, is_expert
 from shardwise.parallel.fsdp_units import WrapPolicy, _to_device, _Unit, unit_modules
 from shardwise.parallel.sharding import (
     broadcast_inplace,
@@ -181,10 +182,13 @@ class FSDPModule(_Reduction, nn.Module):
                  replicate: Comm | None = None, param_init_fn: Callable[[nn.Module], None] | None = None,
                  device: torch.device | None = None, dp_comm: Comm | None = None,
                  collectives: str = "auto", offload: str = "none",
-                 offload_device: torch.device | str = "cpu") -> None:
+                 offload_device: torch.device | str = "cpu", expert_comm: Comm | None = None) -> None:
         super().__init__()
         self.module = module
         self.comm = comm
+        # Expert-parallel parameters form units of their own, sharded over the ranks holding the same experts;
+        # every unit's reduced gradient is divided by dp_size all the same (parallel/ep.py says why).
+        self.expert_comm = expert_comm
         self.how = pick_collectives(collectives, comm)
         self.offload = offload
         self.replicate = replicate
@@ -200,7 +204,9 @@ class FSDPModule(_Reduction, nn.Module):
             # from the same seed, so nothing full ever exists to broadcast.)
             everyone = dp_comm or comm
             check_same_parameters(module, everyone)
-            broadcast_inplace(module, everyone, name="fsdp_broadcast")
+            for group, tensors in by_group(list(module.parameters()) + list(module.buffers()), everyone,
+                                           expert_comm):
+                broadcast_inplace(tensors, group, name="fsdp_broadcast")
 
         self.units = self._build_units(module, wrap)
         self.unit_of = {p: u for u in self.units for p in u.params}
@@ -221,7 +227,8 @@ class FSDPModule(_Reduction, nn.Module):
         self.shard_params = [s for u in self.units for s in u.shard_params]
         self.shard_names = {s: n for u in self.units for s, n in zip(u.shard_params, u.names)}
         self.numel_of = {s: p.numel() for u in self.units for s, p in zip(u.shard_params, u.params)}
-        self.local_of = {s: local_numel(n, comm.size, comm.rank) for s, n in self.numel_of.items()}
+        self.local_of = {s: local_numel(p.numel(), u.comm.size, u.comm.rank)
+                         for u in self.units for s, p in zip(u.shard_params, u.params)}
 
         self._order: list[_Unit] = []
         self._prev_order: list[_Unit] = []
@@ -240,6 +247,8 @@ class FSDPModule(_Reduction, nn.Module):
     # ---- construction ----------------------------------------------------
     def _build_units(self, root: nn.Module, wrap: WrapPolicy) -> list[_Unit]:
         mods = unit_modules(root, wrap)
+        if self.expert_comm is not None:  # each experts module a unit, so no unit mixes the two groups
+            mods = [m for _, m in expert_modules(root) if m not in mods] + mods
         is_unit = {id(m) for m in mods}
         names = {id(m): n for n, m in root.named_modules()}
         # Each module's nearest enclosing unit, and each unit's parent unit.
@@ -294,7 +303,12 @@ class FSDPModule(_Reduction, nn.Module):
             params = [(n, p) for n, p in root.named_parameters() if owner.get(p) is m]
             if not params:
                 continue
-            u = _Unit(len(units), names[id(m)], params, self.comm, self.how)
+            experts = [is_expert(p) for _, p in params]
+            if self.expert_comm is not None and any(experts) and not all(experts):
+                raise ValueError(f"FSDP unit '{names[id(m)]}' holds expert-parallel and dense parameters; the "
+                                 "experts module must be a unit of its own (the default wrap makes it one)")
+            group = self.expert_comm if self.expert_comm is not None and all(experts) else self.comm
+            u = _Unit(len(units), names[id(m)], params, group, self.how)
             self._module_of[u.index] = m
             units.append(u)
         return units
@@ -377,7 +391,7 @@ class FSDPModule(_Reduction, nn.Module):
 
     def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, list[tuple[str, int, Tensor]]]:
         """This rank's piece of each sharded parameter and of its optimizer states (frozen ones stay whole)."""
-        return {p: shard_parts(s, self.comm.rank * chunk_numel(self.numel_of[s], self.comm.size), self.local_of[s],
+        return {p: shard_parts(s, u.comm.rank * chunk_numel(self.numel_of[s], u.comm.size), self.local_of[s],
                                optimizer, with_param=True)
                 for u in self.units for s, p in zip(u.shard_params, u.params)}
 

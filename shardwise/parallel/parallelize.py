@@ -17,7 +17,15 @@ Language Model Training on GPU Clusters Using Megatron-LM", section 3):
    tp splits attention by heads and cp by tokens (the cp exchange carries
    only this rank's heads); before the data-parallel wrappers, which must see
    the final modules. It adds and splits no parameter.
-4. **the data-parallel family** over the ranks that hold the same parameters,
+4. **expert parallel** (ep > 1, or a capacity factor): each experts module
+   keeps its ep rank's experts and routes tokens to the others by all-to-all
+   (:func:`shardwise.parallel.ep.apply_expert_parallel`). After tp (experts
+   are not tp-split: every tp rank runs its experts on the same tokens), and
+   before the data-parallel family, which reduces and shards the expert
+   parameters over ``edp`` (the ranks holding the same experts) and the
+   rest over dp x cp. MoE layers count their load-balancing loss's expert
+   fractions over dp x cp (:func:`~shardwise.parallel.ep.set_token_group`).
+5. **the data-parallel family** over the ranks that hold the same parameters,
    one wrapper per model chunk (:func:`data_parallel`): DDP (``zero=0``),
    ZeRO-1/2 (``zero=1|2``), FSDP/ZeRO-3 (``zero=3``) or HSDP (``zero=3,
    replicate=R``). Gradients are averaged over dp x cp (``dp_cp``) and states
@@ -44,11 +52,12 @@ from torch import nn
 
 from shardwise.comm import Comm
 from shardwise.comm.topology import Topology
-from shardwise.dims import CP, DP, DP_CP, DP_REPLICATE, DP_SHARD_CP, TP
+from shardwise.dims import CP, DP, DP_CP, DP_REPLICATE, DP_SHARD_CP, EDP, EP, TP
 from shardwise.layout import check_data_parallel
 from shardwise.parallel.cp import ContextParallel, apply_context_parallel
 from shardwise.parallel.cp_attention import RING
 from shardwise.parallel.ddp import DDPModule, native_allreduce
+from shardwise.parallel.ep import ExpertParallel, apply_expert_parallel, set_token_group
 from shardwise.parallel.fsdp_module import FSDPModule
 from shardwise.parallel.pipeline import build_pipeline
 from shardwise.parallel.tp import parallelize as tensor_parallel
@@ -136,20 +145,24 @@ def fsdp_groups(topo: Topology, replicate: int, hybrid: bool = False) -> tuple[C
 def wrap_module(module: nn.Module, topo: Topology, opts: DataParallelOptions) -> nn.Module:
     """One module (a whole model, or one pipeline chunk) wrapped by the data-parallel family member."""
     # Gradients are averaged over every rank that holds this replica's parameters: dp, and cp's token shards.
+    # Expert-parallel parameters (ep > 1) are reduced and sharded over their own group, edp (parallel/ep.py).
+    experts = topo.comm(EDP) if topo.size(EP) > 1 else None
     if opts.zero == 0:
         return DDPModule(module, topo.comm(DP_CP), bucket_cap_mb=opts.bucket_cap_mb or 25.0,
                          find_unused_parameters=opts.find_unused_parameters,
-                         allreduce=opts.allreduce or native_allreduce, reduce_dtype=opts.reduce_dtype)
+                         allreduce=opts.allreduce or native_allreduce, reduce_dtype=opts.reduce_dtype,
+                         expert_comm=experts)
     if opts.zero in (1, 2):
         return ZeROModule(module, topo.comm(DP_CP), stage=opts.zero, bucket_cap_mb=opts.bucket_cap_mb or 4.0,
                           collectives=opts.collectives,
-                          offload_device=opts.offload_device if opts.offload == "optimizer" else None)
+                          offload_device=opts.offload_device if opts.offload == "optimizer" else None,
+                          expert_comm=experts)
 
     shard, rep = fsdp_groups(topo, opts.replicate, opts.hybrid)
     return FSDPModule(module, shard, wrap=opts.wrap, reshard_after_forward=opts.reshard_after_forward,
                       replicate=rep, param_init_fn=opts.param_init_fn, device=topo.device,
                       dp_comm=topo.comm(DP_CP), collectives=opts.collectives, offload=opts.offload,
-                      offload_device=opts.offload_device)
+                      offload_device=opts.offload_device, expert_comm=experts)
 
 
 def data_parallel(chunks: nn.ModuleList, optimizer_fn: OptimizerFactory, topo: Topology,
@@ -182,7 +195,8 @@ def data_parallel(chunks: nn.ModuleList, optimizer_fn: OptimizerFactory, topo: T
 def parallelize(model: nn.Module, optimizer_fn: OptimizerFactory, topo: Topology, *,
                 tp_plan: Any = None, split_points: Sequence[str] | None = None, chunks: int = 1, tied: str = "sync",
                 data: DataParallelOptions = DataParallelOptions(),
-                sequence_parallel: bool = False, cp_mode: str = RING) -> tuple[Any, torch.optim.Optimizer]:
+                sequence_parallel: bool = False, cp_mode: str = RING,
+                capacity_factor: float | None = None) -> tuple[Any, torch.optim.Optimizer]:
     """``model`` split, tensor-parallelized and data-parallel-wrapped for ``topo``, in the order of the module
     docstring; returns (this rank's :class:`~shardwise.parallel.pipeline.PipelineModel`, its optimizer).
 
@@ -203,6 +217,15 @@ def parallelize(model: nn.Module, optimizer_fn: OptimizerFactory, topo: Topology
         pm.context = ContextParallel(topo.comm(CP), cp_mode)
         for chunk in pm.chunks:
             apply_context_parallel(chunk, pm.context)
+    if topo.size(EP) > 1 or capacity_factor is not None:
+        dispatcher = ExpertParallel(topo.comm(EP) if topo.size(EP) > 1 else None, topo.stats, capacity_factor)
+        replaced: dict[int, nn.Parameter] = {}
+        for chunk in pm.chunks:
+            replaced.update(apply_expert_parallel(chunk, dispatcher))
+        pm.claimed = {k: replaced.get(id(t), t) for k, t in pm.claimed.items()}
+    if topo.size(DP_CP) > 1:
+        for chunk in pm.chunks:
+            set_token_group(chunk, topo.comm(DP_CP))
     owner, optimizer = data_parallel(pm.chunks, optimizer_fn, topo, data)
     pm.data = owner
     return pm, optimizer

@@ -32,8 +32,9 @@ import torch
 from torch import nn
 
 from shardwise.comm.topology import Topology
-from shardwise.dims import PP, TP
+from shardwise.dims import EP, PP, TP
 from shardwise.parallel.pipeline_layers import pipeline_layers, stage_layers
+from shardwise.parallel.ep import is_expert
 from shardwise.parallel.tp import gather_tensor, tp_spec
 
 
@@ -247,7 +248,10 @@ def gather_full_state(pm: PipelineModel, topo: Topology) -> dict[str, torch.Tens
         if k in pm.claimed:
             t = pm.claimed[k].detach()
             spec = tp_spec(pm.claimed[k])
-            mine[k] = (gather_tensor(t, spec[0], spec[1], tp) if spec is not None else t).contiguous()
+            t = gather_tensor(t, spec[0], spec[1], tp) if spec is not None else t
+            if is_expert(pm.claimed[k]):  # this rank's experts: every ep rank's rows, in rank order
+                t = gather_tensor(t, 0, 1, topo.comm(EP), name="ep.state")
+            mine[k] = t.contiguous()
     listing = pp.all_gather_object([(k, list(t.shape), str(t.dtype)) for k, t in mine.items()], name="pp.keys")
     owner: dict[str, tuple[int, list[int], str]] = {}
     for s, items in enumerate(listing):

@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from shardwise.parallel.placement import LOOP, V, Placement
+
 
 @dataclass(frozen=True)
 class Action:
@@ -116,6 +118,161 @@ def zb_h1(stages: int, microbatches: int, stage: int, chunks: int = 1) -> list[A
     return acts + [Action("W", b) for b in held]
 
 
+class _Lanes:
+    """Appends a V schedule's actions, numbering each (kind, chunk) lane's micro-batches in order.
+
+    ``split=False`` on a B is a whole backward (DualPipe's): its W follows at once. A split B's W waits in
+    ``pending`` (oldest first) for :meth:`w_pending` or :meth:`w`."""
+
+    def __init__(self) -> None:
+        self.acts: list[Action] = []
+        self.count: dict[tuple[str, int], int] = {}
+        self.pending: list[tuple[int, int]] = []  # (chunk, micro-batch): B done, W not yet
+
+    def n(self, kind: str, chunk: int) -> int:
+        return self.count.get((kind, chunk), 0)
+
+    def held(self, chunk: int) -> int:
+        return sum(c == chunk for c, _ in self.pending)
+
+    def f(self, chunk: int) -> None:
+        mb = self.n("F", chunk)
+        self.count[("F", chunk)] = mb + 1
+        self.acts.append(Action("F", mb, chunk))
+
+    def b(self, chunk: int, split: bool = True) -> None:
+        mb = self.n("B", chunk)
+        self.count[("B", chunk)] = mb + 1
+        self.acts.append(Action("B", mb, chunk))
+        if split:
+            self.pending.append((chunk, mb))
+        else:
+            self.acts.append(Action("W", mb, chunk))
+
+    def w(self, chunk: int) -> None:
+        """The oldest pending W of ``chunk``."""
+        i = next(i for i, (c, _) in enumerate(self.pending) if c == chunk)
+        c, mb = self.pending.pop(i)
+        self.acts.append(Action("W", mb, c))
+
+    def w_pending(self) -> None:
+        """The oldest pending W of either chunk, if any."""
+        if self.pending:
+            c, mb = self.pending.pop(0)
+            self.acts.append(Action("W", mb, c))
+
+
+def zbv(stages: int, microbatches: int, stage: int, chunks: int = 2) -> list[Action]:
+    """ZB-V (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 6): two chunks per rank in a V.
+
+    Rank ``r`` holds virtual stages ``r`` (chunk 0, the way down) and ``2p-1-r`` (chunk 1, the way back);
+    F, B and W cost the same on both. Warm-up: ``2(p-r)-1`` forwards of chunk 0 (rank ``p-1``, at the turn,
+    feeds itself), then ``r`` pairs of a chunk-1 and a chunk-0 forward, then ``p-r`` times chunk 1's
+    ``F B W``, the first backwards coming back up. Steady state: ``F B W`` of chunk 0, then of chunk 1. Drain:
+    ``r`` pairs of Bs, then ``p-r`` times a chunk-0 B and the oldest W, then every W held back (chunk 1's
+    first). Each rank holds at most ``2p`` chunk-activations (``p`` micro-batches of a whole stage, 1F1B's
+    peak), and with F = B = W every rank is idle ``2(p-1)`` units against ZB-H1's ``p-1`` of twice the size:
+    ``(p-1)/(6m+p-1)`` of the step in whole-stage units (docs/model_parallel.md derives it).
+
+    The order is laid out for at least ``2p-1`` micro-batches (the warm-up's length); with fewer, it is that
+    order without the micro-batches that do not exist.
+    """
+    _check(stages, microbatches, stage, chunks, "zbv")
+    p, m, r = stages, microbatches, stage
+    n = max(m, 2 * p - 1)
+    lane = _Lanes()
+    for _ in range(2 * (p - r) - 1):
+        lane.f(0)
+    for _ in range(r):
+        lane.f(1)
+        lane.f(0)
+    for _ in range(p - r):
+        lane.f(1)
+        lane.b(1)
+        lane.w(1)
+    while lane.n("F", 1) < lane.n("F", 0) or lane.n("F", 0) < n:
+        if lane.n("F", 0) < n:
+            lane.f(0)
+        lane.b(0)
+        lane.w(0)
+        lane.f(1)
+        lane.b(1)
+        lane.w(1)
+    for _ in range(r):
+        lane.b(0)
+        lane.b(1)
+    for _ in range(p - r):
+        lane.b(0)
+        lane.w(0)
+    while lane.held(1):
+        lane.w(1)
+    while lane.held(0):
+        lane.w(0)
+    return [a for a in lane.acts if a.mb < m]
+
+
+def dualpipev(stages: int, microbatches: int, stage: int, chunks: int = 2) -> list[Action]:
+    """DualPipeV (DeepSeek-V3's DualPipe, Liu et al. 2024, in the V form of deepseek-ai/DualPipe): two chunks per
+    rank in a V, ``m >= 2p``.
+
+    Eight phases on rank ``r``: ``2(p-r-1)`` forwards of chunk 0; ``r+1`` pairs F0 F1; ``p-r-1`` times
+    ``B1 W F1`` (zero-bubble style); the main phase, ``m-2p+r+1`` times the pairs (F0, B1) and (F1, B0);
+    ``p-r-1`` times B1 and the pair (F1, B0); ``r+1`` times B1 B0, whose backwards switch to split (W held
+    back) half way; ``p-r-1`` times a held-back W and a B0; the last ``r+1`` held-back Ws.
+
+    DualPipe overlaps the forward and the backward of a pair on two streams (compute of one hides the
+    all-to-all of the other); here a pair runs F then the whole backward (B then its W at once), which is
+    its order without the overlap. A whole backward is B followed by its W, so B's gradient leaves for the
+    previous stage before W, as soon as it exists.
+    """
+    _check(stages, microbatches, stage, chunks, "dualpipev")
+    p, m, r = stages, microbatches, stage
+    if m < 2 * p:
+        raise ValueError(f"dualpipev needs at least 2p = {2 * p} micro-batches for {p} stages (its steady phase "
+                         f"runs m - 2p + r + 1 pairs on rank r), got {m}; use microbatches >= {2 * p}")
+    lane = _Lanes()
+
+    def pair(fwd: int, bwd: int) -> None:  # DualPipe's overlapped F&B, here one after the other
+        lane.f(fwd)
+        lane.b(bwd, split=False)
+
+    for _ in range(2 * (p - r - 1)):
+        lane.f(0)
+    for _ in range(r + 1):
+        lane.f(0)
+        lane.f(1)
+    for _ in range(p - r - 1):
+        lane.b(1)
+        lane.w_pending()
+        lane.f(1)
+    for i in range(m - 2 * p + r + 1):
+        if i == 0 and r == p - 1:  # the last rank's first pair is not overlapped (DualPipe: a smaller bubble)
+            lane.f(0)
+            lane.b(1, split=False)
+        else:
+            pair(0, 1)
+        pair(1, 0)
+    for _ in range(p - r - 1):
+        lane.b(1, split=False)
+        pair(1, 0)
+    split = False
+    for i in range(r + 1):  # the second half of these backwards holds W back, to fill the drain
+        if i == (r + 1) // 2 and r % 2 == 1:
+            split = True
+        lane.b(1, split)
+        if i == (r + 1) // 2 and r % 2 == 0:
+            split = True
+        lane.b(0, split)
+    for _ in range(p - r - 1):
+        lane.w_pending()
+        lane.b(0, split)
+    for _ in range(r + 1):
+        lane.w_pending()
+    if lane.pending:  # every W must run: a schedule that left one behind would train on a partial gradient
+        raise AssertionError(f"dualpipev left weight gradients {lane.pending} of rank {r} unscheduled")
+    return lane.acts
+
+
 def forward_only(stages: int, microbatches: int, stage: int, chunks: int = 1) -> list[Action]:
     """Evaluation: forwards only, each micro-batch through this rank's chunks in order (no backward, so no
     schedule to balance; a rank waits only for the forward before it, and sends keep receive order)."""
@@ -128,14 +285,22 @@ def _check(stages: int, microbatches: int, stage: int, chunks: int, name: str) -
         raise ValueError(f"{name}: stages ({stages}) and micro-batches ({microbatches}) must be >= 1")
     if not 0 <= stage < stages:
         raise ValueError(f"{name}: stage {stage} is outside 0..{stages - 1}")
-    if chunks != 1 and name != "interleaved":
+    if name in V_SHAPED:
+        if chunks != 2:
+            raise ValueError(f"{name} runs exactly 2 model chunks per rank, placed in a V (rank r holds virtual "
+                             f"stages r and 2p-1-r), got chunks={chunks}; use chunks=2 (or leave it unset)")
+    elif chunks != 1 and name != "interleaved":
         raise ValueError(f"{name} runs one model chunk per stage, got chunks={chunks}; use schedule='interleaved'")
 
 
 Schedule = Callable[[int, int, int, int], list[Action]]
 SCHEDULES: dict[str, Schedule] = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b,
-                                  "zb-h1": zb_h1}
-SPLIT_BACKWARD = frozenset({"zb-h1"})  # schedules whose backward is split into B (input) and W (weights)
+                                  "zb-h1": zb_h1, "zbv": zbv, "dualpipev": dualpipev}
+# Schedules whose backward is split into B (input) and W (weights).
+SPLIT_BACKWARD = frozenset({"zb-h1", "zbv", "dualpipev"})
+# How each schedule places virtual stages on ranks (shardwise.parallel.placement); the rest loop.
+PLACEMENTS: dict[str, str] = {"zbv": V, "dualpipev": V}
+V_SHAPED = frozenset(k for k, shape in PLACEMENTS.items() if shape == V)
 
 
 def get_schedule(name: str) -> Schedule:
@@ -144,38 +309,65 @@ def get_schedule(name: str) -> Schedule:
     return SCHEDULES[name]
 
 
+def placement(schedule: str, stages: int, chunks: int = 1) -> Placement:
+    """Where ``schedule`` puts the ``stages * chunks`` virtual stages (``"loop"`` unless it says otherwise)."""
+    get_schedule(schedule)
+    return Placement(stages, chunks, PLACEMENTS.get(schedule, LOOP))
+
+
+def default_chunks(schedule: str, chunks: int = 1) -> int:
+    """Model chunks per rank a schedule runs when ``chunks`` is left at 1: 2 for interleaved and the V ones."""
+    return max(chunks, 2) if schedule == "interleaved" or schedule in V_SHAPED else chunks
+
+
+# Point-to-point tags: activations and gradients travel on two ordered channels between a pair of ranks.
+ACT_TAG, GRAD_TAG = 0, 1
+
+
 @functools.lru_cache(maxsize=64)
-def check_message_order(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> None:
+def check_message_order(schedule: str, stages: int, microbatches: int, chunks: int = 1, tagged: bool = True) -> None:
     """Raise unless, between every two ranks, messages are received in the order they are sent.
 
-    Point-to-point messages between a pair of ranks are matched in order
-    (gloo without tags, NCCL always), so a schedule is only runnable when the
-    sender's order of sends equals the receiver's order of receives.
+    Point-to-point messages between a pair of ranks are matched in order: per
+    tag with gloo, so activations (:data:`ACT_TAG`) and gradients
+    (:data:`GRAD_TAG`) are two channels (``tagged``); all in one with NCCL,
+    which ignores tags (``tagged=False``). A schedule is only runnable when,
+    on every channel, the sender's order of sends equals the receiver's order
+    of receives. The V schedules need the two channels: a rank sends chunk
+    0's activations and chunk 1's gradients to the same neighbour, in an order
+    its neighbour does not receive them in.
     """
     p, v, m = stages, chunks, microbatches
-    last = p * v - 1
-    sent: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
-    got: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+    place = placement(schedule, p, v)
+    sent: dict[tuple[int, ...], list[tuple[str, int, int]]] = {}
+    got: dict[tuple[int, ...], list[tuple[str, int, int]]] = {}
+
+    def message(src: int, dst: int, what: tuple[str, int, int], box: dict[tuple[int, ...], Any]) -> None:
+        if src != dst:  # two virtual stages on one rank hand over in memory (the turn of a V): no message
+            channel = (src, dst, ACT_TAG if what[0] == "act" else GRAD_TAG) if tagged else (src, dst)
+            box.setdefault(channel, []).append(what)
+
     for r in range(p):
         for a in get_schedule(schedule)(p, m, r, v):
-            k = a.chunk * p + r
+            k = place.virtual(r, a.chunk)
             if a.kind == "W":
                 continue  # a weight gradient stays on its stage
             if a.kind == "F":
                 if k > 0:
-                    got.setdefault(((k - 1) % p, r), []).append(("act", a.mb, k - 1))
-                if k < last:
-                    sent.setdefault((r, (k + 1) % p), []).append(("act", a.mb, k))
+                    message(place.rank_of(k - 1), r, ("act", a.mb, k - 1), got)
+                if k < place.last:
+                    message(r, place.rank_of(k + 1), ("act", a.mb, k), sent)
             else:
-                if k < last:
-                    got.setdefault(((k + 1) % p, r), []).append(("grad", a.mb, k))
+                if k < place.last:
+                    message(place.rank_of(k + 1), r, ("grad", a.mb, k), got)
                 if k > 0:
-                    sent.setdefault((r, (k - 1) % p), []).append(("grad", a.mb, k - 1))
-    for pair in sorted(set(sent) | set(got)):
-        if sent.get(pair, []) != got.get(pair, []):
+                    message(r, place.rank_of(k - 1), ("grad", a.mb, k - 1), sent)
+    for channel in sorted(set(sent) | set(got)):
+        if sent.get(channel, []) != got.get(channel, []):
+            how = "" if tagged else " (one channel per pair, as NCCL has)"
             raise ValueError(f"schedule {schedule!r} with {p} stages, {m} micro-batches, {v} chunks sends "
-                             f"messages from rank {pair[0]} to rank {pair[1]} in a different order than they "
-                             "are received; it cannot run on ordered point-to-point channels")
+                             f"messages from rank {channel[0]} to rank {channel[1]} in a different order than they "
+                             f"are received; it cannot run on ordered point-to-point channels{how}")
 
 
 # ---- recording -------------------------------------------------------------------
@@ -289,7 +481,7 @@ def execute(actions: list[Action], runner: Runner, stage: int, recorder: Recorde
 
 
 def simulate(schedule: str | Schedule, stages: int, microbatches: int, chunks: int = 1, t_f: float = 1.0,
-             t_b: float = 2.0, t_w: float | None = None) -> list[Event]:
+             t_b: float = 2.0, t_w: float | None = None, where: Placement | None = None) -> list[Event]:
     """Replay the schedule on a model clock (forward ``t_f``, backward ``t_b`` per chunk, free messages).
 
     ``t_b`` is a whole backward; a schedule with W actions spends ``t_w`` of it
@@ -297,10 +489,13 @@ def simulate(schedule: str | Schedule, stages: int, microbatches: int, chunks: i
 
     Each rank runs its actions in order; an action starts when the rank is
     free and its inputs exist (the previous virtual stage's forward, or the
-    next one's backward). Raises if the schedule can deadlock.
+    next one's backward). Raises if the schedule can deadlock. Virtual stages
+    sit where the schedule places them (``where`` for a schedule given as a
+    function: the loop placement by default).
     """
     fn = get_schedule(schedule) if isinstance(schedule, str) else schedule
     p, v, m = stages, chunks, microbatches
+    place = placement(schedule, p, v) if isinstance(schedule, str) else (where or Placement(p, v))
     plans = [fn(p, m, s, v) for s in range(p)]
     split = any(a.kind == "W" for plan in plans for a in plan)
     w = (t_b / 2 if t_w is None else t_w) if split else 0.0
@@ -310,14 +505,14 @@ def simulate(schedule: str | Schedule, stages: int, microbatches: int, chunks: i
     done: dict[tuple[str, int, int], float] = {}  # (kind, mb, virtual stage) -> end time
     held = [0] * p
     events: list[Event] = []
-    last = p * v - 1
+    last = place.last
     while any(pos[s] < len(plans[s]) for s in range(p)):
         progressed = False
         for s in range(p):
             if pos[s] >= len(plans[s]):
                 continue
             a = plans[s][pos[s]]
-            k = a.chunk * p + s  # virtual stage
+            k = place.virtual(s, a.chunk)
             need = [("F", a.mb, k - 1)] if a.kind == "F" and k > 0 else []
             if a.kind == "B":
                 need = [("F", a.mb, k)] + ([("B", a.mb, k + 1)] if k < last else [])
@@ -340,5 +535,7 @@ def simulate(schedule: str | Schedule, stages: int, microbatches: int, chunks: i
     return events
 
 
-__all__ = ["Action", "Event", "Recorder", "SCHEDULES", "SPLIT_BACKWARD", "Runner", "bubble_fraction", "check_message_order", "execute",
-           "forward_only", "get_schedule", "gpipe", "gpipe_bubble", "interleaved_1f1b", "one_f_one_b", "peak_in_flight", "simulate", "zb_h1"]
+__all__ = ["Action", "Event", "PLACEMENTS", "Recorder", "SCHEDULES", "SPLIT_BACKWARD", "V_SHAPED", "Runner",
+           "bubble_fraction", "check_message_order", "default_chunks", "dualpipev", "execute", "forward_only",
+           "get_schedule", "gpipe", "gpipe_bubble", "interleaved_1f1b", "one_f_one_b", "peak_in_flight", "placement",
+           "simulate", "zb_h1", "zbv"]

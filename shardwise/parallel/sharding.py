@@ -127,13 +127,15 @@ class FlatLayout:
 
 
 @torch.no_grad()
-def broadcast_inplace(module: nn.Module, comm: Comm, name: str) -> None:
-    """Make rank 0's parameters and buffers everyone's, one tensor at a time, in place.
+def broadcast_inplace(tensors: nn.Module | Sequence[torch.Tensor], comm: Comm, name: str) -> None:
+    """Make rank 0's tensors (a module's parameters and buffers) everyone's, one tensor at a time, in place.
 
     Unlike one flat broadcast this needs no second copy of the model, which
     matters to strategies whose point is that a rank holds less than a model.
     """
-    for t in list(module.parameters()) + list(module.buffers()):
+    if isinstance(tensors, nn.Module):
+        tensors = list(tensors.parameters()) + list(tensors.buffers())
+    for t in tensors:
         if t.device.type == "meta":
             continue
         if t.is_contiguous():

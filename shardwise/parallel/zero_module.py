@@ -20,7 +20,8 @@ import torch
 from torch import Tensor, nn
 
 from shardwise.comm import Comm
-from shardwise.parallel.ddp import GradSync, bucket_params, check_same_parameters
+from shardwise.parallel.ddp import GradSync, bucket_params, by_group, check_same_parameters
+from shardwise.parallel.ep import is_expert
 from shardwise.parallel.sharding import (
     FlatLayout,
     Waitable,
@@ -35,10 +36,12 @@ from shardwise.parallel.sharding import (
 class _Bucket:
     """Parameters reduced and gathered together, with their shard layout and in-flight buffers."""
 
-    def __init__(self, index: int, params: list[nn.Parameter], world: int, rank: int,
+    def __init__(self, index: int, params: list[nn.Parameter], comm: Comm,
                  offload: torch.device | None = None) -> None:
         self.index = index
         self.params = params
+        self.comm = comm  # the group these parameters are sharded over (the experts' own for expert-parallel ones)
+        world, rank = comm.size, comm.rank
         self.layout = FlatLayout([p.numel() for p in params], world)
         self.rank = rank
         # This rank's padded piece of each parameter, for the optimizer. Where
@@ -101,7 +104,8 @@ class ZeROModule(GradSync, nn.Module):
     """
 
     def __init__(self, module: nn.Module, comm: Comm, stage: int = 2, bucket_cap_mb: float = 4.0,
-                 collectives: str = "auto", offload_device: torch.device | str | None = None) -> None:
+                 collectives: str = "auto", offload_device: torch.device | str | None = None,
+                 expert_comm: Comm | None = None) -> None:
         super().__init__()
         self.how = pick_collectives(collectives, comm)
         self.offload = torch.device(offload_device) if offload_device is not None else None
@@ -112,14 +116,18 @@ class ZeROModule(GradSync, nn.Module):
         self.stage = stage
         self._sync = True
         check_same_parameters(module, comm)
-        broadcast_inplace(module, comm, name="zero_broadcast")
+        for group, tensors in by_group(list(module.parameters()) + list(module.buffers()), comm, expert_comm):
+            broadcast_inplace(tensors, group, name="zero_broadcast")
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         for n, p in named:
             if not p.is_contiguous():
                 raise ValueError(f"parameter '{n}' is not contiguous; ZeRO shards flattened parameters")
         self.names = {p: n for n, p in named}
-        self.buckets = [_Bucket(i, ps, comm.size, comm.rank, self.offload)
+        # Expert-parallel parameters are sharded and reduced over their own group (expert_comm), and divided
+        # by the same dp size as the rest (see parallel/ep.py).
+        self.buckets = [_Bucket(i, ps, expert_comm if expert_comm is not None and is_expert(ps[0]) else comm,
+                                self.offload)
                         for i, ps in enumerate(bucket_params([p for _, p in reversed(named)], bucket_cap_mb))]
         self._where = {p: b for b in self.buckets for p in b.params}
         shard_of = {p: s for b in self.buckets for p, s in zip(b.params, b.shards)}
@@ -162,7 +170,7 @@ class ZeROModule(GradSync, nn.Module):
 
     def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, list[tuple[str, int, Tensor]]]:
         """This rank's optimizer-state pieces of each parameter (the parameters themselves are whole here)."""
-        return {p: shard_parts(s, self.comm.rank * c, k, optimizer, with_param=False)
+        return {p: shard_parts(s, b.rank * c, k, optimizer, with_param=False)
                 for b in self.buckets for p, s, c, k in zip(b.params, b.shards, b.layout.chunks, b.locals)}
 
     def grad_pieces(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
@@ -182,26 +190,25 @@ class ZeROModule(GradSync, nn.Module):
     @torch.no_grad()
     def after_step(self) -> None:
         """All-gather every rank's updated pieces into the full parameters (one bucket in flight)."""
-        n = self.comm.size
         prev: tuple[_Bucket, torch.Tensor, torch.Tensor | None, Waitable | None] | None = None
         for b in self.buckets:
-            p0 = b.params[0]
+            p0, n = b.params[0], b.comm.size
             name = f"zero_all_gather.b{b.index}"
             if b.host is not None:
                 # Offloaded: the updated master row comes back to the device, then travels.
                 # (CUDA, pinned row: asynchronous; the row is next written after the blocking gradient copy.)
                 send = b.host.to(p0.device, non_blocking=p0.device.type == "cuda")
                 if b.layout.identity:
-                    h = all_gather(self.comm, p0.data.view(-1), send, name, self.how)
+                    h = all_gather(b.comm, p0.data.view(-1), send, name, self.how)
                     recv = None
                 else:
                     recv = torch.empty(n * b.layout.shard_numel, dtype=p0.dtype, device=p0.device)
-                    h = all_gather(self.comm, recv, send, name, self.how)
+                    h = all_gather(b.comm, recv, send, name, self.how)
             elif b.layout.identity:
                 # The optimizer updated this rank's slot of the parameter in place: gather
                 # the other slots around it, with no send or receive buffer and no copy.
                 send = b.shards[0].detach()
-                h = all_gather(self.comm, p0.data.view(-1), send, name, self.how)
+                h = all_gather(b.comm, p0.data.view(-1), send, name, self.how)
                 recv = None
             else:
                 # The optimizer's pieces, padding included, are what every rank sends.
@@ -209,7 +216,7 @@ class ZeROModule(GradSync, nn.Module):
                 for dst, piece in zip(b.layout.padded_views(send), b.shards):
                     dst.copy_(piece.detach())
                 recv = torch.empty(n * b.layout.shard_numel, dtype=p0.dtype, device=p0.device)
-                h = all_gather(self.comm, recv, send, name, self.how)
+                h = all_gather(b.comm, recv, send, name, self.how)
             if prev is not None:
                 self._unpack(prev)
             prev = (b, send, recv, h)
@@ -242,8 +249,8 @@ class ZeROModule(GradSync, nn.Module):
     @torch.no_grad()
     def _refresh_copies(self) -> None:
         """Re-read the padded copies from the full parameters, which are the truth (e.g. after a checkpoint load)."""
-        r = self.comm.rank
         for b in self.buckets:
+            r = b.rank
             if b.host is not None:
                 b.refresh_host()
                 continue
@@ -287,7 +294,7 @@ class ZeROModule(GradSync, nn.Module):
     @torch.no_grad()
     def _launch(self, b: _Bucket) -> None:
         """Pack a bucket's full gradients rank-major and start their reduce-scatter (one in flight)."""
-        n, p0 = self.comm.size, b.params[0]
+        n, p0 = b.comm.size, b.params[0]
         g0 = p0.grad
         if b.layout.identity and g0 is not None and g0.is_contiguous():
             staging = g0.view(-1)  # already rank-major: reduce-scatter it in place of a packed copy
@@ -298,7 +305,7 @@ class ZeROModule(GradSync, nn.Module):
             for p in b.params:
                 p.grad = None  # the point of stage 2: the full gradient is gone once sent
         out = torch.empty(b.layout.shard_numel, dtype=p0.dtype, device=p0.device)
-        h = reduce_scatter(self.comm, out, staging, f"zero_reduce_scatter.b{b.index}", self.how)
+        h = reduce_scatter(b.comm, out, staging, f"zero_reduce_scatter.b{b.index}", self.how)
         b.launched = True
         self._drain()
         self._inflight = (b, staging, out, h)
@@ -311,7 +318,8 @@ class ZeROModule(GradSync, nn.Module):
         self._inflight = None
         if h is not None:
             h.wait()
-        # Sum then divide: the mean over ranks without ReduceOp.AVG, which gloo lacks.
+        # Sum then divide: the mean over ranks without ReduceOp.AVG, which gloo lacks. Always by the whole dp
+        # group's size: an expert bucket's sum over its edp ranks holds ep ranks' tokens each (parallel/ep.py).
         out.div_(self.comm.size)
         if self.offload is not None:
             out = out.to(self.offload)  # ZeRO-Offload: the gradient shard goes where the optimizer runs

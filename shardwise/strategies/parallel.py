@@ -28,11 +28,12 @@ from torch import nn
 
 from shardwise.checkpoint.held import Held, held_state
 from shardwise.comm.topology import Topology
-from shardwise.dims import CP, PP, TP, ParallelDims
+from shardwise.dims import CP, EP, PP, TP, ParallelDims
 from shardwise.layout import RunLayout
 from shardwise.parallel.accounting import model_state_tensors, with_optimizer_states
 from shardwise.parallel.cp import shard_batch
 from shardwise.parallel.cp_attention import MODES
+from shardwise.parallel.ep import check_experts, experts_norm_share, is_expert
 from shardwise.parallel.parallelize import DataParallelOptions, Owners, parallelize
 from shardwise.parallel.pipeline import PipelineModel, find_ties, gather_full_state, stage_starts
 from shardwise.parallel.pipeline_layers import stage_layers
@@ -66,6 +67,10 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
         cp_mode: ``"ring"`` (key/value blocks passed around the cp ranks, any cp) or
             ``"ulysses"`` (all-to-alls between sequence and head shards; heads divide by cp).
         sequence_parallel: with tp > 1, Megatron sequence parallelism.
+        ep: expert-parallel size: the experts of every MoE layer are split over ``ep`` of the dp x cp ranks,
+            tokens reach them by all-to-all (docs/experts.md); must divide dp x cp and the expert count.
+        capacity_factor: None routes every token (dropless); a number caps what each expert takes from a
+            rank at ``ceil(capacity_factor * tokens * top_k / experts)`` slots, dropping the rest (counted).
         tp_plan: tensor-parallel plan (None: the built-in plan for the model type).
         bucket_cap_mb: DDP/ZeRO bucket size (None: each one's default).
         collectives, offload, offload_device, wrap, reshard_after_forward: as in
@@ -93,6 +98,8 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
     cp: int = 1
     cp_mode: str = "ring"
     sequence_parallel: bool = False
+    ep: int = 1
+    capacity_factor: float | None = None
     name: ClassVar[str] = "parallel"
 
     def __post_init__(self) -> None:
@@ -127,7 +134,7 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
         return self.tp_plan
 
     def layout(self, devices: int) -> RunLayout:
-        return self._layout(ParallelDims.for_world(devices, self.dp, self.tp, self.pp, cp=self.cp,
+        return self._layout(ParallelDims.for_world(devices, self.dp, self.tp, self.pp, cp=self.cp, ep=self.ep,
                                                    replicate=self.replicate if self.zero == 3 else 1))
 
     def _layout(self, dims: ParallelDims) -> RunLayout:
@@ -141,7 +148,8 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
         return parallelize(model, optimizer_fn, topo, tp_plan=self.tp_plan, split_points=self.split_points,
                            chunks=self.n_chunks(), tied=self.tied, data=self.data_options(),
-                           sequence_parallel=self.sequence_parallel, cp_mode=self.cp_mode)
+                           sequence_parallel=self.sequence_parallel, cp_mode=self.cp_mode,
+                           capacity_factor=self.capacity_factor)
 
     def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int) -> None:
         """Before any process starts: every stage gets a layer, the batch splits, the stages can all fill.
@@ -150,6 +158,7 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
         once per process, after the process group was formed; here it costs nothing.
         """
         p, v = self.layout(devices).pp, self.n_chunks()
+        check_experts(model, self.ep, self.capacity_factor)
         layers = stage_layers(model, p * v)
         starts = stage_starts(layers, p * v, self.split_points) + [len(layers)]  # too few layers: ValueError
         if self.zero == 2 and p > 1:
@@ -227,6 +236,12 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
             # The pieces are disjoint over the shard group (HSDP replicas hold equal ones).
             groups.insert(0, (owner.shard_comm, "zero_clip"))
         counted = [g for g, p in pieces if counts_in_norm(p, tp, elsewhere)]
+        if owner is None and topo.size(EP) > 1:
+            # DDP: dense gradients are equal over dp x cp, but each ep rank holds other experts: their squares
+            # are summed over ep first (ZeRO/FSDP pieces are disjoint over dp x cp already, experts included).
+            counted = [g for g, p in pieces if counts_in_norm(p, tp, elsewhere) and not is_expert(p)]
+            experts = [g for g, p in pieces if counts_in_norm(p, tp, elsewhere) and is_expert(p)]
+            counted.append(experts_norm_share(experts, topo.comm(EP), topo.device))
         return clip_global_norm(counted, every, max_norm, groups, topo.device)
 
     def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
