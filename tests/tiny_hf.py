@@ -69,11 +69,14 @@ def mistral() -> nn.Module:
 
 
 def mixtral() -> nn.Module:
-    """Mixtral: 4 experts, top-2, as 3-D expert weights (transformers 5); grouped-query attention, RoPE."""
+    """Mixtral: 4 experts, top-2, as 3-D expert weights (transformers 5); grouped-query attention, RoPE.
+
+    The experts run transformers' eager loop: its default, torch's grouped_mm, has no float64 kernel."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
     return MixtralForCausalLM(MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=48,
                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                             num_local_experts=4, num_experts_per_tok=2,
-                                            max_position_embeddings=32, bos_token_id=0, eos_token_id=0))
+                                            max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
+                                            experts_implementation="eager"))

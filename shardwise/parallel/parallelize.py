@@ -196,7 +196,7 @@ def parallelize(model: nn.Module, optimizer_fn: OptimizerFactory, topo: Topology
                 tp_plan: Any = None, split_points: Sequence[str] | None = None, chunks: int = 1, tied: str = "sync",
                 data: DataParallelOptions = DataParallelOptions(),
                 sequence_parallel: bool = False, cp_mode: str = RING,
-                capacity_factor: float | None = None) -> tuple[Any, torch.optim.Optimizer]:
+                capacity_factor: float | None = None, shape: str = "loop") -> tuple[Any, torch.optim.Optimizer]:
     """``model`` split, tensor-parallelized and data-parallel-wrapped for ``topo``, in the order of the module
     docstring; returns (this rank's :class:`~shardwise.parallel.pipeline.PipelineModel`, its optimizer).
 
@@ -212,7 +212,7 @@ def parallelize(model: nn.Module, optimizer_fn: OptimizerFactory, topo: Topology
         return tensor_parallel(m, tp_plan, tp, keep, sequence_parallel=sequence_parallel)
 
     pm = build_pipeline(model.to(topo.device), topo, split_points, chunks, tied,
-                        apply_tp if topo.size(TP) > 1 else None)
+                        apply_tp if topo.size(TP) > 1 else None, shape)  # shape: the schedule's placement
     if topo.size(CP) > 1:
         pm.context = ContextParallel(topo.comm(CP), cp_mode)
         for chunk in pm.chunks:

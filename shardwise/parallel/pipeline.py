@@ -34,6 +34,7 @@ from torch import nn
 from shardwise.comm.topology import Topology
 from shardwise.dims import EP, PP, TP
 from shardwise.parallel.pipeline_layers import pipeline_layers, stage_layers
+from shardwise.parallel.placement import LOOP, Placement
 from shardwise.parallel.ep import is_expert
 from shardwise.parallel.tp import gather_tensor, tp_spec
 
@@ -110,24 +111,28 @@ class PipelineStage(nn.Module):
 @dataclass
 class _Tie:
     name: str            # canonical name of the tied parameter
-    param: nn.Parameter  # this rank's copy
+    param: nn.Parameter  # this rank's copy (one per chunk using it: a V puts the embedding and head on one rank)
     owners: list[int]    # pipeline ranks holding a copy, ascending
+    counted: bool = True  # the one copy of all that the global gradient norm counts (first rank, first chunk)
 
 
 class PipelineModel(nn.Module):
     """This rank's model chunks plus what a step and a state-dict gather need to know.
 
-    ``chunks[c]`` is virtual stage ``c * stages + rank`` (possibly wrapped by a
-    data-parallel module); calling the model directly only works without
-    pipeline ranks to talk to (``stages == 1``).
+    ``chunks[c]`` is virtual stage ``placement.virtual(rank, c)`` (possibly wrapped by a
+    data-parallel module; :class:`~shardwise.parallel.placement.Placement`, the loop
+    ``c * stages + rank`` unless a V schedule asked otherwise); calling the model directly
+    only works without pipeline ranks to talk to (``stages == 1``).
     """
 
     def __init__(self, chunks: list[nn.Module], rank: int, stages: int, keys: list[str],
-                 claimed: dict[str, torch.Tensor], ties: list[_Tie], device: torch.device) -> None:
+                 claimed: dict[str, torch.Tensor], ties: list[_Tie], device: torch.device,
+                 placement: Placement | None = None) -> None:
         super().__init__()
         self.device = device
         self.chunks = nn.ModuleList(chunks)
         self.rank, self.stages = rank, stages
+        self.placement = placement or Placement(stages, len(chunks))
         self.keys = keys
         self.claimed = claimed
         self.ties = ties
@@ -156,7 +161,8 @@ class PipelineModel(nn.Module):
 
     @property
     def is_last(self) -> bool:
-        return self.rank == self.stages - 1
+        """Whether this rank runs the last virtual stage (the loss): rank 0 under a V placement."""
+        return self.placement.rank_of(self.placement.last) == self.rank
 
     def forward(self, x: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
         if chunk is not None:
@@ -169,31 +175,35 @@ class PipelineModel(nn.Module):
         return x
 
     def elsewhere(self) -> set[int]:
-        """Ids of tied copies whose gradient norm another stage counts (for global clipping)."""
-        return {id(t.param) for t in self.ties if t.owners[0] != self.rank}
+        """Ids of tied copies whose gradient norm another copy counts (for global clipping)."""
+        return {id(t.param) for t in self.ties if not t.counted}
 
 
 Transform = Callable[[nn.Module, Callable[[str], bool]], nn.Module]
 
 
 def build_pipeline(model: nn.Module, topo: Topology, split_points: Sequence[str] | None = None, chunks: int = 1,
-                   tied: str = "sync", transform: Transform | None = None) -> PipelineModel:
+                   tied: str = "sync", transform: Transform | None = None, shape: str = LOOP) -> PipelineModel:
     """Keep this rank's stage(s) of ``model`` (already on the device); ``transform`` (TP) sees only those.
 
     The order is fixed here: split first, then ``transform(model, keep)``
     applied to the modules this rank keeps, then the stage modules are cut
-    from the transformed model.
+    from the transformed model. ``shape`` places the ``p * chunks`` virtual
+    stages on the ranks (:mod:`shardwise.parallel.placement`: ``"loop"``, or
+    ``"v"`` for the V schedules, :func:`shardwise.parallel.schedules.placement`).
     """
     if tied not in ("sync", "error"):
         raise ValueError(f"tied={tied!r}; valid: 'sync' (keep tied copies in sync) or 'error'")
     p, r, v = topo.size(PP), topo.coord(PP), chunks
     if v < 1 or (v > 1 and p == 1):
         raise ValueError(f"chunks={v}: interleaving needs chunks >= 1 and more than one pipeline stage")
+    place = Placement(p, v, shape)
     layers = stage_layers(model, p * v)
     starts = stage_starts(layers, p * v, split_points) + [len(layers)]
     parts = [layers[starts[i]:starts[i + 1]] for i in range(p * v)]
-    mine = [r + c * p for c in range(v)]
-    ties = find_ties(model, parts, p, v, tied)
+    mine = place.mine(r)
+    ties = find_ties(model, parts, p, v, tied, place)
+    untie_on_rank(model, ties.get(r, []))
     my_modules = {id(m) for k in mine for _, layer in parts[k] for m in layer.modules()}
     if transform is not None:
         transform(model, lambda name: id(model.get_submodule(name)) in my_modules)
@@ -203,13 +213,37 @@ def build_pipeline(model: nn.Module, topo: Topology, split_points: Sequence[str]
     state = model.state_dict(keep_vars=True)
     held = {id(t) for s in stages for t in list(s.parameters()) + list(s.buffers())}
     claimed = {k: t for k, t in state.items() if id(t) in held}
-    my_ties = [_Tie(name, model.get_parameter(local), owners) for name, local, owners in ties.get(r, [])]
-    return PipelineModel(stages, r, p, list(state), claimed, my_ties, topo.device)
+    seen: set[str] = set()
+    my_ties = []
+    for name, local, owners in ties.get(r, []):  # in virtual-stage order: the first copy of the first owner counts
+        my_ties.append(_Tie(name, model.get_parameter(local), owners, counted=owners[0] == r and name not in seen))
+        seen.add(name)
+    return PipelineModel(stages, r, p, list(state), claimed, my_ties, topo.device, place)
+
+
+def untie_on_rank(model: nn.Module, my_ties: Sequence[tuple[str, str, list[int]]]) -> None:
+    """Give each further chunk of this rank that uses a tied parameter its own copy of it.
+
+    Two chunks of one rank can share a weight (the V placement puts the embedding and the head both on rank
+    0). A copy per chunk makes that the same case as copies on different ranks: each chunk's data-parallel
+    wrapper owns its own parameters, and :func:`~shardwise.parallel.pipeline_run.sync_ties` sums the copies'
+    gradients (here, then over the ranks) before the step, which all copies take alike."""
+    first: set[str] = set()
+    for canon, local, _ in my_ties:
+        if canon not in first:
+            first.add(canon)
+            continue
+        owner, _, attr = local.rpartition(".")
+        module = model.get_submodule(owner)
+        setattr(module, attr, nn.Parameter(model.get_parameter(local).detach().clone(),
+                                           requires_grad=model.get_parameter(local).requires_grad))
 
 
 def find_ties(model: nn.Module, parts: list[list[tuple[str, nn.Module]]], p: int, v: int,
-               tied: str) -> dict[int, list[tuple[str, str, list[int]]]]:
-    """Parameters used by more than one stage: per rank, (canonical name, name on that rank, owner ranks)."""
+              tied: str, place: Placement | None = None) -> dict[int, list[tuple[str, str, list[int]]]]:
+    """Parameters used by more than one virtual stage: per rank, (canonical name, name on that rank, owner
+    ranks), one entry per virtual stage using it, in virtual-stage order (``place``: the loop by default)."""
+    place = place or Placement(p, v)
     names: dict[int, list[str]] = {}
     for n, prm in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(prm), []).append(n)
@@ -223,19 +257,16 @@ def find_ties(model: nn.Module, parts: list[list[tuple[str, nn.Module]]], p: int
         if len(ks) < 2:
             continue
         canon = names.get(pid, ["?"])[0]
-        owners = sorted({k % p for k in ks})
+        owners = sorted({place.rank_of(k) for k in ks})
         if tied == "error":
             raise ValueError(f"pipeline: parameter '{canon}' (also {names.get(pid, [])[1:]}) is used by stages "
                              f"{ks}, so it would live on several ranks; weights tied across stages are rejected "
                              "with tied='error' (tied='sync' keeps the copies in sync)")
-        if len(owners) < len(ks):
-            raise ValueError(f"pipeline: parameter '{canon}' is used by model chunks {ks}, two of which are on the "
-                             "same rank; tied weights across chunks of one rank are not supported")
         for k in ks:
             # This rank's name for the parameter: one under a module of stage k.
             mods = {mod_name[id(m)] for _, layer in parts[k] for m in layer.modules() if id(m) in mod_name}
             local = next(n for n in names[pid] if n.rpartition(".")[0] in mods)
-            out.setdefault(k % p, []).append((canon, local, owners))
+            out.setdefault(place.rank_of(k), []).append((canon, local, owners))
     return out
 
 

@@ -98,13 +98,13 @@ def pipeline_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
         return ([("embed", _GPT2Embed(t.wte, t.wpe, t.drop))]
                 + [(f"h.{i}", _HFBlock(b, model.config)) for i, b in enumerate(t.h)]
                 + [("head", _Head(t.ln_f, model.lm_head))])
-    if kind == "LlamaForCausalLM":
+    if kind in ("LlamaForCausalLM", "MixtralForCausalLM"):  # Mixtral: Llama's layout, experts as its MLP
         m = model.model
         return ([("embed", m.embed_tokens)]
                 + [(f"layers.{i}", _HFBlock(b, model.config, m.rotary_emb)) for i, b in enumerate(m.layers)]
                 + [("head", _Head(m.norm, model.lm_head))])
     raise ValueError(f"cannot split a {kind} into pipeline stages: use nn.Sequential, shardwise's MLP or GPT, "
-                     "GPT2LMHeadModel or LlamaForCausalLM, or give the model a pipeline_layers() method "
+                     "GPT2LMHeadModel, LlamaForCausalLM or MixtralForCausalLM, or give the model a pipeline_layers() method "
                      "returning [(name, module)] whose composition is its forward")
 
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from shardwise.comm import Comm, Handle
 from shardwise.comm.topology import Topology
@@ -26,12 +27,15 @@ from shardwise.dims import PP
 from shardwise.parallel.checkpointing import SavedActivations
 from shardwise.parallel.pipeline import PipelineModel
 from shardwise.parallel.schedules import (
+    ACT_TAG,
+    GRAD_TAG,
     Action,
     Recorder,
     check_message_order,
     execute,
     forward_only,
     get_schedule,
+    placement,
 )
 from shardwise.parallel.split_backward import WeightGrad, backward_input
 from shardwise.precision import widened
@@ -55,7 +59,11 @@ class _Runner:
         self.forward_context = forward_context or contextlib.nullcontext
         self.loss_scale = loss_scale
         self.p, self.r, self.v = pm.stages, pm.rank, len(pm.chunks)
-        self.last = self.p * self.v - 1
+        self.place = pm.placement
+        self.last = self.place.last
+        # Boundaries between two chunks of this rank (the turn of a V): what would be a message, by
+        # ("act" | "grad", micro-batch, virtual stage of the activation's producer).
+        self.handed: dict[tuple[str, int, int], torch.Tensor] = {}
         self.x: dict[tuple[int, int], Any] = {}
         self.out: dict[tuple[int, int], torch.Tensor] = {}
         self.grad: dict[tuple[int, int], torch.Tensor] = {}
@@ -66,7 +74,7 @@ class _Runner:
         self.saved = saved
 
     def _k(self, a: Action) -> int:
-        return a.chunk * self.p + self.r
+        return self.place.virtual(self.r, a.chunk)
 
     def _key(self, a: Action) -> Any:
         # Every rank of a replica reads the same batch, so the shape of the
@@ -81,15 +89,19 @@ class _Runner:
         if k == 0:
             self.x[key] = self.mbs[a.mb][0]
             return
-        src, mk = (k - 1) % self.p, self._key(a)
+        src, mk = self.place.rank_of(k - 1), self._key(a)
+        if src == self.r:
+            buf = self.handed.pop(("act", a.mb, k - 1))
+            self.x[key] = buf.requires_grad_() if buf.is_floating_point() else buf
+            return
         if mk not in self.pm.meta_recv:
             head = torch.empty(_META, dtype=torch.int64, device=self._device())
-            self.comm.irecv(head, src, "pp.meta").wait()
+            self.comm.irecv(head, src, "pp.meta", ACT_TAG).wait()
             n = int(head[0])
             self.pm.meta_recv[mk] = (tuple(int(d) for d in head[2:2 + n]), _DTYPES[int(head[1])])
         shape, dtype = self.pm.meta_recv[mk]
         buf = torch.empty(shape, dtype=dtype, device=self._device())
-        self.comm.irecv(buf, src, "pp.act").wait()
+        self.comm.irecv(buf, src, "pp.act", ACT_TAG).wait()
         self.x[key] = buf.requires_grad_() if buf.is_floating_point() else buf
 
     def forward(self, a: Action) -> None:
@@ -108,27 +120,35 @@ class _Runner:
         k = self._k(a)
         if k == self.last:
             return
-        out, dst, mk = self.out[(a.chunk, a.mb)], (k + 1) % self.p, self._key(a)
+        out, dst, mk = self.out[(a.chunk, a.mb)], self.place.rank_of(k + 1), self._key(a)
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"pipeline stage {k} returned a {type(out).__name__}; stages must pass one tensor")
+        if dst == self.r:
+            # Detached as a message would be: the next chunk's input is a leaf whose gradient B hands back.
+            self.handed[("act", a.mb, k)] = out.detach()
+            return
         if mk not in self.pm.meta_sent:
             if out.dim() > _META - 2:
                 raise ValueError(f"activations with {out.dim()} dims cannot be sent (at most {_META - 2})")
             head = torch.zeros(_META, dtype=torch.int64, device=out.device)
             head[0], head[1] = out.dim(), _DTYPES.index(out.dtype)
             head[2:2 + out.dim()] = torch.tensor(out.shape, dtype=torch.int64)
-            self.sends.append(self.comm.isend(head, dst, "pp.meta"))
+            self.sends.append(self.comm.isend(head, dst, "pp.meta", ACT_TAG))
             self.pm.meta_sent.add(mk)
-        self.sends.append(self.comm.isend(out.detach().contiguous(), dst, "pp.act"))
+        self.sends.append(self.comm.isend(out.detach().contiguous(), dst, "pp.act", ACT_TAG))
 
     # -- backward
     def recv_backward(self, a: Action) -> None:
         k, key = self._k(a), (a.chunk, a.mb)
         if k == self.last:
             return
+        src = self.place.rank_of(k + 1)
+        if src == self.r:
+            self.grad[key] = self.handed.pop(("grad", a.mb, k))
+            return
         out = self.out[key]
         g = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-        self.comm.irecv(g, (k + 1) % self.p, "pp.grad").wait()
+        self.comm.irecv(g, src, "pp.grad", GRAD_TAG).wait()
         self.grad[key] = g
 
     def backward(self, a: Action, last: bool) -> None:
@@ -173,7 +193,11 @@ class _Runner:
         if k == 0:
             return
         g = x.grad if x.grad is not None else torch.zeros_like(x)
-        self.sends.append(self.comm.isend(g, (k - 1) % self.p, "pp.grad"))
+        dst = self.place.rank_of(k - 1)
+        if dst == self.r:
+            self.handed[("grad", a.mb, k - 1)] = g
+            return
+        self.sends.append(self.comm.isend(g, dst, "pp.grad", GRAD_TAG))
 
     def in_flight(self) -> int:
         return len(self.out) + len(self.weights)  # a split backward frees a micro-batch's activations at W
@@ -240,10 +264,20 @@ def pipeline_eval(pm: PipelineModel, x: Any, y: Any, fn: LossFn, topo: Topology,
 
 
 def sync_ties(pm: PipelineModel, comm: Comm) -> None:
-    """Sum the gradients of tied copies over the stages holding them (same order everywhere: same sum)."""
-    for t in pm.ties:
-        g = pm.grad_of_tie(t.param)
-        others = [o for o in t.owners if o != pm.rank]
+    """Sum the gradients of tied copies over the stages holding them (same order everywhere: same sum).
+
+    A rank's copies (one per chunk using the weight: a V's embedding and head) are summed first, in
+    virtual-stage order; then the ranks' sums, in rank order."""
+    copies: dict[str, list[torch.Tensor]] = {}
+    owners: dict[str, list[int]] = {}
+    for t in pm.ties:  # in canonical-name order on every rank: the exchanges pair up
+        copies.setdefault(t.name, []).append(pm.grad_of_tie(t.param))
+        owners[t.name] = t.owners
+    for name, grads in copies.items():
+        g = grads[0]
+        for more in grads[1:]:
+            g = g + more
+        others = [o for o in owners[name] if o != pm.rank]
         bufs = {o: torch.empty_like(g) for o in others}
         hs = [comm.isend(g.contiguous(), o, "pp.tied") for o in others]
         for o in others:
@@ -251,11 +285,12 @@ def sync_ties(pm: PipelineModel, comm: Comm) -> None:
         for h in hs:
             h.wait()
         total = None
-        for o in t.owners:
+        for o in owners[name]:
             part = g if o == pm.rank else bufs[o]
             total = part.clone() if total is None else total + part
         # In place: a data-parallel wrapper may keep the gradient as a view of its bucket or shard.
-        g.copy_(total)
+        for mine in grads:
+            mine.copy_(total)
 
 
 def pipeline_step(pm: PipelineModel, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn, topo: Topology,
@@ -270,13 +305,21 @@ def pipeline_step(pm: PipelineModel, micro_batches: Sequence[tuple[Any, Any]], l
     """
     mbs = resplit(micro_batches, microbatches)
     acts = get_schedule(schedule)(pm.stages, len(mbs), pm.rank, len(pm.chunks))
-    check_message_order(schedule, pm.stages, len(mbs), len(pm.chunks))
+    wanted = placement(schedule, pm.stages, len(pm.chunks))
+    if wanted != pm.placement:
+        raise ValueError(f"schedule={schedule!r} runs virtual stages placed as {wanted.shape!r}, but this pipeline "
+                         f"model was built with the {pm.placement.shape!r} placement (other layers on each rank); "
+                         f"build it with build_pipeline(..., shape={wanted.shape!r})")
+    comm = topo.comm(PP)
+    # gloo matches point-to-point messages per tag, NCCL in one channel per pair: the check follows suit.
+    tagged = not dist.is_initialized() or "nccl" not in str(dist.get_backend(comm.group))
+    check_message_order(schedule, pm.stages, len(mbs), len(pm.chunks), tagged)
     saved = None
     if recorder is not None and recorder.track_saved:
         # Parameters and the batch itself are not activations (micro-batches are views of one batch).
         data = [t for xy in mbs for t in xy if isinstance(t, torch.Tensor)]
         saved = SavedActivations(pm.parameters(), data)
-    runner = _Runner(pm, topo.comm(PP), mbs, loss_fn, saved, forward_context, loss_scale)
+    runner = _Runner(pm, comm, mbs, loss_fn, saved, forward_context, loss_scale)
     execute(acts, runner, pm.rank, recorder)
     runner.finish()
     if recorder is not None:

@@ -311,8 +311,13 @@ def get_schedule(name: str) -> Schedule:
 
 def placement(schedule: str, stages: int, chunks: int = 1) -> Placement:
     """Where ``schedule`` puts the ``stages * chunks`` virtual stages (``"loop"`` unless it says otherwise)."""
+    return Placement(stages, chunks, shape_of(schedule))
+
+
+def shape_of(schedule: str) -> str:
+    """The placement shape ``schedule`` needs: ``"v"`` for zbv and dualpipev, ``"loop"`` for the others."""
     get_schedule(schedule)
-    return Placement(stages, chunks, PLACEMENTS.get(schedule, LOOP))
+    return PLACEMENTS.get(schedule, LOOP)
 
 
 def default_chunks(schedule: str, chunks: int = 1) -> int:
@@ -538,4 +543,4 @@ def simulate(schedule: str | Schedule, stages: int, microbatches: int, chunks: i
 __all__ = ["Action", "Event", "PLACEMENTS", "Recorder", "SCHEDULES", "SPLIT_BACKWARD", "V_SHAPED", "Runner",
            "bubble_fraction", "check_message_order", "default_chunks", "dualpipev", "execute", "forward_only",
            "get_schedule", "gpipe", "gpipe_bubble", "interleaved_1f1b", "one_f_one_b", "peak_in_flight", "placement",
-           "simulate", "zb_h1", "zbv"]
+           "shape_of", "simulate", "zb_h1", "zbv"]

@@ -171,15 +171,21 @@ def _fix_gpt2(model: nn.Module, tp: int) -> None:
             m.num_heads = m.num_heads // tp
 
 
-def gpt_plan() -> Plan:
-    """For :class:`shardwise.models.GPT`."""
+def gpt_plan(moe: bool = False) -> Plan:
+    """For :class:`shardwise.models.GPT`; ``moe``: its blocks hold mixture-of-experts layers, which stay whole
+    on every tp rank (each runs its experts on the same tokens; expert parallelism splits experts instead), and
+    sequence parallelism is not offered (a replicated layer inside the sequence region would need its own
+    scatter)."""
     # GPT.forward takes positions from the token ids, not from the embedding: the region starts at the
     # embedding (its all-reduce becomes a reduce-scatter), and each rank adds its own rows of the positions.
     seq = SequenceLayout(gather=("blocks.*.attn", "blocks.*.mlp"), norms=("blocks.*.ln1", "blocks.*.ln2", "ln_f"),
                          exit="ln_f", embeddings=("tok_emb",), scatter_outputs=("pos_emb",))
-    return Plan({"tok_emb": "vocab", "blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise",
-                 "blocks.*.attn.v": "colwise", "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.fc1": "colwise",
-                 "blocks.*.mlp.fc2": "rowwise", "head": "colwise_gather"}, _check_gpt, None, "gpt", sequence=seq)
+    styles: dict[str, str | Style] = {"tok_emb": "vocab", "blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise",
+                                      "blocks.*.attn.v": "colwise", "blocks.*.attn.proj": "rowwise",
+                                      "head": "colwise_gather"}
+    if not moe:
+        styles.update({"blocks.*.mlp.fc1": "colwise", "blocks.*.mlp.fc2": "rowwise"})
+    return Plan(styles, _check_gpt, None, "gpt", sequence=None if moe else seq)
 
 
 def _hf_sequence(base: str, blocks: str, attn: str, norms: tuple[str, str], final: str,
@@ -205,19 +211,22 @@ def gpt2_plan(prefix: str = "transformer.") -> Plan:
                 sequence=_hf_sequence(prefix, "h", "attn", ("ln_1", "ln_2"), "ln_f", bool(prefix)))
 
 
-def llama_plan(prefix: str = "model.") -> Plan:
-    """For Hugging Face ``LlamaForCausalLM`` (``prefix=""`` for a bare ``LlamaModel``)."""
+def llama_plan(prefix: str = "model.", moe: bool = False) -> Plan:
+    """For Hugging Face ``LlamaForCausalLM`` (``prefix=""`` for a bare ``LlamaModel``) and the decoders of its
+    layout (Mistral, Qwen2; ``moe``: Mixtral, whose ``mlp`` is a mixture of experts left whole on every tp
+    rank, as in :func:`gpt_plan`)."""
     L = prefix + "layers.*."
     styles: dict[str, str | Style] = {prefix + "embed_tokens": "vocab"}
     for n in ("q_proj", "k_proj", "v_proj"):
         styles[L + "self_attn." + n] = "colwise"
     styles[L + "self_attn.o_proj"] = "rowwise"
-    styles[L + "mlp.gate_proj"] = "colwise"
-    styles[L + "mlp.up_proj"] = "colwise"
-    styles[L + "mlp.down_proj"] = "rowwise"
+    if not moe:
+        styles[L + "mlp.gate_proj"] = "colwise"
+        styles[L + "mlp.up_proj"] = "colwise"
+        styles[L + "mlp.down_proj"] = "rowwise"
     if prefix:
         styles["lm_head"] = "colwise_gather"
-    return Plan(styles, _check_hf, None, "llama", sequence=_hf_sequence(
+    return Plan(styles, _check_hf, None, "llama", sequence=None if moe else _hf_sequence(
         prefix, "layers", "self_attn", ("input_layernorm", "post_attention_layernorm"), "norm", bool(prefix)))
 
 
@@ -266,13 +275,15 @@ def plan_for(model: nn.Module) -> Plan:
     """The built-in plan for ``model``'s type."""
     kind = type(model).__name__
     if isinstance(model, GPT):
-        return gpt_plan()
+        return gpt_plan(moe=bool(model.cfg.n_experts))
     if isinstance(model, MLP):
         return mlp_plan(model)
     if kind in ("GPT2LMHeadModel", "GPT2Model"):
         return gpt2_plan("transformer." if kind == "GPT2LMHeadModel" else "")
     if kind in ("LlamaForCausalLM", "LlamaModel"):
         return llama_plan("model." if kind == "LlamaForCausalLM" else "")
+    if kind in ("MixtralForCausalLM", "MixtralModel"):
+        return llama_plan("model." if kind == "MixtralForCausalLM" else "", moe=True)
     if kind in ("BertForMaskedLM", "BertModel"):
         return bert_plan("bert." if kind == "BertForMaskedLM" else "")
     raise ValueError(f"no built-in tensor-parallel plan for {kind}; pass plan={{'<module pattern>': "

@@ -38,7 +38,15 @@ from shardwise.parallel.parallelize import DataParallelOptions, Owners, parallel
 from shardwise.parallel.pipeline import PipelineModel, find_ties, gather_full_state, stage_starts
 from shardwise.parallel.pipeline_layers import stage_layers
 from shardwise.parallel.pipeline_run import pipeline_eval, pipeline_step
-from shardwise.parallel.schedules import SPLIT_BACKWARD, Recorder, get_schedule
+from shardwise.parallel.schedules import (
+    SPLIT_BACKWARD,
+    V_SHAPED,
+    Recorder,
+    default_chunks,
+    get_schedule,
+    placement,
+    shape_of,
+)
 from shardwise.parallel.sharding import clip_global_norm
 from shardwise.parallel.tp import Plan, Style, counts_in_norm
 from shardwise.parallel.zero import check_offload
@@ -104,6 +112,9 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
 
     def __post_init__(self) -> None:
         get_schedule(self.schedule)
+        if self.schedule in V_SHAPED and self.n_chunks() != 2:
+            raise ValueError(f"schedule={self.schedule!r} places exactly 2 model chunks per rank in a V (rank r holds "
+                             f"virtual stages r and 2p-1-r), got chunks={self.chunks}; leave chunks unset or use 2")
         if self.cp_mode not in MODES:
             raise ValueError(f"cp_mode={self.cp_mode!r}: valid are {', '.join(map(repr, MODES))}")
         self.data_options()  # zero / replicate checked here, before any process starts
@@ -122,7 +133,7 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
     # ---- layout ---------------------------------------------------------------
     def n_chunks(self) -> int:
         """Model chunks per pipeline rank (the interleaved schedule needs at least 2)."""
-        return max(self.chunks, 2) if self.schedule == "interleaved" else self.chunks
+        return default_chunks(self.schedule, self.chunks)  # interleaved: at least 2; zbv, dualpipev: 2
 
     def data_options(self) -> DataParallelOptions:
         return DataParallelOptions(zero=self.zero, replicate=self.replicate, bucket_cap_mb=self.bucket_cap_mb,
@@ -149,7 +160,7 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
         return parallelize(model, optimizer_fn, topo, tp_plan=self.tp_plan, split_points=self.split_points,
                            chunks=self.n_chunks(), tied=self.tied, data=self.data_options(),
                            sequence_parallel=self.sequence_parallel, cp_mode=self.cp_mode,
-                           capacity_factor=self.capacity_factor)
+                           capacity_factor=self.capacity_factor, shape=shape_of(self.schedule))
 
     def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int) -> None:
         """Before any process starts: every stage gets a layer, the batch splits, the stages can all fill.
@@ -216,7 +227,8 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
         return stages if stages > 1 and local_batch % stages == 0 else 1
 
     def owns_loss(self, topo: Topology) -> bool:
-        return topo.coord(PP) == topo.size(PP) - 1 and topo.coord(TP) == 0
+        where = placement(self.schedule, topo.size(PP), self.n_chunks())  # the last virtual stage: rank 0 in a V
+        return topo.coord(PP) == where.rank_of(where.last) and topo.coord(TP) == 0
 
     # ---- gradients and state ----------------------------------------------------
     def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
