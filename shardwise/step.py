@@ -68,6 +68,14 @@ def iter_chunks(x: Any, k: int) -> Iterator[Any]:
         raise TypeError(f"cannot split a batch of type {type(x).__name__} into micro-batches")
 
 
+def set_aux_grad_scale(model: nn.Module, scale: float) -> None:
+    """Tell every layer with an auxiliary loss (:class:`shardwise.moe.MoE`) the scale of this step's micro-batch
+    losses (``loss_scale / micro-batches``), which its loss's gradient must carry as the main loss's does."""
+    for m in model.modules():
+        if hasattr(m, "aux_grad_scale"):
+            m.aux_grad_scale = scale
+
+
 def first_named(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     """Each tensor of ``named`` once, under the first name it comes with (a tied weight's saved name)."""
     seen: set[int] = set()

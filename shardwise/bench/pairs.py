@@ -73,6 +73,7 @@ PAIRS: dict[str, Callable[[argparse.Namespace], Table]] = {
     "allreduce": _lazy("shardwise.bench.classic:allreduce_algorithms"),
     CP: _lazy("shardwise.bench.cp:cp_pair"),
     "zb": _lazy("shardwise.bench.zb:zb_pair"),
+    "moe": _lazy("shardwise.bench.moe:moe_pair"),
 }
 
 

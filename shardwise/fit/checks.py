@@ -25,6 +25,7 @@ from shardwise.fit.evaluate import Validation, check_validation, make_validation
 from shardwise.fit.options import FitOptions, SchedulerFactory
 from shardwise.fit.tp_check import check_plan
 from shardwise.parallel.cp import check_context_parallel, shard_batch
+from shardwise.parallel.ep import warn_local_aux
 from shardwise.parallel.sync_bn import batchnorm_layers
 from shardwise.step import LossFn, OptimizerFactory
 from shardwise.strategies.base import HasServers, HasTPPlan, SplitsModel, Strategy
@@ -50,6 +51,7 @@ def validate(t: FitOptions, model: nn.Module, dataset: Any, batch_size: int, max
             f"(try batch_size={max(dp * k, batch_size // (dp * k) * dp * k)})")
     t.strategy.check_model(model, t.devices, batch_size, t.accumulate_grad_batches)
     check_batchnorm(t, model)
+    warn_local_aux(model, t.layout.dp * t.layout.cp)  # a Hugging Face MoE's own per-rank router loss
     if isinstance(t.strategy, HasServers) and (t.precision == "16-mixed" or t.on_nonfinite == "skip"):
         # Both make every training rank agree each step, in an all-reduce over the world
         # that the server ranks, busy in their own loop, never join: the job would hang.

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import types
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -182,6 +183,19 @@ def check_experts(model: nn.Module, ep: int, capacity_factor: float | None) -> N
                              "rank of an ep group must hold the same number of experts")
 
 
+def warn_local_aux(model: nn.Module, ranks: int) -> None:
+    """Warn when a Hugging Face MoE model will add a load-balancing loss computed from each rank's tokens alone
+    (``config.output_router_logits``) while ``ranks`` data-parallel ranks share the batch."""
+    config = getattr(model, "config", None)
+    if ranks > 1 and getattr(config, "output_router_logits", False):
+        warnings.warn(
+            f"{type(model).__name__} computes its load-balancing loss from each rank's own tokens "
+            f"(config.output_router_logits=True): with {ranks} data-parallel ranks the router's loss is the mean "
+            "of per-rank losses, not the loss of the whole batch (that loss is not linear in the batch), so "
+            "training differs from one device. shardwise.moe.MoE counts it over every rank; for this model, "
+            "set output_router_logits=False or accept the difference.", stacklevel=3)
+
+
 def experts_norm_share(grads: list[torch.Tensor], comm: Comm, device: torch.device) -> torch.Tensor:
     """The square root of the sum over ``comm`` (the ep group) of ``grads``' squares: one term that the global
     clipping norm (:func:`shardwise.parallel.sharding.clip_global_norm`) squares back into the sum."""
@@ -200,5 +214,5 @@ def set_token_group(model: nn.Module, comm: Comm) -> None:
 
 
 __all__ = ["EXPERT_ATTR", "ExpertParallel", "apply_expert_parallel", "capacity", "check_experts", "expert_modules",
-           "experts_norm_share",
+           "experts_norm_share", "warn_local_aux",
            "expert_parameter_count", "expert_spec", "is_expert", "set_token_group"]

@@ -23,8 +23,10 @@ Language Model Training on GPU Clusters Using Megatron-LM", section 3):
    are not tp-split: every tp rank runs its experts on the same tokens), and
    before the data-parallel family, which reduces and shards the expert
    parameters over ``edp`` (the ranks holding the same experts) and the
-   rest over dp x cp. MoE layers count their load-balancing loss's expert
-   fractions over dp x cp (:func:`~shardwise.parallel.ep.set_token_group`).
+   rest over dp x cp. (:func:`wrap_module` also has MoE layers count their
+   load-balancing loss's expert fractions over dp x cp,
+   :func:`~shardwise.parallel.ep.set_token_group`, for every data-parallel
+   strategy.)
 5. **the data-parallel family** over the ranks that hold the same parameters,
    one wrapper per model chunk (:func:`data_parallel`): DDP (``zero=0``),
    ZeRO-1/2 (``zero=1|2``), FSDP/ZeRO-3 (``zero=3``) or HSDP (``zero=3,
@@ -147,6 +149,8 @@ def wrap_module(module: nn.Module, topo: Topology, opts: DataParallelOptions) ->
     # Gradients are averaged over every rank that holds this replica's parameters: dp, and cp's token shards.
     # Expert-parallel parameters (ep > 1) are reduced and sharded over their own group, edp (parallel/ep.py).
     experts = topo.comm(EDP) if topo.size(EP) > 1 else None
+    # MoE layers count their load-balancing loss's expert fractions over every rank the gradients average over.
+    set_token_group(module, topo.comm(DP_CP))
     if opts.zero == 0:
         return DDPModule(module, topo.comm(DP_CP), bucket_cap_mb=opts.bucket_cap_mb or 25.0,
                          find_unused_parameters=opts.find_unused_parameters,
@@ -223,9 +227,6 @@ def parallelize(model: nn.Module, optimizer_fn: OptimizerFactory, topo: Topology
         for chunk in pm.chunks:
             replaced.update(apply_expert_parallel(chunk, dispatcher))
         pm.claimed = {k: replaced.get(id(t), t) for k, t in pm.claimed.items()}
-    if topo.size(DP_CP) > 1:
-        for chunk in pm.chunks:
-            set_token_group(chunk, topo.comm(DP_CP))
     owner, optimizer = data_parallel(pm.chunks, optimizer_fn, topo, data)
     pm.data = owner
     return pm, optimizer

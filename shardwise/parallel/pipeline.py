@@ -33,9 +33,9 @@ from torch import nn
 
 from shardwise.comm.topology import Topology
 from shardwise.dims import EP, PP, TP
+from shardwise.parallel.ep import is_expert
 from shardwise.parallel.pipeline_layers import pipeline_layers, stage_layers
 from shardwise.parallel.placement import LOOP, Placement
-from shardwise.parallel.ep import is_expert
 from shardwise.parallel.tp import gather_tensor, tp_spec
 
 

@@ -39,7 +39,7 @@ from shardwise.parallel.schedules import (
 )
 from shardwise.parallel.split_backward import WeightGrad, backward_input
 from shardwise.precision import widened
-from shardwise.step import LossFn, iter_chunks
+from shardwise.step import LossFn, iter_chunks, set_aux_grad_scale
 
 # ---- running a step ------------------------------------------------------------
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
@@ -304,6 +304,7 @@ def pipeline_step(pm: PipelineModel, micro_batches: Sequence[tuple[Any, Any]], l
     and the loss; ``loss_scale`` multiplies the loss before backward (fp16).
     """
     mbs = resplit(micro_batches, microbatches)
+    set_aux_grad_scale(pm, loss_scale / len(mbs))
     acts = get_schedule(schedule)(pm.stages, len(mbs), pm.rank, len(pm.chunks))
     wanted = placement(schedule, pm.stages, len(pm.chunks))
     if wanted != pm.placement:

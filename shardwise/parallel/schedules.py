@@ -21,6 +21,17 @@ gives its ideal timeline.
 * Interleaved 1F1B (same paper, section 2.2.2): each rank holds ``v`` model
   chunks (virtual stages ``r, r + p, ...``); the bubble shrinks by ``v`` at
   the price of ``v`` times more point-to-point messages. Needs ``m % p == 0``.
+* ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): 1F1B with each
+  backward split into B (input gradient) and W (weight gradient), the Ws
+  moved into the drain's bubbles: a third of 1F1B's bubble at its memory.
+* ZB-V (same paper, section 6) and DualPipeV (DeepSeek-V3's DualPipe in its
+  V form): two chunks per rank placed in a V (:mod:`~shardwise.parallel.placement`),
+  so the turn and both ends cost no message; for F = B = W every rank idles
+  only the ``p - 1`` forwards its first input needs to arrive.
+
+What runs where beyond the action lists is data too: :data:`SPLIT_BACKWARD`
+(schedules with W actions) and :data:`PLACEMENTS` (how virtual stages sit on
+ranks), read by :func:`placement`.
 """
 from __future__ import annotations
 
@@ -30,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from shardwise.parallel.placement import LOOP, V, Placement
+from shardwise.parallel.placement import LOOP, Placement, V
 
 
 @dataclass(frozen=True)

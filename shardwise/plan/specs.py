@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from shardwise.dims import CP, DP, PP, TP
+from shardwise.dims import CP, DP, EP, PP, TP
 
 PRECISIONS = ("fp32", "bf16-mixed")
 OPTIMIZERS = ("adamw", "sgd", "sgd-momentum")
@@ -175,6 +175,15 @@ class Layout:
     Jacobs et al. 2023); it is ``"ring"`` when unset with cp > 1, as
     ``sw.Parallel`` defaults it, and None with cp = 1. ``sequence_parallel``:
     Megatron sequence parallelism over the tp ranks (Korthikanti et al. 2022).
+
+    ``ep`` spreads every MoE layer's experts over that many ranks (expert
+    parallelism), carved from the dp x cp ranks (``ep`` divides dp x cp, as
+    :class:`shardwise.dims.ParallelDims` requires): a rank holds E / ep experts,
+    tokens travel to them by all-to-all, and the expert states are sharded (or,
+    under DDP, replicated) over the ``edp = dp x cp / ep`` ranks that hold the
+    same experts (:attr:`expert_shard_size`), the dense ones over dp x cp as
+    before. ``capacity_factor`` (None: dropless) caps what each expert takes
+    from one rank's tokens at ``ceil(cf x tokens x top_k / E)`` slots.
     """
 
     strategy: str
@@ -185,6 +194,8 @@ class Layout:
     cp: int = 1
     cp_mode: str | None = None
     sequence_parallel: bool = False
+    ep: int = 1
+    capacity_factor: float | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -202,6 +213,14 @@ class Layout:
         object.__setattr__(self, "cp_mode", mode)
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel splits the sequence over the tp ranks: it needs tp > 1")
+        if self.ep < 1 or (self.dp * self.cp) % self.ep:
+            raise ValueError(f"{EP}={self.ep} must divide {DP} x {CP} = {self.dp * self.cp}: experts are spread "
+                             "over the ranks that see different tokens")
+        if self.ep > 1 and self.strategy == "hsdp" and self.shard_size < self.dp * self.cp:
+            # ParallelDims refuses replicas of shards under ep: the expert groups would cross the replicas.
+            raise ValueError(f"{EP}={self.ep} does not combine with hsdp replicas (shardwise.dims.ParallelDims)")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ValueError(f"capacity_factor={self.capacity_factor} must be > 0 (None: dropless)")
 
     @property
     def devices(self) -> int:
@@ -220,17 +239,25 @@ class Layout:
         return self.dp * self.cp
 
     @property
+    def expert_shard_size(self) -> int:
+        """Ranks over which expert states are sharded (ZeRO/FSDP; DDP replicates them there): ``edp = dp x cp /
+        ep``, the ranks holding the same experts (:data:`shardwise.dims.EDP`)."""
+        return self.dp * self.cp // self.ep
+
+    @property
     def label(self) -> str:
         """``"fsdp dp4xcp8xtp2 (ulysses, sp)"``: the sizes above 1 (dp always), then the options."""
         sizes = ((DP, self.dp), (CP, self.cp), (TP, self.tp), (PP, self.pp))
         dims = "x".join(f"{d}{n}" for d, n in sizes if d == DP or n > 1)
+        # ep is carved from dp x cp, not a factor of the device count: shown as an option, not among the sizes.
         extra = [f"shard {self.shard_size}"] * (self.strategy == "hsdp") + [self.cp_mode or ""] * (self.cp > 1) \
-            + ["sp"] * self.sequence_parallel
+            + ["sp"] * self.sequence_parallel + [f"{EP} {self.ep}"] * (self.ep > 1) \
+            + [f"capacity {self.capacity_factor:g}"] * (self.capacity_factor is not None)
         return f"{self.strategy} {dims}" + (f" ({', '.join(extra)})" if extra else "")
 
     def code(self, schedule: str = "1f1b") -> str:
         """The strategy argument of ``sw.Trainer`` that builds this layout."""
-        if self.tp == self.pp == self.cp == 1:
+        if self.tp == self.pp == self.cp == self.ep == 1 and self.capacity_factor is None:
             if self.strategy == "hsdp":
                 return f"sw.HSDP(shard_size={self.shard_size})"
             return repr(self.strategy)
@@ -243,6 +270,10 @@ class Layout:
             args += [f"{CP}={self.cp}", f"cp_mode={self.cp_mode!r}"]
         if self.sequence_parallel:
             args.append("sequence_parallel=True")
+        if self.ep > 1:
+            args.append(f"{EP}={self.ep}")
+        if self.capacity_factor is not None:
+            args.append(f"capacity_factor={self.capacity_factor!r}")
         return f"sw.Parallel({', '.join(args)})"
 
 

@@ -27,7 +27,7 @@ from shardwise.layout import RunLayout
 from shardwise.parallel.accounting import model_state_tensors, with_optimizer_states
 from shardwise.parallel.ddp import GradSync
 from shardwise.precision import widened
-from shardwise.step import LossFn, OptimizerFactory, StepRun, call_model, unwrap
+from shardwise.step import LossFn, OptimizerFactory, StepRun, call_model, set_aux_grad_scale, unwrap
 
 
 class Strategy:
@@ -83,6 +83,7 @@ class Strategy:
         gradient is that of the mean over the whole (local) batch.
         """
         k = len(micro_batches)
+        set_aux_grad_scale(model, run.loss_scale / k)
         total: torch.Tensor | float = 0.0
         for i, (x, y) in enumerate(micro_batches):
             ctx = self.no_sync(model) if i < k - 1 else contextlib.nullcontext()
