@@ -17,7 +17,7 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
-from tiny_hf import logits_loss, mixtral
+from tiny_hf import logits_loss, mixtral, olmoe, qwen2_moe
 from torch import nn
 
 import shardwise as sw
@@ -47,6 +47,8 @@ MODELS = {
     "gpt": (moe_gpt, lm_loss, functools.partial(torch.optim.AdamW, lr=1e-3)),
     "gpt-aux": (functools.partial(moe_gpt, 0.05), lm_loss, functools.partial(torch.optim.AdamW, lr=1e-3)),
     "mixtral": (mixtral, logits_loss, functools.partial(torch.optim.AdamW, lr=1e-3)),
+    "qwen2_moe": (qwen2_moe, logits_loss, functools.partial(torch.optim.AdamW, lr=1e-3)),
+    "olmoe": (olmoe, logits_loss, functools.partial(torch.optim.AdamW, lr=1e-3)),
 }
 LAYOUTS = {
     "ep2": (lambda: sw.Parallel(ep=2), 2),
@@ -88,6 +90,15 @@ def test_expert_parallel_equals_single_device(model, layout, same_run):
     # each dispatch their copy of the same tokens; pp stages each their own layers).
     tp = 2 if layout.endswith("tp2") else 1
     assert dispatched(run) == STEPS * BATCH * SEQ * TOP_K * LAYERS * tp
+
+
+@pytest.mark.parametrize("model", ["qwen2_moe", "olmoe"])
+def test_other_hugging_face_moe_families(model, same_run):
+    """Qwen2-MoE (routed experts beside a gated shared expert, which stays dense) and OLMoE (q/k norms) keep
+    their experts in the same 3-D layout, so the same adapter splits them."""
+    run = fit(model, sw.Parallel(ep=2), 2)
+    same_run(reference(model), run)
+    assert dispatched(run) == STEPS * BATCH * SEQ * TOP_K * LAYERS
 
 
 GPT_ONLY = {

@@ -80,3 +80,27 @@ def mixtral() -> nn.Module:
                                             num_local_experts=4, num_experts_per_tok=2,
                                             max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
                                             experts_implementation="eager"))
+
+
+def qwen2_moe() -> nn.Module:
+    """Qwen2-MoE: 4 routed experts (top-2) beside an always-on shared expert with its own sigmoid gate."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=48,
+                                              moe_intermediate_size=24, shared_expert_intermediate_size=48,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                              num_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+                                              bos_token_id=0, eos_token_id=0, use_sliding_window=False,
+                                              experts_implementation="eager"))
+
+
+def olmoe() -> nn.Module:
+    """OLMoE: 4 experts, top-2, no shared expert, q/k norms."""
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    torch.manual_seed(0)
+    return OlmoeForCausalLM(OlmoeConfig(vocab_size=128, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                        num_experts_per_tok=2, max_position_embeddings=32, bos_token_id=0,
+                                        eos_token_id=0, pad_token_id=0, experts_implementation="eager"))

@@ -20,13 +20,16 @@ from tiny_hf import gpt2, llama, logits_loss
 import shardwise as sw
 from shardwise import launch
 from shardwise.models import GPT, GPTConfig, lm_loss
+from shardwise.parallel.placement import Placement
 from shardwise.parallel.schedules import (
     Action,
     bubble_fraction,
     check_message_order,
+    dualpipev,
     peak_in_flight,
     simulate,
     zb_h1,
+    zbv,
 )
 from shardwise.workloads import CharText, stdlib_text
 
@@ -189,19 +192,21 @@ class SleepLayer(torch.nn.Module):
         return _InputPath.apply(x) + _WeightPath.apply(x.detach(), self.w)
 
 
-def _timed(rank: int, device: torch.device, p: int, m: int, path: str) -> None:
+def _timed(rank: int, device: torch.device, p: int, ms: dict[str, int], path: str) -> None:
     from shardwise.comm.topology import Topology
     from shardwise.parallel.pipeline import build_pipeline
     from shardwise.parallel.pipeline_run import pipeline_step
-    from shardwise.parallel.schedules import Recorder
+    from shardwise.parallel.schedules import Recorder, default_chunks, shape_of
 
     topo = Topology.create(device, pp=p)
-    # The batch requires grad so that the first stage has an input gradient too (its B): otherwise B is empty
-    # there and W does the whole backward, which the uniform costs of the simulator do not describe.
-    x, y = torch.randn(m, 4, requires_grad=True), torch.randn(m, 4)
     out = {}
-    for schedule in ("zb-h1", "1f1b"):
-        pm = build_pipeline(torch.nn.Sequential(*(SleepLayer() for _ in range(p))), topo)
+    for schedule, m in ms.items():
+        # The batch requires grad so that the first stage has an input gradient too (its B): otherwise B is
+        # empty there and W does the whole backward, which the uniform costs of the simulator do not describe.
+        x, y = torch.randn(m, 4, requires_grad=True), torch.randn(m, 4)
+        v = default_chunks(schedule)  # one sleeping layer per virtual stage
+        pm = build_pipeline(torch.nn.Sequential(*(SleepLayer() for _ in range(p * v))), topo, chunks=v,
+                            shape=shape_of(schedule))
         pipeline_step(pm, [(x, y)], torch.nn.functional.mse_loss, topo, schedule, m)  # warm-up: headers, caches
         rec = Recorder()
         pipeline_step(pm, [(x, y)], torch.nn.functional.mse_loss, topo, schedule, m, rec)
@@ -216,10 +221,196 @@ def test_measured_bubble_within_ten_percent_of_simulated(tmp_path):
     of the simulated (p-1)/(3m+p-1) = 1/9, and 1F1B's (same work, B and W in one backward) of (p-1)/(m+p-1)."""
     p, m = 4, 8
     path = str(tmp_path / "events.pt")
-    launch.spawn(_timed, p, args=(p, m, path))
+    launch.spawn(_timed, p, args=(p, {"zb-h1": m, "1f1b": m}, path))
     out = torch.load(path, weights_only=False)
     for schedule, expected in (("zb-h1", (p - 1) / (3 * m + p - 1)), ("1f1b", (p - 1) / (m + p - 1))):
         simulated = bubble_fraction(simulate(schedule, p, m, t_f=1.0, t_b=2.0, t_w=1.0))
+        assert simulated == pytest.approx(expected, abs=1e-12)
+        measured = bubble_fraction(out[schedule])
+        assert abs(measured - simulated) <= 0.1 * simulated, (schedule, measured, simulated)
+
+
+# ---- ZBV and DualPipeV: two chunks per rank in a V ---------------------------------------------------------
+def gpt_deep() -> GPT:
+    """Six blocks: 8 pipeline layers, one per virtual stage at pp=4 (2 chunks per rank)."""
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=128, block_size=16, n_layer=6, n_head=4, n_embd=32))
+
+
+def gpt2_deep() -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    m = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_layer=6, n_head=4, resid_pdrop=0.0,
+                                   embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    for b in m.transformer.h:  # as tiny_hf.gpt2: the key bias's gradient is identically zero
+        b.attn.c_attn.bias.requires_grad_(False)
+    return m
+
+
+def llama_deep() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                        bos_token_id=0, eos_token_id=0))
+
+
+MODELS.update({"gpt-deep": (gpt_deep, lm_loss, MODELS["gpt"][2]), "llama-deep": (llama_deep, *MODELS["llama"][1:]),
+               "gpt2-deep": (gpt2_deep, *MODELS["gpt2"][1:])})
+# dualpipev needs m >= 2p micro-batches; the trainer's batch of 8 (4 per dp rank) splits into them.
+V_LAYOUTS = {
+    "pp2": (lambda s: sw.Parallel(pp=2, schedule=s, microbatches=4), 2, ""),
+    "pp4": (lambda s: sw.Parallel(pp=4, schedule=s, microbatches=8), 4, "-deep"),
+    "dp2-pp2-zero1": (lambda s: sw.Parallel(pp=2, dp=2, zero=1, schedule=s, microbatches=4), 4, ""),
+}
+
+
+@pytest.mark.float64
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", list(V_LAYOUTS))
+@pytest.mark.parametrize("model", ["gpt", "llama", "gpt2"])
+def test_v_schedules_equal_single_device(model, layout, same_run):
+    """zbv and dualpipev: rank r runs virtual stages r and 2p-1-r, so the embedding and the head (tied in GPT-2)
+    are both on rank 0, which computes the loss. Accumulation and clipping included, the reduction of ZeRO-1
+    at the step."""
+    make, devices, deep = V_LAYOUTS[layout]
+    name = model + deep
+    if name not in _refs:
+        _refs[name] = fit(name, "single", 1)
+    for schedule in ("zbv", "dualpipev"):
+        same_run(_refs[name], fit(name, make(schedule), devices))
+
+
+# ---- ZBV and DualPipeV on the model clock -------------------------------------------------------------------
+# Costs per chunk (half a stage): F = B = W = 1, so a whole backward is 2 (t_b) as in the ZB-H1 tests.
+V_SIZES = [(2, 4), (2, 8), (3, 6), (4, 8), (4, 12), (8, 16), (8, 24)]
+V = {"zbv": zbv, "dualpipev": dualpipev}
+
+
+def _idle(events: list) -> tuple[float, list[float]]:
+    """(span of the step, idle time of each rank)."""
+    span = max(e.end for e in events) - min(e.start for e in events)
+    ranks = sorted({e.stage for e in events})
+    return span, [span - sum(e.end - e.start for e in events if e.stage == s) for s in ranks]
+
+
+def test_v_placement():
+    place = Placement(4, 2, "v")
+    assert [place.mine(r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert [place.where(k) for k in range(8)] == [(0, 0), (1, 0), (2, 0), (3, 0), (3, 1), (2, 1), (1, 1), (0, 1)]
+    assert [Placement(4, 2).mine(r) for r in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]  # the loop
+
+
+@pytest.mark.parametrize("schedule", list(V))
+@pytest.mark.parametrize("p,m", V_SIZES)
+def test_v_bubble_is_the_formula(schedule, p, m):
+    """Every rank idles p - 1 chunk-units (the lower bound: rank p - 1 cannot start before p - 1 forwards have
+    run); each does 6m units of work (2 chunks x m x (F + B + W)): bubble (p-1)/(6m+p-1) for m >= 2p."""
+    events = simulate(schedule, p, m, 2, t_f=1.0, t_b=2.0, t_w=1.0)
+    span, idle = _idle(events)
+    assert span == 6 * m + p - 1
+    assert idle == [p - 1] * p
+    assert bubble_fraction(events) == pytest.approx((p - 1) / (6 * m + p - 1), abs=1e-12)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 8])
+def test_zbv_bubble_with_few_micro_batches(p):
+    """Below (3p-1)/2 micro-batches ZBV's warm-up does not fill: idle 4p-2-2m per rank, span 4m+4p-2."""
+    for m in range(1, 3 * p):
+        events = simulate("zbv", p, m, 2, t_f=1.0, t_b=2.0, t_w=1.0)
+        span, idle = _idle(events)
+        expected = max(p - 1, 4 * p - 2 - 2 * m)
+        assert idle == [expected] * p, (m, idle)
+        assert span == 6 * m + expected
+        assert bubble_fraction(events) == pytest.approx(expected / (6 * m + expected), abs=1e-12)
+
+
+@pytest.mark.parametrize("p,m", V_SIZES)
+def test_v_peak_memory(p, m):
+    """In chunk-activations (half a stage's): ZBV holds 2p on every rank, 1F1B's p whole micro-batches;
+    DualPipeV 2p + 1 (DeepSeek-V3's PP + 1)."""
+    assert peak_in_flight(simulate("zbv", p, m, 2, t_w=1.0)) == {s: 2 * p for s in range(p)}
+    assert peak_in_flight(simulate("dualpipev", p, m, 2, t_w=1.0)) == {s: 2 * p + 1 for s in range(p)}
+
+
+@pytest.mark.parametrize("schedule", list(V))
+@pytest.mark.parametrize("p,m", V_SIZES + [(4, 1), (4, 5)])
+def test_v_every_micro_batch_once_in_order_and_messages_match(schedule, p, m):
+    if schedule == "dualpipev" and m < 2 * p:
+        with pytest.raises(ValueError, match=rf"dualpipev needs at least 2p = {2 * p} micro-batches for {p} "
+                                             rf"stages .* use microbatches >= {2 * p}"):
+            dualpipev(p, m, 0)
+        return
+    for s in range(p):
+        acts = V[schedule](p, m, s)
+        for kind in "FBW":
+            for c in (0, 1):
+                assert sorted(a.mb for a in acts if a.kind == kind and a.chunk == c) == list(range(m))
+        where = {(a.kind, a.mb, a.chunk): i for i, a in enumerate(acts)}
+        assert all(where["F", b, c] < where["B", b, c] < where["W", b, c] for b in range(m) for c in (0, 1))
+    check_message_order(schedule, p, m, 2)  # activations and gradients on two tagged channels (gloo)
+
+
+def test_v_needs_two_channels():
+    """Rank r sends chunk 0's activations and chunk 1's gradients to rank r + 1, not in the order rank r + 1
+    takes them: with one ordered channel per pair (NCCL, no tags) the V schedules cannot run."""
+    for schedule in V:
+        with pytest.raises(ValueError, match="in a different order than they are received; it cannot run on "
+                                             r"ordered point-to-point channels \(one channel per pair"):
+            check_message_order(schedule, 4, 8, 2, tagged=False)
+    check_message_order("zb-h1", 4, 8, 1, tagged=False)  # one chunk per rank: one channel is enough
+
+
+def _torch_actions(cls: type, p: int, m: int, r: int) -> list[Action]:
+    """torch's V schedule for rank r in our notation: its stage r is our chunk 0, 2p-1-r our chunk 1; a full
+    backward is our B then its W, an overlapped F&B pair its F then its full backward."""
+    from types import SimpleNamespace
+
+    fake = SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=2 * p)
+    out = []
+    for a in cls._calculate_single_rank_operations(fake, r):
+        for sub in (a.sub_actions or (a,)) if a is not None else ():
+            c, kind = int(sub.stage_index != r), sub.computation_type.value
+            out += [Action("B", sub.microbatch_index, c), Action("W", sub.microbatch_index, c)] if kind == "B" \
+                else [Action({"I": "B"}.get(kind, kind), sub.microbatch_index, c)]
+    return out
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (2, 7), (3, 6), (4, 8), (4, 11)])
+def test_v_orders_are_torchs(p, m):
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleZBVZeroBubble
+
+    for r in range(p):
+        assert zbv(p, m, r) == _torch_actions(ScheduleZBVZeroBubble, p, m, r)
+        assert dualpipev(p, m, r) == _torch_actions(ScheduleDualPipeV, p, m, r)
+    assert zbv(2, 1, 0) == _torch_actions(ScheduleZBVZeroBubble, 2, 1, 0)  # fewer than 2p-1: torch's too
+
+
+def test_v_schedules_refused_before_start():
+    with pytest.raises(ValueError, match=r"schedule='zbv' places exactly 2 model chunks per rank in a V .* "
+                                         r"got chunks=3; leave chunks unset or use 2"):
+        sw.Parallel(pp=2, schedule="zbv", chunks=3)
+    with pytest.raises(ValueError, match=r"schedule='dualpipev' splits each backward into B and W, which zero=3"):
+        sw.Parallel(pp=2, dp=2, zero=3, schedule="dualpipev")
+    strategy = sw.Parallel(pp=2, schedule="dualpipev", microbatches=2)
+    assert strategy.n_chunks() == 2
+    with pytest.raises(ValueError, match=r"dualpipev needs at least 2p = 4 micro-batches .* use microbatches >= 4"):
+        strategy.check_model(gpt_model(), 2, 8, 1)
+    sw.Parallel(pp=2, schedule="zbv", microbatches=2).check_model(gpt_model(), 2, 8, 1)  # zbv runs any m
+
+
+@pytest.mark.timeout(240)
+def test_v_measured_bubble_within_ten_percent_of_simulated(tmp_path):
+    """F = B = W = 200 ms of sleep per chunk, p = 4: ZBV at m = 4 (idle 4p-2-2m = 6 units per rank: 6/30) and
+    DualPipeV at m = 8 (idle p - 1 = 3: 3/51); the recorded bubble within 10% of the simulated one."""
+    p, ms = 4, {"zbv": 4, "dualpipev": 8}
+    path = str(tmp_path / "events.pt")
+    launch.spawn(_timed, p, args=(p, ms, path))
+    out = torch.load(path, weights_only=False)
+    for schedule, expected in (("zbv", 6 / 30), ("dualpipev", 3 / 51)):
+        simulated = bubble_fraction(simulate(schedule, p, ms[schedule], 2, t_f=1.0, t_b=2.0, t_w=1.0))
         assert simulated == pytest.approx(expected, abs=1e-12)
         measured = bubble_fraction(out[schedule])
         assert abs(measured - simulated) <= 0.1 * simulated, (schedule, measured, simulated)

@@ -1,0 +1,50 @@
+"""The ``zb`` pair's V half on a tiny MLP: ours ZBV and DualPipeV against torch's ScheduleZBVZeroBubble and
+ScheduleDualPipeV, same V cut, same batch and micro-batches, in float64 (torch's stages take the dtype of their
+example input): the same actions, the same loss and gradients, and our bytes equal the formula."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardwise.bench.mp import mlp
+from shardwise.bench.zb import loss_gap, run_zb, summarize
+from shardwise.bench.zbv import (
+    DPV,
+    TORCH_DPV,
+    TORCH_ZBV,
+    V_CONTENDERS,
+    ZBV,
+    expected_sent_v,
+    simulated_bubble_v,
+    v_order,
+    zbv_table,
+)
+
+WIDTH, DEPTH, BATCH, M = 32, 8, 16, 8
+TOL = 1e-12
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("p", [2, 4])
+def test_zbv_pair_same_training_same_schedule_bytes_formula(p):
+    ranks = run_zb(mlp(WIDTH, DEPTH), p, BATCH, M, reps=1, warmup=1, steps=1, dtype=torch.float64,
+                   contenders=V_CONTENDERS)
+    assert len(ranks) == p
+    first = ranks[0].loss  # rank 0 holds the last virtual stage: the loss is computed there
+    assert first[ZBV] is not None and all(r.loss[ZBV] is None for r in ranks[1:])
+    for key in (TORCH_ZBV, DPV, TORCH_DPV):
+        d_loss, d_grad = loss_gap(ranks, key, ZBV, loss_rank=0)
+        assert d_loss <= TOL * abs(first[ZBV]), (key, d_loss)
+        assert d_grad <= TOL, (key, d_grad)
+
+    order = ranks[0].order
+    assert order[TORCH_ZBV] == order[ZBV] == v_order("zbv", p, M)
+    assert order[TORCH_DPV] == order[DPV] == v_order("dualpipev", p, M)
+    for key in (ZBV, DPV):
+        assert simulated_bubble_v(order[key], p, M) == pytest.approx((p - 1) / (6 * M + p - 1))
+
+    for r, res in enumerate(ranks):
+        for key in (ZBV, DPV):
+            assert res.sent[key] == [expected_sent_v(r, p, BATCH, WIDTH, elem=8)], (r, key)
+    assert summarize(ranks)[ZBV]["sent"] == (4 if p > 2 else 2) * BATCH * WIDTH * 8
+    assert zbv_table(ranks, p, M, BATCH, WIDTH, DEPTH, elem=8).row_count == 4
