@@ -42,12 +42,15 @@ def tied_gpt() -> nn.Module:
 
 
 MODELS = {"gpt": (tied_gpt, lm_loss, functools.partial(torch.optim.AdamW, lr=1e-3)),
-          "gpt2": (gpt2, logits_loss, functools.partial(torch.optim.AdamW, lr=1e-4))}
+          "gpt2": (gpt2, logits_loss, functools.partial(torch.optim.AdamW, lr=1e-4)),
+          "moe": (lambda: GPT(GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=4, n_embd=32, n_experts=4)),
+                  lm_loss, functools.partial(torch.optim.AdamW, lr=1e-3))}
 LAYOUTS = {  # name -> (strategy factory, devices, manifest strategy, {dp, tp, pp})
     "tp": (lambda: "tp", 2, "tp", {"dp": 1, "tp": 2, "pp": 1}),
     "pp": (lambda: PP(schedule="1f1b"), 2, "pp", {"dp": 1, "tp": 1, "pp": 2}),
     "3d": (lambda: Parallel(dp=2, tp=2, pp=2, zero=1), 8, "parallel", {"dp": 2, "tp": 2, "pp": 2}),
     "cp": (lambda: Parallel(dp=2, cp=2, zero=3), 4, "parallel", {"dp": 2, "cp": 2, "tp": 1, "pp": 1}),
+    "ep": (lambda: Parallel(ep=2), 2, "parallel", {"dp": 2, "ep": 2}),
 }
 _runs: dict[tuple[str, str], tuple[sw.FitResult, str]] = {}
 
@@ -75,8 +78,8 @@ def test_ls_lists_every_checkpoint_with_its_layout_size_and_integrity(tmp_path_f
     _, ckpt = trained("gpt", "tp", tmp_path_factory)
     entries = tools.listing(ckpt)
     assert [(e.step, e.complete, e.strategy, e.world_size, e.sizes, e.problem, e.ok) for e in entries] == [
-        (2, True, "tp", 2, {"dp": 1, "cp": 1, "tp": 2, "pp": 1}, None, True),
-        (4, True, "tp", 2, {"dp": 1, "cp": 1, "tp": 2, "pp": 1}, None, True)]
+        (2, True, "tp", 2, {"dp": 1, "cp": 1, "tp": 2, "pp": 1, "ep": 1}, None, True),
+        (4, True, "tp", 2, {"dp": 1, "cp": 1, "tp": 2, "pp": 1, "ep": 1}, None, True)]
     assert [e.bytes for e in entries] == [files_bytes(e.path) for e in entries]
     assert tools.exit_code(entries) == 0
 
@@ -86,21 +89,22 @@ def test_ls_lists_every_checkpoint_with_its_layout_size_and_integrity(tmp_path_f
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == f"checkpoints in {ckpt} (oldest first)"
-    assert lines[1].split() == ["STEP", "STRATEGY", "RANKS", "DP", "CP", "TP", "PP", "BYTES", "SIZE", "INTEGRITY"]
+    assert lines[1].split() == ["STEP", "STRATEGY", "RANKS", "DP", "CP", "TP", "PP", "EP", "BYTES", "SIZE",
+                                 "INTEGRITY"]
     for line, e in zip(lines[2:4], entries):
-        assert line.split() == [str(e.step), "tp", "2", "1", "1", "2", "1", str(e.bytes),
+        assert line.split() == [str(e.step), "tp", "2", "1", "1", "2", "1", "1", str(e.bytes),
                                 *tools.human_bytes(e.bytes).split(), "ok"]
     assert lines[4:] == ["newest checkpoint: step 4, intact"]
 
 
-@pytest.mark.parametrize("layout", ["pp", "3d", "cp"])
+@pytest.mark.parametrize("layout", ["pp", "3d", "cp", "ep"])
 def test_ls_names_the_layout_that_wrote_each_checkpoint(layout, tmp_path_factory, capsys):
-    _, ckpt = trained("gpt", layout, tmp_path_factory)
+    _, ckpt = trained("moe" if layout == "ep" else "gpt", layout, tmp_path_factory)
     _, devices, strategy, sizes = LAYOUTS[layout]
     assert cli(["checkpoint", "ls", ckpt]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:4]]
-    assert [r[:7] for r in rows] == [[str(s), strategy, str(devices),
-                                      *(str(sizes.get(d, 1)) for d in ("dp", "cp", "tp", "pp"))] for s in (2, 4)]
+    assert [r[:8] for r in rows] == [[str(s), strategy, str(devices),
+                                      *(str(sizes.get(d, 1)) for d in ("dp", "cp", "tp", "pp", "ep"))] for s in (2, 4)]
     assert [r[-1] for r in rows] == ["ok", "ok"]
 
 
@@ -128,7 +132,7 @@ def test_a_truncated_file_shows_as_corrupted_and_ls_exits_1(tmp_path, tmp_path_f
     out = capsys.readouterr().out.splitlines()
     assert out[3].split()[:7] == ["4", "tp", "2", "1", "1", "2", "1"]
     assert out[3].endswith("corrupted: __0_0.distcp checksum mismatch")
-    assert out[4].split()[:8] == ["6", "?", "?", "?", "?", "?", "?", str(len(b"partial"))]
+    assert out[4].split()[:9] == ["6", "?", "?", "?", "?", "?", "?", "?", str(len(b"partial"))]
     assert "incomplete" in out[4]
     assert out[5] == ("newest checkpoint step 4 is not intact (corrupted: __0_0.distcp checksum mismatch); "
                       "a resume falls back to step 2")

@@ -43,7 +43,7 @@ from torch import nn
 
 from shardwise.checkpoint.held import Held, named_state
 from shardwise.comm.topology import Topology
-from shardwise.dims import CP, SIZES, SPLIT_BY, TP
+from shardwise.dims import CP, EP, SIZES, SPLIT_BY, TP
 from shardwise.step import unwrap
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -59,9 +59,9 @@ class Restored:
 
 
 FORMAT = 2  # 1: shardwise < issue 13, every tensor flattened to 1-D (not readable by this version)
-# The manifest's "sizes": dims.SIZES and cp, in the order messages name them (dp, cp, tp, pp). A manifest
-# written before cp existed has no "cp" (shown as "?" by `shardwise checkpoint ls`).
-MANIFEST_SIZES: tuple[str, ...] = tuple(d for d in SPLIT_BY if d in SIZES or d == CP)
+# The manifest's "sizes": dims.SIZES and cp, in the order messages name them (dp, cp, tp, pp), then ep. A manifest
+# written before cp or ep existed has no such key (shown as "?" by `shardwise checkpoint ls`).
+MANIFEST_SIZES: tuple[str, ...] = tuple(d for d in SPLIT_BY if d in SIZES or d == CP) + (EP,)
 
 
 class Checkpointed(Protocol):
