@@ -47,6 +47,7 @@ class GPTConfig:
     moe_intermediate: int = 0   # each expert's hidden width (0: 2 * n_embd)
     moe_score: str = "softmax"  # "softmax" (Mixtral) or "sigmoid" (DeepSeek-V3)
     aux_loss_coef: float = 0.0  # the Switch load-balancing loss's weight (0: off)
+    bias_update_rate: float = 0.0  # DeepSeek-V3's auxiliary-loss-free balancing (0: off)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -103,7 +104,7 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.n_embd)
         self.mlp: nn.Module = FeedForward(cfg) if not cfg.n_experts else MoE(
             cfg.n_embd, cfg.moe_intermediate or 2 * cfg.n_embd, cfg.n_experts, cfg.top_k, cfg.moe_score,
-            cfg.aux_loss_coef)
+            cfg.aux_loss_coef, cfg.bias_update_rate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))

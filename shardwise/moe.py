@@ -43,9 +43,20 @@ class Reducer(Protocol):
 
 
 class Router(nn.Module):
-    """Top-k routing: ``forward(x (N, H)) -> (probabilities (N, E), weights (N, k), expert indices (N, k))``."""
+    """Top-k routing: ``forward(x (N, H)) -> (probabilities (N, E), weights (N, k), expert indices (N, k))``.
 
-    def __init__(self, hidden: int, n_experts: int, top_k: int, score: str = "softmax") -> None:
+    ``bias_update_rate`` > 0 turns on DeepSeek-V3's auxiliary-loss-free
+    balancing (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", section
+    2.1.2): a per-expert ``bias`` is added to the scores only to *choose* the
+    top-k (the weights stay the unbiased scores), and after each optimizer
+    step every bias moves by ``bias_update_rate`` against its expert's load:
+    up when the expert got fewer routed slots than the mean, down when more.
+    The loads are counted over the whole step and every data-parallel rank
+    (:meth:`update_bias`), so the update is the single-device one.
+    """
+
+    def __init__(self, hidden: int, n_experts: int, top_k: int, score: str = "softmax",
+                 bias_update_rate: float = 0.0) -> None:
         super().__init__()
         if score not in SCORES:
             raise ValueError(f"score={score!r}: valid are {', '.join(map(repr, SCORES))}")
@@ -54,14 +65,36 @@ class Router(nn.Module):
         self.n_experts, self.top_k, self.score = n_experts, top_k, score
         self.weight = nn.Parameter(torch.empty(n_experts, hidden))
         nn.init.normal_(self.weight, std=0.02)
+        self.bias_update_rate = bias_update_rate
+        if bias_update_rate:
+            self.register_buffer("bias", torch.zeros(n_experts, dtype=torch.float64))
+            # Routed slots per expert since the last update (not saved: a step's count, zero between steps).
+            self.register_buffer("load", torch.zeros(n_experts, dtype=torch.float64), persistent=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dtype = torch.promote_types(x.dtype, torch.float32)  # at least fp32; a float64 model stays float64
         logits = F.linear(x.to(dtype), self.weight.to(dtype))
         probs = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
-        top, index = probs.topk(self.top_k, dim=-1)
+        if not self.bias_update_rate:
+            top, index = probs.topk(self.top_k, dim=-1)
+        else:
+            index = (probs.detach() + self.bias.to(dtype)).topk(self.top_k, dim=-1).indices
+            top = probs.gather(-1, index)
+            if self.training and torch.is_grad_enabled():
+                self.load += torch.bincount(index.reshape(-1), minlength=self.n_experts).to(self.load.dtype)
         weights = top / top.sum(-1, keepdim=True)
         return probs, weights, index
+
+    @torch.no_grad()
+    def update_bias(self, group: Reducer | None = None) -> None:
+        """After an optimizer step: move each bias against its expert's load over the step (summed over
+        ``group``, the data-parallel ranks), then start counting again."""
+        if not self.bias_update_rate:
+            return
+        if group is not None and group.size > 1:
+            group.all_reduce(self.load, name="moe_bias_load")
+        self.bias += self.bias_update_rate * torch.sign(self.load.mean() - self.load)
+        self.load.zero_()
 
 
 class Experts(nn.Module):
@@ -114,9 +147,9 @@ class MoE(nn.Module):
     """Router + experts over the tokens of a (B, T, H) input; see the module docstring."""
 
     def __init__(self, hidden: int, intermediate: int, n_experts: int, top_k: int = 2, score: str = "softmax",
-                 aux_loss_coef: float = 0.0) -> None:
+                 aux_loss_coef: float = 0.0, bias_update_rate: float = 0.0) -> None:
         super().__init__()
-        self.router = Router(hidden, n_experts, top_k, score)
+        self.router = Router(hidden, n_experts, top_k, score, bias_update_rate)
         self.experts = Experts(hidden, intermediate, n_experts)
         self.aux_loss_coef = aux_loss_coef
         self.aux_grad_scale = 1.0        # set per step by the strategy: the micro-batch loss's own scale
@@ -130,6 +163,10 @@ class MoE(nn.Module):
             aux = self.aux_loss(probs, index)
             out = _AuxGrad.apply(out, aux, self.aux_loss_coef * self.aux_grad_scale)
         return out.view_as(x)
+
+    def after_optimizer_step(self) -> None:
+        """The auxiliary-loss-free bias update (when on), with the step's loads counted over ``token_group``."""
+        self.router.update_bias(self.token_group)
 
     def aux_loss(self, probs: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """``E * sum_i f_i * P_i`` with ``f_i`` over the token group (see the module docstring)."""

@@ -76,6 +76,14 @@ def set_aux_grad_scale(model: nn.Module, scale: float) -> None:
             m.aux_grad_scale = scale
 
 
+def after_optimizer_step(model: nn.Module) -> None:
+    """Run what layers do once per optimizer step (a MoE router's auxiliary-loss-free bias update): the
+    Trainer calls it after ``optimizer.step()``; a hand-written loop calls it there too."""
+    for m in model.modules():
+        if hasattr(m, "after_optimizer_step"):
+            m.after_optimizer_step()
+
+
 def first_named(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     """Each tensor of ``named`` once, under the first name it comes with (a tied weight's saved name)."""
     seen: set[int] = set()

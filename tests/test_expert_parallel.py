@@ -37,15 +37,18 @@ SEQ, BATCH, STEPS, ACC = 16, 8, 3, 2
 LAYERS, TOP_K = 2, 2
 
 
-def moe_gpt(aux: float = 0.0) -> nn.Module:
+def moe_gpt(aux: float = 0.0, bias_rate: float = 0.0, score: str = "softmax") -> nn.Module:
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=128, block_size=SEQ, n_layer=LAYERS, n_head=4, n_embd=32, n_experts=4,
-                         top_k=TOP_K, aux_loss_coef=aux))
+                         top_k=TOP_K, aux_loss_coef=aux, bias_update_rate=bias_rate, moe_score=score))
 
 
 MODELS = {
     "gpt": (moe_gpt, lm_loss, functools.partial(torch.optim.AdamW, lr=1e-3)),
     "gpt-aux": (functools.partial(moe_gpt, 0.05), lm_loss, functools.partial(torch.optim.AdamW, lr=1e-3)),
+    # DeepSeek-V3's routing: sigmoid scores, and the auxiliary-loss-free bias (a large rate, so it moves routes).
+    "gpt-bias": (functools.partial(moe_gpt, 0.0, 0.05, "sigmoid"), lm_loss,
+                 functools.partial(torch.optim.AdamW, lr=1e-3)),
     "mixtral": (mixtral, logits_loss, functools.partial(torch.optim.AdamW, lr=1e-3)),
     "qwen2_moe": (qwen2_moe, logits_loss, functools.partial(torch.optim.AdamW, lr=1e-3)),
     "olmoe": (olmoe, logits_loss, functools.partial(torch.optim.AdamW, lr=1e-3)),
@@ -126,6 +129,15 @@ def test_the_global_auxiliary_loss_equals_single_device(strategy, devices, same_
     data-parallel average of the local losses' gradients is the single-device gradient, accumulation included
     (each rank's j-th micro-batch is a strided part of the single device's j-th, see data.GlobalBatches)."""
     same_run(reference("gpt-aux"), fit("gpt-aux", strategy, devices))
+
+
+@pytest.mark.parametrize("strategy,devices", [(sw.Parallel(ep=2), 2), (sw.Parallel(ep=2, pp=2, zero=3), 4)])
+def test_the_loss_free_bias_update_equals_single_device(strategy, devices, same_run):
+    """The bias moves by the step's loads summed over every data-parallel rank: the single-device update."""
+    run = fit("gpt-bias", strategy, devices)
+    same_run(reference("gpt-bias"), run)
+    bias = reference("gpt-bias").state_dict["blocks.0.mlp.router.bias"]
+    assert float(bias.abs().max()) > 0  # the bias did move (and is saved with the model)
 
 
 def test_the_auxiliary_loss_is_not_linear_in_the_batch():

@@ -28,7 +28,7 @@ from shardwise.fit.progress import (
 )
 from shardwise.parallel.checkpointing import track_saved_activations
 from shardwise.stats import unique_bytes
-from shardwise.step import LossFn, StepRun, iter_chunks
+from shardwise.step import LossFn, StepRun, after_optimizer_step, iter_chunks
 from shardwise.strategies.base import Strategy
 
 
@@ -98,6 +98,7 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
                 if t.gradient_clip_val is not None:
                     strat.clip_grad_norm(model, t.gradient_clip_val, topo)
                 opt.step()
+                after_optimizer_step(model)  # e.g. MoE routers' bias update, with the step's global loads
                 if step == job.max_steps - 1:
                     # Counted at the high point of a step: gradients and optimizer states both live.
                     state_bytes = count_state(strat, model, opt)
