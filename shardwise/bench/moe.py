@@ -151,8 +151,7 @@ def measure_one(c: MoEContender, model: nn.Module, topo: Topology, x: torch.Tens
         opt.step()
         state = sum(count_state(strat, pm, opt).values())
         opt.zero_grad(set_to_none=True)
-    del pm, opt, step
-    gc.collect()
+    # The model, optimizer and step closure go with this frame; the next contender's gc.collect + trim frees them.
     return Sample(statistics.median(times), mem, (s1["sent"] - s0["sent"]) / steps,
                   _per_step(s1["by_name"], s0["by_name"], steps), _per_step(s1["counters"], s0["counters"], steps),
                   state)
@@ -254,7 +253,7 @@ def moe_table(summaries: dict[int, dict[str, dict[str, Any]]], cfg: GPTConfig, s
         base = summary["ddp"]
         dropless = summary.get(f"ep{n}")
         for key, s in summary.items():
-            c = _contender_of(key)
+            c = contender_of(key)
             st = s["step_time_s"]
             is_ep = c.ep > 1
             t.add_row(str(n), c.label.replace("dp=N", f"dp={n}"), f"{1e3 * st:.2f} ms",
@@ -268,7 +267,8 @@ def moe_table(summaries: dict[int, dict[str, dict[str, Any]]], cfg: GPTConfig, s
     return t
 
 
-def _contender_of(key: str) -> MoEContender:
+def contender_of(key: str) -> MoEContender:
+    """The contender whose :attr:`MoEContender.key` is ``key`` (the gathered results are keyed by it)."""
     if key == "ddp":
         return MoEContender(1)
     ep, _, cf = key.removeprefix("ep").partition("-cf")
@@ -285,6 +285,6 @@ def moe_pair(a: argparse.Namespace) -> Table:
     return moe_table(summaries, CFG, SEQUENCES)
 
 
-__all__ = ["CAPACITIES", "CFG", "SEQUENCES", "TOKEN_EXCHANGES", "WORLDS", "MoEContender", "Sample",
+__all__ = ["CAPACITIES", "CFG", "SEQUENCES", "TOKEN_EXCHANGES", "WORLDS", "MoEContender", "Sample", "contender_of",
            "contenders_for", "gpt", "measure_one", "moe_pair", "moe_table", "run_moe", "samples", "summarize",
            "token_exchange_bytes"]

@@ -232,7 +232,7 @@ def _worker(rank: int, device: torch.device, blob: bytes, path: str) -> None:
         res.order[c.key] = built.order
         res.times[c.key], res.rss[c.key], res.sent[c.key] = [], [], []
         del built
-    ref = grads[ZB]
+    ref = grads[contenders[0].key]  # the first contender is the reference (ours)
     res.grad_gap = {k: float((g - ref).abs().max()) for k, g in grads.items()}
     del grads, ref
     for rep in range(job["reps"]):  # rotate which contender goes first
@@ -288,10 +288,12 @@ def summarize(results: list[RankResult]) -> dict[str, dict[str, Any]]:
                   "order": first.order[key]} for key in first.times}
 
 
-def loss_gap(results: list[RankResult], key: str = TORCH_ZB) -> tuple[float, float]:
-    """Against the first contender (ZB-H1), from the same weights on the same batch: (|loss - its loss| on the
-    last rank, the largest |gradient - its gradient| over every rank's parameters)."""
-    la, lb = results[-1].loss[ZB], results[-1].loss[key]
+def loss_gap(results: list[RankResult], key: str = TORCH_ZB, ref: str = ZB,
+             loss_rank: int = -1) -> tuple[float, float]:
+    """Against the first contender (``ref``, ZB-H1), from the same weights on the same batch: (|loss - its loss|
+    on the rank computing the loss (``loss_rank``: the last; rank 0 under a V placement), the largest
+    |gradient - its gradient| over every rank's parameters)."""
+    la, lb = results[loss_rank].loss[ref], results[loss_rank].loss[key]
     assert la is not None and lb is not None
     return abs(la - lb), max(r.grad_gap[key] for r in results)
 
@@ -336,10 +338,16 @@ def zb_table(results: list[RankResult], contenders: tuple[ZBContender, ...], p: 
 
 
 def zb_pair(a: argparse.Namespace) -> Table:
-    """``shardwise bench --pairs zb``: ``--nproc`` stages, :data:`MICROBATCHES` micro-batches of ``--batch``."""
+    """``shardwise bench --pairs zb``: ``--nproc`` stages, :data:`MICROBATCHES` micro-batches of ``--batch``; then
+    the V half (:mod:`shardwise.bench.zbv`: ZBV and DualPipeV, two chunks per rank), one table under the other."""
+    from shardwise.bench.zbv import zbv_pair  # it builds on this module
+
     model = mlp(WIDTH, DEPTH)
     res = run_zb(model, a.nproc, a.batch, MICROBATCHES, a.reps, steps=a.steps, accelerator=a.accelerator)
-    return zb_table(res, CONTENDERS, a.nproc, MICROBATCHES, a.batch, WIDTH, DEPTH)
+    both = Table.grid(padding=(1, 0))
+    both.add_row(zb_table(res, CONTENDERS, a.nproc, MICROBATCHES, a.batch, WIDTH, DEPTH))
+    both.add_row(zbv_pair(a))
+    return both
 
 
 __all__ = ["CONTENDERS", "DEPTH", "F1B", "MICROBATCHES", "TORCH_1F1B", "TORCH_ZB", "WIDTH", "ZB", "Built",

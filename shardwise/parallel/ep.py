@@ -37,7 +37,6 @@ import math
 import types
 import warnings
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from torch import nn

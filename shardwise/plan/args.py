@@ -77,6 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--ffn-hidden", type=int, default=0, help="MLP inner size (default 4 x hidden)")
     m.add_argument("--kv-heads", type=int, default=0, help="key/value heads (grouped-query attention)")
     m.add_argument("--gated-mlp", action="store_true", help="SwiGLU-style MLP (three matrices)")
+    m.add_argument("--experts", type=int, default=0, help="a mixture of experts: experts per MoE layer (every "
+                   "block's MLP becomes E SwiGLU experts and a router)")
+    m.add_argument("--top-k", type=int, default=2, help="experts each token is routed to (default 2)")
+    m.add_argument("--moe-ffn-hidden", type=int, default=0, help="one expert's inner size (default --ffn-hidden)")
     m.add_argument("--input-shape", type=parse_shape, help="factory input shape with batch first, e.g. 8,64")
     m.add_argument("--input-dtype", default="float", help="factory input dtype: float, long, bf16...")
     c = parser.add_argument_group("cluster")
@@ -118,6 +122,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--max-tp", type=int, help="largest tensor-parallel size (default devices per node)")
     o.add_argument("--max-cp", type=int, help="largest context-parallel size, a power of two (default: any that "
                    "splits the sequence into 2 x cp chunks; 1: no context parallelism)")
+    o.add_argument("--max-ep", type=int, help="largest expert-parallel size, for a mixture of experts (default: "
+                   "any that divides dp x cp and the experts; 1: no expert parallelism)")
     o.add_argument("--cp-modes", default=",".join(CP_MODES),
                    help=f"comma-separated context-parallel attention: {', '.join(CP_MODES)} (default both)")
     o.add_argument("--top", type=int, default=25, help="rows of the table (0: all)")

@@ -41,9 +41,10 @@ def build_model(a: argparse.Namespace) -> ModelSpec:
     if a.layers or a.hidden or a.heads:
         if not (a.layers and a.hidden and a.heads):
             raise ValueError("a transformer shape needs --layers, --hidden and --heads")
+        moe = dict(experts=a.experts, top_k=a.top_k, moe_ffn_hidden=a.moe_ffn_hidden) if a.experts else {}
         return ModelSpec.transformer(a.layers, a.hidden, a.heads, vocab=a.vocab if a.vocab is not None else 50257,
                                      seq_len=a.seq_len or 2048, params=a.params, ffn_hidden=a.ffn_hidden,
-                                     kv_heads=a.kv_heads, gated_mlp=a.gated_mlp)
+                                     kv_heads=a.kv_heads, gated_mlp=a.gated_mlp or bool(a.experts), **moe)
     if a.params:
         return ModelSpec.from_params(a.params, seq_len=a.seq_len or 2048)
     raise ValueError("describe the model: --model NAME or path.py:factory, --params N, or --layers/--hidden/--heads")
@@ -78,9 +79,10 @@ def run(args: argparse.Namespace) -> int:
         model, cluster, training = build_model(args), build_cluster(args), build_training(args)
         strategies = [s.strip() for s in args.strategies.split(",")] if args.strategies else None
         modes = [m.strip() for m in args.cp_modes.split(",") if m.strip()]
-        if args.max_cp is not None and args.max_cp < 1:
-            raise ValueError(f"--max-cp {args.max_cp}: must be at least 1")
-        ests = plan(model, cluster, training, strategies, args.max_tp, args.max_cp, modes)
+        for flag, value in (("--max-cp", args.max_cp), ("--max-ep", args.max_ep)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} {value}: must be at least 1")
+        ests = plan(model, cluster, training, strategies, args.max_tp, args.max_cp, modes, args.max_ep)
     except (ValueError, KeyError, FileNotFoundError, AttributeError, argparse.ArgumentTypeError) as e:
         print(f"shardwise plan: error: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
@@ -102,6 +104,10 @@ def print_table(ests: list[Estimate], best: Estimate | None, model: ModelSpec, c
              + (" (guessed)" if model.shape_inferred else "")) if model.is_transformer else ""
     named = "" if model.name.endswith(" params") else f"{model.name}: "  # from --params: the count is the name
     con.print(f"[bold]model[/] {named}{short_count(model.params)} parameters{shape}")
+    if model.is_moe:
+        con.print(f"[bold]experts[/] {model.experts} per layer, top-{model.top_k}: "
+                  f"{short_count(model.expert_params)} expert parameters, {short_count(model.active_params)} "
+                  "active per token; expert parallelism (ep) keeps E/ep experts per device")
     if model.trace is not None:
         tr = model.trace
         largest = max(tr.layer_outputs, key=lambda kv: kv[1], default=("-", 0))

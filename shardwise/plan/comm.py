@@ -34,13 +34,31 @@ the head size, b the micro-batch and e the element size:
 and the data-parallel collectives run over dp x cp ranks (``dp_cp`` for DDP,
 ``dp_shard_cp`` for ZeRO/FSDP), because the cp ranks of a replica compute
 gradients of the same parameters from different tokens.
+
+Expert parallelism over ep ranks (blocks of ep neighbours of the dp x cp
+ranks, tp apart) adds, per MoE layer and micro-batch, with N = b s / cp
+tokens on a rank, k experts per token, E experts and hidden size h: one
+all-to-all of the E per-expert counts (int64, ``ep_counts``), then the
+dispatch of the routed rows to their experts' ranks (``ep_dispatch``) and
+their return (``ep_combine``), both mirrored in backward (``ep_combine_grad``,
+``ep_dispatch_grad``). Only rows that leave the rank are sent; under balanced
+routing (every expert receives N k / E of a rank's slots, the expectation of
+a router that balances, not what a given batch does) a rank sends
+
+    rows = N k (ep - 1) / ep,   bytes = rows x h x e   per all-to-all,
+
+fewer with a capacity factor cf below 1 (each expert takes at most
+``C = ceil(cf N k / E)`` of a rank's slots: rows = (E - E/ep) min(N k / E, C)).
+The expert gradients are reduced (and, under ZeRO/FSDP, sharded) over
+``edp`` (dp x cp / ep ranks, tp x ep apart), the dense ones over dp x cp as
+before.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from shardwise.dims import CP, DP, DP_CP, DP_REPLICATE, DP_SHARD, DP_SHARD_CP, PP, TP
+from shardwise.dims import CP, DP, DP_CP, DP_REPLICATE, DP_SHARD, DP_SHARD_CP, EDP, EP, PP, TP
 from shardwise.plan.memory import BytesPerParam, Numels, cp_block_bytes, sharded_numel, total_numel, ulysses_kv_bytes
 from shardwise.plan.model import ModelSpec
 from shardwise.plan.specs import ClusterSpec, Layout, TrainingSpec, uses_sequence_parallel
@@ -152,11 +170,33 @@ def _make(kind: str, group: str, purpose: str, total_bytes: int, calls: int, n: 
 
 
 def data_parallel_collectives(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, layout: Layout,
-                              numels: Numels, bpp: BytesPerParam, microbatches: int) -> list[Collective]:
+                              numels: Numels, bpp: BytesPerParam, microbatches: int,
+                              expert_numels: Numels = 0) -> list[Collective]:
     """Gradient and parameter traffic over the data-parallel dimension (ZeRO volumes).
 
     ``numels``: the device's parameter count, or its parameters' sizes (each padded to the ranks).
+    ``expert_numels``: with ep > 1, this rank's expert rows (a count or sizes), reduced and sharded over
+    ``edp`` instead (``numels`` then being the dense rest); with ep = 1 they are simply part of ``numels``.
     """
+    if total_numel(expert_numels) and layout.ep == 1:  # one group for all: the experts' is the dense one
+        numels = total_numel(numels) + total_numel(expert_numels) \
+            if isinstance(numels, int) or isinstance(expert_numels, int) else tuple(numels) + tuple(expert_numels)
+        expert_numels = 0
+    out = _dense_collectives(model, cluster, training, layout, numels, bpp, microbatches)
+    if total_numel(expert_numels) == 0:
+        return out
+    n = layout.expert_shard_size
+    if n == 1:
+        return out  # every expert on one rank of each ep group: nothing to reduce
+    # The edp group: the ranks at the same place of every block of ep neighbours, tp x ep apart.
+    link = group_link(cluster, n, layout.tp * layout.ep)
+    units = math.ceil(model.layers / layout.pp) if model.is_transformer else 1  # each experts module one unit
+    return out + _family(EDP, n, link, units, training, layout.zero_stage, expert_numels, bpp, microbatches,
+                         "expert ")
+
+
+def _dense_collectives(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, layout: Layout,
+                       numels: Numels, bpp: BytesPerParam, microbatches: int) -> list[Collective]:
     out: list[Collective] = []
     eb = bpp.param  # 16-bit (or fp32) gradients and parameters travel in the working precision
     local_numel = total_numel(numels)
@@ -185,25 +225,32 @@ def data_parallel_collectives(model: ModelSpec, cluster: ClusterSpec, training: 
     if n == 1:
         return []
     link = group_link(cluster, n, layout.tp)
+    return _family(shard, n, link, units, training, layout.zero_stage, numels, bpp, m)
+
+
+def _family(group: str, n: int, link: Link, units: int, training: TrainingSpec, stage: int, numels: Numels,
+            bpp: BytesPerParam, m: int, what: str = "") -> list[Collective]:
+    """The ZeRO volumes of ``numels`` over a group of ``n`` (label ``group``): DDP's all-reduce, ZeRO-1/2's
+    reduce-scatter and all-gather, ZeRO-3's two gathers and reduce-scatter (``what`` names the parameters)."""
+    eb = bpp.param
+    local_numel = total_numel(numels)
+    rs = 1 if training.no_sync else m
     full = n * sharded_numel(numels, n) * eb
     buckets = max(1, math.ceil(local_numel * eb / training.bucket_bytes))
-    stage = layout.zero_stage
     if stage == 0:
-        out.append(_make("all_reduce", shard, "all-reduce gradients", local_numel * eb, buckets, n, link,
-                         "backward"))
-    elif stage in (1, 2):
+        return [_make("all_reduce", group, f"all-reduce {what}gradients", local_numel * eb, buckets, n, link,
+                      "backward")]
+    if stage in (1, 2):
         k = rs if stage == 2 else 1  # ZeRO-1 keeps full gradients anyway and reduces once
-        out.append(_make("reduce_scatter", shard, "reduce-scatter gradients", full * k, buckets * k, n, link,
-                         "backward", k > 1))
-        out.append(_make("all_gather", shard, "all-gather updated parameters", full, buckets, n, link, "none"))
-    else:
-        out += [_make("all_gather", shard, "gather parameters (forward)", full * m, units * m, n, link, "forward",
-                      True),
-                _make("all_gather", shard, "gather parameters (backward)", full * m, units * m, n, link,
-                      "backward", True),
-                _make("reduce_scatter", shard, "reduce-scatter gradients", full * rs, units * rs, n, link,
-                      "backward", rs > 1)]
-    return out
+        return [_make("reduce_scatter", group, f"reduce-scatter {what}gradients", full * k, buckets * k, n, link,
+                      "backward", k > 1),
+                _make("all_gather", group, f"all-gather updated {what}parameters", full, buckets, n, link, "none")]
+    return [_make("all_gather", group, f"gather {what}parameters (forward)", full * m, units * m, n, link, "forward",
+                  True),
+            _make("all_gather", group, f"gather {what}parameters (backward)", full * m, units * m, n, link,
+                  "backward", True),
+            _make("reduce_scatter", group, f"reduce-scatter {what}gradients", full * rs, units * rs, n, link,
+                  "backward", rs > 1)]
 
 
 def dp_group(layout: Layout) -> str:
@@ -242,6 +289,7 @@ def model_parallel_collectives(model: ModelSpec, cluster: ClusterSpec, training:
         else:
             out.append(_make("all_reduce", TP, "tensor-parallel all-reduce", act * n_ar, n_ar, t, link, "slot"))
     out += context_parallel_collectives(model, cluster, training, layout, s, microbatches)
+    out += expert_parallel_collectives(model, cluster, training, layout, s, microbatches)
     if layout.pp > 1:
         link = group_link(cluster, layout.pp, t * layout.cp * layout.dp)
         # A middle stage sends each micro-batch's activation forward and its gradient backward; with tp
@@ -294,6 +342,59 @@ def context_parallel_collectives(model: ModelSpec, cluster: ClusterSpec, trainin
                   "attention-backward", "cp.kv"),
             sends(2 * c * calls, "ring attention: key and value gradients (backward)", "attention-backward",
                   "cp.dkv")]
+
+
+def expert_rows_sent(tokens: int, top_k: int, experts: int, ep: int, capacity_factor: float | None = None) -> float:
+    """Rows one rank sends in one dispatch (and receives back in the combine) under balanced routing: of its
+    ``tokens x top_k`` slots, each expert takes ``tokens x top_k / experts`` (at most the capacity
+    ``ceil(cf x tokens x top_k / experts)``), and the ``experts - experts / ep`` experts of other ranks' are
+    the ones that leave it."""
+    per_expert = tokens * top_k / experts
+    if capacity_factor is not None:
+        per_expert = min(per_expert, math.ceil(capacity_factor * tokens * top_k / experts))
+    return (experts - experts // ep) * per_expert
+
+
+def expert_all_to_all_bytes(rows: float, hidden: int, element_size: int) -> int:
+    """Bytes one rank sends in an expert all-to-all of ``rows`` off-rank rows: ``rows x hidden x element size``
+    (its own rows stay put; what :class:`shardwise.comm.Comm` records for ``ep_dispatch`` and its kin)."""
+    return round(rows * hidden * element_size)
+
+
+def expert_parallel_collectives(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, layout: Layout,
+                                s: int, microbatches: int) -> list[Collective]:
+    """The ep group's token traffic per step (group label ``ep``; see the module docstring), by name.
+
+    Per MoE layer on this rank and micro-batch: the counts' all-to-all and the dispatch and combine in
+    forward (replayed by full recomputation, as tensor parallelism's all-reduces are), their mirrors in
+    backward. Every block is taken to be an MoE layer (Mixtral's and our GPT's). The all-to-alls sit on the
+    critical path: the experts wait for their rows, the next layer for the combine.
+    """
+    e = layout.ep
+    if e == 1 or not model.is_moe or not model.is_transformer:
+        return []
+    eb = 4 if training.precision == "fp32" else 2
+    tokens = training.micro_batch * (s // layout.cp)  # a tp rank runs the MoE on every token of its dp x cp rank
+    calls = math.ceil(model.layers / layout.pp) * microbatches
+    replays = 2 if training.activation_checkpointing else 1
+    rows = expert_rows_sent(tokens, model.top_k, model.experts, e, layout.capacity_factor)
+    sent = expert_all_to_all_bytes(rows, model.hidden, eb)
+    size = -(-sent * e // (e - 1))  # the local tensor, this rank's own rows included (Comm's count)
+    busy = all_to_all_time(cluster, size, e, layout.tp)
+    counts = model.experts * 8  # int64 per expert
+    again = ", and again in its recomputation" if replays > 1 else ""
+
+    def a2a(name: str, purpose: str, n: int) -> Collective:
+        return Collective("all_to_all", EP, purpose, e, size, n, sent * n, busy * n, "slot", True, name)
+
+    return [a2a("ep_dispatch", f"expert dispatch: routed rows to their experts' ranks (forward{again})",
+                calls * replays),
+            a2a("ep_combine", f"expert combine: the experts' outputs back (forward{again})", calls * replays),
+            a2a("ep_combine_grad", "expert combine's gradient: rows to the experts again (backward)", calls),
+            a2a("ep_dispatch_grad", "expert dispatch's gradient: back to the tokens' ranks (backward)", calls),
+            Collective("all_to_all", EP, f"expert load counts (forward{again})", e, counts, calls * replays,
+                       bytes_sent("all_to_all", counts, e) * calls * replays,
+                       all_to_all_time(cluster, counts, e, layout.tp) * calls * replays, "slot", True, "ep_counts")]
 
 
 def all_to_all_time(cluster: ClusterSpec, size_bytes: float, ranks: int, stride: int) -> float:

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from shardwise.dims import CP, DP, PP, TP
+from shardwise.dims import CP, DP, EP, PP, TP
 from shardwise.plan.comm import (
     NETWORK_KINDS,
     Collective,
@@ -15,10 +15,13 @@ from shardwise.plan.comm import (
     offload_copies,
 )
 from shardwise.plan.memory import (
+    Numels,
     activation_bytes,
     buffer_bytes,
     bytes_per_param,
+    StateBytes,
     model_state_bytes,
+    total_numel,
 )
 from shardwise.plan.model import ModelSpec
 from shardwise.plan.specs import CP_MODES, STRATEGIES, ClusterSpec, Layout, TrainingSpec, divisors
@@ -49,6 +52,8 @@ class Estimate:
     peak_flops: float  # all devices together, at the training precision, before efficiency
     notes: tuple[str, ...] = field(default=())
     schedule: str = "1f1b"
+    params_per_device: int = 0  # parameters the busiest device holds (dense / tp, experts / ep)
+    active_params_per_device: int = 0  # of those, what one token runs through (top_k of E experts)
 
     # ---- the layout --------------------------------------------------
     @property
@@ -70,6 +75,10 @@ class Estimate:
     @property
     def cp(self) -> int:
         return self.layout.cp
+
+    @property
+    def ep(self) -> int:
+        return self.layout.ep
 
     @property
     def devices(self) -> int:
@@ -137,7 +146,9 @@ class Estimate:
         """A JSON-ready dict (the ``--format json`` schema)."""
         t = self.time
         return {
-            "strategy": self.strategy, DP: self.dp, TP: self.tp, PP: self.pp, CP: self.cp,
+            "strategy": self.strategy, DP: self.dp, TP: self.tp, PP: self.pp, CP: self.cp, EP: self.ep,
+            "capacity_factor": self.layout.capacity_factor, "params_per_device": self.params_per_device,
+            "active_params_per_device": self.active_params_per_device,
             "cp_mode": self.layout.cp_mode, "sequence_parallel": self.layout.sequence_parallel, "devices": self.devices,
             "shard_group": self.layout.shard_size if self.strategy == "hsdp" else None, "label": self.layout.label,
             "zero": self.layout.zero_stage, "code": self.layout.code(self.schedule), "largest_term": self.largest_term,
@@ -165,10 +176,17 @@ def check_layout(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
         return f"needs {layout.devices} devices, the cluster has {cluster.devices}"
     if (layout.tp > 1 or layout.pp > 1) and not model.is_transformer:
         return "tensor and pipeline parallelism need a transformer shape (layers, hidden, heads)"
+    if layout.ep > 1 and not model.is_moe:
+        return f"{EP}={layout.ep} needs a mixture of experts (experts, top_k)"
+    if layout.ep > 1 and model.experts % layout.ep:
+        return f"{EP}={layout.ep} does not divide the {model.experts} experts"
     if model.is_transformer and model.heads % layout.tp:
         return f"tp={layout.tp} does not divide {model.heads} attention heads"
     if model.is_transformer and layout.pp > model.layers:
         return f"pp={layout.pp} exceeds the {model.layers} layers"
+    if layout.ep > 1 and layout.strategy == "zero3":
+        # sw.Parallel(zero=3, ep=) shards with FSDP units (each experts module one): that is "fsdp" here.
+        return f"zero3 (size-based units) does not combine with {EP}; fsdp does (an experts module is one unit)"
     if layout.pp > 1 and layout.strategy == "zero3":
         # Our pipelines shard with FSDP units (one per pipeline layer): the size-based ZeRO-3 preset is "fsdp" there.
         return "zero3 (size-based units) does not combine with pipeline parallelism; fsdp does (units per layer)"
@@ -216,15 +234,26 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, lay
     bpp = bytes_per_param(training.states_precision, training.optimizer, training.fp32_grads)
     local = model.stage_params(layout.tp, layout.pp)
     # A real module's parameter sizes make the shards exact (padding is per parameter); else one flat buffer.
-    numels = model.param_numels if (model.param_numels and layout.tp == layout.pp == 1) else local
-    states = model_state_bytes(numels, layout.strategy, layout.shard_size, bpp, training.offload,
-                               full_grads=training.no_sync and m > 1)
+    numels: Numels = model.param_numels if (model.param_numels and layout.tp == layout.pp == 1) else local
+    experts: Numels = 0
+    if layout.ep > 1:
+        # Expert parallelism: E / ep experts per rank, their states over edp; the dense rest as before.
+        dense, experts = model.stage_split(layout.tp, layout.pp, layout.ep)
+        local = dense + experts
+        numels = dense
+        if model.param_numels and layout.tp == layout.pp == 1:
+            numels, experts = model.local_numels(layout.ep)
+    full = training.no_sync and m > 1
+    states = model_state_bytes(numels, layout.strategy, layout.shard_size, bpp, training.offload, full_grads=full)
+    if total_numel(experts):
+        states = _add(states, model_state_bytes(experts, layout.strategy, layout.expert_shard_size, bpp,
+                                                training.offload, full_grads=full))
     act = activation_bytes(model, training, layout, s, m)
     bufs = buffer_bytes(model, training, layout, s, local, bpp)
-    comms = (data_parallel_collectives(model, cluster, training, layout, numels, bpp, m)
+    comms = (data_parallel_collectives(model, cluster, training, layout, numels, bpp, m, experts)
              + model_parallel_collectives(model, cluster, training, layout, s, m)
              + offload_copies(cluster, training, layout, numels, bpp))
-    t = step_time(model, cluster, training, layout, s, m, numels, bpp, comms)
+    t = step_time(model, cluster, training, layout, s, m, numels, bpp, comms, experts)
     if model.shape_inferred:
         notes.append(f"shape guessed from the parameter count ({model.layers} layers, hidden {model.hidden}, "
                      f"{model.heads} heads)")
@@ -240,7 +269,15 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, lay
                     device_memory_bytes=cluster.device_memory_bytes, reserved_bytes=cluster.reserved_bytes,
                     collectives=tuple(comms), time=t, model_flops=model_flops_per_step(model, s, gb),
                     peak_flops=layout.devices * cluster.flops(training.precision) / cluster.compute_efficiency,
-                    notes=tuple(notes), schedule=training.schedule)
+                    notes=tuple(notes), schedule=training.schedule,
+                    params_per_device=model.params_per_rank(layout.tp, layout.pp, layout.ep)[0],
+                    active_params_per_device=model.params_per_rank(layout.tp, layout.pp, layout.ep)[1])
+
+
+def _add(a: StateBytes, b: StateBytes) -> StateBytes:
+    """Two groups' states on one device (dense and expert): the busiest rank of each, so an upper bound for
+    ZeRO-1/2's padded copies, which may sit on different ranks."""
+    return StateBytes(a.params + b.params, a.grads + b.grads, a.optimizer + b.optimizer, a.host + b.host)
 
 
 def _seq_len(model: ModelSpec, training: TrainingSpec) -> int:
@@ -252,7 +289,8 @@ def _seq_len(model: ModelSpec, training: TrainingSpec) -> int:
 
 def enumerate_layouts(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                       strategies: Iterable[str] | None = None, max_tp: int | None = None,
-                      max_cp: int | None = None, cp_modes: Iterable[str] | None = None) -> list[Layout]:
+                      max_cp: int | None = None, cp_modes: Iterable[str] | None = None,
+                      max_ep: int | None = None) -> list[Layout]:
     """Every valid layout on all of the cluster's devices.
 
     dp x cp x tp x pp over the divisors of the device count, tp inside a node
@@ -263,6 +301,9 @@ def enumerate_layouts(model: ModelSpec, cluster: ClusterSpec, training: Training
     ZeRO stage 0-3 and FSDP over dp x cp (with a pipeline, ZeRO-3 is FSDP with
     a unit per pipeline layer, as ``sw.Parallel(zero=3)`` builds it); HSDP
     (shard dp_shard x cp inside a node, replicate across nodes) when dp spans nodes.
+    For a mixture of experts, each layout also with every expert-parallel size
+    ep > 1 (at most ``max_ep``) that divides both dp x cp and the expert count
+    (not with HSDP's replicas, which expert parallelism does not combine with).
     """
     wanted = set(strategies or STRATEGIES)
     unknown = wanted - set(STRATEGIES)
@@ -291,8 +332,17 @@ def enumerate_layouts(model: ModelSpec, cluster: ClusterSpec, training: Training
                 shard = g // (tp * cp) if g % (tp * cp) == 0 else 0
                 if "hsdp" in wanted and shard and shard * cp > 1 and shard < dp and dp % shard == 0:
                     candidates += [Layout("hsdp", dp, tp, pp, shard_group=shard, **shape) for shape in shapes]
+                candidates += [replace(c, ep=e) for c in candidates for e in _expert_sizes(model, dp * cp, max_ep)
+                               if c.strategy != "hsdp"]
                 out += [c for c in candidates if check_layout(model, cluster, training, c) is None]
     return out
+
+
+def _expert_sizes(model: ModelSpec, ranks: int, most: int | None) -> list[int]:
+    """The ep sizes above 1 tried for ``ranks`` dp x cp ranks: divisors of both ``ranks`` and the expert count."""
+    if not model.is_moe:
+        return []
+    return [e for e in divisors(ranks) if 1 < e <= (most or ranks) and model.experts % e == 0]
 
 
 def _powers_of_two(n: int, most: int | None) -> list[int]:
@@ -306,11 +356,11 @@ def _powers_of_two(n: int, most: int | None) -> list[int]:
 
 
 def plan(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, strategies: Iterable[str] | None = None,
-         max_tp: int | None = None, max_cp: int | None = None, cp_modes: Iterable[str] | None = None
-         ) -> list[Estimate]:
+         max_tp: int | None = None, max_cp: int | None = None, cp_modes: Iterable[str] | None = None,
+         max_ep: int | None = None) -> list[Estimate]:
     """Estimates of every layout: those that fit first, each group by predicted step time."""
     ests = [estimate(model, cluster, training, lay)
-            for lay in enumerate_layouts(model, cluster, training, strategies, max_tp, max_cp, cp_modes)]
+            for lay in enumerate_layouts(model, cluster, training, strategies, max_tp, max_cp, cp_modes, max_ep)]
     return sorted(ests, key=_rank)
 
 

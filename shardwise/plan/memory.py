@@ -155,10 +155,27 @@ def model_state_bytes(numel: Numels, strategy: str, shard: int, bpp: BytesPerPar
 # (Jacobs et al. 2023), a/c * s * s = a * (s/c) * s. The key/value blocks a ring
 # is receiving are a temporary buffer (see buffer_bytes), not per-layer storage.
 
+#
+# A mixture of experts (every block's MLP an MoE layer of E experts, top k) keeps, per token, instead of
+# the MLP's input (2) and inner tensors: the k rows dispatched to its experts (2k, the experts' input), the
+# inner tensors of k gated experts of width I (8 k I / h), the k rows combined back (2k, kept for the
+# routing weights' gradient) and the router's E fp32 probabilities (4 E / h). Our tp plans leave the experts
+# whole, so that part is not divided by t (expert_coefficient).
+
 def layer_coefficient(model: ModelSpec) -> float:
     """The paper's 34 for this model (per s*b*h bytes, attention scores excluded)."""
+    if model.is_moe:
+        return 16 + expert_coefficient(model)
     inner = model.ffn / model.hidden
     return 18 + (8 if model.gated_mlp else 4) * inner
+
+
+def expert_coefficient(model: ModelSpec) -> float:
+    """The MoE layer's part of :func:`layer_coefficient` (0 for a dense model): never split by tp."""
+    if not model.is_moe:
+        return 0.0
+    k, h = model.top_k, model.hidden
+    return 4 * k + 8 * k * model.moe_ffn / h + 4 * model.experts / h
 
 
 def layer_activation_bytes(model: ModelSpec, s: int, b: int, tp: int = 1, sequence_parallel: bool = False,
@@ -173,6 +190,7 @@ def layer_activation_bytes(model: ModelSpec, s: int, b: int, tp: int = 1, sequen
     if recompute:
         return 2 * sbh / (tp if sp else 1)
     c = layer_coefficient(model)
+    x = expert_coefficient(model)  # whole on every tp rank
     # Flash attention never stores the a*s*s score matrices, only a per-row fp32 log-sum-exp (per local query).
     # Otherwise every local query keeps a score for each of the s keys, the whole sequence's.
     scores = 4 * a / h if flash_attention else 5 * a * s / h
@@ -180,8 +198,8 @@ def layer_activation_bytes(model: ModelSpec, s: int, b: int, tp: int = 1, sequen
         # shardwise's sequence parallelism keeps the all-gathered inputs of q/k/v and of fc1 whole (2 bytes x
         # s*b*h each), so each layer moves exactly plain tp's bytes; Megatron keeps 1/t of them and gathers them
         # again in backward (Table 2's 34/t). Ours: 4 + (34 - 4)/t (shardwise/parallel/sequence_parallel.py).
-        return sbh * (4 + (c - 4) / tp + scores / tp)
-    return sbh * (10 + (c - 10) / tp + scores / tp)
+        return sbh * (4 + x + (c - 4 - x) / tp + scores / tp)
+    return sbh * (10 + x + (c - 10 - x) / tp + scores / tp)
 
 
 def output_activation_bytes(model: ModelSpec, s: int, b: int, tp: int = 1, sequence_parallel: bool = False,
@@ -249,9 +267,18 @@ def buffer_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, s: in
         # FSDP prefetches the next unit, so two are alive.
         live = 2 if layout.strategy in ("fsdp", "hsdp") else 1
         unit = math.ceil(model.unit_params / layout.tp)
+        if model.is_moe and layout.ep > 1 and model.is_transformer and not model.largest_layer_params:
+            # Under ep each experts module is a unit of its own (E / ep experts), the rest of the block another.
+            experts = model.expert_layer_params()
+            unit = max(math.ceil((model.layer_params() - experts) / layout.tp), math.ceil(experts / layout.ep),
+                       math.ceil(model.vocab * model.hidden / layout.tp))
         out["gathered units"] = live * unit * (bpp.param + comm_grad)
     if model.is_transformer and model.trace is None:
         b, cp = training.micro_batch, layout.cp
+        if model.is_moe and layout.ep > 1:
+            # One MoE layer's dispatch: the rows gathered for sending and those received, each (b s/cp k) x h
+            # (balanced routing), alive around the all-to-all; the combine reuses the space.
+            out["expert all-to-all rows"] = 2 * b * (s // cp) * model.top_k * model.hidden * act_bytes
         if training.activation_checkpointing:
             # Backward recomputes one layer at a time: that layer's full activations come back.
             full = layer_activation_bytes(model, s, b, layout.tp, uses_sequence_parallel(training, layout), False,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
+from shardwise.parallel.ep import EXPERT_WEIGHTS, expert_modules, expert_parameter_count
 from shardwise.plan.known import ALIASES, SHAPES
 
 
@@ -39,6 +40,14 @@ class ModelSpec:
     parameter count. ``largest_layer_params`` is the largest unit ZeRO-3 /
     FSDP gathers at once. ``param_numels`` (filled for real modules) lets
     shards be padded per parameter, exactly as our ZeRO and FSDP lay them out.
+
+    A mixture of experts (``experts`` > 0): every block's MLP is ``experts``
+    SiLU-gated MLPs of width ``moe_ffn_hidden`` (Mixtral's 3-D ``gate_up_proj``
+    (E, 2I, h) and ``down_proj`` (E, h, I), 3 E h I per layer) behind a router
+    (E x h) that sends each token to ``top_k`` of them. ``expert_params`` is
+    the experts' total over all layers (the part expert parallelism divides by
+    ep); :attr:`active_params` is what one token runs through. For a real
+    module ``param_experts`` marks, parameter by parameter, the expert weights.
     """
 
     name: str
@@ -59,12 +68,23 @@ class ModelSpec:
     param_numels: tuple[int, ...] = ()
     shape_inferred: bool = False
     trace: Trace | None = None
+    experts: int = 0
+    top_k: int = 0
+    moe_ffn_hidden: int = 0
+    expert_params: int = 0
+    param_experts: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         if self.params < 1:
             raise ValueError("a model needs at least one parameter")
         if self.is_transformer and self.hidden % self.heads:
             raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.heads}")
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"top_k={self.top_k} must be between 1 and experts={self.experts}")
+        if not 0 <= self.expert_params < self.params:
+            raise ValueError(f"expert_params={self.expert_params} must be below params={self.params}")
+        if self.param_experts and len(self.param_experts) != len(self.param_numels):
+            raise ValueError("param_experts must mark every entry of param_numels")
 
     # ---- shape-derived quantities ------------------------------------
     @property
@@ -94,12 +114,56 @@ class ModelSpec:
         return -(-(self.kv_heads or self.heads) // tp)
 
     def layer_params(self) -> int:
-        """Parameters of one transformer block (attention, MLP, two norms)."""
+        """Parameters of one transformer block (attention, MLP or router and every expert, two norms)."""
         h, f = self.hidden, self.ffn
         kv = (self.kv_heads or self.heads) * (h // self.heads)
         attn = 2 * h * h + 2 * h * kv + (2 * h + 2 * kv if self.bias else 0)
+        if self.is_moe:
+            return attn + self.experts * h + self.expert_layer_params() + 2 * self._norm_params()
         mlp = (3 if self.gated_mlp else 2) * h * f + ((2 if self.gated_mlp else 1) * f + h if self.bias else 0)
         return attn + mlp + 2 * self._norm_params()
+
+    # ---- a mixture of experts ------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def moe_ffn(self) -> int:
+        """One expert's inner width (Mixtral's intermediate_size; our GPT's default 2 h)."""
+        return self.moe_ffn_hidden or self.ffn
+
+    def expert_layer_params(self) -> int:
+        """The experts of one MoE layer: E SiLU-gated MLPs, 3 h I each (no biases, as Mixtral's)."""
+        return self.experts * 3 * self.hidden * self.moe_ffn if self.is_moe else 0
+
+    @property
+    def dense_params(self) -> int:
+        """Everything but the experts: what every rank of an ep group holds whole."""
+        return self.params - self.expert_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token runs through: the dense part and ``top_k`` of each layer's ``experts``."""
+        if not self.is_moe:
+            return self.params
+        return self.dense_params + self.expert_params * self.top_k // self.experts
+
+    def params_per_rank(self, tp: int = 1, pp: int = 1, ep: int = 1) -> tuple[int, int]:
+        """(total, active) parameters of one device of the heaviest pipeline stage: it holds the dense part
+        split tp ways and 1/ep of the stage's experts (never tp-split: every tp rank runs them whole); a token
+        runs through the dense part and top_k of each layer's E experts, wherever they are (the active count
+        does not shrink with ep, the experts just live on other ranks)."""
+        dense, expert = self.stage_split(tp, pp, ep)
+        active = expert * ep * self.top_k // self.experts if self.is_moe else 0
+        return dense + expert, dense + active
+
+    def local_numels(self, ep: int = 1) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(dense, expert) parameter sizes of a real module as a rank holds them without tp or pp: every
+        expert weight keeps E / ep of its E rows (:func:`shardwise.parallel.ep.apply_expert_parallel`)."""
+        marks = self.param_experts or (False,) * len(self.param_numels)
+        dense = tuple(n for n, e in zip(self.param_numels, marks) if not e)
+        return dense, tuple(n // ep for n, e in zip(self.param_numels, marks) if e)
 
     def _norm_params(self) -> int:
         return (2 if self.norm == "layernorm" else 1) * self.hidden
@@ -126,14 +190,28 @@ class ModelSpec:
         vectors are replicated, which we ignore. Scaled to ``params`` so that
         a guessed shape never changes the declared count.
         """
+        if not self.is_moe:
+            return self.stage_split(tp, pp)[0]
+        return sum(self.stage_split(tp, pp))
+
+    def stage_split(self, tp: int = 1, pp: int = 1, ep: int = 1) -> tuple[int, int]:
+        """(dense, expert) parameters held by one device of the heaviest pipeline stage (see
+        :meth:`stage_params`): the dense part split tp ways, the experts ep ways and never tp ways (our tp
+        plans leave experts whole), every block being an MoE layer (Mixtral's, our GPT's)."""
+        dense = self.dense_params
         if not self.is_transformer or (tp == 1 and pp == 1):
-            return math.ceil(self.params / (tp * pp))
-        per_stage = math.ceil(self.layers / pp) * self.layer_params()
+            return math.ceil(dense / (tp * pp)), math.ceil(self.expert_params / (pp * ep))
+        expert_layer = self.expert_layer_params()
+        per_stage = math.ceil(self.layers / pp) * (self.layer_params() - expert_layer)
         head = self.vocab * self.hidden if (not self.tied_embeddings or pp > 1) else 0
         first = per_stage + self.embedding_params() + (head + self._norm_params() if pp == 1 else 0)
         last = per_stage + head + self._norm_params()
         heaviest = max(first, last) if pp > 1 else first
-        return math.ceil(self.params * heaviest / self.shape_params() / tp)
+        shape = self.shape_params()
+        shape_dense = shape - self.layers * expert_layer
+        # Scaled to the declared counts, so that a guessed (or slightly different) shape never changes them.
+        experts = math.ceil(self.expert_params * math.ceil(self.layers / pp) / self.layers / ep) if self.is_moe else 0
+        return math.ceil(dense * heaviest / shape_dense / tp), experts
 
     def stage_flops_share(self, pp: int = 1) -> float:
         """Fraction of the model's FLOPs that the busiest of ``pp`` pipeline stages does.
@@ -145,9 +223,17 @@ class ModelSpec:
             return 1.0
         if not self.is_transformer:
             return 1 / pp
-        blocks = self.layers * self.layer_params()
+        layer = self.active_layer_params()
+        blocks = self.layers * layer
         head = self.vocab * self.hidden
-        return (math.ceil(self.layers / pp) * self.layer_params() + head) / (blocks + head)
+        return (math.ceil(self.layers / pp) * layer + head) / (blocks + head)
+
+    def active_layer_params(self) -> int:
+        """Parameters of one block that one token runs through (top_k of its experts in an MoE layer)."""
+        if not self.is_moe:
+            return self.layer_params()
+        return self.layer_params() - self.expert_layer_params() + self.top_k * self.expert_layer_params() \
+            // self.experts
 
     def replace(self, **kw: object) -> ModelSpec:
         return replace(self, **kw)  # type: ignore[arg-type]
@@ -157,10 +243,16 @@ class ModelSpec:
     def transformer(cls, layers: int, hidden: int, heads: int, vocab: int = 50257, seq_len: int = 2048,
                     name: str | None = None, params: int | None = None, **shape: object) -> ModelSpec:
         """A decoder-only transformer; ``params`` defaults to the count its shape implies."""
+        given = shape.pop("expert_params", None)
         probe = cls(name="", params=1, layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq_len=seq_len,
                     **shape)  # type: ignore[arg-type]
-        return replace(probe, name=name or f"transformer l{layers} h{hidden}",
-                       params=params if params is not None else probe.shape_params())
+        total = params if params is not None else probe.shape_params()
+        # The experts' share of a declared count is the shape's share (exact when the count is the shape's).
+        experts = probe.layers * probe.expert_layer_params()
+        if experts and params is not None:
+            experts = experts * params // probe.shape_params()
+        return replace(probe, name=name or f"transformer l{layers} h{hidden}", params=total,
+                       expert_params=int(given) if given is not None else experts)  # type: ignore[call-overload]
 
     @classmethod
     def from_params(cls, params: float, seq_len: int = 2048, name: str | None = None,
@@ -201,13 +293,31 @@ class ModelSpec:
         label = name or type(model).__name__
         cfg = getattr(model, "cfg", None)
         cfg = getattr(model, "config", None) if cfg is None else cfg
+        moe = _experts_of(model, cfg)
         shape = _shape_from_config(cfg) if cfg is not None else None
         if shape is None:
-            return cls(name=label, params=params, largest_layer_params=largest, param_numels=numels)
+            return cls(name=label, params=params, largest_layer_params=largest, param_numels=numels,
+                       **moe)  # type: ignore[arg-type]
         if seq_len:
             shape["seq_len"] = seq_len
         return cls(name=label, params=params, largest_layer_params=largest, param_numels=numels,
-                   **shape)  # type: ignore[arg-type]
+                   **shape, **moe)  # type: ignore[arg-type]
+
+
+def _experts_of(model: nn.Module, cfg: object) -> dict[str, object]:
+    """The mixture of experts of a real module, from its experts modules (the ones expert parallelism splits,
+    :func:`shardwise.parallel.ep.expert_modules`): E from their weights, top_k from a router or the config."""
+    found = [m for _, m in expert_modules(model)]
+    if not found:
+        return {}
+    ids = {id(getattr(m, w)) for m in found for w in EXPERT_WEIGHTS}
+    first = found[0].gate_up_proj
+    top_k = next((int(m.top_k) for m in model.modules() if isinstance(getattr(m, "top_k", None), int)), 0)
+    for name in ("top_k", "num_experts_per_tok"):  # our GPTConfig, Mixtral's and Qwen2-MoE's configs
+        top_k = top_k or int(getattr(cfg, name, 0) or 0)
+    return dict(experts=int(first.shape[0]), top_k=top_k or 1, moe_ffn_hidden=int(first.shape[1]) // 2,
+                expert_params=expert_parameter_count(model),
+                param_experts=tuple(id(p) in ids for p in model.parameters()))
 
 
 def _shape_from_config(cfg: object) -> dict[str, object] | None:
@@ -223,7 +333,8 @@ def _shape_from_config(cfg: object) -> dict[str, object] | None:
     heads = get("n_head", "num_attention_heads")
     if not (layers and hidden and heads) or hidden % heads:
         return None
-    llama_like = "llama" in type(cfg).__name__.lower()  # RoPE, RMSNorm, SwiGLU, no biases
+    kind = type(cfg).__name__.lower()
+    llama_like = "llama" in kind or "mixtral" in kind  # RoPE, RMSNorm, SwiGLU, no biases
     tied = getattr(cfg, "tie_weights", getattr(cfg, "tie_word_embeddings", True))
     return dict(layers=layers, hidden=hidden, heads=heads, vocab=get("vocab_size"),
                 seq_len=get("block_size", "n_positions", "max_position_embeddings") or 2048,

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.dims import CP, PP
+from shardwise.dims import CP, EP, PP
 from shardwise.layout import RunLayout
 from shardwise.plan.estimate import check_layout, estimate
 from shardwise.plan.fit import fmt_bytes
@@ -83,6 +83,8 @@ class RunPlan:
                  ("activations", self.activation_bytes), ("buffers", self.buffer_bytes)]
         if lay.cp > 1:
             opts = [f"{CP}={lay.cp} ({lay.cp_mode or 'ring'})"] + opts
+        if lay.ep > 1:
+            opts = [f"{EP}={lay.ep}"] + opts
         if lay.sequence_parallel and lay.tp > 1:
             opts.append("sequence parallel")
         text = (f"{lay.strategy} on dp={lay.dp} tp={lay.tp} pp={lay.pp}{''.join(', ' + o for o in opts)}: "
@@ -170,12 +172,13 @@ def microbatches(layout: RunLayout, local_batch: int, accumulate_grad_batches: i
 
 
 def planner_layout(layout: RunLayout) -> Layout:
-    """The formula planner's :class:`~shardwise.plan.specs.Layout` for a run's layout (cp, its mode and
-    sequence parallelism included; sequence parallelism only where there is a tp group to split over)."""
+    """The formula planner's :class:`~shardwise.plan.specs.Layout` for a run's layout (cp, its mode, sequence
+    parallelism and ep included; sequence parallelism only where there is a tp group to split over)."""
     stage = zero_stage(layout)
     if layout.strategy == "ps":
         return Layout("ddp", max(1, layout.dp - layout.servers))
-    split = dict(cp=layout.cp, cp_mode=layout.cp_mode, sequence_parallel=layout.sequence_parallel and layout.tp > 1)
+    split = dict(cp=layout.cp, cp_mode=layout.cp_mode, sequence_parallel=layout.sequence_parallel and layout.tp > 1,
+                 ep=layout.ep)
     if stage < 3:
         return Layout(("ddp", "zero1", "zero2")[stage], layout.dp, layout.tp, layout.pp, **split)
     if layout.replicate > 1:

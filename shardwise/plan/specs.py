@@ -252,7 +252,7 @@ class Layout:
         # ep is carved from dp x cp, not a factor of the device count: shown as an option, not among the sizes.
         extra = [f"shard {self.shard_size}"] * (self.strategy == "hsdp") + [self.cp_mode or ""] * (self.cp > 1) \
             + ["sp"] * self.sequence_parallel + [f"{EP} {self.ep}"] * (self.ep > 1) \
-            + [f"capacity {self.capacity_factor:g}"] * (self.capacity_factor is not None)
+            + ([f"capacity {self.capacity_factor:g}"] if self.capacity_factor is not None else [])
         return f"{self.strategy} {dims}" + (f" ({', '.join(extra)})" if extra else "")
 
     def code(self, schedule: str = "1f1b") -> str:

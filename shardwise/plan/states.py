@@ -20,7 +20,15 @@ device), so the prediction cannot drift from what the strategies build:
    sharded parameter is padded on its own to ``N * ceil(numel / N)``
    (:mod:`shardwise.parallel.sharding`), FSDP keeps one row of
    ``ceil(numel / N)`` elements per parameter for weights, gradients and each
-   optimizer state, frozen parameters stay whole on every rank.
+   optimizer state, frozen parameters stay whole on every rank;
+4. expert parallelism (``layout.ep`` > 1): every experts module keeps E / ep
+   rows of its 3-D weights (:func:`shardwise.parallel.ep.apply_expert_parallel`,
+   every ep rank's shapes are equal), and the data-parallel family treats those
+   rows as their own group: replicated (DDP) or sharded (ZeRO/FSDP) over the
+   ``edp = dp x cp / ep`` ranks holding the same experts, a rank's place there
+   being its dp x cp index divided by ep (:func:`shardwise.comm.topology`'s
+   expert groups: blocks of ep neighbours), the dense parameters over dp x cp
+   as before.
 
 The result is what the trainer counts (``FitResult.stats``: ``params_bytes``,
 ``grads_bytes``, ``optimizer_bytes`` and their ``host_`` forms) after the last
@@ -38,6 +46,7 @@ from torch import nn
 
 from shardwise.dims import DP, PP, TP
 from shardwise.layout import RunLayout
+from shardwise.parallel.ep import EXPERT_WEIGHTS, expert_modules
 from shardwise.parallel.pipeline import stage_starts
 from shardwise.parallel.pipeline_layers import stage_layers
 from shardwise.parallel.tp import parallelize as tensor_parallel
@@ -61,6 +70,7 @@ class Param:
     element_size: int
     storage_bytes: int  # the storage behind it: a slice may keep its whole base alive
     trainable: bool
+    expert: bool = False  # this rank's rows of an experts module's weight: its own data-parallel group (edp)
 
 
 @dataclass(frozen=True)
@@ -144,23 +154,43 @@ def meta_copy(model: nn.Module) -> nn.Module:
         raise NotModelled(f"cannot copy {type(model).__name__} to lay it out: {e}") from e
 
 
-def _params(modules: Iterable[nn.Module]) -> list[Param]:
+def _params(modules: Iterable[nn.Module], experts: set[int] | None = None) -> list[Param]:
+    experts = experts or set()
     holder = nn.ModuleList(modules)  # parameters() of one container: each tied parameter once
-    return [Param(p.numel(), p.element_size(), p.untyped_storage().nbytes(), p.requires_grad)
+    return [Param(p.numel(), p.element_size(), p.untyped_storage().nbytes(), p.requires_grad, id(p) in experts)
             for p in holder.parameters()]
+
+
+def _split_experts(model: nn.Module, ep: int) -> set[int]:
+    """Keep rank 0's E / ep rows of every experts module's weights, as apply_expert_parallel does (every ep rank
+    holds as many); returns the ids of the expert parameters (split or, with ep = 1, whole)."""
+    out: set[int] = set()
+    for name, m in expert_modules(model):
+        n = m.gate_up_proj.shape[0]
+        if n % ep:
+            # The run itself refuses this (shardwise.parallel.ep.check_experts), with this reason.
+            raise ValueError(f"ep={ep} does not divide the {n} experts of '{name}'")
+        for w in EXPERT_WEIGHTS:
+            full = getattr(m, w)
+            if ep > 1:
+                # A new parameter of its own storage (a clone of the rows), as the strategy builds it.
+                full = nn.Parameter(full.detach()[:n // ep].clone(), requires_grad=full.requires_grad)
+                setattr(m, w, full)
+            out.add(id(full))
+    return out
 
 
 def local_chunks(model: nn.Module, layout: RunLayout, tp_plan: Any = None,
                  split_points: Sequence[str] | None = None) -> list[list[list[Param]]]:
-    """Per pipeline rank, per model chunk, the parameters a rank of that stage holds (after the tp split)."""
-    tp = layout.tp
+    """Per pipeline rank, per model chunk, the parameters a rank of that stage holds (after the tp and ep splits)."""
+    tp, ep = layout.tp, layout.ep
     if layout.strategy not in _PIPELINE:
         if layout.pp > 1:
             raise NotModelled(f"strategy {layout.strategy!r} with pp={layout.pp}")
         m = meta_copy(model)
         if tp > 1:
             _split(tensor_parallel, m, tp_plan, tp, None)
-        return [[_params([m])]]
+        return [[_params([m], _split_experts(m, ep))]]
     p, v = layout.pp, layout.chunks
     try:
         starts = stage_starts(stage_layers(model, p * v), p * v, split_points)
@@ -177,7 +207,8 @@ def local_chunks(model: nn.Module, layout: RunLayout, tp_plan: Any = None,
             keep = {id(x) for k in mine for _, layer in layers[bounds[k]:bounds[k + 1]] for x in layer.modules()}
             _split(tensor_parallel, m, tp_plan, tp, _member(m, keep))
             layers = stage_layers(m, p * v)
-        out.append([_params(layer for _, layer in layers[bounds[k]:bounds[k + 1]]) for k in mine])
+        experts = _split_experts(m, ep)  # after tp, as parallelize orders them (our tp plans leave experts whole)
+        out.append([_params((layer for _, layer in layers[bounds[k]:bounds[k + 1]]), experts) for k in mine])
     return out
 
 
@@ -271,15 +302,17 @@ def states_of(chunks: list[list[list[Param]]], layout: RunLayout, k: int) -> lis
 
     ZeRO and FSDP shard over dp_shard x cp: ``N = shard_size * cp`` ranks, and a rank's place in that group
     (which decides ZeRO-1/2's padded copies) is ``shard * cp + cp coordinate``, the order of the flattened
-    ``dp_shard_cp`` group. HSDP's replicas (dp_replicate, outermost of dp) hold the same shards.
+    ``dp_shard_cp`` group. HSDP's replicas (dp_replicate, outermost of dp) hold the same shards. Expert rows
+    (``Param.expert``) are sharded the same way over their own group, edp: ``N / ep`` ranks, a rank's place
+    being its dp x cp index divided by ep.
     """
     if layout.strategy == "ps":
         return _ps(chunks[0][0], k, layout)
-    stage, offload, cp = zero_stage(layout), layout.offload, layout.cp
+    stage, offload, cp, ep = zero_stage(layout), layout.offload, layout.cp, layout.ep
     n = layout.shard_size * cp if stage else 1
     shards = layout.shard_size if stage else layout.dp
 
-    def per(cs: list[list[Param]], d: int) -> RankStates:
+    def group(cs: list[list[Param]], n: int, d: int) -> RankStates:
         if stage == 0:
             return _sum(replicated(c, k) for c in cs)
         if stage == 1:  # one ZeRO-1 wrapper over every chunk of the rank
@@ -287,6 +320,15 @@ def states_of(chunks: list[list[list[Param]]], layout: RunLayout, k: int) -> lis
         if stage == 2:  # one wrapper per chunk
             return _sum(zero(c, k, 2, n, d, offload) for c in cs)
         return _sum(fsdp(c, k, n, offload) for c in cs)
+
+    def per(cs: list[list[Param]], d: int) -> RankStates:
+        if not any(q.expert for c in cs for q in c):
+            return group(cs, n, d)
+        dense = [[q for q in c if not q.expert] for c in cs]
+        experts = [[q for q in c if q.expert] for c in cs]
+        # ep = 1: the experts' group is the dense one (shardwise.dims.ParallelDims.same_group), one wrapper's
+        # buckets all the same; the byte count is additive over parameters either way.
+        return group(dense, n, d) + group(experts, max(1, n // ep), d // ep)
 
     return [per(chunks[r], (d % shards) * cp + c) for r in range(layout.pp) for d in range(layout.dp)
             for c in range(cp) for _ in range(layout.tp)]

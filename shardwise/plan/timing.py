@@ -13,6 +13,16 @@ critical path like tensor parallelism's all-reduces); ring attention sends the
 next key/value block while the current one is computed (Liu et al. 2023,
 section 3), so its traffic shows only where it outlasts the attention compute
 of its pass.
+
+A mixture of experts costs the FLOPs of its active parameters (the dense part
+and top_k of each layer's E experts: Fedus et al. 2021, the point of sparse
+models). Under balanced routing each rank of an ep group computes as many
+expert rows as it dispatches, so ep does not change a rank's FLOPs; tp does
+not split the experts (every tp rank runs them whole), so their share of the
+work is not divided by tp. The dispatch and combine all-to-alls
+(:func:`shardwise.plan.comm.expert_parallel_collectives`, on the ep group's
+link as :func:`shardwise.plan.comm.all_to_all_time` prices it) sit on the
+critical path of every micro-batch, like tensor parallelism's all-reduces.
 """
 from __future__ import annotations
 
@@ -42,7 +52,7 @@ def forward_flops_per_sample(model: ModelSpec, s: int) -> float:
     if model.trace is not None:
         return model.trace.flops / model.trace.batch / 3  # traced forward + backward; backward ~ 2x forward
     attention = 4 * model.layers * model.hidden * s * s if model.is_transformer else 0
-    return 2 * model.params * s + attention
+    return 2 * model.active_params * s + attention
 
 
 def model_flops_per_step(model: ModelSpec, s: int, global_batch: int) -> float:
@@ -66,11 +76,15 @@ class StepTime:
 
 
 def step_time(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, layout: Layout, s: int,
-              microbatches: int, numels: Numels, bpp: BytesPerParam, comms: list[Collective]) -> StepTime:
-    """Compose compute, bubble and exposed communication into one step's time."""
+              microbatches: int, numels: Numels, bpp: BytesPerParam, comms: list[Collective],
+              expert_numels: Numels = 0) -> StepTime:
+    """Compose compute, bubble and exposed communication into one step's time (``expert_numels``: this rank's
+    expert parameters when ep > 1, whose optimizer states are sharded over edp; ``numels`` the rest)."""
     speed = cluster.flops(training.precision)
-    # The busiest device does its stage's share of the work, split tp ways and, over the tokens, cp ways.
-    share = model.stage_flops_share(layout.pp) / (layout.tp * layout.cp)
+    # The busiest device does its stage's share of the work, split tp ways and, over the tokens, cp ways;
+    # the experts' share (active expert FLOPs over all active FLOPs) is not split tp ways.
+    routed = expert_flops_fraction(model)
+    share = model.stage_flops_share(layout.pp) * ((1 - routed) / layout.tp + routed) / layout.cp
     fwd = forward_flops_per_sample(model, s) * training.micro_batch * share / speed
     bwd = 2 * fwd + (fwd if training.activation_checkpointing else 0)
     slot_comm = sum(c.time_s for c in comms if c.overlap == "slot")
@@ -86,11 +100,20 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, la
         bubble = (p - 1) * slot if p > 1 else 0.0
     exposed = _exposed(comms, fwd, bwd, m)
     updated = total_numel(numels) if layout.zero_stage == 0 else sharded_numel(numels, layout.shard_size)
+    updated += total_numel(expert_numels) if layout.zero_stage == 0 else \
+        sharded_numel(expert_numels, layout.expert_shard_size)
     touched = updated * (2 * bpp.param + bpp.grad + 2 * bpp.optimizer)  # read-modify-write of every state
     on_host = training.offload != "none" and layout.zero_stage > 0
     optimizer = touched / (cluster.host_memory_bw if on_host else cluster.memory_bw)
     total = m * slot + bubble + exposed + optimizer
     return StepTime(fwd, bwd, m * (fwd + bwd), slot_comm, bubble, exposed, optimizer, total, ring)
+
+
+def expert_flops_fraction(model: ModelSpec) -> float:
+    """The part of a token's parameter FLOPs spent in its top_k experts (0 for a dense model)."""
+    if not model.is_moe:
+        return 0.0
+    return model.expert_params * model.top_k / model.experts / model.active_params
 
 
 def _ring_exposed(comms: list[Collective], model: ModelSpec, training: TrainingSpec, layout: Layout, s: int,
