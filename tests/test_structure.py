@@ -58,7 +58,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "shardwise.strategies": ("shardwise.fit", ROOT),
     "shardwise.checkpoint": ("shardwise.strategies", "shardwise.fit", ROOT),
     **{base: (*_MECHANISMS, *_UPPER, ROOT)
-       for base in ("shardwise.dims", "shardwise.layout", "shardwise.step", "shardwise.precision")},
+       for base in ("shardwise.dims", "shardwise.layout", "shardwise.step", "shardwise.precision", "shardwise.moe")},
 }
 
 # "<module>: <imported module>" -> why that import waits for a function to run. Every import statement inside a
