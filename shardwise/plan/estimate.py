@@ -16,10 +16,10 @@ from shardwise.plan.comm import (
 )
 from shardwise.plan.memory import (
     Numels,
+    StateBytes,
     activation_bytes,
     buffer_bytes,
     bytes_per_param,
-    StateBytes,
     model_state_bytes,
     total_numel,
 )
