@@ -24,9 +24,10 @@ import shardwise as sw
 from shardwise import checkpoint, launch
 from shardwise.comm.collectives import Comm, CommStats
 from shardwise.comm.topology import Topology
-from shardwise.dims import EDP, EP, ParallelDims
+from shardwise.dims import DP, EDP, EP, ParallelDims
 from shardwise.models import GPT, GPTConfig, lm_loss
 from shardwise.moe import Experts, MoE
+from shardwise.parallel.ddp import DDPModule
 from shardwise.parallel.ep import ExpertParallel, apply_expert_parallel, capacity
 from shardwise.workloads import CharText, stdlib_text
 
@@ -201,6 +202,26 @@ def _exact(rank: int, device: torch.device, cf: float | None) -> None:
 @pytest.mark.parametrize("cf", [None, 0.5, 1.0])
 def test_bytes_and_drops_are_counted_exactly(cf):
     launch.spawn(_exact, 2, args=(cf,))
+
+
+def _idle_expert(rank: int, device: torch.device) -> None:
+    topo = Topology.create(device, ParallelDims(dp_shard=4, ep=2))
+    torch.manual_seed(0)
+    experts = Experts(6, 8, 4).double()
+    apply_expert_parallel(experts, ExpertParallel(topo.comm(EP), topo.stats))
+    ddp = DDPModule(experts, topo.comm(DP), expert_comm=topo.comm(EDP))
+    x = torch.randn(5, 6, dtype=torch.float64)
+    index = torch.tensor([[0, 1]] * 5)  # experts 2 and 3 (ep rank 1's) get nothing on any rank
+    ddp(x, index, torch.full((5, 2), 0.5, dtype=torch.float64)).sum().backward()
+    if topo.coord(EP) == 1:
+        assert all(p.grad is not None and not p.grad.any() for p in experts.parameters())
+    dist.barrier()
+
+
+@pytest.mark.timeout(120)
+def test_an_expert_without_tokens_gets_a_zero_gradient_not_none():
+    """DDP reduces every parameter's bucket: an expert no token reached this micro-batch still takes part."""
+    launch.spawn(_idle_expert, 4)
 
 
 def test_capacity_drops_the_overflow_in_token_order():

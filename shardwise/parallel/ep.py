@@ -127,8 +127,9 @@ class ExpertParallel:
                      for e in range(local) for s in range(ep)]
         regroup = torch.cat(by_expert) if by_expert else torch.empty(0, dtype=torch.long, device=x.device)
         sizes = recv_by.sum(0).tolist()
-        outs = [expert_mlp(m, e, chunk) for e, chunk in enumerate(rows[regroup].split(sizes)) if chunk.shape[0]]
-        y = torch.cat(outs) if outs else rows.new_zeros((0, x.shape[1]))
+        # Every local expert runs, on zero rows if none came: its weights then get a zero gradient instead of
+        # none, so the data-parallel reduction (DDP's buckets) sees every parameter on every rank.
+        y = torch.cat([expert_mlp(m, e, chunk) for e, chunk in enumerate(rows[regroup].split(sizes))])
         back = torch.zeros_like(y).index_copy(0, regroup, y)  # back in arrival order
         returned = self._exchange(back, send_splits, recv_splits, "ep_combine")
         scaled = returned * weights[token, slot, None].to(x.dtype)
