@@ -48,7 +48,7 @@ from torch import nn
 from shardwise.bench.compose import local_batch
 from shardwise.bench.harness import spawn_collect, timed_steps, trim_malloc
 from shardwise.comm.topology import Topology
-from shardwise.dims import WORLD
+from shardwise.dims import EP, WORLD
 from shardwise.fit.steps import count_state
 from shardwise.models import GPT, GPTConfig, lm_loss
 from shardwise.stats import current_rss_bytes, peak_rss_bytes, reset_peak_rss
@@ -56,7 +56,7 @@ from shardwise.strategies.parallel import Parallel
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 # 8 experts, top-2, each expert the width of a dense MLP (2 x n_embd): the experts are ~90% of the parameters, so
-# splitting them shows in the state per rank; a step takes ~0.1-0.3 s on 2 cores (the whole pair: ~2-3 minutes).
+# splitting them shows in the state per rank. Measured on 2 loaded cores: 70-310 ms a step, the pair 68-161 s.
 CFG = GPTConfig(vocab_size=256, block_size=128, n_layer=2, n_head=4, n_embd=128, n_experts=8, top_k=2,
                 moe_intermediate=256, aux_loss_coef=0.01)
 SEQUENCES = 8  # the global batch, in sequences of CFG.block_size tokens: 1024 tokens, divides over 2 and 4 ranks
@@ -78,7 +78,7 @@ class MoEContender:
     def key(self) -> str:
         if self.ep == 1:
             return "ddp"
-        return f"ep{self.ep}" + ("" if self.capacity_factor is None else f"-cf{self.capacity_factor:g}")
+        return f"{EP}{self.ep}" + ("" if self.capacity_factor is None else f"-cf{self.capacity_factor:g}")
 
     @property
     def label(self) -> str:
@@ -251,7 +251,7 @@ def moe_table(summaries: dict[int, dict[str, dict[str, Any]]], cfg: GPTConfig, s
         t.add_column(col, justify="left" if col == "layout" else "right")
     for n, summary in summaries.items():
         base = summary["ddp"]
-        dropless = summary.get(f"ep{n}")
+        dropless = summary.get(f"{EP}{n}")
         for key, s in summary.items():
             c = contender_of(key)
             st = s["step_time_s"]
@@ -271,7 +271,7 @@ def contender_of(key: str) -> MoEContender:
     """The contender whose :attr:`MoEContender.key` is ``key`` (the gathered results are keyed by it)."""
     if key == "ddp":
         return MoEContender(1)
-    ep, _, cf = key.removeprefix("ep").partition("-cf")
+    ep, _, cf = key.removeprefix(EP).partition("-cf")
     return MoEContender(int(ep), float(cf) if cf else None)
 
 
