@@ -38,7 +38,7 @@ from shardwise.dims import PP, TP
 from shardwise.fit.trainer import Trainer
 from shardwise.parallel.pipeline import build_pipeline
 from shardwise.parallel.pipeline_run import pipeline_step
-from shardwise.parallel.schedules import Recorder, bubble_fraction, simulate
+from shardwise.parallel.schedules import Recorder, bubble_fraction, default_chunks, shape_of, simulate
 from shardwise.workloads import load as load_workload
 
 KINDS = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer states"),
@@ -221,7 +221,8 @@ def timeline_figure(runs: Mapping[str, Sequence[Any]], title: str = "Pipeline sc
             bar = ax.barh(e.stage, width, left=left, height=0.7, color=_COLORS[e.kind], edgecolor="black",
                           linewidth=0.6)
             bar.patches[0].set_gid(BOX)
-            labelled.append((bar.patches[0], ax.text(left + width / 2, e.stage, f"{e.kind}{e.mb}", ha="center",
+            label = f"{e.kind}{e.mb}" + (f".{e.chunk}" if e.chunk else "")  # which chunk, with two per rank
+            labelled.append((bar.patches[0], ax.text(left + width / 2, e.stage, label, ha="center",
                                                      va="center", fontsize=7, gid=BOX_LABEL)))
         stages = sorted({e.stage for e in events})
         ax.set_yticks(stages, [f"stage {s}" for s in stages])
@@ -235,8 +236,9 @@ def timeline_figure(runs: Mapping[str, Sequence[Any]], title: str = "Pipeline sc
         if any(e.kind == "W" for e in events):  # a split backward: B is the input gradient, W the weights'
             handles[1] = Patch(color=_COLORS["B"], label="input gradient of micro-batch i (Bi)")
             handles.append(Patch(color=_COLORS["W"], label="weight gradient of micro-batch i (Wi)"))
+        # Three entries side by side run into the next panel's: stacked then.
         ax.legend(handles=handles, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2),
-                  ncol=len(handles), frameon=False)
+                  ncol=len(handles) if len(handles) < 3 else 1, frameon=False)
         ax.grid(axis="x", alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
@@ -278,7 +280,9 @@ def _timeline_worker(rank: int, device: torch.device, schedules: list[str], m: i
     for schedule in schedules:
         torch.manual_seed(0)
         layers = [mod for _ in range(2 * p) for mod in (torch.nn.Linear(width, width), torch.nn.ReLU())][:-1]
-        pm = build_pipeline(torch.nn.Sequential(*layers).to(device), topo)
+        # Each schedule's own chunk count and placement (the V ones: 2 chunks, rank r holds r and 2p-1-r).
+        pm = build_pipeline(torch.nn.Sequential(*layers).to(device), topo, chunks=default_chunks(schedule),
+                            shape=shape_of(schedule))
         rec = Recorder()
         for step in range(3):  # the first step exchanges shapes; the last one is drawn
             topo.comm("world").barrier(name="plots.barrier")
@@ -347,6 +351,7 @@ def samples_per_s(results: Mapping[str, tuple[Any, int, int]]) -> list[dict[str,
 
 __all__ = ["BAR", "BOX", "BOX_LABEL", "count_boxes", "count_boxes_in", "distinct_colors", "measure_memory",
            "measure_throughput", "memory_figure", "memory_rows", "pyplot", "record_pipeline", "samples_per_s", "save",
+           "simulated_schedules",
            "throughput_bars", "throughput_figure", "timeline_figure", "write_all", "write_demo"]
 
 
@@ -373,7 +378,20 @@ def main(argv: list[str] | None = None) -> int:
     sim = {s: simulate(s, 4, 8, t_f=1.0, t_b=2.0) for s in ("gpipe", "1f1b")}
     print("wrote " + save(timeline_figure(sim, "Simulated schedules: 4 stages, 8 micro-batches, backward = 2 x forward"),
                           os.path.join(a.dir, "pipeline_simulated.png")))
+    for name, group in (("1f1b", ("gpipe", "1f1b", "interleaved")), ("zb", ("zb-h1", "zbv", "dualpipev"))):
+        print("wrote " + save(simulated_schedules(group), os.path.join(a.dir, f"pipeline_schedules_{name}.png")))
     return 0
+
+
+def simulated_schedules(schedules: Sequence[str], stages: int = 4, microbatches: int = 8) -> Any:
+    """``schedules`` side by side on the simulator's clock: per stage F 1 and a backward of 2 (B 1 + W 1 when
+    split); a schedule with two chunks per rank runs each chunk in half the time, so all do the same work."""
+    runs = {}
+    for s in schedules:
+        v = default_chunks(s)
+        runs[s] = simulate(s, stages, microbatches, v, t_f=1.0 / v, t_b=2.0 / v)
+    return timeline_figure(runs, f"Simulated: {stages} ranks, {microbatches} micro-batches; per stage F 1, "
+                                 "backward 2 (B 1 + W 1 when split); two chunks per rank: halves")
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ PAIRS: dict[str, Callable[[argparse.Namespace], Table]] = {
     "ps-vs-ddp": _lazy("shardwise.bench.classic:ps_vs_ddp"),
     "allreduce": _lazy("shardwise.bench.classic:allreduce_algorithms"),
     CP: _lazy("shardwise.bench.cp:cp_pair"),
-    "zb": _lazy("shardwise.bench.zb:zb_pair"),
+    "zb": _lazy("shardwise.bench.zbv:zb_pairs"),  # ZB-H1, then ZBV and DualPipeV
     "moe": _lazy("shardwise.bench.moe:moe_pair"),
 }
 

@@ -338,16 +338,11 @@ def zb_table(results: list[RankResult], contenders: tuple[ZBContender, ...], p: 
 
 
 def zb_pair(a: argparse.Namespace) -> Table:
-    """``shardwise bench --pairs zb``: ``--nproc`` stages, :data:`MICROBATCHES` micro-batches of ``--batch``; then
-    the V half (:mod:`shardwise.bench.zbv`: ZBV and DualPipeV, two chunks per rank), one table under the other."""
-    from shardwise.bench.zbv import zbv_pair  # it builds on this module
-
+    """``--nproc`` stages, :data:`MICROBATCHES` micro-batches of ``--batch`` (``shardwise bench --pairs zb`` shows
+    this table and, under it, the V half: :func:`shardwise.bench.zbv.zb_pairs`)."""
     model = mlp(WIDTH, DEPTH)
     res = run_zb(model, a.nproc, a.batch, MICROBATCHES, a.reps, steps=a.steps, accelerator=a.accelerator)
-    both = Table.grid(padding=(1, 0))
-    both.add_row(zb_table(res, CONTENDERS, a.nproc, MICROBATCHES, a.batch, WIDTH, DEPTH))
-    both.add_row(zbv_pair(a))
-    return both
+    return zb_table(res, CONTENDERS, a.nproc, MICROBATCHES, a.batch, WIDTH, DEPTH)
 
 
 __all__ = ["CONTENDERS", "DEPTH", "F1B", "MICROBATCHES", "TORCH_1F1B", "TORCH_ZB", "WIDTH", "ZB", "Built",

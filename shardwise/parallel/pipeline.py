@@ -127,12 +127,15 @@ class PipelineModel(nn.Module):
 
     def __init__(self, chunks: list[nn.Module], rank: int, stages: int, keys: list[str],
                  claimed: dict[str, torch.Tensor], ties: list[_Tie], device: torch.device,
-                 placement: Placement | None = None) -> None:
+                 placement: Placement | None = None,
+                 copies: Sequence[tuple[nn.Parameter, nn.Parameter]] = ()) -> None:
         super().__init__()
         self.device = device
         self.chunks = nn.ModuleList(chunks)
         self.rank, self.stages = rank, stages
         self.placement = placement or Placement(stages, len(chunks))
+        # (first copy, further copy) of weights two chunks of this rank use (a V's embedding and head).
+        self.copies = list(copies)
         self.keys = keys
         self.claimed = claimed
         self.ties = ties
@@ -154,6 +157,20 @@ class PipelineModel(nn.Module):
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         return p.grad
+
+    def sync_copies(self) -> None:
+        """Give every further copy of a weight tied within this rank the first copy's value.
+
+        The copies take the same step from the same summed gradient, so this is a no-op in a run; it
+        matters after a checkpoint is loaded, which restores the first copy only (the one claimed under
+        the weight's names; the further copy's optimizer state is then stale, but its value is
+        replaced here before every step, so it never reaches a forward)."""
+        if self.copies and any(hasattr(w, "unit_of") for w in (self.data.wrappers if self.data else [])):
+            raise ValueError("pipeline: a weight tied between two chunks of one rank (a V's embedding and head) "
+                             "is not supported with zero=3: FSDP shards the copies in different units")
+        with torch.no_grad():
+            for first, copy in self.copies:
+                copy.copy_(first)
 
     def stage(self, chunk: int) -> PipelineStage:
         c = self.chunks[chunk]
@@ -210,15 +227,21 @@ def build_pipeline(model: nn.Module, topo: Topology, split_points: Sequence[str]
         layers = stage_layers(model, p * v)
         parts = [layers[starts[i]:starts[i + 1]] for i in range(p * v)]
     stages = [PipelineStage(parts[k], k, p * v) for k in mine]
+    seen: dict[str, nn.Parameter] = {}
+    my_ties, copies = [], []
+    for name, local, owners in ties.get(r, []):  # in virtual-stage order: the first copy of the first owner counts
+        prm = model.get_parameter(local)
+        my_ties.append(_Tie(name, prm, owners, counted=owners[0] == r and name not in seen))
+        if name in seen:
+            copies.append((seen[name], prm))
+        seen.setdefault(name, prm)
     state = model.state_dict(keep_vars=True)
     held = {id(t) for s in stages for t in list(s.parameters()) + list(s.buffers())}
-    claimed = {k: t for k, t in state.items() if id(t) in held}
-    seen: set[str] = set()
-    my_ties = []
-    for name, local, owners in ties.get(r, []):  # in virtual-stage order: the first copy of the first owner counts
-        my_ties.append(_Tie(name, model.get_parameter(local), owners, counted=owners[0] == r and name not in seen))
-        seen.add(name)
-    return PipelineModel(stages, r, p, list(state), claimed, my_ties, topo.device, place)
+    # A further chunk's copy of a tied weight is claimed as the rank's first copy: one tensor under its names
+    # for the full state and the checkpoint, as on one device (PipelineModel.sync_copies keeps them equal).
+    first_of = {id(c): f for f, c in copies}
+    claimed = {k: first_of.get(id(t), t) for k, t in state.items() if id(t) in held}
+    return PipelineModel(stages, r, p, list(state), claimed, my_ties, topo.device, place, copies)
 
 
 def untie_on_rank(model: nn.Module, my_ties: Sequence[tuple[str, str, list[int]]]) -> None:

@@ -256,6 +256,7 @@ def pipeline_eval(pm: PipelineModel, x: Any, y: Any, fn: LossFn, topo: Topology,
     """One evaluation batch forward through every stage, no backward: ``fn(output, y)`` on the last stage, None
     elsewhere. The batch goes as one micro-batch, chunk after chunk (:func:`~shardwise.parallel.schedules.
     forward_only`); nothing is kept for a backward and tied weights are left alone."""
+    pm.sync_copies()
     runner = _Runner(pm, topo.comm(PP), [(x, y)], fn, None, forward_context)
     with torch.no_grad():
         execute(forward_only(pm.stages, 1, pm.rank, len(pm.chunks)), runner, pm.rank)
@@ -320,6 +321,7 @@ def pipeline_step(pm: PipelineModel, micro_batches: Sequence[tuple[Any, Any]], l
         # Parameters and the batch itself are not activations (micro-batches are views of one batch).
         data = [t for xy in mbs for t in xy if isinstance(t, torch.Tensor)]
         saved = SavedActivations(pm.parameters(), data)
+    pm.sync_copies()
     runner = _Runner(pm, comm, mbs, loss_fn, saved, forward_context, loss_scale)
     execute(acts, runner, pm.rank, recorder)
     runner.finish()

@@ -12,13 +12,15 @@ from __future__ import annotations
 import functools
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from tiny_hf import gpt2, llama, logits_loss
+from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleZBVZeroBubble
 
 import shardwise as sw
-from shardwise import launch
+from shardwise import launch, plots
 from shardwise.models import GPT, GPTConfig, lm_loss
 from shardwise.parallel.placement import Placement
 from shardwise.parallel.schedules import (
@@ -283,6 +285,25 @@ def test_v_schedules_equal_single_device(model, layout, same_run):
         same_run(_refs[name], fit(name, make(schedule), devices))
 
 
+V_COMPOSED = {  # zbv only: dualpipev differs in its order, not in the code the composition goes through
+    "gpt2-dp2-ddp": ("gpt2", lambda: sw.Parallel(pp=2, dp=2, schedule="zbv", microbatches=4)),  # tied copies: 2 DDPs
+    "llama-dp2-zero2": ("llama", lambda: sw.Parallel(pp=2, dp=2, zero=2, schedule="zbv", microbatches=4)),
+    "llama-tp2": ("llama", lambda: sw.Parallel(pp=2, tp=2, schedule="zbv", microbatches=4)),
+    # cp needs attention in every chunk: with 4 layers rank 0 would hold only the embedding and the head
+    "llama-deep-cp2": ("llama-deep", lambda: sw.Parallel(pp=2, cp=2, schedule="zbv", microbatches=4)),
+}
+
+
+@pytest.mark.float64
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", list(V_COMPOSED))
+def test_zbv_composes(case, same_run):
+    name, make = V_COMPOSED[case]
+    if name not in _refs:
+        _refs[name] = fit(name, "single", 1)
+    same_run(_refs[name], fit(name, make(), 4))
+
+
 # ---- ZBV and DualPipeV on the model clock -------------------------------------------------------------------
 # Costs per chunk (half a stage): F = B = W = 1, so a whole backward is 2 (t_b) as in the ZB-H1 tests.
 V_SIZES = [(2, 4), (2, 8), (3, 6), (4, 8), (4, 12), (8, 16), (8, 24)]
@@ -366,8 +387,6 @@ def test_v_needs_two_channels():
 def _torch_actions(cls: type, p: int, m: int, r: int) -> list[Action]:
     """torch's V schedule for rank r in our notation: its stage r is our chunk 0, 2p-1-r our chunk 1; a full
     backward is our B then its W, an overlapped F&B pair its F then its full backward."""
-    from types import SimpleNamespace
-
     fake = SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=2 * p)
     out = []
     for a in cls._calculate_single_rank_operations(fake, r):
@@ -380,8 +399,6 @@ def _torch_actions(cls: type, p: int, m: int, r: int) -> list[Action]:
 
 @pytest.mark.parametrize("p,m", [(2, 4), (2, 7), (3, 6), (4, 8), (4, 11)])
 def test_v_orders_are_torchs(p, m):
-    from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleZBVZeroBubble
-
     for r in range(p):
         assert zbv(p, m, r) == _torch_actions(ScheduleZBVZeroBubble, p, m, r)
         assert dualpipev(p, m, r) == _torch_actions(ScheduleDualPipeV, p, m, r)
@@ -414,3 +431,64 @@ def test_v_measured_bubble_within_ten_percent_of_simulated(tmp_path):
         assert simulated == pytest.approx(expected, abs=1e-12)
         measured = bubble_fraction(out[schedule])
         assert abs(measured - simulated) <= 0.1 * simulated, (schedule, measured, simulated)
+
+
+def _evaluated(rank: int, device: torch.device, p: int, path: str) -> None:
+    from shardwise.comm.topology import Topology
+    from shardwise.parallel.pipeline import build_pipeline
+    from shardwise.parallel.pipeline_run import pipeline_eval
+
+    topo = Topology.create(device, pp=p)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(2 * p)))
+    x, y = torch.randn(6, 4), torch.randn(6, 4)
+    whole = torch.nn.functional.mse_loss(model(x), y).item()
+    pm = build_pipeline(model, topo, chunks=2, shape="v")
+    got = pipeline_eval(pm, x, y, torch.nn.functional.mse_loss, topo)
+    torch.save({"rank": rank, "mine": pm.placement.mine(rank), "last": pm.is_last,
+                "loss": None if got is None else got.item(), "whole": whole}, f"{path}.{rank}")
+
+
+@pytest.mark.timeout(120)
+def test_v_evaluation_goes_down_and_back_up(tmp_path):
+    """Evaluation under the V placement: one forward through 2p virtual stages, rank 0 the last (the loss)."""
+    p = 2
+    launch.spawn(_evaluated, p, args=(p, str(tmp_path / "eval")))
+    out = [torch.load(f"{tmp_path / 'eval'}.{r}", weights_only=False) for r in range(p)]
+    assert [o["mine"] for o in out] == [[0, 3], [1, 2]]
+    assert [o["last"] for o in out] == [True, False] and out[1]["loss"] is None
+    assert out[0]["loss"] == pytest.approx(out[0]["whole"], rel=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_recorder_draws_the_v_timelines():
+    """One recorded step per V schedule (2 ranks, 4 micro-batches): a box per F, B and W of every micro-batch on
+    both chunks of both ranks, labelled with the chunk (``F3.1``)."""
+    events = plots.record_pipeline(("zbv", "dualpipev"), stages=2, microbatches=4, width=64, batch=32)
+    for schedule, evs in events.items():
+        assert sorted((e.stage, e.chunk, e.kind, e.mb) for e in evs) == \
+            sorted((s, c, k, b) for s in range(2) for c in range(2) for k in "FBW" for b in range(4)), schedule
+    fig = plots.timeline_figure(events, "V schedules")
+    assert plots.count_boxes(fig) == 2 * 48
+    labels = {t.get_text() for ax in fig.axes for t in ax.texts if t.get_gid() == plots.BOX_LABEL}
+    assert {"F3.1", "W0.1", "B2"} <= labels
+
+
+@pytest.mark.float64
+@pytest.mark.timeout(600)
+def test_v_checkpoints_resume_across_placements(tmp_path, same_run):
+    """GPT-2's tied weight has two copies on rank 0 under a V (embedding and head); the checkpoint holds it once
+    under its names, as one device does: a zbv checkpoint resumes under 1f1b (the loop placement) and a 1f1b
+    one under dualpipev, both equal to an uninterrupted single-device run."""
+    make, loss, opt = MODELS["gpt2"]
+
+    def run(strategy: object, devices: int, steps: int, ckpt: str | None) -> sw.FitResult:
+        return sw.Trainer(strategy, devices, accelerator="cpu", progress=False, checkpoint_dir=ckpt,
+                          checkpoint_every=2 if ckpt else None).fit(make(), CharText(stdlib_text(20_000), 16), loss,
+                                                                    opt, batch_size=8, max_steps=steps)
+
+    ref = run("single", 1, 4, None)
+    for first, then in (("zbv", "1f1b"), ("1f1b", "dualpipev")):
+        ckpt = str(tmp_path / f"{first}-{then}")
+        run(sw.Parallel(pp=2, schedule=first, microbatches=4), 2, 2, ckpt)
+        same_run(ref, run(sw.Parallel(pp=2, schedule=then, microbatches=4), 2, 4, ckpt))

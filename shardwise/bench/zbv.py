@@ -1,0 +1,185 @@
+"""Benchmark pair ``zb``, V half: our ZBV and DualPipeV against torch's ``ScheduleZBVZeroBubble`` and
+``ScheduleDualPipeV``.
+
+The same harness as :mod:`shardwise.bench.zb` (same spawned ranks, rotation of which contender goes first,
+medians, an untimed step from the same weights for the loss and gradients), with two model chunks per rank
+placed in a V: the model is cut into ``2p`` virtual stages (:func:`~shardwise.parallel.pipeline.stage_starts`,
+the same cut for all), and rank ``r`` keeps stages ``r`` and ``2p-1-r`` (torch: two ``PipelineStage`` objects
+with those indices; ours: :func:`~shardwise.parallel.pipeline.build_pipeline` with ``shape="v"``). The loss is
+computed on rank 0, which holds the last stage. torch's action lists (its schedule IR: an overlapped F&B pair
+is its F then its full backward, a full backward our B then its W) are compared with ours in the caption.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+from rich.table import Table
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV, ScheduleZBVZeroBubble
+from torch.nn import functional as F
+
+from shardwise.bench.mp import mlp
+from shardwise.bench.zb import (
+    ADAMW,
+    DEPTH,
+    MICROBATCHES,
+    WIDTH,
+    Built,
+    Order,
+    RankResult,
+    ZBContender,
+    loss_gap,
+    run_zb,
+    summarize,
+    zb_pair,
+)
+from shardwise.comm.topology import Topology
+from shardwise.dims import PP
+from shardwise.parallel.pipeline import build_pipeline, stage_starts
+from shardwise.parallel.pipeline_layers import pipeline_layers
+from shardwise.parallel.pipeline_run import pipeline_step
+from shardwise.parallel.placement import Placement, V
+from shardwise.parallel.schedules import Action, bubble_fraction, get_schedule, simulate
+
+ZBV, DPV, TORCH_ZBV, TORCH_DPV = "zbv", "dualpipev", "torch-zbv", "torch-dualpipev"
+
+
+def v_order(schedule: str, p: int, m: int) -> Order:
+    """Our actions per rank, ``F3.1``: kind, micro-batch, chunk (0: virtual stage r, 1: 2p-1-r)."""
+    return [" ".join(f"{a.kind}{a.mb}.{a.chunk}" for a in get_schedule(schedule)(p, m, s, 2)) for s in range(p)]
+
+
+def _ours(schedule: str, model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int) -> Built:
+    pm = build_pipeline(model.to(topo.device), topo, chunks=2, shape=V)
+    params = list(pm.parameters())
+    return Built(lambda: pipeline_step(pm, [(x, y)], F.mse_loss, topo, schedule, m), ADAMW(params), params,
+                 v_order(schedule, topo.size(PP), m))
+
+
+def ours_zbv(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int) -> Built:
+    return _ours(ZBV, model, topo, x, y, m)
+
+
+def ours_dualpipev(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int) -> Built:
+    return _ours(DPV, model, topo, x, y, m)
+
+
+def _torch_v(cls: type, model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int) -> Built:
+    """torch's V schedule over this rank's two stages: the same layers ours keeps, in the same order."""
+    p, r = topo.size(PP), topo.coord(PP)
+    layers = pipeline_layers(model)
+    starts = stage_starts(layers, 2 * p) + [len(layers)]
+    subs, stages = [], []
+    for k in (r, 2 * p - 1 - r):
+        sub = nn.Sequential(*[mod for _, mod in layers[starts[k]:starts[k + 1]]]).to(topo.device)
+        subs.append(sub)
+        stages.append(PipelineStage(sub, k, 2 * p, topo.device, input_args=(x.chunk(m)[0],), group=topo.group(PP)))
+    sched = cls(stages, n_microbatches=m, loss_fn=F.mse_loss)
+    params = [q for sub in subs for q in sub.parameters()]
+
+    def run() -> torch.Tensor | None:
+        if r == 0:  # the first and the last stage: the input goes in and the loss comes out here
+            losses: list[torch.Tensor] = []
+            sched.step(x, target=y, losses=losses)
+            return torch.stack([t.detach() for t in losses]).mean()
+        sched.step()
+        return None
+    return Built(run, ADAMW(params), params, torch_v_order(sched.pipeline_order, p))
+
+
+def torch_zbv(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int) -> Built:
+    return _torch_v(ScheduleZBVZeroBubble, model, topo, x, y, m)
+
+
+def torch_dualpipev(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int) -> Built:
+    return _torch_v(ScheduleDualPipeV, model, topo, x, y, m)
+
+
+def torch_v_order(pipeline_order: dict[int, list[Any]], p: int) -> Order:
+    """torch's compute IR in :func:`v_order`'s notation: stage r is chunk 0, an overlapped pair its two
+    sub-actions, a full backward (``B``) our B then its W, a backward-input (``I``) our B."""
+    out = []
+    for r in sorted(pipeline_order):
+        acts: list[str] = []
+        for a in pipeline_order[r]:
+            for sub in (a.sub_actions or (a,)) if a is not None else ():
+                kind, mb, c = sub.computation_type.value, sub.microbatch_index, int(sub.stage_index != r)
+                if kind == "B":
+                    acts += [f"B{mb}.{c}", f"W{mb}.{c}"]
+                elif kind in ("F", "I", "W"):
+                    acts.append(f"{'B' if kind == 'I' else kind}{mb}.{c}")
+        out.append(" ".join(acts))
+    return out
+
+
+V_CONTENDERS = (ZBContender("shardwise ZBV", ZBV, ours_zbv),
+                ZBContender("torch ScheduleZBVZeroBubble", TORCH_ZBV, torch_zbv, counts_bytes=False),
+                ZBContender("shardwise DualPipeV", DPV, ours_dualpipev),
+                ZBContender("torch ScheduleDualPipeV", TORCH_DPV, torch_dualpipev, counts_bytes=False))
+
+
+def expected_sent_v(rank: int, p: int, batch_size: int, width: int, elem: int = 4) -> int:
+    """Bytes one rank sends per step under the V: down the V, chunk 0's activations to rank r+1 and its input
+    gradient to r-1; back up, chunk 1's activations to r-1 and its input gradient to r+1; the turn (rank p-1)
+    and both ends (rank 0) send nothing."""
+    return 2 * ((rank < p - 1) + (rank > 0)) * batch_size * width * elem
+
+
+def simulated_bubble_v(order: Order, p: int, m: int) -> float:
+    """The order's idle share on the model clock, V placement, F = B = W = 1 per chunk."""
+    plans = [[Action(a[0], int(a[1:].split(".")[0]), int(a.split(".")[1])) for a in acts.split()] for acts in order]
+    return bubble_fraction(simulate(lambda _p, _m, s, _v: plans[s], p, m, 2, t_f=1.0, t_b=2.0, t_w=1.0,
+                                    where=Placement(p, 2, V)))
+
+
+def zbv_table(results: list[RankResult], p: int, m: int, batch_size: int, width: int, depth: int,
+              elem: int = 4) -> Table:
+    s = summarize(results)
+    names = {c.key: c.name for c in V_CONTENDERS}
+    counts = {c.key: c.counts_bytes for c in V_CONTENDERS}
+    formula = max(expected_sent_v(r, p, batch_size, width, elem) for r in range(p))
+    same = {k: s[k]["order"] == s[f"torch-{k}"]["order"] for k in (ZBV, DPV)}
+    gaps = {k: loss_gap(results, k, ZBV, loss_rank=0) for k in (TORCH_ZBV, DPV, TORCH_DPV)}
+    caption = ("Two chunks per rank in a V (rank r: virtual stages r and 2p-1-r; torch: two PipelineStages). "
+               f"torch ZBV runs {'the same' if same[ZBV] else 'NOT the same'} actions as ours zbv, torch "
+               f"DualPipeV {'the same' if same[DPV] else 'NOT the same'} as ours dualpipev (its overlapped F&B "
+               "pairs as F then the full backward, ours too). First step from the same weights, against ours "
+               "ZBV: " + ", ".join(f"{names[k]} |loss| {dl:.3g}, |grad| {dg:.3g}" for k, (dl, dg) in gaps.items())
+               + f". Formula: 2 x ((r < p-1) + (r > 0)) x batch x width x {elem} B, the worst rank. Simulated "
+               "bubble: F = B = W = 1 per chunk, (p-1)/(6m+p-1) for both when m >= 2p.")
+    t = Table(title=f"Zero bubble, V: {depth} x Linear({width}) MLP, {p} ranks x 2 chunks, {m} micro-batches, "
+                    f"batch {batch_size}, AdamW", caption=caption)
+    for col in ("implementation", "simulated bubble", "median step", "throughput vs torch", "peak RSS increase",
+                "memory vs torch", "saved act. per rank", "sent / rank / step", "formula"):
+        t.add_column(col, justify="left" if col == "implementation" else "right")
+    for key, v in s.items():
+        st, mem = v["step_time_s"], v["rss"]
+        torch_key = key if key.startswith("torch-") else f"torch-{key}"
+        t.add_row(names[key], f"{simulated_bubble_v(v['order'], p, m):.4f}", f"{1e3 * st:.2f} ms",
+                  f"{s[torch_key]['step_time_s'] / st:.3f}x", f"{mem / 2**20:.2f} MiB",
+                  f"{mem / max(1, s[torch_key]['rss']):.3f}x",
+                  " / ".join(f"{b / 1024:,.0f}" for b in v["saved"]) + " KiB",
+                  f"{v['sent']:,.0f} B" if counts[key] else "(not observable)", f"{formula:,} B")
+    return t
+
+
+def zbv_pair(a: argparse.Namespace) -> Table:
+    """``shardwise bench --pairs zb`` (V half): ``--nproc`` ranks x 2 chunks, :data:`MICROBATCHES` micro-batches."""
+    res = run_zb(mlp(WIDTH, DEPTH), a.nproc, a.batch, MICROBATCHES, a.reps, steps=a.steps, accelerator=a.accelerator,
+                 contenders=V_CONTENDERS)
+    return zbv_table(res, a.nproc, MICROBATCHES, a.batch, WIDTH, DEPTH)
+
+
+def zb_pairs(a: argparse.Namespace) -> Table:
+    """``shardwise bench --pairs zb``: the ZB-H1 table (:func:`shardwise.bench.zb.zb_pair`), then the V one."""
+    both = Table.grid(padding=(1, 0))
+    both.add_row(zb_pair(a))
+    both.add_row(zbv_pair(a))
+    return both
+
+
+__all__ = ["DPV", "TORCH_DPV", "TORCH_ZBV", "V_CONTENDERS", "ZBV", "expected_sent_v", "ours_dualpipev", "ours_zbv",
+           "simulated_bubble_v", "torch_dualpipev", "torch_v_order", "torch_zbv", "v_order", "zb_pairs", "zbv_pair",
+           "zbv_table"]
