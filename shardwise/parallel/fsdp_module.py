@@ -13,8 +13,9 @@ the units' machinery is :mod:`shardwise.parallel.fsdp_units`.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -44,6 +45,7 @@ class _Reduction(GradSync):
 
     units: list[_Unit]
     unit_of: dict[nn.Parameter, _Unit]
+    _input_pass: bool = False
     replicate: Comm | None
     reshard_after_forward: bool
     dp_size: int
@@ -86,6 +88,11 @@ class _Reduction(GradSync):
 
     def _pre_backward_hook(self, u: _Unit) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
+            if self._input_pass:
+                # A split backward's B (input gradients only): the unit's weights are needed, its gradients
+                # are not computed, so its backward is not started here (W starts it; see input_pass).
+                u.unshard()
+                return
             if u.backward_started:
                 return
             u.backward_started = True
@@ -105,6 +112,8 @@ class _Reduction(GradSync):
 
     def _on_grad(self, p: torch.Tensor) -> None:
         u = self.unit_of[p]  # type: ignore[index]
+        # A split backward's W reaches parameters without passing a unit's output: its end is queued here.
+        self._finish_at_backward_end()
         u.got_grad = True
         u.pending -= 1
         if u.pending == 0:
@@ -352,6 +361,33 @@ class FSDPModule(_Reduction, nn.Module):
                     u.point_to_padded(i)
 
     # ---- public --------------------------------------------------------
+    @contextlib.contextmanager
+    def input_pass(self) -> Iterator[None]:
+        """A split backward's B (:mod:`shardwise.parallel.split_backward`): units are gathered for their input
+        gradients, no gradient is reduced and no unit's backward is counted as started; the units are freed
+        again after it. The weight gradients come in W, whose passes end one backward of this wrapper
+        (:meth:`backward_in_parts`), reduced as a plain backward's."""
+        self._input_pass = True
+        try:
+            yield
+        finally:
+            self._input_pass = False
+            for u in self.units:
+                u.reshard()
+
+    @contextlib.contextmanager
+    def backward_in_parts(self) -> Iterator[None]:
+        """A split backward's W: the autograd passes reuse nodes of the forward graph whose saved tensors
+        include the weights, and W reaches no unit's output to gather it just in time, so every unit of this
+        wrapper is gathered for the W and freed by its end (``_finish`` reshards)."""
+        for u in self.units:
+            u.unshard()
+        with super().backward_in_parts():
+            yield
+        if not self._queued:  # no gradient arrived (every parameter frozen): free what was gathered
+            for u in self.units:
+                u.reshard()
+
     # no_sync() (GradSync): full gradients accumulate locally, no reduce-scatter. Parameters
     # stay sharded, so each micro-batch still all-gathers them.
 

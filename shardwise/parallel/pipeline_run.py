@@ -171,8 +171,12 @@ class _Runner:
             # the whole backward, run then as one plain pass.
             self.weights[key] = _WholeBackward(out, grad)
             return
-        params = [p for p in self.pm.chunks[a.chunk].parameters() if p.requires_grad]
-        grads, self.weights[key] = backward_input(out, grad, [x], params)
+        chunk = self.pm.chunks[a.chunk]
+        params = [p for p in chunk.parameters() if p.requires_grad]
+        # FSDP gathers its units for B without starting their backward (no_sync-free: B reduces nothing).
+        ctx = chunk.input_pass() if hasattr(chunk, "input_pass") else contextlib.nullcontext()
+        with ctx:
+            grads, self.weights[key] = backward_input(out, grad, [x], params)
         x.grad = grads[0]
 
     def backward_weight(self, a: Action, last: bool) -> None:

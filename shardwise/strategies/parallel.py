@@ -39,7 +39,6 @@ from shardwise.parallel.pipeline import PipelineModel, find_ties, gather_full_st
 from shardwise.parallel.pipeline_layers import stage_layers
 from shardwise.parallel.pipeline_run import pipeline_eval, pipeline_step
 from shardwise.parallel.schedules import (
-    SPLIT_BACKWARD,
     V_SHAPED,
     Recorder,
     default_chunks,
@@ -119,13 +118,6 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
             raise ValueError(f"cp_mode={self.cp_mode!r}: valid are {', '.join(map(repr, MODES))}")
         self.data_options()  # zero / replicate checked here, before any process starts
         check_offload(self.offload, self.name, 3 if self.zero == 0 else self.zero)
-        if self.schedule in SPLIT_BACKWARD and self.zero == 3:
-            # Measured: with B and W apart, FSDP's units give wrong gradients on the first stage at pp=2 (also
-            # when that stage's W is one plain backward, so the cause is FSDP's per-backward bookkeeping across
-            # the interleaved F, B and W of several micro-batches, not the split itself); refused until fixed.
-            raise ValueError(f"schedule={self.schedule!r} splits each backward into B and W, which zero=3 "
-                             "(FSDP) does not support yet; use zero=1 or zero=2 (or DDP) with it, or "
-                             "schedule='1f1b' with zero=3")
         if self.offload != "none" and self.zero == 0:
             raise ValueError(f"offload={self.offload!r} needs zero >= 1 (sharded optimizer states); "
                              "DDP keeps the optimizer on every rank")
@@ -178,6 +170,15 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
                 raise ValueError("zero=2 with weights tied across pipeline stages is not supported: ZeRO-2 frees "
                                  "the full gradients in backward, and its pieces of a tied weight do not line up "
                                  "across stages; use zero=1 or zero=3")
+        if self.zero == 3 and p > 1:
+            parts = [layers[starts[i]:starts[i + 1]] for i in range(p * v)]
+            for entries in find_ties(model, parts, p, v, "sync", placement(self.schedule, p, v)).values():
+                names = [canon for canon, _, _ in entries]
+                if len(names) != len(set(names)):
+                    raise ValueError(f"schedule={self.schedule!r} puts two chunks that share the tied weight "
+                                     f"'{names[0]}' on one rank (a V holds the embedding and the head on rank 0); "
+                                     "zero=3 shards those copies in different FSDP units, which is not supported: "
+                                     "use zero=1 (or DDP) with this schedule, or schedule='1f1b' with zero=3")
         local = batch_size // self.batch_shards(devices)
         m = self.effective_microbatches(local, p, accumulate_grad_batches)
         if self.microbatches is not None and (m < 1 or local % m):
