@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shardwise.plan.model import ModelSpec
-from shardwise.plan.specs import Layout, TrainingSpec, uses_sequence_parallel
+from shardwise.plan.specs import V_SCHEDULES, Layout, TrainingSpec, uses_sequence_parallel
 
 
 def shard_numel(numel: int, n: int) -> int:
@@ -225,6 +225,8 @@ def in_flight_microbatches(schedule: str, pp: int, microbatches: int) -> int:
     """
     if pp == 1:
         return 1
+    if schedule == "dualpipev":  # 2p + 1 chunk-activations at its peak: p + 1 stages' worth, rounded up
+        return min(pp + 1, microbatches)
     return microbatches if schedule == "gpipe" else min(pp, microbatches)
 
 
@@ -245,8 +247,9 @@ def activation_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, s
     first = in_flight_microbatches(training.schedule, pp, microbatches) * layers * per_layer
     # The last stage keeps one micro-batch under 1F1B; all of them under GPipe; under ZB-H1 it holds back p - 1
     # weight gradients, so up to p micro-batches' activations (its logits included) wait for their W.
+    # A V (zbv, dualpipev) puts the last stage on rank 0, with the first: its logits wait for their W as ZB-H1's.
     last_inflight = microbatches if (training.schedule == "gpipe" and pp > 1) else \
-        min(pp, microbatches) if training.schedule == "zb-h1" else 1
+        min(pp, microbatches) if training.schedule in ("zb-h1", *V_SCHEDULES) else 1
     last = last_inflight * (layers * per_layer + output_activation_bytes(model, s, b, tp, sp, cp))
     return math.ceil(act_scale * max(first, last))
 

@@ -25,7 +25,7 @@ from shardwise.layout import RunLayout
 from shardwise.plan.estimate import check_layout, estimate
 from shardwise.plan.fit import fmt_bytes
 from shardwise.plan.model import ModelSpec
-from shardwise.plan.specs import ClusterSpec, Layout, TrainingSpec
+from shardwise.plan.specs import SCHEDULES, ClusterSpec, Layout, TrainingSpec
 from shardwise.plan.states import (
     NotModelled,
     RankStates,
@@ -195,7 +195,7 @@ def training_spec(layout: RunLayout, local_batch: int, m: int, k: int) -> Traini
                         precision="fp32" if layout.precision == "32" else "bf16-mixed",
                         optimizer=_OPTIMIZER_NAMES.get(k, "adamw"),
                         activation_checkpointing=layout.activation_checkpointing,
-                        schedule=layout.schedule if layout.schedule in ("gpipe", "zb-h1") else "1f1b",
+                        schedule=layout.schedule if layout.schedule in SCHEDULES else "1f1b",
                         offload=layout.offload if zero_stage(layout) else "none", no_sync=True, autocast=True)
 
 

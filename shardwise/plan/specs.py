@@ -12,7 +12,8 @@ from shardwise.dims import CP, DP, EP, PP, TP
 
 PRECISIONS = ("fp32", "bf16-mixed")
 OPTIMIZERS = ("adamw", "sgd", "sgd-momentum")
-SCHEDULES = ("1f1b", "gpipe", "zb-h1")
+SCHEDULES = ("1f1b", "gpipe", "zb-h1", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per rank placed in a V (shardwise/parallel/placement.py)
 OFFLOADS = ("none", "optimizer", "all")
 # Names of the data-parallel treatment of the model states; tp and pp are sizes of a layout.
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from shardwise.plan.comm import Collective
 from shardwise.plan.memory import BytesPerParam, Numels, sharded_numel, total_numel
 from shardwise.plan.model import ModelSpec
-from shardwise.plan.specs import ClusterSpec, Layout, TrainingSpec
+from shardwise.plan.specs import V_SCHEDULES, ClusterSpec, Layout, TrainingSpec
 
 SECONDS_PER_DAY = 86400.0
 
@@ -96,6 +96,12 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, la
     # Y = x W), so the slot less 2 W; never less than a forward, which the drain still waits for.
     if training.schedule == "zb-h1":
         bubble = (p - 1) * max(slot - 2 * fwd, fwd) if p > 1 else 0.0
+    elif training.schedule in V_SCHEDULES:
+        # ZBV and DualPipeV hold two chunks per rank in a V; with F = B = W per chunk (half a stage's forward)
+        # each rank idles p - 1 chunk-forwards (ZBV with m < 2p: max(p - 1, 4p - 2 - 2m)), the simulator's
+        # bubble (p - 1) / (6m + p - 1) (docs/model_parallel.md derives it).
+        units = max(p - 1, 4 * p - 2 - 2 * m) if training.schedule == "zbv" else p - 1
+        bubble = units * fwd / 2 if p > 1 else 0.0
     else:
         bubble = (p - 1) * slot if p > 1 else 0.0
     exposed = _exposed(comms, fwd, bwd, m)

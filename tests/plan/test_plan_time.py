@@ -110,3 +110,21 @@ def test_ddp_gradient_traffic_hides_behind_backward_until_it_cannot(inter_bw):
         assert est.time.exposed_dp_s == pytest.approx(ar.call_time_s)
     else:
         assert est.time.exposed_dp_s > ar.time_s / 2
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_schedules_bubble_is_the_simulators(schedule):
+    """A V (two chunks per rank) idles p - 1 chunk-forwards: with B = 2F and no traffic the bubble's share of
+    the step is (p - 1) / (6m + p - 1), the simulator's unit-cost fraction (tests/parallel/test_zero_bubble.py).
+    ZBV with fewer than 2p micro-batches idles max(p - 1, 4p - 2 - 2m) chunk-forwards."""
+    model = KNOWN_MODELS["gpt2-xl"]
+    cluster = ClusterSpec.with_devices(4)
+    lay = Layout("ddp", dp=1, tp=1, pp=4)
+    for m in (8, 16, 32):
+        est = estimate(model, cluster, TrainingSpec(global_batch=m, schedule=schedule), lay)
+        f = est.time.forward_s
+        assert est.time.bubble_s == pytest.approx(3 * f / 2)
+        assert est.time.bubble_s / (m * 3 * f + est.time.bubble_s) == pytest.approx(3 / (6 * m + 3))
+    if schedule == "zbv":
+        est = estimate(model, cluster, TrainingSpec(global_batch=2, schedule="zbv"), lay)
+        assert est.time.bubble_s == pytest.approx((4 * 4 - 2 - 2 * 2) * est.time.forward_s / 2)
