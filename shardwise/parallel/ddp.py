@@ -80,12 +80,17 @@ def broadcast_module(module: nn.Module, comm: Comm, name: str = "ddp.broadcast",
                     off += t.numel()
 
 
+def group_of(t: torch.Tensor, comm: Comm, expert_comm: Comm | None) -> Comm:
+    """The group that replicates ``t``: ``expert_comm`` for an expert-parallel parameter when there is one (see
+    :mod:`shardwise.parallel.ep`), ``comm`` for everything else."""
+    return expert_comm if expert_comm is not None and is_expert(t) else comm
+
+
 def by_group(tensors: list[torch.Tensor], comm: Comm, expert_comm: Comm | None) -> list[tuple[Comm, list[Any]]]:
-    """``tensors`` split into (the group that replicates them, those tensors): expert-parallel parameters go
-    with ``expert_comm`` when there is one (see :mod:`shardwise.parallel.ep`), everything else with ``comm``."""
+    """``tensors`` split into (the group that replicates them, those tensors), by :func:`group_of`."""
     if expert_comm is None:
         return [(comm, tensors)]
-    return [(comm, [t for t in tensors if not is_expert(t)]), (expert_comm, [t for t in tensors if is_expert(t)])]
+    return [(g, [t for t in tensors if group_of(t, comm, expert_comm) is g]) for g in (comm, expert_comm)]
 
 
 class _Bucket:
@@ -193,8 +198,7 @@ class DDPModule(GradSync, nn.Module):
         params = [p for p in module.parameters() if p.requires_grad]
         # Reverse order: the last layers' gradients are ready first in backward. Expert-parallel parameters
         # are summed over their own group (expert_comm) but divided by the same dp size: see parallel/ep.py.
-        self.buckets = [_Bucket(i, ps, ps[0].device, ps[0].dtype,
-                                expert_comm if expert_comm is not None and is_expert(ps[0]) else comm)
+        self.buckets = [_Bucket(i, ps, ps[0].device, ps[0].dtype, group_of(ps[0], comm, expert_comm))
                         for i, ps in enumerate(bucket_params(list(reversed(params)), bucket_cap_mb))]
         self._where: dict[nn.Parameter, tuple[_Bucket, torch.Tensor]] = {}
         for b in self.buckets:

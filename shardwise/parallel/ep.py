@@ -44,6 +44,7 @@ from torch import nn
 from shardwise.comm import Comm, CommStats
 from shardwise.comm.autograd import all_to_all_v
 from shardwise.moe import expert_mlp
+from shardwise.parallel.sharding import sum_of_squares
 
 EXPERT_ATTR = "_shardwise_ep"  # (ep rank, ep size) on a parameter that holds rows [rank*L, (rank+1)*L) of dim 0
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
@@ -77,12 +78,16 @@ def capacity(capacity_factor: float, tokens: int, top_k: int, n_experts: int) ->
     return math.ceil(capacity_factor * tokens * top_k / n_experts)
 
 
+def check_capacity_factor(capacity_factor: float | None) -> None:
+    if capacity_factor is not None and capacity_factor <= 0:
+        raise ValueError(f"capacity_factor={capacity_factor} must be > 0 (None: dropless)")
+
+
 class ExpertParallel:
     """The dispatch and combine of one ep group; one instance serves every experts module of a rank."""
 
     def __init__(self, comm: Comm | None, stats: CommStats, capacity_factor: float | None = None) -> None:
-        if capacity_factor is not None and capacity_factor <= 0:
-            raise ValueError(f"capacity_factor={capacity_factor} must be > 0 (None: dropless)")
+        check_capacity_factor(capacity_factor)
         self.comm = comm  # None: every expert on this rank (ep = 1), nothing travels
         self.stats = stats
         self.capacity_factor = capacity_factor
@@ -168,8 +173,7 @@ def apply_expert_parallel(model: nn.Module, dispatcher: ExpertParallel) -> dict[
 def check_experts(model: nn.Module, ep: int, capacity_factor: float | None) -> None:
     """Before any process starts: ``ep`` > 1 or a capacity factor needs experts modules, and ``ep`` divides
     each one's expert count."""
-    if capacity_factor is not None and capacity_factor <= 0:
-        raise ValueError(f"capacity_factor={capacity_factor} must be > 0 (None: dropless)")
+    check_capacity_factor(capacity_factor)
     if ep == 1 and capacity_factor is None:
         return
     found = list(expert_modules(model))
@@ -196,14 +200,12 @@ def warn_local_aux(model: nn.Module, ranks: int) -> None:
             "set output_router_logits=False or accept the difference.", stacklevel=3)
 
 
-def experts_norm_share(grads: list[torch.Tensor], comm: Comm, device: torch.device) -> torch.Tensor:
-    """The square root of the sum over ``comm`` (the ep group) of ``grads``' squares: one term that the global
-    clipping norm (:func:`shardwise.parallel.sharding.clip_global_norm`) squares back into the sum."""
-    sq = torch.zeros((), dtype=torch.float64, device=device)
-    for g in grads:
-        sq += g.detach().to(torch.float64).pow(2).sum()
+def experts_squares(grads: list[torch.Tensor], comm: Comm, device: torch.device) -> torch.Tensor:
+    """The sum over ``comm`` (the ep group: each rank holds other experts) of ``grads``' squares, for the global
+    clipping norm's ``reduced`` terms (:func:`shardwise.parallel.sharding.clip_global_norm`)."""
+    sq = sum_of_squares(grads, device)
     comm.all_reduce(sq, name="ep.clip")
-    return sq.sqrt()
+    return sq
 
 
 def set_token_group(model: nn.Module, comm: Comm) -> None:
@@ -214,5 +216,5 @@ def set_token_group(model: nn.Module, comm: Comm) -> None:
 
 
 __all__ = ["EXPERT_ATTR", "ExpertParallel", "apply_expert_parallel", "capacity", "check_experts", "expert_modules",
-           "experts_norm_share", "warn_local_aux",
+           "experts_squares", "check_capacity_factor", "warn_local_aux",
            "expert_parameter_count", "expert_spec", "is_expert", "set_token_group"]

@@ -257,8 +257,19 @@ def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
 
 
+def sum_of_squares(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The float64 sum of the squares of ``grads``: each piece's squares summed in its own dtype (half widened
+    to float32), the pieces in float64, so a float64 model's norm is not rounded to float32 and every rank
+    reduces the same dtype."""
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        sq += widened(g.detach()).pow(2).sum().to(device=device, dtype=torch.float64)
+    return sq
+
+
 def clip_global_norm(counted: Sequence[torch.Tensor], every: Sequence[torch.Tensor], max_norm: float,
-                     groups: Sequence[tuple[Comm | None, str]], device: torch.device) -> torch.Tensor:
+                     groups: Sequence[tuple[Comm | None, str]], device: torch.device,
+                     reduced: Sequence[torch.Tensor] = ()) -> torch.Tensor:
     """Clip gradients by the norm of the whole model's gradient, however it is split.
 
     The one clipper of every layout. ``counted`` are the gradient pieces whose
@@ -271,13 +282,13 @@ def clip_global_norm(counted: Sequence[torch.Tensor], every: Sequence[torch.Tens
 name its all-reduce is counted under. ``every`` are all the
     gradients this rank holds, scaled by the common coefficient. Returns the
     total norm, the same on every rank. The coefficient is torch's
-    (``max_norm / (norm + 1e-6)``, at most 1).
+    (``max_norm / (norm + 1e-6)``, at most 1). ``reduced`` are further sums of
+    squares (:func:`sum_of_squares`) that their caller has already summed over
+    a group of their own; they join the rest before ``groups``' all-reduces.
     """
-    # Each piece's squares are summed in its own dtype (half widened to float32) and the pieces in float64:
-    # a float64 model's norm is not rounded to float32, and every rank reduces the same dtype.
-    sq = torch.zeros((), dtype=torch.float64, device=device)
-    for g in counted:
-        sq += widened(g.detach()).pow(2).sum().to(device=device, dtype=torch.float64)
+    sq = sum_of_squares(counted, device)
+    for part in reduced:  # sums of squares already reduced over a group of their own (experts over ep)
+        sq += part
     for comm, name in groups:
         if comm is not None and comm.size > 1:
             comm.all_reduce(sq, name=name)

@@ -20,8 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from shardwise.comm import Comm
-from shardwise.parallel.ddp import GradSync, bucket_params, by_group, check_same_parameters
-from shardwise.parallel.ep import is_expert
+from shardwise.parallel.ddp import GradSync, bucket_params, by_group, check_same_parameters, group_of
 from shardwise.parallel.sharding import (
     FlatLayout,
     Waitable,
@@ -126,8 +125,7 @@ class ZeROModule(GradSync, nn.Module):
         self.names = {p: n for n, p in named}
         # Expert-parallel parameters are sharded and reduced over their own group (expert_comm), and divided
         # by the same dp size as the rest (see parallel/ep.py).
-        self.buckets = [_Bucket(i, ps, expert_comm if expert_comm is not None and is_expert(ps[0]) else comm,
-                                self.offload)
+        self.buckets = [_Bucket(i, ps, group_of(ps[0], comm, expert_comm), self.offload)
                         for i, ps in enumerate(bucket_params([p for _, p in reversed(named)], bucket_cap_mb))]
         self._where = {p: b for b in self.buckets for p in b.params}
         shard_of = {p: s for b in self.buckets for p, s in zip(b.params, b.shards)}

@@ -33,7 +33,7 @@ from shardwise.layout import RunLayout
 from shardwise.parallel.accounting import model_state_tensors, with_optimizer_states
 from shardwise.parallel.cp import shard_batch
 from shardwise.parallel.cp_attention import MODES
-from shardwise.parallel.ep import check_experts, experts_norm_share, is_expert
+from shardwise.parallel.ep import check_experts, experts_squares, is_expert
 from shardwise.parallel.parallelize import DataParallelOptions, Owners, parallelize
 from shardwise.parallel.pipeline import PipelineModel, find_ties, gather_full_state, stage_starts
 from shardwise.parallel.pipeline_layers import stage_layers
@@ -164,14 +164,13 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
         check_experts(model, self.ep, self.capacity_factor)
         layers = stage_layers(model, p * v)
         starts = stage_starts(layers, p * v, self.split_points) + [len(layers)]  # too few layers: ValueError
+        parts = [layers[starts[i]:starts[i + 1]] for i in range(p * v)]
         if self.zero == 2 and p > 1:
-            parts = [layers[starts[i]:starts[i + 1]] for i in range(p * v)]
             if find_ties(model, parts, p, v, "sync"):
                 raise ValueError("zero=2 with weights tied across pipeline stages is not supported: ZeRO-2 frees "
                                  "the full gradients in backward, and its pieces of a tied weight do not line up "
                                  "across stages; use zero=1 or zero=3")
         if self.zero == 3 and p > 1:
-            parts = [layers[starts[i]:starts[i + 1]] for i in range(p * v)]
             for entries in find_ties(model, parts, p, v, "sync", placement(self.schedule, p, v)).values():
                 names = [canon for canon, _, _ in entries]
                 if len(names) != len(set(names)):
@@ -248,14 +247,14 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
             every = owner.shard_grads()
             # The pieces are disjoint over the shard group (HSDP replicas hold equal ones).
             groups.insert(0, (owner.shard_comm, "zero_clip"))
-        counted = [g for g, p in pieces if counts_in_norm(p, tp, elsewhere)]
+        counted = [(g, p) for g, p in pieces if counts_in_norm(p, tp, elsewhere)]
+        reduced: list[torch.Tensor] = []
         if owner is None and topo.size(EP) > 1:
             # DDP: dense gradients are equal over dp x cp, but each ep rank holds other experts: their squares
             # are summed over ep first (ZeRO/FSDP pieces are disjoint over dp x cp already, experts included).
-            counted = [g for g, p in pieces if counts_in_norm(p, tp, elsewhere) and not is_expert(p)]
-            experts = [g for g, p in pieces if counts_in_norm(p, tp, elsewhere) and is_expert(p)]
-            counted.append(experts_norm_share(experts, topo.comm(EP), topo.device))
-        return clip_global_norm(counted, every, max_norm, groups, topo.device)
+            reduced.append(experts_squares([g for g, p in counted if is_expert(p)], topo.comm(EP), topo.device))
+            counted = [(g, p) for g, p in counted if not is_expert(p)]
+        return clip_global_norm([g for g, _ in counted], every, max_norm, groups, topo.device, reduced)
 
     def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
         pm: PipelineModel = model  # type: ignore[assignment]
