@@ -100,19 +100,22 @@ def our_order(schedule: str, p: int, m: int) -> Order:
     return [" ".join(f"{a.kind}{a.mb}" for a in get_schedule(schedule)(p, m, s, 1)) for s in range(p)]
 
 
-def _ours(schedule: str, model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int) -> Built:
-    pm = build_pipeline(model.to(topo.device), topo)
+def our_pipeline(schedule: str, model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int,
+          chunks: int = 1, shape: str = "loop", order: Callable[[str, int, int], Order] | None = None) -> Built:
+    """Our pipeline for ``schedule`` (``chunks`` per rank placed as ``shape``), timed by the pair's harness;
+    ``order`` lists its actions per rank (default :func:`our_order`)."""
+    pm = build_pipeline(model.to(topo.device), topo, chunks=chunks, shape=shape)
     params = list(pm.parameters())
     return Built(lambda: pipeline_step(pm, [(x, y)], F.mse_loss, topo, schedule, m), ADAMW(params), params,
-                 our_order(schedule, topo.size(PP), m))
+                 (order or our_order)(schedule, topo.size(PP), m))
 
 
 def ours_zb(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int) -> Built:
-    return _ours(ZB, model, topo, x, y, m)
+    return our_pipeline(ZB, model, topo, x, y, m)
 
 
 def ours_1f1b(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int) -> Built:
-    return _ours(F1B, model, topo, x, y, m)
+    return our_pipeline(F1B, model, topo, x, y, m)
 
 
 def _torch_stage(model: nn.Module, topo: Topology, x: torch.Tensor, m: int) -> tuple[nn.Sequential, PipelineStage]:

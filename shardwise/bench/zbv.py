@@ -31,15 +31,15 @@ from shardwise.bench.zb import (
     RankResult,
     ZBContender,
     loss_gap,
+    our_pipeline,
     run_zb,
     summarize,
     zb_pair,
 )
 from shardwise.comm.topology import Topology
 from shardwise.dims import PP
-from shardwise.parallel.pipeline import build_pipeline, stage_starts
+from shardwise.parallel.pipeline import stage_starts
 from shardwise.parallel.pipeline_layers import pipeline_layers
-from shardwise.parallel.pipeline_run import pipeline_step
 from shardwise.parallel.placement import Placement, V
 from shardwise.parallel.schedules import Action, bubble_fraction, get_schedule, simulate
 
@@ -51,19 +51,12 @@ def v_order(schedule: str, p: int, m: int) -> Order:
     return [" ".join(f"{a.kind}{a.mb}.{a.chunk}" for a in get_schedule(schedule)(p, m, s, 2)) for s in range(p)]
 
 
-def _ours(schedule: str, model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int) -> Built:
-    pm = build_pipeline(model.to(topo.device), topo, chunks=2, shape=V)
-    params = list(pm.parameters())
-    return Built(lambda: pipeline_step(pm, [(x, y)], F.mse_loss, topo, schedule, m), ADAMW(params), params,
-                 v_order(schedule, topo.size(PP), m))
-
-
 def ours_zbv(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int) -> Built:
-    return _ours(ZBV, model, topo, x, y, m)
+    return our_pipeline(ZBV, model, topo, x, y, m, chunks=2, shape=V, order=v_order)
 
 
 def ours_dualpipev(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int) -> Built:
-    return _ours(DPV, model, topo, x, y, m)
+    return our_pipeline(DPV, model, topo, x, y, m, chunks=2, shape=V, order=v_order)
 
 
 def _torch_v(cls: type, model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int) -> Built:
