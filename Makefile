@@ -31,9 +31,16 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q $(FAST) -k "not dies_or_hangs"
 
 # tests/gpu on the GPU machine (skipped without CUDA; `make test` collects and skips them). docs/gpu.md.
+# A GPU machine's own python3 has torch with CUDA, and often no network to install the venv's pinned CPU
+# wheel: when python3 sees CUDA (and has pytest), the tests run with it, this checkout first on its path;
+# anywhere else in the venv, where they skip.
 .PHONY: test-gpu
-test-gpu: $(STAMP)
-	$(PY) -m pytest -q tests/gpu
+test-gpu:
+	@if python3 -c "import sys, pytest, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then \
+		echo "test-gpu: python3 with CUDA torch"; PYTHONPATH=$(CURDIR) python3 -m pytest -q -rs tests/gpu; \
+	else \
+		$(MAKE) venv && $(PY) -m pytest -q -rs tests/gpu; \
+	fi
 
 bench: $(STAMP)
 	.venv/bin/shardwise bench

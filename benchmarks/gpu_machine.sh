@@ -1,41 +1,50 @@
 #!/usr/bin/env bash
-# Everything issue 16 wants run on the lent GPU machine, in one go; results under one directory.
+# Everything issue 28 wants run on the lent GPU machine, in one go; results under one directory.
 #
-#   benchmarks/gpu_machine.sh [OUT_DIR]           # on the GPU machine (torch 2.11 with CUDA installed)
-#   TINY=1 benchmarks/gpu_machine.sh /tmp/smoke   # smoke test anywhere: tiny sizes, CPU, seconds
+#   benchmarks/gpu_machine.sh [OUT_DIR]           # on the GPU machine (its python3: torch 2.11 with CUDA)
+#   TINY=1 benchmarks/gpu_machine.sh /tmp/smoke   # smoke test anywhere: tiny sizes, CPU
 #
-# a) benchmarks/gpu_single.py: Trainer("single") vs a raw loop, GPT-2 small, bf16, one GPU (+ checkpointing);
-# b) the multi-rank CPU benchmarks at 8 ranks (`shardwise bench`, gloo; 16 cores there: 2 per rank);
-# c) tests/gpu (what `make test-gpu` runs; called directly: the Makefile's venv rule pins the CPU torch).
-# A failing part is recorded in status.txt and the next part still runs. See docs/gpu.md.
+# a) benchmarks/gpu_single.py: GPT-2 small, bf16, one GPU: Trainer under single/ddp/fsdp/zero2 (world size 1,
+#    NCCL) against a raw loop and the planner's predicted step time (+ checkpointing);
+# b) make test-gpu (tests/gpu);
+# c) the multi-rank CPU pairs against torch's own at 4 and 8 ranks (`shardwise bench`, gloo; 16 cores there).
+# Each part runs under its own time limit (STEP_LIMIT_S, seconds); a failing or cut part is recorded in
+# status.txt and the next part still runs. See docs/gpu.md.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-results/gpu-$(date +%Y%m%d-%H%M%S)}
-PY=${PY:-python}
+PY=${PY:-python3}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 : > "$OUT/status.txt"
 
-step() {  # step NAME LOGFILE COMMAND...: run, keep the output, note the exit status
-    local name=$1 log=$2; shift 2
-    echo "== $name: $*" | tee -a "$OUT/status.txt"
+step() {  # step NAME LIMIT_S LOGFILE COMMAND...: run under a time limit, keep the output, note the exit status
+    local name=$1 limit=$2 log=$3; shift 3
+    echo "== $name (limit ${limit} s): $*" | tee -a "$OUT/status.txt"
     local start=$SECONDS
-    "$@" > "$OUT/$log" 2>&1
+    timeout -k 5 "$limit" "$@" > "$OUT/$log" 2>&1
     local rc=$?
+    # A cut run's rank processes outlive it: end them before the next part competes with them for cores.
+    pkill -9 -f "multiprocessing.(spawn|forkserver)" 2>/dev/null
     echo "   rc=$rc after $((SECONDS - start)) s (log: $log)" | tee -a "$OUT/status.txt"
 }
 
-{ nvidia-smi || true; $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
-  'available', torch.cuda.is_available(), 'devices', torch.cuda.device_count())"; nproc; } > "$OUT/machine.txt" 2>&1
+{ date -u; nvidia-smi || true; $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+  'available', torch.cuda.is_available(), 'devices', torch.cuda.device_count())"; nproc; free -g; } \
+  > "$OUT/machine.txt" 2>&1
 
+PAIRS=${PAIRS:-ddp,zero1,fsdp,tp,pp}
 if [ -n "${TINY:-}" ]; then
-    step gpu_single gpu_single.txt $PY benchmarks/gpu_single.py --tiny --device cpu --out "$OUT/gpu_single.json"
-    step bench_cpu bench_cpu.txt $PY -m shardwise bench --pairs allreduce --nproc 2 --reps 1 --steps 2 \
-        --plot "$OUT/bench_plots"
-    step test_gpu test_gpu.txt $PY -m pytest -q tests/gpu -rs
+    step gpu_single 120 gpu_single.txt $PY benchmarks/gpu_single.py --tiny --device cpu --out "$OUT/gpu_single.json"
+    step test_gpu 120 test_gpu.txt make test-gpu
+    step bench_cpu2 300 bench_cpu2.txt $PY -m shardwise bench --pairs ddp --nproc 2 --reps 1 --steps 2
 else
-    step gpu_single gpu_single.txt $PY benchmarks/gpu_single.py --out "$OUT/gpu_single.json"
-    step bench_cpu8 bench_cpu8.txt $PY -m shardwise bench --pairs all --nproc 8 --accelerator cpu \
-        --plot "$OUT/bench_plots"
-    step test_gpu test_gpu.txt $PY -m pytest -q tests/gpu -rs
+    step gpu_single "${GPU_SINGLE_S:-150}" gpu_single.txt $PY benchmarks/gpu_single.py --reps "${REPS:-3}" \
+        --steps 15 --out "$OUT/gpu_single.json"
+    step test_gpu "${TEST_GPU_S:-150}" test_gpu.txt make test-gpu
+    for n in 4 8; do
+        step "bench_cpu$n" "${BENCH_S:-100}" "bench_cpu$n.txt" $PY -m shardwise bench --pairs "$PAIRS" --nproc $n \
+            --reps 3 --steps 5 --accelerator cpu
+    done
 fi
 echo "results in $OUT"

@@ -1,33 +1,41 @@
-"""One GPU, GPT-2 small (124M, sequence 1024), bf16-mixed: Trainer(strategy="single") against a raw PyTorch loop.
+"""One GPU, GPT-2 small (124M, sequence 1024), bf16-mixed: the Trainer under single, ddp, fsdp and zero2 against
+a raw PyTorch loop, and against the planner's predicted step time.
 
-Measures, alternating the two contenders over several repetitions (medians):
+Measures, alternating the contenders over several repetitions (medians):
 tokens/s and model FLOPs utilisation (6 x parameters x tokens / peak FLOP/s;
 attention's own FLOPs left out, as nanoGPT's estimate without them) of the
-Trainer and of a plain loop doing the same steps, and their ratio; then the
+Trainer under each strategy (world size 1: on CUDA inside a NCCL group of
+one, as under ``shardwise run --nproc 1``) and of a plain loop doing the same
+steps, and each one's ratio to the loop; the planner's predicted step time
+for the same layout (shardwise.plan.estimate, the device's preset); then the
 activation-checkpointing run: peak CUDA memory saved, measured, against what
 the planner (shardwise.plan.plan_run) predicts it saves.
 
     python benchmarks/gpu_single.py --out results/gpu_single.json        # on the GPU machine
     python benchmarks/gpu_single.py --tiny --device cpu                  # smoke test anywhere (seconds)
 
-Written for the lent GPU machine (docs/gpu.md); not yet run on one.
+Written for the lent GPU machine (docs/gpu.md; results in benchmarks/README.md).
 """
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import functools
 import json
 import statistics
 import sys
 import time
+import warnings
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import Dataset
 
 import shardwise as sw
 from shardwise.models import GPT, GPTConfig, lm_loss
 
-H100_BF16_DENSE = 989e12  # FLOP/s, H100 SXM bf16 dense (the usual MFU denominator)
+H100_BF16_DENSE = 989e12  # FLOP/s, H100 SXM bf16 dense (the usual MFU denominator; the H200 has the same chip)
+STRATEGIES = ("single", "ddp", "fsdp", "zero2")
 
 
 class RandomTokens(Dataset):
@@ -88,14 +96,46 @@ def raw_loop(cfg: GPTConfig, data: RandomTokens, batch: int, steps: int, device:
 
 
 def trainer_run(cfg: GPTConfig, data: RandomTokens, batch: int, steps: int, device: torch.device,
-                checkpointing: bool = False) -> dict:
-    result = sw.Trainer("single", 1, accelerator=device.type, precision="bf16-mixed", progress=False,
+                checkpointing: bool = False, strategy: str = "single") -> dict:
+    result = sw.Trainer(strategy, 1, accelerator=device.type, precision="bf16-mixed", progress=False,
                         memory_check="off", activation_checkpointing=checkpointing).fit(
         make_model(cfg), data, lm_loss, functools.partial(torch.optim.AdamW, lr=3e-4), batch_size=batch,
         max_steps=steps)
     s = result.stats[0]
     return {k: s[k] for k in ("step_time_s", "peak_rss_bytes", "cuda_peak_allocated_bytes",
                               "cuda_peak_reserved_bytes", "activation_bytes") if k in s}
+
+
+def group_of_one(device: torch.device) -> None:
+    """A process group of one (NCCL on CUDA, gloo on CPU) that every Trainer run here joins: world size 1, as
+    under ``shardwise run --nproc 1``; without it a distributed strategy would form its own group per run."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1,
+                            timeout=dt.timedelta(minutes=5))
+
+
+def predicted_step_times(cfg: GPTConfig, batch: int, device: torch.device) -> dict[str, float]:
+    """The planner's step time of each strategy for this model, batch and device at world size 1 (its preset for
+    the device: H200 or H100; the CPU smoke test borrows the H100's)."""
+    from shardwise.plan.estimate import estimate
+    from shardwise.plan.model import ModelSpec
+    from shardwise.plan.specs import GPU_PRESETS, ClusterSpec, Layout, TrainingSpec
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    preset = "h200-141gb" if "H200" in name else "h100-80gb"
+    with torch.device("meta"):
+        spec = ModelSpec.from_module(GPT(cfg), seq_len=cfg.block_size, name="gpt2-small")
+    cluster = ClusterSpec.with_devices(1, 1, name=preset, **GPU_PRESETS[preset])  # type: ignore[arg-type]
+    training = TrainingSpec(global_batch=batch, micro_batch=batch, seq_len=cfg.block_size, precision="bf16-mixed",
+                            autocast=True, flash_attention=True)
+    # At world size 1 the planner's ddp is the single device (nothing to reduce); its search lists only that
+    # layout there, so each strategy's layout is estimated directly.
+    out = {s: estimate(spec, cluster, training, Layout("ddp" if s == "single" else s, 1, 1, 1)).step_time_s
+           for s in STRATEGIES}
+    out["preset"] = preset  # type: ignore[assignment]
+    return out
 
 
 def predicted_activation_bytes(cfg: GPTConfig, batch: int, checkpointing: bool, memory: int) -> int:
@@ -130,25 +170,38 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(p.numel() for p in make_model(cfg).parameters())
     tokens = batch * cfg.block_size
 
-    ours, raw = [], []
-    for r in range(reps):  # alternating, so drifts (clocks, temperature) hit both alike
-        ours.append(trainer_run(cfg, data, batch, steps, device))
-        raw.append(raw_loop(cfg, data, batch, steps, device))
-        print(f"rep {r}: trainer {ours[-1]['step_time_s'] * 1e3:.1f} ms/step, raw {raw[-1]['step_time_s'] * 1e3:.1f} "
-              f"ms/step", flush=True)
+    group_of_one(device)
+    warnings.filterwarnings("ignore", message=".*runs one process on one device")  # world size 1 is the point
+    runs: dict[str, list[dict]] = {name: [] for name in ("raw", *STRATEGIES)}
+    for r in range(reps):  # alternating, so drifts (clocks, temperature) hit every contender alike
+        for name in runs:
+            if name == "raw":
+                runs[name].append(raw_loop(cfg, data, batch, steps, device))
+            else:
+                runs[name].append(trainer_run(cfg, data, batch, steps, device, strategy=name))
+        print(f"rep {r}: " + ", ".join(f"{n} {v[-1]['step_time_s'] * 1e3:.1f}" for n, v in runs.items())
+              + " ms/step", flush=True)
 
-    def summary(runs: list[dict]) -> dict:
-        t = statistics.median(x["step_time_s"] for x in runs)
-        out = {"step_time_s": t, "tokens_per_s": tokens / t}
+    predicted = predicted_step_times(cfg, batch, device)
+
+    def summary(name: str) -> dict:
+        t = statistics.median(x["step_time_s"] for x in runs[name])
+        out = {"step_time_s": t, "step_times_s": [x["step_time_s"] for x in runs[name]], "tokens_per_s": tokens / t,
+               "cuda_peak_allocated_bytes": runs[name][-1].get("cuda_peak_allocated_bytes")}
         if peak:
             out["mfu"] = 6 * n_params * tokens / t / peak
+        if name != "raw":
+            out["predicted_step_time_s"] = predicted[name]
+            out["measured_over_predicted"] = t / predicted[name]
         return out
 
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "params": n_params, "batch": batch, "seq": cfg.block_size, "steps": steps,
-           "reps": reps, "precision": "bf16-mixed", "peak_flops": peak,
-           "trainer": summary(ours), "raw": summary(raw)}
-    res["trainer_over_raw_tokens_per_s"] = res["trainer"]["tokens_per_s"] / res["raw"]["tokens_per_s"]
+           "reps": reps, "precision": "bf16-mixed", "peak_flops": peak, "planner_preset": predicted["preset"],
+           **{name: summary(name) for name in runs}}
+    res["trainer_over_raw_tokens_per_s"] = {n: res[n]["tokens_per_s"] / res["raw"]["tokens_per_s"]
+                                            for n in STRATEGIES}
+    ours = runs["single"]
 
     ck = trainer_run(cfg, data, batch, steps, device, checkpointing=True)
     memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 1 << 40
@@ -164,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     text = json.dumps(res, indent=2)
     print(text)
+    dist.destroy_process_group()
     if a.out:
         with open(a.out, "w") as f:
             f.write(text + "\n")
