@@ -185,6 +185,25 @@ def test_nonfinite_loss_stops_with_step_and_rank():
                                    r"Trainer\(on_nonfinite='skip'\)", str(e.value))
 
 
+def test_error_mode_reads_no_flag_before_the_optimizer_step(monkeypatch):
+    # Found on an H200 (issue 28): reading the loss before opt.step() stops the host until backward ends, and the
+    # GPU then idles while the optimizer's kernels are launched. "error" mode checks the loss after the step.
+    from shardwise.fit import steps
+
+    def no_flag(*a, **k):
+        raise AssertionError("finite() ran: a host sync between backward and the optimizer step")
+    monkeypatch.setattr(steps, "finite", no_flag)
+    work = digits()
+    run = sw.Trainer("single", 1, accelerator="cpu", progress=False).fit(
+        work.make_model(), work.train, work.loss_fn, ADAMW, batch_size=64, max_steps=2)
+    assert len(run.losses) == 2
+    work, data = _poisoned(0)
+    with pytest.raises(FloatingPointError, match=r"^non-finite loss nan at step 0 on rank 0; pass "
+                                                 r"Trainer\(on_nonfinite='skip'\) to skip such steps instead$"):
+        sw.Trainer("single", 1, accelerator="cpu", progress=False).fit(
+            work.make_model(), data, work.loss_fn, ADAMW, batch_size=len(data), max_steps=2)
+
+
 @pytest.mark.float64
 def test_nonfinite_loss_skip_equals_single(same_run):
     work, data = _poisoned(0)

@@ -7,6 +7,7 @@ piece of the fit stays small enough to read in one sitting.
 """
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from typing import Any, Protocol
@@ -91,9 +92,11 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
                 job.activation_bytes = saved.peak
             else:
                 loss = strat.train_step(model, micro, job.loss_fn, topo, run)
-            # Both checks agree across ranks, so every rank skips the same steps.
+            # Both checks agree across ranks, so every rank skips the same steps. In "error" mode the loss is
+            # checked after the step instead (raise_if_nonfinite): reading it here would stop the host until
+            # the backward ends, and the GPU would then idle while the optimizer's kernels are launched.
             skip = (scaler is not None and overflow(scaler, opt, topo)) or \
-                not finite(loss, step, t.on_nonfinite, topo)
+                (t.on_nonfinite == "skip" and not finite(loss, topo))
             if not skip:
                 if t.gradient_clip_val is not None:
                     strat.clip_grad_norm(model, t.gradient_clip_val, topo)
@@ -111,6 +114,8 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
             local = float(loss) if loss is not None else None
+            if t.on_nonfinite == "error":
+                raise_if_nonfinite(local, step, topo)
             losses.append(0.0 if local is None else local)
             tokens = batch_tokens(x.get("input_ids") if isinstance(x, Kwargs) else x) * shards
             advance(local, times[-1])
@@ -156,18 +161,19 @@ def overflow(scaler: precision_mod.LossScaler, opt: torch.optim.Optimizer, topo:
     return found
 
 
-def finite(loss: torch.Tensor | None, step: int, mode: str, topo: Topology) -> bool:
-    """Whether to take this step; raises in ``"error"`` mode on a non-finite local loss.
+def raise_if_nonfinite(local: float | None, step: int, topo: Topology) -> None:
+    """``on_nonfinite="error"``: stop on a NaN/inf local loss, naming the step and the rank. Called after the
+    step, on the value the loop reads anyway; the run ends here, so the step it took is never seen (no
+    checkpoint, callback or result follows it)."""
+    if local is not None and not math.isfinite(local):
+        raise FloatingPointError(f"non-finite loss {local:g} at step {step} on rank {topo.rank}; "
+                                 "pass Trainer(on_nonfinite='skip') to skip such steps instead")
 
-    In ``"skip"`` mode every rank must agree (a rank that steps alone would
-    desynchronise the replicas), hence one all-reduce of a flag.
-    """
+
+def finite(loss: torch.Tensor | None, topo: Topology) -> bool:
+    """``on_nonfinite="skip"``: whether to take this step. Every rank must agree (a rank that steps alone
+    would desynchronise the replicas), hence one all-reduce of a flag, before the optimizer step."""
     bad = loss is not None and not bool(torch.isfinite(loss.detach()).all())
-    if mode == "error":
-        if bad:
-            raise FloatingPointError(f"non-finite loss {float(loss):g} at step {step} on rank {topo.rank}; "
-                                     "pass Trainer(on_nonfinite='skip') to skip such steps instead")
-        return True
     flag = torch.tensor([1.0 if bad else 0.0], device=topo.device)
     topo.comm("world").all_reduce(flag, name="metrics.nonfinite")
     return float(flag) == 0.0
