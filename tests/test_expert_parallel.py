@@ -96,6 +96,18 @@ def test_expert_parallel_equals_single_device(model, layout, same_run):
     assert dispatched(run) == STEPS * BATCH * SEQ * TOP_K * LAYERS * tp
 
 
+def test_fit_reports_dropped_tokens_in_its_stats():
+    """What a user reads after fit: every rank's ``counters`` hold the slots it dispatched and, with a capacity
+    factor, the ones its experts dropped; dropless drops none."""
+    capped = fit("gpt", sw.Parallel(ep=2, capacity_factor=0.5), 2)
+    dropless = fit("gpt", sw.Parallel(ep=2), 2)
+    for run in (capped, dropless):
+        assert dispatched(run) == STEPS * BATCH * SEQ * TOP_K * LAYERS
+    # cf 0.5 leaves room for half the slots an expert would get under even routing: every rank drops some.
+    assert all(0 < s["counters"]["moe_dropped"] < s["counters"]["moe_dispatched"] for s in capped.stats)
+    assert all(s["counters"].get("moe_dropped", 0) == 0 for s in dropless.stats)
+
+
 @pytest.mark.parametrize("model", ["qwen2_moe", "olmoe"])
 def test_other_hugging_face_moe_families(model, same_run):
     """Qwen2-MoE (routed experts beside a gated shared expert, which stays dense) and OLMoE (q/k norms) keep
