@@ -136,7 +136,8 @@ def test_more_compositions_on_gpt(layout, same_run):
 
 
 @pytest.mark.parametrize("strategy,devices", [("ddp", 2), ("zero3", 2), (sw.Parallel(ep=2), 2),
-                                              (sw.Parallel(ep=2, zero=3), 4)])
+                                              (sw.Parallel(ep=4), 4), (sw.Parallel(ep=2, zero=3), 4),
+                                              (sw.Parallel(ep=2, pp=2), 4), (sw.Parallel(ep=2, tp=2), 4)], ids=str)
 def test_the_global_auxiliary_loss_equals_single_device(strategy, devices, same_run):
     """E * sum_i f_i * P_i is not linear in the batch; with f_i counted over every data-parallel rank, the
     data-parallel average of the local losses' gradients is the single-device gradient, accumulation included
