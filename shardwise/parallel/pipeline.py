@@ -164,13 +164,37 @@ class PipelineModel(nn.Module):
         The copies take the same step from the same summed gradient, so this is a no-op in a run; it
         matters after a checkpoint is loaded, which restores the first copy only (the one claimed under
         the weight's names; the further copy's optimizer state is then stale, but its value is
-        replaced here before every step, so it never reaches a forward)."""
-        if self.copies and any(hasattr(w, "unit_of") for w in (self.data.wrappers if self.data else [])):
-            raise ValueError("pipeline: a weight tied between two chunks of one rank (a V's embedding and head) "
-                             "is not supported with zero=3: FSDP shards the copies in different units")
+        replaced here before every step, so it never reaches a forward).
+
+        Under FSDP (zero=3) each copy lives, sharded, in a unit of its own chunk's wrapper: the full
+        tensors are freed between uses, so the first copy's shard piece is copied into the further copy's
+        instead. Both pieces are elements ``[r*c, r*c+c)`` of the same flattened weight sharded over the
+        same group (:meth:`~shardwise.parallel.fsdp_module.FSDPModule.grad_piece`), so this is the whole
+        weight's copy done piece by piece, with no collective."""
         with torch.no_grad():
             for first, copy in self.copies:
-                copy.copy_(first)
+                src, dst = self._shard_piece(first), self._shard_piece(copy)
+                if src is None and dst is None:
+                    copy.copy_(first)
+                    continue
+                if src is None or dst is None or src.shape != dst.shape:
+                    raise ValueError("pipeline: the two copies of a weight tied between two chunks of one rank "
+                                     "(a V's embedding and head) are not sharded alike by zero=3 (one frozen, or "
+                                     "in units over different groups); their pieces cannot be kept equal")
+                dst.copy_(src)
+
+    def _shard_piece(self, p: nn.Parameter) -> torch.Tensor | None:
+        """This rank's stepped piece of ``p`` when an FSDP wrapper shards it (None: ``p`` is whole).
+
+        A further copy's unit still gathered would keep the stale full values: it is freed (a local
+        operation), so that its next use gathers the pieces written here."""
+        for w in self.data.wrappers if self.data is not None else []:
+            u = getattr(w, "unit_of", {}).get(p)
+            if u is not None:
+                u.reshard()
+                i = next(i for i, q in enumerate(u.params) if q is p)  # by identity: == would compare values
+                return u.shard_params[i]  # type: ignore[no-any-return]
+        return None
 
     def stage(self, chunk: int) -> PipelineStage:
         c = self.chunks[chunk]

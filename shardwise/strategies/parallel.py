@@ -170,14 +170,6 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
                 raise ValueError("zero=2 with weights tied across pipeline stages is not supported: ZeRO-2 frees "
                                  "the full gradients in backward, and its pieces of a tied weight do not line up "
                                  "across stages; use zero=1 or zero=3")
-        if self.zero == 3 and p > 1:
-            for entries in find_ties(model, parts, p, v, "sync", placement(self.schedule, p, v)).values():
-                names = [canon for canon, _, _ in entries]
-                if len(names) != len(set(names)):
-                    raise ValueError(f"schedule={self.schedule!r} puts two chunks that share the tied weight "
-                                     f"'{names[0]}' on one rank (a V holds the embedding and the head on rank 0); "
-                                     "zero=3 shards those copies in different FSDP units, which is not supported: "
-                                     "use zero=1 (or DDP) with this schedule, or schedule='1f1b' with zero=3")
         local = batch_size // self.batch_shards(devices)
         m = self.effective_microbatches(local, p, accumulate_grad_batches)
         if self.microbatches is not None and (m < 1 or local % m):
