@@ -67,12 +67,23 @@ def _unit(max_bytes: float) -> tuple[float, str]:
     return 1.0, "B"
 
 
-def save(fig: Any, path: str | os.PathLike[str], dpi: int = 100) -> str:
-    """Write ``fig`` as a PNG (creating the folder) and close it; returns the path."""
+def save(fig: Any, path: str | os.PathLike[str], dpi: int = 100, colors: int | None = None) -> str:
+    """Write ``fig`` as a PNG (creating the folder) and close it; returns the path.
+
+    ``colors`` reduces the PNG to a palette of that many colours: a picture of
+    flat boxes and text needs few, and a big one (every schedule's timeline)
+    then takes about a quarter of the bytes in the repository.
+    """
     path = os.fspath(path)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=dpi, format="png")
     pyplot().close(fig)
+    if colors is not None:
+        from PIL import Image  # matplotlib's own dependency: there whenever matplotlib is
+
+        with Image.open(path) as im:
+            small = im.convert("RGB").quantize(colors=colors, method=Image.Quantize.MEDIANCUT)
+        small.save(path, format="png", optimize=True)
     return path
 
 
@@ -196,25 +207,38 @@ def measure_memory(strategies: Sequence[str], devices: int = 2, workload: str = 
 
 
 # ---- pipeline timeline ---------------------------------------------------------------------------
-_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B"}
+# Every schedule the runtime has, in the order the docs introduce them (what simulated_schedules draws).
+ALL_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
+_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B", "zb-h1": "ZB-H1", "zbv": "ZBV",
+          "dualpipev": "DualPipeV"}
 
 
-def timeline_figure(runs: Mapping[str, Sequence[Any]], title: str = "Pipeline schedules") -> Any:
+def timeline_figure(runs: Mapping[str, Sequence[Any]], title: str = "Pipeline schedules",
+                    stacked: bool = False) -> Any:
     """Schedules side by side; each stage a row, each forward/backward of a micro-batch a labelled box.
 
     ``runs`` maps a schedule name to the :class:`~shardwise.parallel.schedules.Event`
     list of ONE step (all stages); times are shifted so the step starts at 0.
+    ``stacked`` puts the schedules one under the other on one shared time axis
+    (a step that ends earlier is visibly shorter), each with its legend on the
+    right; otherwise they sit in a row, each on its own axis.
     """
     from matplotlib.patches import Patch
 
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(runs), figsize=(6.0 * len(runs), 0.6 * _stages(runs) + 2.8), squeeze=False,
-                             sharey=True)
+    n, rows = len(runs), _stages(runs)
+    if stacked:
+        fig, axes = plt.subplots(n, 1, figsize=(15.0, n * (0.45 * rows + 0.9) + 1.0), squeeze=False, sharex=True,
+                                 sharey=True)
+        panels = list(axes[:, 0])
+    else:
+        fig, axes = plt.subplots(1, n, figsize=(6.0 * n, 0.6 * rows + 2.8), squeeze=False, sharey=True)
+        panels = list(axes[0])
     span = max((e.end for ev in runs.values() for e in ev), default=1.0) - \
         min((e.start for ev in runs.values() for e in ev), default=0.0)
     ms = 1e3 if span < 10 else 1.0  # real clocks are seconds; show ms. Simulated clocks are units.
     labelled: list[tuple[Any, Any]] = []  # (box, its "Fi"/"Bi" label)
-    for ax, (name, events) in zip(axes[0], runs.items()):
+    for ax, (name, events) in zip(panels, runs.items()):
         t0 = min(e.start for e in events)
         for e in events:
             left, width = (e.start - t0) * ms, (e.end - e.start) * ms
@@ -228,20 +252,28 @@ def timeline_figure(runs: Mapping[str, Sequence[Any]], title: str = "Pipeline sc
         ax.set_yticks(stages, [f"stage {s}" for s in stages])
         if not ax.yaxis_inverted():  # stage 0 on top (axes are shared: invert once)
             ax.invert_yaxis()
-        ax.set_title(f"{_NAMES.get(name, name)}: bubble {bubble_fraction(list(events)):.0%}")
-        ax.set_xlabel("time in the step (ms)" if ms != 1.0 else "time (model units)")
-        ax.set_ylabel("pipeline stage (rank)")
+        ax.set_title(f"{_NAMES.get(name, name)}: bubble {bubble_fraction(list(events)):.0%}",
+                     fontsize=10 if stacked else None)
+        if not stacked or ax is panels[-1]:  # stacked, the axis is shared: named once, under the last
+            ax.set_xlabel("time in the step (ms)" if ms != 1.0 else "time (model units)")
+        ax.set_ylabel("pipeline stage (rank)" if not stacked else "stage (rank)")
         handles = [Patch(color=_COLORS["F"], label="forward of micro-batch i (Fi)"),
                    Patch(color=_COLORS["B"], label="backward of micro-batch i (Bi)")]
         if any(e.kind == "W" for e in events):  # a split backward: B is the input gradient, W the weights'
             handles[1] = Patch(color=_COLORS["B"], label="input gradient of micro-batch i (Bi)")
             handles.append(Patch(color=_COLORS["W"], label="weight gradient of micro-batch i (Wi)"))
-        # Three entries side by side run into the next panel's: stacked then.
-        ax.legend(handles=handles, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2),
-                  ncol=len(handles) if len(handles) < 3 else 1, frameon=False)
+        if stacked:
+            # Beside its own row: which kinds a schedule has (split or not) stays next to its boxes.
+            ax.legend(handles=handles, fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+            ax.tick_params(labelbottom=True)  # times under every row, not only the last: rows are read alone
+        else:
+            # Three entries side by side run into the next panel's: stacked then.
+            ax.legend(handles=handles, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2),
+                      ncol=len(handles) if len(handles) < 3 else 1, frameon=False)
         ax.grid(axis="x", alpha=0.3)
     fig.suptitle(title)
-    fig.tight_layout()
+    # Stacked, the first row's title sits right under the figure's: keep a strip free for the latter.
+    fig.tight_layout(rect=(0.0, 0.0, 1.0, 1.0 - 0.25 / fig.get_figheight()) if stacked else None)
     _hide_labels_wider_than_their_box(fig, labelled)
     return fig
 
@@ -349,10 +381,10 @@ def samples_per_s(results: Mapping[str, tuple[Any, int, int]]) -> list[dict[str,
     return out
 
 
-__all__ = ["BAR", "BOX", "BOX_LABEL", "count_boxes", "count_boxes_in", "distinct_colors", "measure_memory",
-           "measure_throughput", "memory_figure", "memory_rows", "pyplot", "record_pipeline", "samples_per_s", "save",
-           "simulated_schedules",
-           "throughput_bars", "throughput_figure", "timeline_figure", "write_all", "write_demo"]
+__all__ = ["ALL_SCHEDULES", "BAR", "BOX", "BOX_LABEL", "count_boxes", "count_boxes_in", "distinct_colors",
+           "measure_memory", "measure_throughput", "memory_figure", "memory_rows", "pyplot", "record_pipeline",
+           "samples_per_s", "save", "simulated_schedules", "throughput_bars", "throughput_figure", "timeline_figure",
+           "write_all", "write_demo"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -378,20 +410,21 @@ def main(argv: list[str] | None = None) -> int:
     sim = {s: simulate(s, 4, 8, t_f=1.0, t_b=2.0) for s in ("gpipe", "1f1b")}
     print("wrote " + save(timeline_figure(sim, "Simulated schedules: 4 stages, 8 micro-batches, backward = 2 x forward"),
                           os.path.join(a.dir, "pipeline_simulated.png")))
-    for name, group in (("1f1b", ("gpipe", "1f1b", "interleaved")), ("zb", ("zb-h1", "zbv", "dualpipev"))):
-        print("wrote " + save(simulated_schedules(group), os.path.join(a.dir, f"pipeline_schedules_{name}.png")))
+    print("wrote " + save(simulated_schedules(), os.path.join(a.dir, "pipeline_schedules_all.png"), colors=64))
     return 0
 
 
-def simulated_schedules(schedules: Sequence[str], stages: int = 4, microbatches: int = 8) -> Any:
-    """``schedules`` side by side on the simulator's clock: per stage F 1 and a backward of 2 (B 1 + W 1 when
-    split); a schedule with two chunks per rank runs each chunk in half the time, so all do the same work."""
+def simulated_schedules(schedules: Sequence[str] = ALL_SCHEDULES, stages: int = 4, microbatches: int = 8) -> Any:
+    """``schedules`` one under the other on the simulator's clock and one shared time axis, all with the same
+    ``stages`` and ``microbatches``: per stage F 1 and a backward of 2 (B 1 + W 1 when split); a schedule with
+    two chunks per rank runs each chunk in half the time, so all do the same work and their spans compare."""
     runs = {}
     for s in schedules:
         v = default_chunks(s)
         runs[s] = simulate(s, stages, microbatches, v, t_f=1.0 / v, t_b=2.0 / v)
-    return timeline_figure(runs, f"Simulated: {stages} ranks, {microbatches} micro-batches; per stage F 1, "
-                                 "backward 2 (B 1 + W 1 when split); two chunks per rank: halves")
+    return timeline_figure(runs, f"Simulated, all with p = {stages} ranks and m = {microbatches} micro-batches; "
+                                 "per stage F 1, backward 2 (B 1 + W 1 when split); two chunks per rank: halves",
+                           stacked=True)
 
 
 if __name__ == "__main__":

@@ -112,3 +112,25 @@ def test_throughput_lines_have_distinct_colours():
     lines = plots.throughput_figure(records).axes[0].get_lines()
     assert len({line.get_color() if isinstance(line.get_color(), str) else tuple(line.get_color())
                 for line in lines}) == 12
+
+
+def test_all_six_schedules_in_one_picture_on_one_time_axis(tmp_path):
+    """docs/img/pipeline_schedules_all.png: the six simulated schedules one under the other, same p and m (stated
+    in the title), one shared time axis, so a schedule that finishes the same work sooner has a shorter row."""
+    fig = plots.simulated_schedules(stages=4, microbatches=8)
+    assert plots.ALL_SCHEDULES == ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
+    assert "p = 4" in fig.get_suptitle() and "m = 8" in fig.get_suptitle()
+    axes = fig.axes
+    assert [ax.get_title().split(":")[0] for ax in axes] == \
+        ["GPipe", "1F1B", "interleaved 1F1B", "ZB-H1", "ZBV", "DualPipeV"]
+    assert all(ax.get_shared_x_axes().joined(axes[0], ax) for ax in axes)
+    assert len({ax.get_xlim() for ax in axes}) == 1
+    assert axes[-1].get_xlabel() == "time (model units)"
+    assert all(ax.get_ylabel() and ax.get_legend() is not None for ax in axes)
+    # stages x micro-batches x actions (F, B; F, B, W when split) x chunks per rank
+    assert [plots.count_boxes_in(ax) for ax in axes] == [4 * 8 * 2, 4 * 8 * 2, 4 * 8 * 2 * 2, 4 * 8 * 3,
+                                                         4 * 8 * 3 * 2, 4 * 8 * 3 * 2]
+    # Where each step ends on the shared clock: 3(m+p-1), interleaved's 28.5, 3m+p-1, (6m+p-1)/2.
+    ends = [max(p.get_x() + p.get_width() for p in ax.patches if p.get_gid() == plots.BOX) for ax in axes]
+    assert ends == [33.0, 33.0, 28.5, 27.0, 25.5, 25.5]
+    check_png(plots.save(fig, tmp_path / "all.png", colors=64))

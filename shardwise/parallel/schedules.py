@@ -7,7 +7,9 @@ through a *runner* that does the receiving, computing and sending; the
 :class:`Recorder` keeps one :class:`Event` per action, from which bubbles,
 activation memory and pictures are computed. :func:`simulate` replays the
 same action lists on a model clock, which checks a schedule for deadlocks and
-gives its ideal timeline.
+gives its ideal timeline; :func:`retime` does the same with the per-rank order
+a real step recorded, so that a run's bubble can be compared with a formula
+exactly.
 
 * GPipe (Huang et al. 2019, "GPipe: Efficient Training of Giant Neural
   Networks using Pipeline Parallelism"): all forwards, then all backwards.
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -442,6 +444,49 @@ def peak_in_flight(events: list[Event]) -> dict[int, int]:
     return out
 
 
+def recorded_orders(events: Sequence[Event]) -> list[list[Action]]:
+    """Each rank's actions of one recorded step, in the order the rank ran them (by start time)."""
+    steps = {e.step for e in events}
+    if len(steps) != 1:
+        # Orders of two steps interleaved would be no schedule at all: make the caller pick one.
+        raise ValueError(f"events of one step expected, got steps {sorted(steps)}; keep those of one step "
+                         "(e.g. [e for e in events if e.step == last])")
+    ranks = max(e.stage for e in events) + 1
+    orders: list[list[Action]] = [[] for _ in range(ranks)]
+    # A rank runs one action at a time, so its start times order its actions; sorted() is stable, which
+    # keeps the recorder's own order should two clocks ever read the same.
+    for e in sorted(events, key=lambda e: e.start):
+        orders[e.stage].append(Action(e.kind, e.mb, e.chunk))
+    return orders
+
+
+def retime(events: Sequence[Event], where: Placement, t_f: float = 1.0, t_b: float = 2.0,
+           t_w: float | None = None) -> list[Event]:
+    """The recorded step again on the simulator's model clock: same per-rank order, model costs.
+
+    A real step's timestamps carry the host's noise (messages, bookkeeping,
+    other processes), so its bubble only approximates a formula. Re-timing
+    keeps what the run decided, which action each rank ran when, and
+    replaces what the machine added: each action takes its model cost (as
+    :func:`simulate`: forward ``t_f``, backward ``t_b``, of which W takes
+    ``t_w``, default half, when split) and starts when its rank is free and
+    its inputs exist; an action that consumes another rank's send starts no
+    earlier than the end of the action that sent it (messages free). With
+    unit costs the result's :func:`bubble_fraction` is then exact, and a
+    different recorded order gives a different one. ``where`` is the run's
+    placement (:func:`placement`). Raises if the order could not have run.
+    """
+    orders = recorded_orders(events)
+    if len(orders) != where.stages:
+        raise ValueError(f"events of {len(orders)} ranks, placement of {where.stages}")
+    microbatches = len({e.mb for e in events})
+
+    def recorded(stages: int, m: int, stage: int, chunks: int) -> list[Action]:
+        return orders[stage]
+
+    return simulate(recorded, where.stages, microbatches, where.chunks, t_f=t_f, t_b=t_b, t_w=t_w, where=where)
+
+
 def gpipe_bubble(stages: int, microbatches: int) -> float:
     """GPipe's ideal bubble ``(p - 1) / (m + p - 1)`` (Huang et al. 2019)."""
     return (stages - 1) / (microbatches + stages - 1)
@@ -554,4 +599,4 @@ def simulate(schedule: str | Schedule, stages: int, microbatches: int, chunks: i
 __all__ = ["Action", "Event", "PLACEMENTS", "Recorder", "SCHEDULES", "SPLIT_BACKWARD", "V_SHAPED", "Runner",
            "bubble_fraction", "check_message_order", "default_chunks", "dualpipev", "execute", "forward_only",
            "get_schedule", "gpipe", "gpipe_bubble", "interleaved_1f1b", "one_f_one_b", "peak_in_flight", "placement",
-           "shape_of", "simulate", "zb_h1", "zbv"]
+           "recorded_orders", "retime", "shape_of", "simulate", "zb_h1", "zbv"]
