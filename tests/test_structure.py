@@ -85,6 +85,7 @@ LOCAL_IMPORTS: dict[str, str] = {
     "shardwise.plots: matplotlib": _PLOT,
     "shardwise.plots: matplotlib.pyplot": _PLOT,
     "shardwise.plots: matplotlib.patches": _PLOT,
+    "shardwise.plots: PIL.Image": _PLOT + " (Pillow, matplotlib's dependency, shrinks a saved PNG)",
     "shardwise.checkpoint.store: torch.distributed.checkpoint": _DCP,
     "shardwise.checkpoint.store: shardwise.checkpoint.pieces": _DCP + " (its planners build on it)",
     "shardwise.checkpoint.tools: transformers": _HF,

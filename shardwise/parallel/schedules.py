@@ -464,17 +464,12 @@ def retime(events: Sequence[Event], where: Placement, t_f: float = 1.0, t_b: flo
            t_w: float | None = None) -> list[Event]:
     """The recorded step again on the simulator's model clock: same per-rank order, model costs.
 
-    A real step's timestamps carry the host's noise (messages, bookkeeping,
-    other processes), so its bubble only approximates a formula. Re-timing
-    keeps what the run decided, which action each rank ran when, and
-    replaces what the machine added: each action takes its model cost (as
-    :func:`simulate`: forward ``t_f``, backward ``t_b``, of which W takes
-    ``t_w``, default half, when split) and starts when its rank is free and
-    its inputs exist; an action that consumes another rank's send starts no
-    earlier than the end of the action that sent it (messages free). With
-    unit costs the result's :func:`bubble_fraction` is then exact, and a
-    different recorded order gives a different one. ``where`` is the run's
-    placement (:func:`placement`). Raises if the order could not have run.
+    A real step's timestamps carry the host's noise, so its bubble only approximates a formula. Re-timing
+    keeps what the run decided (which action each rank ran when) and gives each action its model cost, as
+    :func:`simulate` does (forward ``t_f``, backward ``t_b``, of which W takes ``t_w``, default half, when
+    split): it starts when its rank is free and the sends it consumes have ended (messages free). With unit
+    costs the :func:`bubble_fraction` is then exact, and another recorded order gives another one. ``where``
+    is the run's :func:`placement`. Raises if the order could not have run.
     """
     orders = recorded_orders(events)
     if len(orders) != where.stages:
