@@ -202,7 +202,7 @@ def _timed(rank: int, device: torch.device, p: int, ms: dict[str, int], path: st
     from shardwise.comm.topology import Topology
     from shardwise.parallel.pipeline import build_pipeline
     from shardwise.parallel.pipeline_run import pipeline_step
-    from shardwise.parallel.schedules import Recorder, default_chunks, shape_of
+    from shardwise.parallel.schedules import Recorder, shape_of
 
     topo = Topology.create(device, pp=p)
     out = {}
@@ -458,7 +458,7 @@ def _recorded_gpt(rank: int, device: torch.device, p: int, ms: dict[str, int], p
     from shardwise.comm.topology import Topology
     from shardwise.parallel.pipeline import build_pipeline
     from shardwise.parallel.pipeline_run import pipeline_step
-    from shardwise.parallel.schedules import Recorder, default_chunks, shape_of
+    from shardwise.parallel.schedules import Recorder, shape_of
 
     topo = Topology.create(device, pp=p)
     out = {}
@@ -478,10 +478,8 @@ def _recorded_gpt(rank: int, device: torch.device, p: int, ms: dict[str, int], p
 
 def _exact_bubble(events: list) -> Fraction:
     """Idle share of the step as a fraction: unit costs make every time a whole number, so nothing rounds."""
-    span = Fraction(max(e.end for e in events) - min(e.start for e in events))
-    ranks = {e.stage for e in events}
-    busy = sum(Fraction(e.end - e.start) for e in events)
-    return 1 - busy / (len(ranks) * span)
+    span, idle = _idle(events)
+    return Fraction(sum(idle)) / (len(idle) * Fraction(span))
 
 
 def _ws_last(events: list) -> list:
@@ -568,24 +566,25 @@ def test_recorder_draws_the_v_timelines():
     assert {"F3.1", "W0.1", "B2"} <= labels
 
 
+def _gpt2_run(strategy: object, devices: int, steps: int, ckpt: str | None) -> sw.FitResult:
+    """GPT-2 on Python's sources, a checkpoint every 2 steps when ``ckpt`` is given (resumed from when present)."""
+    make, loss, opt = MODELS["gpt2"]
+    return sw.Trainer(strategy, devices, accelerator="cpu", progress=False, checkpoint_dir=ckpt,
+                      checkpoint_every=2 if ckpt else None).fit(make(), CharText(stdlib_text(20_000), 16), loss, opt,
+                                                                batch_size=8, max_steps=steps)
+
+
 @pytest.mark.float64
 @pytest.mark.timeout(600)
 def test_v_checkpoints_resume_across_placements(tmp_path, same_run):
     """GPT-2's tied weight has two copies on rank 0 under a V (embedding and head); the checkpoint holds it once
     under its names, as one device does: a zbv checkpoint resumes under 1f1b (the loop placement) and a 1f1b
     one under dualpipev, both equal to an uninterrupted single-device run."""
-    make, loss, opt = MODELS["gpt2"]
-
-    def run(strategy: object, devices: int, steps: int, ckpt: str | None) -> sw.FitResult:
-        return sw.Trainer(strategy, devices, accelerator="cpu", progress=False, checkpoint_dir=ckpt,
-                          checkpoint_every=2 if ckpt else None).fit(make(), CharText(stdlib_text(20_000), 16), loss,
-                                                                    opt, batch_size=8, max_steps=steps)
-
-    ref = run("single", 1, 4, None)
+    ref = _gpt2_run("single", 1, 4, None)
     for first, then in (("zbv", "1f1b"), ("1f1b", "dualpipev")):
         ckpt = str(tmp_path / f"{first}-{then}")
-        run(sw.Parallel(pp=2, schedule=first, microbatches=4), 2, 2, ckpt)
-        same_run(ref, run(sw.Parallel(pp=2, schedule=then, microbatches=4), 2, 4, ckpt))
+        _gpt2_run(sw.Parallel(pp=2, schedule=first, microbatches=4), 2, 2, ckpt)
+        same_run(ref, _gpt2_run(sw.Parallel(pp=2, schedule=then, microbatches=4), 2, 4, ckpt))
 
 
 @pytest.mark.float64
@@ -595,14 +594,7 @@ def test_v_checkpoint_resumes_under_zero3(tmp_path, same_run):
     on resume only the first copy's pieces are loaded and PipelineModel.sync_copies gives the head's copy them
     before the first step (a stale copy would show in the losses). zbv resumes under dualpipev, equal to an
     uninterrupted single-device run."""
-    make, loss, opt = MODELS["gpt2"]
-
-    def run(strategy: object, devices: int, steps: int, ckpt: str | None) -> sw.FitResult:
-        return sw.Trainer(strategy, devices, accelerator="cpu", progress=False, checkpoint_dir=ckpt,
-                          checkpoint_every=2 if ckpt else None).fit(make(), CharText(stdlib_text(20_000), 16), loss,
-                                                                    opt, batch_size=8, max_steps=steps)
-
-    ref = run("single", 1, 4, None)
+    ref = _gpt2_run("single", 1, 4, None)
     ckpt = str(tmp_path / "zbv-dualpipev")
-    run(sw.Parallel(pp=2, dp=2, zero=3, schedule="zbv", microbatches=4), 4, 2, ckpt)
-    same_run(ref, run(sw.Parallel(pp=2, dp=2, zero=3, schedule="dualpipev", microbatches=4), 4, 4, ckpt))
+    _gpt2_run(sw.Parallel(pp=2, dp=2, zero=3, schedule="zbv", microbatches=4), 4, 2, ckpt)
+    same_run(ref, _gpt2_run(sw.Parallel(pp=2, dp=2, zero=3, schedule="dualpipev", microbatches=4), 4, 4, ckpt))
