@@ -173,7 +173,7 @@ class PipelineModel(nn.Module):
         weight's copy done piece by piece, with no collective."""
         with torch.no_grad():
             for first, copy in self.copies:
-                src, dst = self._shard_piece(first), self._shard_piece(copy)
+                src, dst = self._shard_piece(first), self._shard_piece(copy, free=True)
                 if src is None and dst is None:
                     copy.copy_(first)
                     continue
@@ -183,15 +183,17 @@ class PipelineModel(nn.Module):
                                      "in units over different groups); their pieces cannot be kept equal")
                 dst.copy_(src)
 
-    def _shard_piece(self, p: nn.Parameter) -> torch.Tensor | None:
+    def _shard_piece(self, p: nn.Parameter, free: bool = False) -> torch.Tensor | None:
         """This rank's stepped piece of ``p`` when an FSDP wrapper shards it (None: ``p`` is whole).
 
-        A further copy's unit still gathered would keep the stale full values: it is freed (a local
-        operation), so that its next use gathers the pieces written here."""
+        ``free``: for the further copy, whose unit, still gathered, would keep the stale full values: it is
+        freed (a local operation), so that its next use gathers the pieces written here. The first copy's
+        unit is left as it is: its gathered values are current."""
         for w in self.data.wrappers if self.data is not None else []:
             u = getattr(w, "unit_of", {}).get(p)
             if u is not None:
-                u.reshard()
+                if free:
+                    u.reshard()
                 i = next(i for i, q in enumerate(u.params) if q is p)  # by identity: == would compare values
                 return u.shard_params[i]  # type: ignore[no-any-return]
         return None
