@@ -125,6 +125,13 @@ class Handle:
         if self._diag is not None and self._rec is not None:
             self._diag.end(self._rec)
 
+    def poll(self) -> bool:
+        """Whether the operation has finished (then finished as by :meth:`wait`); never blocks."""
+        if self._work is not None and not self._work.is_completed():
+            return False
+        self.wait()
+        return True
+
 
 class Comm:
     """Collectives on one process group, with names, byte counts, a timeout and diagnostics.

@@ -52,7 +52,7 @@ class _Runner:
     def __init__(self, pm: PipelineModel, comm: Comm, mbs: Sequence[tuple[Any, Any]], loss_fn: LossFn,
                  saved: SavedActivations | None,
                  forward_context: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
-                 loss_scale: float = 1.0) -> None:
+                 loss_scale: float = 1.0, ahead: bool = False) -> None:
         self.pm, self.comm, self.mbs, self.loss_fn = pm, comm, mbs, loss_fn
         # Mixed precision: each stage's forward (and the loss) runs under the strategy's
         # autocast, like Strategy.train_step; fp16's loss scale multiplies the loss.
@@ -72,6 +72,10 @@ class _Runner:
         # A split backward's W still to run, by (chunk, micro-batch).
         self.weights: dict[tuple[int, int], WeightGrad | _WholeBackward] = {}
         self.saved = saved
+        # Receives posted ahead of their action (post_recv), by ("act" | "grad", chunk, micro-batch). Only where
+        # each tag is its own ordered channel (gloo): posting a receive early then cannot overtake another message.
+        self.ahead = ahead
+        self.posted: dict[tuple[str, int, int], tuple[torch.Tensor, Handle]] = {}
 
     def _k(self, a: Action) -> int:
         return self.place.virtual(self.r, a.chunk)
@@ -92,6 +96,11 @@ class _Runner:
         src, mk = self.place.rank_of(k - 1), self._key(a)
         if src == self.r:
             buf = self.handed.pop(("act", a.mb, k - 1))
+            self.x[key] = buf.requires_grad_() if buf.is_floating_point() else buf
+            return
+        if ("act", a.chunk, a.mb) in self.posted:
+            buf, h = self.posted.pop(("act", a.chunk, a.mb))
+            h.wait()
             self.x[key] = buf.requires_grad_() if buf.is_floating_point() else buf
             return
         if mk not in self.pm.meta_recv:
@@ -135,7 +144,7 @@ class _Runner:
             head[2:2 + out.dim()] = torch.tensor(out.shape, dtype=torch.int64)
             self.sends.append(self.comm.isend(head, dst, "pp.meta", ACT_TAG))
             self.pm.meta_sent.add(mk)
-        self.sends.append(self.comm.isend(out.detach().contiguous(), dst, "pp.act", ACT_TAG))
+        self._sent(self.comm.isend(out.detach().contiguous(), dst, "pp.act", ACT_TAG))
 
     # -- backward
     def recv_backward(self, a: Action) -> None:
@@ -146,10 +155,35 @@ class _Runner:
         if src == self.r:
             self.grad[key] = self.handed.pop(("grad", a.mb, k))
             return
-        out = self.out[key]
-        g = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-        self.comm.irecv(g, src, "pp.grad", GRAD_TAG).wait()
+        if ("grad", a.chunk, a.mb) in self.posted:
+            g, h = self.posted.pop(("grad", a.chunk, a.mb))
+            h.wait()
+        else:
+            out = self.out[key]
+            g = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+            self.comm.irecv(g, src, "pp.grad", GRAD_TAG).wait()
         self.grad[key] = g
+
+    def post_recv(self, a: Action) -> None:
+        """Post the receive of a later action ``a`` (F: its input, B: its output's gradient) if it is known what
+        arrives: an activation's shape once its header came (every step after the first), a gradient's once the
+        forward ran. A message from this rank itself (the turn of a V) needs no receive."""
+        kind = "act" if a.kind == "F" else "grad"
+        if not self.ahead or (kind, a.chunk, a.mb) in self.posted:
+            return
+        k = self._k(a)
+        if kind == "act":
+            known = self.pm.meta_recv.get(self._key(a)) if k > 0 else None
+            if known is None or self.place.rank_of(k - 1) == self.r:
+                return
+            (shape, dtype), src, tag = known, self.place.rank_of(k - 1), ACT_TAG
+        else:
+            out = self.out.get((a.chunk, a.mb))
+            if out is None or k == self.last or self.place.rank_of(k + 1) == self.r:
+                return
+            shape, dtype, src, tag = out.shape, out.dtype, self.place.rank_of(k + 1), GRAD_TAG
+        buf = torch.empty(shape, dtype=dtype, device=self._device())
+        self.posted[(kind, a.chunk, a.mb)] = (buf, self.comm.irecv(buf, src, f"pp.{kind}", tag))
 
     def backward(self, a: Action, last: bool) -> None:
         key = (a.chunk, a.mb)
@@ -201,7 +235,12 @@ class _Runner:
         if dst == self.r:
             self.handed[("grad", a.mb, k - 1)] = g
             return
-        self.sends.append(self.comm.isend(g, dst, "pp.grad", GRAD_TAG))
+        self._sent(self.comm.isend(g, dst, "pp.grad", GRAD_TAG))
+
+    def _sent(self, h: Handle) -> None:
+        # Finished sends are dropped as they go, not at the end of the step: each holds its tensor.
+        self.sends = [s for s in self.sends if not s.poll()]
+        self.sends.append(h)
 
     def in_flight(self) -> int:
         return len(self.out) + len(self.weights)  # a split backward frees a micro-batch's activations at W
@@ -216,6 +255,8 @@ class _Runner:
         for h in self.sends:
             h.wait()
         self.sends.clear()
+        if self.posted:
+            raise RuntimeError(f"pipeline: receives posted for actions that never ran: {sorted(self.posted)}")
 
 
 class _WholeBackward:
@@ -326,7 +367,7 @@ def pipeline_step(pm: PipelineModel, micro_batches: Sequence[tuple[Any, Any]], l
         data = [t for xy in mbs for t in xy if isinstance(t, torch.Tensor)]
         saved = SavedActivations(pm.parameters(), data)
     pm.sync_copies()
-    runner = _Runner(pm, comm, mbs, loss_fn, saved, forward_context, loss_scale)
+    runner = _Runner(pm, comm, mbs, loss_fn, saved, forward_context, loss_scale, ahead=tagged)
     execute(acts, runner, pm.rank, recorder)
     runner.finish()
     if recorder is not None:

@@ -499,6 +499,7 @@ class Runner(Protocol):
     def backward_input(self, a: Action) -> None: ...
     def backward_weight(self, a: Action, last: bool) -> None: ...
     def send_backward(self, a: Action) -> None: ...
+    def post_recv(self, a: Action) -> None: ...
     def in_flight(self) -> int: ...
     def saved_bytes(self) -> int: ...
 
@@ -508,32 +509,46 @@ def execute(actions: list[Action], runner: Runner, stage: int, recorder: Recorde
     split = any(a.kind == "W" for a in actions)
     # The action that last touches a chunk's weight gradients: where data-parallel wrappers reduce.
     last_b = {a.chunk: i for i, a in enumerate(actions) if a.kind == ("W" if split else "B")}
+    # The next forward and the next backward after each action: their receives are posted while this one
+    # computes, so a message arrives during the compute instead of after it (the runner may decline).
+    ahead: list[list[Action]] = [[] for _ in actions]
+    nxt: dict[str, Action] = {}
+    for i in range(len(actions) - 1, -1, -1):
+        ahead[i] = list(nxt.values())
+        if actions[i].kind in ("F", "B"):
+            nxt[actions[i].kind] = actions[i]
     for i, a in enumerate(actions):
         if a.kind == "F":
             runner.recv_forward(a)
+            _post(runner, ahead[i])
             t0 = time.perf_counter()
             runner.forward(a)
             t1 = time.perf_counter()
             runner.send_forward(a)
         elif a.kind == "W":
+            _post(runner, ahead[i])
             t0 = time.perf_counter()
             runner.backward_weight(a, last=last_b[a.chunk] == i)
             t1 = time.perf_counter()
-        elif split:
-            runner.recv_backward(a)
-            t0 = time.perf_counter()
-            runner.backward_input(a)
-            t1 = time.perf_counter()
-            runner.send_backward(a)
         else:
             runner.recv_backward(a)
+            _post(runner, ahead[i])
             t0 = time.perf_counter()
-            runner.backward(a, last=last_b[a.chunk] == i)
+            if split:
+                runner.backward_input(a)
+            else:
+                runner.backward(a, last=last_b[a.chunk] == i)
             t1 = time.perf_counter()
             runner.send_backward(a)
+        _post(runner, ahead[i])  # a backward's receive needs its forward's output shape: known now if not before
         if recorder is not None:
             recorder.add(Event(stage, a.mb, a.kind, t0, t1, a.chunk, in_flight=runner.in_flight(),
                                saved_bytes=runner.saved_bytes()))
+
+
+def _post(runner: Runner, upcoming: list[Action]) -> None:
+    for b in upcoming:
+        runner.post_recv(b)
 
 
 def simulate(schedule: str | Schedule, stages: int, microbatches: int, chunks: int = 1, t_f: float = 1.0,

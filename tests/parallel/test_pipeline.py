@@ -267,3 +267,80 @@ def _clone(m: nn.Sequential) -> nn.Sequential:
 
 def test_our_1f1b_equals_torch_schedule1f1b():
     launch.spawn(_against_torch, 2)
+
+
+# ---- receives posted ahead -------------------------------------------------------------
+class _Log:
+    """A runner that computes nothing and logs what :func:`execute` asks of it."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str):
+        if name in ("in_flight", "saved_bytes"):
+            return lambda: 0
+        return lambda a, *rest, **kw: self.calls.append(f"{name} {a.kind}{a.mb}")
+
+
+def test_execute_posts_the_next_receives_before_each_compute():
+    from shardwise.parallel.schedules import execute, zb_h1
+
+    log = _Log()
+    acts = zb_h1(2, 3, 0, 1)  # stage 0: F0 F1 B0 W0 F2 B1 W1 B2 W2
+    assert [f"{a.kind}{a.mb}" for a in acts] == "F0 F1 B0 W0 F2 B1 W1 B2 W2".split()
+    execute(acts, log, 0)
+    posts = [c for c in log.calls if c.startswith("post_recv")]
+    computes = [c.split()[1] for c in log.calls if c.split()[0] in ("forward", "backward_input", "backward_weight")]
+    assert computes == "F0 F1 B0 W0 F2 B1 W1 B2 W2".split()
+    # Before each compute, the next F and the next B after it are asked for (a receive that is not possible yet,
+    # a backward whose forward has not run, is asked for again after the compute).
+    for i, name in enumerate(computes):
+        at = log.calls.index(next(c for c in log.calls if c.endswith(" " + name) and c.split()[0] in
+                                  ("forward", "backward_input", "backward_weight")))
+        before = {c.split()[1] for c in log.calls[:at] if c.startswith("post_recv")}
+        wanted = {next((n for n in computes[i + 1:] if n[0] == k), None) for k in "FB"} - {None}
+        assert wanted <= before, (name, wanted, before)
+    # Each kind's receives are asked for in that kind's action order (no receive overtakes another on its
+    # channel), every one but the very first action's.
+    for k in "FB":
+        firsts = list(dict.fromkeys(c.split()[1] for c in posts if c.split()[1][0] == k))
+        assert firsts == [n for n in computes[1:] if n[0] == k]
+
+
+def _ahead(rank: int, device: torch.device, path: str) -> None:
+    from shardwise.parallel import pipeline_run
+
+    topo = Topology.create(device, dp=1, tp=1, pp=2)
+    posted: list[str] = []
+    real = pipeline_run._Runner.post_recv
+
+    def counting(self, a):
+        n = len(self.posted)
+        real(self, a)
+        if len(self.posted) > n:
+            posted.append(f"{a.kind}{a.mb}")
+    pipeline_run._Runner.post_recv = counting
+    pm = build_pipeline(make_gpt(), topo)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 128, (8, 16), generator=g), torch.randint(0, 128, (8, 16), generator=g)
+    per_step = []
+    for _ in range(2):
+        posted.clear()
+        pipeline_step(pm, [(x, y)], lm_loss, topo, "zb-h1", 4)
+        per_step.append(list(posted))
+    out = topo.comm("pp").all_gather_object(per_step, name="test")
+    if rank == 0:
+        torch.save(out, path)
+
+
+@pytest.mark.timeout(120)
+def test_receives_are_posted_ahead_once_shapes_are_known(tmp_path):
+    path = str(tmp_path / "posted.pt")
+    launch.spawn(_ahead, 2, args=(path,))
+    (first0, second0), (first1, second1) = torch.load(path, weights_only=False)
+    # Stage 0 receives gradients only: each known once its forward ran, from the first step on; B0's receive is
+    # posted while F1 computes (it is the next B then), the others as their turn comes near.
+    assert first0 == second0 == ["B0", "B1", "B2", "B3"]
+    # Stage 1 receives activations: their shape arrives with the first one (a header), so F0's is never posted
+    # ahead, and in the first step the header's own receive comes first.
+    assert first1 == ["F1", "F2", "F3"] and second1 == ["F1", "F2", "F3"]
