@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import gc
 import pickle
 import statistics
 from collections.abc import Callable
@@ -54,10 +55,12 @@ from shardwise.parallel.pipeline import build_pipeline, stage_starts
 from shardwise.parallel.pipeline_layers import pipeline_layers
 from shardwise.parallel.pipeline_run import pipeline_step
 from shardwise.parallel.schedules import Action, bubble_fraction, get_schedule, simulate
+from shardwise.stats import AllocatedPeak
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 WIDTH, DEPTH = 1024, 8  # 8 x Linear(1024): 2 layers per stage at p = 4
 MICROBATCHES = 8
+ALLOC_STEPS = 3  # steps in the tensor-peak measurement: the optimizer's state exists from the first on
 ZB, F1B, TORCH_ZB, TORCH_1F1B = "zb-h1", "1f1b", "torch-zb", "torch-1f1b"
 Order = list[str]  # per rank, its compute actions in order, e.g. "F0 F1 B0 W0 ...": kind F, B or W, micro-batch
 
@@ -203,7 +206,9 @@ class RankResult:
     repetition); from one untimed step from the common weights, the loss (last rank, None elsewhere) and the
     largest difference of this rank's gradients from ZB-H1's, and the peak bytes autograd saved for backward
     (:class:`~shardwise.parallel.checkpointing.SavedActivations`: each storage once, parameters and the batch
-    left out, released when autograd drops them: at B, or at W under a split backward); the schedule."""
+    left out, released when autograd drops them: at B, or at W under a split backward); the peak bytes in live
+    tensors over building the contender and :data:`ALLOC_STEPS` optimizer steps
+    (:class:`~shardwise.stats.AllocatedPeak`); the schedule."""
 
     times: dict[str, list[float]] = field(default_factory=dict)
     rss: dict[str, list[int]] = field(default_factory=dict)
@@ -211,6 +216,7 @@ class RankResult:
     loss: dict[str, float | None] = field(default_factory=dict)
     grad_gap: dict[str, float] = field(default_factory=dict)
     saved: dict[str, int] = field(default_factory=dict)  # peak activation bytes autograd held in that step
+    alloc: dict[str, int] = field(default_factory=dict)  # peak bytes in live tensors: build and ALLOC_STEPS steps
     order: dict[str, Order] = field(default_factory=dict)
 
 
@@ -238,6 +244,14 @@ def _worker(rank: int, device: torch.device, blob: bytes, path: str) -> None:
     ref = grads[contenders[0].key]  # the first contender is the reference (ours)
     res.grad_gap = {k: float((g - ref).abs().max()) for k, g in grads.items()}
     del grads, ref
+    for c in contenders:  # the exact tensor peak of build and training, untimed (the profiler slows each step)
+        gc.collect()
+        with AllocatedPeak() as ap:
+            built = c.build(copy.deepcopy(base), topo, x, y, m)
+            for _ in range(ALLOC_STEPS):
+                built()
+            del built
+        res.alloc[c.key] = ap.peak
     for rep in range(job["reps"]):  # rotate which contender goes first
         k = rep % len(contenders)
         for c in contenders[k:] + contenders[:k]:
@@ -288,6 +302,7 @@ def summarize(results: list[RankResult]) -> dict[str, dict[str, Any]]:
                   "rss": max(statistics.median(r.rss[key]) for r in results),
                   "sent": max(statistics.median(r.sent[key]) for r in results),
                   "saved": [r.saved[key] for r in results],
+                  "alloc": max(r.alloc[key] for r in results),
                   "order": first.order[key]} for key in first.times}
 
 
@@ -312,7 +327,8 @@ def zb_table(results: list[RankResult], contenders: tuple[ZBContender, ...], p: 
     zb_vs = ""
     if F1B in s:
         zb_vs = (f"shardwise ZB-H1 against shardwise 1F1B: throughput "
-                 f"{s[F1B]['step_time_s'] / s[ZB]['step_time_s']:.3f}x, peak RSS increase "
+                 f"{s[F1B]['step_time_s'] / s[ZB]['step_time_s']:.3f}x, peak tensor bytes "
+                 f"{s[ZB]['alloc'] / max(1, s[F1B]['alloc']):.3f}x, peak RSS increase "
                  f"{s[ZB]['rss'] / max(1, s[F1B]['rss']):.3f}x. ")
     caption = (f"{zb_vs}torch ZB: ScheduleInterleavedZeroBubble given one PipelineStage per rank; it runs "
                f"{'the same' if same else 'NOT the same'} actions in the same order as ours zb-h1 on every rank "
@@ -320,21 +336,26 @@ def zb_table(results: list[RankResult], contenders: tuple[ZBContender, ...], p: 
                f"largest gradient difference {dg:.3g}. Formula: activations forward and their gradients backward, "
                f"batch x width x {elem} B each, the worst rank (a middle stage sends both). Saved act.: the peak "
                f"bytes autograd held for backward in one step, stage 0 first (saved-tensor hooks; no parameters, "
-               f"no batch). Simulated bubble: each "
+               f"no batch). Peak tensors: the most bytes in live tensors while the contender was built and "
+               f"trained {ALLOC_STEPS} steps (torch's allocator, through the profiler; exact, the largest rank), "
+               f"the memory the ratios beside it compare; the peak RSS increase also counts what the C heap "
+               f"keeps mapped after frees, and varies from repetition to repetition. Simulated bubble: each "
                f"schedule's actions on the model clock, F = B = W = 1 (1F1B's backward 2): (p-1)/(m+p-1) for 1F1B, "
                f"(p-1)/(3m+p-1) for ZB-H1.")
     t = Table(title=f"Zero bubble: {depth} x Linear({width}) MLP, {p} stages (one per rank), {m} micro-batches, "
                     f"batch {batch_size}, AdamW", caption=caption)
     for col in ("implementation", "simulated bubble", "median step", "throughput vs torch ZB",
-                "throughput vs torch 1F1B", "peak RSS increase", "memory vs torch ZB", "memory vs torch 1F1B",
-                "saved act. per rank", "sent / rank / step", "formula"):
+                "throughput vs torch 1F1B", "peak tensors", "memory vs torch ZB", "memory vs torch 1F1B",
+                "peak RSS increase", "RSS vs torch ZB", "saved act. per rank", "sent / rank / step", "formula"):
         t.add_column(col, justify="left" if col == "implementation" else "right")
     for key, v in s.items():
-        st, mem = v["step_time_s"], v["rss"]
+        st, mem = v["step_time_s"], v["alloc"]
         vs_t = [f"{s[k]['step_time_s'] / st:.3f}x" if k in s else "" for k in (TORCH_ZB, TORCH_1F1B)]
-        vs_m = [f"{mem / max(1, s[k]['rss']):.3f}x" if k in s else "" for k in (TORCH_ZB, TORCH_1F1B)]
+        vs_m = [f"{mem / max(1, s[k]['alloc']):.3f}x" if k in s else "" for k in (TORCH_ZB, TORCH_1F1B)]
+        rss = f"{v['rss'] / max(1, s[TORCH_ZB]['rss']):.3f}x" if TORCH_ZB in s else ""
         t.add_row(names[key], f"{simulated_bubble(v['order'], p, m):.4f}", f"{1e3 * st:.2f} ms", *vs_t,
-                  f"{mem / 2**20:.2f} MiB", *vs_m, " / ".join(f"{b / 1024:,.0f}" for b in v["saved"]) + " KiB",
+                  f"{mem / 2**20:.2f} MiB", *vs_m, f"{v['rss'] / 2**20:.2f} MiB", rss,
+                  " / ".join(f"{b / 1024:,.0f}" for b in v["saved"]) + " KiB",
                   f"{v['sent']:,.0f} B" if counts[key] else "(not observable)",
                   f"{formula:,} B")
     return t
@@ -348,7 +369,7 @@ def zb_pair(a: argparse.Namespace) -> Table:
     return zb_table(res, CONTENDERS, a.nproc, MICROBATCHES, a.batch, WIDTH, DEPTH)
 
 
-__all__ = ["CONTENDERS", "DEPTH", "F1B", "MICROBATCHES", "TORCH_1F1B", "TORCH_ZB", "WIDTH", "ZB", "Built",
+__all__ = ["ALLOC_STEPS", "CONTENDERS", "DEPTH", "F1B", "MICROBATCHES", "TORCH_1F1B", "TORCH_ZB", "WIDTH", "ZB", "Built",
            "RankResult", "ZBContender", "batch", "expected_sent", "loss_gap", "our_order", "ours_1f1b",
            "ours_zb", "run_zb", "simulated_bubble", "summarize", "torch_1f1b", "torch_1f1b_order", "torch_order",
            "torch_zb", "zb_pair", "zb_table"]

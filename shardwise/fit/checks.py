@@ -49,7 +49,8 @@ def validate(t: FitOptions, model: nn.Module, dataset: Any, batch_size: int, max
             f"batch_size={batch_size} is not divisible by data-parallel size {dp} x "
             f"accumulate_grad_batches {k} = {dp * k}; the global batch must split evenly "
             f"(try batch_size={max(dp * k, batch_size // (dp * k) * dp * k)})")
-    t.strategy.check_model(model, t.devices, batch_size, t.accumulate_grad_batches)
+    cuda = t.accelerator == "cuda" or (t.accelerator == "auto" and torch.cuda.is_available())
+    t.strategy.check_model(model, t.devices, batch_size, t.accumulate_grad_batches, "nccl" if cuda else "gloo")
     check_batchnorm(t, model)
     warn_local_aux(model, t.layout.dp * t.layout.cp)  # a Hugging Face MoE's own per-rank router loss
     if isinstance(t.strategy, HasServers) and (t.precision == "16-mixed" or t.on_nonfinite == "skip"):

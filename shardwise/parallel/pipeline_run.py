@@ -1,7 +1,7 @@
 """Pipeline parallelism, running a step: one optimizer step's forwards, backwards and messages.
 
 :func:`pipeline_step` executes a schedule's actions (from
-:mod:`shardwise.parallel.schedules`) on this rank's stage(s) of a
+:mod:`shardwise.parallel.schedules`, through :func:`execute`) on this rank's stage(s) of a
 :class:`~shardwise.parallel.pipeline.PipelineModel`: :class:`_Runner`
 receives a boundary's activations (their shape and dtype sent once, as a
 small header: ``_DTYPES``, ``_META``), computes, and sends activations
@@ -15,8 +15,9 @@ that one builds the model, this one runs it (and imports it, never the reverse).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -30,9 +31,9 @@ from shardwise.parallel.schedules import (
     ACT_TAG,
     GRAD_TAG,
     Action,
+    Event,
     Recorder,
     check_message_order,
-    execute,
     forward_only,
     get_schedule,
     placement,
@@ -46,8 +47,71 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
 _META = 10  # header: ndim, dtype code, up to 8 dims
 
 
+class Runner(Protocol):
+    """What :func:`execute` drives: p2p around each compute, and the compute itself."""
+
+    def recv_forward(self, a: Action) -> None: ...
+    def forward(self, a: Action) -> None: ...
+    def send_forward(self, a: Action) -> None: ...
+    def recv_backward(self, a: Action) -> None: ...
+    def backward(self, a: Action, last: bool) -> None: ...
+    def backward_input(self, a: Action) -> None: ...
+    def backward_weight(self, a: Action, last: bool) -> None: ...
+    def send_backward(self, a: Action) -> None: ...
+    def post_recv(self, a: Action) -> None: ...
+    def in_flight(self) -> int: ...
+    def saved_bytes(self) -> int: ...
+
+
+def execute(actions: list[Action], runner: Runner, stage: int, recorder: Recorder | None = None) -> None:
+    """Run ``actions`` in order; ``last`` marks the final backward of each chunk (gradient sync point)."""
+    split = any(a.kind == "W" for a in actions)
+    # The action that last touches a chunk's weight gradients: where data-parallel wrappers reduce.
+    last_b = {a.chunk: i for i, a in enumerate(actions) if a.kind == ("W" if split else "B")}
+    # The next forward and the next backward after each action: their receives are posted while this one
+    # computes, so a message arrives during the compute instead of after it (the runner may decline).
+    ahead: list[list[Action]] = [[] for _ in actions]
+    nxt: dict[str, Action] = {}
+    for i in range(len(actions) - 1, -1, -1):
+        ahead[i] = list(nxt.values())
+        if actions[i].kind in ("F", "B"):
+            nxt[actions[i].kind] = actions[i]
+    for i, a in enumerate(actions):
+        if a.kind == "F":
+            runner.recv_forward(a)
+            _post(runner, ahead[i])
+            t0 = time.perf_counter()
+            runner.forward(a)
+            t1 = time.perf_counter()
+            runner.send_forward(a)
+        elif a.kind == "W":
+            _post(runner, ahead[i])
+            t0 = time.perf_counter()
+            runner.backward_weight(a, last=last_b[a.chunk] == i)
+            t1 = time.perf_counter()
+        else:
+            runner.recv_backward(a)
+            _post(runner, ahead[i])
+            t0 = time.perf_counter()
+            if split:
+                runner.backward_input(a)
+            else:
+                runner.backward(a, last=last_b[a.chunk] == i)
+            t1 = time.perf_counter()
+            runner.send_backward(a)
+        _post(runner, ahead[i])  # a backward's receive needs its forward's output shape: known now if not before
+        if recorder is not None:
+            recorder.add(Event(stage, a.mb, a.kind, t0, t1, a.chunk, in_flight=runner.in_flight(),
+                               saved_bytes=runner.saved_bytes()))
+
+
+def _post(runner: Runner, upcoming: list[Action]) -> None:
+    for b in upcoming:
+        runner.post_recv(b)
+
+
 class _Runner:
-    """Receives, computes and sends for :func:`shardwise.parallel.schedules.execute`."""
+    """Receives, computes and sends for :func:`execute`."""
 
     def __init__(self, pm: PipelineModel, comm: Comm, mbs: Sequence[tuple[Any, Any]], loss_fn: LossFn,
                  saved: SavedActivations | None,

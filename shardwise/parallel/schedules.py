@@ -2,8 +2,8 @@
 
 A schedule is a pure function ``(stages, microbatches, stage) -> [Action]``;
 it knows nothing about models or communication (partitioning lives in
-:mod:`shardwise.parallel.pipeline`). :func:`execute` runs a list of actions
-through a *runner* that does the receiving, computing and sending; the
+:mod:`shardwise.parallel.pipeline`; running the actions, with their messages,
+in :func:`shardwise.parallel.pipeline_run.execute`). The
 :class:`Recorder` keeps one :class:`Event` per action, from which bubbles,
 activation memory and pictures are computed. :func:`simulate` replays the
 same action lists on a model clock, which checks a schedule for deadlocks and
@@ -38,10 +38,9 @@ ranks), read by :func:`placement`.
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from shardwise.parallel.placement import LOOP, Placement, V
 
@@ -382,7 +381,9 @@ def check_message_order(schedule: str, stages: int, microbatches: int, chunks: i
                     message(r, place.rank_of(k - 1), ("grad", a.mb, k - 1), sent)
     for channel in sorted(set(sent) | set(got)):
         if sent.get(channel, []) != got.get(channel, []):
-            how = "" if tagged else " (one channel per pair, as NCCL has)"
+            how = "" if tagged else (" (one channel per pair, as NCCL has); on NCCL use schedule='1f1b', "
+                                     "'interleaved' or 'zb-h1', or run on gloo (accelerator='cpu'), which keeps "
+                                     "activations and gradients in two channels")
             raise ValueError(f"schedule {schedule!r} with {p} stages, {m} micro-batches, {v} chunks sends "
                              f"messages from rank {channel[0]} to rank {channel[1]} in a different order than they "
                              f"are received; it cannot run on ordered point-to-point channels{how}")
@@ -487,70 +488,6 @@ def gpipe_bubble(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-# ---- running ---------------------------------------------------------------------
-class Runner(Protocol):
-    """What :func:`execute` drives: p2p around each compute, and the compute itself."""
-
-    def recv_forward(self, a: Action) -> None: ...
-    def forward(self, a: Action) -> None: ...
-    def send_forward(self, a: Action) -> None: ...
-    def recv_backward(self, a: Action) -> None: ...
-    def backward(self, a: Action, last: bool) -> None: ...
-    def backward_input(self, a: Action) -> None: ...
-    def backward_weight(self, a: Action, last: bool) -> None: ...
-    def send_backward(self, a: Action) -> None: ...
-    def post_recv(self, a: Action) -> None: ...
-    def in_flight(self) -> int: ...
-    def saved_bytes(self) -> int: ...
-
-
-def execute(actions: list[Action], runner: Runner, stage: int, recorder: Recorder | None = None) -> None:
-    """Run ``actions`` in order; ``last`` marks the final backward of each chunk (gradient sync point)."""
-    split = any(a.kind == "W" for a in actions)
-    # The action that last touches a chunk's weight gradients: where data-parallel wrappers reduce.
-    last_b = {a.chunk: i for i, a in enumerate(actions) if a.kind == ("W" if split else "B")}
-    # The next forward and the next backward after each action: their receives are posted while this one
-    # computes, so a message arrives during the compute instead of after it (the runner may decline).
-    ahead: list[list[Action]] = [[] for _ in actions]
-    nxt: dict[str, Action] = {}
-    for i in range(len(actions) - 1, -1, -1):
-        ahead[i] = list(nxt.values())
-        if actions[i].kind in ("F", "B"):
-            nxt[actions[i].kind] = actions[i]
-    for i, a in enumerate(actions):
-        if a.kind == "F":
-            runner.recv_forward(a)
-            _post(runner, ahead[i])
-            t0 = time.perf_counter()
-            runner.forward(a)
-            t1 = time.perf_counter()
-            runner.send_forward(a)
-        elif a.kind == "W":
-            _post(runner, ahead[i])
-            t0 = time.perf_counter()
-            runner.backward_weight(a, last=last_b[a.chunk] == i)
-            t1 = time.perf_counter()
-        else:
-            runner.recv_backward(a)
-            _post(runner, ahead[i])
-            t0 = time.perf_counter()
-            if split:
-                runner.backward_input(a)
-            else:
-                runner.backward(a, last=last_b[a.chunk] == i)
-            t1 = time.perf_counter()
-            runner.send_backward(a)
-        _post(runner, ahead[i])  # a backward's receive needs its forward's output shape: known now if not before
-        if recorder is not None:
-            recorder.add(Event(stage, a.mb, a.kind, t0, t1, a.chunk, in_flight=runner.in_flight(),
-                               saved_bytes=runner.saved_bytes()))
-
-
-def _post(runner: Runner, upcoming: list[Action]) -> None:
-    for b in upcoming:
-        runner.post_recv(b)
-
-
 def simulate(schedule: str | Schedule, stages: int, microbatches: int, chunks: int = 1, t_f: float = 1.0,
              t_b: float = 2.0, t_w: float | None = None, where: Placement | None = None) -> list[Event]:
     """Replay the schedule on a model clock (forward ``t_f``, backward ``t_b`` per chunk, free messages).
@@ -606,7 +543,7 @@ def simulate(schedule: str | Schedule, stages: int, microbatches: int, chunks: i
     return events
 
 
-__all__ = ["Action", "Event", "PLACEMENTS", "Recorder", "SCHEDULES", "SPLIT_BACKWARD", "V_SHAPED", "Runner",
-           "bubble_fraction", "check_message_order", "default_chunks", "dualpipev", "execute", "forward_only",
+__all__ = ["Action", "Event", "PLACEMENTS", "Recorder", "SCHEDULES", "SPLIT_BACKWARD", "V_SHAPED",
+           "bubble_fraction", "check_message_order", "default_chunks", "dualpipev", "forward_only",
            "get_schedule", "gpipe", "gpipe_bubble", "interleaved_1f1b", "one_f_one_b", "peak_in_flight", "placement",
            "recorded_orders", "retime", "shape_of", "simulate", "zb_h1", "zbv"]

@@ -123,8 +123,10 @@ class Strategy:
             raise ValueError(f"strategy {self.name!r} does not support torch.optim.LBFGS: it needs a closure that "
                              "re-evaluates the loss several times per step, which the Trainer's step does not provide")
 
-    def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int) -> None:
-        """Reject (or warn about), before any process starts, a model or batch this layout cannot use well."""
+    def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int,
+                    backend: str = "gloo") -> None:
+        """Reject (or warn about), before any process starts, a model or batch this layout cannot use well
+        (``backend``: the process group's, "gloo" or "nccl")."""
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)

@@ -40,6 +40,7 @@ from shardwise.parallel.pipeline_layers import stage_layers
 from shardwise.parallel.pipeline_run import pipeline_eval, pipeline_step
 from shardwise.parallel.schedules import (
     V_SHAPED,
+    check_message_order,
     Recorder,
     default_chunks,
     get_schedule,
@@ -154,7 +155,8 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
                            sequence_parallel=self.sequence_parallel, cp_mode=self.cp_mode,
                            capacity_factor=self.capacity_factor, shape=shape_of(self.schedule))
 
-    def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int) -> None:
+    def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int,
+                    backend: str = "gloo") -> None:
         """Before any process starts: every stage gets a layer, the batch splits, the stages can all fill.
 
         The same checks run again inside each rank, but there a mistake would surface
@@ -176,6 +178,9 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
             raise ValueError(f"pipeline: the local batch of {local} samples does not split into microbatches={m} "
                              f"equal micro-batches (the mean loss needs equal sizes); choose a divisor of {local}")
         get_schedule(self.schedule)(p, m, 0, v)  # the schedule's own rules (interleaved: m % p == 0)
+        if p > 1:
+            # NCCL matches a pair's messages in one channel: a V's order needs gloo's two (checked in ranks too).
+            check_message_order(self.schedule, p, m, v, tagged=backend != "nccl")
         if 1 < p and m < p:
             # GPipe, section 2.2: the idle share is (p-1)/(m+p-1); with m < p some stage never overlaps another.
             warnings.warn(f"pipeline: {m} micro-batch(es) per step for {p} stages: fewer micro-batches than stages "

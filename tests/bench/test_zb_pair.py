@@ -57,6 +57,14 @@ def test_zb_pair_same_training_same_schedule_bytes_formula(p):
         assert res.saved[ZB] == res.saved[TORCH_ZB] and res.saved[F1B] == res.saved[TORCH_1F1B]
     assert max(res.saved[ZB] for res in ranks) > 0
 
+    # the exact tensor peak of building and training: at least each rank's parameters, gradients and AdamW's two
+    # moments; ours never above torch's (it keeps no receive buffers between steps, and no copy of the stage)
+    for r, res in enumerate(ranks):
+        stage = 4 * (WIDTH * WIDTH + WIDTH) * 8 * DEPTH // p
+        for key in (ZB, TORCH_ZB, F1B, TORCH_1F1B):
+            assert res.alloc[key] >= stage, (r, key, res.alloc[key], stage)
+        assert res.alloc[ZB] <= res.alloc[TORCH_ZB] and res.alloc[F1B] <= res.alloc[TORCH_1F1B], (r, res.alloc)
+
     # bytes our Comm counted in the timed step: activations forward, their gradients backward, nothing else
     for r, res in enumerate(ranks):
         for key in (ZB, F1B):

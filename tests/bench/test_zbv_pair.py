@@ -43,6 +43,12 @@ def test_zbv_pair_same_training_same_schedule_bytes_formula(p):
     for key in (ZBV, DPV):
         assert simulated_bubble_v(order[key], p, M) == pytest.approx((p - 1) / (6 * M + p - 1))
 
+    # the exact tensor peak (parameters, gradients, AdamW's moments at least): ours never above torch's
+    for r, res in enumerate(ranks):
+        stage = 4 * (WIDTH * WIDTH + WIDTH) * 8 * DEPTH // p
+        assert min(res.alloc.values()) >= stage, (r, res.alloc, stage)
+        assert res.alloc[ZBV] <= res.alloc[TORCH_ZBV] and res.alloc[DPV] <= res.alloc[TORCH_DPV], (r, res.alloc)
+
     for r, res in enumerate(ranks):
         for key in (ZBV, DPV):
             assert res.sent[key] == [expected_sent_v(r, p, BATCH, WIDTH, elem=8)], (r, key)

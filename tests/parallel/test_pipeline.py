@@ -283,7 +283,8 @@ class _Log:
 
 
 def test_execute_posts_the_next_receives_before_each_compute():
-    from shardwise.parallel.schedules import execute, zb_h1
+    from shardwise.parallel.pipeline_run import execute
+    from shardwise.parallel.schedules import zb_h1
 
     log = _Log()
     acts = zb_h1(2, 3, 0, 1)  # stage 0: F0 F1 B0 W0 F2 B1 W1 B2 W2

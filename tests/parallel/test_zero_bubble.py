@@ -393,6 +393,9 @@ def test_v_needs_two_channels():
                                              r"ordered point-to-point channels \(one channel per pair"):
             check_message_order(schedule, 4, 8, 2, tagged=False)
     check_message_order("zb-h1", 4, 8, 1, tagged=False)  # one chunk per rank: one channel is enough
+    check_message_order("dualpipev", 2, 8, 2, tagged=False)  # at p = 2 DualPipeV's order fits one channel
+    with pytest.raises(ValueError, match="in a different order"):
+        check_message_order("zbv", 2, 8, 2, tagged=False)  # ZBV's does not
 
 
 def _torch_actions(cls: type, p: int, m: int, r: int) -> list[Action]:
@@ -431,6 +434,17 @@ def test_v_schedules_refused_before_start():
     with pytest.raises(ValueError, match=r"dualpipev needs at least 2p = 4 micro-batches .* use microbatches >= 4"):
         strategy.check_model(gpt_model(), 2, 8, 1)
     sw.Parallel(pp=2, schedule="zbv", microbatches=2).check_model(gpt_model(), 2, 8, 1)  # zbv runs any m
+    with pytest.raises(ValueError, match=r"zb-h1 runs one model chunk per stage, got chunks=2; "
+                                         r"use schedule='interleaved'"):
+        sw.Parallel(pp=2, schedule="zb-h1", chunks=2).check_model(gpt_model(), 2, 8, 1)
+    # NCCL has one ordered channel per pair: a V is refused there before any process starts, with the fix.
+    # (At p = 2 DualPipeV's order happens to fit one channel: test_v_needs_two_channels.)
+    for name in V:
+        with pytest.raises(ValueError, match=r"one channel per pair, as NCCL has\); on NCCL use schedule='1f1b', "
+                                             r"'interleaved' or 'zb-h1', or run on gloo \(accelerator='cpu'\)"):
+            sw.Parallel(pp=4, schedule=name, microbatches=8).check_model(gpt_deep(), 4, 8, 1, backend="nccl")
+        sw.Parallel(pp=4, schedule=name, microbatches=8).check_model(gpt_deep(), 4, 8, 1, backend="gloo")
+    sw.Parallel(pp=4, schedule="zb-h1", microbatches=8).check_model(gpt_deep(), 4, 8, 1, backend="nccl")
 
 
 @pytest.mark.timeout(300)
