@@ -199,7 +199,10 @@ def backward_input(outputs: torch.Tensor | Sequence[torch.Tensor],
                 todo.append(u)
 
     # R: the other nodes with a path to a parameter, and the edges into it, joined into groups.
-    p_node = {get_gradient_edge(p).node: p for p in ps}
+    # A parameter's node is the AccumulateGrad leaf the walk found that holds it: asking each parameter for its
+    # gradient edge instead (get_gradient_edge) builds a view of it per call, most of this function's time.
+    by_id = {id(p): p for p in ps}
+    p_node = {n: by_id[id(v)] for n in parents if (v := getattr(n, "variable", None)) is not None and id(v) in by_id}
     # Dicts as ordered sets, here and below: the order of W's roots is then the same from run to run.
     region: dict[Node, None] = dict.fromkeys(n for n in p_node if n in parents and n not in in_i)
     link: dict[Node, Node] = {}
