@@ -160,21 +160,13 @@ class _Runner:
         src, mk = self.place.rank_of(k - 1), self._key(a)
         if src == self.r:
             buf = self.handed.pop(("act", a.mb, k - 1))
-            self.x[key] = buf.requires_grad_() if buf.is_floating_point() else buf
-            return
-        if ("act", a.chunk, a.mb) in self.posted:
-            buf, h = self.posted.pop(("act", a.chunk, a.mb))
-            h.wait()
-            self.x[key] = buf.requires_grad_() if buf.is_floating_point() else buf
-            return
-        if mk not in self.pm.meta_recv:
-            head = torch.empty(_META, dtype=torch.int64, device=self._device())
-            self.comm.irecv(head, src, "pp.meta", ACT_TAG).wait()
-            n = int(head[0])
-            self.pm.meta_recv[mk] = (tuple(int(d) for d in head[2:2 + n]), _DTYPES[int(head[1])])
-        shape, dtype = self.pm.meta_recv[mk]
-        buf = torch.empty(shape, dtype=dtype, device=self._device())
-        self.comm.irecv(buf, src, "pp.act", ACT_TAG).wait()
+        else:
+            if mk not in self.pm.meta_recv:  # the first message of a shape: its header first (never posted ahead)
+                head = torch.empty(_META, dtype=torch.int64, device=self._device())
+                self.comm.irecv(head, src, "pp.meta", ACT_TAG).wait()
+                n = int(head[0])
+                self.pm.meta_recv[mk] = (tuple(int(d) for d in head[2:2 + n]), _DTYPES[int(head[1])])
+            buf = self._take(a)
         self.x[key] = buf.requires_grad_() if buf.is_floating_point() else buf
 
     def forward(self, a: Action) -> None:
@@ -219,21 +211,26 @@ class _Runner:
         if src == self.r:
             self.grad[key] = self.handed.pop(("grad", a.mb, k))
             return
-        if ("grad", a.chunk, a.mb) in self.posted:
-            g, h = self.posted.pop(("grad", a.chunk, a.mb))
-            h.wait()
-        else:
-            out = self.out[key]
-            g = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-            self.comm.irecv(g, src, "pp.grad", GRAD_TAG).wait()
-        self.grad[key] = g
+        self.grad[key] = self._take(a)
 
     def post_recv(self, a: Action) -> None:
-        """Post the receive of a later action ``a`` (F: its input, B: its output's gradient) if it is known what
-        arrives: an activation's shape once its header came (every step after the first), a gradient's once the
-        forward ran. A message from this rank itself (the turn of a V) needs no receive."""
+        """Post the receive of a later action ``a`` ahead of it, where receives may be posted ahead (gloo)."""
+        if self.ahead:
+            self._post(a)
+
+    def _take(self, a: Action) -> torch.Tensor:
+        """The message action ``a`` needs from another rank, received (its receive posted now if not before)."""
+        self._post(a)
+        buf, h = self.posted.pop(("act" if a.kind == "F" else "grad", a.chunk, a.mb))
+        h.wait()
+        return buf
+
+    def _post(self, a: Action) -> None:
+        """Post the receive of ``a`` (F: its input, B: its output's gradient) if it is known what arrives: an
+        activation's shape once its header came (every step after the first), a gradient's once the forward
+        ran. A message from this rank itself (the turn of a V) needs no receive."""
         kind = "act" if a.kind == "F" else "grad"
-        if not self.ahead or (kind, a.chunk, a.mb) in self.posted:
+        if (kind, a.chunk, a.mb) in self.posted:
             return
         k = self._k(a)
         if kind == "act":
