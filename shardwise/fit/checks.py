@@ -18,6 +18,7 @@ from torch import nn
 
 from shardwise import launch
 from shardwise.checkpoint import store as checkpoint
+from shardwise.comm.topology import backend_for
 from shardwise.data import DataSource, Kwargs
 from shardwise.fit import preflight
 from shardwise.fit.callbacks import check_picklable
@@ -49,8 +50,8 @@ def validate(t: FitOptions, model: nn.Module, dataset: Any, batch_size: int, max
             f"batch_size={batch_size} is not divisible by data-parallel size {dp} x "
             f"accumulate_grad_batches {k} = {dp * k}; the global batch must split evenly "
             f"(try batch_size={max(dp * k, batch_size // (dp * k) * dp * k)})")
-    cuda = t.accelerator == "cuda" or (t.accelerator == "auto" and torch.cuda.is_available())
-    t.strategy.check_model(model, t.devices, batch_size, t.accumulate_grad_batches, "nccl" if cuda else "gloo")
+    backend = backend_for(torch.device("cuda" if t.on_cuda else "cpu"))
+    t.strategy.check_model(model, t.devices, batch_size, t.accumulate_grad_batches, backend)
     check_batchnorm(t, model)
     warn_local_aux(model, t.layout.dp * t.layout.cp)  # a Hugging Face MoE's own per-rank router loss
     if isinstance(t.strategy, HasServers) and (t.precision == "16-mixed" or t.on_nonfinite == "skip"):
@@ -150,7 +151,7 @@ def check_devices(t: FitOptions) -> None:
         raise ValueError("accelerator='cuda' but no CUDA device is available; use accelerator='cpu' "
                          "(or 'auto', which picks CUDA only when present)")
     local = int(os.environ.get("LOCAL_WORLD_SIZE", nprocs)) if launch.under_torchrun() else nprocs
-    cuda = t.accelerator == "cuda" or (t.accelerator == "auto" and torch.cuda.is_available())
+    cuda = t.on_cuda
     if cuda and local > torch.cuda.device_count():
         raise ValueError(f"devices={t.devices} needs {local} CUDA devices on this machine but only "
                          f"{torch.cuda.device_count()} exist; lower devices or add machines (--nnodes)")

@@ -61,6 +61,11 @@ class FitOptions:
     dataloader_kwargs: dict[str, Any]
 
     @property
+    def on_cuda(self) -> bool:
+        """Whether the ranks will run on CUDA (and talk over NCCL)."""
+        return uses_cuda(self.accelerator)
+
+    @property
     def sizes(self) -> dict[str, int]:
         """``{"pp", "dp", "tp"}`` of the run (see :meth:`shardwise.dims.ParallelDims.sizes`)."""
         return self.layout.dims.sizes()
@@ -103,13 +108,17 @@ class FitOptions:
                    timeout=timeout, callbacks=tuple(callbacks), dataloader_kwargs=loaders, **given)
 
 
+def uses_cuda(accelerator: str) -> bool:
+    """``"cuda"``, or ``"auto"`` where CUDA is present (as :func:`~shardwise.comm.topology.pick_device` decides)."""
+    return accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available())
+
+
 def auto_devices(strategy: Strategy, accelerator: str) -> int:
     """What ``devices="auto"`` means for this strategy (see :class:`~shardwise.fit.trainer.Trainer`)."""
     if launch.under_torchrun():
         world = int(os.environ.get("WORLD_SIZE", "1"))
         return next((d for d in range(1, world + 1) if strategy.processes(d) == world), world)
-    cuda = accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available())
-    first = torch.cuda.device_count() if cuda else 1
+    first = torch.cuda.device_count() if uses_cuda(accelerator) else 1
     for d in [first, *range(1, 65)]:
         try:
             strategy.layout(d)
@@ -119,4 +128,4 @@ def auto_devices(strategy: Strategy, accelerator: str) -> int:
     return first
 
 
-__all__ = ["FitOptions", "SchedulerFactory", "auto_devices"]
+__all__ = ["FitOptions", "SchedulerFactory", "auto_devices", "uses_cuda"]
