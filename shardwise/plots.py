@@ -240,12 +240,16 @@ def timeline_figure(runs: Mapping[str, Sequence[Any]], title: str = "Pipeline sc
     labelled: list[tuple[Any, Any]] = []  # (box, its "Fi"/"Bi" label)
     for ax, (name, events) in zip(panels, runs.items()):
         t0 = min(e.start for e in events)
+        whole = {(e.stage, e.mb, e.chunk) for e in events if e.whole}
         for e in events:
+            if e.kind == "W" and (e.stage, e.mb, e.chunk) in whole:
+                continue  # done inside its whole backward's box (BWi)
             left, width = (e.start - t0) * ms, (e.end - e.start) * ms
             bar = ax.barh(e.stage, width, left=left, height=0.7, color=_COLORS[e.kind], edgecolor="black",
                           linewidth=0.6)
             bar.patches[0].set_gid(BOX)
-            label = f"{e.kind}{e.mb}" + (f".{e.chunk}" if e.chunk else "")  # which chunk, with two per rank
+            # Which chunk, with two per rank; BWi: a whole backward (input and weight gradients in one pass).
+            label = f"{e.kind}{'W' if e.whole else ''}{e.mb}" + (f".{e.chunk}" if e.chunk else "")
             labelled.append((bar.patches[0], ax.text(left + width / 2, e.stage, label, ha="center",
                                                      va="center", fontsize=7, gid=BOX_LABEL)))
         stages = sorted({e.stage for e in events})
@@ -262,6 +266,8 @@ def timeline_figure(runs: Mapping[str, Sequence[Any]], title: str = "Pipeline sc
         if any(e.kind == "W" for e in events):  # a split backward: B is the input gradient, W the weights'
             handles[1] = Patch(color=_COLORS["B"], label="input gradient of micro-batch i (Bi)")
             handles.append(Patch(color=_COLORS["W"], label="weight gradient of micro-batch i (Wi)"))
+            if whole:
+                handles.append(Patch(color=_COLORS["B"], label="both in one pass (BWi)"))
         if stacked:
             # Beside its own row: which kinds a schedule has (split or not) stays next to its boxes.
             ax.legend(handles=handles, fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)

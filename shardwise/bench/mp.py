@@ -313,8 +313,8 @@ def measure_tp_block_bytes(sizes: list[int]) -> list[tuple[int, int, int, int]]:
 
 def ascii_timeline(events: list[Any], unit: float = 1.0) -> str:
     """One line per stage, one character per ``unit`` of time: the micro-batch number for a forward,
-    a letter (a = 0, b = 1, ...) for a backward (the input gradient B when the backward is split), a capital
-    letter for a weight gradient W, ``.`` for idle."""
+    a letter (a = 0, b = 1, ...) for a backward (the input gradient B when the backward is split; over both
+    units of a whole backward, which does its W too), a capital letter for a weight gradient W, ``.`` for idle."""
     stages = sorted({e.stage for e in events})
     width = int(round(max(e.end for e in events) / unit))
     lines = []

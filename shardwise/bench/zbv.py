@@ -47,8 +47,10 @@ ZBV, DPV, TORCH_ZBV, TORCH_DPV = "zbv", "dualpipev", "torch-zbv", "torch-dualpip
 
 
 def v_order(schedule: str, p: int, m: int) -> Order:
-    """Our actions per rank, ``F3.1``: kind, micro-batch, chunk (0: virtual stage r, 1: 2p-1-r)."""
-    return [" ".join(f"{a.kind}{a.mb}.{a.chunk}" for a in get_schedule(schedule)(p, m, s, 2)) for s in range(p)]
+    """Our actions per rank, ``F3.1``: kind, micro-batch, chunk (0: virtual stage r, 1: 2p-1-r); ``BW3.1`` a whole
+    backward (one autograd pass; the ``W3.1`` after it computes nothing)."""
+    return [" ".join(f"{a.kind}{'W' if a.whole else ''}{a.mb}.{a.chunk}" for a in get_schedule(schedule)(p, m, s, 2))
+            for s in range(p)]
 
 
 def ours_zbv(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int) -> Built:
@@ -92,7 +94,7 @@ def torch_dualpipev(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.
 
 def torch_v_order(pipeline_order: dict[int, list[Any]], p: int) -> Order:
     """torch's compute IR in :func:`v_order`'s notation: stage r is chunk 0, an overlapped pair its two
-    sub-actions, a full backward (``B``) our B then its W, a backward-input (``I``) our B."""
+    sub-actions, a full backward (``B``) our whole B then its W, a backward-input (``I``) our B."""
     out = []
     for r in sorted(pipeline_order):
         acts: list[str] = []
@@ -100,7 +102,7 @@ def torch_v_order(pipeline_order: dict[int, list[Any]], p: int) -> Order:
             for sub in (a.sub_actions or (a,)) if a is not None else ():
                 kind, mb, c = sub.computation_type.value, sub.microbatch_index, int(sub.stage_index != r)
                 if kind == "B":
-                    acts += [f"B{mb}.{c}", f"W{mb}.{c}"]
+                    acts += [f"BW{mb}.{c}", f"W{mb}.{c}"]
                 elif kind in ("F", "I", "W"):
                     acts.append(f"{'B' if kind == 'I' else kind}{mb}.{c}")
         out.append(" ".join(acts))
@@ -122,7 +124,8 @@ def expected_sent_v(rank: int, p: int, batch_size: int, width: int, elem: int = 
 
 def simulated_bubble_v(order: Order, p: int, m: int) -> float:
     """The order's idle share on the model clock, V placement, F = B = W = 1 per chunk."""
-    plans = [[Action(a[0], int(a[1:].split(".")[0]), int(a.split(".")[1])) for a in acts.split()] for acts in order]
+    plans = [[Action(a[0], int(a.lstrip("FBW").split(".")[0]), int(a.split(".")[1]), whole=a.startswith("BW"))
+              for a in acts.split()] for acts in order]
     return bubble_fraction(simulate(lambda _p, _m, s, _v: plans[s], p, m, 2, t_f=1.0, t_b=2.0, t_w=1.0,
                                     where=Placement(p, 2, V)))
 
@@ -138,7 +141,7 @@ def zbv_table(results: list[RankResult], p: int, m: int, batch_size: int, width:
     caption = ("Two chunks per rank in a V (rank r: virtual stages r and 2p-1-r; torch: two PipelineStages). "
                f"torch ZBV runs {'the same' if same[ZBV] else 'NOT the same'} actions as ours zbv, torch "
                f"DualPipeV {'the same' if same[DPV] else 'NOT the same'} as ours dualpipev (its overlapped F&B "
-               "pairs as F then the full backward, ours too). First step from the same weights, against ours "
+               "pairs as F then the full backward in one autograd pass, ours too). First step from the same weights, against ours "
                "ZBV: " + ", ".join(f"{names[k]} |loss| {dl:.3g}, |grad| {dg:.3g}" for k, (dl, dg) in gaps.items())
                + f". Formula: 2 x ((r < p-1) + (r > 0)) x batch x width x {elem} B, the worst rank. Peak "
                "tensors and RSS as in the table above. Simulated bubble: F = B = W = 1 per chunk, (p-1)/(6m+p-1) "

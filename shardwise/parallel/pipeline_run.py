@@ -64,8 +64,15 @@ class Runner(Protocol):
 
 
 def execute(actions: list[Action], runner: Runner, stage: int, recorder: Recorder | None = None) -> None:
-    """Run ``actions`` in order; ``last`` marks the final backward of each chunk (gradient sync point)."""
+    """Run ``actions`` in order; ``last`` marks the final backward of each chunk (gradient sync point).
+
+    A whole B (:attr:`~shardwise.parallel.schedules.Action.whole`) runs the plain backward, weights included, at
+    its own place; the W after it computes nothing (its event, of no length, keeps the recorded order whole)."""
     split = any(a.kind == "W" for a in actions)
+    for i, a in enumerate(actions):
+        if a.whole and actions[i + 1:i + 2] != [Action("W", a.mb, a.chunk)]:
+            raise ValueError(f"the whole backward {a!r} must be followed at once by its W (W{a.mb}.{a.chunk})")
+    done = {(a.mb, a.chunk) for a in actions if a.whole}  # whole backwards: their W has nothing left to do
     # The action that last touches a chunk's weight gradients: where data-parallel wrappers reduce.
     last_b = {a.chunk: i for i, a in enumerate(actions) if a.kind == ("W" if split else "B")}
     # The next forward and the next backward after each action: their receives are posted while this one
@@ -86,23 +93,24 @@ def execute(actions: list[Action], runner: Runner, stage: int, recorder: Recorde
             runner.send_forward(a)
         elif a.kind == "W":
             _post(runner, ahead[i])
-            t0 = time.perf_counter()
-            runner.backward_weight(a, last=last_b[a.chunk] == i)
-            t1 = time.perf_counter()
+            t0 = t1 = time.perf_counter()
+            if (a.mb, a.chunk) not in done:
+                runner.backward_weight(a, last=last_b[a.chunk] == i)
+                t1 = time.perf_counter()
         else:
             runner.recv_backward(a)
             _post(runner, ahead[i])
             t0 = time.perf_counter()
-            if split:
+            if split and not a.whole:
                 runner.backward_input(a)
-            else:
-                runner.backward(a, last=last_b[a.chunk] == i)
+            else:  # a whole B does its W's work, the chunk's reduction too if that W is the chunk's last
+                runner.backward(a, last=last_b[a.chunk] == (i + 1 if a.whole else i))
             t1 = time.perf_counter()
             runner.send_backward(a)
         _post(runner, ahead[i])  # a backward's receive needs its forward's output shape: known now if not before
         if recorder is not None:
             recorder.add(Event(stage, a.mb, a.kind, t0, t1, a.chunk, in_flight=runner.in_flight(),
-                               saved_bytes=runner.saved_bytes()))
+                               saved_bytes=runner.saved_bytes(), whole=a.whole))
 
 
 def _post(runner: Runner, upcoming: list[Action]) -> None:

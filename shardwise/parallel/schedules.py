@@ -49,14 +49,21 @@ from shardwise.parallel.placement import LOOP, Placement, V
 class Action:
     """Forward (``"F"``), backward (``"B"``) or weight gradient (``"W"``) of micro-batch ``mb`` on model chunk
     ``chunk``. In a schedule with W actions (a split backward), B computes only the gradient of the stage's
-    input (what the previous stage waits for) and W the gradient of its weights (what nobody waits for)."""
+    input (what the previous stage waits for) and W the gradient of its weights (what nobody waits for).
+
+    ``whole`` (a B of a split schedule only) makes that B the whole backward, input and weight gradients in one
+    autograd pass, as DualPipe runs the backward of an overlapped pair: the input gradient leaves after both,
+    and the W that follows at once only marks where the weights' gradients were done. One pass costs less than
+    two on the host (one engine call, no graph kept between them); a schedule asks for it only where nobody
+    waits for the input gradient during W."""
 
     kind: str
     mb: int
     chunk: int = 0
+    whole: bool = False
 
     def __repr__(self) -> str:
-        return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
+        return f"{self.kind}{'W' if self.whole else ''}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
 
 
 def gpipe(stages: int, microbatches: int, stage: int, chunks: int = 1) -> list[Action]:
@@ -133,8 +140,8 @@ def zb_h1(stages: int, microbatches: int, stage: int, chunks: int = 1) -> list[A
 class _Lanes:
     """Appends a V schedule's actions, numbering each (kind, chunk) lane's micro-batches in order.
 
-    ``split=False`` on a B is a whole backward (DualPipe's): its W follows at once. A split B's W waits in
-    ``pending`` (oldest first) for :meth:`w_pending` or :meth:`w`."""
+    ``split=False`` on a B is a whole backward (DualPipe's, :attr:`Action.whole`): its W follows at once. A split
+    B's W waits in ``pending`` (oldest first) for :meth:`w_pending` or :meth:`w`."""
 
     def __init__(self) -> None:
         self.acts: list[Action] = []
@@ -155,7 +162,7 @@ class _Lanes:
     def b(self, chunk: int, split: bool = True) -> None:
         mb = self.n("B", chunk)
         self.count[("B", chunk)] = mb + 1
-        self.acts.append(Action("B", mb, chunk))
+        self.acts.append(Action("B", mb, chunk, whole=not split))
         if split:
             self.pending.append((chunk, mb))
         else:
@@ -233,9 +240,11 @@ def dualpipev(stages: int, microbatches: int, stage: int, chunks: int = 2) -> li
     back) half way; ``p-r-1`` times a held-back W and a B0; the last ``r+1`` held-back Ws.
 
     DualPipe overlaps the forward and the backward of a pair on two streams (compute of one hides the
-    all-to-all of the other); here a pair runs F then the whole backward (B then its W at once), which is
-    its order without the overlap. A whole backward is B followed by its W, so B's gradient leaves for the
-    previous stage before W, as soon as it exists.
+    all-to-all of the other); here a pair runs F then the whole backward (one autograd pass, :attr:`Action.whole`,
+    written as B then its W), which is its order without the overlap. As in DualPipe, the input gradient of a
+    whole backward leaves after the weights' gradients; where it does, the rank that takes it is busy for that
+    long anyway, so the step is as long as with every backward split (the simulator checks: idle ``p-1`` per
+    rank either way, for every ``p`` and ``m``), at fewer autograd passes.
     """
     _check(stages, microbatches, stage, chunks, "dualpipev")
     p, m, r = stages, microbatches, stage
@@ -403,6 +412,7 @@ class Event:
     step: int = 0
     in_flight: int = 0          # micro-batches with a forward done and backward pending, after this action
     saved_bytes: int = 0        # activation bytes saved for backward on this rank, after this action
+    whole: bool = False         # a whole backward (Action.whole): its W's event then has no length
 
 
 @dataclass
@@ -457,7 +467,7 @@ def recorded_orders(events: Sequence[Event]) -> list[list[Action]]:
     # A rank runs one action at a time, so its start times order its actions; sorted() is stable, which
     # keeps the recorder's own order should two clocks ever read the same.
     for e in sorted(events, key=lambda e: e.start):
-        orders[e.stage].append(Action(e.kind, e.mb, e.chunk))
+        orders[e.stage].append(Action(e.kind, e.mb, e.chunk, e.whole))
     return orders
 
 
@@ -494,6 +504,7 @@ def simulate(schedule: str | Schedule, stages: int, microbatches: int, chunks: i
 
     ``t_b`` is a whole backward; a schedule with W actions spends ``t_w`` of it
     (default half) in W and the rest in B, so every schedule does the same work.
+    A whole B (:attr:`Action.whole`) takes all of ``t_b`` and its W none.
 
     Each rank runs its actions in order; an action starts when the rank is
     free and its inputs exist (the previous virtual stage's forward, or the
@@ -508,6 +519,7 @@ def simulate(schedule: str | Schedule, stages: int, microbatches: int, chunks: i
     split = any(a.kind == "W" for plan in plans for a in plan)
     w = (t_b / 2 if t_w is None else t_w) if split else 0.0
     cost = {"F": t_f, "B": t_b - w, "W": w}
+    joined: set[tuple[int, int]] = set()  # (micro-batch, virtual stage) of whole backwards: their W is done
     pos = [0] * p
     clock = [0.0] * p
     done: dict[tuple[str, int, int], float] = {}  # (kind, mb, virtual stage) -> end time
@@ -529,11 +541,13 @@ def simulate(schedule: str | Schedule, stages: int, microbatches: int, chunks: i
             if any(n not in done for n in need):
                 continue
             start = max([clock[s]] + [done[n] for n in need])
-            end = start + cost[a.kind]
+            if a.whole:  # one pass for B and W: the input gradient exists when both are done
+                joined.add((a.mb, k))
+            end = start + (t_b if a.whole else 0.0 if a.kind == "W" and (a.mb, k) in joined else cost[a.kind])
             done[(a.kind, a.mb, k)] = end
             # Activations are freed by the action that last needs them: W when the backward is split.
             held[s] += 1 if a.kind == "F" else (-1 if a.kind == ("W" if split else "B") else 0)
-            events.append(Event(s, a.mb, a.kind, start, end, a.chunk, in_flight=held[s]))
+            events.append(Event(s, a.mb, a.kind, start, end, a.chunk, in_flight=held[s], whole=a.whole))
             clock[s] = end
             pos[s] += 1
             progressed = True

@@ -308,6 +308,33 @@ def test_execute_posts_the_next_receives_before_each_compute():
         assert firsts == [n for n in computes[1:] if n[0] == k]
 
 
+def test_execute_runs_a_whole_backward_in_one_pass():
+    """A whole B (DualPipeV's pairs) is the plain backward, the chunk's reduction in it when its W is the chunk's
+    last; its W computes nothing and is recorded with no length. A whole B must be followed by its W."""
+    from shardwise.parallel.pipeline_run import execute
+    from shardwise.parallel.schedules import Recorder, dualpipev
+
+    class Last(_Log):
+        def backward(self, a, last):
+            self.calls.append(f"backward {a!r} last={last}")
+
+    acts = dualpipev(2, 4, 0)
+    assert " ".join(map(repr, acts)) == ("F0 F1 F2 F0.1 B0.1 W0.1 F1.1 F3 BW1.1 W1.1 F2.1 BW0 W0 BW2.1 W2.1 F3.1 BW1 W1 "
+                                         "BW3.1 W3.1 B2 W2 B3 W3")
+    log, rec = Last(), Recorder()
+    execute(acts, log, 0, rec)
+    computes = [c for c in log.calls if c.split()[0] in ("forward", "backward", "backward_input", "backward_weight")]
+    # BW3.1's W is chunk 1's last: data-parallel wrappers reduce chunk 1 in that pass.
+    assert [c for c in computes if not c.startswith("forward")] == [
+        "backward_input B0", "backward_weight W0", "backward BW1.1 last=False", "backward BW0 last=False",
+        "backward BW2.1 last=False", "backward BW1 last=False", "backward BW3.1 last=True", "backward_input B2",
+        "backward_weight W2", "backward_input B3", "backward_weight W3"]
+    ws = {(e.mb, e.chunk): e for e in rec.events if e.kind == "W"}
+    assert all((ws[a.mb, a.chunk].end == ws[a.mb, a.chunk].start) == a.whole for a in acts if a.kind == "B")
+    with pytest.raises(ValueError, match=r"the whole backward BW0.1 must be followed at once by its W \(W0.1\)"):
+        execute([Action("F", 0, 1), Action("B", 0, 1, True), Action("F", 1, 1), Action("W", 0, 1)], _Log(), 1)
+
+
 def _ahead(rank: int, device: torch.device, path: str) -> None:
     from shardwise.parallel import pipeline_run
 

@@ -296,9 +296,12 @@ def test_v_schedules_equal_single_device(model, layout, same_run):
         same_run(_refs[name], fit(name, make(schedule), devices))
 
 
-V_COMPOSED = {  # zbv only: dualpipev differs in its order, not in the code the composition goes through
+V_COMPOSED = {  # dualpipev with the data-parallel wrappers: its whole backwards reduce in a plain autograd pass
     "gpt2-dp2-ddp": ("gpt2", lambda: sw.Parallel(pp=2, dp=2, schedule="zbv", microbatches=4)),  # tied copies: 2 DDPs
+    "gpt2-dp2-ddp-dualpipev": ("gpt2", lambda: sw.Parallel(pp=2, dp=2, schedule="dualpipev", microbatches=4)),
     "llama-dp2-zero2": ("llama", lambda: sw.Parallel(pp=2, dp=2, zero=2, schedule="zbv", microbatches=4)),
+    "llama-dp2-zero2-dualpipev": ("llama", lambda: sw.Parallel(pp=2, dp=2, zero=2, schedule="dualpipev",
+                                                               microbatches=4)),
     "llama-tp2": ("llama", lambda: sw.Parallel(pp=2, tp=2, schedule="zbv", microbatches=4)),
     # cp needs attention in every chunk: with 4 layers rank 0 would hold only the embedding and the head
     "llama-deep-cp2": ("llama-deep", lambda: sw.Parallel(pp=2, cp=2, schedule="zbv", microbatches=4)),
@@ -360,6 +363,28 @@ def test_zbv_bubble_with_few_micro_batches(p):
 
 
 @pytest.mark.parametrize("p,m", V_SIZES)
+def test_dualpipev_whole_backwards_cost_no_time(p, m):
+    """DualPipeV runs its pairs' backwards whole (one pass; the input gradient leaves after the weights'): that
+    lengthens no step on the model clock, for every p and m. The simulator does model the late gradient: made
+    whole, the drain's adjacent B and W would lengthen the step (by 2 units at p = 4, m = 8)."""
+    plans = [dualpipev(p, m, r) for r in range(p)]
+    assert [sum(a.whole for a in plan) for plan in plans] == [2 * (m - p) + r + 1 for r in range(p)]
+    assert all(plan[i + 1] == Action("W", a.mb, a.chunk) for plan in plans for i, a in enumerate(plan) if a.whole)
+
+    def span(make_whole) -> float:
+        new = [[dataclasses.replace(a, whole=make_whole(plan, i)) for i, a in enumerate(plan)] for plan in plans]
+        return max(e.end for e in simulate(lambda _p, _m, s, _v: new[s], p, m, 2, t_f=1.0, t_b=2.0, t_w=1.0,
+                                           where=Placement(p, 2, "v")))
+
+    def adjacent(plan, i) -> bool:
+        return plan[i].kind == "B" and plan[i + 1:i + 2] == [Action("W", plan[i].mb, plan[i].chunk)]
+
+    assert span(lambda plan, i: plan[i].whole) == span(lambda plan, i: False) == 6 * m + p - 1
+    if (p, m) == (4, 8):
+        assert span(adjacent) == 6 * m + p - 1 + 2
+
+
+@pytest.mark.parametrize("p,m", V_SIZES)
 def test_v_peak_memory(p, m):
     """In chunk-activations (half a stage's): ZBV holds 2p on every rank, 1F1B's p whole micro-batches;
     DualPipeV 2p + 1 (DeepSeek-V3's PP + 1)."""
@@ -400,14 +425,15 @@ def test_v_needs_two_channels():
 
 def _torch_actions(cls: type, p: int, m: int, r: int) -> list[Action]:
     """torch's V schedule for rank r in our notation: its stage r is our chunk 0, 2p-1-r our chunk 1; a full
-    backward is our B then its W, an overlapped F&B pair its F then its full backward."""
+    backward is our whole B then its W, an overlapped F&B pair its F then its full backward."""
     fake = SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=2 * p)
     out = []
     for a in cls._calculate_single_rank_operations(fake, r):
         for sub in (a.sub_actions or (a,)) if a is not None else ():
             c, kind = int(sub.stage_index != r), sub.computation_type.value
-            out += [Action("B", sub.microbatch_index, c), Action("W", sub.microbatch_index, c)] if kind == "B" \
-                else [Action({"I": "B"}.get(kind, kind), sub.microbatch_index, c)]
+            mb = sub.microbatch_index
+            out += [Action("B", mb, c, whole=True), Action("W", mb, c)] if kind == "B" \
+                else [Action({"I": "B"}.get(kind, kind), mb, c)]
     return out
 
 
@@ -569,15 +595,17 @@ def test_v_evaluation_goes_down_and_back_up(tmp_path):
 @pytest.mark.timeout(120)
 def test_recorder_draws_the_v_timelines():
     """One recorded step per V schedule (2 ranks, 4 micro-batches): a box per F, B and W of every micro-batch on
-    both chunks of both ranks, labelled with the chunk (``F3.1``)."""
+    both chunks of both ranks, labelled with the chunk (``F3.1``), but one box for a whole backward (``BW1.1``,
+    DualPipeV's 2(m-p)+r+1 on rank r: 5 + 6), which is its W too."""
     events = plots.record_pipeline(("zbv", "dualpipev"), stages=2, microbatches=4, width=64, batch=32)
     for schedule, evs in events.items():
         assert sorted((e.stage, e.chunk, e.kind, e.mb) for e in evs) == \
             sorted((s, c, k, b) for s in range(2) for c in range(2) for k in "FBW" for b in range(4)), schedule
     fig = plots.timeline_figure(events, "V schedules")
-    assert plots.count_boxes(fig) == 2 * 48
+    assert sum(e.whole for e in events["dualpipev"]) == 11 and not any(e.whole for e in events["zbv"])
+    assert plots.count_boxes(fig) == 2 * 48 - 11
     labels = {t.get_text() for ax in fig.axes for t in ax.texts if t.get_gid() == plots.BOX_LABEL}
-    assert {"F3.1", "W0.1", "B2"} <= labels
+    assert {"F3.1", "W0.1", "B2", "BW1.1"} <= labels
 
 
 def _gpt2_run(strategy: object, devices: int, steps: int, ckpt: str | None) -> sw.FitResult:
