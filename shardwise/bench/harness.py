@@ -82,11 +82,13 @@ def timed_steps(step: Step, n: int, before: Step, cuda: bool) -> list[float]:
 
 
 def measure(build: Callable[[], Step], topo: Topology, cuda: bool, warmup: int, steps: int,
-            trim: bool = True) -> tuple[float, int, float]:
+            trim: bool = True, cpu: list[float] | None = None) -> tuple[float, int, float]:
     """Build a contender's step and time it: (median step s, peak RSS increase, bytes sent per step).
 
     The RSS baseline is taken before ``build``, so the wrapped model, its
     optimizer state and buffers all count; bytes are counted after warm-up.
+    ``cpu``, when given, gets the process's CPU seconds per timed step (every thread's, the barriers between
+    steps included): where ranks share cores, their CPU time, not the wall clock of one, sets the pace.
     """
     gc.collect()
     if trim:
@@ -97,7 +99,10 @@ def measure(build: Callable[[], Step], topo: Topology, cuda: bool, warmup: int, 
     barrier = topo.comm("world").barrier
     timed_steps(step, warmup, barrier, cuda)
     sent0 = topo.stats.sent
+    c0 = time.process_time()
     times = timed_steps(step, steps, barrier, cuda)
+    if cpu is not None:
+        cpu.append((time.process_time() - c0) / steps)
     mem = peak_rss_bytes() - before
     sent = (topo.stats.sent - sent0) / steps
     del step

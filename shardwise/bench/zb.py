@@ -62,6 +62,9 @@ WIDTH, DEPTH = 1024, 8  # 8 x Linear(1024): 2 layers per stage at p = 4
 MICROBATCHES = 8
 ALLOC_STEPS = 3  # steps in the tensor-peak measurement: the optimizer's state exists from the first on
 ZB, F1B, TORCH_ZB, TORCH_1F1B = "zb-h1", "1f1b", "torch-zb", "torch-1f1b"
+CPU_NOTE = ("CPU / step: the process CPU time of a timed step (every thread), median of the repetitions, summed "
+            "over the ranks; where ranks share cores (more ranks than cores) it, not one rank's wall clock, sets "
+            "the pace, and it varies less from run to run.")
 Order = list[str]  # per rank, its compute actions in order, e.g. "F0 F1 B0 W0 ...": kind F, B or W, micro-batch
 
 
@@ -202,8 +205,8 @@ def batch(n: int, width: int, dtype: torch.dtype, seed: int = 1234) -> tuple[tor
 
 @dataclass
 class RankResult:
-    """One rank's figures, per contender key: step times, peak RSS increases, bytes sent per step (one per
-    repetition); from one untimed step from the common weights, the loss (last rank, None elsewhere) and the
+    """One rank's figures, per contender key: step times, peak RSS increases, bytes sent per step, process CPU
+    seconds per step (one per repetition); from one untimed step from the common weights, the loss (last rank, None elsewhere) and the
     largest difference of this rank's gradients from ZB-H1's, and the peak bytes autograd saved for backward
     (:class:`~shardwise.parallel.checkpointing.SavedActivations`: each storage once, parameters and the batch
     left out, released when autograd drops them: at B, or at W under a split backward); the peak bytes in live
@@ -217,6 +220,7 @@ class RankResult:
     grad_gap: dict[str, float] = field(default_factory=dict)
     saved: dict[str, int] = field(default_factory=dict)  # peak activation bytes autograd held in that step
     alloc: dict[str, int] = field(default_factory=dict)  # peak bytes in live tensors: build and ALLOC_STEPS steps
+    cpu: dict[str, list[float]] = field(default_factory=dict)  # process CPU seconds per step, one per repetition
     order: dict[str, Order] = field(default_factory=dict)
 
 
@@ -239,7 +243,7 @@ def _worker(rank: int, device: torch.device, blob: bytes, path: str) -> None:
         res.loss[c.key] = None if loss is None else float(loss)
         grads[c.key] = torch.cat([q.grad.detach().flatten().cpu() for q in built.params])
         res.order[c.key] = built.order
-        res.times[c.key], res.rss[c.key], res.sent[c.key] = [], [], []
+        res.times[c.key], res.rss[c.key], res.sent[c.key], res.cpu[c.key] = [], [], [], []
         del built
     ref = grads[contenders[0].key]  # the first contender is the reference (ours)
     res.grad_gap = {k: float((g - ref).abs().max()) for k, g in grads.items()}
@@ -256,7 +260,7 @@ def _worker(rank: int, device: torch.device, blob: bytes, path: str) -> None:
         k = rep % len(contenders)
         for c in contenders[k:] + contenders[:k]:
             t, mem, sent = measure(lambda c=c: c.build(copy.deepcopy(base), topo, x, y, m), topo,
-                                   device.type == "cuda", job["warmup"], job["steps"])
+                                   device.type == "cuda", job["warmup"], job["steps"], cpu=res.cpu[c.key])
             res.times[c.key].append(t)
             res.rss[c.key].append(mem)
             res.sent[c.key].append(sent)
@@ -296,9 +300,11 @@ def simulated_bubble(order: Order, p: int, m: int) -> float:
 
 # ---- the table -----------------------------------------------------------------------------------
 def summarize(results: list[RankResult]) -> dict[str, dict[str, Any]]:
-    """Per contender: medians over repetitions, then the slowest rank (time) or the largest (memory, bytes)."""
+    """Per contender: medians over repetitions, then the slowest rank (time) or the largest (memory, bytes); CPU
+    seconds per step summed over the ranks."""
     first = results[0]
     return {key: {"step_time_s": max(statistics.median(r.times[key]) for r in results),
+                  "cpu_s": sum(statistics.median(r.cpu[key]) for r in results),
                   "rss": max(statistics.median(r.rss[key]) for r in results),
                   "sent": max(statistics.median(r.sent[key]) for r in results),
                   "saved": [r.saved[key] for r in results],
@@ -341,11 +347,12 @@ def zb_table(results: list[RankResult], contenders: tuple[ZBContender, ...], p: 
                f"the memory the ratios beside it compare; the peak RSS increase also counts what the C heap "
                f"keeps mapped after frees, and varies from repetition to repetition. Simulated bubble: each "
                f"schedule's actions on the model clock, F = B = W = 1 (1F1B's backward 2): (p-1)/(m+p-1) for 1F1B, "
-               f"(p-1)/(3m+p-1) for ZB-H1.")
+               f"(p-1)/(3m+p-1) for ZB-H1. {CPU_NOTE}")
     t = Table(title=f"Zero bubble: {depth} x Linear({width}) MLP, {p} stages (one per rank), {m} micro-batches, "
                     f"batch {batch_size}, AdamW", caption=caption)
     for col in ("implementation", "simulated bubble", "median step", "throughput vs torch ZB",
-                "throughput vs torch 1F1B", "peak tensors", "memory vs torch ZB", "memory vs torch 1F1B",
+                "throughput vs torch 1F1B", "CPU / step", "CPU vs torch ZB", "peak tensors", "memory vs torch ZB",
+                "memory vs torch 1F1B",
                 "peak RSS increase", "RSS vs torch ZB", "saved act. per rank", "sent / rank / step", "formula"):
         t.add_column(col, justify="left" if col == "implementation" else "right")
     for key, v in s.items():
@@ -353,8 +360,9 @@ def zb_table(results: list[RankResult], contenders: tuple[ZBContender, ...], p: 
         vs_t = [f"{s[k]['step_time_s'] / st:.3f}x" if k in s else "" for k in (TORCH_ZB, TORCH_1F1B)]
         vs_m = [f"{mem / max(1, s[k]['alloc']):.3f}x" if k in s else "" for k in (TORCH_ZB, TORCH_1F1B)]
         rss = f"{v['rss'] / max(1, s[TORCH_ZB]['rss']):.3f}x" if TORCH_ZB in s else ""
+        cpu = f"{v['cpu_s'] / s[TORCH_ZB]['cpu_s']:.3f}x" if TORCH_ZB in s else ""
         t.add_row(names[key], f"{simulated_bubble(v['order'], p, m):.4f}", f"{1e3 * st:.2f} ms", *vs_t,
-                  f"{mem / 2**20:.2f} MiB", *vs_m, f"{v['rss'] / 2**20:.2f} MiB", rss,
+                  f"{1e3 * v['cpu_s']:.1f} ms", cpu, f"{mem / 2**20:.2f} MiB", *vs_m, f"{v['rss'] / 2**20:.2f} MiB", rss,
                   " / ".join(f"{b / 1024:,.0f}" for b in v["saved"]) + " KiB",
                   f"{v['sent']:,.0f} B" if counts[key] else "(not observable)",
                   f"{formula:,} B")
@@ -369,7 +377,7 @@ def zb_pair(a: argparse.Namespace) -> Table:
     return zb_table(res, CONTENDERS, a.nproc, MICROBATCHES, a.batch, WIDTH, DEPTH)
 
 
-__all__ = ["ALLOC_STEPS", "CONTENDERS", "DEPTH", "F1B", "MICROBATCHES", "TORCH_1F1B", "TORCH_ZB", "WIDTH", "ZB", "Built",
+__all__ = ["ALLOC_STEPS", "CONTENDERS", "CPU_NOTE", "DEPTH", "F1B", "MICROBATCHES", "TORCH_1F1B", "TORCH_ZB", "WIDTH", "ZB", "Built",
            "RankResult", "ZBContender", "batch", "expected_sent", "loss_gap", "our_order", "ours_1f1b",
            "ours_zb", "run_zb", "simulated_bubble", "summarize", "torch_1f1b", "torch_1f1b_order", "torch_order",
            "torch_zb", "zb_pair", "zb_table"]

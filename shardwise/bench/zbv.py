@@ -23,6 +23,7 @@ from torch.nn import functional as F
 from shardwise.bench.mp import mlp
 from shardwise.bench.zb import (
     ADAMW,
+    CPU_NOTE,
     DEPTH,
     MICROBATCHES,
     WIDTH,
@@ -145,10 +146,11 @@ def zbv_table(results: list[RankResult], p: int, m: int, batch_size: int, width:
                "ZBV: " + ", ".join(f"{names[k]} |loss| {dl:.3g}, |grad| {dg:.3g}" for k, (dl, dg) in gaps.items())
                + f". Formula: 2 x ((r < p-1) + (r > 0)) x batch x width x {elem} B, the worst rank. Peak "
                "tensors and RSS as in the table above. Simulated bubble: F = B = W = 1 per chunk, (p-1)/(6m+p-1) "
-               "for both when m >= 2p.")
+               f"for both when m >= 2p. {CPU_NOTE}")
     t = Table(title=f"Zero bubble, V: {depth} x Linear({width}) MLP, {p} ranks x 2 chunks, {m} micro-batches, "
                     f"batch {batch_size}, AdamW", caption=caption)
-    for col in ("implementation", "simulated bubble", "median step", "throughput vs torch", "peak tensors",
+    for col in ("implementation", "simulated bubble", "median step", "throughput vs torch", "CPU / step",
+                "CPU vs torch", "peak tensors",
                 "memory vs torch", "peak RSS increase", "RSS vs torch", "saved act. per rank", "sent / rank / step",
                 "formula"):
         t.add_column(col, justify="left" if col == "implementation" else "right")
@@ -156,7 +158,8 @@ def zbv_table(results: list[RankResult], p: int, m: int, batch_size: int, width:
         st, mem, rss = v["step_time_s"], v["alloc"], v["rss"]
         torch_key = key if key.startswith("torch-") else f"torch-{key}"
         t.add_row(names[key], f"{simulated_bubble_v(v['order'], p, m):.4f}", f"{1e3 * st:.2f} ms",
-                  f"{s[torch_key]['step_time_s'] / st:.3f}x", f"{mem / 2**20:.2f} MiB",
+                  f"{s[torch_key]['step_time_s'] / st:.3f}x", f"{1e3 * v['cpu_s']:.1f} ms",
+                  f"{v['cpu_s'] / s[torch_key]['cpu_s']:.3f}x", f"{mem / 2**20:.2f} MiB",
                   f"{mem / max(1, s[torch_key]['alloc']):.3f}x", f"{rss / 2**20:.2f} MiB",
                   f"{rss / max(1, s[torch_key]['rss']):.3f}x",
                   " / ".join(f"{b / 1024:,.0f}" for b in v["saved"]) + " KiB",

@@ -71,5 +71,9 @@ def test_zb_pair_same_training_same_schedule_bytes_formula(p):
             assert res.sent[key] == [expected_sent(r, p, BATCH, WIDTH, elem=8)], (r, key)
     assert summarize(ranks)[ZB]["sent"] == (2 if p > 2 else 1) * BATCH * WIDTH * 8
 
+    assert all(len(r.cpu[k]) == 1 and r.cpu[k][0] > 0 for r in ranks for k in r.cpu)
+    assert summarize(ranks)[ZB]["cpu_s"] == pytest.approx(sum(r.cpu[ZB][0] for r in ranks), rel=1e-12)
+
     table = zb_table(ranks, CONTENDERS, p, M, BATCH, WIDTH, DEPTH, elem=8)
     assert table.row_count == 4
+    assert [c.header for c in table.columns][4:7] == ["throughput vs torch 1F1B", "CPU / step", "CPU vs torch ZB"]

@@ -53,4 +53,7 @@ def test_zbv_pair_same_training_same_schedule_bytes_formula(p):
         for key in (ZBV, DPV):
             assert res.sent[key] == [expected_sent_v(r, p, BATCH, WIDTH, elem=8)], (r, key)
     assert summarize(ranks)[ZBV]["sent"] == (4 if p > 2 else 2) * BATCH * WIDTH * 8
+    # CPU per step: one figure per repetition and rank, summed over the ranks
+    assert all(len(r.cpu[k]) == 1 and r.cpu[k][0] > 0 for r in ranks for k in r.cpu)
+    assert summarize(ranks)[DPV]["cpu_s"] == pytest.approx(sum(r.cpu[DPV][0] for r in ranks), rel=1e-12)
     assert zbv_table(ranks, p, M, BATCH, WIDTH, DEPTH, elem=8).row_count == 4
