@@ -181,7 +181,7 @@ class _Lanes:
             self.acts.append(Action("W", mb, c))
 
 
-def zbv(stages: int, microbatches: int, stage: int, chunks: int = 2) -> list[Action]:
+def _zbv_order(stages: int, microbatches: int, stage: int, chunks: int = 2) -> list[Action]:
     """ZB-V (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 6): two chunks per rank in a V.
 
     Rank ``r`` holds virtual stages ``r`` (chunk 0, the way down) and ``2p-1-r`` (chunk 1, the way back);
@@ -230,7 +230,7 @@ def zbv(stages: int, microbatches: int, stage: int, chunks: int = 2) -> list[Act
     return [a for a in lane.acts if a.mb < m]
 
 
-def dualpipev(stages: int, microbatches: int, stage: int, chunks: int = 2) -> list[Action]:
+def _dualpipev_order(stages: int, microbatches: int, stage: int, chunks: int = 2) -> list[Action]:
     """DualPipeV (DeepSeek-V3's DualPipe, Liu et al. 2024, in the V form of deepseek-ai/DualPipe): two chunks per
     rank in a V, ``m >= 2p``.
 
@@ -292,6 +292,42 @@ def dualpipev(stages: int, microbatches: int, stage: int, chunks: int = 2) -> li
     if lane.pending:  # every W must run: a schedule that left one behind would train on a partial gradient
         raise AssertionError(f"dualpipev left weight gradients {lane.pending} of rank {r} unscheduled")
     return lane.acts
+
+
+@functools.lru_cache(maxsize=128)
+def _joined(order: Schedule, stages: int, microbatches: int, chunks: int) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's ``order``, each split B whose W follows at once made whole where nobody waits for its input
+    gradient during that W: on the model clock (F = B = W = 1), the stage that takes the gradient starts its B
+    at least W's length after this B ends, or there is none (virtual stage 0). Such a B's gradient, sent after
+    its W, still comes in time, so every action starts when it did and the step is as long; the backward is one
+    autograd pass instead of two. Checked against the timeline ``order`` itself gives (its own whole backwards
+    included), so joining one never delays another's taker."""
+    place = Placement(stages, chunks, V)
+    plans = [order(stages, microbatches, s, chunks) for s in range(stages)]
+    events = simulate(lambda _p, _m, s, _v: plans[s], stages, microbatches, chunks, t_f=1.0, t_b=2.0, t_w=1.0,
+                      where=place)
+    start = {(e.kind, e.mb, place.virtual(e.stage, e.chunk)): e.start for e in events}
+    end = {(e.kind, e.mb, place.virtual(e.stage, e.chunk)): e.end for e in events}
+
+    def free(s: int, i: int, a: Action) -> bool:
+        k = place.virtual(s, a.chunk)
+        return (a.kind == "B" and plans[s][i + 1:i + 2] == [Action("W", a.mb, a.chunk)]
+                and (k == 0 or start[("B", a.mb, k - 1)] >= end[("B", a.mb, k)] + 1.0))
+
+    return tuple(tuple(Action(a.kind, a.mb, a.chunk, a.whole or free(s, i, a)) for i, a in enumerate(plan))
+                 for s, plan in enumerate(plans))
+
+
+def zbv(stages: int, microbatches: int, stage: int, chunks: int = 2) -> list[Action]:
+    """ZB-V's order (:func:`_zbv_order`, the paper's and torch's ``ScheduleZBVZeroBubble``'s), with each B that
+    nobody waits for run whole (:func:`_joined`): the same timeline on the model clock, fewer autograd passes."""
+    return list(_joined(_zbv_order, stages, microbatches, chunks)[stage])
+
+
+def dualpipev(stages: int, microbatches: int, stage: int, chunks: int = 2) -> list[Action]:
+    """DualPipeV's order (:func:`_dualpipev_order`, with DualPipe's whole backwards, as torch's
+    ``ScheduleDualPipeV``), with each further B that nobody waits for run whole (:func:`_joined`)."""
+    return list(_joined(_dualpipev_order, stages, microbatches, chunks)[stage])
 
 
 def forward_only(stages: int, microbatches: int, stage: int, chunks: int = 1) -> list[Action]:

@@ -312,13 +312,13 @@ def test_execute_runs_a_whole_backward_in_one_pass():
     """A whole B (DualPipeV's pairs) is the plain backward, the chunk's reduction in it when its W is the chunk's
     last; its W computes nothing and is recorded with no length. A whole B must be followed by its W."""
     from shardwise.parallel.pipeline_run import execute
-    from shardwise.parallel.schedules import Recorder, dualpipev
+    from shardwise.parallel.schedules import Recorder, _dualpipev_order
 
     class Last(_Log):
         def backward(self, a, last):
             self.calls.append(f"backward {a!r} last={last}")
 
-    acts = dualpipev(2, 4, 0)
+    acts = _dualpipev_order(2, 4, 0)  # DualPipe's own whole backwards only: whole and split ones mixed
     assert " ".join(map(repr, acts)) == ("F0 F1 F2 F0.1 B0.1 W0.1 F1.1 F3 BW1.1 W1.1 F2.1 BW0 W0 BW2.1 W2.1 F3.1 BW1 W1 "
                                          "BW3.1 W3.1 B2 W2 B3 W3")
     log, rec = Last(), Recorder()

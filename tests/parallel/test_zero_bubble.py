@@ -30,7 +30,10 @@ from shardwise.parallel.schedules import (
     bubble_fraction,
     check_message_order,
     default_chunks,
+    _dualpipev_order,
+    _zbv_order,
     dualpipev,
+    get_schedule,
     peak_in_flight,
     placement,
     retime,
@@ -363,25 +366,32 @@ def test_zbv_bubble_with_few_micro_batches(p):
 
 
 @pytest.mark.parametrize("p,m", V_SIZES)
-def test_dualpipev_whole_backwards_cost_no_time(p, m):
-    """DualPipeV runs its pairs' backwards whole (one pass; the input gradient leaves after the weights'): that
-    lengthens no step on the model clock, for every p and m. The simulator does model the late gradient: made
-    whole, the drain's adjacent B and W would lengthen the step (by 2 units at p = 4, m = 8)."""
-    plans = [dualpipev(p, m, r) for r in range(p)]
-    assert [sum(a.whole for a in plan) for plan in plans] == [2 * (m - p) + r + 1 for r in range(p)]
-    assert all(plan[i + 1] == Action("W", a.mb, a.chunk) for plan in plans for i, a in enumerate(plan) if a.whole)
+def test_whole_backwards_cost_no_time(p, m):
+    """A whole backward (one pass; its input gradient leaves after the weights') lengthens no step. DualPipe's
+    own (2(m-p)+r+1 on rank r, torch's full backwards) move some idle time but keep the span; the ones _joined
+    adds, where nobody waits for the gradient during W, move no action at all. The simulator does model the
+    late gradient: made whole, the drain's adjacent B and W of DualPipe's order would lengthen the step (by 2
+    units at p = 4, m = 8)."""
+    assert [sum(a.whole for a in _dualpipev_order(p, m, r)) for r in range(p)] == \
+        [2 * (m - p) + r + 1 for r in range(p)]
+    v = Placement(p, 2, "v")
 
-    def span(make_whole) -> float:
-        new = [[dataclasses.replace(a, whole=make_whole(plan, i)) for i, a in enumerate(plan)] for plan in plans]
-        return max(e.end for e in simulate(lambda _p, _m, s, _v: new[s], p, m, 2, t_f=1.0, t_b=2.0, t_w=1.0,
-                                           where=Placement(p, 2, "v")))
+    def run(plans: list[list[Action]]) -> list:
+        return simulate(lambda _p, _m, s, _v: plans[s], p, m, 2, t_f=1.0, t_b=2.0, t_w=1.0, where=v)
 
-    def adjacent(plan, i) -> bool:
-        return plan[i].kind == "B" and plan[i + 1:i + 2] == [Action("W", plan[i].mb, plan[i].chunk)]
-
-    assert span(lambda plan, i: plan[i].whole) == span(lambda plan, i: False) == 6 * m + p - 1
+    for base, ours in ((_zbv_order, zbv), (_dualpipev_order, dualpipev)):
+        before, after = run([base(p, m, r) for r in range(p)]), run([ours(p, m, r) for r in range(p)])
+        assert max(e.end for e in run([_split(base(p, m, r)) for r in range(p)])) == 6 * m + p - 1
+        # Every F and B starts when it did and every W (done inside a whole B, or on its own) ends when it did.
+        assert [(e.kind, e.mb, e.chunk, e.end if e.kind == "W" else e.start) for e in before] == \
+            [(e.kind, e.mb, e.chunk, e.end if e.kind == "W" else e.start) for e in after]
+        assert sum(e.whole for e in after) > sum(e.whole for e in before)
     if (p, m) == (4, 8):
-        assert span(adjacent) == 6 * m + p - 1 + 2
+        def adjacent(plan: list[Action], i: int) -> bool:
+            return plan[i].kind == "B" and plan[i + 1:i + 2] == [Action("W", plan[i].mb, plan[i].chunk)]
+        plans = [_dualpipev_order(p, m, r) for r in range(p)]
+        every = [[dataclasses.replace(a, whole=adjacent(plan, i)) for i, a in enumerate(plan)] for plan in plans]
+        assert max(e.end for e in run(every)) == 6 * m + p - 1 + 2
 
 
 @pytest.mark.parametrize("p,m", V_SIZES)
@@ -437,12 +447,21 @@ def _torch_actions(cls: type, p: int, m: int, r: int) -> list[Action]:
     return out
 
 
+def _split(acts: list[Action]) -> list[Action]:
+    return [dataclasses.replace(a, whole=False) for a in acts]
+
+
 @pytest.mark.parametrize("p,m", [(2, 4), (2, 7), (3, 6), (4, 8), (4, 11)])
 def test_v_orders_are_torchs(p, m):
+    """The paper's ZBV and DualPipe's DualPipeV (whole backwards where DualPipe has them) are torch's, action for
+    action; ours run the same actions in the same order, some more of them whole (_joined)."""
     for r in range(p):
-        assert zbv(p, m, r) == _torch_actions(ScheduleZBVZeroBubble, p, m, r)
-        assert dualpipev(p, m, r) == _torch_actions(ScheduleDualPipeV, p, m, r)
-    assert zbv(2, 1, 0) == _torch_actions(ScheduleZBVZeroBubble, 2, 1, 0)  # fewer than 2p-1: torch's too
+        assert _zbv_order(p, m, r) == _torch_actions(ScheduleZBVZeroBubble, p, m, r)
+        assert _dualpipev_order(p, m, r) == _torch_actions(ScheduleDualPipeV, p, m, r)
+        assert _split(zbv(p, m, r)) == _split(_zbv_order(p, m, r))
+        assert _split(dualpipev(p, m, r)) == _split(_dualpipev_order(p, m, r))
+        assert all(b.whole for a, b in zip(_dualpipev_order(p, m, r), dualpipev(p, m, r)) if a.whole)
+    assert _zbv_order(2, 1, 0) == _torch_actions(ScheduleZBVZeroBubble, 2, 1, 0)  # fewer than 2p-1: torch's too
 
 
 def test_v_schedules_refused_before_start():
@@ -523,12 +542,14 @@ def _exact_bubble(events: list) -> Fraction:
 
 
 def _ws_last(events: list) -> list:
-    """The same events with each rank's Ws moved behind its other actions (times are only an order here)."""
+    """The same events with each rank's Ws moved behind its other actions (times are only an order here), every
+    backward split."""
     out = []
     for s in sorted({e.stage for e in events}):
         mine = sorted((e for e in events if e.stage == s), key=lambda e: e.start)
         moved = [e for e in mine if e.kind != "W"] + [e for e in mine if e.kind == "W"]
-        out += [dataclasses.replace(e, start=float(i), end=i + 0.5) for i, e in enumerate(moved)]
+        # Every backward split, or a whole one would take its W along and nothing would move.
+        out += [dataclasses.replace(e, start=float(i), end=i + 0.5, whole=False) for i, e in enumerate(moved)]
     return out
 
 
@@ -595,17 +616,18 @@ def test_v_evaluation_goes_down_and_back_up(tmp_path):
 @pytest.mark.timeout(120)
 def test_recorder_draws_the_v_timelines():
     """One recorded step per V schedule (2 ranks, 4 micro-batches): a box per F, B and W of every micro-batch on
-    both chunks of both ranks, labelled with the chunk (``F3.1``), but one box for a whole backward (``BW1.1``,
-    DualPipeV's 2(m-p)+r+1 on rank r: 5 + 6), which is its W too."""
+    both chunks of both ranks, labelled with the chunk (``F3.1``), but one box for a whole backward (``BW1.1``),
+    which is its W too."""
     events = plots.record_pipeline(("zbv", "dualpipev"), stages=2, microbatches=4, width=64, batch=32)
     for schedule, evs in events.items():
         assert sorted((e.stage, e.chunk, e.kind, e.mb) for e in evs) == \
             sorted((s, c, k, b) for s in range(2) for c in range(2) for k in "FBW" for b in range(4)), schedule
     fig = plots.timeline_figure(events, "V schedules")
-    assert sum(e.whole for e in events["dualpipev"]) == 11 and not any(e.whole for e in events["zbv"])
-    assert plots.count_boxes(fig) == 2 * 48 - 11
+    whole = [sum(a.whole for r in range(2) for a in get_schedule(s)(2, 4, r, 2)) for s in ("zbv", "dualpipev")]
+    assert [sum(e.whole for e in events[s]) for s in ("zbv", "dualpipev")] == whole == [11, 14]
+    assert plots.count_boxes(fig) == 2 * 48 - 25
     labels = {t.get_text() for ax in fig.axes for t in ax.texts if t.get_gid() == plots.BOX_LABEL}
-    assert {"F3.1", "W0.1", "B2", "BW1.1"} <= labels
+    assert {"F3.1", "W0.1", "B3", "BW1.1"} <= labels
 
 
 def _gpt2_run(strategy: object, devices: int, steps: int, ckpt: str | None) -> sw.FitResult:
