@@ -38,7 +38,7 @@ from shardwise.dims import PP, TP
 from shardwise.fit.trainer import Trainer
 from shardwise.parallel.pipeline import build_pipeline
 from shardwise.parallel.pipeline_run import pipeline_step
-from shardwise.parallel.schedules import Recorder, bubble_fraction, default_chunks, shape_of, simulate
+from shardwise.parallel.schedules import Action, Recorder, bubble_fraction, default_chunks, shape_of, simulate
 from shardwise.workloads import load as load_workload
 
 KINDS = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer states"),
@@ -248,8 +248,8 @@ def timeline_figure(runs: Mapping[str, Sequence[Any]], title: str = "Pipeline sc
             bar = ax.barh(e.stage, width, left=left, height=0.7, color=_COLORS[e.kind], edgecolor="black",
                           linewidth=0.6)
             bar.patches[0].set_gid(BOX)
-            # Which chunk, with two per rank; BWi: a whole backward (input and weight gradients in one pass).
-            label = f"{e.kind}{'W' if e.whole else ''}{e.mb}" + (f".{e.chunk}" if e.chunk else "")
+            # The action's own name: "F3.1" names the chunk (two per rank), "BW3" a whole backward.
+            label = repr(Action(e.kind, e.mb, e.chunk, e.whole))
             labelled.append((bar.patches[0], ax.text(left + width / 2, e.stage, label, ha="center",
                                                      va="center", fontsize=7, gid=BOX_LABEL)))
         stages = sorted({e.stage for e in events})

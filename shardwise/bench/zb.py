@@ -206,12 +206,12 @@ def batch(n: int, width: int, dtype: torch.dtype, seed: int = 1234) -> tuple[tor
 @dataclass
 class RankResult:
     """One rank's figures, per contender key: step times, peak RSS increases, bytes sent per step, process CPU
-    seconds per step (one per repetition); from one untimed step from the common weights, the loss (last rank, None elsewhere) and the
-    largest difference of this rank's gradients from ZB-H1's, and the peak bytes autograd saved for backward
-    (:class:`~shardwise.parallel.checkpointing.SavedActivations`: each storage once, parameters and the batch
-    left out, released when autograd drops them: at B, or at W under a split backward); the peak bytes in live
-    tensors over building the contender and :data:`ALLOC_STEPS` optimizer steps
-    (:class:`~shardwise.stats.AllocatedPeak`); the schedule."""
+    seconds per step (one per repetition); from one untimed step from the common weights, the loss (last rank,
+    None elsewhere) and the largest difference of this rank's gradients from ZB-H1's, and the peak bytes
+    autograd saved for backward (:class:`~shardwise.parallel.checkpointing.SavedActivations`: each storage
+    once, parameters and the batch left out, released when autograd drops them: at B, or at W under a split
+    backward); the peak bytes in live tensors over building the contender and :data:`ALLOC_STEPS` optimizer
+    steps (:class:`~shardwise.stats.AllocatedPeak`); the schedule."""
 
     times: dict[str, list[float]] = field(default_factory=dict)
     rss: dict[str, list[int]] = field(default_factory=dict)
@@ -362,7 +362,8 @@ def zb_table(results: list[RankResult], contenders: tuple[ZBContender, ...], p: 
         rss = f"{v['rss'] / max(1, s[TORCH_ZB]['rss']):.3f}x" if TORCH_ZB in s else ""
         cpu = f"{v['cpu_s'] / s[TORCH_ZB]['cpu_s']:.3f}x" if TORCH_ZB in s else ""
         t.add_row(names[key], f"{simulated_bubble(v['order'], p, m):.4f}", f"{1e3 * st:.2f} ms", *vs_t,
-                  f"{1e3 * v['cpu_s']:.1f} ms", cpu, f"{mem / 2**20:.2f} MiB", *vs_m, f"{v['rss'] / 2**20:.2f} MiB", rss,
+                  f"{1e3 * v['cpu_s']:.1f} ms", cpu, f"{mem / 2**20:.2f} MiB", *vs_m,
+                  f"{v['rss'] / 2**20:.2f} MiB", rss,
                   " / ".join(f"{b / 1024:,.0f}" for b in v["saved"]) + " KiB",
                   f"{v['sent']:,.0f} B" if counts[key] else "(not observable)",
                   f"{formula:,} B")
@@ -377,7 +378,7 @@ def zb_pair(a: argparse.Namespace) -> Table:
     return zb_table(res, CONTENDERS, a.nproc, MICROBATCHES, a.batch, WIDTH, DEPTH)
 
 
-__all__ = ["ALLOC_STEPS", "CONTENDERS", "CPU_NOTE", "DEPTH", "F1B", "MICROBATCHES", "TORCH_1F1B", "TORCH_ZB", "WIDTH", "ZB", "Built",
-           "RankResult", "ZBContender", "batch", "expected_sent", "loss_gap", "our_order", "ours_1f1b",
+__all__ = ["ALLOC_STEPS", "CONTENDERS", "CPU_NOTE", "DEPTH", "F1B", "MICROBATCHES", "TORCH_1F1B", "TORCH_ZB", "WIDTH",
+           "ZB", "Built", "RankResult", "ZBContender", "batch", "expected_sent", "loss_gap", "our_order", "ours_1f1b",
            "ours_zb", "run_zb", "simulated_bubble", "summarize", "torch_1f1b", "torch_1f1b_order", "torch_order",
            "torch_zb", "zb_pair", "zb_table"]

@@ -151,8 +151,9 @@ def zbv_table(results: list[RankResult], p: int, m: int, batch_size: int, width:
                f"DualPipeV {'the same' if same[DPV] else 'NOT the same'} as ours dualpipev (its overlapped F&B "
                "pairs as F then the full backward in one autograd pass, ours too). Whole backwards, all ranks: "
                f"ours ZBV {whole[ZBV]}, torch's {whole[TORCH_ZBV]}; ours DualPipeV {whole[DPV]}, torch's "
-               f"{whole[TORCH_DPV]} (ours also where nobody waits for the input gradient during W). First step from the same weights, against ours "
-               "ZBV: " + ", ".join(f"{names[k]} |loss| {dl:.3g}, |grad| {dg:.3g}" for k, (dl, dg) in gaps.items())
+               f"{whole[TORCH_DPV]} (ours also where nobody waits for the input gradient during W). First step "
+               "from the same weights, against ours ZBV: "
+               + ", ".join(f"{names[k]} |loss| {dl:.3g}, |grad| {dg:.3g}" for k, (dl, dg) in gaps.items())
                + f". Formula: 2 x ((r < p-1) + (r > 0)) x batch x width x {elem} B, the worst rank. Peak "
                "tensors and RSS as in the table above. Simulated bubble: F = B = W = 1 per chunk, (p-1)/(6m+p-1) "
                f"for both when m >= 2p. {CPU_NOTE}")
@@ -192,5 +193,5 @@ def zb_pairs(a: argparse.Namespace) -> Table:
 
 
 __all__ = ["DPV", "TORCH_DPV", "TORCH_ZBV", "V_CONTENDERS", "ZBV", "expected_sent_v", "ours_dualpipev", "ours_zbv",
-           "simulated_bubble_v", "split_order", "torch_dualpipev", "torch_v_order", "torch_zbv", "v_order", "zb_pairs", "zbv_pair",
-           "zbv_table"]
+           "simulated_bubble_v", "split_order", "torch_dualpipev", "torch_v_order", "torch_zbv", "v_order", "zb_pairs",
+           "zbv_pair", "zbv_table"]
