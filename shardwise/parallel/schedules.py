@@ -3,13 +3,10 @@
 A schedule is a pure function ``(stages, microbatches, stage) -> [Action]``;
 it knows nothing about models or communication (partitioning lives in
 :mod:`shardwise.parallel.pipeline`; running the actions, with their messages,
-in :func:`shardwise.parallel.pipeline_run.execute`). The
-:class:`Recorder` keeps one :class:`Event` per action, from which bubbles,
-activation memory and pictures are computed. :func:`simulate` replays the
-same action lists on a model clock, which checks a schedule for deadlocks and
-gives its ideal timeline; :func:`retime` does the same with the per-rank order
-a real step recorded, so that a run's bubble can be compared with a formula
-exactly.
+in :func:`shardwise.parallel.pipeline_run.execute`). The actions, the events a
+step records and the model clock are :mod:`shardwise.parallel.timeline`'s (its
+names are importable from here too); :func:`simulate` replays a schedule named
+here on that clock, which checks it for deadlocks and gives its ideal timeline.
 
 * GPipe (Huang et al. 2019, "GPipe: Efficient Training of Giant Neural
   Networks using Pipeline Parallelism"): all forwards, then all backwards.
@@ -38,32 +35,21 @@ ranks), read by :func:`placement`.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from shardwise.parallel.placement import LOOP, Placement, V
-
-
-@dataclass(frozen=True)
-class Action:
-    """Forward (``"F"``), backward (``"B"``) or weight gradient (``"W"``) of micro-batch ``mb`` on model chunk
-    ``chunk``. In a schedule with W actions (a split backward), B computes only the gradient of the stage's
-    input (what the previous stage waits for) and W the gradient of its weights (what nobody waits for).
-
-    ``whole`` (a B of a split schedule only) makes that B the whole backward, input and weight gradients in one
-    autograd pass, as DualPipe runs the backward of an overlapped pair: the input gradient leaves after both,
-    and the W that follows at once only marks where the weights' gradients were done. One pass costs less than
-    two on the host (one engine call, no graph kept between them); a schedule asks for it only where nobody
-    waits for the input gradient during W."""
-
-    kind: str
-    mb: int
-    chunk: int = 0
-    whole: bool = False
-
-    def __repr__(self) -> str:
-        return f"{self.kind}{'W' if self.whole else ''}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
+from shardwise.parallel.timeline import (
+    Action,
+    Event,
+    Recorder,
+    bubble_fraction,
+    gpipe_bubble,
+    peak_in_flight,
+    recorded_orders,
+    replay,
+    retime,
+)
 
 
 def gpipe(stages: int, microbatches: int, stage: int, chunks: int = 1) -> list[Action]:
@@ -304,8 +290,7 @@ def _joined(order: Schedule, stages: int, microbatches: int, chunks: int) -> tup
     included), so joining one never delays another's taker."""
     place = Placement(stages, chunks, V)
     plans = [order(stages, microbatches, s, chunks) for s in range(stages)]
-    events = simulate(lambda _p, _m, s, _v: plans[s], stages, microbatches, chunks, t_f=1.0, t_b=2.0, t_w=1.0,
-                      where=place)
+    events = replay(plans, place, t_f=1.0, t_b=2.0, t_w=1.0)
     start = {(e.kind, e.mb, place.virtual(e.stage, e.chunk)): e.start for e in events}
     end = {(e.kind, e.mb, place.virtual(e.stage, e.chunk)): e.end for e in events}
 
@@ -434,166 +419,19 @@ def check_message_order(schedule: str, stages: int, microbatches: int, chunks: i
                              f"are received; it cannot run on ordered point-to-point channels{how}")
 
 
-# ---- recording -------------------------------------------------------------------
-@dataclass
-class Event:
-    """One action as it ran: compute time only (waiting for a neighbour is not busy time)."""
-
-    stage: int
-    mb: int
-    kind: str
-    start: float
-    end: float
-    chunk: int = 0
-    step: int = 0
-    in_flight: int = 0          # micro-batches with a forward done and backward pending, after this action
-    saved_bytes: int = 0        # activation bytes saved for backward on this rank, after this action
-    whole: bool = False         # a whole backward (Action.whole): its W's event then has no length
-
-
-@dataclass
-class Recorder:
-    """Collects pipeline events; clocks are ``time.perf_counter`` (one host: comparable across ranks).
-
-    With ``track_saved`` the runner counts the bytes autograd saves for
-    backward (activations; parameters excluded) through saved-tensor hooks.
-    """
-
-    track_saved: bool = False
-    events: list[Event] = field(default_factory=list)
-    step: int = 0
-    peak_saved_bytes: int = 0
-
-    def add(self, e: Event) -> None:
-        e.step = self.step
-        self.events.append(e)
-
-    def gather(self, comm: Any) -> list[Event]:
-        """Every rank's events of ``comm``'s group (all ranks get all)."""
-        got = comm.all_gather_object([asdict(e) for e in self.events], name="pp.events")
-        return [Event(**d) for part in got for d in part]
-
-
-def bubble_fraction(events: list[Event]) -> float:
-    """Idle share of the step, averaged over stages: ``1 - busy / span`` with one span for all."""
-    stages = sorted({e.stage for e in events})
-    t0, t1 = min(e.start for e in events), max(e.end for e in events)
-    span = t1 - t0
-    busy = [sum(e.end - e.start for e in events if e.stage == s) for s in stages]
-    return 1.0 - sum(busy) / (len(stages) * span)
-
-
-def peak_in_flight(events: list[Event]) -> dict[int, int]:
-    """Most micro-batches whose activations a stage held at once, per stage."""
-    out: dict[int, int] = {}
-    for e in events:
-        out[e.stage] = max(out.get(e.stage, 0), e.in_flight)
-    return out
-
-
-def recorded_orders(events: Sequence[Event]) -> list[list[Action]]:
-    """Each rank's actions of one recorded step, in the order the rank ran them (by start time)."""
-    steps = {e.step for e in events}
-    if len(steps) != 1:
-        # Orders of two steps interleaved would be no schedule at all: make the caller pick one.
-        raise ValueError(f"events of one step expected, got steps {sorted(steps)}; keep those of one step "
-                         "(e.g. [e for e in events if e.step == last])")
-    ranks = max(e.stage for e in events) + 1
-    orders: list[list[Action]] = [[] for _ in range(ranks)]
-    # A rank runs one action at a time, so its start times order its actions; sorted() is stable, which
-    # keeps the recorder's own order should two clocks ever read the same.
-    for e in sorted(events, key=lambda e: e.start):
-        orders[e.stage].append(Action(e.kind, e.mb, e.chunk, e.whole))
-    return orders
-
-
-def retime(events: Sequence[Event], where: Placement, t_f: float = 1.0, t_b: float = 2.0,
-           t_w: float | None = None) -> list[Event]:
-    """The recorded step again on the simulator's model clock: same per-rank order, model costs.
-
-    A real step's timestamps carry the host's noise, so its bubble only approximates a formula. Re-timing
-    keeps what the run decided (which action each rank ran when) and gives each action its model cost, as
-    :func:`simulate` does (forward ``t_f``, backward ``t_b``, of which W takes ``t_w``, default half, when
-    split): it starts when its rank is free and the sends it consumes have ended (messages free). With unit
-    costs the :func:`bubble_fraction` is then exact, and another recorded order gives another one. ``where``
-    is the run's :func:`placement`. Raises if the order could not have run.
-    """
-    orders = recorded_orders(events)
-    if len(orders) != where.stages:
-        raise ValueError(f"events of {len(orders)} ranks, placement of {where.stages}")
-    microbatches = len({e.mb for e in events})
-
-    def recorded(stages: int, m: int, stage: int, chunks: int) -> list[Action]:
-        return orders[stage]
-
-    return simulate(recorded, where.stages, microbatches, where.chunks, t_f=t_f, t_b=t_b, t_w=t_w, where=where)
-
-
-def gpipe_bubble(stages: int, microbatches: int) -> float:
-    """GPipe's ideal bubble ``(p - 1) / (m + p - 1)`` (Huang et al. 2019)."""
-    return (stages - 1) / (microbatches + stages - 1)
-
-
 def simulate(schedule: str | Schedule, stages: int, microbatches: int, chunks: int = 1, t_f: float = 1.0,
              t_b: float = 2.0, t_w: float | None = None, where: Placement | None = None) -> list[Event]:
-    """Replay the schedule on a model clock (forward ``t_f``, backward ``t_b`` per chunk, free messages).
+    """Replay the schedule on a model clock (:func:`~shardwise.parallel.timeline.replay`: forward ``t_f``,
+    backward ``t_b`` per chunk, of which W takes ``t_w`` when split, free messages). Raises if it can deadlock.
 
-    ``t_b`` is a whole backward; a schedule with W actions spends ``t_w`` of it
-    (default half) in W and the rest in B, so every schedule does the same work.
-    A whole B (:attr:`Action.whole`) takes all of ``t_b`` and its W none.
-
-    Each rank runs its actions in order; an action starts when the rank is
-    free and its inputs exist (the previous virtual stage's forward, or the
-    next one's backward). Raises if the schedule can deadlock. Virtual stages
-    sit where the schedule places them (``where`` for a schedule given as a
-    function: the loop placement by default).
-    """
+    Virtual stages sit where the schedule places them (``where`` for a schedule given as a function: the loop
+    placement by default)."""
     fn = get_schedule(schedule) if isinstance(schedule, str) else schedule
-    p, v, m = stages, chunks, microbatches
-    place = placement(schedule, p, v) if isinstance(schedule, str) else (where or Placement(p, v))
-    plans = [fn(p, m, s, v) for s in range(p)]
-    split = any(a.kind == "W" for plan in plans for a in plan)
-    w = (t_b / 2 if t_w is None else t_w) if split else 0.0
-    cost = {"F": t_f, "B": t_b - w, "W": w}
-    joined: set[tuple[int, int]] = set()  # (micro-batch, virtual stage) of whole backwards: their W is done
-    pos = [0] * p
-    clock = [0.0] * p
-    done: dict[tuple[str, int, int], float] = {}  # (kind, mb, virtual stage) -> end time
-    held = [0] * p
-    events: list[Event] = []
-    last = place.last
-    while any(pos[s] < len(plans[s]) for s in range(p)):
-        progressed = False
-        for s in range(p):
-            if pos[s] >= len(plans[s]):
-                continue
-            a = plans[s][pos[s]]
-            k = place.virtual(s, a.chunk)
-            need = [("F", a.mb, k - 1)] if a.kind == "F" and k > 0 else []
-            if a.kind == "B":
-                need = [("F", a.mb, k)] + ([("B", a.mb, k + 1)] if k < last else [])
-            if a.kind == "W":
-                need = [("B", a.mb, k)]
-            if any(n not in done for n in need):
-                continue
-            start = max([clock[s]] + [done[n] for n in need])
-            if a.whole:  # one pass for B and W: the input gradient exists when both are done
-                joined.add((a.mb, k))
-            end = start + (t_b if a.whole else 0.0 if a.kind == "W" and (a.mb, k) in joined else cost[a.kind])
-            done[(a.kind, a.mb, k)] = end
-            # Activations are freed by the action that last needs them: W when the backward is split.
-            held[s] += 1 if a.kind == "F" else (-1 if a.kind == ("W" if split else "B") else 0)
-            events.append(Event(s, a.mb, a.kind, start, end, a.chunk, in_flight=held[s], whole=a.whole))
-            clock[s] = end
-            pos[s] += 1
-            progressed = True
-        if not progressed:
-            stuck = {s: plans[s][pos[s]] for s in range(p) if pos[s] < len(plans[s])}
-            raise RuntimeError(f"schedule deadlocks: every stage waits ({stuck})")
-    return events
+    place = placement(schedule, stages, chunks) if isinstance(schedule, str) else (where or Placement(stages, chunks))
+    return replay([fn(stages, microbatches, s, chunks) for s in range(stages)], place, t_f=t_f, t_b=t_b, t_w=t_w)
 
 
 __all__ = ["Action", "Event", "PLACEMENTS", "Recorder", "SCHEDULES", "SPLIT_BACKWARD", "V_SHAPED",
            "bubble_fraction", "check_message_order", "default_chunks", "dualpipev", "forward_only",
            "get_schedule", "gpipe", "gpipe_bubble", "interleaved_1f1b", "one_f_one_b", "peak_in_flight", "placement",
-           "recorded_orders", "retime", "shape_of", "simulate", "zb_h1", "zbv"]
+           "recorded_orders", "replay", "retime", "shape_of", "simulate", "zb_h1", "zbv"]
