@@ -65,6 +65,9 @@ ZB, F1B, TORCH_ZB, TORCH_1F1B = "zb-h1", "1f1b", "torch-zb", "torch-1f1b"
 CPU_NOTE = ("CPU / step: the process CPU time of a timed step (every thread), median of the repetitions, summed "
             "over the ranks; where ranks share cores (more ranks than cores) it, not one rank's wall clock, sets "
             "the pace, and it varies less from run to run.")
+PAIRED_NOTE = ("Paired: the other's step over this one's, repetition by repetition (each the slowest rank's median "
+               "step; the two ran in the same repetition, so a slowdown of the host that lasts longer than one "
+               "repetition hits both and cancels), median and, in brackets, the middle half of the repetitions.")
 Order = list[str]  # per rank, its compute actions in order, e.g. "F0 F1 B0 W0 ...": kind F, B or W, micro-batch
 
 
@@ -312,6 +315,24 @@ def summarize(results: list[RankResult]) -> dict[str, dict[str, Any]]:
                   "order": first.order[key]} for key in first.times}
 
 
+def paired(results: list[RankResult], key: str, other: str) -> tuple[float, float, float]:
+    """``other``'s step time over ``key``'s (its throughput relative to ``other``'s), per repetition: the two ran
+    in the same repetition, so a drift of the host slower than a repetition cancels in the ratio, where it only
+    averages out in a ratio of medians. Returns the median and the quartiles (25th, 75th percentile)."""
+    reps = len(results[0].times[key])
+    ratios = [max(r.times[other][i] for r in results) / max(r.times[key][i] for r in results) for i in range(reps)]
+    if reps < 2:
+        return ratios[0], ratios[0], ratios[0]
+    lo, _, hi = statistics.quantiles(ratios, n=4, method="inclusive")
+    return statistics.median(ratios), lo, hi
+
+
+def paired_text(results: list[RankResult], key: str, other: str) -> str:
+    """:func:`paired` as a table cell: ``1.021x (0.990-1.046)``."""
+    mid, lo, hi = paired(results, key, other)
+    return f"{mid:.3f}x ({lo:.3f}-{hi:.3f})"
+
+
 def loss_gap(results: list[RankResult], key: str = TORCH_ZB, ref: str = ZB,
              loss_rank: int = -1) -> tuple[float, float]:
     """Against the first contender (``ref``, ZB-H1), from the same weights on the same batch: (|loss - its loss|
@@ -347,17 +368,18 @@ def zb_table(results: list[RankResult], contenders: tuple[ZBContender, ...], p: 
                f"the memory the ratios beside it compare; the peak RSS increase also counts what the C heap "
                f"keeps mapped after frees, and varies from repetition to repetition. Simulated bubble: each "
                f"schedule's actions on the model clock, F = B = W = 1 (1F1B's backward 2): (p-1)/(m+p-1) for 1F1B, "
-               f"(p-1)/(3m+p-1) for ZB-H1. {CPU_NOTE}")
+               f"(p-1)/(3m+p-1) for ZB-H1. {CPU_NOTE} {PAIRED_NOTE}")
     t = Table(title=f"Zero bubble: {depth} x Linear({width}) MLP, {p} stages (one per rank), {m} micro-batches, "
                     f"batch {batch_size}, AdamW", caption=caption)
     for col in ("implementation", "simulated bubble", "median step", "throughput vs torch ZB",
-                "throughput vs torch 1F1B", "CPU / step", "CPU vs torch ZB", "peak tensors", "memory vs torch ZB",
+                "paired vs torch ZB", "throughput vs torch 1F1B", "CPU / step", "CPU vs torch ZB", "peak tensors", "memory vs torch ZB",
                 "memory vs torch 1F1B",
                 "peak RSS increase", "RSS vs torch ZB", "saved act. per rank", "sent / rank / step", "formula"):
         t.add_column(col, justify="left" if col == "implementation" else "right")
     for key, v in s.items():
         st, mem = v["step_time_s"], v["alloc"]
         vs_t = [f"{s[k]['step_time_s'] / st:.3f}x" if k in s else "" for k in (TORCH_ZB, TORCH_1F1B)]
+        vs_t.insert(1, paired_text(results, key, TORCH_ZB) if TORCH_ZB in s else "")
         vs_m = [f"{mem / max(1, s[k]['alloc']):.3f}x" if k in s else "" for k in (TORCH_ZB, TORCH_1F1B)]
         rss = f"{v['rss'] / max(1, s[TORCH_ZB]['rss']):.3f}x" if TORCH_ZB in s else ""
         cpu = f"{v['cpu_s'] / s[TORCH_ZB]['cpu_s']:.3f}x" if TORCH_ZB in s else ""
@@ -378,7 +400,7 @@ def zb_pair(a: argparse.Namespace) -> Table:
     return zb_table(res, CONTENDERS, a.nproc, MICROBATCHES, a.batch, WIDTH, DEPTH)
 
 
-__all__ = ["ALLOC_STEPS", "CONTENDERS", "CPU_NOTE", "DEPTH", "F1B", "MICROBATCHES", "TORCH_1F1B", "TORCH_ZB", "WIDTH",
-           "ZB", "Built", "RankResult", "ZBContender", "batch", "expected_sent", "loss_gap", "our_order", "ours_1f1b",
-           "ours_zb", "run_zb", "simulated_bubble", "summarize", "torch_1f1b", "torch_1f1b_order", "torch_order",
+__all__ = ["ALLOC_STEPS", "CONTENDERS", "CPU_NOTE", "DEPTH", "F1B", "MICROBATCHES", "PAIRED_NOTE", "TORCH_1F1B",
+           "TORCH_ZB", "WIDTH", "ZB", "Built", "RankResult", "ZBContender", "batch", "expected_sent", "loss_gap",
+           "our_order", "ours_1f1b", "ours_zb", "paired", "paired_text", "run_zb", "simulated_bubble", "summarize", "torch_1f1b", "torch_1f1b_order", "torch_order",
            "torch_zb", "zb_pair", "zb_table"]

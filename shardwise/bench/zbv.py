@@ -26,6 +26,7 @@ from shardwise.bench.zb import (
     CPU_NOTE,
     DEPTH,
     MICROBATCHES,
+    PAIRED_NOTE,
     WIDTH,
     Built,
     Order,
@@ -33,6 +34,7 @@ from shardwise.bench.zb import (
     ZBContender,
     loss_gap,
     our_pipeline,
+    paired_text,
     run_zb,
     summarize,
     zb_pair,
@@ -156,10 +158,11 @@ def zbv_table(results: list[RankResult], p: int, m: int, batch_size: int, width:
                + ", ".join(f"{names[k]} |loss| {dl:.3g}, |grad| {dg:.3g}" for k, (dl, dg) in gaps.items())
                + f". Formula: 2 x ((r < p-1) + (r > 0)) x batch x width x {elem} B, the worst rank. Peak "
                "tensors and RSS as in the table above. Simulated bubble: F = B = W = 1 per chunk, (p-1)/(6m+p-1) "
-               f"for both when m >= 2p. {CPU_NOTE}")
+               f"for both when m >= 2p. {CPU_NOTE} {PAIRED_NOTE}")
     t = Table(title=f"Zero bubble, V: {depth} x Linear({width}) MLP, {p} ranks x 2 chunks, {m} micro-batches, "
                     f"batch {batch_size}, AdamW", caption=caption)
-    for col in ("implementation", "simulated bubble", "median step", "throughput vs torch", "CPU / step",
+    for col in ("implementation", "simulated bubble", "median step", "throughput vs torch", "paired vs torch",
+                "CPU / step",
                 "CPU vs torch", "peak tensors",
                 "memory vs torch", "peak RSS increase", "RSS vs torch", "saved act. per rank", "sent / rank / step",
                 "formula"):
@@ -168,7 +171,8 @@ def zbv_table(results: list[RankResult], p: int, m: int, batch_size: int, width:
         st, mem, rss = v["step_time_s"], v["alloc"], v["rss"]
         torch_key = key if key.startswith("torch-") else f"torch-{key}"
         t.add_row(names[key], f"{simulated_bubble_v(v['order'], p, m):.4f}", f"{1e3 * st:.2f} ms",
-                  f"{s[torch_key]['step_time_s'] / st:.3f}x", f"{1e3 * v['cpu_s']:.1f} ms",
+                  f"{s[torch_key]['step_time_s'] / st:.3f}x", paired_text(results, key, torch_key),
+                  f"{1e3 * v['cpu_s']:.1f} ms",
                   f"{v['cpu_s'] / s[torch_key]['cpu_s']:.3f}x", f"{mem / 2**20:.2f} MiB",
                   f"{mem / max(1, s[torch_key]['alloc']):.3f}x", f"{rss / 2**20:.2f} MiB",
                   f"{rss / max(1, s[torch_key]['rss']):.3f}x",

@@ -18,9 +18,12 @@ from shardwise.bench.zb import (
     TORCH_1F1B,
     TORCH_ZB,
     ZB,
+    RankResult,
     expected_sent,
     loss_gap,
     our_order,
+    paired,
+    paired_text,
     run_zb,
     simulated_bubble,
     summarize,
@@ -76,4 +79,20 @@ def test_zb_pair_same_training_same_schedule_bytes_formula(p):
 
     table = zb_table(ranks, CONTENDERS, p, M, BATCH, WIDTH, DEPTH, elem=8)
     assert table.row_count == 4
-    assert [c.header for c in table.columns][4:7] == ["throughput vs torch 1F1B", "CPU / step", "CPU vs torch ZB"]
+    assert [c.header for c in table.columns][3:8] == ["throughput vs torch ZB", "paired vs torch ZB",
+                                                      "throughput vs torch 1F1B", "CPU / step", "CPU vs torch ZB"]
+
+
+@pytest.mark.timeout(10)
+def test_paired_ratio_is_per_repetition_of_the_slowest_rank():
+    """Each repetition's ratio of the two contenders' slowest-rank step, then its median and quartiles: not the
+    ratio of the medians (here 1.5), which a slowdown of the host shared by both in one repetition can move."""
+    ours = [[1.0, 2.0, 4.0, 1.0, 1.0], [1.5, 1.0, 1.0, 1.0, 2.0]]     # slowest rank: 1.5 2.0 4.0 1.0 2.0
+    theirs = [[3.0, 2.0, 4.4, 1.2, 2.0], [1.0, 3.0, 1.0, 1.0, 2.5]]   # slowest rank: 3.0 3.0 4.4 1.2 2.5
+    ranks = [RankResult(times={"a": a, "b": b}) for a, b in zip(ours, theirs)]
+    # ratios 2.0 1.5 1.1 1.2 1.25: median 1.25, quartiles (inclusive) 1.2 and 1.5
+    assert paired(ranks, "a", "b") == pytest.approx((1.25, 1.2, 1.5), rel=1e-12)
+    assert paired_text(ranks, "a", "b") == "1.250x (1.200-1.500)"
+    assert paired(ranks, "b", "a") == pytest.approx((0.8, 1 / 1.5, 1 / 1.2), rel=1e-12)
+    one = [RankResult(times={"a": [2.0], "b": [3.0]})]
+    assert paired(one, "a", "b") == (1.5, 1.5, 1.5)
