@@ -129,7 +129,6 @@ def retime(events: Sequence[Event], where: Placement, t_f: float = 1.0, t_b: flo
     return replay(orders, where, t_f=t_f, t_b=t_b, t_w=t_w)
 
 
-
 def gpipe_bubble(stages: int, microbatches: int) -> float:
     """GPipe's ideal bubble ``(p - 1) / (m + p - 1)`` (Huang et al. 2019)."""
     return (stages - 1) / (microbatches + stages - 1)

@@ -14,6 +14,7 @@ from shardwise.comm.topology import Topology
 from shardwise.models import GPT, GPTConfig, lm_loss
 from shardwise.parallel.pipeline import balanced_starts, build_pipeline, stage_starts
 from shardwise.parallel.pipeline_run import pipeline_step, resplit
+from shardwise.parallel.placement import Placement
 from shardwise.parallel.schedules import (
     Action,
     Recorder,
@@ -25,6 +26,7 @@ from shardwise.parallel.schedules import (
     peak_in_flight,
     simulate,
 )
+from shardwise.parallel.timeline import replay
 from shardwise.strategies.pp import PP
 from shardwise.workloads import CharText, stdlib_text
 
@@ -372,3 +374,14 @@ def test_receives_are_posted_ahead_once_shapes_are_known(tmp_path):
     # Stage 1 receives activations: their shape arrives with the first one (a header), so F0's is never posted
     # ahead, and in the first step the header's own receive comes first.
     assert first1 == ["F1", "F2", "F3"] and second1 == ["F1", "F2", "F3"]
+
+
+@pytest.mark.timeout(10)
+def test_replay_runs_the_plans_of_the_placement_it_is_given():
+    plans = [one_f_one_b(2, 2, s) for s in range(2)]
+    # stage 1's F1 waits behind its B0 (4), stage 0's B1 for stage 1's (7): each action when rank and input are ready
+    assert sorted((e.stage, e.start, e.end, e.kind, e.mb) for e in replay(plans, Placement(2, 1))) == [
+        (0, 0.0, 1.0, "F", 0), (0, 1.0, 2.0, "F", 1), (0, 4.0, 6.0, "B", 0), (0, 7.0, 9.0, "B", 1),
+        (1, 1.0, 2.0, "F", 0), (1, 2.0, 4.0, "B", 0), (1, 4.0, 5.0, "F", 1), (1, 5.0, 7.0, "B", 1)]
+    with pytest.raises(ValueError, match=r"^3 ranks' actions for a placement of 2 ranks$"):
+        replay(plans + [[]], Placement(2, 1))
