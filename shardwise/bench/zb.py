@@ -54,7 +54,9 @@ from shardwise.parallel.checkpointing import SavedActivations
 from shardwise.parallel.pipeline import build_pipeline, stage_starts
 from shardwise.parallel.pipeline_layers import pipeline_layers
 from shardwise.parallel.pipeline_run import pipeline_step
-from shardwise.parallel.schedules import Action, bubble_fraction, get_schedule, simulate
+from shardwise.parallel.placement import Placement
+from shardwise.parallel.schedules import Action, bubble_fraction, get_schedule
+from shardwise.parallel.timeline import replay
 from shardwise.stats import AllocatedPeak
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
@@ -295,10 +297,10 @@ def expected_sent(rank: int, p: int, batch_size: int, width: int, elem: int = 4)
     return ((rank < p - 1) + (rank > 0)) * batch_size * width * elem
 
 
-def simulated_bubble(order: Order, p: int, m: int) -> float:
+def simulated_bubble(order: Order, p: int) -> float:
     """The schedule's idle share on the model clock with ``F = B = W = 1`` (a whole backward 2)."""
     plans = [[Action(a[0], int(a[1:])) for a in acts.split()] for acts in order]
-    return bubble_fraction(simulate(lambda _p, _m, s, _v: plans[s], p, m, t_f=1.0, t_b=2.0, t_w=1.0))
+    return bubble_fraction(replay(plans, Placement(p, 1), t_f=1.0, t_b=2.0, t_w=1.0))
 
 
 # ---- the table -----------------------------------------------------------------------------------
@@ -383,7 +385,7 @@ def zb_table(results: list[RankResult], contenders: tuple[ZBContender, ...], p: 
         vs_m = [f"{mem / max(1, s[k]['alloc']):.3f}x" if k in s else "" for k in (TORCH_ZB, TORCH_1F1B)]
         rss = f"{v['rss'] / max(1, s[TORCH_ZB]['rss']):.3f}x" if TORCH_ZB in s else ""
         cpu = f"{v['cpu_s'] / s[TORCH_ZB]['cpu_s']:.3f}x" if TORCH_ZB in s else ""
-        t.add_row(names[key], f"{simulated_bubble(v['order'], p, m):.4f}", f"{1e3 * st:.2f} ms", *vs_t,
+        t.add_row(names[key], f"{simulated_bubble(v['order'], p):.4f}", f"{1e3 * st:.2f} ms", *vs_t,
                   f"{1e3 * v['cpu_s']:.1f} ms", cpu, f"{mem / 2**20:.2f} MiB", *vs_m,
                   f"{v['rss'] / 2**20:.2f} MiB", rss,
                   " / ".join(f"{b / 1024:,.0f}" for b in v["saved"]) + " KiB",

@@ -44,7 +44,8 @@ from shardwise.dims import PP
 from shardwise.parallel.pipeline import stage_starts
 from shardwise.parallel.pipeline_layers import pipeline_layers
 from shardwise.parallel.placement import Placement, V
-from shardwise.parallel.schedules import Action, bubble_fraction, get_schedule, simulate
+from shardwise.parallel.schedules import Action, bubble_fraction, get_schedule
+from shardwise.parallel.timeline import replay
 
 ZBV, DPV, TORCH_ZBV, TORCH_DPV = "zbv", "dualpipev", "torch-zbv", "torch-dualpipev"
 
@@ -130,12 +131,11 @@ def expected_sent_v(rank: int, p: int, batch_size: int, width: int, elem: int = 
     return 2 * ((rank < p - 1) + (rank > 0)) * batch_size * width * elem
 
 
-def simulated_bubble_v(order: Order, p: int, m: int) -> float:
+def simulated_bubble_v(order: Order, p: int) -> float:
     """The order's idle share on the model clock, V placement, F = B = W = 1 per chunk."""
     plans = [[Action(a[0], int(a.lstrip("FBW").split(".")[0]), int(a.split(".")[1]), whole=a.startswith("BW"))
               for a in acts.split()] for acts in order]
-    return bubble_fraction(simulate(lambda _p, _m, s, _v: plans[s], p, m, 2, t_f=1.0, t_b=2.0, t_w=1.0,
-                                    where=Placement(p, 2, V)))
+    return bubble_fraction(replay(plans, Placement(p, 2, V), t_f=1.0, t_b=2.0, t_w=1.0))
 
 
 def zbv_table(results: list[RankResult], p: int, m: int, batch_size: int, width: int, depth: int,
@@ -170,7 +170,7 @@ def zbv_table(results: list[RankResult], p: int, m: int, batch_size: int, width:
     for key, v in s.items():
         st, mem, rss = v["step_time_s"], v["alloc"], v["rss"]
         torch_key = key if key.startswith("torch-") else f"torch-{key}"
-        t.add_row(names[key], f"{simulated_bubble_v(v['order'], p, m):.4f}", f"{1e3 * st:.2f} ms",
+        t.add_row(names[key], f"{simulated_bubble_v(v['order'], p):.4f}", f"{1e3 * st:.2f} ms",
                   f"{s[torch_key]['step_time_s'] / st:.3f}x", paired_text(results, key, torch_key),
                   f"{1e3 * v['cpu_s']:.1f} ms",
                   f"{v['cpu_s'] / s[torch_key]['cpu_s']:.3f}x", f"{mem / 2**20:.2f} MiB",

@@ -41,6 +41,7 @@ from shardwise.parallel.schedules import (
     zb_h1,
     zbv,
 )
+from shardwise.parallel.timeline import replay
 from shardwise.workloads import CharText, stdlib_text
 
 pytestmark = pytest.mark.timeout(60)
@@ -377,7 +378,7 @@ def test_whole_backwards_cost_no_time(p, m):
     v = Placement(p, 2, "v")
 
     def run(plans: list[list[Action]]) -> list:
-        return simulate(lambda _p, _m, s, _v: plans[s], p, m, 2, t_f=1.0, t_b=2.0, t_w=1.0, where=v)
+        return replay(plans, v, t_f=1.0, t_b=2.0, t_w=1.0)
 
     for base, ours in ((_zbv_order, zbv), (_dualpipev_order, dualpipev)):
         before, after = run([base(p, m, r) for r in range(p)]), run([ours(p, m, r) for r in range(p)])
