@@ -6,7 +6,7 @@
 #
 # a) benchmarks/gpu_single.py: GPT-2 small, bf16, one GPU: Trainer under single/ddp/fsdp/zero2 (world size 1,
 #    NCCL) against a raw loop and the planner's predicted step time (+ checkpointing);
-# b) make test-gpu (tests/gpu);
+# b) make test-gpu (tests/gpu), then the trainer's overhead alone (raw loop and single, more repetitions);
 # c) the multi-rank CPU pairs against torch's own at 4 and 8 ranks (`shardwise bench`, gloo; 16 cores there).
 # Each part runs under its own time limit (seconds); a failing or cut part is recorded in status.txt and the
 # next part still runs. See docs/gpu.md.
@@ -42,12 +42,18 @@ PART=${PART:-all}  # gpu | cpu4 | cpu8 | all
 if [ -n "${TINY:-}" ]; then
     step gpu_single 120 gpu_single.txt $PY benchmarks/gpu_single.py --tiny --device cpu --out "$OUT/gpu_single.json"
     step test_gpu 120 test_gpu.txt make test-gpu
+    step overhead 120 overhead.txt $PY benchmarks/gpu_single.py --tiny --device cpu --contenders raw,single \
+        --reps 2 --no-memory --out "$OUT/overhead.json"
     step bench_cpu2 300 bench_cpu2.txt $PY -m shardwise bench --pairs ddp --nproc 2 --reps 1 --steps 2
 else
     if [ "$PART" = gpu ] || [ "$PART" = all ]; then
         step gpu_single "${GPU_SINGLE_S:-150}" gpu_single.txt $PY benchmarks/gpu_single.py --reps "${REPS:-5}" \
             --steps 15 --out "$OUT/gpu_single.json"
         step test_gpu "${TEST_GPU_S:-120}" test_gpu.txt make test-gpu
+        # The trainer's overhead alone, with more repetitions than the table's run (the first run's 3 spread by
+        # more than the 3% goal): raw loop and Trainer("single"), paired per repetition.
+        step overhead "${OVERHEAD_S:-150}" overhead.txt $PY benchmarks/gpu_single.py --contenders raw,single \
+            --reps "${OVERHEAD_REPS:-10}" --steps 30 --no-memory --out "$OUT/overhead.json"
     fi
     for n in 4 8; do
         if [ "$PART" = "cpu$n" ] || [ "$PART" = all ]; then

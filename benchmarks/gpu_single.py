@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import functools
+import gc
 import json
 import statistics
 import sys
@@ -70,8 +71,53 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def fresh(device: torch.device) -> int:
+    """Free what earlier contenders left (reference cycles, the caching allocator's blocks) and return the CUDA
+    bytes still allocated: a peak measured after this is the contender's own plus that baseline. (The first H200
+    run measured without it; its peaks rose by about one model's fp32 weights with each contender.)"""
+    gc.collect()
+    if device.type != "cuda":
+        return 0
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(device)
+
+
+def memory_phases(cfg: GPTConfig, data: RandomTokens, batch: int, device: torch.device, checkpointing: bool) -> dict:
+    """Where one raw-loop step's CUDA memory peaks (its second step, after AdamW's state exists): bytes allocated
+    before the step and after the forward (what the forward keeps for backward), and the peak within forward,
+    backward and the optimizer's step; ``checkpointing`` checkpoints every block as the Trainer's option does."""
+    from shardwise.parallel.checkpointing import apply_activation_checkpointing
+
+    model = make_model(cfg).to(device)
+    if checkpointing:
+        apply_activation_checkpointing(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    out: dict[str, int] = {}
+
+    def mark(name: str, peak: bool = True) -> None:
+        sync(device)
+        if device.type == "cuda":
+            out[name] = torch.cuda.max_memory_allocated(device) if peak else torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+
+    for step in range(2):
+        x, y = data.data[:batch, :-1].to(device), data.data[:batch, 1:].to(device)
+        mark("before_step", peak=False)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = lm_loss(model(x), y)
+        mark("peak_forward")
+        mark("after_forward", peak=False)
+        loss.backward()
+        mark("peak_backward")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        mark("peak_optimizer_step")
+    return out
+
+
 def raw_loop(cfg: GPTConfig, data: RandomTokens, batch: int, steps: int, device: torch.device) -> dict:
     """The same steps in plain PyTorch: AdamW, bf16 autocast, no library in between."""
+    before = fresh(device)
     model = make_model(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     if device.type == "cuda":
@@ -92,7 +138,8 @@ def raw_loop(cfg: GPTConfig, data: RandomTokens, batch: int, steps: int, device:
         loss.item()  # the Trainer reads every step's loss too
         sync(device)
         times.append(time.perf_counter() - start)
-    out = {"step_time_s": statistics.median(times[1:] if len(times) > 1 else times)}
+    out = {"step_time_s": statistics.median(times[1:] if len(times) > 1 else times),
+           "cuda_allocated_before_bytes": before}
     if device.type == "cuda":
         out["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
     return out
@@ -100,12 +147,13 @@ def raw_loop(cfg: GPTConfig, data: RandomTokens, batch: int, steps: int, device:
 
 def trainer_run(cfg: GPTConfig, data: RandomTokens, batch: int, steps: int, device: torch.device,
                 checkpointing: bool = False, strategy: str = "single") -> dict:
+    before = fresh(device)
     result = sw.Trainer(strategy, 1, accelerator=device.type, precision="bf16-mixed", progress=False,
                         memory_check="off", activation_checkpointing=checkpointing).fit(
         make_model(cfg), data, lm_loss, functools.partial(torch.optim.AdamW, lr=3e-4), batch_size=batch,
         max_steps=steps)
     s = result.stats[0]
-    return {k: s[k] for k in ("step_time_s", "peak_rss_bytes", "cuda_peak_allocated_bytes",
+    return {"cuda_allocated_before_bytes": before} | {k: s[k] for k in ("step_time_s", "peak_rss_bytes", "cuda_peak_allocated_bytes",
                               "cuda_peak_reserved_bytes", "activation_bytes") if k in s}
 
 
@@ -159,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="alternating repetitions (default 5; tiny 1)")
     ap.add_argument("--peak-flops", type=float, default=None,
                     help=f"peak FLOP/s of the device for MFU (default on CUDA: {H100_BF16_DENSE:.3g}, H100 bf16)")
+    ap.add_argument("--contenders", default=",".join(("raw", *STRATEGIES)),
+                    help="comma-separated subset of raw,single,ddp,fsdp,zero2 (default: all; raw is always run)")
+    ap.add_argument("--no-memory", action="store_true", help="skip the checkpointing and memory-phase runs")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args(argv)
     device = torch.device(a.device)
@@ -177,7 +228,12 @@ def main(argv: list[str] | None = None) -> int:
 
     group_of_one(device)
     warnings.filterwarnings("ignore", message=".*runs one process on one device")  # world size 1 is the point
-    runs: dict[str, list[dict]] = {name: [] for name in ("raw", *STRATEGIES)}
+    chosen = [n for n in a.contenders.split(",") if n]
+    unknown = sorted(set(chosen) - {"raw", *STRATEGIES})
+    if unknown:
+        ap.error(f"--contenders: unknown {', '.join(unknown)} (choose from raw, {', '.join(STRATEGIES)})")
+    strategies = [n for n in STRATEGIES if n in chosen]
+    runs: dict[str, list[dict]] = {name: [] for name in ("raw", *strategies)}
     for r in range(reps):  # alternating, so drifts (clocks, temperature) hit every contender alike
         for name in runs:
             if name == "raw":
@@ -192,12 +248,18 @@ def main(argv: list[str] | None = None) -> int:
     def summary(name: str) -> dict:
         t = statistics.median(x["step_time_s"] for x in runs[name])
         out = {"step_time_s": t, "step_times_s": [x["step_time_s"] for x in runs[name]], "tokens_per_s": tokens / t,
-               "cuda_peak_allocated_bytes": runs[name][-1].get("cuda_peak_allocated_bytes")}
+               "cuda_peak_allocated_bytes": runs[name][-1].get("cuda_peak_allocated_bytes"),
+               "cuda_allocated_before_bytes": runs[name][-1]["cuda_allocated_before_bytes"]}
         if peak:
             out["mfu"] = 6 * n_params * tokens / t / peak
         if name != "raw":
             out["predicted_step_time_s"] = predicted[name]
             out["measured_over_predicted"] = t / predicted[name]
+            # Each repetition's raw step over this contender's (the two ran back to back), median and quartiles:
+            # a drift of the machine that outlasts a repetition cancels, unlike in the ratio of medians.
+            ratios = sorted(r["step_time_s"] / c["step_time_s"] for r, c in zip(runs["raw"], runs[name]))
+            q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+            out["paired_over_raw"] = {"median": statistics.median(ratios), "q1": q[0], "q3": q[2]}
         return out
 
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -205,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
            "reps": reps, "precision": "bf16-mixed", "peak_flops": peak, "planner_preset": predicted["preset"],
            **{name: summary(name) for name in runs}}
     res["trainer_over_raw_tokens_per_s"] = {n: res[n]["tokens_per_s"] / res["raw"]["tokens_per_s"]
-                                            for n in STRATEGIES}
+                                            for n in strategies}
+    if a.no_memory or "single" not in runs:
+        return finish(res, a.out)
     ours = runs["single"]
 
     ck = trainer_run(cfg, data, batch, steps, device, checkpointing=True)
@@ -219,12 +283,21 @@ def main(argv: list[str] | None = None) -> int:
         "saved_predicted_bytes": pred[False] - pred[True],
         "predicted_activation_bytes": {"without": pred[False], "with": pred[True]},
         "step_time_s": ck["step_time_s"],
+        "allocated_before_bytes": ck.get("cuda_allocated_before_bytes"),
     }
+    fresh(device)
+    res["memory_phases"] = {"without": memory_phases(cfg, data, batch, device, False)}
+    fresh(device)
+    res["memory_phases"]["with"] = memory_phases(cfg, data, batch, device, True)
+    return finish(res, a.out)
+
+
+def finish(res: dict, out: str | None) -> int:
     text = json.dumps(res, indent=2)
     print(text)
     dist.destroy_process_group()
-    if a.out:
-        with open(a.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             f.write(text + "\n")
     return 0
 

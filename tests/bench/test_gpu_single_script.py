@@ -29,5 +29,8 @@ def test_gpu_single_runs_tiny_on_cpu(tmp_path):
         assert res[name]["predicted_step_time_s"] > 0
         assert res[name]["measured_over_predicted"] == pytest.approx(
             res[name]["step_time_s"] / res[name]["predicted_step_time_s"])
+        # One repetition: the paired ratio is that repetition's raw step over the contender's.
+        assert res[name]["paired_over_raw"]["median"] == pytest.approx(
+            res["raw"]["step_times_s"][0] / res[name]["step_times_s"][0])
     ck = res["checkpointing"]
     assert ck["predicted_activation_bytes"]["with"] < ck["predicted_activation_bytes"]["without"]
