@@ -250,8 +250,7 @@ class FSDPModule(_Reduction, nn.Module):
             m = self._module_of[u.index]
             self._hooks.append(m.register_forward_pre_hook(self._pre_forward_hook(u)))
             self._hooks.append(m.register_forward_hook(self._post_forward_hook(u)))
-            for p in u.params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+            self._hooks += self._hook_grads(u.params)
 
     # ---- construction ----------------------------------------------------
     def _build_units(self, root: nn.Module, wrap: WrapPolicy) -> list[_Unit]:

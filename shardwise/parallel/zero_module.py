@@ -137,7 +137,7 @@ class ZeROModule(GradSync, nn.Module):
         self._next = 0
         self._queued = False
         self._inflight: tuple[_Bucket, torch.Tensor, torch.Tensor, Waitable | None] | None = None
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
+        self._hooks = self._hook_grads(p for _, p in named)
 
     # ---- public --------------------------------------------------------
     # no_sync() (GradSync): the full gradients accumulate locally, nothing is reduce-scattered.
