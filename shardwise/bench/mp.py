@@ -173,14 +173,22 @@ def _summary_worst(results: list[PairResult]) -> dict[str, Any]:
     return s
 
 
+def pp_sizes(stages: int) -> tuple[int, int]:
+    """(Linear layers, micro-batches) of the pp pair at ``stages`` stages: 4 and 4 up to 4 stages, then one of
+    each per stage, so that every stage holds a layer (the first 16-core run asked 8 stages of a 4-layer MLP, whose
+    7 pipeline layers could not fill them) and 1F1B's steady phase is reached."""
+    return max(4, stages), max(4, stages)
+
+
 def pp_pair(a: argparse.Namespace) -> Table:
-    n, m, width = a.nproc, 4, 1024
+    n, width = a.nproc, 1024
+    depth, m = pp_sizes(n)
     res = run_steps((StepContender("shardwise 1F1B", ours_1f1b),
                      StepContender("torch Schedule1F1B", torch_1f1b, counts_bytes=False)),
-                    mlp(width), {DP: 1, TP: 1, PP: n}, a.batch, width, m, a.reps, steps=a.steps,
+                    mlp(width, depth), {DP: 1, TP: 1, PP: n}, a.batch, width, m, a.reps, steps=a.steps,
                     accelerator=a.accelerator)
     act = a.batch * width * 4  # one boundary's activations (or gradients) over the m micro-batches
-    return pair_table(f"PP 1F1B: 4 x Linear({width}) MLP, {n} stages, {m} micro-batches, batch {a.batch}, AdamW",
+    return pair_table(f"PP 1F1B: {depth} x Linear({width}) MLP, {n} stages, {m} micro-batches, batch {a.batch}, AdamW",
                       _summary_worst(res), act, "batch x width x 4 B")
 
 
@@ -199,7 +207,7 @@ def tp_pair(a: argparse.Namespace) -> Table:
                       "(2 x blocks - 1) all-reduces")
 
 
-__all__ = ["StepContender", "ascii_timeline", "megatron_mlp", "mlp", "pp_pair", "run_steps", "tp_pair"]
+__all__ = ["StepContender", "ascii_timeline", "megatron_mlp", "mlp", "pp_pair", "pp_sizes", "run_steps", "tp_pair"]
 
 
 # ---- measurements for docs/model_parallel.md ------------------------------------------
