@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -48,6 +49,9 @@ class GPTConfig:
     moe_score: str = "softmax"  # "softmax" (Mixtral) or "sigmoid" (DeepSeek-V3)
     aux_loss_coef: float = 0.0  # the Switch load-balancing loss's weight (0: off)
     bias_update_rate: float = 0.0  # DeepSeek-V3's auxiliary-loss-free balancing (0: off)
+    # Attention is torch's scaled_dot_product_attention (causal_attention): named as Hugging Face's configs name
+    # it, so the planner counts no score matrix for either (shardwise.plan.model.fused_attention).
+    _attn_implementation: ClassVar[str] = "sdpa"
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

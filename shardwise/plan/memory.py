@@ -179,16 +179,20 @@ def expert_coefficient(model: ModelSpec) -> float:
 
 
 def layer_activation_bytes(model: ModelSpec, s: int, b: int, tp: int = 1, sequence_parallel: bool = False,
-                           recompute: bool = False, flash_attention: bool = False, cp: int = 1) -> float:
+                           recompute: bool = False, flash_attention: bool = False, cp: int = 1,
+                           fp32_residual: bool = False) -> float:
     """Bytes one transformer layer keeps for backward for one micro-batch (16-bit activations).
 
-    ``s`` is the whole sequence; with ``cp`` > 1 this rank holds ``s / cp`` of its tokens.
+    ``s`` is the whole sequence; with ``cp`` > 1 this rank holds ``s / cp`` of its tokens. ``fp32_residual``:
+    autocast over fp32 weights, where the residual stream stays fp32, so the layer's input (all a checkpointed
+    layer keeps) and its two norms' inputs take 4 bytes an element, not 2 (measured on CPU and an H200).
     """
     h, a = model.hidden, model.heads
     sbh = s / cp * b * h  # this rank's tokens
     sp = sequence_parallel and tp > 1
+    residual = 4 if fp32_residual else 2
     if recompute:
-        return 2 * sbh / (tp if sp else 1)
+        return residual * sbh / (tp if sp else 1)
     c = layer_coefficient(model)
     x = expert_coefficient(model)  # whole on every tp rank
     # Flash attention never stores the a*s*s score matrices, only a per-row fp32 log-sum-exp (per local query).
@@ -198,17 +202,23 @@ def layer_activation_bytes(model: ModelSpec, s: int, b: int, tp: int = 1, sequen
         # shardwise's sequence parallelism keeps the all-gathered inputs of q/k/v and of fc1 whole (2 bytes x
         # s*b*h each), so each layer moves exactly plain tp's bytes; Megatron keeps 1/t of them and gathers them
         # again in backward (Table 2's 34/t). Ours: 4 + (34 - 4)/t (shardwise/parallel/sequence_parallel.py).
-        return sbh * (4 + x + (c - 4 - x) / tp + scores / tp)
-    return sbh * (10 + x + (c - 10 - x) / tp + scores / tp)
+        return sbh * (4 + x + (c - 4 - x) / tp + scores / tp) + 2 * (residual - 2) * sbh / tp
+    return sbh * (10 + x + (c - 10 - x) / tp + scores / tp) + 2 * (residual - 2) * sbh
+
+
+def fp32_residual(training: TrainingSpec) -> bool:
+    """Autocast over fp32 weights (shardwise's "bf16-mixed"): the residual stream stays fp32."""
+    return training.autocast and training.precision != "fp32"
 
 
 def output_activation_bytes(model: ModelSpec, s: int, b: int, tp: int = 1, sequence_parallel: bool = False,
-                            cp: int = 1) -> float:
-    """Final norm and output-layer inputs (4*s*b*h) plus fp32 logits kept for cross entropy (4*s*b*V/t), for the
-    ``s / cp`` tokens this rank holds."""
+                            cp: int = 1, scale: int = 1) -> float:
+    """Final norm and output-layer inputs (4*s*b*h for 16-bit activations, ``scale`` = 2 for fp32 ones) plus fp32
+    logits kept for cross entropy (4*s*b*V/t in either precision: fp32 training used to count them twice, 1.4x
+    the measured checkpointed GPT), for the ``s / cp`` tokens this rank holds."""
     sp = sequence_parallel and tp > 1
     tokens = s / cp
-    return 4 * tokens * b * model.hidden / (tp if sp else 1) + 4 * tokens * b * model.vocab / tp
+    return scale * 4 * tokens * b * model.hidden / (tp if sp else 1) + 4 * tokens * b * model.vocab / tp
 
 
 def cp_block_bytes(model: ModelSpec, s: int, b: int, tp: int, cp: int, element_bytes: int) -> int:
@@ -241,8 +251,9 @@ def activation_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, s
     if not model.is_transformer:
         return 0
     sp = uses_sequence_parallel(training, layout)
-    per_layer = layer_activation_bytes(model, s, b, tp, sp, training.activation_checkpointing,
-                                       training.flash_attention, cp)
+    per_layer = act_scale * layer_activation_bytes(model, s, b, tp, sp, training.activation_checkpointing,
+                                                   training.flash_attention or model.fused_attention, cp,
+                                                   fp32_residual(training))
     layers = math.ceil(model.layers / pp)
     first = in_flight_microbatches(training.schedule, pp, microbatches) * layers * per_layer
     # The last stage keeps one micro-batch under 1F1B; all of them under GPipe; under ZB-H1 it holds back p - 1
@@ -250,8 +261,8 @@ def activation_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, s
     # A V (zbv, dualpipev) puts the last stage on rank 0, with the first: its logits wait for their W as ZB-H1's.
     last_inflight = microbatches if (training.schedule == "gpipe" and pp > 1) else \
         min(pp, microbatches) if training.schedule in ("zb-h1", *V_SCHEDULES) else 1
-    last = last_inflight * (layers * per_layer + output_activation_bytes(model, s, b, tp, sp, cp))
-    return math.ceil(act_scale * max(first, last))
+    last = last_inflight * (layers * per_layer + output_activation_bytes(model, s, b, tp, sp, cp, act_scale))
+    return math.ceil(max(first, last))
 
 
 def buffer_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, s: int, local_numel: int,
@@ -285,7 +296,8 @@ def buffer_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, s: in
         if training.activation_checkpointing:
             # Backward recomputes one layer at a time: that layer's full activations come back.
             full = layer_activation_bytes(model, s, b, layout.tp, uses_sequence_parallel(training, layout), False,
-                                          training.flash_attention, cp)
+                                          training.flash_attention or model.fused_attention, cp,
+                                          fp32_residual(training))
             out["recomputed layer"] = math.ceil(full * act_bytes / 2)
         if layout.pp > 1:
             out["pipeline send/recv"] = 2 * math.ceil(s // cp * b * model.hidden * act_bytes / layout.tp)

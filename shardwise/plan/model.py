@@ -48,6 +48,10 @@ class ModelSpec:
     the experts' total over all layers (the part expert parallelism divides by
     ep); :attr:`active_params` is what one token runs through. For a real
     module ``param_experts`` marks, parameter by parameter, the expert weights.
+
+    ``fused_attention``: the model's attention keeps no score matrix for backward (a fused kernel: torch's
+    ``scaled_dot_product_attention``, as shardwise's GPT and Hugging Face's ``attn_implementation="sdpa"``
+    or FlashAttention use), so activations are counted as with ``TrainingSpec(flash_attention=True)``.
     """
 
     name: str
@@ -73,6 +77,7 @@ class ModelSpec:
     moe_ffn_hidden: int = 0
     expert_params: int = 0
     param_experts: tuple[bool, ...] = ()
+    fused_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.params < 1:
@@ -340,7 +345,21 @@ def _shape_from_config(cfg: object) -> dict[str, object] | None:
                 seq_len=get("block_size", "n_positions", "max_position_embeddings") or 2048,
                 ffn_hidden=get("n_inner", "intermediate_size"), kv_heads=get("num_key_value_heads"),
                 gated_mlp=llama_like, learned_positions=not llama_like, bias=not llama_like,
-                norm="rmsnorm" if llama_like else "layernorm", tied_embeddings=bool(tied))
+                norm="rmsnorm" if llama_like else "layernorm", tied_embeddings=bool(tied),
+                fused_attention=fused_attention(cfg))
+
+
+# Hugging Face attention implementations that keep no (heads x s x s) scores for backward: SDPA (its flash and
+# memory-efficient kernels, and on CPU its flash kernel), FlashAttention 2/3, flex attention.
+FUSED_ATTENTION = frozenset({"sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"})
+
+
+def fused_attention(cfg: object) -> bool:
+    """Whether the model of ``cfg`` computes attention with a fused kernel (no score matrix kept for backward):
+    Hugging Face models whose config's ``_attn_implementation`` is one of :data:`FUSED_ATTENTION`, and
+    shardwise's GPT, whose config names "sdpa" the same way. Measured: the H200's GPT-2 small step kept 5.82 GB
+    for backward where the score-keeping formula counted 10.28 GB (benchmarks/README.md, GPU)."""
+    return getattr(cfg, "_attn_implementation", None) in FUSED_ATTENTION
 
 
 def known_model(name: str) -> ModelSpec:
