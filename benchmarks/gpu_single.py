@@ -153,8 +153,9 @@ def trainer_run(cfg: GPTConfig, data: RandomTokens, batch: int, steps: int, devi
         make_model(cfg), data, lm_loss, functools.partial(torch.optim.AdamW, lr=3e-4), batch_size=batch,
         max_steps=steps)
     s = result.stats[0]
-    return {"cuda_allocated_before_bytes": before} | {k: s[k] for k in ("step_time_s", "peak_rss_bytes", "cuda_peak_allocated_bytes",
-                              "cuda_peak_reserved_bytes", "activation_bytes") if k in s}
+    kept = ("step_time_s", "peak_rss_bytes", "cuda_peak_allocated_bytes", "cuda_peak_reserved_bytes",
+            "activation_bytes")
+    return {"cuda_allocated_before_bytes": before} | {k: s[k] for k in kept if k in s}
 
 
 def group_of_one(device: torch.device) -> None:

@@ -25,6 +25,7 @@ from shardwise.plan.args import (  # noqa: F401
 )
 from shardwise.plan.estimate import Estimate, plan, recommend
 from shardwise.plan.fit import fmt_bytes
+from shardwise.plan.memory import no_stored_scores
 from shardwise.plan.model import ModelSpec, known_model, short_count
 from shardwise.plan.specs import GPU_PRESETS, ClusterSpec, TrainingSpec
 from shardwise.plan.trace import trace_factory
@@ -123,7 +124,8 @@ def print_table(ests: list[Estimate], best: Estimate | None, model: ModelSpec, c
                   + (" (autocast: fp32 model states)" if training.autocast else "")
                   + (", activation checkpointing" if training.activation_checkpointing else "")
                   + (", sequence parallel" if training.sequence_parallel else "")
-                  + (", flash attention" if training.flash_attention else ""))
+                  + (", flash attention" if training.flash_attention else
+                     ", fused attention (the model's)" if model.fused_attention and model.trace is None else ""))
     if not ests:
         con.print("[red]no valid layout[/] (check the global batch against the device count)")
         return
@@ -135,7 +137,7 @@ def print_table(ests: list[Estimate], best: Estimate | None, model: ModelSpec, c
         least = min(ests, key=lambda e: e.total_bytes)
         con.print(f"[bold red]Nothing fits.[/] The leanest layout, {least.layout.label}, needs "
                   f"{fmt_bytes(least.total_bytes)} of {fmt_bytes(least.available_bytes)} per device.")
-        if model.is_transformer and model.trace is None and not training.flash_attention and \
+        if model.is_transformer and model.trace is None and not no_stored_scores(model, training) and \
                 least.largest_term == "activations":
             # Korthikanti et al.'s 5 a s^2 b bytes of scores per layer grow with the square of the sequence.
             con.print(f"The stored attention scores grow with the square of the {least.seq_len}-token sequence: "

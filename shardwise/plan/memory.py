@@ -206,6 +206,12 @@ def layer_activation_bytes(model: ModelSpec, s: int, b: int, tp: int = 1, sequen
     return sbh * (10 + x + (c - 10 - x) / tp + scores / tp) + 2 * (residual - 2) * sbh
 
 
+def no_stored_scores(model: ModelSpec, training: TrainingSpec) -> bool:
+    """Attention keeps no (heads x s x s) scores for backward: asked for (``--flash-attention``) or the model's own
+    kernel is fused (:attr:`ModelSpec.fused_attention`)."""
+    return training.flash_attention or model.fused_attention
+
+
 def fp32_residual(training: TrainingSpec) -> bool:
     """Autocast over fp32 weights (shardwise's "bf16-mixed"): the residual stream stays fp32."""
     return training.autocast and training.precision != "fp32"
@@ -252,7 +258,7 @@ def activation_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, s
         return 0
     sp = uses_sequence_parallel(training, layout)
     per_layer = act_scale * layer_activation_bytes(model, s, b, tp, sp, training.activation_checkpointing,
-                                                   training.flash_attention or model.fused_attention, cp,
+                                                   no_stored_scores(model, training), cp,
                                                    fp32_residual(training))
     layers = math.ceil(model.layers / pp)
     first = in_flight_microbatches(training.schedule, pp, microbatches) * layers * per_layer
@@ -296,7 +302,7 @@ def buffer_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, s: in
         if training.activation_checkpointing:
             # Backward recomputes one layer at a time: that layer's full activations come back.
             full = layer_activation_bytes(model, s, b, layout.tp, uses_sequence_parallel(training, layout), False,
-                                          training.flash_attention or model.fused_attention, cp,
+                                          no_stored_scores(model, training), cp,
                                           fp32_residual(training))
             out["recomputed layer"] = math.ceil(full * act_bytes / 2)
         if layout.pp > 1:

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise.models import GPT, GPTConfig, lm_loss
+from shardwise.models import GPT, GPTConfig
 from shardwise.parallel.checkpointing import apply_activation_checkpointing, track_saved_activations
 from shardwise.plan import ModelSpec, plan_run
+from tiny_hf import logits_loss
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytestmark = pytest.mark.timeout(120)
@@ -31,8 +32,7 @@ def saved_and_planned(make, precision: str, checkpointing: bool) -> tuple[int, i
     x, y = torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
     with track_saved_activations(model.parameters(), [x, y]) as saved:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "32"):
-            out = model(x)
-            loss = lm_loss(out.logits if hasattr(out, "logits") else out, y)
+            loss = logits_loss(model(x), y)
         loss.backward()
     layout = sw.Trainer("single", 1, accelerator="cpu").strategy.describe(1).with_run(precision, checkpointing)
     planned = plan_run(make(), layout, 1 << 40, B, "adamw", suggest=False).activation_bytes
