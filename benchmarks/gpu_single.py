@@ -88,6 +88,7 @@ def memory_phases(cfg: GPTConfig, data: RandomTokens, batch: int, device: torch.
     backward and the optimizer's step; ``checkpointing`` checkpoints every block as the Trainer's option does."""
     from shardwise.parallel.checkpointing import apply_activation_checkpointing
 
+    fresh(device)  # as every contender: what earlier runs left is freed first (and shows in "before_step")
     model = make_model(cfg).to(device)
     if checkpointing:
         apply_activation_checkpointing(model)
@@ -286,10 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         "step_time_s": ck["step_time_s"],
         "allocated_before_bytes": ck.get("cuda_allocated_before_bytes"),
     }
-    fresh(device)
-    res["memory_phases"] = {"without": memory_phases(cfg, data, batch, device, False)}
-    fresh(device)
-    res["memory_phases"]["with"] = memory_phases(cfg, data, batch, device, True)
+    res["memory_phases"] = {name: memory_phases(cfg, data, batch, device, ck)
+                            for name, ck in (("without", False), ("with", True))}
     return finish(res, a.out)
 
 
