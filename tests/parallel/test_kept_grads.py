@@ -1,6 +1,7 @@
 """The pipeline runtime's kept gradient tensors: same results as a plain backward, memory kept across steps."""
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
