@@ -34,7 +34,6 @@ from torch import nn
 from shardwise.comm.topology import Topology
 from shardwise.dims import EP, PP, TP
 from shardwise.parallel.ep import is_expert
-from shardwise.parallel.kept_grads import KeptGrads
 from shardwise.parallel.pipeline_layers import pipeline_layers, stage_layers
 from shardwise.parallel.placement import LOOP, Placement
 from shardwise.parallel.tp import gather_tensor, tp_spec
@@ -146,8 +145,6 @@ class PipelineModel(nn.Module):
         self.data: Any = None
         # The chunks' context parallelism (shardwise.parallel.cp.ContextParallel; None without cp).
         self.context: Any = None
-        # The .grad tensors a step lends the parameters of chunks no data-parallel wrapper manages (CPU only).
-        self.kept_grads = KeptGrads()
 
     def grad_of_tie(self, p: nn.Parameter) -> torch.Tensor:
         """The tensor holding this rank's gradient of tied parameter ``p`` (zeros if it got none).
@@ -200,10 +197,6 @@ class PipelineModel(nn.Module):
                 i = next(i for i, q in enumerate(u.params) if q is p)  # by identity: == would compare values
                 return u.shard_params[i]  # type: ignore[no-any-return]
         return None
-
-    def unwrapped_parameters(self) -> list[nn.Parameter]:
-        """The parameters of the chunks that no data-parallel wrapper manages (their gradients are the runtime's)."""
-        return [p for c, chunk in enumerate(self.chunks) if self.stage(c) is chunk for p in chunk.parameters()]
 
     def stage(self, chunk: int) -> PipelineStage:
         c = self.chunks[chunk]

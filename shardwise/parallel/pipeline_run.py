@@ -437,18 +437,13 @@ def pipeline_step(pm: PipelineModel, micro_batches: Sequence[tuple[Any, Any]], l
         saved = SavedActivations(pm.parameters(), data)
     pm.sync_copies()
     runner = _Runner(pm, comm, mbs, loss_fn, saved, forward_context, loss_scale, ahead=tagged)
-    # Gradients into tensors kept across steps, not allocated afresh (shardwise.parallel.kept_grads: why).
-    pm.kept_grads.lend(pm.unwrapped_parameters())
-    try:
-        execute(acts, runner, pm.rank, recorder)
-        runner.finish()
-        if recorder is not None:
-            recorder.step += 1
-            if saved is not None:
-                recorder.peak_saved_bytes = max(recorder.peak_saved_bytes, saved.peak)
-        sync_ties(pm, topo.comm(PP))
-    finally:
-        pm.kept_grads.take_back_unused()
+    execute(acts, runner, pm.rank, recorder)
+    runner.finish()
+    if recorder is not None:
+        recorder.step += 1
+        if saved is not None:
+            recorder.peak_saved_bytes = max(recorder.peak_saved_bytes, saved.peak)
+    sync_ties(pm, topo.comm(PP))
     if not runner.losses:
         return None
     return torch.stack(runner.losses).mean()
