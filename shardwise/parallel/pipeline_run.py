@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -133,6 +134,11 @@ class _Runner:
         self.p, self.r, self.v = pm.stages, pm.rank, len(pm.chunks)
         self.place = pm.placement
         self.last = self.place.last
+        # Per chunk, fixed for the step and asked for on every action: its virtual stage, and the ranks of the
+        # stages before and after it (None at the pipeline's ends; this rank's own at the turn of a V).
+        self.k = [self.place.virtual(self.r, c) for c in range(self.v)]
+        self.prev = [self.place.rank_of(k - 1) if k > 0 else None for k in self.k]
+        self.next = [self.place.rank_of(k + 1) if k < self.last else None for k in self.k]
         # Boundaries between two chunks of this rank (the turn of a V): what would be a message, by
         # ("act" | "grad", micro-batch, virtual stage of the activation's producer).
         self.handed: dict[tuple[str, int, int], torch.Tensor] = {}
@@ -140,7 +146,7 @@ class _Runner:
         self.out: dict[tuple[int, int], torch.Tensor] = {}
         self.grad: dict[tuple[int, int], torch.Tensor] = {}
         self.losses: list[torch.Tensor] = []
-        self.sends: list[Handle] = []
+        self.sends: deque[Handle] = deque()
         # A split backward's W still to run, by (chunk, micro-batch).
         self.weights: dict[tuple[int, int], WeightGrad | _WholeBackward] = {}
         self.saved = saved
@@ -148,9 +154,6 @@ class _Runner:
         # each tag is its own ordered channel (gloo): posting a receive early then cannot overtake another message.
         self.ahead = ahead
         self.posted: dict[tuple[str, int, int], tuple[torch.Tensor, Handle]] = {}
-
-    def _k(self, a: Action) -> int:
-        return self.place.virtual(self.r, a.chunk)
 
     def _key(self, a: Action) -> Any:
         # Every rank of a replica reads the same batch, so the shape of the
@@ -161,11 +164,11 @@ class _Runner:
 
     # -- forward
     def recv_forward(self, a: Action) -> None:
-        k, key = self._k(a), (a.chunk, a.mb)
+        k, key = self.k[a.chunk], (a.chunk, a.mb)
         if k == 0:
             self.x[key] = self.mbs[a.mb][0]
             return
-        src, mk = self.place.rank_of(k - 1), self._key(a)
+        src, mk = self.prev[a.chunk], self._key(a)
         if src == self.r:
             buf = self.handed.pop(("act", a.mb, k - 1))
         else:
@@ -183,17 +186,17 @@ class _Runner:
             if self.saved is not None else contextlib.nullcontext()
         with ctx, self.forward_context():
             out = self.pm(self.x[key], chunk=a.chunk)
-            if self._k(a) == self.last:
+            if self.k[a.chunk] == self.last:
                 loss = self.loss_fn(out, self.mbs[a.mb][1])
                 self.losses.append(widened(loss.detach()))
                 out = widened(loss) * (self.loss_scale / len(self.mbs))
         self.out[key] = out
 
     def send_forward(self, a: Action) -> None:
-        k = self._k(a)
+        k = self.k[a.chunk]
         if k == self.last:
             return
-        out, dst, mk = self.out[(a.chunk, a.mb)], self.place.rank_of(k + 1), self._key(a)
+        out, dst, mk = self.out[(a.chunk, a.mb)], self.next[a.chunk], self._key(a)
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"pipeline stage {k} returned a {type(out).__name__}; stages must pass one tensor")
         if dst == self.r:
@@ -212,10 +215,10 @@ class _Runner:
 
     # -- backward
     def recv_backward(self, a: Action) -> None:
-        k, key = self._k(a), (a.chunk, a.mb)
+        k, key = self.k[a.chunk], (a.chunk, a.mb)
         if k == self.last:
             return
-        src = self.place.rank_of(k + 1)
+        src = self.next[a.chunk]
         if src == self.r:
             self.grad[key] = self.handed.pop(("grad", a.mb, k))
             return
@@ -238,19 +241,19 @@ class _Runner:
         activation's shape once its header came (every step after the first), a gradient's once the forward
         ran. A message from this rank itself (the turn of a V) needs no receive."""
         kind = "act" if a.kind == "F" else "grad"
-        if (kind, a.chunk, a.mb) in self.posted:
-            return
-        k = self._k(a)
+        src = (self.prev if kind == "act" else self.next)[a.chunk]
+        if src is None or src == self.r or (kind, a.chunk, a.mb) in self.posted:
+            return  # nothing to receive (an end of the pipeline, the turn of a V), or posted already
         if kind == "act":
-            known = self.pm.meta_recv.get(self._key(a)) if k > 0 else None
-            if known is None or self.place.rank_of(k - 1) == self.r:
+            known = self.pm.meta_recv.get(self._key(a))
+            if known is None:
                 return
-            (shape, dtype), src, tag = known, self.place.rank_of(k - 1), ACT_TAG
+            (shape, dtype), tag = known, ACT_TAG
         else:
             out = self.out.get((a.chunk, a.mb))
-            if out is None or k == self.last or self.place.rank_of(k + 1) == self.r:
+            if out is None:
                 return
-            shape, dtype, src, tag = out.shape, out.dtype, self.place.rank_of(k + 1), GRAD_TAG
+            shape, dtype, tag = out.shape, out.dtype, GRAD_TAG
         buf = torch.empty(shape, dtype=dtype, device=self._device())
         self.posted[(kind, a.chunk, a.mb)] = (buf, self.comm.irecv(buf, src, f"pp.{kind}", tag))
 
@@ -295,20 +298,22 @@ class _Runner:
             self.weights.pop((a.chunk, a.mb)).backward_weight()
 
     def send_backward(self, a: Action) -> None:
-        k, key = self._k(a), (a.chunk, a.mb)
+        k, key = self.k[a.chunk], (a.chunk, a.mb)
         x = self.x.pop(key)
         if k == 0:
             return
         g = x.grad if x.grad is not None else torch.zeros_like(x)
-        dst = self.place.rank_of(k - 1)
+        dst = self.prev[a.chunk]
         if dst == self.r:
             self.handed[("grad", a.mb, k - 1)] = g
             return
         self._sent(self.comm.isend(g, dst, "pp.grad", GRAD_TAG))
 
     def _sent(self, h: Handle) -> None:
-        # Finished sends are dropped as they go, not at the end of the step: each holds its tensor.
-        self.sends = [s for s in self.sends if not s.poll()]
+        # Finished sends are dropped as they go, not at the end of the step: each holds its tensor. Only from the
+        # front, oldest first: polling every pending send on each send cost more than the tensors it freed early.
+        while self.sends and self.sends[0].poll():
+            self.sends.popleft()
         self.sends.append(h)
 
     def in_flight(self) -> int:
