@@ -385,3 +385,30 @@ def test_replay_runs_the_plans_of_the_placement_it_is_given():
         (1, 1.0, 2.0, "F", 0), (1, 2.0, 4.0, "B", 0), (1, 4.0, 5.0, "F", 1), (1, 5.0, 7.0, "B", 1)]
     with pytest.raises(ValueError, match=r"^3 ranks' actions for a placement of 2 ranks$"):
         replay(plans + [[]], Placement(2, 1))
+
+
+class _Send:
+    def __init__(self, name: str, done: bool) -> None:
+        self.name, self.done, self.polls = name, done, 0
+
+    def poll(self) -> bool:
+        self.polls += 1
+        return self.done
+
+
+@pytest.mark.timeout(10)
+def test_finished_sends_are_dropped_oldest_first_and_no_send_is_polled_behind_one_in_flight():
+    from collections import deque
+    from types import SimpleNamespace
+
+    from shardwise.parallel.pipeline_run import _Runner
+
+    runner = SimpleNamespace(sends=deque())
+    a, b, c, d = _Send("a", True), _Send("b", False), _Send("c", True), _Send("d", False)
+    for h in (a, b, c):
+        _Runner._sent(runner, h)
+    # a finished and went when b was sent; b is in flight, so c (finished) waits behind it unpolled.
+    assert [h.name for h in runner.sends] == ["b", "c"] and c.polls == 0
+    b.done = True
+    _Runner._sent(runner, d)
+    assert [h.name for h in runner.sends] == ["d"] and (a.polls, b.polls, c.polls, d.polls) == (1, 2, 1, 0)
