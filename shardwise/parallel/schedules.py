@@ -280,32 +280,48 @@ def _dualpipev_order(stages: int, microbatches: int, stage: int, chunks: int = 2
     return lane.acts
 
 
+# The host's fixed cost of one autograd pass (engine call, graph walk), in forwards of one chunk: near 0 where
+# compute dwarfs it (large layers on a GPU); about 0.3 for the 2 x Linear(1024) chunks of `shardwise bench --pairs
+# zb` on a 2-core CPU, where a whole backward took 2.3 forwards and B and W 1.3 each (benchmarks/README.md, session
+# 14). Multiples of 1/4, so that the model clock's sums are exact.
+PASS_COSTS = (0.0, 0.25, 0.5)
+
+
 @functools.lru_cache(maxsize=128)
 def _joined(order: Schedule, stages: int, microbatches: int, chunks: int) -> tuple[tuple[Action, ...], ...]:
-    """Every rank's ``order``, each split B whose W follows at once made whole where nobody waits for its input
-    gradient during that W: on the model clock (F = B = W = 1), the stage that takes the gradient starts its B
-    at least W's length after this B ends, or there is none (virtual stage 0). Such a B's gradient, sent after
-    its W, still comes in time, so every action starts when it did and the step is as long; the backward is one
-    autograd pass instead of two. Checked against the timeline ``order`` itself gives (its own whole backwards
-    included), so joining one never delays another's taker."""
+    """Every rank's ``order``, each split B whose W follows at once made whole (one autograd pass instead of two)
+    where nobody waits for its input gradient during that W, at every per-pass cost of :data:`PASS_COSTS`.
+
+    On the model clock (F = B = W = 1 per chunk, plus ``t_pass`` per autograd pass) of ``order`` itself (its own
+    whole backwards included), the stage that takes the gradient starts its B at least W's compute (1) after
+    this B ends, or there is none (virtual stage 0). The whole backward sends the gradient exactly that much
+    later and ends ``t_pass`` sooner than B and W together, so, all such joins made at once, no action starts
+    later than in ``order`` (by induction over the dependencies) and the step is no longer, at each of these
+    costs; where a pass costs something, some start sooner. The per-pass cost matters: DualPipeV's first
+    chunk-1 backward on rank 0 at p = 2 has exactly 1 of slack when passes are free and less when they are not."""
     place = Placement(stages, chunks, V)
     plans = [order(stages, microbatches, s, chunks) for s in range(stages)]
-    events = replay(plans, place, t_f=1.0, t_b=2.0, t_w=1.0)
-    start = {(e.kind, e.mb, place.virtual(e.stage, e.chunk)): e.start for e in events}
-    end = {(e.kind, e.mb, place.virtual(e.stage, e.chunk)): e.end for e in events}
-
-    def free(s: int, i: int, a: Action) -> bool:
-        k = place.virtual(s, a.chunk)
-        return (a.kind == "B" and plans[s][i + 1:i + 2] == [Action("W", a.mb, a.chunk)]
-                and (k == 0 or start[("B", a.mb, k - 1)] >= end[("B", a.mb, k)] + 1.0))
-
-    return tuple(tuple(Action(a.kind, a.mb, a.chunk, a.whole or free(s, i, a)) for i, a in enumerate(plan))
+    free: set[tuple[int, int]] | None = None  # (rank, index) of the Bs that can run whole at every cost so far
+    for c in PASS_COSTS:
+        events = replay(plans, place, t_f=1.0, t_b=2.0, t_w=1.0, t_pass=c)
+        start = {(e.kind, e.mb, place.virtual(e.stage, e.chunk)): e.start for e in events}
+        end = {(e.kind, e.mb, place.virtual(e.stage, e.chunk)): e.end for e in events}
+        ok = set()
+        for s, plan in enumerate(plans):
+            for i, a in enumerate(plan):
+                k = place.virtual(s, a.chunk)
+                if (a.kind == "B" and not a.whole and plan[i + 1:i + 2] == [Action("W", a.mb, a.chunk)]
+                        and (k == 0 or start[("B", a.mb, k - 1)] >= end[("B", a.mb, k)] + 1.0)):
+                    ok.add((s, i))
+        free = ok if free is None else free & ok
+    assert free is not None
+    return tuple(tuple(Action(a.kind, a.mb, a.chunk, a.whole or (s, i) in free) for i, a in enumerate(plan))
                  for s, plan in enumerate(plans))
 
 
 def zbv(stages: int, microbatches: int, stage: int, chunks: int = 2) -> list[Action]:
     """ZB-V's order (:func:`_zbv_order`, the paper's and torch's ``ScheduleZBVZeroBubble``'s), with each B that
-    nobody waits for run whole (:func:`_joined`): the same timeline on the model clock, fewer autograd passes."""
+    nobody waits for run whole (:func:`_joined`): no action later on the model clock, fewer autograd passes."""
     return list(_joined(_zbv_order, stages, microbatches, chunks)[stage])
 
 

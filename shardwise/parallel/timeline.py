@@ -132,22 +132,23 @@ def gpipe_bubble(stages: int, microbatches: int) -> float:
 
 
 def replay(plans: Sequence[Sequence[Action]], place: Placement, t_f: float = 1.0, t_b: float = 2.0,
-           t_w: float | None = None) -> list[Event]:
+           t_w: float | None = None, t_pass: float = 0.0) -> list[Event]:
     """Every rank's actions (``plans[r]``, virtual stages where ``place`` puts them) on a model clock: forward
     ``t_f``, backward ``t_b`` per chunk, messages free.
 
     ``t_b`` is a whole backward; where there are W actions (a split backward) W takes ``t_w`` of it (default
     half) and B the rest, so every schedule does the same work. A whole B (:attr:`Action.whole`) takes all of
-    ``t_b`` and its W none. Each rank runs its actions in order; an action starts when the rank is free and its
-    inputs exist (the previous virtual stage's forward, or the next one's backward). Raises if the actions can
-    deadlock.
+    ``t_b`` and its W none. ``t_pass`` is the host's fixed cost of one autograd pass (engine call, graph walk),
+    added to each: a split backward pays it twice (B and W), a whole one once. Each rank runs its actions in
+    order; an action starts when the rank is free and its inputs exist (the previous virtual stage's forward, or
+    the next one's backward). Raises if the actions can deadlock.
     """
     p = place.stages
     if len(plans) != p:
         raise ValueError(f"{len(plans)} ranks' actions for a placement of {p} ranks")
     split = any(a.kind == "W" for plan in plans for a in plan)
     w = (t_b / 2 if t_w is None else t_w) if split else 0.0
-    cost = {"F": t_f, "B": t_b - w, "W": w}
+    cost = {"F": t_f, "B": t_b - w + t_pass, "W": w + t_pass}
     joined: set[tuple[int, int]] = set()  # (micro-batch, virtual stage) of whole backwards: their W is done
     pos = [0] * p
     clock = [0.0] * p
@@ -172,7 +173,8 @@ def replay(plans: Sequence[Sequence[Action]], place: Placement, t_f: float = 1.0
             start = max([clock[s]] + [done[n] for n in need])
             if a.whole:  # one pass for B and W: the input gradient exists when both are done
                 joined.add((a.mb, k))
-            end = start + (t_b if a.whole else 0.0 if a.kind == "W" and (a.mb, k) in joined else cost[a.kind])
+            end = start + (t_b + t_pass if a.whole else 0.0 if a.kind == "W" and (a.mb, k) in joined
+                           else cost[a.kind])
             done[(a.kind, a.mb, k)] = end
             # Activations are freed by the action that last needs them: W when the backward is split.
             held[s] += 1 if a.kind == "F" else (-1 if a.kind == ("W" if split else "B") else 0)

@@ -26,6 +26,7 @@ from shardwise import launch, plots
 from shardwise.models import GPT, GPTConfig, lm_loss
 from shardwise.parallel.placement import Placement
 from shardwise.parallel.schedules import (
+    PASS_COSTS,
     Action,
     bubble_fraction,
     check_message_order,
@@ -370,15 +371,16 @@ def test_zbv_bubble_with_few_micro_batches(p):
 def test_whole_backwards_cost_no_time(p, m):
     """A whole backward (one pass; its input gradient leaves after the weights') lengthens no step. DualPipe's
     own (2(m-p)+r+1 on rank r, torch's full backwards) move some idle time but keep the span; the ones _joined
-    adds, where nobody waits for the gradient during W, move no action at all. The simulator does model the
+    adds, where nobody waits for the gradient during W, move no action at all when passes are free, and with a
+    cost per autograd pass (PASS_COSTS) start none later and end the step no later. The simulator does model the
     late gradient: made whole, the drain's adjacent B and W of DualPipe's order would lengthen the step (by 2
     units at p = 4, m = 8)."""
     assert [sum(a.whole for a in _dualpipev_order(p, m, r)) for r in range(p)] == \
         [2 * (m - p) + r + 1 for r in range(p)]
     v = Placement(p, 2, "v")
 
-    def run(plans: list[list[Action]]) -> list:
-        return replay(plans, v, t_f=1.0, t_b=2.0, t_w=1.0)
+    def run(plans: list[list[Action]], t_pass: float = 0.0) -> list:
+        return replay(plans, v, t_f=1.0, t_b=2.0, t_w=1.0, t_pass=t_pass)
 
     for base, ours in ((_zbv_order, zbv), (_dualpipev_order, dualpipev)):
         before, after = run([base(p, m, r) for r in range(p)]), run([ours(p, m, r) for r in range(p)])
@@ -387,12 +389,38 @@ def test_whole_backwards_cost_no_time(p, m):
         assert [(e.kind, e.mb, e.chunk, e.end if e.kind == "W" else e.start) for e in before] == \
             [(e.kind, e.mb, e.chunk, e.end if e.kind == "W" else e.start) for e in after]
         assert sum(e.whole for e in after) > sum(e.whole for e in before)
+        for c in PASS_COSTS[1:]:  # F and B start no later, W (inside its whole B, or on its own) ends no later
+            def when(events: list) -> dict:
+                return {(e.kind, e.mb, e.stage, e.chunk): e.end if e.kind == "W" else e.start for e in events}
+            was, now = when(run([base(p, m, r) for r in range(p)], c)), when(run([ours(p, m, r) for r in range(p)], c))
+            assert all(t <= was[key] for key, t in now.items()), c
+            assert any(t < was[key] for key, t in now.items()), c  # the passes saved are time
     if (p, m) == (4, 8):
         def adjacent(plan: list[Action], i: int) -> bool:
             return plan[i].kind == "B" and plan[i + 1:i + 2] == [Action("W", plan[i].mb, plan[i].chunk)]
         plans = [_dualpipev_order(p, m, r) for r in range(p)]
         every = [[dataclasses.replace(a, whole=adjacent(plan, i)) for i, a in enumerate(plan)] for plan in plans]
         assert max(e.end for e in run(every)) == 6 * m + p - 1 + 2
+
+
+def test_a_join_that_costs_time_once_passes_cost_something_is_not_made():
+    """DualPipeV at p = 2, m = 8: rank 0's first backward of chunk 1 (virtual stage 3, the loss) has exactly one
+    unit of slack when autograd passes are free, so whole it would lengthen no step then; at 1/4 of a forward
+    per pass its taker (rank 1, chunk 1) would wait for it, and the step would be 1/4 longer. _joined leaves it
+    split; session 14's criterion, on the free-pass clock alone, made it whole."""
+    p, m, v = 2, 8, Placement(2, 2, "v")
+    plans = [dualpipev(p, m, r) for r in range(p)]
+    i = plans[0].index(Action("B", 0, 1))
+    assert plans[0][i + 1] == Action("W", 0, 1) and not plans[0][i].whole
+    joined = [list(plans[0]), plans[1]]
+    joined[0][i] = Action("B", 0, 1, whole=True)
+
+    def span(ps: list, c: float) -> float:
+        return max(e.end for e in replay(ps, v, t_f=1.0, t_b=2.0, t_w=1.0, t_pass=c))
+
+    assert span(joined, 0.0) == span(plans, 0.0) == 6 * m + p - 1
+    assert span(joined, 0.25) == span(plans, 0.25) + 0.25
+    assert [sum(a.whole for a in plan) for plan in plans] == [15, 14]  # of 16 each; torch's 13 and 14
 
 
 @pytest.mark.parametrize("p,m", V_SIZES)
@@ -625,8 +653,8 @@ def test_recorder_draws_the_v_timelines():
             sorted((s, c, k, b) for s in range(2) for c in range(2) for k in "FBW" for b in range(4)), schedule
     fig = plots.timeline_figure(events, "V schedules")
     whole = [sum(a.whole for r in range(2) for a in get_schedule(s)(2, 4, r, 2)) for s in ("zbv", "dualpipev")]
-    assert [sum(e.whole for e in events[s]) for s in ("zbv", "dualpipev")] == whole == [11, 14]
-    assert plots.count_boxes(fig) == 2 * 48 - 25
+    assert [sum(e.whole for e in events[s]) for s in ("zbv", "dualpipev")] == whole == [11, 13]
+    assert plots.count_boxes(fig) == 2 * 48 - sum(whole)  # one box per action, none for the W of a whole B
     labels = {t.get_text() for ax in fig.axes for t in ax.texts if t.get_gid() == plots.BOX_LABEL}
     assert {"F3.1", "W0.1", "B3", "BW1.1"} <= labels
 
