@@ -301,21 +301,16 @@ def _joined(order: Schedule, stages: int, microbatches: int, chunks: int) -> tup
     chunk-1 backward on rank 0 at p = 2 has exactly 1 of slack when passes are free and less when they are not."""
     place = Placement(stages, chunks, V)
     plans = [order(stages, microbatches, s, chunks) for s in range(stages)]
-    free: set[tuple[int, int]] | None = None  # (rank, index) of the Bs that can run whole at every cost so far
+    # The split Bs whose W follows at once, as (rank, index, micro-batch, virtual stage); each cost's clock then
+    # keeps those whose taker, if any, starts a W's compute after they end.
+    free = [(s, i, a.mb, place.virtual(s, a.chunk)) for s, plan in enumerate(plans) for i, a in enumerate(plan)
+            if a.kind == "B" and not a.whole and plan[i + 1:i + 2] == [Action("W", a.mb, a.chunk)]]
     for c in PASS_COSTS:
         events = replay(plans, place, t_f=1.0, t_b=2.0, t_w=1.0, t_pass=c)
-        start = {(e.kind, e.mb, place.virtual(e.stage, e.chunk)): e.start for e in events}
-        end = {(e.kind, e.mb, place.virtual(e.stage, e.chunk)): e.end for e in events}
-        ok = set()
-        for s, plan in enumerate(plans):
-            for i, a in enumerate(plan):
-                k = place.virtual(s, a.chunk)
-                if (a.kind == "B" and not a.whole and plan[i + 1:i + 2] == [Action("W", a.mb, a.chunk)]
-                        and (k == 0 or start[("B", a.mb, k - 1)] >= end[("B", a.mb, k)] + 1.0)):
-                    ok.add((s, i))
-        free = ok if free is None else free & ok
-    assert free is not None
-    return tuple(tuple(Action(a.kind, a.mb, a.chunk, a.whole or (s, i) in free) for i, a in enumerate(plan))
+        b = {(e.mb, place.virtual(e.stage, e.chunk)): e for e in events if e.kind == "B"}
+        free = [(s, i, mb, k) for s, i, mb, k in free if k == 0 or b[(mb, k - 1)].start >= b[(mb, k)].end + 1.0]
+    whole = {(s, i) for s, i, _, _ in free}
+    return tuple(tuple(Action(a.kind, a.mb, a.chunk, a.whole or (s, i) in whole) for i, a in enumerate(plan))
                  for s, plan in enumerate(plans))
 
 
