@@ -57,7 +57,7 @@ from shardwise.parallel.schedules import (
     peak_in_flight,
     simulate,
 )
-from shardwise.parallel.tp import parallelize
+from shardwise.parallel.tp import apply_tp
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 Step = Callable[[], None]
@@ -125,7 +125,7 @@ def _tp_plan(model: nn.Sequential) -> dict[str, str]:
 
 
 def ours_tp(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, m: int) -> Step:
-    model = parallelize(model.to(topo.device), _tp_plan(model), topo.comm(TP))  # type: ignore[arg-type]
+    model = apply_tp(model.to(topo.device), _tp_plan(model), topo.comm(TP))  # type: ignore[arg-type]
     return optimizer_step(model, ADAMW(model.parameters()), F.mse_loss, x, y)
 
 
@@ -302,7 +302,7 @@ def _tp_bytes_worker(rank: int, device: torch.device, path: str) -> None:
     block = Block(cfg)
     plan = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.proj": "rowwise",
             "mlp.fc1": "colwise", "mlp.fc2": "rowwise"}
-    parallelize(block, plan, topo.comm(TP))
+    apply_tp(block, plan, topo.comm(TP))
     x = torch.randn(8, 32, cfg.n_embd, requires_grad=True)
     s0, c0 = topo.stats.sent, topo.stats.calls
     block(x).sum().backward()

@@ -18,7 +18,7 @@ from torch import nn
 
 from shardwise.dims import TP
 from shardwise.fit.preflight import _to_meta
-from shardwise.parallel.tp import parallelize
+from shardwise.parallel.tp import apply_tp
 from shardwise.parallel.tp_plans import Plan, Style
 from shardwise.plan.trace import meta_copy
 
@@ -57,7 +57,7 @@ def check_plan(model: nn.Module, plan: Plan | dict[str, str | Style] | str | Non
     operation failed and how a plan adjusts per-rank attributes).
     """
     whole = meta_copy(model)
-    split = parallelize(meta_copy(model), plan, MetaComm(tp),  # type: ignore[arg-type]
+    split = apply_tp(meta_copy(model), plan, MetaComm(tp),  # type: ignore[arg-type]
                         sequence_parallel=sequence_parallel)
     if x is None:
         return

@@ -62,7 +62,7 @@ from shardwise.parallel.ddp import DDPModule, native_allreduce
 from shardwise.parallel.ep import ExpertParallel, apply_expert_parallel, set_token_group
 from shardwise.parallel.fsdp_module import FSDPModule
 from shardwise.parallel.pipeline import build_pipeline
-from shardwise.parallel.tp import parallelize as tensor_parallel
+from shardwise.parallel.tp import apply_tp
 from shardwise.parallel.zero import ShardedOptimizer
 from shardwise.parallel.zero_module import ZeROModule
 from shardwise.step import OptimizerFactory
@@ -212,11 +212,11 @@ def parallelize(model: nn.Module, optimizer_fn: OptimizerFactory, topo: Topology
                          "composed with tensor or pipeline parallelism (it needs real weights to split)")
     tp = topo.comm(TP)
 
-    def apply_tp(m: nn.Module, keep: Callable[[str], bool]) -> nn.Module:
-        return tensor_parallel(m, tp_plan, tp, keep, sequence_parallel=sequence_parallel)
+    def split_tp(m: nn.Module, keep: Callable[[str], bool]) -> nn.Module:
+        return apply_tp(m, tp_plan, tp, keep, sequence_parallel=sequence_parallel)
 
     pm = build_pipeline(model.to(topo.device), topo, split_points, chunks, tied,
-                        apply_tp if topo.size(TP) > 1 else None, shape)  # shape: the schedule's placement
+                        split_tp if topo.size(TP) > 1 else None, shape)  # shape: the schedule's placement
     if topo.size(CP) > 1:
         pm.context = ContextParallel(topo.comm(CP), cp_mode)
         for chunk in pm.chunks:

@@ -24,7 +24,7 @@ becomes a reduce-scatter plus an all-gather of the same bytes:
 
 Which modules play which part is per model family, in the plan's
 :class:`~shardwise.parallel.tp_plans.SequenceLayout`;
-:func:`shardwise.parallel.tp.parallelize` builds the layers and calls
+:func:`shardwise.parallel.tp.apply_tp` builds the layers and calls
 :func:`apply_sequence_parallel` for the hooks. Collectives are named
 ``tp.sp_gather``, ``tp.sp_reduce_scatter`` and ``tp.sp_scatter`` (they replace
 plain tp's ``tp.f`` and ``tp.g``: per layer, the same bytes) and
@@ -104,7 +104,7 @@ def apply_sequence_parallel(model: nn.Module, layout: SequenceLayout, comm: Comm
     """Install the region's boundaries and the norms' gradient sums on ``model`` (already tensor-parallel).
 
     The layers' own part (column-parallel without ``f``, row-parallel and embedding reduce-scatters) is set
-    when :func:`shardwise.parallel.tp.parallelize` builds them. ``keep(name)`` limits the hooks to this
+    when :func:`shardwise.parallel.tp.apply_tp` builds them. ``keep(name)`` limits the hooks to this
     pipeline stage's modules; when the layout is not ``stage_safe`` and a stage holds only part of the model,
     this raises. Returns the hooks' handles.
     """

@@ -59,7 +59,7 @@ from shardwise.parallel.tp_plans import (
 
 
 # ---- applying a plan -----------------------------------------------------------
-def parallelize(model: nn.Module, plan: Plan | dict[str, str | Style] | str | None, comm: Comm,
+def apply_tp(model: nn.Module, plan: Plan | dict[str, str | Style] | str | None, comm: Comm,
                 keep: Callable[[str], bool] | None = None, sequence_parallel: bool = False) -> nn.Module:
     """Replace the modules ``plan`` names by their tensor-parallel versions, in place.
 
@@ -180,4 +180,4 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, tp: Comm | 
                             [(tp, "tp.clip"), (pp, "pp.clip")], device)
 
 
-__all__ = ["Plan", "SequenceLayout", "Style", "STYLES", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "parallelize", "plan_for", "gpt_plan", "gpt2_plan", "llama_plan", "mlp_plan", "gather_state", "clip_grad_norm_", "counts_in_norm", "gather_tensor", "tp_spec"]
+__all__ = ["Plan", "SequenceLayout", "Style", "STYLES", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "apply_tp", "plan_for", "gpt_plan", "gpt2_plan", "llama_plan", "mlp_plan", "gather_state", "clip_grad_norm_", "counts_in_norm", "gather_tensor", "tp_spec"]

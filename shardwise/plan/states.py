@@ -5,13 +5,13 @@ count or a shape. For a real module this module repeats the construction
 instead, on a copy of the model that holds no data (every tensor on the meta
 device), so the prediction cannot drift from what the strategies build:
 
-1. the pipeline split of :func:`shardwise.parallelize.parallelize`: the same
+1. the pipeline split of :func:`shardwise.parallel.parallelize.parallelize`: the same
    pipeline layers (:func:`~shardwise.parallel.pipeline.pipeline_layers`), the
    same stage boundaries (:func:`~shardwise.parallel.pipeline.stage_starts`,
    balanced by parameter count before any split), chunk ``r + c * pp`` on
    pipeline rank ``r``;
 2. the tensor-parallel split of that rank's modules with the model's plan
-   (:func:`shardwise.parallel.tp.parallelize` on a stand-in tp group), which
+   (:func:`shardwise.parallel.tp.apply_tp` on a stand-in tp group), which
    gives every local parameter its shape and the size of the storage behind it;
 3. the byte conventions of the data-parallel family over dp (one ZeRO-1
    wrapper over all chunks, one ZeRO-2/FSDP/DDP wrapper per chunk), whose
@@ -49,7 +49,7 @@ from shardwise.layout import RunLayout
 from shardwise.parallel.ep import EXPERT_WEIGHTS, expert_modules
 from shardwise.parallel.pipeline import stage_starts
 from shardwise.parallel.pipeline_layers import stage_layers
-from shardwise.parallel.tp import parallelize as tensor_parallel
+from shardwise.parallel.tp import apply_tp
 from shardwise.plan.trace import meta_copy as copy_to_meta
 
 # Strategies whose state this module can lay out, by how the whole model is wrapped.
@@ -189,7 +189,7 @@ def local_chunks(model: nn.Module, layout: RunLayout, tp_plan: Any = None,
             raise NotModelled(f"strategy {layout.strategy!r} with pp={layout.pp}")
         m = meta_copy(model)
         if tp > 1:
-            _split(tensor_parallel, m, tp_plan, tp, None)
+            _split(apply_tp, m, tp_plan, tp, None)
         return [[_params([m], _split_experts(m, ep))]]
     p, v = layout.pp, layout.chunks
     try:
@@ -205,7 +205,7 @@ def local_chunks(model: nn.Module, layout: RunLayout, tp_plan: Any = None,
         if tp > 1:
             # As build_pipeline does: only this rank's modules are split (every tp rank's shapes are equal).
             keep = {id(x) for k in mine for _, layer in layers[bounds[k]:bounds[k + 1]] for x in layer.modules()}
-            _split(tensor_parallel, m, tp_plan, tp, _member(m, keep))
+            _split(apply_tp, m, tp_plan, tp, _member(m, keep))
             layers = stage_layers(m, p * v)
         experts = _split_experts(m, ep)  # after tp, as parallelize orders them (our tp plans leave experts whole)
         out.append([_params((layer for _, layer in layers[bounds[k]:bounds[k + 1]]), experts) for k in mine])

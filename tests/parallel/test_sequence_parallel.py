@@ -23,7 +23,7 @@ from shardwise.comm.autograd import (
 from shardwise.comm.topology import Topology
 from shardwise.models import GPT, GPTConfig
 from shardwise.parallel.checkpointing import apply_activation_checkpointing, track_saved_activations
-from shardwise.parallel.tp import gather_tensor, parallelize, tp_spec
+from shardwise.parallel.tp import apply_tp, gather_tensor, tp_spec
 from shardwise.workloads import CharText, stdlib_text
 
 pytestmark = [pytest.mark.float64, pytest.mark.timeout(300)]
@@ -117,7 +117,7 @@ def _split_equals_whole(rank: int, device: torch.device, kinds: list[str]) -> No
     weights = torch.randn(3, 16, 128, generator=g)            # a loss that weighs every output differently
     for kind in kinds:
         whole = WHOLE[kind]()
-        split = parallelize(copy.deepcopy(whole), None, comm, sequence_parallel=True)
+        split = apply_tp(copy.deepcopy(whole), None, comm, sequence_parallel=True)
         outs = []
         for m in (whole, split):
             out = m(ids)
@@ -266,7 +266,7 @@ def block_saved_bytes(b: int, s: int, h: int, a: int, t: int, sp: bool, item: in
 def _block_activations(rank: int, device: torch.device, sp: bool, path: str) -> None:
     world = torch.distributed.get_world_size()
     topo = Topology.create(device, dp=1, tp=world)
-    model = parallelize(make_gpt(), None, topo.comm("tp"), sequence_parallel=sp)
+    model = apply_tp(make_gpt(), None, topo.comm("tp"), sequence_parallel=sp)
     b, s = 4, CFG.block_size
     x = torch.randn(b, s // world if sp else s, CFG.n_embd, generator=torch.Generator().manual_seed(rank),
                     requires_grad=True)
@@ -308,7 +308,7 @@ def test_a_sequence_that_does_not_split_is_refused_with_the_fix(no_spawn):
         check_sequence_split(15, fake)  # type: ignore[arg-type]
     assert str(e.value) == INDIVISIBLE
     # The model's first sequence-parallel operation (the embedding's reduce-scatter) checks before it talks.
-    model = parallelize(make_gpt(), None, fake, sequence_parallel=True)  # type: ignore[arg-type]
+    model = apply_tp(make_gpt(), None, fake, sequence_parallel=True)  # type: ignore[arg-type]
     with pytest.raises(ValueError) as e:
         model(torch.zeros(2, 15, dtype=torch.long))
     assert str(e.value) == INDIVISIBLE
@@ -332,4 +332,4 @@ def test_a_plan_without_a_sequence_layout_is_refused():
 
     with pytest.raises(ValueError, match=r"sequence parallel: the 'mlp' tensor-parallel plan has no sequence "
                                          r"layout .* give your Plan a SequenceLayout"):
-        parallelize(MLP(), None, types.SimpleNamespace(size=2, rank=0), sequence_parallel=True)  # type: ignore
+        apply_tp(MLP(), None, types.SimpleNamespace(size=2, rank=0), sequence_parallel=True)  # type: ignore

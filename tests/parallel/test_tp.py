@@ -19,7 +19,7 @@ from shardwise.comm.autograd import (
 )
 from shardwise.comm.topology import Topology
 from shardwise.models import GPT, Block, GPTConfig, lm_loss
-from shardwise.parallel.tp import gather_tensor, parallelize, tp_spec
+from shardwise.parallel.tp import apply_tp, gather_tensor, tp_spec
 from shardwise.parallel.tp_layers import shard_tensor
 from shardwise.strategies.tp import TP
 from shardwise.workloads import CharText, stdlib_text
@@ -156,7 +156,7 @@ def _forward_backward(rank: int, device: torch.device, kinds: list[str]) -> None
     tgt = torch.randint(0, 128, (3, 16), generator=g)
     for kind in kinds:
         ref = MAKERS[kind]()
-        model = parallelize(copy.deepcopy(ref), None, comm)
+        model = apply_tp(copy.deepcopy(ref), None, comm)
         assert any(tp_spec(p) is not None for p in model.parameters()), kind
         out_ref, out = ref(ids), model(ids)
         out_ref, out = getattr(out_ref, "logits", out_ref), getattr(out, "logits", out)
@@ -222,7 +222,7 @@ def _block_bytes(rank: int, device: torch.device, needs_grad: bool, path: str) -
     block = Block(CFG)
     plan = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.proj": "rowwise",
             "mlp.fc1": "colwise", "mlp.fc2": "rowwise"}
-    parallelize(block, plan, topo.comm("tp"))
+    apply_tp(block, plan, topo.comm("tp"))
     x = torch.randn(8, 16, CFG.n_embd, generator=torch.Generator().manual_seed(1)).requires_grad_(needs_grad)
     before = topo.stats.sent, topo.stats.calls
     block(x).sum().backward()
@@ -255,20 +255,20 @@ FAKE4 = types.SimpleNamespace(size=4, rank=0)
 ])
 def test_indivisible_sizes_say_which_number_and_why(model, message):
     with pytest.raises(ValueError, match=message):
-        parallelize(model(), None, FAKE4)
+        apply_tp(model(), None, FAKE4)
 
 
 def test_indivisible_hidden_size_in_a_custom_plan():
     net = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 8))
     with pytest.raises(ValueError, match=r"the output size of '0' is 6, not divisible by tp=4 \(6 % 4 = 2\): a "
                                          r"column-parallel layer gives every rank an equal slice"):
-        parallelize(net, {"0": "colwise", "2": "rowwise"}, FAKE4)
+        apply_tp(net, {"0": "colwise", "2": "rowwise"}, FAKE4)
     with pytest.raises(ValueError, match=r"plan pattern\(s\) \['3'\] match no module of Sequential"):
-        parallelize(net, {"3": "colwise"}, FAKE4)
+        apply_tp(net, {"3": "colwise"}, FAKE4)
     with pytest.raises(ValueError, match=r"unknown tensor-parallel style 'diagonal'"):
-        parallelize(net, {"0": "diagonal"}, FAKE4)
+        apply_tp(net, {"0": "diagonal"}, FAKE4)
     with pytest.raises(ValueError, match=r"no built-in tensor-parallel plan for Sequential"):
-        parallelize(net, None, FAKE4)
+        apply_tp(net, None, FAKE4)
 
 
 def test_mlp_builtin_plan_pairs_hidden_layers_and_trains_like_single(same_run):
