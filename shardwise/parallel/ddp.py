@@ -29,6 +29,7 @@ from torch.utils.hooks import RemovableHandle
 from shardwise.comm import Comm, Handle
 from shardwise.comm.streams import SideStream
 from shardwise.data import leaves
+from shardwise.parallel.buckets import DDP_BUCKET_MB
 from shardwise.parallel.ep import is_expert
 
 AllReduceFn = Callable[[torch.Tensor, Comm, str], Handle]
@@ -198,7 +199,7 @@ class GradSync:
 class DDPModule(GradSync, nn.Module):
     """Wrap ``module`` so that backward leaves gradients averaged over ``comm``'s group."""
 
-    def __init__(self, module: nn.Module, comm: Comm, bucket_cap_mb: float = 25.0,
+    def __init__(self, module: nn.Module, comm: Comm, bucket_cap_mb: float = DDP_BUCKET_MB,
                  find_unused_parameters: bool = False, allreduce: AllReduceFn = native_allreduce,
                  reduce_dtype: torch.dtype | None = None, expert_comm: Comm | None = None) -> None:
         super().__init__()

@@ -56,6 +56,7 @@ from shardwise.comm import Comm
 from shardwise.comm.topology import Topology
 from shardwise.dims import CP, DP, DP_CP, DP_REPLICATE, DP_SHARD_CP, EDP, EP, TP
 from shardwise.layout import check_data_parallel
+from shardwise.parallel.buckets import DDP_BUCKET_MB, ZERO_BUCKET_MB
 from shardwise.parallel.cp import ContextParallel, apply_context_parallel
 from shardwise.parallel.cp_attention import RING
 from shardwise.parallel.ddp import DDPModule, native_allreduce
@@ -78,7 +79,7 @@ class DataParallelOptions:
 
     zero: int = 0
     replicate: int = 1
-    bucket_cap_mb: float | None = None   # None: each wrapper's default (DDP 25, ZeRO 4)
+    bucket_cap_mb: float | None = None   # None: each wrapper's default (parallel/buckets.py)
     collectives: str = "auto"            # ZeRO/FSDP: "native", "p2p" or "auto"
     offload: str = "none"
     offload_device: str = "cpu"
@@ -152,12 +153,12 @@ def wrap_module(module: nn.Module, topo: Topology, opts: DataParallelOptions) ->
     # MoE layers count their load-balancing loss's expert fractions over every rank the gradients average over.
     set_token_group(module, topo.comm(DP_CP))
     if opts.zero == 0:
-        return DDPModule(module, topo.comm(DP_CP), bucket_cap_mb=opts.bucket_cap_mb or 25.0,
+        return DDPModule(module, topo.comm(DP_CP), bucket_cap_mb=opts.bucket_cap_mb or DDP_BUCKET_MB,
                          find_unused_parameters=opts.find_unused_parameters,
                          allreduce=opts.allreduce or native_allreduce, reduce_dtype=opts.reduce_dtype,
                          expert_comm=experts)
     if opts.zero in (1, 2):
-        return ZeROModule(module, topo.comm(DP_CP), stage=opts.zero, bucket_cap_mb=opts.bucket_cap_mb or 4.0,
+        return ZeROModule(module, topo.comm(DP_CP), stage=opts.zero, bucket_cap_mb=opts.bucket_cap_mb or ZERO_BUCKET_MB,
                           collectives=opts.collectives,
                           offload_device=opts.offload_device if opts.offload == "optimizer" else None,
                           expert_comm=experts)

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from shardwise.comm import Comm
+from shardwise.parallel.buckets import ZERO_BUCKET_MB
 from shardwise.parallel.ddp import GradSync, bucket_params, by_group, check_same_parameters, group_of
 from shardwise.parallel.sharding import (
     FlatLayout,
@@ -102,7 +103,7 @@ class ZeROModule(GradSync, nn.Module):
     the optimizer step (or the clip) instead.
     """
 
-    def __init__(self, module: nn.Module, comm: Comm, stage: int = 2, bucket_cap_mb: float = 4.0,
+    def __init__(self, module: nn.Module, comm: Comm, stage: int = 2, bucket_cap_mb: float = ZERO_BUCKET_MB,
                  collectives: str = "auto", offload_device: torch.device | str | None = None,
                  expert_comm: Comm | None = None) -> None:
         super().__init__()
@@ -149,6 +150,10 @@ class ZeROModule(GradSync, nn.Module):
             # (e.g. pipeline chunks run directly, composition) is reduced at the step.
             self._armed = True
         return self.module(*args, **kwargs)
+
+    def shard_sources(self) -> dict[nn.Parameter, nn.Parameter]:
+        """Each shard parameter the optimizer steps -> the model's parameter it is a piece of."""
+        return {s: p for b in self.buckets for p, s in zip(b.params, b.shards)}
 
     def shard_grads(self) -> list[torch.Tensor]:
         """This rank's reduced gradient pieces (one flat padded buffer per bucket)."""

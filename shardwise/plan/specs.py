@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, replace
 
 from shardwise.dims import CP, DP, EP, PP, TP
+from shardwise.parallel.buckets import DDP_BUCKET_MB
 
 PRECISIONS = ("fp32", "bf16-mixed")
 OPTIMIZERS = ("adamw", "sgd", "sgd-momentum")
@@ -134,7 +135,7 @@ class TrainingSpec:
     offload: str = "none"
     no_sync: bool = False
     autocast: bool = False
-    bucket_bytes: int = 25 * 2**20  # DDP's default bucket_cap_mb=25
+    bucket_bytes: int = int(DDP_BUCKET_MB * 2**20)  # the runtime's DDP default, in bytes
 
     def __post_init__(self) -> None:
         for name, value, allowed in (("precision", self.precision, PRECISIONS),

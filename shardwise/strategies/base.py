@@ -1,6 +1,6 @@
 """The strategy base class and the capabilities the fit asks a strategy for.
 
-A strategy object carries its own options (``sw.DDP(bucket_cap_mb=25)``) and
+A strategy object carries its own options (``sw.DDP(bucket_cap_mb=50)``) and
 decides what the Trainer does not: its layout on a device count (one method,
 :meth:`Strategy.layout`), how to wrap the model and optimizer on a
 :class:`~shardwise.comm.topology.Topology`, and how one optimizer step's
@@ -25,6 +25,7 @@ from shardwise.data import leaves, to_device
 from shardwise.dims import DP
 from shardwise.layout import RunLayout
 from shardwise.parallel.accounting import model_state_tensors, with_optimizer_states
+from shardwise.param_groups import named_params
 from shardwise.parallel.ddp import GradSync
 from shardwise.precision import widened
 from shardwise.step import LossFn, OptimizerFactory, StepRun, call_model, set_aux_grad_scale, unwrap
@@ -69,6 +70,11 @@ class Strategy:
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
         model = model.to(topo.device)
         return model, optimizer_fn(model.parameters())
+
+    def param_names(self, model: nn.Module) -> dict[int, str]:
+        """``id(tensor) -> name`` in the unsplit model for every tensor :meth:`setup` gave the optimizer factory
+        (parameters, tensor-parallel slices, ZeRO/FSDP shards), so that parameter groups follow them."""
+        return named_params(unwrap(model).named_parameters(remove_duplicate=False), [model])
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Suppress gradient communication for a non-final micro-batch: the wrapper's own

@@ -14,6 +14,7 @@ import torch
 
 from shardwise.comm.algorithms import ALGORITHMS
 from shardwise.comm.topology import Topology
+from shardwise.parallel.buckets import DDP_BUCKET_MB
 from shardwise.parallel.ddp import native_allreduce
 from shardwise.parallel.parallelize import DataParallelOptions
 from shardwise.strategies.data_parallel import DataParallel
@@ -24,7 +25,7 @@ from shardwise.strategies.data_parallel import DataParallel
 class DDP(DataParallel):
     """Our distributed data parallel (see :mod:`shardwise.parallel.ddp`)."""
 
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float = DDP_BUCKET_MB
     find_unused_parameters: bool = False
     allreduce: str = "native"
     reduce_dtype: str | None = None  # e.g. "bfloat16": gradients travel in this dtype

@@ -14,6 +14,7 @@ from torch import nn
 
 from shardwise.comm.topology import Topology
 from shardwise.layout import RunLayout
+from shardwise.parallel.buckets import ZERO_BUCKET_MB
 from shardwise.parallel.parallelize import DataParallelOptions
 from shardwise.parallel.zero import check_offload
 from shardwise.strategies.data_parallel import DataParallel, on_meta
@@ -43,7 +44,7 @@ class ZeRO1(DataParallel):
         offload_device: where offloaded state lives (default ``"cpu"``).
     """
 
-    bucket_cap_mb: float = 4.0
+    bucket_cap_mb: float = ZERO_BUCKET_MB
     collectives: str = "auto"
     offload: str = "none"
     offload_device: str = "cpu"
