@@ -36,6 +36,14 @@ from shardwise import precision as precision_mod
 from shardwise.checkpoint import store as checkpoint
 from shardwise.comm.topology import Topology, backend_for, pick_device
 from shardwise.dims import DP, PP
+from shardwise.param_groups import (
+    GroupedFactory,
+    ParamGroupsFn,
+    apply_hyper,
+    check_whole,
+    plan_groups,
+    splits_parameters,
+)
 from shardwise.parallel.sync_bn import convert_sync_batchnorm
 from shardwise.step import LossFn, OptimizerFactory, StepRun, iter_chunks
 from shardwise.strategies.base import HasServers, Strategy
@@ -105,10 +113,15 @@ _PREPARED: weakref.WeakSet[Prepared] = weakref.WeakSet()
 
 
 def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Strategy = "ddp",
-          accelerator: str = "auto", precision: str = "32", sync_batchnorm: bool = False
-          ) -> tuple[Prepared, torch.optim.Optimizer]:
+          accelerator: str = "auto", precision: str = "32", sync_batchnorm: bool = False,
+          param_groups: ParamGroupsFn | None = None) -> tuple[Prepared, torch.optim.Optimizer]:
     """Apply ``strategy`` to ``model`` inside the running group (``sw.init()``); returns the prepared model and
     the optimizer ``optimizer_fn`` builds over the parameters this rank holds.
+
+    The optimizer's parameter groups (those ``optimizer_fn`` makes, or ``param_groups(model)``'s) are decided
+    on the unsplit model and carried onto what this rank holds, as in the Trainer
+    (:mod:`shardwise.param_groups`): ``optimizer.param_groups`` has the same groups on every rank, a group this
+    rank holds nothing of empty, so a loop that sets ``g["lr"]`` on each works under every strategy.
 
     ``precision``: ``"32"`` or ``"bf16-mixed"`` (autocast in the model's forward; fp32 master weights). fp16
     needs a loss scaler that a hand-written loop would have to drive: use the Trainer for ``"16-mixed"``.
@@ -129,11 +142,17 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
                          f"sw.Trainer({strat.name!r}, devices=N).fit(...)")
     device = init(accelerator)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    topo = Topology.create(device, strat.layout(world).dims)
+    layout = strat.layout(world)
+    groups, probe = plan_groups(model, optimizer_fn, param_groups)
+    strat.check_optimizer(probe)
+    check_whole(probe, strat.name, splits_parameters(layout))
+    topo = Topology.create(device, layout.dims)
     shapes, aliases = checkpoint.model_shapes(model), checkpoint.tied_aliases(model)
     if sync_batchnorm and topo.size(DP) > 1:
         convert_sync_batchnorm(model, topo.comm(DP))
-    inner, opt = strat.setup(model, optimizer_fn, topo)
+    grouped = GroupedFactory(optimizer_fn, groups)
+    inner, opt = strat.setup(model, grouped, topo)
+    grouped.finish(strat.param_names(inner))
     prepared = Prepared(inner, strat, topo, precision, shapes, aliases)
     _PREPARED.add(prepared)
     _guard_torch_clip()
@@ -273,7 +292,10 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.Path
         if newest is None:
             raise FileNotFoundError(f"no intact checkpoint under {p}")
         p = newest
-    return checkpoint.load(p, m.strategy, m.module, optimizer, m.topo, m.shapes).step
+    restored = checkpoint.load(p, m.strategy, m.module, optimizer, m.topo, m.shapes)
+    if restored.groups:  # each group's lr and settings as saved (torch's load_state_dict does the same)
+        apply_hyper(optimizer, restored.groups)
+    return restored.step
 
 
 @contextlib.contextmanager

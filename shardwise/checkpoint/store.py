@@ -44,6 +44,7 @@ from torch import nn
 from shardwise.checkpoint.held import Held, named_state
 from shardwise.comm.topology import Topology
 from shardwise.dims import CP, EP, SIZES, SPLIT_BY, TP
+from shardwise.param_groups import json_hyper
 from shardwise.step import unwrap
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -56,9 +57,16 @@ class Restored:
     losses: list[float]
     path: str
     extra: dict[str, torch.Tensor]  # run state beside the model (e.g. "scaler": the fp16 loss scaler)
+    # Each parameter group's hyperparameters when it was saved (an lr a schedule or a callback changed), but
+    # those this run starts with other values (format 3; None for format 2).
+    groups: list[dict[str, Any]] | None = None
 
 
-FORMAT = 2  # 1: shardwise < issue 13, every tensor flattened to 1-D (not readable by this version)
+# 1: shardwise < issue 13, every tensor flattened to 1-D (not readable by this version).
+# 2: every tensor under its global shape. 3: format 2, and the manifest keeps each parameter group's
+# hyperparameters at the save ("param_groups") and the groups' members in the run record (read: 2 and 3).
+FORMAT = 3
+READS = (2, 3)
 # The manifest's "sizes": dims.SIZES and cp, in the order messages name them (dp, cp, tp, pp), then ep. A manifest
 # written before cp or ep existed has no such key (shown as "?" by `shardwise checkpoint ls`).
 MANIFEST_SIZES: tuple[str, ...] = tuple(d for d in SPLIT_BY if d in SIZES or d == CP) + (EP,)
@@ -150,11 +158,13 @@ def materialize(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
             p.grad = grad
 
 
-def run_info(model: nn.Module, optimizer: torch.optim.Optimizer, batch_size: int, precision: str) -> dict[str, Any]:
+def run_info(model: nn.Module, optimizer: torch.optim.Optimizer, batch_size: int, precision: str,
+             groups: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """What a checkpoint records about the run that wrote it, for the checks of a resume and for export.
 
     ``optimizer`` is a probe built from the run's optimizer factory (its class
-    and hyperparameters); for a Hugging Face model, its class and config, so
+    and hyperparameters), ``groups`` its parameter groups as they start
+    (:meth:`shardwise.param_groups.GroupPlan.record`); for a Hugging Face model, its class and config, so
     ``shardwise checkpoint export`` can write a directory ``from_pretrained`` loads.
     """
     m = unwrap(model)
@@ -162,7 +172,8 @@ def run_info(model: nn.Module, optimizer: torch.optim.Optimizer, batch_size: int
         "batch_size": batch_size, "precision": precision,
         "optimizer": {"class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
                       "defaults": {k: v for k, v in optimizer.defaults.items()
-                                   if isinstance(v, (int, float, str, bool, type(None), list, tuple))}},
+                                   if isinstance(v, (int, float, str, bool, type(None), list, tuple))},
+                      **({"groups": groups} if groups is not None else {})},
         "model": {"class": f"{type(m).__module__}.{type(m).__qualname__}"},
     }
     config = getattr(m, "config", None)
@@ -195,10 +206,10 @@ def read_manifest(path: str) -> dict[str, Any]:
 def current_manifest(path: str) -> dict[str, Any]:
     """The manifest of a checkpoint in the format this shardwise reads; another format is refused."""
     manifest = read_manifest(path)
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"checkpoint {path} has format {manifest.get('format')}, this shardwise reads format "
-                         f"{FORMAT} (every tensor under its global shape); format 1 was written by shardwise before "
-                         "layout-free checkpoints and is not converted")
+    if manifest.get("format") not in READS:
+        raise ValueError(f"checkpoint {path} has format {manifest.get('format')}, this shardwise reads formats "
+                         f"{' and '.join(map(str, READS))} (every tensor under its global shape); format 1 was written "
+                         "by shardwise before layout-free checkpoints and is not converted")
     return manifest
 
 
@@ -232,14 +243,32 @@ def check_resume(directory: str, info: dict[str, Any], max_steps: int) -> str | 
         raise ValueError(f"checkpoint {path} was written with optimizer {was['class']}, this run uses "
                          f"{now['class']}: the optimizer states in the checkpoint do not fit another optimizer; "
                          f"use {was['class']} (or resume=False to start over)")
-    changed = [f"{k} {was['defaults'].get(k)!r} -> {now['defaults'].get(k)!r}"
-               for k in sorted(set(was["defaults"]) | set(now["defaults"]))
-               if json.loads(json.dumps(now["defaults"].get(k))) != was["defaults"].get(k)]
+    changed = _changed(was["defaults"], now["defaults"], "")
+    if "groups" in was and "groups" in now:
+        _check_groups(path, was["groups"], now["groups"])
+        for i, (w, n) in enumerate(zip(was["groups"], now["groups"])):
+            changed += _changed(w["hyper"], n["hyper"], f"group {i} ")
     if changed:
         warnings.warn(f"resuming {path} with other optimizer settings ({', '.join(changed)}): the steps after "
                       f"{step} use the new values, so the run is not the one the checkpoint started",
                       stacklevel=3)
     return path
+
+
+def _changed(was: dict[str, Any], now: dict[str, Any], where: str) -> list[str]:
+    return [f"{where}{k} {was.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(was) | set(now))
+            if json.loads(json.dumps(now.get(k))) != was.get(k)]
+
+
+def _check_groups(path: str, was: list[dict[str, Any]], now: list[dict[str, Any]]) -> None:
+    """Refuse a resume whose parameter groups hold other parameters than the saved run's."""
+    if [g["params"] for g in was] == [g["params"] for g in now]:
+        return
+    sizes = lambda groups: ", ".join(str(len(g["params"])) for g in groups)  # noqa: E731
+    raise ValueError(f"checkpoint {path} was written with other parameter groups: {len(was)} groups of "
+                     f"{sizes(was)} parameters there, {len(now)} groups of {sizes(now)} here; each group's "
+                     "settings (a learning rate changed during the run) belong to its parameters, so build the "
+                     "saved run's groups (or pass resume=False to start over)")
 
 
 def _state(strat: Checkpointed, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology,
@@ -280,7 +309,8 @@ def save(directory: str, step: int, losses: list[float], strat: Checkpointed, mo
     _barrier(topo)
     if topo.rank == 0:
         files = {f: _sha256(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))}
-        manifest = {"format": FORMAT, "step": step, "world_size": topo.world_size, "strategy": strat.name,
+        manifest = {"format": FORMAT, "step": step,
+                    "param_groups": [json_hyper(g) for g in optimizer.param_groups], "world_size": topo.world_size, "strategy": strat.name,
                     "sizes": {d: topo.size(d) for d in MANIFEST_SIZES}, "shapes": shapes,
                     "aliases": aliases or {}, "run": run or {},
                     "extra": {k: [list(v.shape), str(v.dtype).replace("torch.", "")] for k, v in (extra or {}).items()},
@@ -349,8 +379,12 @@ def check_compatible(path: str, shapes: dict[str, list[int]], manifest: dict[str
 
 
 def load(path: str, strat: Checkpointed, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology,
-         shapes: dict[str, list[int]]) -> Restored:
-    """Restore model, optimizer, step, loss history and RNG from ``path`` in place (collective)."""
+         shapes: dict[str, list[int]], run: dict[str, Any] | None = None) -> Restored:
+    """Restore model, optimizer, step, loss history and RNG from ``path`` in place (collective).
+
+    The parameter groups' saved hyperparameters come back in :attr:`Restored.groups` (the caller sets them
+    once its schedule is rebuilt), but those whose starting value differs in ``run`` (this run's record).
+    """
     dcp, pieces = _dcp()
     manifest = current_manifest(path)
     check_compatible(path, shapes, manifest)
@@ -369,7 +403,20 @@ def load(path: str, strat: Checkpointed, model: nn.Module, optimizer: torch.opti
         dcp.load(state, checkpoint_id=path, planner=pieces.LoadPlanner())
     torch.set_rng_state(state["trainer.rng"])
     return Restored(step=int(state["trainer.step"]), losses=[float(v) for v in state["trainer.losses"]], path=path,
-                    extra=extra)
+                    extra=extra, groups=resumed_hyper(manifest, run))
+
+
+def resumed_hyper(manifest: dict[str, Any], run: dict[str, Any] | None) -> list[dict[str, Any]] | None:
+    """The saved groups' hyperparameters a resume restores: each one whose value this run starts with is the one
+    the saved run started with (a value changed on purpose stays changed; :func:`check_resume` warns)."""
+    saved = manifest.get("param_groups")
+    if saved is None:
+        return None
+    was = [g["hyper"] for g in manifest.get("run", {}).get("optimizer", {}).get("groups", [])]
+    now = [g["hyper"] for g in (run or {}).get("optimizer", {}).get("groups", [])]
+    if len(was) != len(saved) or len(now) != len(saved):
+        return saved
+    return [{k: v for k, v in g.items() if w.get(k) == n.get(k)} for g, w, n in zip(saved, was, now)]
 
 
 def resume_point(directory: str, topo: Topology) -> str | None:

@@ -6,7 +6,10 @@
 
 * ``on_step_end(info)`` after every optimizer step: ``info.step`` steps done,
   ``info.loss`` this rank's loss of the step (None on a rank that computes
-  none: a pipeline stage but the last, a tensor-parallel rank but the first);
+  none: a pipeline stage but the last, a tensor-parallel rank but the first),
+  ``info.optimizer`` this rank's optimizer: its ``param_groups`` are the run's
+  groups on every rank and strategy (a group this rank holds nothing of is
+  empty), so setting ``g["lr"]`` there changes the run, and checkpoints keep it;
 * ``on_validation_end(info)`` after each validation: ``info.metrics`` the
   GLOBAL metrics of this validation (``val_loss`` and each ``val_metrics``
   name; equal on every rank), ``info.history`` every validation of the run so
@@ -91,6 +94,7 @@ class CallbackInfo:
     losses: list[float] | None = None
     stop_reason: str | None = None
     control: Control | None = field(default=None, repr=False)
+    optimizer: torch.optim.Optimizer | None = field(default=None, repr=False)
 
     def stop(self, reason: str = "stopped by a callback") -> None:
         """Ask the run to stop after this step (every rank stops at the same step; see the module docstring)."""

@@ -25,6 +25,7 @@ from shardwise.fit.callbacks import check_picklable
 from shardwise.fit.evaluate import Validation, check_validation, make_validation
 from shardwise.fit.options import FitOptions, SchedulerFactory
 from shardwise.fit.tp_check import check_plan
+from shardwise.param_groups import GroupPlan, ParamGroupsFn, check_whole, plan_groups, splits_parameters
 from shardwise.parallel.cp import check_context_parallel, shard_batch
 from shardwise.parallel.ep import warn_local_aux
 from shardwise.parallel.sync_bn import batchnorm_layers
@@ -33,10 +34,10 @@ from shardwise.strategies.base import HasServers, HasTPPlan, SplitsModel, Strate
 
 
 def validate(t: FitOptions, model: nn.Module, dataset: Any, batch_size: int, max_steps: int,
-             optimizer: OptimizerFactory, loss_fn: LossFn,
-             lr_scheduler: SchedulerFactory | None = None) -> dict[str, Any]:
+             optimizer: OptimizerFactory, loss_fn: LossFn, lr_scheduler: SchedulerFactory | None = None,
+             param_groups: ParamGroupsFn | None = None) -> tuple[dict[str, Any], GroupPlan]:
     """Everything that can be checked before any process starts or blocks; returns the run's record
-    for checkpoints (:func:`shardwise.checkpoint.run_info`)."""
+    for checkpoints (:func:`shardwise.checkpoint.run_info`) and the optimizer's parameter groups."""
     if max_steps < 1:
         raise ValueError(f"max_steps must be >= 1, got {max_steps}")
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -73,22 +74,28 @@ def validate(t: FitOptions, model: nn.Module, dataset: Any, batch_size: int, max
         check_plan(model, tp_plan(t.strategy), t.layout.tp, shard_batch(batch[0], t.layout.cp, 0),
                    sequence_parallel=t.layout.sequence_parallel)
     check_devices(t)
-    probe = optimizer([nn.Parameter(torch.zeros(1))])
-    if not isinstance(probe, torch.optim.Optimizer):
-        raise TypeError("optimizer must be a factory that returns a torch.optim.Optimizer when called with "
-                        "parameters, e.g. functools.partial(torch.optim.AdamW, lr=1e-3); got "
-                        f"{type(probe).__name__}")
-    t.strategy.check_optimizer(probe)
+    groups, probe = plan_groups(model, optimizer, param_groups)  # the groups, on the unsplit model
+    check_groups(t, probe, groups)
     if lr_scheduler is not None:
         check_scheduler(lr_scheduler, probe, t.strategy)
-    info = checkpoint.run_info(model, probe, batch_size, t.precision)
+    info = checkpoint.run_info(model, probe, batch_size, t.precision, groups.record())
     if t.checkpoint_dir is not None:
         checkpoint.check_directory(t.checkpoint_dir)
         if t.resume:
             checkpoint.check_resume(t.checkpoint_dir, info, max_steps)
     if t.memory_check != "off":
         check_memory(t, model, probe, batch_size)
-    return info
+    return info, groups
+
+
+def check_groups(t: FitOptions, probe: torch.optim.Optimizer, groups: GroupPlan) -> None:
+    """The optimizer runs the same maths on what this strategy gives it as on whole parameters."""
+    t.strategy.check_optimizer(probe)
+    check_whole(probe, t.strategy.name, splits_parameters(t.layout))
+    if t.layout.servers and groups.distinct() > 1:
+        raise ValueError(f"strategy {t.strategy.name!r} steps one flat range of every parameter per server, so it "
+                         f"cannot give parameter groups different settings ({groups.distinct()} here); use 'ddp', "
+                         "'zero1'/'zero2' or 'fsdp', which carry each group onto the pieces of its parameters")
 
 
 def check_batchnorm(t: FitOptions, model: nn.Module) -> None:

@@ -35,6 +35,7 @@ from shardwise.fit.evaluate import (
 from shardwise.fit.options import FitOptions, SchedulerFactory
 from shardwise.fit.progress import StepLog, want_progress
 from shardwise.fit.steps import count_state, global_losses, train_loop
+from shardwise.param_groups import GroupedFactory, GroupPlan
 from shardwise.parallel.checkpointing import apply_activation_checkpointing
 from shardwise.parallel.sync_bn import convert_sync_batchnorm
 from shardwise.stats import (
@@ -92,6 +93,7 @@ class Job:
     info: dict[str, Any]  # what checkpoints record about the run (checkpoint.run_info)
     lr_scheduler: SchedulerFactory | None = None
     validation: Validation | None = None
+    groups: GroupPlan | None = None  # the optimizer's parameter groups on the unsplit model
 
     def run(self, device: torch.device) -> FitResult:
         t = self.options
@@ -112,15 +114,19 @@ class Job:
             apply_activation_checkpointing(self.model, classes)  # type: ignore[arg-type]
         if t.sync_batchnorm and topo.size(DP) > 1:
             convert_sync_batchnorm(self.model, topo.comm(DP))
-        model, opt = strat.setup(self.model, self.optimizer_fn, topo)
+        grouped = GroupedFactory(self.optimizer_fn, self.groups)
+        model, opt = strat.setup(self.model, grouped, topo)
+        grouped.finish(strat.param_names(model))
+        self.restored_groups: list[dict[str, Any]] | None = None
         prev: list[float] = []
         extra: dict[str, torch.Tensor] = {}
         self.control, self.stop_reason = Control(), None
         if t.checkpoint_dir is not None and t.resume:
             path = checkpoint.resume_point(t.checkpoint_dir, topo)
             if path is not None:
-                restored = checkpoint.load(path, strat, model, opt, topo, shapes)
+                restored = checkpoint.load(path, strat, model, opt, topo, shapes, self.info)
                 prev, extra = restored.losses[:self.max_steps], restored.extra
+                self.restored_groups = restored.groups
             if "stopped" in extra:  # a run that stopped early is complete: rerunning it returns its result
                 self.stop_reason = f"stopped early at step {len(prev)} (by a callback; the checkpoint's run)"
             if topo.rank == 0:  # resuming is the default: say what it does, also when there is nothing to do
@@ -210,7 +216,7 @@ class Job:
         agreement on a stop any callback asked for (with callbacks only: one flag all-reduce), then the periodic
         checkpoint, or the final one of a run that stops here. Returns whether the run stops."""
         t = self.options
-        call(t.callbacks, "on_step_end", self._info(done, topo, loss=local))
+        call(t.callbacks, "on_step_end", self._info(done, topo, loss=local, optimizer=opt))
         validated = self.validation is not None and self.validation.due(done, self.max_steps)
         if validated:
             self._validate_now(done, model, opt, topo, prev, losses, shapes, scaler, log)

@@ -27,6 +27,7 @@ from shardwise.fit.progress import (
     total_numel,
     want_progress,
 )
+from shardwise.param_groups import apply_hyper
 from shardwise.parallel.checkpointing import track_saved_activations
 from shardwise.stats import unique_bytes
 from shardwise.step import LossFn, StepRun, after_optimizer_step, iter_chunks
@@ -45,6 +46,7 @@ class StepHost(Protocol):
     lr_scheduler: SchedulerFactory | None
     stop_reason: str | None
     activation_bytes: int
+    restored_groups: list[dict[str, Any]] | None  # a resumed run's group hyperparameters, set after the schedule
 
     def after_step(self, done: int, local: float | None, model: nn.Module, opt: torch.optim.Optimizer,
                    topo: Topology, prev: list[float], losses: list[float], shapes: dict[str, list[int]],
@@ -72,6 +74,8 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
     scaler = precision_mod.LossScaler() if t.precision == "16-mixed" else None
     bn_buffers = unsynced_batchnorm_buffers(model) if topo.size(DP) > 1 else []
     sched = scheduler(job.lr_scheduler, opt, len(prev)) if job.lr_scheduler is not None else None
+    if job.restored_groups:  # after the schedule's replay: an lr a callback changed too is the saved run's
+        apply_hyper(opt, job.restored_groups)
     if scaler is not None and "scaler" in restored:
         scaler.load_tensor(restored["scaler"])  # the scale and clean-step count the checkpoint's run had
     with progress_bar(rank0 and want_progress(t.progress), job.max_steps) as advance:

@@ -132,12 +132,20 @@ class Trainer:
             val_metrics: dict[str, Callable[[Any, Any], Any]] | None = None, val_batch_size: int | None = None,
             checkpoint_best: str | tuple[str, str] | None = None, num_workers: int | None = None,
             collate_fn: Callable[[list[Any]], Any] | None = None, pin_memory: bool | None = None,
-            inputs: str | list[str] | tuple[str, ...] | None = None) -> FitResult:
+            inputs: str | list[str] | tuple[str, ...] | None = None,
+            param_groups: ParamGroupsFn | None = None) -> FitResult:
         """Train for ``max_steps`` optimizer steps of global batch ``batch_size``.
 
         The run trains a copy of ``model`` (strategies shard, wrap and split what they are given) and loads the
         final weights back into ``model``: after ``fit`` the model passed in is trained, under every strategy
         and launch (in this process, spawned ranks, or ``shardwise run``), and equals ``result.state_dict``.
+
+        ``optimizer``: a factory called with the parameters each rank holds, e.g.
+        ``functools.partial(torch.optim.AdamW, lr=1e-3)``. The groups it builds (by ``p.dim()``, shape or
+        identity), or those of ``param_groups``, are decided on the unsplit model and carried onto the shards
+        and slices of every strategy (:mod:`shardwise.param_groups`). ``param_groups``: ``fn(model)`` returns
+        torch's list of group dicts over the model's parameters (or their names), e.g. no weight decay for
+        biases and norms; the factory builds over them.
 
         ``lr_scheduler``: a factory taking the optimizer, e.g.
         ``functools.partial(torch.optim.lr_scheduler.OneCycleLR, max_lr=1e-2, total_steps=100)``;
@@ -163,10 +171,12 @@ class Trainer:
         """
         data = DataSource(dataset, loader_options(self.dataloader_kwargs, num_workers=num_workers,
                                                   collate_fn=collate_fn, pin_memory=pin_memory), parse_inputs(inputs))
-        info = validate(self.options, model, data, batch_size, max_steps, optimizer, loss_fn, lr_scheduler)
+        info, groups = validate(self.options, model, data, batch_size, max_steps, optimizer, loss_fn, lr_scheduler,
+                                param_groups)
         val = check_fit_options(self.options, model, loss_fn, data, batch_size, val_dataset, val_every, val_metrics,
                                 val_batch_size, checkpoint_best)
-        job = Job(self.options, model, data, loss_fn, optimizer, batch_size, max_steps, info, lr_scheduler, val)
+        job = Job(self.options, model, data, loss_fn, optimizer, batch_size, max_steps, info, lr_scheduler, val,
+                  groups)
         result = self._launch(job)
         # One semantics whatever the launch: the model passed in ends trained. The run itself trains a copy
         # (strategies shard, wrap and split the model they are given), then the final weights go back here.

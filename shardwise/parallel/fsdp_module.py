@@ -430,6 +430,10 @@ class FSDPModule(_Reduction, nn.Module):
                                optimizer, with_param=True)
                 for u in self.units for s, p in zip(u.shard_params, u.params)}
 
+    def shard_sources(self) -> dict[nn.Parameter, nn.Parameter]:
+        """Each shard parameter the optimizer steps -> the model's parameter it is a piece of."""
+        return {s: p for u in self.units for s, p in zip(u.shard_params, u.params)}
+
     def grad_pieces(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
         """(reduced gradient piece, the parameter it belongs to) for every piece this rank holds."""
         return [(s.grad, p) for u in self.units for s, p in zip(u.shard_params, u.params) if s.grad is not None]

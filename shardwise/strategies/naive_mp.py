@@ -14,6 +14,7 @@ from torch import nn
 from shardwise.checkpoint.held import Held, held_state
 from shardwise.comm.topology import Topology
 from shardwise.layout import RunLayout
+from shardwise.param_groups import named_params
 from shardwise.parallel.naive_mp import NaiveModelParallel, _move
 from shardwise.precision import widened
 from shardwise.step import LossFn, OptimizerFactory, StepRun
@@ -63,6 +64,9 @@ class NaiveMP(Strategy, SplitsModel, OwnDevices):
 
     def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
         return model.original_state_dict()  # type: ignore[operator,no-any-return]
+
+    def param_names(self, model: nn.Module) -> dict[int, str]:
+        return named_params(model.held())  # type: ignore[operator]
 
     def checkpoint_held(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology) -> list[Held]:
         """Every layer group's tensors under the original model's names, whole (one process holds them all)."""

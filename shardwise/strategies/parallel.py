@@ -30,6 +30,7 @@ from shardwise.checkpoint.held import Held, held_state
 from shardwise.comm.topology import Topology
 from shardwise.dims import CP, EP, PP, TP, ParallelDims
 from shardwise.layout import RunLayout
+from shardwise.param_groups import named_params
 from shardwise.parallel.accounting import model_state_tensors, with_optimizer_states
 from shardwise.parallel.cp import shard_batch
 from shardwise.parallel.cp_attention import MODES
@@ -277,6 +278,17 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
         mine = first_named((k, pm.claimed[k]) for k in pm.keys if k in pm.claimed)
         named = [(tied.get(id(t), k), t) for k, t in mine]
         return held_state(named, pm.data.wrappers if pm.data is not None else [], optimizer)
+
+    def param_names(self, model: nn.Module) -> dict[int, str]:
+        """This rank's stage(s) under the unsplit model's names: a weight tied across stages under its first
+        name, a further copy in this rank under the first copy's, and the shards of the chunks' wrappers."""
+        pm: PipelineModel = model  # type: ignore[assignment]
+        tied = {id(t.param): t.name for t in pm.ties}
+        named = [(tied.get(id(t), k), t) for k, t in first_named((k, pm.claimed[k]) for k in pm.keys
+                                                                  if k in pm.claimed)]
+        first = {id(t): n for n, t in named}
+        named += [(first[id(f)], c) for f, c in pm.copies]
+        return named_params(named, pm.data.wrappers if pm.data is not None else [])
 
     def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
         pm: PipelineModel = model  # type: ignore[assignment]

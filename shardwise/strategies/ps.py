@@ -99,6 +99,12 @@ class ParameterServer(HasServers):
         worker = _Worker(comm, layout, self.servers, self.mode)
         return PSModule(model, worker), _PushOptimizer(layout.params, worker)
 
+    def param_names(self, model: nn.Module) -> dict[int, str]:
+        """A server's one flat range spans many parameters: it takes the group of its first one (the checks
+        before start refuse groups with different settings for this strategy, see ``splits_parameters``)."""
+        role = model.role  # type: ignore[union-attr]
+        return {id(role.shard): role.layout.first_names[0]} if isinstance(role, _Server) else {}
+
     def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
                    topo: Topology, run: StepRun = StepRun()) -> torch.Tensor | None:
         role = model.role  # type: ignore[union-attr]
