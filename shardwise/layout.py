@@ -31,13 +31,19 @@ def check_data_parallel(zero: int, replicate: int) -> None:
                          "parameters; with zero<3 every dp rank already holds the full parameters")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class RunLayout:
     """The layout of one run on ``dp * cp * tp * pp`` processes.
 
+    Built as ``RunLayout(strategy, dp=2, tp=2, ...)`` (each size left out is 1, or the ``dims``'
+    one when those are given) or ``RunLayout.of(strategy, dims, ...)``; ``dataclasses.replace``
+    takes sizes (``replace(layout, tp=1)``) as well as fields.
+
     Attributes:
         strategy: the strategy's name (``"ddp"``, ``"zero3"``, ``"parallel"``...).
-        dp, tp, pp, cp, ep: the parallel sizes (see :mod:`shardwise.dims`).
+        dims: the parallel dimensions (:mod:`shardwise.dims`), dp grouped into replicas of shards by
+            the data-parallel form (DDP: all replicas; ZeRO-1/2 and FSDP: all shards; HSDP:
+            ``replicate`` replicas of shards); ``dp``, ``tp``, ``pp``, ``cp`` and ``ep`` read them.
         zero: the data-parallel form over dp: 0 = replicated (DDP), 1/2 = ZeRO
             stage 1/2, 3 = parameters sharded too (ZeRO-3/FSDP).
         replicate: HSDP: the dp ranks form ``replicate`` replicas of
@@ -58,46 +64,71 @@ class RunLayout:
             reduce-scatter plus an all-gather).
     """
 
+    # The defaults are the constructor's: written once, in its signature.
     strategy: str
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    zero: int = 0
-    replicate: int = 1
-    offload: str = "none"
-    wrap: Any = None
-    schedule: str | None = None
-    microbatches: int | None = None
-    chunks: int = 1
-    precision: str = "32"
-    activation_checkpointing: bool = False
-    servers: int = 0
-    cp: int = 1
-    ep: int = 1
-    devices_per_process: int = 1
-    cp_mode: str | None = None
-    sequence_parallel: bool = False
+    dims: ParallelDims
+    zero: int
+    replicate: int
+    offload: str
+    wrap: Any
+    schedule: str | None
+    microbatches: int | None
+    chunks: int
+    precision: str
+    activation_checkpointing: bool
+    servers: int
+    devices_per_process: int
+    cp_mode: str | None
+    sequence_parallel: bool
 
-    def __post_init__(self) -> None:
-        for name in ("chunks", "devices_per_process"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
-        check_data_parallel(self.zero, self.replicate)
-        self.dims  # every size and divisibility rule, checked by ParallelDims
+    def __init__(self, strategy: str, dp: int | None = None, tp: int | None = None, pp: int | None = None,
+                 zero: int = 0, replicate: int = 1, offload: str = "none", wrap: Any = None,
+                 schedule: str | None = None, microbatches: int | None = None, chunks: int = 1,
+                 precision: str = "32", activation_checkpointing: bool = False, servers: int = 0,
+                 cp: int | None = None, ep: int | None = None, devices_per_process: int = 1,
+                 cp_mode: str | None = None, sequence_parallel: bool = False, *,
+                 dims: ParallelDims | None = None) -> None:
+        for name, v in (("chunks", chunks), ("devices_per_process", devices_per_process)):
+            if v < 1:
+                raise ValueError(f"{name}={v}: must be >= 1")
+        check_data_parallel(zero, replicate)
+        sized = _with_sizes(dims or ParallelDims(), {DP: dp, TP: tp, PP: pp, CP: cp, EP: ep})
+        # Every size and divisibility rule is ParallelDims'; the grouping of dp is the form's, decided here.
+        grouped = sized.with_replicas(sized.dp if zero == 0 else replicate)
+        fields = dict(strategy=strategy, dims=grouped, zero=zero, replicate=replicate, offload=offload, wrap=wrap,
+                      schedule=schedule, microbatches=microbatches, chunks=chunks, precision=precision,
+                      activation_checkpointing=activation_checkpointing, servers=servers,
+                      devices_per_process=devices_per_process, cp_mode=cp_mode, sequence_parallel=sequence_parallel)
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)  # frozen: the one way in
 
     @classmethod
     def of(cls, strategy: str, dims: ParallelDims, **form: Any) -> RunLayout:
         """The layout of ``dims`` (``replicate`` taken from them when the form shards parameters)."""
         if form.get("zero", 0) == 3:
             form.setdefault("replicate", dims.dp_replicate)
-        return cls(strategy, dp=dims.dp, tp=dims.tp, pp=dims.pp, cp=dims.cp, ep=dims.ep, **form)
+        return cls(strategy, dims=dims, **form)
+
+    # ---- the sizes, read from dims ---------------------------------------------------------
+    @property
+    def dp(self) -> int:
+        return self.dims.dp
 
     @property
-    def dims(self) -> ParallelDims:
-        """The parallel dimensions: dp as replicas of shards by the data-parallel form (DDP: all replicas;
-        ZeRO-1/2 and FSDP: all shards; HSDP: ``replicate`` replicas of shards)."""
-        replicas = self.dp if self.zero == 0 else self.replicate
-        return ParallelDims(pp=self.pp, dp_shard=self.dp, cp=self.cp, tp=self.tp, ep=self.ep).with_replicas(replicas)
+    def tp(self) -> int:
+        return self.dims.tp
+
+    @property
+    def pp(self) -> int:
+        return self.dims.pp
+
+    @property
+    def cp(self) -> int:
+        return self.dims.cp
+
+    @property
+    def ep(self) -> int:
+        return self.dims.ep
 
     @property
     def devices(self) -> int:
@@ -124,8 +155,7 @@ class RunLayout:
         return replace(self, precision=precision, activation_checkpointing=bool(activation_checkpointing))
 
     def label(self) -> str:
-        sizes = {DP: self.dp, CP: self.cp, TP: self.tp, PP: self.pp, EP: self.ep}
-        parts = [f"{d}={sizes[d]}" for d in (DP, TP, PP, CP, EP) if sizes[d] > 1]
+        parts = [f"{d}={self.dims.size(d)}" for d in (DP, TP, PP, CP, EP) if self.dims.size(d) > 1]
         if self.zero:
             parts.append(f"zero={self.zero}")
         if self.replicate > 1:
@@ -137,6 +167,13 @@ class RunLayout:
         if self.sequence_parallel:
             parts.append("sequence_parallel")
         return f"{self.strategy}({', '.join(parts)})"
+
+
+def _with_sizes(dims: ParallelDims, sizes: dict[str, int | None]) -> ParallelDims:
+    """``dims`` with the sizes given (not None) put in; dp's replica grouping is left to the caller."""
+    own = {d: dims.size(d) for d in sizes}
+    own.update({d: n for d, n in sizes.items() if n is not None})
+    return ParallelDims(pp=own[PP], dp_shard=own[DP], cp=own[CP], tp=own[TP], ep=own[EP])
 
 
 __all__ = ["RunLayout", "check_data_parallel"]
