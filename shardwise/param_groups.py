@@ -123,9 +123,10 @@ def json_hyper(hyper: dict[str, Any]) -> dict[str, Any]:
     for k, v in hyper.items():
         if isinstance(v, torch.Tensor) and v.numel() == 1:
             v = v.item()
-        if isinstance(v, (tuple, list)) and all(isinstance(x, (int, float)) for x in v):
-            v = list(v)
-        if isinstance(v, (bool, int, str, type(None), list)) or (isinstance(v, float) and math.isfinite(v)):
+        if isinstance(v, (tuple, list)):
+            v = list(v) if k not in _NOT_HYPER and all(isinstance(x, (int, float)) for x in v) else None
+        if isinstance(v, (bool, int, str, list)) or (isinstance(v, float) and math.isfinite(v)) or \
+                (v is None and k in hyper and not isinstance(hyper[k], (tuple, list))):
             out[k] = v
     return out
 

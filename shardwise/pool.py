@@ -20,6 +20,7 @@ import datetime as _dt
 import gc
 import os
 import pickle
+import sys
 from collections.abc import Callable
 from multiprocessing import util as mp_util
 from multiprocessing.connection import Connection
@@ -49,6 +50,7 @@ def _serve(conn: Connection) -> None:
         os.environ.clear()
         os.environ.update(header["env"])
         os.chdir(header["cwd"])
+        sys.path[:] = header["path"]  # the caller's, as a spawned process gets it: its modules import here too
         torch.seed()  # a fresh process starts from a random seed too (torch >= 2.12), never the last job's
         torch.set_default_dtype(getattr(torch, header["default_dtype"]))  # the caller's, as launch.spawn passes it
         torch.set_grad_enabled(True)
@@ -187,7 +189,7 @@ class WorkerPool:
         store = launch.job_store(timeout)
         job = {"world": nprocs, "port": store.port, "accelerator": accelerator,
                "timeout_s": timeout.total_seconds(), "env": dict(os.environ), "cwd": os.getcwd(),
-               "default_dtype": default_dtype_name()}
+               "path": list(sys.path), "default_dtype": default_dtype_name()}
         ranks = []
         for r in range(nprocs):
             w = self._worker(r)

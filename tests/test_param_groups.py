@@ -247,8 +247,8 @@ def test_a_group_lr_changed_mid_run_survives_a_resume_under_another_layout(tmp_p
     same_run(ref, run(sw.Parallel(dp=2, pp=2, zero=1), 4, checkpoint_dir=ck))
 
     # A resume whose groups hold other parameters says so, before any process starts.
-    with pytest.raises(ValueError, match=r"was written with other parameter groups: 2 groups of 2, 34 parameters "
-                                         r"there, 2 groups of 14, 22 parameters here; "):
+    with pytest.raises(ValueError, match=r"was written with other parameter groups: 2 groups of 2, 35 parameters "
+                                         r"there, 2 groups of 15, 22 here; "):
         fit("gpt", "by-dim", "ddp", 2, steps=8, checkpoint_dir=ck)
 
     # Format 2 recorded no groups: it still resumes, with the settings this run starts with.
@@ -259,3 +259,123 @@ def test_a_group_lr_changed_mid_run_survives_a_resume_under_another_layout(tmp_p
     again = run("ddp", 2, checkpoint_dir=old)
     assert again.losses[:4] == pytest.approx(ref.losses[:4], rel=1e-12)
     assert again.losses[4:] != pytest.approx(ref.losses[4:], rel=1e-9)  # the embeddings' lr is 1e-3 again
+
+
+# ---- the hand-written loop ------------------------------------------------------------------------------------
+def test_the_planned_groups_are_the_factorys_on_one_device():
+    """What every strategy carries is what torch builds from the recipe on the bare model."""
+    from shardwise.param_groups import GroupedFactory, named_params, plan_groups
+
+    factory = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    for model, made, direct in [(gpt(), by_dim, by_dim), (gpt(), factory, None)]:
+        plan, _ = plan_groups(model, made, by_name if direct is None else None)
+        grouped = GroupedFactory(made, plan)
+        opt = grouped(model.parameters())
+        grouped.finish(named_params(model.named_parameters()))
+        want = direct(model.parameters()) if direct is not None else factory(by_name(model))
+        assert [g["params"] for g in opt.param_groups] == [g["params"] for g in want.param_groups]
+        assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == \
+            [{k: v for k, v in g.items() if k != "params"} for g in want.param_groups]
+
+
+LOOP_STEPS = 4
+
+
+def lr_at(step: int) -> float:
+    return 1.0 / (1 + step)  # nanoGPT's loop sets every group's lr each step from its own schedule
+
+
+def loop(model: nn.Module, opt: torch.optim.Optimizer, batches, step_fn) -> list[float]:
+    base = [g["lr"] for g in opt.param_groups]
+    losses = []
+    for step, (x, y) in enumerate(batches):
+        for g, lr in zip(opt.param_groups, base):
+            g["lr"] = lr * lr_at(step)
+        losses.append(step_fn(model, x, y))
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def loop_batches(work) -> list:
+    xs = torch.stack([work.train[i][0] for i in range(64 * LOOP_STEPS)])
+    ys = torch.tensor([int(work.train[i][1]) for i in range(64 * LOOP_STEPS)])
+    return list(zip(xs.split(64), ys.split(64)))
+
+
+def _loop_rank(rank: int, device: torch.device, out: str) -> None:
+    from shardwise.workloads import digits
+
+    work = digits()
+    results = {}
+    for strategy in ("zero2", "pp"):
+        sw.init(accelerator="cpu")
+        torch.manual_seed(0)
+        model, opt = sw.setup(work.make_model(), by_dim, strategy=strategy, accelerator="cpu")
+        assert len(opt.param_groups) == 2  # on every rank and stage, empty where it holds nothing of a group
+
+        def step(m, x, y):
+            if strategy == "pp":
+                return float(m.train_step(x, y, work.loss_fn))
+            x, y = x.chunk(2)[rank], y.chunk(2)[rank]
+            loss = work.loss_fn(m(x), y)
+            loss.backward()
+            return float(sw.all_reduce_mean(loss.detach(), m))
+
+        losses = loop(model, opt, loop_batches(work), step)
+        results[strategy] = (model.state_dict(), losses)
+    if rank == 0:
+        torch.save(results, out)
+
+
+def test_a_loop_that_sets_each_groups_lr_equals_one_device_under_zero2_and_pp(tmp_path, same_run):
+    from shardwise.workloads import digits
+
+    work = digits()
+    torch.manual_seed(0)
+    model = work.make_model()
+    opt = by_dim(model.parameters())
+    def step(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = work.loss_fn(m(x), y)
+        loss.backward()
+        return float(loss.detach())
+
+    ref = Ran(model.state_dict(), loop(model, opt, loop_batches(work), step))
+    out = str(tmp_path / "loop.pt")
+    launch.spawn(_loop_rank, 2, args=(out,))
+    runs = torch.load(out, weights_only=True)
+    assert list(runs) == ["zero2", "pp"]
+    for state, losses in runs.values():
+        same_run(ref, Ran(state, losses))
+
+
+class Ran:
+    def __init__(self, state_dict, losses):
+        self.state_dict, self.losses = state_dict, losses
+
+
+class Ran:
+    def __init__(self, state_dict, losses):
+        self.state_dict, self.losses = state_dict, losses
+
+
+@pytest.mark.float32
+def test_the_docs_snippet_runs():
+    """docs/practical.md's "Parameter groups and optimizers" block, as written (in this process; ranks on the pool)."""
+    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "practical.md")).read()
+    block = text.split("<!-- snippet: param-groups -->\n```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(block, "docs/practical.md:param-groups", "exec"), {"__name__": "__docs__"})
+
+
+@pytest.mark.float32
+def test_the_docs_snippet_runs(tmp_path, monkeypatch):
+    """docs/practical.md's "Parameter groups and optimizers" program, as written: imported as a module, its main()
+    run in this process, its ranks on the pool (which import it by name as spawned ranks would)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = open(os.path.join(root, "docs", "practical.md")).read()
+    block = text.split("<!-- snippet: param-groups -->\n```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "docs_param_groups.py").write_text(block)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import docs_param_groups
+
+    docs_param_groups.main()
