@@ -159,6 +159,13 @@ class ParallelDims:
                              f"(HSDP: {replicate} replicas of dp/replicate shards)")
         return replace(self, dp_replicate=replicate, dp_shard=self.dp // replicate)
 
+    def with_shards(self, shard: int) -> ParallelDims:
+        """The same world with the data-parallel ranks regrouped as replicas of ``shard`` ranks each (HSDP's
+        shard size): the one check that ``shard`` divides dp (``sw.HSDP``, the planner's hsdp layouts)."""
+        if shard < 1 or self.dp % shard:
+            raise ValueError(f"HSDP shard_size={shard} must divide the data-parallel size {self.dp}")
+        return self.with_replicas(self.dp // shard)
+
 
 __all__ = ["CP", "DERIVED", "DP", "DP_CP", "DP_REPLICATE", "DP_SHARD", "DP_SHARD_CP", "EDP", "EP", "MESH", "NAMES", "PP", "ParallelDims", "SIZES",
            "SPLIT_BY", "TP", "WORLD"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from shardwise.dims import CP, DP, EP, PP, TP
+from shardwise.dims import CP, DP, DP_SHARD_CP, EDP, EP, PP, TP, ParallelDims
 from shardwise.parallel.buckets import DDP_BUCKET_MB
 
 PRECISIONS = ("fp32", "bf16-mixed")
@@ -202,12 +202,7 @@ class Layout:
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {self.strategy!r}; use one of {', '.join(STRATEGIES)}")
-        if min(self.dp, self.tp, self.pp, self.cp) < 1:
-            raise ValueError(f"{DP}, {TP}, {PP} and {CP} must be at least 1")
-        if self.strategy == "hsdp":
-            s = self.shard_group or self.dp
-            if self.dp % s:
-                raise ValueError(f"hsdp shard group {s} does not divide dp={self.dp}")
+        self.dims  # every size and divisibility rule (ep's and HSDP's included) is ParallelDims'
         # One spelling per layout (equal layouts compare equal): no mode without cp, ring by default with it.
         mode = None if self.cp == 1 else (self.cp_mode or "ring")
         if mode is not None and mode not in CP_MODES:
@@ -215,18 +210,19 @@ class Layout:
         object.__setattr__(self, "cp_mode", mode)
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel splits the sequence over the tp ranks: it needs tp > 1")
-        if self.ep < 1 or (self.dp * self.cp) % self.ep:
-            raise ValueError(f"{EP}={self.ep} must divide {DP} x {CP} = {self.dp * self.cp}: experts are spread "
-                             "over the ranks that see different tokens")
-        if self.ep > 1 and self.strategy == "hsdp" and self.shard_size < self.dp * self.cp:
-            # ParallelDims refuses replicas of shards under ep: the expert groups would cross the replicas.
-            raise ValueError(f"{EP}={self.ep} does not combine with hsdp replicas (shardwise.dims.ParallelDims)")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             raise ValueError(f"capacity_factor={self.capacity_factor} must be > 0 (None: dropless)")
 
     @property
+    def dims(self) -> ParallelDims:
+        """The parallel dimensions of this layout: dp as HSDP's replicas of ``shard_group`` ranks, all shards
+        otherwise (DDP's dp x cp group then counts as its "shard", where nothing is sharded)."""
+        flat = ParallelDims(pp=self.pp, dp_shard=self.dp, cp=self.cp, tp=self.tp, ep=self.ep)
+        return flat.with_shards(self.shard_group or self.dp) if self.strategy == "hsdp" else flat
+
+    @property
     def devices(self) -> int:
-        return self.dp * self.cp * self.tp * self.pp
+        return self.dims.world
 
     @property
     def zero_stage(self) -> int:
@@ -236,15 +232,13 @@ class Layout:
     def shard_size(self) -> int:
         """Ranks over which model states are sharded: dp_shard x cp (the size of ddp's dp x cp group, where
         nothing is sharded)."""
-        if self.strategy == "hsdp":
-            return (self.shard_group or self.dp) * self.cp
-        return self.dp * self.cp
+        return self.dims.size(DP_SHARD_CP)
 
     @property
     def expert_shard_size(self) -> int:
         """Ranks over which expert states are sharded (ZeRO/FSDP; DDP replicates them there): ``edp = dp x cp /
         ep``, the ranks holding the same experts (:data:`shardwise.dims.EDP`)."""
-        return self.dp * self.cp // self.ep
+        return self.dims.size(EDP)
 
     @property
     def label(self) -> str:

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from shardwise.comm.topology import Topology
-from shardwise.dims import DP
+from shardwise.dims import DP, ParallelDims
 from shardwise.layout import RunLayout
 from shardwise.parallel.fsdp_module import FSDPModule
 from shardwise.parallel.fsdp_units import WrapPolicy
@@ -139,11 +139,6 @@ class HSDP(FSDP):
     hybrid: ClassVar[bool] = True
 
 
-    def _shard_of(self, dp: int) -> int:
-        s = self.shard_size if self.shard_size is not None else (2 if dp % 2 == 0 else 1)
-        if s < 1 or dp % s:
-            raise ValueError(f"HSDP shard_size={s} must divide the data-parallel size {dp}")
-        return s
-
     def _replicas_of(self, dp: int) -> int:
-        return dp // self._shard_of(dp)
+        shard = self.shard_size if self.shard_size is not None else (2 if dp % 2 == 0 else 1)
+        return ParallelDims(dp_shard=dp).with_shards(shard).dp_replicate  # dims.py checks that shard divides dp
