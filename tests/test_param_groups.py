@@ -54,6 +54,7 @@ RECIPES = {
 MODELS = {"gpt": (gpt, lm_loss), "mixtral": (mixtral, logits_loss)}
 LAYOUTS = {
     "ddp": ("gpt", lambda: "ddp", 2),
+    "dp": ("gpt", lambda: "dp", 2),
     "zero1": ("gpt", lambda: "zero1", 2),
     "zero2": ("gpt", lambda: "zero2", 2),
     "zero3": ("gpt", lambda: "zero3", 2),

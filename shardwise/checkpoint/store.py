@@ -246,8 +246,8 @@ def check_resume(directory: str, info: dict[str, Any], max_steps: int) -> str | 
     changed = _changed(was["defaults"], now["defaults"], "")
     if "groups" in was and "groups" in now:
         _check_groups(path, was["groups"], now["groups"])
-        for i, (w, n) in enumerate(zip(was["groups"], now["groups"])):
-            changed += _changed(w["hyper"], n["hyper"], f"group {i} ")
+        for i, (w, n) in enumerate(zip(was["groups"], now["groups"])):  # what the defaults' change does not say
+            changed += [f"group {i} {c}" for c in _changed(w["hyper"], n["hyper"], "") if c not in changed]
     if changed:
         warnings.warn(f"resuming {path} with other optimizer settings ({', '.join(changed)}): the steps after "
                       f"{step} use the new values, so the run is not the one the checkpoint started",
