@@ -28,10 +28,16 @@ def widened(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def check(precision: str) -> str:
-    if precision not in PRECISIONS:
+# The names Lightning users type, to ours: 16 / "16" -> "16-mixed", "bf16" -> "bf16-mixed", 32 / "32-true" -> "32".
+ALIASES: dict[object, str] = {16: "16-mixed", "16": "16-mixed", "bf16": "bf16-mixed", 32: "32", "32-true": "32"}
+
+
+def check(precision: str | int) -> str:
+    """``precision`` as one of PRECISIONS, its aliases (ALIASES) mapped."""
+    name = ALIASES.get(precision, precision) if isinstance(precision, (str, int)) else precision
+    if name not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(repr(p) for p in PRECISIONS)}, got {precision!r}")
-    return precision
+    return name
 
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager[object]:
