@@ -439,8 +439,12 @@ def collate(samples: Sequence[Any]) -> Any:
 
 
 def to_device(x: Any, device: torch.device) -> Any:
+    """``x`` on ``device``: a tensor, or tensors nested in tuples, lists and dicts (a Hugging Face
+    ``BatchEncoding``, a mapping with its own ``.to``, moves itself); other leaves as they are."""
     if isinstance(x, torch.Tensor):
         return x.to(device, non_blocking=True)
+    if isinstance(x, Mapping) and not isinstance(x, dict) and callable(getattr(x, "to", None)):
+        return x.to(device)
     if isinstance(x, (list, tuple)):
         return type(x)(to_device(v, device) for v in x)
     if isinstance(x, dict):

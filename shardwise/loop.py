@@ -35,6 +35,7 @@ from shardwise import launch
 from shardwise import precision as precision_mod
 from shardwise.checkpoint import store as checkpoint
 from shardwise.comm.topology import Topology, backend_for, pick_device
+from shardwise.data import to_device
 from shardwise.dims import DP, PP
 from shardwise.param_groups import (
     GroupedFactory,
@@ -45,6 +46,7 @@ from shardwise.param_groups import (
     splits_parameters,
 )
 from shardwise.parallel.sync_bn import convert_sync_batchnorm
+from shardwise.precision import ScaledOptimizer
 from shardwise.step import LossFn, OptimizerFactory, StepRun, iter_chunks
 from shardwise.strategies.base import HasServers, Strategy
 from shardwise.strategies.registry import resolve
@@ -63,21 +65,41 @@ class Prepared(nn.Module):
         self.__dict__["precision"] = precision
         self.__dict__["shapes"] = shapes
         self.__dict__["aliases"] = aliases
+        self.__dict__["scaled"] = None  # the fp16 optimizer (precision="16-mixed"), set by setup
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The strategy's forward, the inputs (tensors nested in tuples, lists, dicts, a ``BatchEncoding``) moved to
+        this rank's device first, under the run's autocast; under mixed precision the output's half-precision
+        tensors come back in float32, so the loss is computed as the Trainer computes it."""
         if self.topo.size(PP) > 1:
             raise RuntimeError("under pipeline parallelism a rank holds one stage, so model(x) cannot give the "
                                "model's output; run a step with `loss = model.train_step(x, y, loss_fn)` (forward "
                                "and backward over the pipeline's schedule), then optimizer.step() as usual")
-        with StepRun(self.precision).forward_context(self.topo.device):
-            return self.module(*args, **kwargs)
+        device = self.topo.device
+        with StepRun(self.precision).forward_context(device):
+            out = self.module(*to_device(args, device), **to_device(kwargs, device))
+        return out if self.precision == "32" else precision_mod.widened_output(out)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, the loss scaled first under ``precision="16-mixed"`` (Accelerate's and Fabric's
+        ``backward``): the one call a loop needs for every precision."""
+        opt: ScaledOptimizer | None = self.scaled
+        if opt is None:
+            loss.backward()
+            return
+        (precision_mod.widened(loss) * opt.scaler.scale).backward()
+        opt.scaled = True
 
     def train_step(self, x: Any, y: Any, loss_fn: LossFn, accumulate: int = 1) -> torch.Tensor:
         """Forward and backward of one batch under the strategy's own step (the pipeline's schedule under pp,
         ``accumulate`` micro-batches with the gradient reduced once); returns the mean loss over the data-parallel
         replicas, the same tensor on every rank. Call ``optimizer.step()`` after it."""
-        micro = list(zip(iter_chunks(x, accumulate), iter_chunks(y, accumulate)))
-        loss = self.strategy.train_step(self.module, micro, loss_fn, self.topo, StepRun(self.precision))
+        device, opt = self.topo.device, self.scaled
+        micro = list(zip(iter_chunks(to_device(x, device), accumulate), iter_chunks(to_device(y, device), accumulate)))
+        run = StepRun(self.precision, opt.scaler.scale if opt is not None else 1.0)
+        loss = self.strategy.train_step(self.module, micro, loss_fn, self.topo, run)
+        if opt is not None:
+            opt.scaled = True
         shards, _ = self.strategy.data_parallel(self.topo)
         mine = precision_mod.widened(loss.detach()) / shards if loss is not None and self.strategy.owns_loss(self.topo) \
             else torch.zeros((), device=self.topo.device)
@@ -103,7 +125,10 @@ class Prepared(nn.Module):
                         "run with sw.load(model, optimizer, directory) (any layout)")
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip the global gradient norm (every shard, every replica counted once) to ``max_norm``."""
+        """Clip the global gradient norm (every shard, every replica counted once) to ``max_norm`` (fp16: of the
+        unscaled gradients; a step that overflowed is skipped by ``optimizer.step()`` anyway)."""
+        if self.scaled is not None:
+            self.scaled.unscale_()
         return self.strategy.clip_grad_norm(self.module, max_norm, self.topo)
 
 
@@ -123,14 +148,13 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
     (:mod:`shardwise.param_groups`): ``optimizer.param_groups`` has the same groups on every rank, a group this
     rank holds nothing of empty, so a loop that sets ``g["lr"]`` on each works under every strategy.
 
-    ``precision``: ``"32"`` or ``"bf16-mixed"`` (autocast in the model's forward; fp32 master weights). fp16
-    needs a loss scaler that a hand-written loop would have to drive: use the Trainer for ``"16-mixed"``.
+    ``precision``: ``"32"``, ``"bf16-mixed"`` (autocast in the model's forward; fp32 master weights) or
+    ``"16-mixed"``: the same with fp16 and a dynamic loss scaler; the loop then calls ``model.backward(loss)``
+    (which scales the loss) instead of ``loss.backward()``, and ``optimizer.step()`` unscales, skips a step
+    whose gradients overflowed on any rank, and adjusts the scale.
     ``sync_batchnorm``: BatchNorm normalises with the whole global batch's statistics (see the Trainer).
     """
     precision = precision_mod.check(precision)
-    if precision == "16-mixed":
-        raise ValueError("sw.setup supports precision='32' and 'bf16-mixed'; '16-mixed' needs a dynamic loss "
-                         "scaler agreed by every rank each step, which Trainer(precision='16-mixed') runs")
     if isinstance(optimizer_fn, torch.optim.Optimizer):
         raise TypeError("optimizer_fn must be a factory that builds the optimizer from parameters (each rank builds "
                         "its own, over the parameters it holds), e.g. functools.partial(torch.optim.AdamW, lr=1e-3)")
@@ -154,6 +178,9 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
     inner, opt = strat.setup(model, grouped, topo)
     grouped.finish(strat.param_names(inner))
     prepared = Prepared(inner, strat, topo, precision, shapes, aliases)
+    if precision == "16-mixed":
+        world_sum = functools.partial(topo.comm("world").all_reduce, name="loop.overflow")
+        opt = prepared.__dict__["scaled"] = ScaledOptimizer(opt, precision_mod.LossScaler(), world_sum)
     _PREPARED.add(prepared)
     _guard_torch_clip()
     return prepared, opt
@@ -231,22 +258,40 @@ def _group(model: nn.Module | None) -> tuple[Any, int, int]:
 
 
 def prepare_dataloader(dataset: Any, batch_size: int, model: nn.Module | None = None, shuffle: bool = True,
-                       seed: int = 0, drop_last: bool = True, **loader_kwargs: Any) -> DataLoader:
-    """A DataLoader that gives this rank its part of every GLOBAL batch of ``batch_size`` samples.
+                       seed: int = 0, drop_last: bool = True, device: torch.device | str | None = None,
+                       **loader_kwargs: Any) -> DataLoader:
+    """A DataLoader that gives this rank its part of every GLOBAL batch of ``batch_size`` samples, on its device.
 
     Each data-parallel replica (of ``model``'s layout; every rank without a model) reads ``batch_size /
     replicas`` samples per step through torch's DistributedSampler, so the replicas together read one
     global batch: the same as one device with ``batch_size`` (with ``shuffle``, one seeded permutation per
     epoch: call ``loader.sampler.set_epoch(epoch)``). Tensor- and pipeline-parallel ranks of one replica read
-    the same samples. Other DataLoader options (num_workers, collate_fn, pin_memory) pass through.
+    the same samples. Batches come on ``device`` (default: ``model``'s, else the CPU); on CUDA from pinned
+    memory (``pin_memory`` defaults to True there) with non-blocking copies. Other DataLoader options
+    (num_workers, collate_fn, pin_memory) pass through.
     """
     _, size, rank = _group(model)
     if batch_size % size:
         raise ValueError(f"batch_size={batch_size} (global) does not split over {size} data-parallel replicas; "
                          f"use a multiple of {size}")
+    where = torch.device(device) if device is not None else \
+        (_prepared(model).topo.device if model is not None else torch.device("cpu"))
+    loader_kwargs.setdefault("pin_memory", where.type == "cuda")
     sampler = DistributedSampler(dataset, num_replicas=size, rank=rank, shuffle=shuffle, seed=seed,
                                  drop_last=drop_last)
-    return DataLoader(dataset, batch_size=batch_size // size, sampler=sampler, drop_last=drop_last, **loader_kwargs)
+    return DeviceLoader(dataset, batch_size=batch_size // size, sampler=sampler, drop_last=drop_last, device=where,
+                        **loader_kwargs)
+
+
+class DeviceLoader(DataLoader):
+    """A DataLoader whose batches come on ``device`` (tensors nested in tuples, lists, dicts)."""
+
+    def __init__(self, *args: Any, device: torch.device, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.device = device
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        return (to_device(batch, self.device) for batch in super().__iter__())
 
 
 def gather(tensor: torch.Tensor, model: nn.Module | None = None) -> torch.Tensor:
@@ -278,8 +323,9 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | os
     history = list(losses) if losses is not None else [float("nan")] * step
     if len(history) != step:
         raise ValueError(f"losses has {len(history)} entries for step={step}: one per step taken")
+    extra = {"scaler": m.scaled.scaler.as_tensor()} if m.scaled is not None else None
     return checkpoint.save(os.fspath(directory), step, history, m.strategy, m.module, optimizer, m.topo,
-                           m.shapes, keep=keep, aliases=m.aliases)
+                           m.shapes, keep=keep, aliases=m.aliases, extra=extra)
 
 
 def load(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike[str]) -> int:
@@ -295,6 +341,8 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.Path
     restored = checkpoint.load(p, m.strategy, m.module, optimizer, m.topo, m.shapes)
     if restored.groups:  # each group's lr and settings as saved (torch's load_state_dict does the same)
         apply_hyper(optimizer, restored.groups)
+    if m.scaled is not None and "scaler" in restored.extra:
+        m.scaled.scaler.load_tensor(restored.extra["scaler"])
     return restored.step
 
 

@@ -9,9 +9,13 @@ has fp32's exponent range and needs no scaler.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from shardwise.optim_wrap import WrappedOptimizer
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 
@@ -63,15 +67,15 @@ class LossScaler:
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> bool:
         """Divide gradients by the scale; returns whether any of them is inf/NaN on this rank."""
-        found = False
-        inv = 1.0 / self.scale
-        with torch.no_grad():
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        p.grad.mul_(inv)
-                        found |= not bool(torch.isfinite(p.grad).all())
-        return found
+        return bool(self.unscale_flag(optimizer).item())
+
+    def unscale_flag(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """Divide gradients by the scale in one fused pass per device and dtype (torch.amp.GradScaler's kernel)
+        and return, without waiting for the device, a 1-element float32 tensor on the first gradient's device:
+        > 0 when any gradient of this rank is inf/NaN. The caller agrees it across ranks, then reads it once:
+        one host sync per step instead of one per parameter."""
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        return unscale_grads(grads, 1.0 / self.scale)
 
     def as_tensor(self) -> torch.Tensor:
         """(scale, clean steps since the last change), for a checkpoint."""
@@ -88,3 +92,58 @@ class LossScaler:
             self._clean += 1
             if self._clean % self.growth_interval == 0:
                 self.scale *= 2.0
+
+
+def unscale_grads(grads: list[torch.Tensor], inv_scale: float) -> torch.Tensor:
+    """Multiply ``grads`` by ``inv_scale`` in place; a 1-element flag tensor, > 0 when any is not finite."""
+    by_place: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        by_place.setdefault((g.device, g.dtype), []).append(g)
+    flags = []
+    for (device, _), group in by_place.items():
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found, torch.full((1,), inv_scale, device=device))
+        flags.append(found)
+    if not flags:
+        return torch.zeros(1, dtype=torch.float32)
+    first = flags[0].device
+    return torch.stack([f.to(first) for f in flags]).sum(0)
+
+
+class ScaledOptimizer(WrappedOptimizer):
+    """The optimizer of an fp16 hand-written loop (``sw.setup(precision="16-mixed")``).
+
+    ``model.backward(loss)`` scales the loss; :meth:`unscale_` (called by the global clip, or by :meth:`step`)
+    unscales the gradients once per step in one fused pass and agrees across ranks (``agree``: an all-reduce
+    sum of the 1-element flag) whether any overflowed; :meth:`step` then steps, or skips the step on every rank,
+    and updates the scale, as the Trainer's fp16 loop does.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scaler: LossScaler,
+                 agree: Callable[[torch.Tensor], None]) -> None:
+        super().__init__(optimizer)
+        self.scaler, self.agree = scaler, agree
+        self.scaled = False  # set by the model's backward(loss): the gradients hold the scaled loss's
+        self._skip: bool | None = None
+
+    def unscale_(self) -> bool:
+        """Unscale this step's gradients (once); returns whether the step is skipped (an overflow on any rank)."""
+        if self._skip is None:
+            if not self.scaled:
+                raise RuntimeError("precision='16-mixed' scales the loss so that small fp16 gradients survive: "
+                                   "call model.backward(loss) instead of loss.backward() (or model.train_step), "
+                                   "then optimizer.step()")
+            flag = self.scaler.unscale_flag(self.optimizer)
+            self.agree(flag)
+            self._skip = float(flag) > 0
+            self.scaler.update(self._skip)
+        return self._skip
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        if closure is not None:
+            raise TypeError("the fp16 optimizer of sw.setup takes no closure")
+        if not self.unscale_():
+            self.optimizer.step()
+        self.scaled, self._skip = False, None
+        return None

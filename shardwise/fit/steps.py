@@ -158,7 +158,7 @@ def step_schedule(sched: Any, steps: int) -> None:
 
 def overflow(scaler: precision_mod.LossScaler, opt: torch.optim.Optimizer, topo: Topology) -> bool:
     """Unscale fp16 gradients; every rank learns whether any rank overflowed (one flag all-reduce)."""
-    flag = torch.tensor([1.0 if scaler.unscale(opt) else 0.0], device=topo.device)
+    flag = scaler.unscale_flag(opt).to(topo.device)
     topo.comm("world").all_reduce(flag, name="metrics.overflow")
     found = float(flag) > 0
     scaler.update(found)

@@ -26,17 +26,17 @@ FSDP) and the offload and clipping helpers; the wrapper and its buckets are
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from shardwise.comm import Comm
+from shardwise.optim_wrap import WrappedOptimizer
 from shardwise.parallel.sharding import clip_global_norm
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(WrappedOptimizer):
     """A real torch optimizer over shard parameters, with the communication its step needs around it.
 
     ``param_groups`` and ``state`` are the inner optimizer's own (so learning-rate
@@ -47,24 +47,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, owner: Any) -> None:
-        # The base __init__ would build param_groups of its own; we share the inner optimizer's instead.
-        self.optimizer = optimizer
+        super().__init__(optimizer)
         self.owner = owner
-        self.defaults = optimizer.defaults
-        self._optimizer_step_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @property  # type: ignore[override]
-    def state(self) -> Any:
-        return self.optimizer.state
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -83,15 +67,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state (torch layout); see ``Strategy.checkpoint_held`` for the global one."""
         return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise NotImplementedError("a sharded optimizer's parameters are fixed by the model it was set up with")
-
-    def __repr__(self) -> str:
-        return f"ShardedOptimizer({self.optimizer!r})"
 
 
 OFFLOADS = ("none", "optimizer", "all")
