@@ -36,6 +36,22 @@ def widened(t: torch.Tensor) -> torch.Tensor:
 ALIASES: dict[object, str] = {16: "16-mixed", "16": "16-mixed", "bf16": "bf16-mixed", 32: "32", "32-true": "32"}
 
 
+def widened_output(x: Any) -> Any:
+    """A model's output with its half-precision tensors in float32 (tuples, lists, mappings such as a Hugging
+    Face ``ModelOutput``, updated in place): what a hand-written loop's loss then sees, as the Trainer's loss sees
+    it under autocast (Fabric and Accelerate convert outputs likewise). An fp16 loss would overflow once scaled."""
+    if isinstance(x, torch.Tensor):
+        return widened(x) if x.is_floating_point() else x
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*(widened_output(v) for v in x))
+    if isinstance(x, (list, tuple)):
+        return type(x)(widened_output(v) for v in x)
+    if isinstance(x, MutableMapping):
+        for k in list(x):
+            x[k] = widened_output(x[k])
+    return x
+
+
 def check(precision: str | int) -> str:
     """``precision`` as one of PRECISIONS, its aliases (ALIASES) mapped."""
     name = ALIASES.get(precision, precision) if isinstance(precision, (str, int)) else precision
