@@ -38,7 +38,15 @@ from shardwise.dims import PP, TP
 from shardwise.fit.trainer import Trainer
 from shardwise.parallel.pipeline import build_pipeline
 from shardwise.parallel.pipeline_run import pipeline_step
-from shardwise.parallel.schedules import Action, Recorder, bubble_fraction, default_chunks, shape_of, simulate
+from shardwise.parallel.schedules import (
+    SCHEDULES,
+    Action,
+    Recorder,
+    bubble_fraction,
+    default_chunks,
+    shape_of,
+    simulate,
+)
 from shardwise.workloads import load as load_workload
 
 KINDS = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer states"),
@@ -207,10 +215,8 @@ def measure_memory(strategies: Sequence[str], devices: int = 2, workload: str = 
 
 
 # ---- pipeline timeline ---------------------------------------------------------------------------
-# Every schedule the runtime has, in the order the docs introduce them (what simulated_schedules draws).
-ALL_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
-_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B", "zb-h1": "ZB-H1", "zbv": "ZBV",
-          "dualpipev": "DualPipeV"}
+# The schedules of the table at import, in its order (kept for callers; simulated_schedules reads the table).
+ALL_SCHEDULES = tuple(SCHEDULES)
 
 
 def timeline_figure(runs: Mapping[str, Sequence[Any]], title: str = "Pipeline schedules",
@@ -256,7 +262,7 @@ def timeline_figure(runs: Mapping[str, Sequence[Any]], title: str = "Pipeline sc
         ax.set_yticks(stages, [f"stage {s}" for s in stages])
         if not ax.yaxis_inverted():  # stage 0 on top (axes are shared: invert once)
             ax.invert_yaxis()
-        ax.set_title(f"{_NAMES.get(name, name)}: bubble {bubble_fraction(list(events)):.0%}",
+        ax.set_title(f"{_title(name)}: bubble {bubble_fraction(list(events)):.0%}",
                      fontsize=10 if stacked else None)
         if not stacked or ax is panels[-1]:  # stacked, the axis is shared: named once, under the last
             ax.set_xlabel("time in the step (ms)" if ms != 1.0 else "time (model units)")
@@ -292,6 +298,11 @@ def _hide_labels_wider_than_their_box(fig: Any, labelled: Sequence[tuple[Any, An
     for box, text in labelled:
         if text.get_window_extent(renderer).width > box.get_window_extent(renderer).width:
             text.set_visible(False)
+
+
+def _title(name: str) -> str:
+    """A schedule's title in the table; any other run keeps its own name."""
+    return SCHEDULES[name].title if name in SCHEDULES else name
 
 
 def _stages(runs: Mapping[str, Sequence[Any]]) -> int:
@@ -420,12 +431,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def simulated_schedules(schedules: Sequence[str] = ALL_SCHEDULES, stages: int = 4, microbatches: int = 8) -> Any:
-    """``schedules`` one under the other on the simulator's clock and one shared time axis, all with the same
-    ``stages`` and ``microbatches``: per stage F 1 and a backward of 2 (B 1 + W 1 when split); a schedule with
-    two chunks per rank runs each chunk in half the time, so all do the same work and their spans compare."""
+def simulated_schedules(schedules: Sequence[str] | None = None, stages: int = 4, microbatches: int = 8) -> Any:
+    """``schedules`` (None: every one of the table) one under the other on the simulator's clock and one shared
+    time axis, all with the same ``stages`` and ``microbatches``: per stage F 1 and a backward of 2 (B 1 + W 1
+    when split); a schedule with two chunks per rank runs each chunk in half the time, so all do the same work
+    and their spans compare."""
     runs = {}
-    for s in schedules:
+    for s in SCHEDULES if schedules is None else schedules:
         v = default_chunks(s)
         runs[s] = simulate(s, stages, microbatches, v, t_f=1.0 / v, t_b=2.0 / v)
     return timeline_figure(runs, f"Simulated, all with p = {stages} ranks and m = {microbatches} micro-batches; "

@@ -48,13 +48,12 @@ from shardwise.parallel.pipeline import build_pipeline, stage_starts
 from shardwise.parallel.pipeline_layers import pipeline_layers
 from shardwise.parallel.pipeline_run import pipeline_step
 from shardwise.parallel.schedules import (
-    SPLIT_BACKWARD,
-    V_SHAPED,
     Recorder,
     bubble_fraction,
     default_chunks,
     gpipe_bubble,
     peak_in_flight,
+    schedule_facts,
     simulate,
 )
 from shardwise.parallel.tp import apply_tp
@@ -386,17 +385,13 @@ def main(argv: list[str] | None = None) -> int:
     elif a.what == "timeline":
         for p in stages:
             for m in [int(x) for x in a.micro.split(",")]:
-                chunks = default_chunks(a.schedule)
+                facts, chunks = schedule_facts(a.schedule), default_chunks(a.schedule)
                 ev = simulate(a.schedule, p, m, chunks, t_f=1.0 / chunks, t_b=2.0 / chunks)
-                theory = f"(p-1)/(m+p-1) = {gpipe_bubble(p, m):.4f}"
-                if a.schedule in V_SHAPED:  # F = B = W per chunk: every rank idles p-1 (docs/model_parallel.md)
-                    idle = max(p - 1, 4 * p - 2 - 2 * m) if a.schedule == "zbv" else p - 1
-                    theory = (f"{'max(p-1, 4p-2-2m)' if a.schedule == 'zbv' else '(p-1)'}/(6m + that) = "
-                              f"{idle / (6 * m + idle):.4f} in chunk units, 1F1B's " + theory)
-                elif a.schedule in SPLIT_BACKWARD:  # F = B = W = 1 (Qi et al. 2024): (p-1)/(3m+p-1)
-                    theory = f"(p-1)/(3m+p-1) = {(p - 1) / (3 * m + p - 1):.4f}, 1F1B's " + theory
+                idle = facts.idle(p, m, chunks, 1.0, 3.0)  # the table's bubble at the simulator's unit costs
+                theory = (f"the table's {idle / (3 * m + idle):.4f}, 1F1B's (p-1)/(m+p-1) = "
+                          f"{gpipe_bubble(p, m):.4f}")
                 print(f"{a.schedule}, p={p}, m={m} (forward 1, backward 2 time units per micro-batch"
-                      f"{', split into B 1 and W 1' if a.schedule in SPLIT_BACKWARD else ''}"
+                      f"{', split into B 1 and W 1' if facts.split_backward else ''}"
                       f"{', 2 chunks per rank' if chunks > 1 else ''}): simulated bubble "
                       f"{bubble_fraction(ev):.4f}, {theory}, peak in flight {peak_in_flight(ev)}")
                 print(ascii_timeline(ev, 1.0 / chunks))

@@ -28,14 +28,19 @@ here on that clock, which checks it for deadlocks and gives its ideal timeline.
   so the turn and both ends cost no message; for F = B = W every rank idles
   only the ``p - 1`` forwards its first input needs to arrive.
 
-What runs where beyond the action lists is data too: :data:`SPLIT_BACKWARD`
-(schedules with W actions) and :data:`PLACEMENTS` (how virtual stages sit on
-ranks), read by :func:`placement`.
+Everything else known about a schedule is one entry of one table,
+:data:`SCHEDULES` (a :class:`ScheduleFacts` per name): its order, its title,
+where its virtual stages sit, its model chunks per rank, whether its backward
+is split, its bubble and its activation memory. The runtime
+(:func:`get_schedule`, :func:`placement`, :func:`default_chunks`), the planner
+(:mod:`shardwise.plan`), the figures (:mod:`shardwise.plots`) and the checks
+all read it there, so a new schedule is its order plus one entry.
 """
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from shardwise.parallel.placement import LOOP, Placement, V
@@ -338,44 +343,111 @@ def _check(stages: int, microbatches: int, stage: int, chunks: int, name: str) -
         raise ValueError(f"{name}: stages ({stages}) and micro-batches ({microbatches}) must be >= 1")
     if not 0 <= stage < stages:
         raise ValueError(f"{name}: stage {stage} is outside 0..{stages - 1}")
-    if name in V_SHAPED:
-        if chunks != 2:
-            raise ValueError(f"{name} runs exactly 2 model chunks per rank, placed in a V (rank r holds virtual "
-                             f"stages r and 2p-1-r), got chunks={chunks}; use chunks=2 (or leave it unset)")
-    elif chunks != 1 and name != "interleaved":
-        raise ValueError(f"{name} runs one model chunk per stage, got chunks={chunks}; use schedule='interleaved'")
+    facts = SCHEDULES.get(name)  # None for forward_only, which runs whatever chunks the model has
+    if facts is None or facts.any_chunks or chunks == facts.chunks:
+        return
+    if facts.shape == V:
+        raise ValueError(f"{name} runs exactly {facts.chunks} model chunks per rank, placed in a V (rank r holds "
+                         f"virtual stages r and 2p-1-r), got chunks={chunks}; use chunks={facts.chunks} (or leave "
+                         "it unset)")
+    raise ValueError(f"{name} runs one model chunk per stage, got chunks={chunks}; use schedule='interleaved'")
 
 
 Schedule = Callable[[int, int, int, int], list[Action]]
-SCHEDULES: dict[str, Schedule] = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b,
-                                  "zb-h1": zb_h1, "zbv": zbv, "dualpipev": dualpipev}
-# Schedules whose backward is split into B (input) and W (weights).
-SPLIT_BACKWARD = frozenset({"zb-h1", "zbv", "dualpipev"})
-# How each schedule places virtual stages on ranks (shardwise.parallel.placement); the rest loop.
-PLACEMENTS: dict[str, str] = {"zbv": V, "dualpipev": V}
-V_SHAPED = frozenset(k for k, shape in PLACEMENTS.items() if shape == V)
+# idle(p, m, v, f, slot): one rank's idle time per step (p ranks, m micro-batches, v chunks per rank), where f is
+# one micro-batch's forward through a whole stage (a weight gradient W costs as much: dW = x^T dY against Y = x W)
+# and slot its forward and whole backward, with the traffic on the critical path.
+Idle = Callable[[int, int, int, float, float], float]
+# held(p, m, v): activations at a peak, in micro-batches of a whole stage (a chunk's count 1/v each).
+Held = Callable[[int, int, int], float]
 
 
-def get_schedule(name: str) -> Schedule:
+@dataclass(frozen=True)
+class ScheduleFacts:
+    """One pipeline schedule: all that is known of it, in one place (an entry of :data:`SCHEDULES`).
+
+    Attributes:
+        order: ``(stages, microbatches, stage, chunks) -> [Action]``, what one rank runs.
+        title: its name in figures and tables.
+        idle: its bubble, one rank's idle time per step (:data:`Idle`). At unit costs (f = 1, slot = 3: the
+            simulator's F = 1 and B = 2, of which W = 1 when split) the bubble's share of the step is
+            ``idle / (3m + idle)``, which tests/plan/test_schedule_table.py checks against :func:`simulate`.
+        held: activations the busiest rank holds at its peak (:data:`Held`): the planner's activation memory.
+        last_held: micro-batches whose activations and outputs (the logits) the last stage holds at its peak;
+            for a V an upper bound (its joined backwards free them sooner).
+        shape: where its virtual stages sit on ranks (:mod:`shardwise.parallel.placement`), ``"loop"`` or ``"v"``.
+        chunks: model chunks per rank it runs when none are asked for.
+        any_chunks: whether it runs other counts too (interleaved: any); otherwise exactly ``chunks``.
+        split_backward: whether its backward is split into B (the input's gradient) and W (the weights').
+    """
+
+    order: Schedule
+    title: str
+    idle: Idle
+    held: Held
+    last_held: Held
+    shape: str = LOOP
+    chunks: int = 1
+    any_chunks: bool = False
+    split_backward: bool = False
+
+
+# The schedules, in the order the docs introduce them (the figures draw them in this order).
+SCHEDULES: dict[str, ScheduleFacts] = {
+    # Huang et al. 2019: every forward first, so every micro-batch is held; idle (p-1)/(m+p-1) of the step.
+    "gpipe": ScheduleFacts(gpipe, "GPipe", idle=lambda p, m, v, f, slot: (p - 1) * slot,
+                           held=lambda p, m, v: m, last_held=lambda p, m, v: m),
+    # PipeDream-Flush (Narayanan et al. 2021, section 2.2): GPipe's bubble, at most p micro-batches in flight.
+    "1f1b": ScheduleFacts(one_f_one_b, "1F1B", idle=lambda p, m, v, f, slot: (p - 1) * slot,
+                          held=lambda p, m, v: min(p, m), last_held=lambda p, m, v: 1),
+    # Narayanan et al. 2021, section 2.2.2: a chunk is 1/v of a stage, so the bubble is 1/v of 1F1B's,
+    # (p-1)/(vm+p-1) of the step; rank 0 warms up with 2(p-1) + (v-1)p chunk-forwards and runs one more before
+    # its first backward, (vp + p - 1)/v stages' worth. With m = p every forward comes first, as in GPipe.
+    "interleaved": ScheduleFacts(interleaved_1f1b, "interleaved 1F1B",
+                                 idle=lambda p, m, v, f, slot: (p - 1) * slot / v,
+                                 held=lambda p, m, v: min(m * v, v * p + p - 1) / v,
+                                 last_held=lambda p, m, v: m if m == p else 1, chunks=2, any_chunks=True),
+    # Qi et al. 2024: the held-back Ws fill the drain, idle (p-1)(F + B - W), never less than the forward the
+    # drain waits for (exact from m = p on); the last stage holds its p - 1 held-back micro-batches and one more.
+    "zb-h1": ScheduleFacts(zb_h1, "ZB-H1", idle=lambda p, m, v, f, slot: (p - 1) * max(slot - 2 * f, f),
+                           held=lambda p, m, v: min(p, m), last_held=lambda p, m, v: min(p, m),
+                           split_backward=True),
+    # Two chunks in a V, F = B = W per chunk: each rank idles p - 1 chunk-forwards (with m < 2p, 4p - 2 - 2m when
+    # more), (p-1)/(6m+p-1) of the step (docs/model_parallel.md derives it); at most 2p chunk-activations.
+    "zbv": ScheduleFacts(zbv, "ZBV", idle=lambda p, m, v, f, slot: max(p - 1, 4 * p - 2 - 2 * m) * f / v,
+                         held=lambda p, m, v: min(p, m), last_held=lambda p, m, v: min(p, m), shape=V, chunks=2,
+                         split_backward=True),
+    # DeepSeek-V3's DualPipe in its V form: ZBV's bubble at every m >= 2p, at 2p + 1 chunk-activations.
+    "dualpipev": ScheduleFacts(dualpipev, "DualPipeV", idle=lambda p, m, v, f, slot: (p - 1) * f / v,
+                               held=lambda p, m, v: min(2 * p + 1, 2 * m) / v, last_held=lambda p, m, v: min(p, m),
+                               shape=V, chunks=2, split_backward=True),
+}
+
+
+def schedule_facts(name: str) -> ScheduleFacts:
+    """The table's entry for ``name`` (a ValueError naming the valid ones otherwise)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; valid: {', '.join(SCHEDULES)}")
     return SCHEDULES[name]
 
 
+def get_schedule(name: str) -> Schedule:
+    return schedule_facts(name).order
+
+
 def placement(schedule: str, stages: int, chunks: int = 1) -> Placement:
-    """Where ``schedule`` puts the ``stages * chunks`` virtual stages (``"loop"`` unless it says otherwise)."""
+    """Where ``schedule`` puts the ``stages * chunks`` virtual stages (its shape in the table)."""
     return Placement(stages, chunks, shape_of(schedule))
 
 
 def shape_of(schedule: str) -> str:
     """The placement shape ``schedule`` needs: ``"v"`` for zbv and dualpipev, ``"loop"`` for the others."""
-    get_schedule(schedule)
-    return PLACEMENTS.get(schedule, LOOP)
+    return schedule_facts(schedule).shape
 
 
 def default_chunks(schedule: str, chunks: int = 1) -> int:
     """Model chunks per rank a schedule runs when ``chunks`` is left at 1: 2 for interleaved and the V ones."""
-    return max(chunks, 2) if schedule == "interleaved" or schedule in V_SHAPED else chunks
+    return max(chunks, schedule_facts(schedule).chunks)
 
 
 # Point-to-point tags: activations and gradients travel on two ordered channels between a pair of ranks.
@@ -442,7 +514,7 @@ def simulate(schedule: str | Schedule, stages: int, microbatches: int, chunks: i
     return replay([fn(stages, microbatches, s, chunks) for s in range(stages)], place, t_f=t_f, t_b=t_b, t_w=t_w)
 
 
-__all__ = ["Action", "Event", "PLACEMENTS", "Recorder", "SCHEDULES", "SPLIT_BACKWARD", "V_SHAPED",
+__all__ = ["Action", "Event", "Recorder", "SCHEDULES", "ScheduleFacts",
            "bubble_fraction", "check_message_order", "default_chunks", "dualpipev", "forward_only",
            "get_schedule", "gpipe", "gpipe_bubble", "interleaved_1f1b", "one_f_one_b", "peak_in_flight", "placement",
-           "recorded_orders", "replay", "retime", "shape_of", "simulate", "zb_h1", "zbv"]
+           "recorded_orders", "replay", "retime", "schedule_facts", "shape_of", "simulate", "zb_h1", "zbv"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import re
 
+from shardwise.parallel.schedules import SCHEDULES
 from shardwise.plan.known import SHAPES
 from shardwise.plan.specs import (
     CP_MODES,
@@ -16,7 +17,6 @@ from shardwise.plan.specs import (
     OFFLOADS,
     OPTIMIZERS,
     PRECISIONS,
-    SCHEDULES,
 )
 
 _SI = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12, "P": 1e15}

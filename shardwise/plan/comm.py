@@ -292,11 +292,12 @@ def model_parallel_collectives(model: ModelSpec, cluster: ClusterSpec, training:
     out += expert_parallel_collectives(model, cluster, training, layout, s, microbatches)
     if layout.pp > 1:
         link = group_link(cluster, layout.pp, t * layout.cp * layout.dp)
-        # A middle stage sends each micro-batch's activation forward and its gradient backward; with tp
-        # each rank sends only its 1/t slice (Narayanan et al. 2021, scatter/gather optimisation).
+        # A middle stage sends each micro-batch's activation forward and its gradient backward, once per model
+        # chunk it holds (interleaved: v times 1F1B's messages, Narayanan et al. 2021, section 2.2.2); with tp
+        # each rank sends only its 1/t slice (the same paper's scatter/gather optimisation).
         msg = -(-act // t)
-        out.append(_make("send_recv", PP, "pipeline activations and gradients", 2 * microbatches * msg,
-                         2 * microbatches, 2, link, "slot"))
+        sends = 2 * microbatches * training.chunks_per_rank
+        out.append(_make("send_recv", PP, "pipeline activations and gradients", sends * msg, sends, 2, link, "slot"))
     return out
 
 

@@ -14,8 +14,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from shardwise.parallel.schedules import default_chunks, schedule_facts
 from shardwise.plan.model import ModelSpec
-from shardwise.plan.specs import V_SCHEDULES, Layout, TrainingSpec, uses_sequence_parallel
+from shardwise.plan.specs import Layout, TrainingSpec, uses_sequence_parallel
 
 
 def shard_numel(numel: int, n: int) -> int:
@@ -232,18 +233,14 @@ def cp_block_bytes(model: ModelSpec, s: int, b: int, tp: int, cp: int, element_b
     return b * (s // cp) * model.kv_heads_per_rank(tp) * model.head_dim * element_bytes
 
 
-def in_flight_microbatches(schedule: str, pp: int, microbatches: int) -> int:
-    """Micro-batches whose activations the first stage holds at its peak.
-
-    1F1B (Narayanan et al. 2021, PipeDream-Flush) starts the backward of the
-    first micro-batch after p forwards, so the first stage holds p of them;
-    GPipe runs all m forwards first and holds m.
-    """
+def in_flight_microbatches(schedule: str, pp: int, microbatches: int, chunks: int = 1) -> float:
+    """Micro-batches (of a whole stage) whose activations the busiest rank holds at its peak: the schedule's
+    ``held`` in the runtime's table (:data:`shardwise.parallel.schedules.SCHEDULES`), e.g. 1F1B's p (Narayanan
+    et al. 2021, PipeDream-Flush: the first backward starts after p forwards), GPipe's m. ``chunks``: per rank
+    (1: the schedule's own). Without a pipeline a rank holds one micro-batch at a time."""
     if pp == 1:
         return 1
-    if schedule == "dualpipev":  # 2p + 1 chunk-activations at its peak: p + 1 stages' worth, rounded up
-        return min(pp + 1, microbatches)
-    return microbatches if schedule == "gpipe" else min(pp, microbatches)
+    return schedule_facts(schedule).held(pp, microbatches, default_chunks(schedule, chunks))
 
 
 def activation_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, s: int, microbatches: int) -> int:
@@ -261,12 +258,11 @@ def activation_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, s
                                                    no_stored_scores(model, training), cp,
                                                    fp32_residual(training))
     layers = math.ceil(model.layers / pp)
-    first = in_flight_microbatches(training.schedule, pp, microbatches) * layers * per_layer
-    # The last stage keeps one micro-batch under 1F1B; all of them under GPipe; under ZB-H1 it holds back p - 1
-    # weight gradients, so up to p micro-batches' activations (its logits included) wait for their W.
-    # A V (zbv, dualpipev) puts the last stage on rank 0, with the first: its logits wait for their W as ZB-H1's.
-    last_inflight = microbatches if (training.schedule == "gpipe" and pp > 1) else \
-        min(pp, microbatches) if training.schedule in ("zb-h1", *V_SCHEDULES) else 1
+    first = in_flight_microbatches(training.schedule, pp, microbatches, training.chunks) * layers * per_layer
+    # The last stage's micro-batches in flight, its logits included (the table's last_held: 1 under 1F1B, all of
+    # them under GPipe, p under ZB-H1, whose last stage holds back p - 1 weight gradients).
+    last_inflight = 1 if pp == 1 else \
+        schedule_facts(training.schedule).last_held(pp, microbatches, training.chunks_per_rank)
     last = last_inflight * (layers * per_layer + output_activation_bytes(model, s, b, tp, sp, cp, act_scale))
     return math.ceil(max(first, last))
 

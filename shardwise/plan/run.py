@@ -12,7 +12,6 @@ allocated and no process is started.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -22,10 +21,11 @@ from torch import nn
 
 from shardwise.dims import CP, EP, PP
 from shardwise.layout import RunLayout
+from shardwise.parallel.schedules import SCHEDULES
 from shardwise.plan.estimate import check_layout, estimate
 from shardwise.plan.fit import fmt_bytes
 from shardwise.plan.model import ModelSpec
-from shardwise.plan.specs import SCHEDULES, ClusterSpec, Layout, TrainingSpec
+from shardwise.plan.specs import ClusterSpec, Layout, TrainingSpec
 from shardwise.plan.states import (
     NotModelled,
     RankStates,
@@ -195,7 +195,7 @@ def training_spec(layout: RunLayout, local_batch: int, m: int, k: int) -> Traini
                         precision="fp32" if layout.precision == "32" else "bf16-mixed",
                         optimizer=_OPTIMIZER_NAMES.get(k, "adamw"),
                         activation_checkpointing=layout.activation_checkpointing,
-                        schedule=layout.schedule if layout.schedule in SCHEDULES else "1f1b",
+                        schedule=layout.schedule if layout.schedule in SCHEDULES else "1f1b", chunks=layout.chunks,
                         offload=layout.offload if zero_stage(layout) else "none", no_sync=True, autocast=True)
 
 
@@ -214,13 +214,7 @@ def _activations_and_buffers(model: nn.Module, layout: RunLayout, local: int, m:
     if problem:
         notes.append(f"activations and buffers not estimated: {problem}")
         return 0, {}, notes
-    est = estimate(spec, cluster, training, lay)
-    if layout.schedule == "interleaved" and layout.pp > 1:
-        # Interleaved 1F1B (Narayanan et al. 2021, section 2.2) warms the first rank up with 2(p-1) + (v-1)p
-        # micro-batch chunks, each 1/v of its layers: (vp + p - 1)/(vp) times the p micro-batches 1F1B holds.
-        v = layout.chunks
-        scale = 1 + (layout.pp - 1) / (layout.pp * v)
-        return math.ceil(est.activation_bytes * scale), dict(est.buffers), notes
+    est = estimate(spec, cluster, training, lay)  # interleaved as itself: its memory is the schedule table's
     return est.activation_bytes, dict(est.buffers), notes
 
 

@@ -10,11 +10,10 @@ from dataclasses import dataclass, replace
 
 from shardwise.dims import CP, DP, DP_SHARD_CP, EDP, EP, PP, TP, ParallelDims
 from shardwise.parallel.buckets import DDP_BUCKET_MB
+from shardwise.parallel.schedules import SCHEDULES, default_chunks
 
 PRECISIONS = ("fp32", "bf16-mixed")
 OPTIMIZERS = ("adamw", "sgd", "sgd-momentum")
-SCHEDULES = ("1f1b", "gpipe", "zb-h1", "zbv", "dualpipev")
-V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per rank placed in a V (shardwise/parallel/placement.py)
 OFFLOADS = ("none", "optimizer", "all")
 # Names of the data-parallel treatment of the model states; tp and pp are sizes of a layout.
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
@@ -120,6 +119,10 @@ class TrainingSpec:
     gathers fp32 weights; only activations and the matrix multiplies are
     16-bit. Without it ``bf16-mixed`` means Megatron/DeepSpeed's 16-bit weights
     and gradients next to an fp32 master copy (the ZeRO paper's 2 + 2 + K).
+    ``schedule`` is a pipeline schedule of the runtime's table
+    (:data:`shardwise.parallel.schedules.SCHEDULES`), whose bubble and memory the
+    planner reads; ``chunks`` its model chunks per rank (1: the schedule's own,
+    2 for interleaved and the V schedules), as ``sw.Parallel(chunks=)``.
     """
 
     global_batch: int | None = None
@@ -136,6 +139,7 @@ class TrainingSpec:
     no_sync: bool = False
     autocast: bool = False
     bucket_bytes: int = int(DDP_BUCKET_MB * 2**20)  # the runtime's DDP default, in bytes
+    chunks: int = 1
 
     def __post_init__(self) -> None:
         for name, value, allowed in (("precision", self.precision, PRECISIONS),
@@ -149,6 +153,11 @@ class TrainingSpec:
 
     def resolved_global_batch(self, devices: int) -> int:
         return self.global_batch if self.global_batch is not None else devices * self.micro_batch
+
+    @property
+    def chunks_per_rank(self) -> int:
+        """Model chunks per pipeline rank the schedule runs (the runtime's rule: ``sw.Parallel.n_chunks``)."""
+        return default_chunks(self.schedule, self.chunks)
 
     @property
     def states_precision(self) -> str:

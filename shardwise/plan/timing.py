@@ -29,10 +29,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from shardwise.parallel.schedules import schedule_facts
 from shardwise.plan.comm import Collective
 from shardwise.plan.memory import BytesPerParam, Numels, sharded_numel, total_numel
 from shardwise.plan.model import ModelSpec
-from shardwise.plan.specs import V_SCHEDULES, ClusterSpec, Layout, TrainingSpec
+from shardwise.plan.specs import ClusterSpec, Layout, TrainingSpec
 
 SECONDS_PER_DAY = 86400.0
 
@@ -91,19 +92,10 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, la
     m, p = microbatches, layout.pp
     ring = _ring_exposed(comms, model, training, layout, s, speed, m)
     slot = fwd + bwd + (slot_comm + ring) / m
-    # Both GPipe and 1F1B idle (p - 1) slots per step (Narayanan et al. 2021, section 2.2). ZB-H1 (Qi et al.
-    # 2024) idles (p - 1)(F + B - W): W, the weight gradient, costs the forward's FLOPs (dW = x^T dY against
-    # Y = x W), so the slot less 2 W; never less than a forward, which the drain still waits for.
-    if training.schedule == "zb-h1":
-        bubble = (p - 1) * max(slot - 2 * fwd, fwd) if p > 1 else 0.0
-    elif training.schedule in V_SCHEDULES:
-        # ZBV and DualPipeV hold two chunks per rank in a V; with F = B = W per chunk (half a stage's forward)
-        # each rank idles p - 1 chunk-forwards (ZBV with m < 2p: max(p - 1, 4p - 2 - 2m)), the simulator's
-        # bubble (p - 1) / (6m + p - 1) (docs/model_parallel.md derives it).
-        units = max(p - 1, 4 * p - 2 - 2 * m) if training.schedule == "zbv" else p - 1
-        bubble = units * fwd / 2 if p > 1 else 0.0
-    else:
-        bubble = (p - 1) * slot if p > 1 else 0.0
+    # The schedule's idle time per rank, from the runtime's table (GPipe and 1F1B: p - 1 slots, Narayanan et al.
+    # 2021, section 2.2; interleaved: 1/v of that; ZB-H1 and the V schedules: see the table).
+    v = training.chunks_per_rank
+    bubble = schedule_facts(training.schedule).idle(p, m, v, fwd, slot) if p > 1 else 0.0
     exposed = _exposed(comms, fwd, bwd, m)
     updated = total_numel(numels) if layout.zero_stage == 0 else sharded_numel(numels, layout.shard_size)
     updated += total_numel(expert_numels) if layout.zero_stage == 0 else \

@@ -39,13 +39,14 @@ from shardwise.parallel.parallelize import DataParallelOptions, Owners, parallel
 from shardwise.parallel.pipeline import PipelineModel, find_ties, gather_full_state, stage_starts
 from shardwise.parallel.pipeline_layers import stage_layers
 from shardwise.parallel.pipeline_run import pipeline_eval, pipeline_step
+from shardwise.parallel.placement import V
 from shardwise.parallel.schedules import (
-    V_SHAPED,
-    check_message_order,
     Recorder,
+    check_message_order,
     default_chunks,
     get_schedule,
     placement,
+    schedule_facts,
     shape_of,
 )
 from shardwise.parallel.sharding import clip_global_norm
@@ -112,10 +113,11 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
     name: ClassVar[str] = "parallel"
 
     def __post_init__(self) -> None:
-        get_schedule(self.schedule)
-        if self.schedule in V_SHAPED and self.n_chunks() != 2:
-            raise ValueError(f"schedule={self.schedule!r} places exactly 2 model chunks per rank in a V (rank r holds "
-                             f"virtual stages r and 2p-1-r), got chunks={self.chunks}; leave chunks unset or use 2")
+        facts = schedule_facts(self.schedule)
+        if facts.shape == V and self.n_chunks() != facts.chunks:
+            raise ValueError(f"schedule={self.schedule!r} places exactly {facts.chunks} model chunks per rank in a V "
+                             f"(rank r holds virtual stages r and 2p-1-r), got chunks={self.chunks}; leave chunks "
+                             f"unset or use {facts.chunks}")
         if self.cp_mode not in MODES:
             raise ValueError(f"cp_mode={self.cp_mode!r}: valid are {', '.join(map(repr, MODES))}")
         self.data_options()  # zero / replicate checked here, before any process starts
