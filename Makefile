@@ -1,4 +1,4 @@
-# The two commands of the README: `make demo` and `make test`.
+# The commands of the README: `make demo`, `make test` and `make test-budget`.
 # Each creates .venv when missing and installs what it needs (torch pinned to
 # the CPU build available here; the package with its dev extras).
 PY := .venv/bin/python
@@ -29,6 +29,17 @@ FAST := tests/plan tests/test_memory_check.py tests/parallel/test_dp.py tests/pa
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q $(FAST) -k "not dies_or_hangs"
+
+# The whole suite with its 15 slowest tests, then its time against the budget (tests/budget_report.py): a
+# report, not a timed test. The log stays in build/ for a second look; pytest's exit status is make's.
+BUDGET_LOG := build/test-budget.log
+
+.PHONY: test-budget
+test-budget: $(STAMP)
+	mkdir -p build
+	{ $(PY) -m pytest -q --durations=15; echo $$? > $(BUDGET_LOG).rc; } 2>&1 | tee $(BUDGET_LOG)
+	$(PY) tests/budget_report.py $(BUDGET_LOG)
+	@exit $$(cat $(BUDGET_LOG).rc)
 
 # tests/gpu on the GPU machine (skipped without CUDA; `make test` collects and skips them). docs/gpu.md.
 # A GPU machine's own python3 has torch with CUDA, and often no network to install the venv's pinned CPU
