@@ -5,6 +5,7 @@ import argparse
 import os
 import sys
 from collections.abc import Mapping
+from typing import NoReturn
 from importlib.metadata import PackageNotFoundError, version
 
 # Only torch-free modules here, so that `shardwise --help` answers at once: each command imports what it runs.
@@ -12,7 +13,13 @@ import shardwise.cluster as cluster  # (`from shardwise import cluster` would as
 from shardwise import __version__
 from shardwise.bench import add_arguments as bench_args
 from shardwise.bench import run as bench_run
+from shardwise.extras import MissingExtra, require
 from shardwise.plan.args import add_arguments as plan_args
+
+# What a user's input or installation gets wrong (an unknown strategy, a bad flag value, a missing file, a missing
+# extra): one line on stderr and exit 2, the whole traceback only with --traceback or SHARDWISE_TRACEBACK=1.
+USER_ERRORS = (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, MissingExtra)
+TRACEBACK_HELP = "on an error, print the whole Python traceback, not one line (also: SHARDWISE_TRACEBACK=1)"
 
 RUN_HELP = """usage: shardwise run [--nproc N] [--standalone] [torchrun flags ...] SCRIPT [SCRIPT ARGS ...]
 
@@ -121,6 +128,8 @@ def _verify(a: argparse.Namespace) -> int:
     from shardwise.verify import FLOOR_FACTOR, judge
     from shardwise.workloads import load
 
+    if a.model == "digits":
+        require("shardwise verify --model digits", "demo")
     work = load(a.model)
     v = judge(work, a.strategy, a.devices, a.steps, rtol=a.rtol, accumulate_grad_batches=a.accumulate,
               sync_batchnorm=a.sync_batchnorm)
@@ -166,11 +175,20 @@ def _checkpoint(a: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, its error one line (no usage block): ``shardwise: error: argument --devices: invalid int value:
+    'x' (see shardwise verify --help)``, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"shardwise: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every verb and flag, without importing torch (so that ``--help`` answers at once)."""
-    p = argparse.ArgumentParser(prog="shardwise", description="Distributed training, every classic way.")
+    p = _Parser(prog="shardwise", description="Distributed training, every classic way.")
     p.add_argument("--version", action="version", version=f"shardwise {__version__} (torch {_torch_version()})",
                    help="print shardwise's and torch's versions and exit")
+    p.add_argument("--traceback", action="store_true", help=TRACEBACK_HELP)
     sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,demo,verify,bench,plan,checkpoint}")
     sub.add_parser("run", help="launch a script on N processes (torchrun; all its flags pass through; "
                                "`shardwise run --help` for ours)", add_help=False,
@@ -229,8 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _verb(sub: argparse._SubParsersAction, name: str, help: str, description: str | None = None
           ) -> argparse.ArgumentParser:
-    """A verb whose ``--help`` opens with what it does (the one-line help, or a longer description)."""
-    return sub.add_parser(name, help=help, description=description or help[:1].upper() + help[1:] + ".")
+    """A verb whose ``--help`` opens with what it does (the one-line help, or a longer description); it takes
+    ``--traceback`` after the verb too."""
+    verb = sub.add_parser(name, help=help, description=description or help[:1].upper() + help[1:] + ".")
+    verb.add_argument("--traceback", action="store_true", default=argparse.SUPPRESS, help=TRACEBACK_HELP)
+    return verb
 
 
 def _torch_version() -> str:
@@ -242,11 +263,25 @@ def _torch_version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "run":  # everything after `run` belongs to torchrun
-        return _run(argv[1:])
-    p = build_parser()
-    a = p.parse_args(argv)
+    lead = 1 if argv[:1] == ["--traceback"] else 0  # run's errors are one line, torchrun's and the script's its own
+    if argv[lead:lead + 1] == ["run"]:  # everything after `run` belongs to torchrun
+        return _run(argv[lead + 1:])
+    a = build_parser().parse_args(argv)
+    try:
+        return _verb_main(a)
+    except USER_ERRORS as e:
+        if a.traceback or os.environ.get("SHARDWISE_TRACEBACK", "0") not in ("", "0"):
+            raise
+        print(str(e) if isinstance(e, MissingExtra) else f"shardwise: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _verb_main(a: argparse.Namespace) -> int:
+    """Run the verb ``a`` names (every one but ``run``, which :func:`main` hands to torchrun)."""
+    if a.cmd in ("demo", "bench") and a.plot_dir is not None:
+        require(f"shardwise {a.cmd} --plot", "plots")
     if a.cmd == "demo":
+        require("shardwise demo", "demo")
         from shardwise.demo import main as demo_main
         return demo_main(steps=a.steps, plot_dir=a.plot_dir)
     if a.cmd == "verify":

@@ -2,6 +2,13 @@
 
 They are deliberately plain PyTorch so that every strategy sees an ordinary
 `nn.Module`; the tensor-parallel plans name their submodules by these paths.
+
+Public: :class:`GPT`, :class:`GPTConfig` and :func:`lm_loss` (the docs and
+examples train them; a change to their arguments or submodule names is noted in
+CHANGELOG.md), and :class:`MLP`. The building blocks (:class:`Attention`,
+:class:`FeedForward`, :class:`Block`, :func:`causal_attention`) are public as
+the submodules of GPT that the tensor-parallel plans and ``activation_checkpointing``
+name, not as a library of layers.
 """
 from __future__ import annotations
 

@@ -2,6 +2,16 @@
 
 All data ships with installed packages: scikit-learn's 8x8 digits and the
 Python standard library's own source files as text. Nothing is downloaded.
+
+Public: :class:`Workload`, :func:`load` (what ``shardwise verify --model``
+takes: ``digits``, ``gpt``, ``mlp1024`` or ``path.py:factory``), the workloads
+:func:`digits`, :func:`gpt` and :func:`mlp1024`, and the text data of the GPT
+examples, :class:`CharText` and :func:`stdlib_text`: the examples and docs
+import them, and they change only with a note in CHANGELOG.md. The workloads
+are for demonstrations and checks, not benchmarks of record: their sizes and
+hyperparameters follow what the demo and the tests need. Names starting with
+an underscore are internal. :func:`digits` needs scikit-learn (the ``demo``
+extra: ``pip install 'shardwise[demo]'``).
 """
 from __future__ import annotations
 
@@ -21,6 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset, TensorDataset
 
+from shardwise.extras import MissingExtra, installed, message
 from shardwise.models import GPT, MLP, GPTConfig, lm_loss
 
 
@@ -51,9 +62,9 @@ def _seeded(factory: Callable[[], nn.Module], seed: int = 0) -> Callable[[], nn.
 def _digits_csv() -> tuple[torch.Tensor, torch.Tensor]:
     """scikit-learn's digits.csv.gz (64 pixel values 0-16, then the label, per row), read from the installed
     package without importing scikit-learn: its import costs about 0.9 s in every rank process."""
-    spec = importlib.util.find_spec("sklearn")
+    spec = importlib.util.find_spec("sklearn") if installed("demo") else None
     if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError("the digits workload reads scikit-learn's bundled digits: pip install scikit-learn")
+        raise MissingExtra(message("the digits workload (scikit-learn's bundled digits)", "demo"))
     path = os.path.join(list(spec.submodule_search_locations)[0], "datasets", "data", "digits.csv.gz")
     with gzip.open(path, "rt") as f:
         rows = torch.tensor([[float(v) for v in line.split(",")] for line in f if line.strip()])
@@ -153,7 +164,7 @@ def load(spec: str) -> Workload:
     module = importlib.import_module(os.path.splitext(fname)[0])
     factory = getattr(module, fn_name, None)
     if factory is None:
-        raise AttributeError(f"{path} has no function {fn_name!r}")
+        raise ValueError(f"{path} has no function {fn_name!r}")
     torch.manual_seed(0)
     out = factory()
     model, dataset, loss = (out, None, None) if isinstance(out, nn.Module) else (tuple(out) + (None,))[:3]

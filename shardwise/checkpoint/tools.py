@@ -20,6 +20,7 @@ import torch
 
 from shardwise.checkpoint import store as checkpoint
 from shardwise.checkpoint.store import MANIFEST, MANIFEST_SIZES
+from shardwise.extras import require
 
 _STEP = re.compile(r"^step_(\d{8})(\.tmp)?$")
 FORMATS = ("pt", "hf")
@@ -321,6 +322,8 @@ def export(source: str, out: str, format: str | None = None) -> Exported:
         raise ValueError(f"{out} is a directory; the pt export writes one file (give a file name)")
     if fmt == "hf" and os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"{out} is a file; the hf export writes a directory")
+    if fmt == "hf":
+        require("a Hugging Face export (--format hf)", "hf")
     sd = checkpoint.export(path, out if fmt == "pt" else None, check=False)
     cls = _save_hf(sd, model, out) if fmt == "hf" else model.get("class")
     return Exported(source=path, step=int(manifest["step"]), format=fmt, out=out, model_class=cls, skipped=skipped)

@@ -22,17 +22,35 @@ from shardwise.comm.diagnostics import default_store
 from shardwise.dims import CP, DP, DP_CP, DP_REPLICATE, DP_SHARD, DP_SHARD_CP, EDP, EP, MESH, WORLD, ParallelDims
 
 
+ACCELERATORS = ("auto", "cpu", "cuda")
+# Lightning's names, to ours: Trainer(accelerator="gpu") is CUDA.
+ACCELERATOR_ALIASES = {"gpu": "cuda"}
+
+
+def accelerator_name(accelerator: str) -> str:
+    """One of ACCELERATORS for what was typed: in any case, Lightning's ``"gpu"`` being ``"cuda"``."""
+    name = accelerator.lower() if isinstance(accelerator, str) else accelerator
+    name = ACCELERATOR_ALIASES.get(name, name)
+    if name not in ACCELERATORS:
+        raise ValueError(f"unknown accelerator {accelerator!r}; valid: 'auto', 'cpu', 'cuda'")
+    return name  # type: ignore[no-any-return]
+
+
 def pick_device(accelerator: str, local_rank: int) -> torch.device:
-    """``auto`` takes CUDA when present, else CPU."""
+    """``auto`` takes CUDA when present, else CPU. ``"cuda:1,3"`` (``Trainer(devices=[1, 3])``) puts local
+    rank r on the r-th GPU listed; plain ``"cuda"`` puts it on GPU r (modulo the GPUs there are)."""
+    kind, _, listed = accelerator.partition(":")
+    accelerator = accelerator_name(kind if listed else accelerator)
     if accelerator == "auto":
         accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     if accelerator == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("accelerator='cuda' was asked for but torch.cuda.is_available() is False")
+        if listed:
+            ids = [int(i) for i in listed.split(",")]
+            return torch.device("cuda", ids[local_rank % len(ids)])
         return torch.device("cuda", local_rank % torch.cuda.device_count())
-    if accelerator == "cpu":
-        return torch.device("cpu")
-    raise ValueError(f"unknown accelerator {accelerator!r}; valid: 'auto', 'cpu', 'cuda'")
+    return torch.device("cpu")
 
 
 def backend_for(device: torch.device) -> str:

@@ -19,6 +19,7 @@ from torch import nn
 
 from shardwise import launch
 from shardwise import precision as precision_mod
+from shardwise.comm.topology import accelerator_name
 from shardwise.data import loader_options
 from shardwise.fit.callbacks import check_callbacks
 from shardwise.layout import RunLayout
@@ -37,6 +38,7 @@ class FitOptions:
     devices: int
     layout: RunLayout
     accelerator: str
+    device_ids: tuple[int, ...] | None  # devices=[0, 1]: the GPUs listed, local rank r on the r-th
     accumulate_grad_batches: int
     gradient_clip_val: float | None
     seed: int
@@ -66,20 +68,26 @@ class FitOptions:
         return uses_cuda(self.accelerator)
 
     @property
+    def rank_accelerator(self) -> str:
+        """What each rank picks its device by (:func:`~shardwise.comm.topology.pick_device`): the accelerator,
+        with the GPUs of ``devices=[...]`` listed (``"cuda:1,3"``)."""
+        return f"cuda:{','.join(map(str, self.device_ids))}" if self.device_ids else self.accelerator
+
+    @property
     def sizes(self) -> dict[str, int]:
         """``{"pp", "dp", "tp"}`` of the run (see :meth:`shardwise.dims.ParallelDims.sizes`)."""
         return self.layout.dims.sizes()
 
     @classmethod
-    def build(cls, strategy: str | Strategy, devices: int | str, accelerator: str, **given: Any) -> FitOptions:
+    def build(cls, strategy: str | Strategy, devices: int | str | list[int], accelerator: str,
+              **given: Any) -> FitOptions:
         """The Trainer's arguments (``given``: its keyword arguments, with the defaults of its signature),
         checked: a ValueError names the first one that is wrong."""
         strat = resolve(strategy)
         callbacks = check_callbacks(given.pop("callbacks"))
         loaders = dict(given.pop("dataloader_kwargs") or {})
         loader_options(loaders)  # an unknown or refused option fails here
-        if accelerator not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"unknown accelerator {accelerator!r}; valid: 'auto', 'cpu', 'cuda'")
+        accelerator = accelerator_name(accelerator)
         bound = given["max_processes_per_core"]
         if bound is not None and bound < 1:
             raise ValueError(f"max_processes_per_core must be >= 1 (or None for no bound), got {bound}")
@@ -95,17 +103,20 @@ class FitOptions:
         given["precision"] = precision_mod.check(given["precision"])
         if given["on_nonfinite"] not in ("error", "skip"):
             raise ValueError(f"on_nonfinite must be 'error' or 'skip', got {given['on_nonfinite']!r}")
+        devices, device_ids = gpus_given(devices, accelerator)
         if devices == "auto":
             devices = auto_devices(strat, accelerator)
         elif not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
-            raise ValueError(f"devices must be a positive integer or 'auto', got {devices!r}")
+            raise ValueError(f"devices must be a positive integer, 'auto', -1 (every GPU) or a list of GPU "
+                             f"indices, got {devices!r}")
         if given["accumulate_grad_batches"] < 1:
             raise ValueError(f"accumulate_grad_batches must be >= 1, got {given['accumulate_grad_batches']}")
         for path in ("checkpoint_dir", "tensorboard_dir", "metrics_path"):
             given[path] = os.fspath(given[path]) if given[path] is not None else None
         timeout = _dt.timedelta(seconds=given.pop("timeout_s"))
         return cls(strategy=strat, devices=devices, layout=strat.layout(devices), accelerator=accelerator,
-                   timeout=timeout, callbacks=tuple(callbacks), dataloader_kwargs=loaders, **given)
+                   device_ids=device_ids, timeout=timeout, callbacks=tuple(callbacks), dataloader_kwargs=loaders,
+                   **given)
 
 
 def uses_cuda(accelerator: str) -> bool:
@@ -113,10 +124,33 @@ def uses_cuda(accelerator: str) -> bool:
     return accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available())
 
 
+def gpus_given(devices: Any, accelerator: str) -> tuple[Any, tuple[int, ...] | None]:
+    """Lightning's GPU spellings of ``devices``: ``-1`` is every GPU (the world size under a launcher),
+    ``[0, 1]`` those GPUs (one rank each, local rank r on the r-th listed); refused, with the reason, where
+    the run is not on CUDA. Returns the device count (anything else unchanged) and the listed GPUs."""
+    listed = isinstance(devices, (list, tuple))
+    if devices != -1 and not listed:
+        return devices, None
+    what = "means every GPU" if devices == -1 else "lists GPU indices"
+    if not uses_cuda(accelerator) or not torch.cuda.is_available():
+        why = "accelerator='cpu'" if accelerator == "cpu" else "no CUDA device is available"
+        instead = f"devices={len(devices)}" if listed and devices else "e.g. devices=2"
+        raise ValueError(f"devices={devices!r} {what}, but this run is on CPU ({why}): pass the number of "
+                         f"processes, {instead}")
+    if devices == -1:
+        return (_launcher_world() if launch.under_torchrun() else torch.cuda.device_count()), None
+    count = torch.cuda.device_count()
+    if not devices or any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < count for i in devices) \
+            or len(set(devices)) != len(devices):
+        raise ValueError(f"devices={devices!r} {what}: they must be distinct, from 0 to {count - 1} (this machine "
+                         f"has {count} GPUs)")
+    return len(devices), tuple(devices)
+
+
 def auto_devices(strategy: Strategy, accelerator: str) -> int:
     """What ``devices="auto"`` means for this strategy (see :class:`~shardwise.fit.trainer.Trainer`)."""
     if launch.under_torchrun():
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = _launcher_world()
         return next((d for d in range(1, world + 1) if strategy.processes(d) == world), world)
     first = torch.cuda.device_count() if uses_cuda(accelerator) else 1
     for d in [first, *range(1, 65)]:
@@ -128,4 +162,8 @@ def auto_devices(strategy: Strategy, accelerator: str) -> int:
     return first
 
 
-__all__ = ["FitOptions", "SchedulerFactory", "auto_devices", "uses_cuda"]
+def _launcher_world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+__all__ = ["FitOptions", "SchedulerFactory", "auto_devices", "gpus_given", "uses_cuda"]

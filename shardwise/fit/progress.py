@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from shardwise.extras import message
 from shardwise.stats import current_rss_bytes
 
 
@@ -52,8 +53,8 @@ class StepLog:
                 from torch.utils.tensorboard import SummaryWriter
                 self._tb = SummaryWriter(tensorboard_dir)
             except ImportError:
-                warnings.warn("tensorboard_dir was given but tensorboard is not installed (pip install tensorboard); "
-                              "logging to the JSONL file only", stacklevel=2)
+                warnings.warn(f"{message('Trainer(tensorboard_dir=)', 'tensorboard')}; logging to the JSONL file only",
+                              stacklevel=2)
         self._peak = peak_flops * devices if peak_flops else None
         self._params = params
 

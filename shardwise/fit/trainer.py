@@ -46,8 +46,10 @@ class Trainer:
         devices: number of devices (one process each, except ``dp``: one process drives them all), or
             ``"auto"`` (the default): the world size under ``shardwise run``/torchrun; else every GPU when
             CUDA is used; else the fewest devices the strategy's sizes allow (1 for most, ``dp*tp*pp`` for
-            a ``Parallel`` with fixed sizes). A distributed strategy on one device warns.
-        accelerator: ``"auto"`` (CUDA when present), ``"cpu"`` or ``"cuda"``.
+            a ``Parallel`` with fixed sizes). A distributed strategy on one device warns. On CUDA,
+            Lightning's ``-1`` is every GPU and a list of GPU indices (``[0, 1]``) is those GPUs, one rank
+            each (refused on CPU).
+        accelerator: ``"auto"`` (CUDA when present), ``"cpu"`` or ``"cuda"`` (``"gpu"`` is ``"cuda"``).
         accumulate_grad_batches: micro-batches per optimizer step; the global batch is split
             into this many parts and gradients accumulate without communication until the last.
         gradient_clip_val: clip the global gradient norm (over all shards) to this value.
@@ -69,9 +71,9 @@ class Trainer:
         memory_check: before starting, the planner (:mod:`shardwise.plan`) predicts the per-device
             memory of this layout; ``"error"`` stops with its breakdown when it will not fit,
             ``"warn"`` warns, ``"off"`` skips the check.
-        precision: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"``: autocast for the forward and loss,
-            fp32 master weights (the parameters; sharded under ZeRO), and for fp16 a dynamic
-            loss scaler whose overflow check is agreed by every rank.
+        precision: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"`` (Lightning's ``32``, ``16`` and ``"bf16"`` too):
+            autocast for the forward and loss, fp32 master weights (the parameters; sharded under ZeRO), and
+            for fp16 a dynamic loss scaler whose overflow check is agreed by every rank.
         activation_checkpointing: recompute each block's forward in backward instead of keeping its
             activations: ``True`` for every entry of the model's ModuleLists, or a tuple of block classes.
         device_memory: bytes per device for that check (default: the GPU's memory, or this
@@ -96,13 +98,14 @@ class Trainer:
             ``multiprocessing_context``, ``timeout``); workers load exactly the batches the main process would.
     """
 
-    def __init__(self, strategy: str | Strategy = "single", devices: int | str = "auto", accelerator: str = "auto", *,
+    def __init__(self, strategy: str | Strategy = "single", devices: int | str | list[int] = "auto",
+                 accelerator: str = "auto", *,
                  accumulate_grad_batches: int = 1, gradient_clip_val: float | None = None, seed: int = 0,
                  progress: bool | str = "auto", metrics_path: str | os.PathLike[str] | None = None,
                  timeout_s: float = 300.0, checkpoint_dir: str | os.PathLike[str] | None = None,
                  checkpoint_every: int | None = None, resume: bool = True, debug: bool = False,
                  on_nonfinite: str = "error", checkpoint_keep: int | None = 3, memory_check: str = "error",
-                 device_memory: int | None = None, precision: str = "32",
+                 device_memory: int | None = None, precision: str | int = "32",
                  activation_checkpointing: bool | tuple[type[nn.Module], ...] = False,
                  tensorboard_dir: str | os.PathLike[str] | None = None, peak_flops: float | None = None,
                  max_processes_per_core: int | None = 8, sync_batchnorm: bool = False,
@@ -188,7 +191,7 @@ class Trainer:
         nprocs = self.layout.processes
         if dist.is_initialized() or launch.under_torchrun():
             owned = not dist.is_initialized()
-            device = launch.init(self.accelerator, self.timeout)
+            device = launch.init(self.options.rank_accelerator, self.timeout)
             world = dist.get_world_size()
             if world != nprocs:
                 raise ValueError(f"devices={self.devices} needs {nprocs} processes but the running process group "
@@ -205,12 +208,12 @@ class Trainer:
             return result
         if nprocs == 1:
             job.model = _copy_model(job.model)
-            return job.run(pick_device(self.accelerator, 0))
+            return job.run(pick_device(self.options.rank_accelerator, 0))
         payload = pickled(job)
         with launch.result_dir() as tmp:
             path = os.path.join(tmp, "result.pt")
             try:
-                launch.spawn(spawned_fit, nprocs, args=(payload, path), accelerator=self.accelerator,
+                launch.spawn(spawned_fit, nprocs, args=(payload, path), accelerator=self.options.rank_accelerator,
                              timeout=self.timeout)
             except launch.WorkerFailed as e:
                 # The cause first, before the traceback that ends in this many-line message.

@@ -5,6 +5,7 @@ never imports every paradigm; :func:`register` adds a user's own.
 """
 from __future__ import annotations
 
+import difflib
 import importlib
 from collections.abc import Callable
 from typing import Any
@@ -61,13 +62,33 @@ def available_strategies() -> list[str]:
     return list(BUILTIN) + [n for n in REGISTRY if n not in BUILTIN]
 
 
+def canonical_name(name: str) -> str | None:
+    """The strategy name ``name`` spells, in any case ("DDP", "Zero3"); None for an unknown one. A registered
+    name is matched exactly first, so that names differing only in case stay apart."""
+    if name in REGISTRY or name in BUILTIN:
+        return name
+    matches = [n for n in available_strategies() if n.lower() == name.lower()]
+    return matches[0] if len(matches) == 1 else None
+
+
 def resolve(strategy: str | Strategy) -> Strategy:
-    """A strategy object for a name or an object; unknown names list the valid ones."""
+    """A strategy object for a name (in any case) or an object; unknown names list the valid ones and the
+    nearest ("did you mean 'ddp'?")."""
     if isinstance(strategy, Strategy):
         return strategy
     factory = None
-    if isinstance(strategy, str):
-        factory = REGISTRY.get(strategy) or (_load_builtin(strategy) if strategy in BUILTIN else None)
+    name = canonical_name(strategy) if isinstance(strategy, str) else None
+    if name is not None:
+        factory = REGISTRY.get(name) or (_load_builtin(name) if name in BUILTIN else None)
     if factory is None:
-        raise ValueError(f"unknown strategy {strategy!r}; valid strategies: {', '.join(available_strategies())}")
+        valid = available_strategies()
+        message = f"unknown strategy {strategy!r}; valid strategies: {', '.join(valid)}"
+        if isinstance(strategy, str):
+            lowered = {n.lower(): n for n in valid}
+            near = difflib.get_close_matches(strategy.lower(), list(lowered))
+            if near:
+                names = [repr(lowered[n]) for n in near]
+                said = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
+                message += f"; did you mean {said}?"
+        raise ValueError(message)
     return factory()

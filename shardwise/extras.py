@@ -1,0 +1,45 @@
+"""The optional features, the package each needs and the extra of ``pip install 'shardwise[...]'`` that adds it.
+
+pyproject.toml's ``[project.optional-dependencies]`` installs these packages
+(``all`` is every extra; tests/test_package.py checks that the two agree).
+A feature checks for its package before it starts, so that a missing one is a
+single line naming the extra, not an ImportError from deep inside a run.
+Standard library only: the command line checks an extra before it imports torch.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+# extra -> (the module imported, the package pip installs).
+EXTRAS: dict[str, tuple[str, str]] = {
+    "demo": ("sklearn", "scikit-learn"),  # `shardwise demo` and the digits workload read its bundled digits
+    "plots": ("matplotlib", "matplotlib"),  # --plot of `shardwise demo` and `shardwise bench`
+    "tensorboard": ("tensorboard", "tensorboard"),  # Trainer(tensorboard_dir=)
+    "hf": ("transformers", "transformers"),  # Hugging Face models, `shardwise checkpoint export --format hf`
+}
+
+
+class MissingExtra(ImportError):
+    """An optional feature's package is not installed; the message names the extra that installs it."""
+
+
+def message(feature: str, extra: str) -> str:
+    """``"shardwise demo needs scikit-learn: pip install 'shardwise[demo]'"``."""
+    return f"{feature} needs {EXTRAS[extra][1]}: pip install 'shardwise[{extra}]'"
+
+
+def installed(extra: str) -> bool:
+    """Whether the package of ``extra`` can be imported (found without importing it)."""
+    try:
+        return importlib.util.find_spec(EXTRAS[extra][0]) is not None
+    except (ImportError, ValueError):  # a broken or half-removed installation
+        return False
+
+
+def require(feature: str, extra: str) -> None:
+    """Raise :class:`MissingExtra` with :func:`message` when ``extra``'s package is not installed."""
+    if not installed(extra):
+        raise MissingExtra(message(feature, extra), name=EXTRAS[extra][0])
+
+
+__all__ = ["EXTRAS", "MissingExtra", "installed", "message", "require"]
