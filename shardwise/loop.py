@@ -75,9 +75,9 @@ class Prepared(nn.Module):
             raise RuntimeError("under pipeline parallelism a rank holds one stage, so model(x) cannot give the "
                                "model's output; run a step with `loss = model.train_step(x, y, loss_fn)` (forward "
                                "and backward over the pipeline's schedule), then optimizer.step() as usual")
-        device = self.topo.device
+        device, cast = self.topo.device, functools.partial(precision_mod.cast_batch, self.precision)
         with StepRun(self.precision).forward_context(device):
-            out = self.module(*to_device(args, device), **to_device(kwargs, device))
+            out = self.module(*cast(to_device(args, device)), **cast(to_device(kwargs, device)))
         return out if self.precision == "32" else precision_mod.widened_output(out)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -95,7 +95,8 @@ class Prepared(nn.Module):
         ``accumulate`` micro-batches with the gradient reduced once); returns the mean loss over the data-parallel
         replicas, the same tensor on every rank. Call ``optimizer.step()`` after it."""
         device, opt = self.topo.device, self.scaled
-        micro = list(zip(iter_chunks(to_device(x, device), accumulate), iter_chunks(to_device(y, device), accumulate)))
+        x, y = precision_mod.cast_batch(self.precision, to_device((x, y), device))
+        micro = list(zip(iter_chunks(x, accumulate), iter_chunks(y, accumulate)))
         run = StepRun(self.precision, opt.scaler.scale if opt is not None else 1.0)
         loss = self.strategy.train_step(self.module, micro, loss_fn, self.topo, run)
         if opt is not None:
@@ -148,8 +149,9 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
     (:mod:`shardwise.param_groups`): ``optimizer.param_groups`` has the same groups on every rank, a group this
     rank holds nothing of empty, so a loop that sets ``g["lr"]`` on each works under every strategy.
 
-    ``precision``: ``"32"``, ``"bf16-mixed"`` (autocast in the model's forward; fp32 master weights) or
-    ``"16-mixed"``: the same with fp16 and a dynamic loss scaler; the loop then calls ``model.backward(loss)``
+    ``precision``: ``"32"``, ``"bf16-mixed"`` (autocast in the model's forward; fp32 master weights),
+    ``"bf16-true"`` (weights, gradients and optimizer states in bf16, floating inputs cast to bf16) or
+    ``"16-mixed"``: autocast with fp16 and a dynamic loss scaler; the loop then calls ``model.backward(loss)``
     (which scales the loss) instead of ``loss.backward()``, and ``optimizer.step()`` unscales, skips a step
     whose gradients overflowed on any rank, and adjusts the scale.
     ``sync_batchnorm``: BatchNorm normalises with the whole global batch's statistics (see the Trainer).
@@ -174,6 +176,7 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
     shapes, aliases = checkpoint.model_shapes(model), checkpoint.tied_aliases(model)
     if sync_batchnorm and topo.size(DP) > 1:
         convert_sync_batchnorm(model, topo.comm(DP))
+    precision_mod.cast_model(precision, model)  # "bf16-true": the weights themselves in bf16
     grouped = GroupedFactory(optimizer_fn, groups)
     inner, opt = strat.setup(model, grouped, topo)
     grouped.finish(strat.param_names(inner))

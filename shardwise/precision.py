@@ -14,10 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from shardwise.optim_wrap import WrappedOptimizer
 
-PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true")
+# "true" precisions keep the weights, gradients and optimizer states themselves in this dtype: no fp32 master
+# copy, half the model-state bytes of fp32 (Lightning's "bf16-true"). The batch's floating tensors follow.
+TRUE_DTYPES = {"bf16-true": torch.bfloat16}
 
 
 def default_dtype_name() -> str:
@@ -34,6 +38,26 @@ def widened(t: torch.Tensor) -> torch.Tensor:
 
 # The names Lightning users type, to ours: 16 / "16" -> "16-mixed", "bf16" -> "bf16-mixed", 32 / "32-true" -> "32".
 ALIASES: dict[object, str] = {16: "16-mixed", "16": "16-mixed", "bf16": "bf16-mixed", 32: "32", "32-true": "32"}
+
+
+def cast_model(precision: str, model: nn.Module) -> nn.Module:
+    """Under a "true" precision, the model's floating parameters and buffers in its dtype (in place)."""
+    dtype = TRUE_DTYPES.get(precision)
+    return model.to(dtype) if dtype is not None else model
+
+
+def cast_batch(precision: str, x: Any) -> Any:
+    """Under a "true" precision, the batch's floating tensors in its dtype (Lightning converts them alike)."""
+    dtype = TRUE_DTYPES.get(precision)
+    if dtype is None:
+        return x
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype) if x.is_floating_point() else x
+    if isinstance(x, (list, tuple)):
+        return type(x)(cast_batch(precision, v) for v in x)
+    if isinstance(x, dict):
+        return type(x)((k, cast_batch(precision, v)) for k, v in x.items())
+    return x
 
 
 def widened_output(x: Any) -> Any:
@@ -55,6 +79,11 @@ def widened_output(x: Any) -> Any:
 def check(precision: str | int) -> str:
     """``precision`` as one of PRECISIONS, its aliases (ALIASES) mapped."""
     name = ALIASES.get(precision, precision) if isinstance(precision, (str, int)) else precision
+    if name == "16-true":
+        raise ValueError("precision='16-true' is not supported: with the weights and optimizer states themselves in "
+                         "fp16 and no fp32 copy, Adam's default eps=1e-8 rounds to 0 (fp16's smallest value is "
+                         "6e-8) and any update under 1/2048 of a weight is lost; use '16-mixed' (fp32 master "
+                         "weights and a loss scaler) or 'bf16-true' (bf16's exponent range, no scaler needed)")
     if name not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(repr(p) for p in PRECISIONS)}, got {precision!r}")
     return name
@@ -62,7 +91,7 @@ def check(precision: str | int) -> str:
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager[object]:
     """The forward's context: autocast to bf16/fp16, or nothing for fp32."""
-    if precision == "32":
+    if precision == "32" or precision in TRUE_DTYPES:  # a "true" precision's model is already in its dtype
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
     return torch.autocast(device_type=device.type, dtype=dtype)

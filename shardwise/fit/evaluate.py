@@ -40,6 +40,7 @@ from shardwise.comm.topology import Topology
 from shardwise.data import DataSource, batch_len, eval_batches, to_device
 from shardwise.fit import preflight
 from shardwise.fit.callbacks import improved
+from shardwise.precision import cast_batch
 from shardwise.step import LossFn, StepRun
 from shardwise.strategies.base import HasServers, Strategy
 
@@ -147,7 +148,7 @@ def evaluate(model: nn.Module, strat: Strategy, val: Validation, loss_fn: LossFn
     sums = torch.zeros(2 + len(fns), dtype=torch.float64, device=topo.device)  # samples, loss, metrics
     with eval_mode(model):
         for batch, real in eval_batches(val.data, val.batch_size, shards, shard, seed):
-            x, y = val.data.split(to_device(batch, topo.device))
+            x, y = cast_batch(run.precision, val.data.split(to_device(batch, topo.device)))
             got = strat.eval_step(model, x, y, per_batch, topo, run)
             if got is not None and owner and real:
                 k = batch_len(y) or batch_len(x)

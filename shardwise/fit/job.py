@@ -114,6 +114,7 @@ class Job:
             apply_activation_checkpointing(self.model, classes)  # type: ignore[arg-type]
         if t.sync_batchnorm and topo.size(DP) > 1:
             convert_sync_batchnorm(self.model, topo.comm(DP))
+        precision_mod.cast_model(t.precision, self.model)  # "bf16-true": weights, and so grads and states, in bf16
         grouped = GroupedFactory(self.optimizer_fn, self.groups)
         model, opt = strat.setup(self.model, grouped, topo)
         grouped.finish(strat.param_names(model))

@@ -84,7 +84,7 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
             if topo.diag is not None:
                 topo.diag.step = step
             start = time.perf_counter()
-            x, y = source.split(data.batch(step, device))
+            x, y = precision_mod.cast_batch(t.precision, source.split(data.batch(step, device)))
             micro = list(zip(iter_chunks(x, k), iter_chunks(y, k)))
             run = StepRun(t.precision, scaler.scale if scaler is not None else 1.0)
             if step == len(prev):

@@ -37,6 +37,7 @@ from shardwise.plan.states import (
     states_of,
     zero_stage,
 )
+from shardwise.precision import TRUE_DTYPES
 
 _OPTIMIZER_NAMES = {2: "adamw", 1: "sgd-momentum", 0: "sgd"}  # for the time model only; bytes use the real count
 
@@ -196,7 +197,8 @@ def training_spec(layout: RunLayout, local_batch: int, m: int, k: int) -> Traini
                         optimizer=_OPTIMIZER_NAMES.get(k, "adamw"),
                         activation_checkpointing=layout.activation_checkpointing,
                         schedule=layout.schedule if layout.schedule in SCHEDULES else "1f1b", chunks=layout.chunks,
-                        offload=layout.offload if zero_stage(layout) else "none", no_sync=True, autocast=True)
+                        offload=layout.offload if zero_stage(layout) else "none", no_sync=True,
+                        autocast=layout.precision not in TRUE_DTYPES)  # "bf16-true": 16-bit activations throughout
 
 
 def _activations_and_buffers(model: nn.Module, layout: RunLayout, local: int, m: int, k: int,

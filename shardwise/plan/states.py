@@ -51,6 +51,7 @@ from shardwise.parallel.pipeline import stage_starts
 from shardwise.parallel.pipeline_layers import stage_layers
 from shardwise.parallel.tp import apply_tp
 from shardwise.plan.trace import meta_copy as copy_to_meta
+from shardwise.precision import TRUE_DTYPES
 
 # Strategies whose state this module can lay out, by how the whole model is wrapped.
 _WHOLE_MODEL = {"single": 0, DP: 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3, "hsdp": 3}
@@ -283,6 +284,8 @@ def rank_states(model: nn.Module, layout: RunLayout, optimizer: torch.optim.Opti
     Raises :class:`NotModelled` for a strategy or model this module cannot lay out.
     """
     check_modelled(layout)
+    if layout.precision in TRUE_DTYPES:  # the run casts the weights themselves: every state is in that dtype
+        model = meta_copy(model).to(TRUE_DTYPES[layout.precision])
     return states_of(local_chunks(model, layout, tp_plan, split_points), layout, optimizer_states(optimizer))
 
 
