@@ -86,24 +86,16 @@ def _run(argv: list[str]) -> int:
         return 0 if argv else 2
     if argv[0] == "--help-torchrun":
         argv = ["--help"]
-    from torch.distributed import run as torchrun
-
-    from shardwise.comm.topology import threads_per_rank
-
     try:
         args, private = torchrun_args(argv, os.environ)
     except cluster.ClusterError as e:
         print(f"shardwise run: {e}", file=sys.stderr)
         return 2
-    store = None
     if private:
         note = cluster.allocation_note(os.environ)
         if note is not None and argv != ["--help"]:
             print(f"shardwise run: {note}", file=sys.stderr)
-        from shardwise.launch import loopback_rendezvous
-
-        store, rdzv = loopback_rendezvous()
-        args = rdzv + args
+    # The arguments are checked before torch is imported (seconds): a refusal comes at once.
     nproc = 1
     for i, a in enumerate(args):
         value = args[i + 1] if a == "--nproc-per-node" and i + 1 < len(args) else \
@@ -115,6 +107,16 @@ def _run(argv: list[str]) -> int:
             return 2
         if value.isdigit():
             nproc = int(value)
+    from torch.distributed import run as torchrun
+
+    from shardwise.comm.topology import threads_per_rank
+
+    store = None
+    if private:
+        from shardwise.launch import loopback_rendezvous
+
+        store, rdzv = loopback_rendezvous()
+        args = rdzv + args
     # torchrun sets 1 thread per rank; share this host's cores instead.
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
     try:
