@@ -31,6 +31,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -183,7 +184,8 @@ def run_info(model: nn.Module, optimizer: torch.optim.Optimizer, batch_size: int
 
 
 def check_directory(directory: str) -> None:
-    """Refuse, before any process starts, a checkpoint directory that is a file or cannot be written."""
+    """Refuse, before any process starts, a checkpoint directory that is a file or cannot be written: a file is
+    created and removed in it (or in its nearest existing ancestor, where it will be made)."""
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise ValueError(f"checkpoint_dir={directory!r} is a file, not a directory")
     probe = directory
@@ -196,6 +198,13 @@ def check_directory(directory: str) -> None:
         raise ValueError(f"checkpoint_dir={directory!r} cannot be created: {probe!r} is a file")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ValueError(f"checkpoint_dir={directory!r} cannot be written ({probe!r} is not writable)")
+    try:  # os.access reads permission bits, which root passes everywhere (/sys, /proc, ...): write to be sure
+        fd, path = tempfile.mkstemp(prefix=".shardwise-probe-", dir=probe)
+    except OSError as e:
+        raise ValueError(f"checkpoint_dir={directory!r} cannot be written (creating a file in {probe!r} failed: "
+                         f"{e.strerror})") from None
+    os.close(fd)
+    os.remove(path)
 
 
 def read_manifest(path: str) -> dict[str, Any]:

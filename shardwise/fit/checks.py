@@ -51,6 +51,10 @@ def validate(t: FitOptions, model: nn.Module, dataset: Any, batch_size: int, max
             f"batch_size={batch_size} is not divisible by data-parallel size {dp} x "
             f"accumulate_grad_batches {k} = {dp * k}; the global batch must split evenly "
             f"(try batch_size={max(dp * k, batch_size // (dp * k) * dp * k)})")
+    # One micro-batch of the real data (at most 64 samples: only shapes matter); lazy modules are initialised on it,
+    # before anything reads the model's shapes.
+    batch = preflight.first_batch(dataset, max(1, min(64, batch_size // (dp * k))))
+    preflight.materialize_lazy(model, batch, t.precision)
     backend = backend_for(torch.device("cuda" if t.on_cuda else "cpu"))
     t.strategy.check_model(model, t.devices, batch_size, t.accumulate_grad_batches, backend)
     check_batchnorm(t, model)
@@ -63,9 +67,7 @@ def validate(t: FitOptions, model: nn.Module, dataset: Any, batch_size: int, max
                          "skip decisions are agreed by every rank each step, and the server ranks take no part "
                          "in training steps; use precision='bf16-mixed' (no loss scaling) or "
                          "on_nonfinite='error' with it")
-    # One micro-batch of the real data (at most 64 samples: only shapes matter), then the model and loss on meta.
-    batch = preflight.first_batch(dataset, max(1, min(64, batch_size // (dp * k))))
-    preflight.check_loss(model, batch, loss_fn)
+    preflight.check_loss(model, batch, loss_fn, t.precision)  # the model and loss on meta (and what fails, on CPU)
     if t.layout.cp > 1:  # attention it can replace, positions it can pass, a sequence that splits, heads
         check_context_parallel(model, t.layout.cp, t.layout.cp_mode, t.layout.tp, batch[0])
     if t.layout.tp > 1:  # the plan, applied to a meta copy, and the split forward, before any rank exists

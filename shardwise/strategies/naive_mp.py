@@ -41,7 +41,10 @@ class NaiveMP(Strategy, SplitsModel, OwnDevices):
 
     def layout(self, devices: int) -> RunLayout:
         # One process drives every device of the split model: the process group is of size 1.
-        return RunLayout(self.name, devices_per_process=devices)
+        if self.devices and devices not in (1, len(self.devices)):  # as sw.DP's device_ids: the list is the size
+            raise ValueError(f"devices={devices} but NaiveMP(devices=...) names {len(self.devices)} devices; pass "
+                             f"devices={len(self.devices)} (or 1) to the Trainer, or list {devices} devices")
+        return RunLayout(self.name, devices_per_process=len(self.devices) if self.devices else devices)
 
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
