@@ -3,13 +3,17 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 
 import pytest
 
-# Every rank here is a fresh process started by a command (torchrun, a script), never the pool.
-pytestmark = [pytest.mark.timeout(240), pytest.mark.fresh_processes]
+from shardwise import cli
+
+# The tests that launch by command (torchrun, a script) are marked fresh_processes: their ranks are fresh
+# processes. The verbs called in this process (verify) run their ranks on the session's pool.
+pytestmark = pytest.mark.timeout(240)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,28 +24,60 @@ def run_cli(*args: str, timeout: float = 200) -> subprocess.CompletedProcess[str
                           text=True, timeout=timeout)
 
 
-def test_shardwise_run_under_torchrun_equals_spawned(tmp_path):
-    out = tmp_path / "losses.json"
-    r = run_cli("run", "--nproc", "2", "examples/digits.py", "--strategy", "ddp", "--steps", "6", "--out", str(out))
+# The examples these tests run under `shardwise run --nproc 2`, in one launch (tests/scripts/each_strategy.py
+# runs each in turn in the same two ranks, as a script with several trainings would): the launcher's and the
+# ranks' start-up are paid once. (example, strategy, its flags); ddp is also setup_loop.py's default.
+UNDER_RUN = {"digits": ("examples/digits.py", "ddp", ("--steps", "6", "--out", "{out}/losses.json")),
+             "setup_loop": ("examples/setup_loop.py", "ddp", ("--epochs", "1"))}
+
+
+@pytest.fixture(scope="module")
+def under_torchrun(tmp_path_factory):
+    out = tmp_path_factory.mktemp("under_run")
+    argv: list[str] = []
+    for example, strategy, flags in UNDER_RUN.values():
+        argv += [*(["++"] if argv else []), example, strategy, "--", *(f.format(out=out) for f in flags)]
+    return run_cli("run", "--nproc", "2", "tests/scripts/each_strategy.py", *argv), out
+
+
+def section(r: subprocess.CompletedProcess[str], name: str) -> str:
+    """What rank 0 printed while ``name``'s example ran; fails naming the case if it did not finish."""
+    example, strategy, _ = UNDER_RUN[name]
+    begin, end = f"each_strategy: {example} {strategy} starts", f"each_strategy: {example} {strategy} ok"
+    assert begin in r.stdout and end in r.stdout, (
+        f"{example} did not finish under shardwise run (exit code {r.returncode}):\n"
+        + r.stdout[-2000:] + r.stderr[-3000:])
+    return r.stdout.split(begin, 1)[1].split(end, 1)[0]
+
+
+@pytest.mark.fresh_processes
+def test_shardwise_run_under_torchrun_equals_spawned(under_torchrun, tmp_path, monkeypatch, capsys):
+    r, out = under_torchrun
+    assert "test accuracy" in section(r, "digits")
+    torchrun_losses = json.loads((out / "losses.json").read_text())
+    # The reference: the same example on one device, which trains in the calling process (no ranks to start).
+    single = tmp_path / "single.json"
+    monkeypatch.setattr(sys, "argv", ["examples/digits.py", "--strategy", "single", "--devices", "1", "--steps", "6",
+                                      "--out", str(single)])
+    monkeypatch.chdir(ROOT)
+    runpy.run_path("examples/digits.py", run_name="__main__")
+    assert "test accuracy" in capsys.readouterr().out
+    assert torchrun_losses == pytest.approx(json.loads(single.read_text()), rel=1e-5)
+
+
+@pytest.mark.fresh_processes
+def test_setup_example_runs_under_torchrun(under_torchrun):
+    r, _ = under_torchrun
+    assert "epoch 0: last loss" in section(r, "setup_loop")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "test accuracy" in r.stdout
-    torchrun_losses = json.loads(out.read_text())
-    out2 = tmp_path / "single.json"
-    r = subprocess.run([sys.executable, "examples/digits.py", "--strategy", "single", "--devices", "1", "--steps", "6",
-                        "--out", str(out2)], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True,
-                       text=True, timeout=200)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert torchrun_losses == pytest.approx(json.loads(out2.read_text()), rel=1e-5)
 
 
-def test_setup_example_runs_under_torchrun():
-    r = run_cli("run", "--nproc", "2", "examples/setup_loop.py", "--epochs", "1")
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "epoch 0: last loss" in r.stdout
-
-
-def test_verify_on_a_user_factory(tmp_path):
-    f = tmp_path / "mymodel.py"
+def test_verify_on_a_user_factory(tmp_path, monkeypatch, capsys):
+    # The verb in this process, its ranks on the session's pool: `shardwise verify` is cli.main (its exit
+    # code is main's return value), and nothing in it needs fresh rank processes. A module name of its own,
+    # because load() imports the file by name (here and in the pooled ranks, from the caller's sys.path).
+    monkeypatch.setattr(sys, "path", list(sys.path))  # load() puts the file's folder on it
+    f = tmp_path / "launch_user_model.py"
     f.write_text("import torch\n"
                  "class Net(torch.nn.Module):\n"
                  "    def __init__(self):\n"
@@ -52,9 +88,13 @@ def test_verify_on_a_user_factory(tmp_path):
                  "    ds = torch.utils.data.TensorDataset(torch.randn(128, 12, generator=g),"
                  " torch.randint(0, 3, (128,), generator=g))\n"
                  "    return Net(), ds\n")
-    r = run_cli("verify", "--strategy", "ddp", "--devices", "2", "--model", f"{f}:make", "--steps", "4")
-    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    lines = r.stdout.splitlines()
+    try:
+        code = cli.main(["verify", "--strategy", "ddp", "--devices", "2", "--model", f"{f}:make", "--steps", "4"])
+    finally:
+        sys.modules.pop("launch_user_model", None)
+    r = capsys.readouterr()
+    assert code == 0, r.out + r.err[-3000:]
+    lines = r.out.splitlines()
     assert lines[0].startswith("verify ddp on 2 devices, workload ") and lines[0].endswith(", 4 steps")
     assert lines[1].startswith("  noise floor (single device, float32 against float64): losses ")
     assert lines[2].startswith("  losses:  largest difference ") and lines[2].endswith(" equal")
@@ -62,12 +102,12 @@ def test_verify_on_a_user_factory(tmp_path):
     assert lines[4] == "  EQUAL"
 
 
-def test_unknown_strategy_on_the_command_line():
-    r = run_cli("verify", "--strategy", "nope", "--steps", "1")
-    assert r.returncode != 0
-    assert "unknown strategy 'nope'; valid strategies: single, ddp" in r.stderr
+def test_unknown_strategy_on_the_command_line(capsys):
+    assert cli.main(["verify", "--strategy", "nope", "--steps", "1"]) != 0
+    assert "unknown strategy 'nope'; valid strategies: single, ddp" in capsys.readouterr().err
 
 
+@pytest.mark.fresh_processes
 @pytest.mark.parametrize("nproc", ["0", "-2"])
 def test_run_refuses_a_process_count_below_one(nproc):
     r = run_cli("run", f"--nproc={nproc}", "no_such_script.py", timeout=60)
