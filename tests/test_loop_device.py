@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 
+import docs_snippet
 import pytest
 import torch
 from conftest import assert_same_run
@@ -88,13 +89,6 @@ def test_an_fp16_loop_equals_the_trainers_fp16_run(tmp_path):
 
 
 def test_the_loop_of_docs_loop_md_runs_as_written(tmp_path, monkeypatch):
-    """The page's program, imported as a module and its main() run here (sw.init forms a group of one)."""
-    text = open(os.path.join(ROOT, "docs", "loop.md")).read()
-    block = text.split("<!-- snippet: loop -->\n```python\n", 1)[1].split("```", 1)[0]
-    (tmp_path / "docs_loop.py").write_text(block)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.chdir(tmp_path)
-    import docs_loop
-
-    docs_loop.main()
+    """The page's program, its main() run here (sw.init forms a group of one)."""
+    docs_snippet.run("loop.md", "loop", tmp_path, monkeypatch)
     assert os.path.exists(tmp_path / "model.pt") and os.path.isdir(tmp_path / "ckpt")

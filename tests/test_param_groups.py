@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 
+import docs_snippet
 import pytest
 import torch
 from tiny_hf import logits_loss, mixtral
@@ -355,28 +356,7 @@ class Ran:
         self.state_dict, self.losses = state_dict, losses
 
 
-class Ran:
-    def __init__(self, state_dict, losses):
-        self.state_dict, self.losses = state_dict, losses
-
-
-@pytest.mark.float32
-def test_the_docs_snippet_runs():
-    """docs/practical.md's "Parameter groups and optimizers" block, as written (in this process; ranks on the pool)."""
-    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "practical.md")).read()
-    block = text.split("<!-- snippet: param-groups -->\n```python\n", 1)[1].split("```", 1)[0]
-    exec(compile(block, "docs/practical.md:param-groups", "exec"), {"__name__": "__docs__"})
-
-
 @pytest.mark.float32
 def test_the_docs_snippet_runs(tmp_path, monkeypatch):
-    """docs/practical.md's "Parameter groups and optimizers" program, as written: imported as a module, its main()
-    run in this process, its ranks on the pool (which import it by name as spawned ranks would)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    text = open(os.path.join(root, "docs", "practical.md")).read()
-    block = text.split("<!-- snippet: param-groups -->\n```python\n", 1)[1].split("```", 1)[0]
-    (tmp_path / "docs_param_groups.py").write_text(block)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import docs_param_groups
-
-    docs_param_groups.main()
+    """docs/practical.md's "Parameter groups and optimizers" program, as written (tests/docs_snippet.py)."""
+    docs_snippet.run("practical.md", "param-groups", tmp_path, monkeypatch)
