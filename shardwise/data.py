@@ -31,16 +31,15 @@ training (docs/practical.md, "Data").
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
-from torch.utils.data._utils import worker as loader_worker
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, default_collate
+
+from shardwise.torch_private import as_main_process
 
 # Keys of a dict batch that are targets, not model inputs (Hugging Face's names), unless ``inputs=`` says otherwise.
 LABEL_KEYS = ("labels", "label")
@@ -271,23 +270,11 @@ def check_dataset(n: int, global_batch: int) -> None:
 
 
 # ---- iterable datasets ------------------------------------------------------------------
-@contextlib.contextmanager
-def _as_main_process() -> Iterator[None]:
-    """Hide DataLoader worker info from the user's dataset: inside our workers it must yield the whole stream,
-    as in the main process (a dataset that splits itself over workers would otherwise yield a part)."""
-    saved = getattr(loader_worker, "_worker_info", None)
-    loader_worker._worker_info = None
-    try:
-        yield
-    finally:
-        loader_worker._worker_info = saved
-
-
 class _Reader:
-    """The user's stream, read as the main process would (see :func:`_as_main_process`)."""
+    """The user's stream, read as the main process would (see :func:`shardwise.torch_private.as_main_process`)."""
 
     def __init__(self, dataset: Any, epoch: int | None = None) -> None:
-        with _as_main_process():
+        with as_main_process():
             if epoch is not None and hasattr(dataset, "set_epoch"):
                 dataset.set_epoch(epoch)
             self.it = iter(dataset)
@@ -295,7 +282,7 @@ class _Reader:
     def take(self, n: int, keep: Callable[[int], bool]) -> tuple[list[Any], int, Any]:
         """Read up to ``n`` samples: (those at positions ``keep`` accepts, how many were read, the first)."""
         mine, first, read = [], None, 0
-        with _as_main_process():
+        with as_main_process():
             for pos in range(n):
                 try:
                     s = next(self.it)

@@ -41,6 +41,7 @@ from shardwise.cluster import (  # loopback_interface: its former home was here
 from shardwise.comm.diagnostics import diag_store, explain_job
 from shardwise.comm.topology import backend_for, pick_device, threads_per_rank
 from shardwise.precision import default_dtype_name
+from shardwise.torch_private import host_rendezvous_stores
 
 
 def adopt_cluster_env(environ: MutableMapping[str, str] | None = None) -> ClusterEnv | None:
@@ -334,22 +335,12 @@ def loopback_rendezvous(timeout: _dt.timedelta = _dt.timedelta(minutes=5)) -> tu
     is ours (:func:`job_store`, 127.0.0.1), the agent joins it as a client,
     advertises 127.0.0.1 to the workers, and hosts the workers' store on
     loopback too (torch's ``DynamicRendezvousHandler._create_tcp_store_server``
-    is replaced for this process, which is the launcher); gloo is pointed at
+    is replaced for this process, which is the launcher:
+    :func:`shardwise.torch_private.host_rendezvous_stores`); gloo is pointed at
     the loopback interface. Keep the returned store alive for the whole job.
     """
     store = job_store(timeout)
-    try:
-        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-            DynamicRendezvousHandler,
-        )
-
-        def on_loopback(self: Any, master_addr: str, master_port: int) -> dist.TCPStore:
-            return job_store(timeout)
-
-        if hasattr(DynamicRendezvousHandler, "_create_tcp_store_server"):
-            DynamicRendezvousHandler._create_tcp_store_server = on_loopback  # type: ignore[method-assign]
-    except ImportError:
-        pass
+    host_rendezvous_stores(lambda: job_store(timeout))
     lo = loopback_interface()
     if lo is not None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)

@@ -8,6 +8,8 @@ from collections.abc import Iterator
 
 import torch
 
+from shardwise.torch_private import memory_records
+
 
 def unique_bytes(tensors: list[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
@@ -102,11 +104,9 @@ class AllocatedPeak:
         assert self._prof is not None
         with _quiet_stderr():
             self._prof.__exit__(*exc)
-        events = self._prof.profiler.kineto_results.events() if self._prof.profiler is not None else []
         live = peak = 0
-        # Allocation records have a size (negative for a free) and no duration: "[memory]" in the profiler.
-        for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
-            live += e.nbytes()
+        for nbytes in memory_records(self._prof):  # allocations (> 0) and frees (< 0), in time order
+            live += nbytes
             peak = max(peak, live)
         self.peak, self.end = peak, live
         self._prof = None

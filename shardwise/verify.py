@@ -30,6 +30,7 @@ from shardwise.strategies.base import Strategy
 from shardwise.strategies.dp import DP
 from shardwise.strategies.parallel import Parallel
 from shardwise.strategies.registry import resolve
+from shardwise.torch_private import BatchNormBase
 from shardwise.workloads import Workload
 
 
@@ -199,7 +200,7 @@ def _outputs(model: nn.Module, batch: Any, seed: int, freeze_batchnorm: bool, wi
     m.train()
     if freeze_batchnorm:
         for mod in m.modules():
-            if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+            if isinstance(mod, BatchNormBase):
                 mod.eval()  # normalises with its running statistics: no longer looks at the batch
     x, _ = split_batch(batch)
     # The same seed before each forward: dropout draws the same mask for the same rows, so only the
@@ -238,7 +239,7 @@ def probe_coupling(model: nn.Module, dataset: Any, samples: int = 8, seed: int =
     forwards run in float64, where rounding cannot pass for coupling, or in the
     model's own dtype when it does not run in float64.
     """
-    names = tuple(n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
+    names = tuple(n for n, m in model.named_modules() if isinstance(m, BatchNormBase))
     items = _first_items(dataset, 3 * samples)
     n = len(items) // 3
     if n < 1:

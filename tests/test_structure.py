@@ -95,7 +95,7 @@ LOCAL_IMPORTS: dict[str, str] = {
     "shardwise.fit.progress: rich.progress": "rich.progress loads only when a progress bar is drawn",
     "shardwise.fit.checks: shardwise.plan": "the planner loads only when the memory check runs (memory_check='off' "
                                             "skips it), through the lazy plan package whose plan_run tests replace",
-    "shardwise.launch: torch.distributed.elastic.rendezvous.dynamic_rendezvous":
+    "shardwise.torch_private: torch.distributed.elastic.rendezvous.dynamic_rendezvous":
         "torchelastic's rendezvous, only for `shardwise run` (its absence is tolerated)",
     "shardwise.stats: resource": "resource exists on Unix only; read only where /proc is missing (macOS)",
 }

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from shardwise.torch_private import c10d_default_store
+
 HISTORY = 16  # operations kept per group in the published record
 
 
@@ -68,9 +70,8 @@ def default_store() -> Any:
     """
     if not dist.is_initialized():
         return None
-    try:
-        store = dist.distributed_c10d._get_default_store()
-    except Exception:  # pragma: no cover - private API moved
+    store = c10d_default_store()
+    if store is None:  # pragma: no cover - private API moved
         return None
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store

@@ -52,6 +52,7 @@ import torch
 from torch.nn import functional as F
 
 from shardwise.comm.collectives import Comm, Handle
+from shardwise.torch_private import FLASH_ATTENTION_CPU, FLASH_ATTENTION_CPU_BACKWARD
 
 RING = "ring"
 ULYSSES = "ulysses"
@@ -143,21 +144,14 @@ def _dense(x: torch.Tensor) -> torch.Tensor:
 
 
 def _expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
-    """kv heads repeated over their query heads' group (the kernels pair query head h with kv head h)."""
+    """kv heads repeated over their query heads' group (the kernels pair query head h with kv head h: older
+    kernels assume as many kv heads as query heads)."""
     return x if group == 1 else x.repeat_interleave(group, dim=1)
 
 
 def _fold_kv(x: torch.Tensor, group: int) -> torch.Tensor:
     """The gradient of :func:`_expand_kv`: each kv head's group summed."""
     return x if group == 1 else x.unflatten(1, (x.shape[1] // group, group)).sum(2)
-
-
-# Private aten ops, with the same schema in torch 2.11 (its generated ATen/ops headers) and 2.13:
-# (query, key, value, dropout_p, is_causal, *, attn_mask, scale) -> (output, logsumexp (B, H, T)), float64
-# included; the backward takes grad_out first and out, logsumexp after value. Older kernels assume as many
-# kv heads as query heads, hence _expand_kv.
-_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -167,7 +161,8 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     elsewhere :func:`_explicit_forward`."""
     if q.device.type != "cpu":
         return _explicit_forward(q, k, v, causal, scale)
-    return _FLASH_CPU(_dense(q), _dense(k), _dense(v), 0.0, causal, scale=scale)  # type: ignore[no-any-return]
+    out = FLASH_ATTENTION_CPU(_dense(q), _dense(k), _dense(v), 0.0, causal, scale=scale)
+    return out  # type: ignore[no-any-return]
 
 
 def _block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -178,8 +173,9 @@ def _block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     CPU the flash kernel's backward; elsewhere :func:`_explicit_backward`."""
     if q.device.type != "cpu":
         return _explicit_backward(do, q, k, v, o, lse, causal, scale)
-    return _FLASH_CPU_BACKWARD(_dense(do), _dense(q), _dense(k), _dense(v), _dense(o),  # type: ignore[no-any-return]
-                               lse, 0.0, causal, scale=scale)
+    grads = FLASH_ATTENTION_CPU_BACKWARD(_dense(do), _dense(q), _dense(k), _dense(v), _dense(o), lse, 0.0, causal,
+                                         scale=scale)
+    return grads  # type: ignore[no-any-return]
 
 
 def _causal_mask(s: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ from shardwise.comm.streams import SideStream
 from shardwise.data import leaves
 from shardwise.parallel.buckets import DDP_BUCKET_MB
 from shardwise.parallel.ep import is_expert
+from shardwise.torch_private import at_backward_end
 
 AllReduceFn = Callable[[torch.Tensor, Comm, str], Handle]
 
@@ -170,7 +171,7 @@ class GradSync:
         if not self._queued:
             self._queued = True
             if not self._in_parts:
-                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+                at_backward_end(self._finish)
 
     @contextlib.contextmanager
     def backward_in_parts(self) -> Iterator[None]:

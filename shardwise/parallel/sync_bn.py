@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from shardwise.comm import Comm
+from shardwise.torch_private import BatchNormBase
 
 
 class _SyncBNFunction(torch.autograd.Function):
@@ -81,7 +82,7 @@ class SyncBatchNorm(nn.Module):
     optimizer built before the conversion still refers to them.
     """
 
-    def __init__(self, bn: nn.modules.batchnorm._BatchNorm, comm: Comm) -> None:
+    def __init__(self, bn: BatchNormBase, comm: Comm) -> None:
         super().__init__()
         self.comm = comm
         self.num_features, self.eps, self.momentum = bn.num_features, bn.eps, bn.momentum
@@ -113,7 +114,7 @@ class SyncBatchNorm(nn.Module):
 
 def batchnorm_layers(model: nn.Module) -> list[str]:
     """Names of ``model``'s BatchNorm layers (1d, 2d, 3d; not already synchronised)."""
-    return [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    return [n for n, m in model.named_modules() if isinstance(m, BatchNormBase)]
 
 
 def convert_sync_batchnorm(model: nn.Module, comm: Comm) -> nn.Module:
