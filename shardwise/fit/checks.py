@@ -100,6 +100,27 @@ def check_groups(t: FitOptions, probe: torch.optim.Optimizer, groups: GroupPlan)
                          "'zero1'/'zero2' or 'fsdp', which carry each group onto the pieces of its parameters")
 
 
+def run_steps(max_steps: int | None, max_epochs: int | None, dataset: Any, batch_size: int) -> int:
+    """The run's optimizer steps: ``max_steps``, or ``max_epochs`` passes of whole global batches, or the fewer."""
+    if max_steps is None and max_epochs is None:
+        raise TypeError("say how long to train: fit(..., max_steps=N) optimizer steps, or Trainer(max_epochs=N) "
+                        "passes over the dataset")
+    if max_epochs is None:
+        return max_steps  # type: ignore[return-value]
+    data = dataset.dataset if isinstance(dataset, DataSource) else dataset
+    try:
+        samples = len(data)
+    except TypeError:
+        raise ValueError(f"Trainer(max_epochs={max_epochs}) needs the dataset's length, and this "
+                         f"{type(data).__name__} has no __len__: give it one (its samples per pass), or train for "
+                         "fit(max_steps=N) optimizer steps") from None
+    per_epoch = samples // batch_size
+    if per_epoch < 1:
+        raise ValueError(f"an epoch of {samples} samples holds no whole global batch of batch_size={batch_size}; "
+                         "lower batch_size or use more data")
+    return min(max_epochs * per_epoch, max_steps) if max_steps is not None else max_epochs * per_epoch
+
+
 def check_batchnorm(t: FitOptions, model: nn.Module) -> None:
     """Say once what BatchNorm computes under this layout, or refuse sync_batchnorm where it cannot work."""
     layers = batchnorm_layers(model)

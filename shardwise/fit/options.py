@@ -61,6 +61,7 @@ class FitOptions:
     sync_batchnorm: bool
     callbacks: tuple[Any, ...]
     dataloader_kwargs: dict[str, Any]
+    max_epochs: int | None = None
 
     @property
     def on_cuda(self) -> bool:
@@ -109,6 +110,9 @@ class FitOptions:
         elif not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
             raise ValueError(f"devices must be a positive integer, 'auto', -1 (every GPU) or a list of GPU "
                              f"indices, got {devices!r}")
+        epochs = given["max_epochs"]
+        if epochs is not None and (not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1):
+            raise ValueError(f"max_epochs must be a positive integer (or None), got {epochs!r}")
         if given["accumulate_grad_batches"] < 1:
             raise ValueError(f"accumulate_grad_batches must be >= 1, got {given['accumulate_grad_batches']}")
         for path in ("checkpoint_dir", "tensorboard_dir", "metrics_path"):

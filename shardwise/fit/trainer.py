@@ -21,7 +21,7 @@ from torch import nn
 from shardwise import launch
 from shardwise.comm.topology import pick_device, teardown
 from shardwise.data import DataSource, loader_options
-from shardwise.fit.checks import check_fit_options, parse_inputs, validate
+from shardwise.fit.checks import check_fit_options, parse_inputs, run_steps, validate
 from shardwise.fit.job import (
     FitResult,
     Job,
@@ -93,6 +93,11 @@ class Trainer:
             (:class:`shardwise.Callback`, e.g. :class:`shardwise.EarlyStopping`), called on
             every rank (pickled into spawned ranks: they must be picklable); any rank's ``info.stop()`` stops
             every rank after the same step.
+        max_epochs: train this many passes over the dataset (Lightning's name): ``epochs x (len(dataset) //
+            batch_size)`` optimizer steps, each epoch one reshuffled permutation of whole global batches (the
+            last partial one is dropped). ``fit(max_steps=)`` may be given instead, or as well: the run stops
+            at whichever comes first. An iterable dataset needs ``__len__`` for it (its length in samples).
+            Resuming mid-epoch continues at the step the checkpoint holds, in the same epoch's order.
         dataloader_kwargs: DataLoader options for the training and validation data (``num_workers``,
             ``collate_fn``, ``pin_memory``, ``prefetch_factor``, ``persistent_workers``, ``worker_init_fn``,
             ``multiprocessing_context``, ``timeout``); workers load exactly the batches the main process would.
@@ -109,7 +114,8 @@ class Trainer:
                  activation_checkpointing: bool | tuple[type[nn.Module], ...] = False,
                  tensorboard_dir: str | os.PathLike[str] | None = None, peak_flops: float | None = None,
                  max_processes_per_core: int | None = 8, sync_batchnorm: bool = False,
-                 callbacks: list[Any] | None = None, dataloader_kwargs: dict[str, Any] | None = None) -> None:
+                 callbacks: list[Any] | None = None, dataloader_kwargs: dict[str, Any] | None = None,
+                 max_epochs: int | None = None) -> None:
         given = dict(locals())  # every argument of this signature, defaults included: the options' one source
         for positional in ("self", "strategy", "devices", "accelerator"):
             del given[positional]
@@ -130,14 +136,14 @@ class Trainer:
 
     # ------------------------------------------------------------------
     def fit(self, model: nn.Module, dataset: Any, loss_fn: LossFn, optimizer: OptimizerFactory,
-            batch_size: int, max_steps: int, lr_scheduler: SchedulerFactory | None = None, *,
+            batch_size: int, max_steps: int | None = None, lr_scheduler: SchedulerFactory | None = None, *,
             val_dataset: Any = None, val_every: int | None = None,
             val_metrics: dict[str, Callable[[Any, Any], Any]] | None = None, val_batch_size: int | None = None,
             checkpoint_best: str | tuple[str, str] | None = None, num_workers: int | None = None,
             collate_fn: Callable[[list[Any]], Any] | None = None, pin_memory: bool | None = None,
             inputs: str | list[str] | tuple[str, ...] | None = None,
             param_groups: ParamGroupsFn | None = None) -> FitResult:
-        """Train for ``max_steps`` optimizer steps of global batch ``batch_size``.
+        """Train for ``max_steps`` optimizer steps of global batch ``batch_size`` (or ``Trainer(max_epochs=)``).
 
         The run trains a copy of ``model`` (strategies shard, wrap and split what they are given) and loads the
         final weights back into ``model``: after ``fit`` the model passed in is trained, under every strategy
@@ -174,6 +180,7 @@ class Trainer:
         """
         data = DataSource(dataset, loader_options(self.dataloader_kwargs, num_workers=num_workers,
                                                   collate_fn=collate_fn, pin_memory=pin_memory), parse_inputs(inputs))
+        max_steps = run_steps(max_steps, self.options.max_epochs, dataset, batch_size)
         info, groups = validate(self.options, model, data, batch_size, max_steps, optimizer, loss_fn, lr_scheduler,
                                 param_groups)
         val = check_fit_options(self.options, model, loss_fn, data, batch_size, val_dataset, val_every, val_metrics,
