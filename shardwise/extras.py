@@ -12,9 +12,9 @@ import importlib.util
 
 # extra -> (the module imported, the package pip installs).
 EXTRAS: dict[str, tuple[str, str]] = {
-    "demo": ("sklearn", "scikit-learn"),  # `shardwise demo` and the digits workload read its bundled digits
-    "plots": ("matplotlib", "matplotlib"),  # --plot of `shardwise demo` and `shardwise bench`
     "tensorboard": ("tensorboard", "tensorboard"),  # Trainer(tensorboard_dir=)
+    "plots": ("matplotlib", "matplotlib"),  # --plot of `shardwise demo` and `shardwise bench`
+    "demo": ("sklearn", "scikit-learn"),  # `shardwise demo` and the digits workload read its bundled digits
     "hf": ("transformers", "transformers"),  # Hugging Face models, `shardwise checkpoint export --format hf`
 }
 
