@@ -110,10 +110,32 @@ def frozen_gpt() -> nn.Module:
     return m
 
 
-def test_frozen_parameters_inside_groups_train_the_single_device_model_under_zero3(same_run):
+class Groups(sw.Callback):
+    """Fails the run unless every rank's optimizer has ``n`` groups (an empty one where it holds nothing of it)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def on_step_end(self, info) -> None:  # noqa: D102
+        got = len(info.optimizer.param_groups)
+        if got != self.n:
+            raise AssertionError(f"rank {info.rank} has {got} parameter groups, not {self.n}")
+
+
+def frozen_apart(model: nn.Module) -> list[dict]:
+    """A group of frozen parameters only (the embeddings), kept as on one device."""
+    emb = [p for n, p in model.named_parameters() if "emb" in n]
+    return [{"params": emb, "lr": 0.0}, {"params": [p for n, p in model.named_parameters() if "emb" not in n]}]
+
+
+@pytest.mark.parametrize("recipe", ["by-dim", "frozen-group"])
+def test_frozen_parameters_inside_groups_train_the_single_device_model_under_zero3(recipe, same_run):
+    how = dict(optimizer=by_dim) if recipe == "by-dim" else \
+        dict(optimizer=functools.partial(torch.optim.AdamW, lr=1e-2), param_groups=frozen_apart)
+
     def run(strategy: str, devices: int) -> sw.FitResult:
-        return sw.Trainer(strategy, devices, accelerator="cpu", progress=False).fit(
-            frozen_gpt(), CharText(stdlib_text(20_000), SEQ), lm_loss, by_dim, batch_size=BATCH, max_steps=STEPS)
+        return sw.Trainer(strategy, devices, accelerator="cpu", progress=False, callbacks=[Groups(2)]).fit(
+            frozen_gpt(), CharText(stdlib_text(20_000), SEQ), lm_loss, batch_size=BATCH, max_steps=STEPS, **how)
 
     ref, run3 = run("single", 1), run("zero3", 2)
     same_run(ref, run3)
