@@ -9,6 +9,7 @@ applies, tensor and pipeline parallelism included:
     python examples/char_gpt.py --strategy zero2 --devices 2 --steps 100
     python examples/char_gpt.py --strategy pp --devices 2
     shardwise run --nproc 2 examples/char_gpt.py --strategy fsdp  # under torchrun: every rank trains
+    python examples/char_gpt.py --accelerator cpu --devices 4     # default accelerator auto: CUDA when present
 
 At the end rank 0 prints the first and final training loss, the loss on held-out text
 (the characters after the training text), the throughput in tokens per second
@@ -31,7 +32,9 @@ from shardwise.workloads import CharText, stdlib_text
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--strategy", default="ddp", help="any name sw.Trainer accepts (ddp, zero3, tp, pp, ...)")
-    p.add_argument("--devices", type=int, default=int(os.environ.get("WORLD_SIZE", "2")))
+    p.add_argument("--accelerator", default="auto", help="auto (CUDA when present), cpu or cuda")
+    p.add_argument("--devices", type=int, default=int(os.environ.get("WORLD_SIZE", "2")),
+                   help="processes, one per device (under torchrun: its world size)")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps")
     p.add_argument("--batch", type=int, default=32, help="GLOBAL batch (sequences per optimizer step)")
     p.add_argument("--block", type=int, default=64, help="context length in characters")
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     text = stdlib_text(a.chars + 20_000)
     train, held_out = CharText(text[:a.chars], a.block), CharText(text[a.chars:], a.block)
     torch.manual_seed(0)  # same initial weights for every strategy and device count
-    trainer = sw.Trainer(strategy=a.strategy, devices=a.devices, accelerator="cpu")
+    trainer = sw.Trainer(strategy=a.strategy, devices=a.devices, accelerator=a.accelerator)
     result = trainer.fit(GPT(cfg), train, lm_loss, optimizer=functools.partial(torch.optim.AdamW, lr=a.lr),
                          batch_size=a.batch, max_steps=a.steps)
     if int(os.environ.get("RANK", "0")) != 0:

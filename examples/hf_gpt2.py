@@ -11,6 +11,7 @@ needed either:
     HF_HUB_OFFLINE=1 python examples/hf_gpt2.py                       # ddp on 2 processes, 200 steps
     HF_HUB_OFFLINE=1 python examples/hf_gpt2.py --strategy zero3 --precision bf16-mixed
     HF_HUB_OFFLINE=1 python examples/hf_gpt2.py --strategy fsdp --activation-checkpointing
+    HF_HUB_OFFLINE=1 python examples/hf_gpt2.py --accelerator cpu --devices 4   # default auto: CUDA when present
 
 Rank 0 prints the first and final training loss, the held-out loss and the
 throughput in tokens per second.
@@ -66,7 +67,9 @@ def make_model(a: argparse.Namespace) -> torch.nn.Module:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--strategy", default="ddp", help="ddp, zero1, zero2, zero3, fsdp, single, ...")
-    p.add_argument("--devices", type=int, default=int(os.environ.get("WORLD_SIZE", "2")))
+    p.add_argument("--accelerator", default="auto", help="auto (CUDA when present), cpu or cuda")
+    p.add_argument("--devices", type=int, default=int(os.environ.get("WORLD_SIZE", "2")),
+                   help="processes, one per device (under torchrun: its world size)")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--batch", type=int, default=16, help="GLOBAL batch (sequences per optimizer step)")
     p.add_argument("--block", type=int, default=64, help="context length in bytes")
@@ -85,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     text = stdlib_text(a.chars + 10_000)
     train, held_out = ByteText(text[:a.chars], a.block), ByteText(text[a.chars:], a.block)
     model = make_model(a)
-    trainer = sw.Trainer(strategy=a.strategy, devices=a.devices, accelerator="cpu", precision=a.precision,
+    trainer = sw.Trainer(strategy=a.strategy, devices=a.devices, accelerator=a.accelerator, precision=a.precision,
                          activation_checkpointing=a.activation_checkpointing)
     result = trainer.fit(model, train, lm_loss, optimizer=functools.partial(torch.optim.AdamW, lr=a.lr),
                          batch_size=a.batch, max_steps=a.steps)
