@@ -7,12 +7,19 @@ run` with that strategy, joining a new process group as a second ``fit`` in a sc
 instead of one per (example, strategy) pair: the launcher, the ranks' interpreters and their imports
 (torch, transformers) are paid once. Rank 0 prints ``each_strategy: EXAMPLE S ok`` after each run, so a
 failure names the example and strategy it happened in.
+
+Run as plain python (one process, no torchrun), each run is the example as a script: ``--devices N``
+spawns its own ranks, which import the example again, as they would from ``python EXAMPLE``; the
+interpreter and its imports are paid once. ``--keep-going`` first (one process only: ranks under torchrun
+must fail together) goes on after a run that fails: its traceback is printed between its ``starts`` line
+and ``each_strategy: EXAMPLE S failed``, so each run reads as its own case, and the exit code is 1.
 """
 from __future__ import annotations
 
 import os
 import runpy
 import sys
+import traceback
 
 
 def groups(argv: list[str]) -> list[tuple[str, list[str], list[str]]]:
@@ -28,16 +35,32 @@ def groups(argv: list[str]) -> list[tuple[str, list[str], list[str]]]:
     return out
 
 
-def main() -> None:
-    for example, names, rest in groups(sys.argv[1:]):
+def main() -> int:
+    argv = sys.argv[1:]
+    keep_going = argv[:1] == ["--keep-going"]
+    if keep_going:
+        assert int(os.environ.get("WORLD_SIZE", "1")) == 1, "--keep-going is for one process, not under torchrun"
+        argv = argv[1:]
+    failed = False
+    for example, names, rest in groups(argv):
         for name in names:
             if os.environ.get("RANK", "0") == "0":
                 print(f"each_strategy: {example} {name} starts", flush=True)
             sys.argv = [example, "--strategy", name, *rest]
-            runpy.run_path(example, run_name="__main__")
+            try:
+                runpy.run_path(example, run_name="__main__")
+            except (Exception, SystemExit) as e:
+                if not keep_going:
+                    raise
+                if not (isinstance(e, SystemExit) and e.code in (None, 0)):  # sys.exit(0) ends a run that passed
+                    sys.stdout.write(traceback.format_exc())
+                    print(f"each_strategy: {example} {name} failed", flush=True)
+                    failed = True
+                    continue
             if os.environ.get("RANK", "0") == "0":
                 print(f"each_strategy: {example} {name} ok", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
