@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from shardwise.optim_wrap import WrappedOptimizer
+from shardwise.torch_private import UNSCALE_AND_CHECK
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true")
 # "true" precisions keep the weights, gradients and optimizer states themselves in this dtype: no fp32 master
@@ -147,7 +148,7 @@ def unscale_grads(grads: list[torch.Tensor], inv_scale: float) -> torch.Tensor:
     flags = []
     for (device, _), group in by_place.items():
         found = torch.zeros(1, dtype=torch.float32, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(group, found, torch.full((1,), inv_scale, device=device))
+        UNSCALE_AND_CHECK(group, found, torch.full((1,), inv_scale, device=device))
         flags.append(found)
     if not flags:
         return torch.zeros(1, dtype=torch.float32)

@@ -39,13 +39,15 @@ private API                                                                what 
 ``torch.nn.modules.batchnorm._BatchNorm``                                  the base of every BatchNorm
                                                                            (BatchNorm1d/2d/3d, lazy, torch's
                                                                            SyncBatchNorm): :data:`BatchNormBase`
-                                                                           (``verify``, ``parallel.sync_bn``)
+                                                                           (``verify``, ``parallel.sync_bn``,
+                                                                           ``fit.steps``)
+``torch._amp_foreach_non_finite_check_and_unscale_``                       torch.amp.GradScaler's fused unscale
+                                                                           and inf/NaN check, one pass per device
+                                                                           and dtype (:data:`UNSCALE_AND_CHECK`;
+                                                                           ``precision.unscale_grads``)
 =========================================================================  =====================================
 
-Also relied on, and checked by the tests, though not routed through here:
-``torch._amp_foreach_non_finite_check_and_unscale_`` (the fp16 loss scaler,
-``precision.unscale_grads``; ``fit.steps`` also reads ``_BatchNorm`` directly:
-both files were being edited by others when this module was written), the
+Also relied on, and checked by the tests, though not routed through here: the
 ``__create_write_items__`` / ``__create_chunk_list__`` / ``__get_tensor_shard__``
 protocol of ``torch.distributed._checkpointable`` that ``checkpoint.pieces.Pieces``
 implements, and the module ``torch._dynamo`` that the worker pool preloads.
@@ -138,6 +140,10 @@ FLASH_ATTENTION_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attentio
 # The base class of every BatchNorm (what a model's batch-coupled layers are found by).
 BatchNormBase = nn.modules.batchnorm._BatchNorm
 
+# (grads, found_inf (1,) float32, inv_scale (1,) float32) -> None, in place: the grads multiplied by inv_scale,
+# found_inf set to 1 if any is inf/NaN. CPU and CUDA kernels for float16/bfloat16/float32/float64 (torch >= 2.3).
+UNSCALE_AND_CHECK = torch._amp_foreach_non_finite_check_and_unscale_
 
-__all__ = ["BatchNormBase", "FLASH_ATTENTION_CPU", "FLASH_ATTENTION_CPU_BACKWARD", "as_main_process",
+
+__all__ = ["UNSCALE_AND_CHECK", "BatchNormBase", "FLASH_ATTENTION_CPU", "FLASH_ATTENTION_CPU_BACKWARD", "as_main_process",
            "at_backward_end", "c10d_default_store", "host_rendezvous_stores", "memory_records"]

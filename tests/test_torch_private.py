@@ -45,11 +45,8 @@ def test_leaf_modules_import_only_torch_and_the_standard_library(module, allowed
 _PRIVATE = re.compile(r"\b(?:torch|dist|nn|F|distributed_c10d)(?:\.[A-Za-z]\w*)*\._(?!_)\w+|"
                       r"^\s*from torch(?:\.\w+)*\._(?!_)\w+|^\s*import torch(?:\.\w+)*\._(?!_)\w+|"
                       r"\b_create_tcp_store_server\b|\bkineto_results\b", re.M)
-# Files being edited by others when torch_private.py was written; move their uses there when they are free.
-KNOWN = {
-    "shardwise/precision.py": ["torch._amp_foreach_non_finite_check_and_unscale_"],
-    "shardwise/fit/steps.py": ["nn.modules.batchnorm._BatchNorm"],
-}
+# Modules allowed to name a private torch API besides torch_private.py (none).
+KNOWN: dict[str, list[str]] = {}
 
 
 def _code_only(text: str) -> str:

@@ -32,6 +32,7 @@ from shardwise.parallel.checkpointing import track_saved_activations
 from shardwise.stats import unique_bytes
 from shardwise.step import LossFn, StepRun, after_optimizer_step, iter_chunks
 from shardwise.strategies.base import Strategy
+from shardwise.torch_private import BatchNormBase
 
 
 class StepHost(Protocol):
@@ -136,7 +137,7 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
 
 def unsynced_batchnorm_buffers(model: nn.Module) -> list[torch.Tensor]:
     """The running statistics of BatchNorm layers that normalise with their own rank's batch."""
-    return [b for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) for b in m.buffers()]
+    return [b for m in model.modules() if isinstance(m, BatchNormBase) for b in m.buffers()]
 
 
 def scheduler(factory: SchedulerFactory, opt: torch.optim.Optimizer, done: int) -> Any:
