@@ -382,3 +382,11 @@ class Ran:
 def test_the_docs_snippet_runs(tmp_path, monkeypatch):
     """docs/practical.md's "Parameter groups and optimizers" program, as written (tests/docs_snippet.py)."""
     docs_snippet.run("practical.md", "param-groups", tmp_path, monkeypatch)
+
+
+def test_the_parameter_server_steps_one_group_with_its_own_settings(same_run):
+    """One group whose lr is not the factory's: the servers' flat ranges take the group's settings."""
+    how = dict(optimizer=functools.partial(torch.optim.AdamW, lr=1e-2),
+               param_groups=lambda m: [{"params": list(m.parameters()), "lr": 3e-3}])
+    plain = fit("gpt", "by-dim", "single", 1, optimizer=functools.partial(torch.optim.AdamW, lr=3e-3))
+    same_run(plain, fit("gpt", "by-dim", sw.ParameterServer(servers=1), 3, **how))
