@@ -76,7 +76,11 @@ def reference(steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
+    import sys
+
+    p = argparse.ArgumentParser(epilog="Several runs in one launch: their flags separated by ++, run in turn in "
+                                "these processes (a new group each), e.g. a save under one layout, then its resume "
+                                "under another.")
     p.add_argument("--strategy", required=True, help="a name, or several separated by commas: the loop runs under "
                    "each in turn in these processes (a new group each), writing OUT with {strategy} replaced")
     p.add_argument("--steps", type=int, default=4)
@@ -84,8 +88,15 @@ if __name__ == "__main__":
     p.add_argument("--start-dir", default=None, help="resume from this checkpoint directory (sw.load)")
     p.add_argument("--save-dir", default=None, help="save here at the end (sw.save)")
     p.add_argument("--dtype", default="float32", help="the default dtype, in which the model and data are built")
-    a = p.parse_args()
-    torch.set_default_dtype(getattr(torch, a.dtype))
-    for name in a.strategy.split(","):
-        train(name, a.steps, a.out.replace("{strategy}", name), a.start_dir, a.save_dir)
-        sw.teardown()
+    runs, run = [], []
+    for arg in [*sys.argv[1:], "++"]:
+        if arg == "++":
+            runs.append(p.parse_args(run))
+            run = []
+        else:
+            run.append(arg)
+    for a in runs:
+        torch.set_default_dtype(getattr(torch, a.dtype))
+        for name in a.strategy.split(","):
+            train(name, a.steps, a.out.replace("{strategy}", name), a.start_dir, a.save_dir)
+            sw.teardown()

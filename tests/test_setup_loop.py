@@ -64,15 +64,16 @@ def test_save_and_load_resume_the_loop_under_another_layout(tmp_path):
     same((ref_state, ref_losses[3:]), state, losses)
 
 
-def shardwise_run(strategy, steps, out, *flags, load=True):
-    r = subprocess.run([sys.executable, "-m", "shardwise", "run", "--nproc", "2", "tests/loop_script.py",
-                        "--strategy", strategy, "--steps", str(steps), "--out", str(out), *flags,
-                        "--dtype", default_dtype_name()], cwd=ROOT,
-                       env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT}/tests"}, capture_output=True, text=True,
-                       timeout=200)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "terminate called" not in r.stderr  # the abort at exit once seen under zero2
-    return torch.load(out, weights_only=True) if load else None
+def shardwise_run(runs):
+    """One `shardwise run --nproc 2` of the loop script doing ``runs`` in turn, in the same ranks (a new group
+    each, as a script with several loops would): each ``(strategy, steps, out, *flags)``."""
+    argv: list[str] = []
+    for strategy, steps, out, *flags in runs:
+        argv += [*(["++"] if argv else []), "--strategy", strategy, "--steps", str(steps), "--out", str(out),
+                 *map(str, flags), "--dtype", default_dtype_name()]
+    return subprocess.run([sys.executable, "-m", "shardwise", "run", "--nproc", "2", "tests/loop_script.py", *argv],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT}/tests"}, capture_output=True,
+                          text=True, timeout=300)
 
 
 def close_to(state, ref):
@@ -86,24 +87,40 @@ UNDER_RUN = [s for s in STRATEGIES if s != "ddp"]
 
 @pytest.fixture(scope="module")
 def under_shardwise_run(tmp_path_factory):
-    """One `shardwise run` launch runs the loop under every strategy of UNDER_RUN in turn (a new group each,
-    as a script with several loops would): the launcher's and the ranks' start-up are paid once."""
+    """One `shardwise run` launch runs the loop under every strategy of UNDER_RUN in turn, then 3 steps under
+    fsdp that save and a resume of them under pp to step 6: the launcher's and the ranks' start-up are paid
+    once. Each case reads its own output file, so a failure reads as the case it happened in."""
     folder = tmp_path_factory.mktemp("under_run")
-    shardwise_run(",".join(UNDER_RUN), STEPS, folder / "{strategy}.pt", load=False)
-    return folder
+    ck = folder / "ck"
+    r = shardwise_run([(",".join(UNDER_RUN), STEPS, folder / "{strategy}.pt"),
+                       ("fsdp", 3, folder / "resume-saved.pt", "--save-dir", ck),
+                       ("pp", 6, folder / "resume-loaded.pt", "--start-dir", ck)])
+    return folder, r
 
 
+def written(under_shardwise_run, name):
+    """The state rank 0 wrote for one case; fails with the launch's exit code and errors if it never came."""
+    folder, r = under_shardwise_run
+    assert "terminate called" not in r.stderr  # the abort at exit once seen under zero2
+    path = folder / name
+    assert path.exists(), f"{name} was not written (exit code {r.returncode}):\n{r.stderr[-3000:]}"
+    return torch.load(path, weights_only=True)
+
+
+@pytest.mark.timeout(360)
 @pytest.mark.fresh_processes
 @pytest.mark.parametrize("strategy", UNDER_RUN)
 def test_under_shardwise_run_the_loop_exits_0_and_equals_single(under_shardwise_run, single, strategy):
-    close_to(torch.load(under_shardwise_run / f"{strategy}.pt", weights_only=True), single[0])
+    close_to(written(under_shardwise_run, f"{strategy}.pt"), single[0])
 
 
+@pytest.mark.timeout(360)
 @pytest.mark.fresh_processes
-def test_under_shardwise_run_save_and_load_resume_under_another_layout(tmp_path):
-    ck = str(tmp_path / "ck")
-    shardwise_run("fsdp", 3, tmp_path / "a.pt", "--save-dir", ck)
-    close_to(shardwise_run("pp", 6, tmp_path / "b.pt", "--start-dir", ck), reference(6)[0])
+def test_under_shardwise_run_save_and_load_resume_under_another_layout(under_shardwise_run):
+    written(under_shardwise_run, "resume-saved.pt")
+    close_to(written(under_shardwise_run, "resume-loaded.pt"), reference(6)[0])
+    r = under_shardwise_run[1]
+    assert r.returncode == 0, r.stderr[-3000:]  # the last run: the launch as a whole ended well
 
 
 PLAIN = """import torch, torch.distributed as dist
