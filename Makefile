@@ -1,10 +1,10 @@
-# The commands of the README: `make demo`, `make test` and `make test-budget`.
+# The commands of the README: `make demo`, `make test`, `make test-budget` and `make docs`.
 # Each creates .venv when missing and installs what it needs (torch pinned to
 # the CPU build available here; the package with its dev extras).
 PY := .venv/bin/python
 STAMP := .venv/.shardwise-installed
 
-.PHONY: demo test test-fast bench venv clean
+.PHONY: demo test test-fast bench venv clean docs docs-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -53,8 +53,29 @@ test-gpu:
 		$(MAKE) venv && $(PY) -m pytest -q -rs tests/gpu; \
 	fi
 
+# The site, into site/ (docs/conf.py says why Sphinx): every warning is an error (-W), a link to a missing page
+# or heading included; -n checks references to shardwise's public names; -E reads every page each time, so a
+# warning cannot hide in a page that did not change. The docs extra goes into .venv once (its own stamp).
+DOCS_STAMP := .venv/.shardwise-docs-installed
+
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	rm -rf site
+	$(PY) -m sphinx -E -W --keep-going -n -b html -d build/doctrees docs site
+
+# The built site in a real browser (Debian's headless Chromium, installed here when missing and run as root):
+# screenshots into build/docs-check/, the search must find "ZeRO", no page may ask for a missing file.
+docs-check: docs
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+		{ echo "docs-check: needs Debian's chromium (apt-get install -y chromium)"; exit 2; }
+	$(PY) docs/check_site.py --site site --out build/docs-check
+
 bench: $(STAMP)
 	.venv/bin/shardwise bench
 
 clean:
-	rm -rf .venv build *.egg-info
+	rm -rf .venv build site *.egg-info
