@@ -148,7 +148,7 @@ def unscale_grads(grads: list[torch.Tensor], inv_scale: float) -> torch.Tensor:
     flags = []
     for (device, _), group in by_place.items():
         found = torch.zeros(1, dtype=torch.float32, device=device)
-        UNSCALE_AND_CHECK(group, found, torch.full((1,), inv_scale, device=device))
+        UNSCALE_AND_CHECK(group, found, torch.full((1,), inv_scale, dtype=torch.float32, device=device))
         flags.append(found)
     if not flags:
         return torch.zeros(1, dtype=torch.float32)
