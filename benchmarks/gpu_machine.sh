@@ -16,7 +16,7 @@
 # three calls back to back while the machine is warm: PART=gpu, then PART=cpu4, then PART=cpu8.
 set -u
 cd "$(dirname "$0")/.."
-OUT=${1:-results/gpu-$(date +%Y%m%d-%H%M%S)}
+OUT=${1:-benchmarks/results/gpu/$(date -u +%Y-%m-%d-%H%Mutc)}
 PY=${PY:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"

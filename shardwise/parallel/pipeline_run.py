@@ -312,7 +312,7 @@ class _Runner:
     def _sent(self, h: Handle) -> None:
         # Finished sends are dropped as they go, not at the end of the step: each holds its tensor. Only from the
         # front, oldest first: polling every pending send on each send made about 15 polls per send at p = 4, m = 8
-        # (its effect on the step time was 0.999x-1.077x in A/B runs: benchmarks/README.md, session 14).
+        # (its effect on the step time was 0.999x-1.077x in A/B runs: benchmarks/results/zero-bubble/NOTES.md).
         while self.sends and self.sends[0].poll():
             self.sends.popleft()
         self.sends.append(h)

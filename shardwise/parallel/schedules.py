@@ -287,8 +287,8 @@ def _dualpipev_order(stages: int, microbatches: int, stage: int, chunks: int = 2
 
 # The host's fixed cost of one autograd pass (engine call, graph walk), in forwards of one chunk: near 0 where
 # compute dwarfs it (large layers on a GPU); about 0.3 for the 2 x Linear(1024) chunks of `shardwise bench --pairs
-# zb` on a 2-core CPU, where a whole backward took 2.3 forwards and B and W 1.3 each (benchmarks/README.md, session
-# 14). Multiples of 1/4, so that the model clock's sums are exact.
+# zb` on a 2-core CPU, where a whole backward took 2.3 forwards and B and W 1.3 each
+# (benchmarks/results/zero-bubble/NOTES.md, 2026-11-27). Multiples of 1/4, so that the model clock's sums are exact.
 PASS_COSTS = (0.0, 0.25, 0.5)
 
 

@@ -358,7 +358,7 @@ def fused_attention(cfg: object) -> bool:
     """Whether the model of ``cfg`` computes attention with a fused kernel (no score matrix kept for backward):
     Hugging Face models whose config's ``_attn_implementation`` is one of :data:`FUSED_ATTENTION`, and
     shardwise's GPT, whose config names "sdpa" the same way. Measured: the H200's GPT-2 small step kept 5.82 GB
-    for backward where the score-keeping formula counted 10.28 GB (benchmarks/README.md, GPU)."""
+    for backward where the score-keeping formula counted 10.28 GB (benchmarks/results/gpu/NOTES.md)."""
     return getattr(cfg, "_attn_implementation", None) in FUSED_ATTENTION
 
 
