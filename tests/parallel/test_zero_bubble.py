@@ -203,7 +203,10 @@ class SleepLayer(torch.nn.Module):
         return _InputPath.apply(x, self.unit) + _WeightPath.apply(x.detach(), self.w, self.unit)
 
 
-def _timed(rank: int, device: torch.device, p: int, ms: dict[str, int], path: str, unit: float = UNIT) -> None:
+def _timed(rank: int, device: torch.device, p: int, ms: dict[str, int], path: str,
+           unit: float | dict[str, float] = UNIT) -> None:
+    """One recorded step per schedule of ``ms`` (its micro-batch count) with F = B = W = ``unit`` seconds of sleep
+    (or ``unit[schedule]``); rank 0 saves every rank's events to ``path``."""
     from shardwise.comm.topology import Topology
     from shardwise.parallel.pipeline import build_pipeline
     from shardwise.parallel.pipeline_run import pipeline_step
@@ -223,7 +226,7 @@ def _timed(rank: int, device: torch.device, p: int, ms: dict[str, int], path: st
             mod.unit = 0.0  # the warm-up (headers, caches) needs the runtime's work, not the stand-in compute
         pipeline_step(pm, [(x, y)], torch.nn.functional.mse_loss, topo, schedule, m)
         for mod in sleepers:
-            mod.unit = unit
+            mod.unit = unit[schedule] if isinstance(unit, dict) else unit
         rec = Recorder()
         pipeline_step(pm, [(x, y)], torch.nn.functional.mse_loss, topo, schedule, m, rec)
         out[schedule] = rec.gather(topo.comm("pp"))
@@ -234,10 +237,14 @@ def _timed(rank: int, device: torch.device, p: int, ms: dict[str, int], path: st
 @pytest.mark.timeout(240)
 def test_measured_bubble_within_ten_percent_of_simulated(tmp_path):
     """With F = B = W = 200 ms of sleep per stage (p = 4, m = 8), the recorded ZB-H1 step's bubble is within 10%
-    of the simulated (p-1)/(3m+p-1) = 1/9, and 1F1B's (same work, B and W in one backward) of (p-1)/(m+p-1)."""
+    of the simulated (p-1)/(3m+p-1) = 1/9, and 1F1B's (same work, B and W in one backward) of (p-1)/(m+p-1).
+
+    ZB-H1's bubble is 3 units in 27: 10% of it is 0.3 units, 60 ms at 200 ms a unit for the costs of its 24
+    actions a rank. 1F1B's is 9 units in 33: 10% is 0.9 units, so at 100 ms a unit it still leaves 90 ms for
+    its 16 actions a rank (measured 1-2% off, against ZB-H1's 2.5-3%), and its step takes 3.3 s instead of 6.6 s."""
     p, m = 4, 8
     path = str(tmp_path / "events.pt")
-    launch.spawn(_timed, p, args=(p, {"zb-h1": m, "1f1b": m}, path))
+    launch.spawn(_timed, p, args=(p, {"zb-h1": m, "1f1b": m}, path, {"zb-h1": UNIT, "1f1b": UNIT / 2}))
     out = torch.load(path, weights_only=False)
     for schedule, expected in (("zb-h1", (p - 1) / (3 * m + p - 1)), ("1f1b", (p - 1) / (m + p - 1))):
         simulated = bubble_fraction(simulate(schedule, p, m, t_f=1.0, t_b=2.0, t_w=1.0))
@@ -523,15 +530,17 @@ def test_v_schedules_refused_before_start():
 
 @pytest.mark.timeout(300)
 def test_v_measured_bubble_within_ten_percent_of_simulated(tmp_path):
-    """F = B = W = 400 ms of sleep per chunk, p = 4: ZBV at m = 4 (idle 4p-2-2m = 6 units per rank: 6/30) and
-    DualPipeV at m = 8 (idle p - 1 = 3: 3/51); the recorded bubble within 10% of the simulated one.
+    """p = 4: ZBV at m = 4 (idle 4p-2-2m = 6 units per rank: 6/30) and DualPipeV at m = 8 (idle p - 1 = 3: 3/51);
+    the recorded bubble within 10% of the simulated one.
 
     DualPipeV's bubble is 3 units in 54: 10% of it is 0.3 units, about what 48 actions' own costs (messages,
     bookkeeping: a few ms each, more on a loaded machine) add up to at 200 ms a unit (measured 0.0649 against
-    0.0588 once, on 2 cores shared with another test run), so its unit is twice the ZB-H1 test's."""
+    0.0588 once, on 2 cores shared with another test run), so its unit is twice the ZB-H1 test's: 400 ms. ZBV's
+    bubble is 6 units in 30: 10% is 0.6 units, which at the ZB-H1 test's 200 ms leaves the same 120 ms for the
+    costs of half as many actions (24 a rank), so ZBV keeps 200 ms (its step 6 s instead of 12 s)."""
     p, ms = 4, {"zbv": 4, "dualpipev": 8}
     path = str(tmp_path / "events.pt")
-    launch.spawn(_timed, p, args=(p, ms, path, 2 * UNIT))
+    launch.spawn(_timed, p, args=(p, ms, path, {"zbv": UNIT, "dualpipev": 2 * UNIT}))
     out = torch.load(path, weights_only=False)
     for schedule, expected in (("zbv", 6 / 30), ("dualpipev", 3 / 51)):
         simulated = bubble_fraction(simulate(schedule, p, ms[schedule], 2, t_f=1.0, t_b=2.0, t_w=1.0))
