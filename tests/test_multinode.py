@@ -26,7 +26,7 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def two_hosts():
     if shutil.which("ip") is None:
         pytest.skip("iproute2 ('ip') is not installed: cannot create network namespaces")
@@ -51,20 +51,27 @@ def two_hosts():
             subprocess.run(["ip", "netns", "del", n], capture_output=True)
 
 
-def _node(host, rank, strategy, tmp_path, port):
+STRATEGIES = ["ddp", "zero3"]
+
+
+def _node(host, rank, strategies, folder, port):
+    """One node's `shardwise run`: the script trains under each strategy in turn in the same rank (a new group
+    each, as a script with several fits), so the launcher's and the rank's start-up are paid once."""
     ns, veth, addr = host
-    out = tmp_path / f"losses-{strategy}.json"
+    runs: list[str] = []
+    for strategy in strategies:
+        runs += [*(["++"] if runs else []), "--strategy", strategy, "--steps", "6", "--checkpoint-dir",
+                 str(folder / f"ck-{strategy}-{rank}"), "--checkpoint-every", "100",
+                 "--out", str(folder / f"losses-{strategy}.json")]
     cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "shardwise", "run", "--nnodes", "2",
            "--nproc-per-node", "1", "--node-rank", str(rank), "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"{SUBNET}.1:{port}", "--rdzv-id", f"sw-{strategy}",
-           "--rdzv-conf", f"is_host={'true' if rank == 0 else 'false'}", "--local-addr", addr,
-           SCRIPT, "--strategy", strategy, "--steps", "6", "--checkpoint-dir", str(tmp_path / f"ck-{strategy}-{rank}"),
-           "--checkpoint-every", "100", "--out", str(out)]
+           "--rdzv-endpoint", f"{SUBNET}.1:{port}", "--rdzv-id", "sw-two-nodes",
+           "--rdzv-conf", f"is_host={'true' if rank == 0 else 'false'}", "--local-addr", addr, SCRIPT, *runs]
     env = {**os.environ, "PYTHONPATH": ROOT, "GLOO_SOCKET_IFNAME": veth}
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _single(tmp_path):
+def _single():
     import functools
 
     import torch
@@ -78,22 +85,36 @@ def _single(tmp_path):
         batch_size=64, max_steps=6).losses
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
-def test_two_nodes_train_like_one_process(two_hosts, tmp_path, strategy):
+@pytest.fixture(scope="module")
+def two_node_runs(two_hosts, tmp_path_factory):
+    """Both strategies (those in this build) trained by one two-node launch; (folder, each node's exit and log)."""
+    from shardwise.strategies.registry import available_strategies
+
+    folder = tmp_path_factory.mktemp("two_nodes")
+    port = 29400 + os.getpid() % 500
+    strategies = [s for s in STRATEGIES if s in available_strategies()]
+    nodes = [_node(two_hosts[r], r, strategies, folder, port) for r in (0, 1)]
+    logs = []
+    for p in nodes:
+        try:
+            logs.append(p.communicate(timeout=400)[0])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            logs.append(p.communicate()[0])
+    return folder, [(p.returncode, log) for p, log in zip(nodes, logs)]
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_nodes_train_like_one_process(two_node_runs, strategy):
     from shardwise.strategies.registry import available_strategies
 
     if strategy not in available_strategies():
         pytest.skip(f"strategy {strategy} is not in this build")
-    port = 29400 + os.getpid() % 500
-    nodes = [_node(two_hosts[r], r, strategy, tmp_path, port) for r in (0, 1)]
-    logs = []
-    for p, _ in nodes:
-        try:
-            logs.append(p.communicate(timeout=240)[0])
-        except subprocess.TimeoutExpired:
-            p.kill()
-            logs.append(p.communicate()[0])
-    for (p, _), log in zip(nodes, logs):
-        assert p.returncode == 0, log[-3000:]
-    result = json.loads(nodes[0][1].read_text())
-    assert result["losses"] == pytest.approx(_single(tmp_path), rel=1e-5)
+    folder, nodes = two_node_runs
+    out = folder / f"losses-{strategy}.json"
+    assert out.exists(), "\n".join(f"node {i} exited {code}:\n{log[-3000:]}" for i, (code, log) in enumerate(nodes))
+    result = json.loads(out.read_text())
+    assert result["losses"] == pytest.approx(_single(), rel=1e-5)
+    for code, log in nodes:
+        assert code == 0, log[-3000:]

@@ -4,7 +4,12 @@
 (the same GPT under Parallel(dp=2, tp=2, pp=2, zero=1), 8 ranks); other strategies train digits.
 
 --kill-rank R --kill-step S: on the first attempt (torchrun's TORCHELASTIC_RESTART_COUNT == 0),
-rank R kills itself with SIGKILL at step S (a real, uncatchable death, as an OOM kill would be).
+rank R kills itself with SIGKILL at step S (a real, uncatchable death, as an OOM kill would be);
+--kill-attempt A: on attempt A instead.
+
+Several runs in one launch: their flags separated by ``++``, run in turn in the same ranks (a new group
+each, as a script with several fits). A run whose --out exists was finished by an earlier attempt and is
+not run again, so after a restart the job goes on where it was (each run resumes from its own checkpoints).
 """
 from __future__ import annotations
 
@@ -25,13 +30,14 @@ from shardwise.workloads import CharText, digits, stdlib_text
 
 
 class KillOnce:
-    """Wraps a strategy's train_step with a SIGKILL of one rank at one step, on the first attempt only."""
+    """Wraps a strategy's train_step with a SIGKILL of one rank at one step, on one attempt only (the first, unless
+    ``attempt`` says which)."""
 
-    def __init__(self, inner, rank: int, step: int) -> None:
-        self.inner, self.rank, self.step, self.count = inner, rank, step, 0
+    def __init__(self, inner, rank: int, step: int, attempt: int = 0) -> None:
+        self.inner, self.rank, self.step, self.attempt = inner, rank, step, attempt
 
     def __call__(self, model, micro, loss_fn, topo, *run):
-        if (topo.rank == self.rank and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if (topo.rank == self.rank and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == str(self.attempt)
                 and topo.diag is not None and topo.diag.step == self.step):
             os.kill(os.getpid(), signal.SIGKILL)
         return self.inner(model, micro, loss_fn, topo, *run)
@@ -57,6 +63,8 @@ def fit(strategy, model, data, loss_fn, batch: int, devices: int, checkpoint_dir
 
 
 def main() -> None:
+    import sys
+
     p = argparse.ArgumentParser()
     p.add_argument("--strategy", default="ddp")
     p.add_argument("--steps", type=int, default=12)
@@ -64,17 +72,29 @@ def main() -> None:
     p.add_argument("--checkpoint-every", type=int, default=2)
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-step", type=int, default=-1)
+    p.add_argument("--kill-attempt", type=int, default=0)
     p.add_argument("--out", required=True)
-    a = p.parse_args()
-    strategy, model, data, loss_fn, batch = build(a.strategy)
-    if a.kill_rank >= 0:
-        strategy.train_step = KillOnce(strategy.train_step, a.kill_rank, a.kill_step)  # type: ignore[method-assign]
-    result = fit(strategy, model, data, loss_fn, batch, int(os.environ["WORLD_SIZE"]), a.checkpoint_dir,
-                 a.checkpoint_every, a.steps)
-    if int(os.environ["RANK"]) == 0:
-        with open(a.out, "w") as f:
-            json.dump({"losses": result.losses,
-                       "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}, f)
+    runs, run = [], []
+    for arg in [*sys.argv[1:], "++"]:
+        if arg != "++":
+            run.append(arg)
+            continue
+        runs.append(p.parse_args(run))
+        run = []
+    for a in runs:
+        if os.path.exists(a.out):
+            continue  # finished by an earlier attempt of this job
+        strategy, model, data, loss_fn, batch = build(a.strategy)
+        if a.kill_rank >= 0:
+            strategy.train_step = KillOnce(strategy.train_step, a.kill_rank, a.kill_step,  # type: ignore[method-assign]
+                                           a.kill_attempt)
+        result = fit(strategy, model, data, loss_fn, batch, int(os.environ["WORLD_SIZE"]), a.checkpoint_dir,
+                     a.checkpoint_every, a.steps)
+        if int(os.environ["RANK"]) == 0:
+            with open(a.out + ".part", "w") as f:
+                json.dump({"losses": result.losses,
+                           "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}, f)
+            os.replace(a.out + ".part", a.out)  # whole or absent, for a restart that reads whether it exists
 
 
 if __name__ == "__main__":
