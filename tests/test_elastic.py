@@ -32,27 +32,55 @@ def uninterrupted(tmp_path, strategy, nproc, steps):
     return m.fit(*m.build(strategy), nproc, str(tmp_path / "ck-plain"), 2, steps).losses
 
 
-def launch(tmp_path, name, strategy="ddp", nproc=2, steps=12, run_args=(), script_args=()):
-    out = tmp_path / f"{name}.json"
-    cmd = [sys.executable, "-m", "shardwise", "run", "--nproc", str(nproc), *run_args, SCRIPT, "--strategy", strategy,
-           "--steps", str(steps), "--checkpoint-dir", str(tmp_path / f"ck-{name}"), "--out", str(out), *script_args]
-    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True,
-                       timeout=280)
-    return r, out
+def launch(folder, runs, nproc, max_restarts):
+    """One `shardwise run --nproc N --max-restarts R` of the script doing ``runs`` in turn in the same ranks
+    (a new group each): each run ``(name, strategy, steps, kill rank, kill step, kill attempt)`` writes
+    ``folder/name.json`` once it finishes, and a restart skips the runs already finished."""
+    argv: list[str] = []
+    for name, strategy, steps, rank, step, attempt in runs:
+        argv += [*(["++"] if argv else []), "--strategy", strategy, "--steps", str(steps), "--checkpoint-dir",
+                 str(folder / f"ck-{name}"), "--out", str(folder / f"{name}.json"), "--kill-rank", str(rank),
+                 "--kill-step", str(step), "--kill-attempt", str(attempt)]
+    cmd = [sys.executable, "-m", "shardwise", "run", "--nproc", str(nproc), "--max-restarts", str(max_restarts),
+           SCRIPT, *argv]
+    return subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True,
+                          timeout=280)
 
 
-# ddp on digits; the tied GPT over 2 pipeline stages; the same GPT on the 3-D layout dp2 x tp2 x pp2 with ZeRO-1.
-@pytest.mark.parametrize("strategy,nproc,steps,kill", [("ddp", 2, 12, (1, 7)), ("pp", 2, 6, (1, 3)),
-                                                       ("3d", 8, 4, (5, 3))], ids=["ddp", "pp", "3d"])
-def test_sigkill_then_restart_resumes_with_identical_losses(tmp_path, strategy, nproc, steps, kill):
+# name: (strategy, ranks, steps, the rank killed, at which step). ddp on digits; the tied GPT over 2 pipeline
+# stages; the same GPT on the 3-D layout dp2 x tp2 x pp2 with ZeRO-1.
+CASES = {"ddp": ("ddp", 2, 12, 1, 7), "pp": ("pp", 2, 6, 1, 3), "3d": ("3d", 8, 4, 5, 3)}
+# The two 2-rank cases share one launch under --max-restarts 2: ddp is killed on the first attempt and finishes
+# on the second, where pp then starts and is killed; the third attempt skips ddp (finished) and resumes pp.
+# Each run is killed once and restarted once, as alone under --max-restarts 1, and the ranks start 6 times
+# instead of 8.
+SHARED = {"ddp": 0, "pp": 1}  # name: the attempt its kill happens on
+
+
+@pytest.fixture(scope="module")
+def two_rank_launch(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("killed")
+    runs = [(name, strategy, steps, rank, step, attempt) for name, attempt in SHARED.items()
+            for strategy, _, steps, rank, step in [CASES[name]]]
+    return launch(folder, runs, 2, len(SHARED)), folder
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sigkill_then_restart_resumes_with_identical_losses(tmp_path, request, name):
+    strategy, nproc, steps, kill_rank, kill_step = CASES[name]
     reference = uninterrupted(tmp_path, strategy, nproc, steps)
-    r, cmd_out = launch(tmp_path, "killed", strategy, nproc, steps,
-                        ("--max-restarts", "1"), ("--kill-rank", str(kill[0]), "--kill-step", str(kill[1])))
-    assert r.returncode == 0, r.stderr[-3000:]
+    if name in SHARED:
+        (r, folder), attempt = request.getfixturevalue("two_rank_launch"), SHARED[name]
+    else:
+        r, folder, attempt = launch(tmp_path, [(name, strategy, steps, kill_rank, kill_step, 0)], nproc, 1), tmp_path, 0
+    out = folder / f"{name}.json"
+    assert out.exists(), f"{name} did not finish (exit code {r.returncode}):\n{r.stderr[-3000:]}"
     assert "SIGKILL" in r.stderr or "Signals.SIGKILL" in r.stderr or "-9" in r.stderr
-    resumed = json.loads(cmd_out.read_text())
-    assert resumed["restart"] == 1  # it really was the restarted attempt that finished
+    resumed = json.loads(out.read_text())
+    assert resumed["restart"] == attempt + 1  # it really was the attempt after its kill that finished
     assert resumed["losses"] == reference  # exactly, not approximately: same ranks, same order
+    if name == list(SHARED)[-1] or name not in SHARED:
+        assert r.returncode == 0, r.stderr[-3000:]  # the launch's last run: the job as a whole ended well
 
 
 @pytest.mark.fresh_processes
