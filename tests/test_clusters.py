@@ -310,9 +310,15 @@ def listen():
 
 
 if __name__ == "__main__":
-    out = {"fit": fit, "loop": loop, "listen": listen}[sys.argv[1]]()
-    out["source"] = os.environ.get("SHARDWISE_CLUSTER")
-    print("RESULT " + json.dumps(out), flush=True)
+    # Several modes, comma-separated, run in turn in this process (a new group each, as a script with several
+    # trainings), each from the environment the scheduler gave: none sees what joining the last one exported.
+    given = dict(os.environ)
+    for mode in sys.argv[1].split(","):
+        os.environ.clear()
+        os.environ.update(given)
+        out = {"fit": fit, "loop": loop, "listen": listen}[mode]()
+        out["source"] = os.environ.get("SHARDWISE_CLUSTER")
+        print(f"RESULT {mode} " + json.dumps(out), flush=True)
 '''
 
 # Every variable some launcher sets: the children get none of the test process's, only the ones given.
@@ -339,7 +345,28 @@ def _free_port_in(lo: int, hi: int) -> int:
 
 
 def _run_ranks(tmp_path, mode: str, envs: list[dict[str, str]], timeout: float = 100, args=()) -> list[dict]:
-    """Start one process per environment on the script, wait for all, kill them all on any failure."""
+    """Start one process per environment on the script, wait for all, kill them all on any failure; each rank's
+    result of ``mode``."""
+    return _results(_start_ranks(tmp_path, mode, envs, timeout, args), mode)
+
+
+def _results(ranks: list[tuple[int | None, str]], mode: str, exited: bool = True) -> list[dict]:
+    """Each rank's result of ``mode`` from its log; fails with the log of a rank that has none (or, ``exited``,
+    that did not exit 0)."""
+    out = []
+    for i, (code, text) in enumerate(ranks):
+        if exited:
+            assert code == 0, f"rank {i} exited {code}:\n{text[-4000:]}"
+        line = next((line for line in text.splitlines() if line.startswith(f"RESULT {mode} ")), None)
+        assert line is not None, f"rank {i} has no result for {mode} (exit code {code}):\n{text[-4000:]}"
+        out.append(json.loads(line[len(f"RESULT {mode} "):]))
+    return out
+
+
+def _start_ranks(tmp_path, modes: str, envs: list[dict[str, str]], timeout: float = 100,
+                 args=()) -> list[tuple[int | None, str]]:
+    """Start one process per environment on the script, wait for all, kill them all on any failure: each rank's
+    exit code and log."""
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
     procs, logs = [], []
@@ -347,7 +374,7 @@ def _run_ranks(tmp_path, mode: str, envs: list[dict[str, str]], timeout: float =
         for i, env in enumerate(envs):
             log = open(tmp_path / f"rank{i}.log", "w")  # files, not pipes: a chatty rank cannot block on a full pipe
             logs.append(log)
-            procs.append(subprocess.Popen([sys.executable, str(script), mode, *args], cwd=str(tmp_path), env=env,
+            procs.append(subprocess.Popen([sys.executable, str(script), modes, *args], cwd=str(tmp_path), env=env,
                                           stdout=log, stderr=subprocess.STDOUT, text=True))
         deadline = time.monotonic() + timeout
         for p in procs:
@@ -359,10 +386,7 @@ def _run_ranks(tmp_path, mode: str, envs: list[dict[str, str]], timeout: float =
                 p.wait(timeout=30)
         for log in logs:
             log.close()
-    texts = [(tmp_path / f"rank{i}.log").read_text() for i in range(len(envs))]
-    for i, (p, text) in enumerate(zip(procs, texts)):
-        assert p.returncode == 0, f"rank {i} exited {p.returncode}:\n{text[-4000:]}"
-    return [json.loads(next(line[7:] for line in t.splitlines() if line.startswith("RESULT "))) for t in texts]
+    return [(p.returncode, (tmp_path / f"rank{i}.log").read_text()) for i, p in enumerate(procs)]
 
 
 def _reference(tmp_path) -> list[float]:
@@ -400,10 +424,23 @@ def _assert_one_job(results, reference, source):
                                torch.tensor(reference, dtype=torch.float64), rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.fresh_processes
-def test_srun_tasks_form_one_job(tmp_path):
+# The three srun jobs share one pair of tasks: fit, then the hand-written loop, then the listening sockets, each
+# joining a group of its own from the scheduler's variables (the script restores them between modes). The
+# tasks' start-up (torch) is paid once; each test reads its own mode's result.
+SRUN_MODES = "fit,loop,listen"
+
+
+@pytest.fixture(scope="module")
+def srun_job(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("srun")
     job_id = _slurm_job_id()
-    results = _run_ranks(tmp_path, "fit", [_slurm_task(r, job_id) for r in (0, 1)])
+    return folder, _start_ranks(folder, SRUN_MODES, [_slurm_task(r, job_id) for r in (0, 1)], timeout=200,
+                                args=(os.path.dirname(os.path.abspath(__file__)),))
+
+
+@pytest.mark.fresh_processes
+def test_srun_tasks_form_one_job(srun_job, tmp_path):
+    results = _results(srun_job[1], "fit", exited=False)
     _assert_one_job(results, _reference(tmp_path), "slurm")
     # Each rank trained on its half of every batch (a lone run would see the whole batch, the global loss).
     assert results[0]["local"] != results[1]["local"]
@@ -420,10 +457,10 @@ def test_mpirun_processes_form_one_job(tmp_path):
 
 
 @pytest.mark.fresh_processes
-def test_a_hand_written_loop_joins_the_srun_job(tmp_path):
-    job_id = _slurm_job_id()
-    results = _run_ranks(tmp_path, "loop", [_slurm_task(r, job_id) for r in (0, 1)])
-    mod = runpy.run_path(str(tmp_path / "job.py"))
+def test_a_hand_written_loop_joins_the_srun_job(srun_job):
+    folder, ranks = srun_job
+    results = _results(ranks, "loop", exited=False)
+    mod = runpy.run_path(str(folder / "job.py"))
     model, data = mod["make"]()
     opt = mod["SGD"](model.parameters())
     reference = []
@@ -438,12 +475,10 @@ def test_a_hand_written_loop_joins_the_srun_job(tmp_path):
 
 
 @pytest.mark.fresh_processes
-def test_an_srun_job_on_one_node_listens_on_loopback_only(tmp_path):
+def test_an_srun_job_on_one_node_listens_on_loopback_only(srun_job):
     from test_listening import LOOPBACK
 
-    job_id = _slurm_job_id()
-    results = _run_ranks(tmp_path, "listen", [_slurm_task(r, job_id) for r in (0, 1)],
-                         args=(os.path.dirname(os.path.abspath(__file__)),))
+    results = _results(srun_job[1], "listen")  # the job's last mode: both tasks also exited 0
     assert [r["world"] for r in results] == [2, 2]
     sockets = results[0]["sockets"]
     assert sockets, "rank 0 hosts the job's store: at least that listens"
