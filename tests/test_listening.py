@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from shardwise import launch
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.fresh_processes]
+pytestmark = pytest.mark.timeout(120)
 
 LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
 
@@ -35,14 +35,14 @@ def listening(pids: list[int]) -> list[tuple[int, str]]:
     return out
 
 
-def _inspect(rank, device, out):
+def _inspect(rank, device, out, host):
     t = torch.ones(1)
     dist.all_reduce(t)  # the group is formed and its connections are up
     pids = torch.tensor([os.getpid()])
     everyone = [torch.zeros_like(pids) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, pids)
     if rank == 0:
-        job = [int(p) for p in everyone] + [os.getppid()]  # the ranks and the parent hosting the store
+        job = [int(p) for p in everyone] + [host]  # the ranks and the process hosting the store
         found = listening(job)
         with open(out, "w") as f:
             f.write("\n".join(f"{pid} {addr}" for pid, addr in found))
@@ -51,13 +51,16 @@ def _inspect(rank, device, out):
 
 @pytest.mark.skipif(not os.path.isdir("/proc/net"), reason="reads the socket table from /proc")
 def test_a_two_rank_job_listens_on_nothing_but_loopback(tmp_path):
+    # launch.spawn's ranks: the session's pool (the same run_rank joins the group, and this process hosts the
+    # job's store, as for fresh ranks), or fresh processes with SHARDWISE_TEST_POOL=0.
     out = str(tmp_path / "listening.txt")
-    launch.spawn(_inspect, 2, args=(out,))
+    launch.spawn(_inspect, 2, args=(out, os.getpid()))
     rows = [line.split() for line in open(out).read().splitlines()]
     assert len(rows) >= 2  # the store, and gloo's listening sockets: really looked at
     assert [r for r in rows if r[1] not in LOOPBACK] == []
 
 
+@pytest.mark.fresh_processes
 @pytest.mark.skipif(not os.path.isdir("/proc/net"), reason="reads the socket table from /proc")
 def test_shardwise_run_on_one_machine_listens_on_nothing_but_loopback():
     import subprocess
