@@ -93,25 +93,30 @@ sw.Trainer("single", accelerator="cpu").fit(work.make_model(), work.train, work.
 """
 
 
-def test_without_a_terminal_progress_is_plain_lines():
-    r = subprocess.run([sys.executable, "-c", FIT], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
-                       capture_output=True, text=True, timeout=100)
-    assert r.returncode == 0, r.stderr
+def fit_without_a_terminal(code: str, capsys) -> tuple[str, str]:
+    """Run ``code`` (one device: it trains in this process) with stdout and stderr captured, so neither is a
+    terminal, as in a log or a pipe: what it printed on each."""
+    capsys.readouterr()
+    exec(compile(code, "<fit>", "exec"), {"__name__": "fit"})
+    r = capsys.readouterr()
+    return r.out, r.err
+
+
+def test_without_a_terminal_progress_is_plain_lines(capsys):
+    _, err = fit_without_a_terminal(FIT, capsys)
     import re
 
     lines = re.findall(r"^shardwise: step (\d+)/20 \((\d+)%\), loss \d+\.\d{4}, [\d.]+ ms/step, RSS \d+ MiB, "
-                       r"elapsed \d:\d\d:\d\d, ETA \d:\d\d:\d\d$", r.stderr, re.M)
-    assert [int(s) for s, _ in lines] == list(range(2, 21, 2)), r.stderr
-    assert "\x1b[" not in r.stderr  # no terminal control codes in a log
+                       r"elapsed \d:\d\d:\d\d, ETA \d:\d\d:\d\d$", err, re.M)
+    assert [int(s) for s, _ in lines] == list(range(2, 21, 2)), err
+    assert "\x1b[" not in err  # no terminal control codes in a log
 
 
-def test_without_a_terminal_progress_false_prints_nothing():
+def test_without_a_terminal_progress_false_prints_nothing(capsys):
     quiet = FIT.replace('accelerator="cpu")', 'accelerator="cpu", progress=False)')
     assert quiet != FIT
-    r = subprocess.run([sys.executable, "-c", quiet], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
-                       capture_output=True, text=True, timeout=100)
-    assert r.returncode == 0, r.stderr
-    assert "shardwise: step" not in r.stderr and r.stdout == ""
+    out, err = fit_without_a_terminal(quiet, capsys)
+    assert "shardwise: step" not in err and out == ""
 
 
 def test_run_without_a_script_is_an_error_on_stderr():
