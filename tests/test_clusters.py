@@ -434,7 +434,7 @@ SRUN_MODES = "fit,loop,listen"
 def srun_job(tmp_path_factory):
     folder = tmp_path_factory.mktemp("srun")
     job_id = _slurm_job_id()
-    return folder, _start_ranks(folder, SRUN_MODES, [_slurm_task(r, job_id) for r in (0, 1)], timeout=200,
+    return folder, _start_ranks(folder, SRUN_MODES, [_slurm_task(r, job_id) for r in (0, 1)], timeout=100,
                                 args=(os.path.dirname(os.path.abspath(__file__)),))
 
 
