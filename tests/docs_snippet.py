@@ -33,8 +33,8 @@ _GUARD = re.compile(r'\nif __name__ == "__main__":.*\Z', re.S)
 
 
 def pages() -> list[str]:
-    """Every page whose Python blocks are checked: docs/*.md, then README.md."""
-    return sorted(p.name for p in (ROOT / "docs").glob("*.md")) + ["README.md"]
+    """Every page whose Python blocks are checked: docs/**/*.md (paths relative to docs/), then README.md."""
+    return sorted(str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.md")) + ["README.md"]
 
 
 def path(page: str) -> pathlib.Path:
@@ -76,7 +76,7 @@ def block(page: str, name: str) -> str:
 
 def run(page: str, name: str, tmp_path: pathlib.Path, monkeypatch: Any) -> Any:
     """Import docs/PAGE's block NAME as a module from ``tmp_path`` (the working directory) and run its main()."""
-    module = f"docs_{page.split('.')[0].lower()}_{name.replace('-', '_')}"
+    module = "docs_" + "_".join(part.lower() for part in re.split(r"[^0-9A-Za-z]+", f"{page[:-3]}_{name}") if part)
     (tmp_path / f"{module}.py").write_text(block(page, name))
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.chdir(tmp_path)

@@ -1,4 +1,4 @@
-"""Every Python block of the docs (docs/*.md) and the README runs as written, or says why it cannot here.
+"""Every Python block of the docs (docs/**/*.md) and the README runs as written, or says why it cannot here.
 
 A block marked ``<!-- snippet: NAME -->`` (or ``NAME continues PREV``) is a program: each one found is a test
 case below (tests/docs_snippet.py writes it to a file, imports it and runs its ``main()`` in this process; its
@@ -19,6 +19,8 @@ TESTED_ELSEWHERE = {
     ("practical.md", "param-groups"),   # tests/test_param_groups.py
     ("loop.md", "loop"),                # tests/test_loop_device.py
     ("index.md", "home"),               # tests/test_docs_site.py (the site's pages)
+    *(("getting-started/tutorial.md", n)  # tests/test_docs_site.py, with their steps shortened
+      for n in ("first-model", "two-processes", "three-strategies", "verify", "huggingface")),
 }
 MARKED = [(page, name) for page in docs_snippet.pages() for name in docs_snippet.snippets(page)]
 
