@@ -31,7 +31,7 @@ from shardwise.param_groups import apply_hyper
 from shardwise.parallel.checkpointing import track_saved_activations
 from shardwise.stats import unique_bytes
 from shardwise.step import LossFn, StepRun, after_optimizer_step, iter_chunks
-from shardwise.strategies.base import Strategy
+from shardwise.strategies.base import HasServers, Strategy
 from shardwise.torch_private import BatchNormBase
 
 
@@ -75,6 +75,9 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
     scaler = precision_mod.LossScaler() if t.precision == "16-mixed" else None
     bn_buffers = unsynced_batchnorm_buffers(model) if topo.size(DP) > 1 else []
     sched = scheduler(job.lr_scheduler, opt, len(prev)) if job.lr_scheduler is not None else None
+    # One scalar all-reduce per step where a loss is shown (the same decision on every rank: the options).
+    # A parameter server's servers run their own loop and join no per-step collective: workers show their own.
+    shows = bool(t.progress or t.metrics_path or t.tensorboard_dir) and not isinstance(strat, HasServers)
     if job.restored_groups:  # after the schedule's replay: an lr a callback changed too is the saved run's
         apply_hyper(opt, job.restored_groups)
     if scaler is not None and "scaler" in restored:
@@ -123,9 +126,11 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
                 raise_if_nonfinite(local, step, topo)
             losses.append(0.0 if local is None else local)
             tokens = batch_tokens(x.get("input_ids") if isinstance(x, Kwargs) else x) * shards
-            advance(local, times[-1])
+            # What the progress line and the step log show: the global loss fit returns, not rank 0's share.
+            shown = global_losses(losses[-1:], strat, topo)[0] if shows else local
+            advance(shown, times[-1])
             if log is not None:
-                log.write(step, local, times[-1], tokens)
+                log.write(step, shown, times[-1], tokens)
             if job.after_step(step + 1, local, model, opt, topo, prev, losses, shapes, scaler, log):
                 state_bytes = state_bytes or count_state(strat, model, opt)  # stopped early
                 break
@@ -191,8 +196,8 @@ def count_state(strat: Strategy, model: nn.Module, opt: torch.optim.Optimizer) -
 def global_losses(losses: list[float], strat: Strategy, topo: Topology) -> list[float]:
     """Mean over data-parallel replicas of each step's loss, known on every rank.
 
-    One all-reduce over the world at the end (not one per step): ranks that do
-    not own a loss (non-last pipeline stages, tp ranks > 0) contribute zero.
+    One all-reduce over the world (at the end for the result; per step only where a progress line or step
+    log shows the loss): ranks that do not own a loss (non-last pipeline stages, tp ranks > 0) contribute zero.
     """
     if not losses:
         return []
