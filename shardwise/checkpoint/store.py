@@ -34,7 +34,7 @@ import shutil
 import tempfile
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Protocol
 
@@ -61,11 +61,13 @@ class Restored:
     # Each parameter group's hyperparameters when it was saved (an lr a schedule or a callback changed), but
     # those this run starts with other values (format 3; None for format 2).
     groups: list[dict[str, Any]] | None = None
+    callbacks: dict[str, Any] = field(default_factory=dict)  # each callback's state_dict() (format 3)
 
 
 # 1: shardwise < issue 13, every tensor flattened to 1-D (not readable by this version).
 # 2: every tensor under its global shape. 3: format 2, and the manifest keeps each parameter group's
-# hyperparameters at the save ("param_groups") and the groups' members in the run record (read: 2 and 3).
+# hyperparameters at the save ("param_groups"), the groups' members in the run record, and each callback's
+# state_dict() ("callbacks") (read: 2 and 3).
 FORMAT = 3
 READS = (2, 3)
 # The manifest's "sizes": dims.SIZES and cp, in the order messages name them (dp, cp, tp, pp), then ep. A manifest
@@ -297,7 +299,8 @@ def _state(strat: Checkpointed, model: nn.Module, optimizer: torch.optim.Optimiz
 def save(directory: str, step: int, losses: list[float], strat: Checkpointed, model: nn.Module,
          optimizer: torch.optim.Optimizer, topo: Topology, shapes: dict[str, list[int]],
          keep: int | None = None, aliases: dict[str, str] | None = None,
-         run: dict[str, Any] | None = None, extra: dict[str, torch.Tensor] | None = None) -> str:
+         run: dict[str, Any] | None = None, extra: dict[str, torch.Tensor] | None = None,
+         callbacks: dict[str, Any] | None = None) -> str:
     """Write checkpoint ``step`` (after ``step`` optimizer steps) collectively; returns its path.
 
     With ``keep``, older checkpoints beyond the newest ``keep`` are deleted once
@@ -319,7 +322,8 @@ def save(directory: str, step: int, losses: list[float], strat: Checkpointed, mo
     if topo.rank == 0:
         files = {f: _sha256(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))}
         manifest = {"format": FORMAT, "step": step,
-                    "param_groups": [json_hyper(g) for g in optimizer.param_groups], "world_size": topo.world_size, "strategy": strat.name,
+                    "param_groups": [json_hyper(g) for g in optimizer.param_groups],
+                    "callbacks": callbacks or {}, "world_size": topo.world_size, "strategy": strat.name,
                     "sizes": {d: topo.size(d) for d in MANIFEST_SIZES}, "shapes": shapes,
                     "aliases": aliases or {}, "run": run or {},
                     "extra": {k: [list(v.shape), str(v.dtype).replace("torch.", "")] for k, v in (extra or {}).items()},
@@ -412,7 +416,7 @@ def load(path: str, strat: Checkpointed, model: nn.Module, optimizer: torch.opti
         dcp.load(state, checkpoint_id=path, planner=pieces.LoadPlanner())
     torch.set_rng_state(state["trainer.rng"])
     return Restored(step=int(state["trainer.step"]), losses=[float(v) for v in state["trainer.losses"]], path=path,
-                    extra=extra, groups=resumed_hyper(manifest, run))
+                    extra=extra, groups=resumed_hyper(manifest, run), callbacks=manifest.get("callbacks", {}))
 
 
 def resumed_hyper(manifest: dict[str, Any], run: dict[str, Any] | None) -> list[dict[str, Any]] | None:

@@ -20,11 +20,17 @@
 * ``on_fit_end(info)`` once at the end: ``info.losses`` the global losses of
   every step, ``info.history``, ``info.stop_reason`` (None unless stopped early).
 
+Also ``on_fit_start``, ``on_step_start``, ``on_before_optimizer_step`` (the
+gradients of ``info.optimizer`` are this rank's part of the global gradient)
+and ``on_exception`` (``info.exception``). A callback with ``state_dict()`` and
+``load_state_dict(state)`` keeps its state in every checkpoint (JSON values,
+in the manifest) and gets it back on resume.
+
 Every rank calls its callbacks (each rank has its own copy: callbacks are
 pickled into spawned rank processes, so they must be picklable: defined at the
 top level of a module, no lambdas or open files); print or write files on
 ``info.rank == 0`` only. A parameter server's server ranks run no steps: they
-call ``on_fit_end`` only.
+call ``on_fit_start`` and ``on_fit_end`` only.
 
 Stopping: ``info.stop(reason)`` asks the run to stop. The request is agreed by
 every rank at the end of the step (one tiny all-reduce per step while
@@ -38,6 +44,7 @@ returns its result instead of training on.
 """
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,11 +55,26 @@ import torch
 from shardwise.launch import require_picklable
 from shardwise.strategies.base import HasServers
 
-HOOKS = ("on_step_end", "on_validation_end", "on_checkpoint_saved", "on_fit_end")
+HOOKS = ("on_fit_start", "on_step_start", "on_before_optimizer_step", "on_step_end", "on_validation_end",
+         "on_checkpoint_saved", "on_fit_end", "on_exception")
 
 
 class Callback:
     """Base class: every hook does nothing; override the ones you need."""
+
+    def on_fit_start(self, info: CallbackInfo) -> None:
+        """Once, before the first step this run takes (``info.step``: steps a resumed run already took)."""
+
+    def on_step_start(self, info: CallbackInfo) -> None:
+        """Before each optimizer step's forward (``info.step`` steps done)."""
+
+    def on_before_optimizer_step(self, info: CallbackInfo) -> None:
+        """After backward, before clipping and the optimizer step (a step skipped for fp16 overflow or a
+        non-finite loss calls none): ``info.optimizer``'s parameters hold in ``.grad`` this rank's part of the
+        global, averaged gradient (its shards under ZeRO/FSDP, its slices under tp, all of it under ddp)."""
+
+    def on_exception(self, info: CallbackInfo) -> None:
+        """When the run fails on this rank (``info.exception``); the exception is raised again after it."""
 
     def on_step_end(self, info: CallbackInfo) -> None:
         """After every optimizer step (``info.step`` steps done, ``info.loss`` this rank's loss)."""
@@ -95,6 +117,7 @@ class CallbackInfo:
     stop_reason: str | None = None
     control: Control | None = field(default=None, repr=False)
     optimizer: torch.optim.Optimizer | None = field(default=None, repr=False)
+    exception: BaseException | None = None
 
     def stop(self, reason: str = "stopped by a callback") -> None:
         """Ask the run to stop after this step (every rank stops at the same step; see the module docstring)."""
@@ -198,6 +221,30 @@ def agree_stop(control: Control, strategy: Any, topo: Any) -> str | None:
     if float(flag) == 0.0:
         return None
     return mine or "stopped by a callback on another rank"
+
+
+def states(callbacks: Sequence[Any]) -> dict[str, dict[str, Any]]:
+    """``state_dict()`` of every callback that has one, by position, for a checkpoint's manifest (JSON)."""
+    out: dict[str, dict[str, Any]] = {}
+    for i, cb in enumerate(callbacks):
+        if callable(getattr(cb, "state_dict", None)):
+            state = cb.state_dict()
+            try:
+                json.dumps(state)
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"callback {type(cb).__name__}'s state_dict() must hold JSON values (numbers, "
+                                f"strings, lists, dicts), to be kept in a checkpoint's manifest: {e}") from None
+            out[str(i)] = {"class": type(cb).__qualname__, "state": state}
+    return out
+
+
+def load_states(callbacks: Sequence[Any], saved: dict[str, dict[str, Any]]) -> None:
+    """Give each callback the state saved for it (same position, same class)."""
+    for i, cb in enumerate(callbacks):
+        entry = saved.get(str(i))
+        if entry is not None and entry["class"] == type(cb).__qualname__ and \
+                callable(getattr(cb, "load_state_dict", None)):
+            cb.load_state_dict(entry["state"])
 
 
 def call(callbacks: Sequence[Any], hook: str, info: CallbackInfo) -> None:

@@ -23,7 +23,8 @@ from shardwise import precision as precision_mod
 from shardwise.checkpoint import store as checkpoint
 from shardwise.comm.topology import Topology
 from shardwise.dims import DP
-from shardwise.fit.callbacks import CallbackInfo, Control, agree_stop, call, improved
+from shardwise.fit.callbacks import CallbackInfo, Control, agree_stop, call, improved, load_states
+from shardwise.fit.callbacks import states as callback_states
 from shardwise.fit.evaluate import (
     Validation,
     best_so_far,
@@ -98,8 +99,12 @@ class Job:
     def run(self, device: torch.device) -> FitResult:
         t = self.options
         topo = Topology.create(device, t.layout.dims, timeout=t.timeout, debug=t.debug)
+        self.steps_done = 0
         try:
             return self._run(topo)
+        except BaseException as e:
+            self.hook("on_exception", self.steps_done, topo, exception=e)
+            raise
         finally:
             topo.close()
 
@@ -128,6 +133,7 @@ class Job:
                 restored = checkpoint.load(path, strat, model, opt, topo, shapes, self.info)
                 prev, extra = restored.losses[:self.max_steps], restored.extra
                 self.restored_groups = restored.groups
+                load_states(t.callbacks, restored.callbacks)
             if "stopped" in extra:  # a run that stopped early is complete: rerunning it returns its result
                 self.stop_reason = f"stopped early at step {len(prev)} (by a callback; the checkpoint's run)"
             if topo.rank == 0:  # resuming is the default: say what it does, also when there is nothing to do
@@ -135,6 +141,8 @@ class Job:
                     f"shardwise: already complete: {path} {self.stop_reason.partition(' (')[0]}, 0 steps to run"
                 print(line, file=sys.stderr, flush=True)
         self.history = history_from(extra)  # validations of the run so far (a resumed run's included)
+        self.steps_done = len(prev)
+        self.hook("on_fit_start", len(prev), topo, optimizer=opt)
         sent_after_setup = topo.stats.sent
         received_after_setup = topo.stats.received
         server = isinstance(strat, HasServers) and strat.is_server(topo)
@@ -208,7 +216,8 @@ class Job:
         so_far = prev + global_losses(losses, t.strategy, topo)
         return checkpoint.save(directory or t.checkpoint_dir, done, so_far, t.strategy, model, opt,  # type: ignore
                                topo, shapes, keep=t.checkpoint_keep if directory is None else None,
-                               aliases=self.aliases, run=run or self.info, extra=extra)
+                               aliases=self.aliases, run=run or self.info, extra=extra,
+                               callbacks=callback_states(t.callbacks))
 
     def after_step(self, done: int, local: float | None, model: nn.Module, opt: torch.optim.Optimizer,
                    topo: Topology, prev: list[float], losses: list[float], shapes: dict[str, list[int]],
@@ -217,6 +226,7 @@ class Job:
         agreement on a stop any callback asked for (with callbacks only: one flag all-reduce), then the periodic
         checkpoint, or the final one of a run that stops here. Returns whether the run stops."""
         t = self.options
+        self.steps_done = done
         call(t.callbacks, "on_step_end", self._info(done, topo, loss=local, optimizer=opt))
         validated = self.validation is not None and self.validation.due(done, self.max_steps)
         if validated:
@@ -234,6 +244,11 @@ class Job:
             if topo.rank == 0 and want_progress(t.progress):
                 print(f"shardwise: stopping after step {done}/{self.max_steps}: {stop}", file=sys.stderr, flush=True)
         return stop is not None
+
+    def hook(self, name: str, done: int, topo: Topology, **kw: Any) -> None:
+        """Call ``name`` on every callback that has it, after ``done`` steps (``kw``: the info's other fields)."""
+        if self.options.callbacks:
+            call(self.options.callbacks, name, self._info(done, topo, **kw))
 
     def _info(self, done: int, topo: Topology, **kw: Any) -> CallbackInfo:
         return CallbackInfo(done, self.max_steps, topo.rank, topo.world_size, history=list(self.history),

@@ -49,6 +49,8 @@ class StepHost(Protocol):
     activation_bytes: int
     restored_groups: list[dict[str, Any]] | None  # a resumed run's group hyperparameters, set after the schedule
 
+    def hook(self, name: str, done: int, topo: Topology, **kw: Any) -> None: ...
+
     def after_step(self, done: int, local: float | None, model: nn.Module, opt: torch.optim.Optimizer,
                    topo: Topology, prev: list[float], losses: list[float], shapes: dict[str, list[int]],
                    scaler: precision_mod.LossScaler | None, log: StepLog | None) -> bool: ...
@@ -87,6 +89,7 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
         for step in range(len(prev), end):
             if topo.diag is not None:
                 topo.diag.step = step
+            job.hook("on_step_start", step, topo, optimizer=opt)
             start = time.perf_counter()
             x, y = precision_mod.cast_batch(t.precision, source.split(data.batch(step, device)))
             micro = list(zip(iter_chunks(x, k), iter_chunks(y, k)))
@@ -106,6 +109,9 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
             skip = (scaler is not None and overflow(scaler, opt, topo)) or \
                 (t.on_nonfinite == "skip" and not finite(loss, topo))
             if not skip:
+                if t.callbacks:  # the gradients a callback reads are the global ones: reduce what is pending
+                    finish_gradients(opt)
+                    job.hook("on_before_optimizer_step", step, topo, optimizer=opt)
                 if t.gradient_clip_val is not None:
                     strat.clip_grad_norm(model, t.gradient_clip_val, topo)
                 opt.step()
@@ -138,6 +144,14 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
     if log is not None:
         log.close()
     return losses, times, state_bytes
+
+
+def finish_gradients(opt: torch.optim.Optimizer) -> None:
+    """Complete the gradient reduction a sharded optimizer would start at its step (ZeRO-1 reduces there);
+    done again by the step, at no cost."""
+    owner = getattr(opt, "owner", None)
+    if owner is not None:
+        owner.before_step()
 
 
 def unsynced_batchnorm_buffers(model: nn.Module) -> list[torch.Tensor]:
