@@ -126,3 +126,16 @@ def test_verify_comparison_honours_atol():
     c = Comparison(max_loss_diff=1e-9, max_loss_rel=0.5, max_param_diff=0.0, max_param_rel=0.0, worst_param="")
     assert c.within(1e-5, atol=1e-8)
     assert not c.within(1e-5, atol=1e-10)
+
+
+def test_the_step_log_has_each_groups_lr_the_gradient_norm_and_the_bytes_sent(tmp_path):
+    """Beside the global loss: lr of every parameter group, the global norm before clipping and whether the clip
+    applied, and the bytes rank 0 sent in the step by group (ddp's gradient all-reduce over dp)."""
+    import json
+
+    path = tmp_path / "m.jsonl"
+    fit("ddp", 2, metrics_path=path, gradient_clip_val=0.5)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [sorted(k for k in r if k.startswith("lr/")) for r in rows] == [["lr/0"]] * STEPS
+    assert all(r["grad_norm"] > 0 and r["clipped"] == (r["grad_norm"] > 0.5) for r in rows)
+    assert all(r["comm_bytes/dp"] > 0 for r in rows)

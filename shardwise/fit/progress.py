@@ -58,8 +58,11 @@ class StepLog:
         self._peak = peak_flops * devices if peak_flops else None
         self._params = params
 
-    def write(self, step: int, loss: float | None, dt: float, tokens: int) -> None:
-        row: dict[str, Any] = {"step": step, "loss": loss, "step_time_s": dt, "rss_bytes": current_rss_bytes()}
+    def write(self, step: int, loss: float | None, dt: float, tokens: int, extra: dict[str, Any] | None = None) -> None:
+        """One row: ``extra`` adds the step's other scalars (``lr/<group>``, ``grad_norm``, ``clipped``,
+        ``comm_bytes/<group>``)."""
+        row: dict[str, Any] = {"step": step, "loss": loss, "step_time_s": dt, "rss_bytes": current_rss_bytes(),
+                               **(extra or {})}
         if tokens and dt > 0:
             row["tokens_per_s"] = tokens / dt
             if self._peak:
@@ -69,7 +72,7 @@ class StepLog:
         if self._tb is not None:
             for k, v in row.items():
                 if k != "step" and v is not None:
-                    self._tb.add_scalar(f"train/{k}", v, step)
+                    self._tb.add_scalar(f"train/{k}", float(v), step)
 
     def write_validation(self, step: int, metrics: dict[str, float]) -> None:
         """One row of global validation metrics, evaluated on the weights after step ``step`` (the index of that

@@ -80,6 +80,7 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
     # One scalar all-reduce per step where a loss is shown (the same decision on every rank: the options).
     # A parameter server's servers run their own loop and join no per-step collective: workers show their own.
     shows = bool(t.progress or t.metrics_path or t.tensorboard_dir) and not isinstance(strat, HasServers)
+    sent = dict(topo.stats.by_group)  # bytes sent so far, by group: the step log's comm_bytes are differences
     if job.restored_groups:  # after the schedule's replay: an lr a callback changed too is the saved run's
         apply_hyper(opt, job.restored_groups)
     if scaler is not None and "scaler" in restored:
@@ -108,12 +109,13 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
             # the backward ends, and the GPU would then idle while the optimizer's kernels are launched.
             skip = (scaler is not None and overflow(scaler, opt, topo)) or \
                 (t.on_nonfinite == "skip" and not finite(loss, topo))
+            norm = None
             if not skip:
                 if t.callbacks:  # the gradients a callback reads are the global ones: reduce what is pending
                     finish_gradients(opt)
                     job.hook("on_before_optimizer_step", step, topo, optimizer=opt)
                 if t.gradient_clip_val is not None:
-                    strat.clip_grad_norm(model, t.gradient_clip_val, topo)
+                    norm = float(strat.clip_grad_norm(model, t.gradient_clip_val, topo))  # before clipping
                 opt.step()
                 after_optimizer_step(model)  # e.g. MoE routers' bias update, with the step's global loads
                 if step == job.max_steps - 1:
@@ -136,7 +138,8 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
             shown = global_losses(losses[-1:], strat, topo)[0] if shows else local
             advance(shown, times[-1])
             if log is not None:
-                log.write(step, shown, times[-1], tokens)
+                log.write(step, shown, times[-1], tokens, step_scalars(opt, norm, t.gradient_clip_val, topo, sent))
+                sent = dict(topo.stats.by_group)
             if job.after_step(step + 1, local, model, opt, topo, prev, losses, shapes, scaler, log):
                 state_bytes = state_bytes or count_state(strat, model, opt)  # stopped early
                 break
@@ -144,6 +147,17 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
     if log is not None:
         log.close()
     return losses, times, state_bytes
+
+
+def step_scalars(opt: torch.optim.Optimizer, norm: float | None, max_norm: float | None, topo: Topology,
+                 before: dict[str, int]) -> dict[str, Any]:
+    """The step log's scalars beside the loss: each group's lr, the global gradient norm before clipping and
+    whether the clip applied (with ``gradient_clip_val``), and the bytes this rank sent in the step by group."""
+    row: dict[str, Any] = {f"lr/{i}": float(g["lr"]) for i, g in enumerate(opt.param_groups) if "lr" in g}
+    if norm is not None and max_norm is not None:
+        row.update(grad_norm=norm, clipped=norm > max_norm)
+    row.update({f"comm_bytes/{k}": v - before.get(k, 0) for k, v in topo.stats.by_group.items()})
+    return row
 
 
 def finish_gradients(opt: torch.optim.Optimizer) -> None:
