@@ -127,6 +127,22 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
+def _checksums(path: str, topo: Topology) -> dict[str, str]:
+    """SHA-256 of every file of a checkpoint being written, on rank 0 (an empty dict elsewhere).
+
+    Each rank hashes the files it wrote itself (DCP names them ``__<rank>_<n>.distcp``), at the same time as the
+    others, and rank 0 gathers them and hashes the rest (DCP's ``.metadata``): a save no longer waits while one
+    rank reads every file of the checkpoint."""
+    names = sorted(os.listdir(path)) if topo.rank == 0 or topo.world_size > 1 else []
+    mine = {f: _sha256(os.path.join(path, f)) for f in names if f.startswith(f"__{topo.rank}_")}
+    if topo.world_size > 1 and dist.is_initialized():
+        every = topo.comm("world").all_gather_object(mine, name="checkpoint.hashes")
+        mine = {f: h for part in every for f, h in part.items()}
+    if topo.rank != 0:
+        return {}
+    return {f: mine[f] if f in mine else _sha256(os.path.join(path, f)) for f in names}
+
+
 def _barrier(topo: Topology) -> None:
     topo.comm("world").barrier("checkpoint")
 
@@ -319,8 +335,8 @@ def save(directory: str, step: int, losses: list[float], strat: Checkpointed, mo
         dcp.save(_state(strat, model, optimizer, topo, shapes, step, losses, extra), checkpoint_id=tmp,
                  planner=pieces.SavePlanner())
     _barrier(topo)
+    files = _checksums(tmp, topo)
     if topo.rank == 0:
-        files = {f: _sha256(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))}
         manifest = {"format": FORMAT, "step": step,
                     "param_groups": [json_hyper(g) for g in optimizer.param_groups],
                     "callbacks": callbacks or {}, "world_size": topo.world_size, "strategy": strat.name,
