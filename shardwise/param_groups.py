@@ -124,9 +124,9 @@ def json_hyper(hyper: dict[str, Any]) -> dict[str, Any]:
         if isinstance(v, torch.Tensor) and v.numel() == 1:
             v = v.item()
         if isinstance(v, (tuple, list)):
-            v = list(v) if k not in _NOT_HYPER and all(isinstance(x, (int, float)) for x in v) else None
-        if isinstance(v, (bool, int, str, list)) or (isinstance(v, float) and math.isfinite(v)) or \
-                (v is None and k in hyper and not isinstance(hyper[k], (tuple, list))):
+            if k not in _NOT_HYPER and all(isinstance(x, (int, float)) for x in v):
+                out[k] = list(v)
+        elif v is None or isinstance(v, (bool, int, str)) or (isinstance(v, float) and math.isfinite(v)):
             out[k] = v
     return out
 
@@ -253,12 +253,11 @@ def regroup(optimizer: torch.optim.Optimizer, given: Sequence[torch.Tensor], nam
         optimizer.add_param_group(g)
 
 
-def apply_hyper(optimizer: torch.optim.Optimizer, saved: Sequence[dict[str, Any]], keep: Iterable[str] = ()) -> None:
-    """Set each group's saved hyperparameters (a resumed run's learning rates...), but the keys in ``keep``."""
-    skip = set(keep) | {"initial_lr"}  # initial_lr: the scheduler's own, set when it is built
+def apply_hyper(optimizer: torch.optim.Optimizer, saved: Sequence[dict[str, Any]]) -> None:
+    """Set each group's saved hyperparameters (a resumed run's learning rates...)."""
     for g, values in zip(optimizer.param_groups, saved):
         for k, v in values.items():
-            if k in g and k not in skip:
+            if k in g and k != "initial_lr":  # initial_lr: the scheduler's own, set when it is built
                 g[k] = type(g[k])(v) if isinstance(g[k], tuple) else _like(g[k], v)
 
 

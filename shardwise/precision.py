@@ -111,10 +111,6 @@ class LossScaler:
     growth_interval: int = 2000
     _clean: int = 0
 
-    def unscale(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Divide gradients by the scale; returns whether any of them is inf/NaN on this rank."""
-        return bool(self.unscale_flag(optimizer).item())
-
     def unscale_flag(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """Divide gradients by the scale in one fused pass per device and dtype (torch.amp.GradScaler's kernel)
         and return, without waiting for the device, a 1-element float32 tensor on the first gradient's device:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 
@@ -166,8 +167,6 @@ def test_resuming_another_run_is_refused_before_spawning(tmp_path, monkeypatch):
 
 def test_every_file_is_checksummed_each_rank_hashing_its_own(tmp_path):
     """Each rank hashes the files it wrote (in parallel), rank 0 the rest: the manifest holds every file's SHA-256."""
-    import hashlib
-
     work = digits()
     ck = str(tmp_path / "ck")
     sw.Trainer("ddp", 2, accelerator="cpu", progress=False, checkpoint_dir=ck).fit(

@@ -22,7 +22,7 @@ META = torch.device("meta")
 
 
 def test_nested_inputs_and_batch_encodings_move_to_the_device():
-    from transformers import BatchEncoding
+    from transformers import BatchEncoding  # seconds to import: only this test of the module needs it
 
     x = {"a": (torch.ones(2), [torch.zeros(1), 3]), "enc": BatchEncoding({"input_ids": torch.ones(2, 3)})}
     moved = to_device(x, META)

@@ -22,8 +22,8 @@ from torch import nn
 import shardwise as sw
 from shardwise import checkpoint, launch
 from shardwise.models import GPT, GPTConfig, lm_loss
-from shardwise.param_groups import ignored_params_message, needs_whole
-from shardwise.workloads import CharText, stdlib_text
+from shardwise.param_groups import GroupedFactory, ignored_params_message, named_params, needs_whole, plan_groups
+from shardwise.workloads import CharText, digits, stdlib_text
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]
 
@@ -288,8 +288,6 @@ def test_a_group_lr_changed_mid_run_survives_a_resume_under_another_layout(tmp_p
 # ---- the hand-written loop ------------------------------------------------------------------------------------
 def test_the_planned_groups_are_the_factorys_on_one_device():
     """What every strategy carries is what torch builds from the recipe on the bare model."""
-    from shardwise.param_groups import GroupedFactory, named_params, plan_groups
-
     factory = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
     for model, made, direct in [(gpt(), by_dim, by_dim), (gpt(), factory, None)]:
         plan, _ = plan_groups(model, made, by_name if direct is None else None)
@@ -328,8 +326,6 @@ def loop_batches(work) -> list:
 
 
 def _loop_rank(rank: int, device: torch.device, out: str) -> None:
-    from shardwise.workloads import digits
-
     work = digits()
     results = {}
     for strategy in ("zero2", "pp"):
@@ -353,8 +349,6 @@ def _loop_rank(rank: int, device: torch.device, out: str) -> None:
 
 
 def test_a_loop_that_sets_each_groups_lr_equals_one_device_under_zero2_and_pp(tmp_path, same_run):
-    from shardwise.workloads import digits
-
     work = digits()
     torch.manual_seed(0)
     model = work.make_model()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import shutil
 
 import pytest
@@ -89,8 +90,6 @@ def test_activation_checkpointing_lowers_saved_activations():
 
 
 def test_metrics_jsonl_has_tokens_and_mfu(tmp_path):
-    import json
-
     path = tmp_path / "m.jsonl"
     run = fit("ddp", 2, metrics_path=path, peak_flops=1e12)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
@@ -105,8 +104,6 @@ def test_metrics_jsonl_has_tokens_and_mfu(tmp_path):
 
 def test_a_resumed_run_keeps_the_metrics_rows_before_its_checkpoint(tmp_path):
     """Rows of steps before the checkpoint stay; rows an interrupted attempt wrote past it are replaced."""
-    import json
-
     path, ckpt = tmp_path / "m.jsonl", str(tmp_path / "ck")
     fit("ddp", 2, metrics_path=path, checkpoint_dir=ckpt, checkpoint_every=2)  # STEPS steps, checkpoints at 2, 4..
     rows = path.read_text().splitlines()
@@ -131,8 +128,6 @@ def test_verify_comparison_honours_atol():
 def test_the_step_log_has_each_groups_lr_the_gradient_norm_and_the_bytes_sent(tmp_path):
     """Beside the global loss: lr of every parameter group, the global norm before clipping and whether the clip
     applied, and the bytes rank 0 sent in the step by group (ddp's gradient all-reduce over dp)."""
-    import json
-
     path = tmp_path / "m.jsonl"
     fit("ddp", 2, metrics_path=path, gradient_clip_val=0.5)
     rows = [json.loads(line) for line in path.read_text().splitlines()]

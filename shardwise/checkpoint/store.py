@@ -133,7 +133,7 @@ def _checksums(path: str, topo: Topology) -> dict[str, str]:
     Each rank hashes the files it wrote itself (DCP names them ``__<rank>_<n>.distcp``), at the same time as the
     others, and rank 0 gathers them and hashes the rest (DCP's ``.metadata``): a save no longer waits while one
     rank reads every file of the checkpoint."""
-    names = sorted(os.listdir(path)) if topo.rank == 0 or topo.world_size > 1 else []
+    names = sorted(os.listdir(path))
     mine = {f: _sha256(os.path.join(path, f)) for f in names if f.startswith(f"__{topo.rank}_")}
     if topo.world_size > 1 and dist.is_initialized():
         every = topo.comm("world").all_gather_object(mine, name="checkpoint.hashes")
@@ -287,13 +287,16 @@ def _changed(was: dict[str, Any], now: dict[str, Any], where: str) -> list[str]:
             if json.loads(json.dumps(now.get(k))) != was.get(k)]
 
 
+def _sizes(groups: list[dict[str, Any]]) -> str:
+    return ", ".join(str(len(g["params"])) for g in groups)
+
+
 def _check_groups(path: str, was: list[dict[str, Any]], now: list[dict[str, Any]]) -> None:
     """Refuse a resume whose parameter groups hold other parameters than the saved run's."""
     if [g["params"] for g in was] == [g["params"] for g in now]:
         return
-    sizes = lambda groups: ", ".join(str(len(g["params"])) for g in groups)  # noqa: E731
     raise ValueError(f"checkpoint {path} was written with other parameter groups: {len(was)} groups of "
-                     f"{sizes(was)} parameters there, {len(now)} groups of {sizes(now)} here; each group's "
+                     f"{_sizes(was)} parameters there, {len(now)} groups of {_sizes(now)} here; each group's "
                      "settings (a learning rate changed during the run) belong to its parameters, so build the "
                      "saved run's groups (or pass resume=False to start over)")
 

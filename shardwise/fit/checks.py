@@ -107,12 +107,11 @@ def run_steps(max_steps: int | None, max_epochs: int | None, dataset: Any, batch
                         "passes over the dataset")
     if max_epochs is None:
         return max_steps  # type: ignore[return-value]
-    data = dataset.dataset if isinstance(dataset, DataSource) else dataset
     try:
-        samples = len(data)
+        samples = len(dataset)
     except TypeError:
         raise ValueError(f"Trainer(max_epochs={max_epochs}) needs the dataset's length, and this "
-                         f"{type(data).__name__} has no __len__: give it one (its samples per pass), or train for "
+                         f"{type(dataset).__name__} has no __len__: give it one (its samples per pass), or train for "
                          "fit(max_steps=N) optimizer steps") from None
     per_epoch = samples // batch_size
     if per_epoch < 1:

@@ -227,7 +227,7 @@ class Job:
         checkpoint, or the final one of a run that stops here. Returns whether the run stops."""
         t = self.options
         self.steps_done = done
-        call(t.callbacks, "on_step_end", self._info(done, topo, loss=local, optimizer=opt))
+        self.hook("on_step_end", done, topo, loss=local, optimizer=opt)
         validated = self.validation is not None and self.validation.due(done, self.max_steps)
         if validated:
             self._validate_now(done, model, opt, topo, prev, losses, shapes, scaler, log)
@@ -237,8 +237,7 @@ class Job:
         if t.checkpoint_dir is not None and (done == self.max_steps or stop is not None or (
                 t.checkpoint_every is not None and done % t.checkpoint_every == 0)):
             path = self._save(done, prev, losses, model, opt, topo, shapes, self._extra(scaler, done, stop))
-            call(t.callbacks, "on_checkpoint_saved",
-                 self._info(done, topo, path=path, kind="final" if stop is not None else "periodic"))
+            self.hook("on_checkpoint_saved", done, topo, path=path, kind="final" if stop is not None else "periodic")
         if stop is not None:
             self.stop_reason = stop
             if topo.rank == 0 and want_progress(t.progress):
@@ -269,14 +268,14 @@ class Job:
         if topo.rank == 0 and want_progress(t.progress):
             shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
             print(f"shardwise: validation after step {done}/{self.max_steps}: {shown}", file=sys.stderr, flush=True)
-        call(t.callbacks, "on_validation_end", self._info(done, topo, metrics=dict(metrics)))
+        self.hook("on_validation_end", done, topo, metrics=dict(metrics))
         if val.best is not None and improved(metrics[val.best[0]], best_so_far(before, val.best), val.best[1]):
             name, mode = val.best
             run = {**self.info, "best": {"metric": name, "mode": mode, "value": metrics[name]}}
             path = save_best(t.checkpoint_dir, lambda d: self._save(  # type: ignore[arg-type]
                 done, prev, losses, model, opt, topo, shapes, self._extra(scaler, done, None), directory=d, run=run),
                 topo)
-            call(t.callbacks, "on_checkpoint_saved", self._info(done, topo, path=path, kind="best"))
+            self.hook("on_checkpoint_saved", done, topo, path=path, kind="best")
 
     def _extra(self, scaler: precision_mod.LossScaler | None, done: int,
                stop: str | None) -> dict[str, torch.Tensor] | None:
