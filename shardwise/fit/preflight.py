@@ -137,7 +137,7 @@ def materialize_lazy(model: nn.Module, batch: Any, precision: str = "32") -> Non
     dropout masks. A forward that fails is reported as :func:`_meta_forward` reports it."""
     if not any(is_lazy(t) for t in itertools.chain(model.parameters(), model.buffers())):
         return
-    device = next(itertools.chain(model.parameters(), model.buffers())).device
+    device = _device_of(model)
     x = _to_meta(batch[0]) if device.type == "meta" else to_device(batch[0], device)
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
