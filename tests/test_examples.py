@@ -1,6 +1,7 @@
 """Every example runs end to end at a reduced size, and training actually lowers its loss."""
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -9,17 +10,10 @@ import sys
 
 import pytest
 
-# Every rank here is a fresh process started by a command (torchrun, a script), never the pool.
-pytestmark = [pytest.mark.timeout(300), pytest.mark.fresh_processes]
+pytestmark = pytest.mark.timeout(300)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"}
-
-
-def run(*args: str, timeout: float = 280) -> subprocess.CompletedProcess[str]:
-    r = subprocess.run([sys.executable, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    return r
 
 
 def first_and_final(stdout: str) -> tuple[float, float]:
@@ -28,72 +22,50 @@ def first_and_final(stdout: str) -> tuple[float, float]:
     return first, final
 
 
-# The examples run as plain-Python scripts (each spawns its own 2 rank processes), all in one interpreter:
-# tests/scripts/each_strategy.py runs each as __main__ in turn, so the script's own interpreter and its
-# imports (torch, transformers) are paid once instead of once per example. --keep-going: a run that fails
-# leaves its traceback in its own section and the next one still runs. case: (example, strategy, flags).
-HF_FLAGS = [("--strategy", "ddp"), ("--strategy", "zero3", "--precision", "bf16-mixed", "--activation-checkpointing")]
-PLAIN = {"digits": ("examples/digits.py", "ddp", ("--devices", "2", "--steps", "50", "--out", "{out}/losses.json")),
-         "char_gpt": ("examples/char_gpt.py", "ddp", ("--devices", "2", "--steps", "12", "--chars", "20000",
-                                                      "--sample", "10")),
-         **{f"hf_gpt2{i}": ("examples/hf_gpt2.py", flags[1], (*flags[2:], "--devices", "2", "--steps", "8",
-                                                               "--chars", "20000"))
-            for i, flags in enumerate(HF_FLAGS)}}
+def run_example(name: str, argv: list[str], monkeypatch, capsys) -> str:
+    """``python examples/NAME.py ARGV`` as the example's own ``main()`` in this process, its ranks on the session's
+    worker pool: what the script does, without paying two fresh interpreters (torch, transformers) per example.
+    The examples as scripts, under `shardwise run` and every strategy, are tests/test_examples_everywhere.py's."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))  # the ranks import the example's module by name
+    monkeypatch.setattr(sys, "argv", [f"examples/{name}.py", *argv])
+    importlib.import_module(name).main()
+    return capsys.readouterr().out
 
 
-@pytest.fixture(scope="module")
-def plain_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("examples")
-    argv: list[str] = ["--keep-going"]
-    for example, strategy, flags in PLAIN.values():
-        argv += [*(["++"] if len(argv) > 1 else []), example, strategy, "--", *(f.format(out=out) for f in flags)]
-    r = subprocess.run([sys.executable, "tests/scripts/each_strategy.py", *argv], cwd=ROOT, env=ENV,
-                       capture_output=True, text=True, timeout=560)
-    return r, out
-
-
-def ran(plain_runs, case: str) -> str:
-    """What ``case``'s run printed; fails with its own traceback (or the end of the output) unless it ended well."""
-    r, _ = plain_runs
-    example, strategy, _ = PLAIN[case]
-    begin = f"each_strategy: {example} {strategy} starts"
-    assert begin in r.stdout, f"{case} never started (exit code {r.returncode}):\n" + r.stdout[-2000:] + \
-        r.stderr[-3000:]
-    text = r.stdout.split(begin, 1)[1].split("each_strategy: ", 1)[0]
-    assert f"each_strategy: {example} {strategy} ok" in r.stdout, f"{case} failed:\n" + text[-5000:] + \
-        r.stderr[-2000:]
-    return text
-
-
-@pytest.mark.timeout(600)
-def test_digits_example(plain_runs):
-    stdout = ran(plain_runs, "digits")
-    losses = json.loads((plain_runs[1] / "losses.json").read_text())
+def test_digits_example(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "losses.json"
+    stdout = run_example("digits", ["--strategy", "ddp", "--devices", "2", "--steps", "50", "--out", str(out)],
+                         monkeypatch, capsys)
+    losses = json.loads(out.read_text())
     assert len(losses) == 50
     assert losses[-1] < 0.6 * losses[0]
     accuracy = float(re.search(r"test accuracy ([0-9.]+)%", stdout).group(1))  # type: ignore[union-attr]
     assert accuracy > 50.0  # ten classes: chance is 10%
 
 
-@pytest.mark.timeout(600)
-def test_char_gpt_example(plain_runs):
-    stdout = ran(plain_runs, "char_gpt")
+def test_char_gpt_example(monkeypatch, capsys):
+    stdout = run_example("char_gpt", ["--strategy", "ddp", "--devices", "2", "--steps", "12", "--chars", "20000",
+                                      "--sample", "10"], monkeypatch, capsys)
     first, final = first_and_final(stdout)
     assert final < first - 0.5, stdout
     assert "held-out loss" in stdout and "tokens/s" in stdout and "sample:" in stdout
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("flags", HF_FLAGS)
-def test_hf_gpt2_example(plain_runs, flags):
-    stdout = ran(plain_runs, f"hf_gpt2{HF_FLAGS.index(flags)}")
+@pytest.mark.parametrize("flags", [("--strategy", "ddp"),
+                                   ("--strategy", "zero3", "--precision", "bf16-mixed", "--activation-checkpointing")])
+def test_hf_gpt2_example(flags, monkeypatch, capsys):
+    stdout = run_example("hf_gpt2", [*flags, "--devices", "2", "--steps", "8", "--chars", "20000"], monkeypatch,
+                         capsys)
     first, final = first_and_final(stdout)
     assert final < first - 0.2, stdout
     assert "held-out loss" in stdout
 
 
+@pytest.mark.fresh_processes  # its ranks are started by a command (torchrun), never the pool
 def test_setup_loop_example():
-    r = run("-m", "shardwise", "run", "--nproc", "2", "examples/setup_loop.py", "--epochs", "2")
+    r = subprocess.run([sys.executable, "-m", "shardwise", "run", "--nproc", "2", "examples/setup_loop.py",
+                        "--epochs", "2"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     losses = [float(v) for v in re.findall(r"epoch \d+: last loss ([0-9.]+)", r.stdout)]
     assert len(losses) == 2, r.stdout
     assert losses[1] < losses[0], r.stdout
