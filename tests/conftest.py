@@ -125,3 +125,41 @@ def _ranks_from_the_pool(request, monkeypatch):
     if request.node.get_closest_marker("fresh_processes") or os.environ.get("SHARDWISE_TEST_POOL") == "0":
         return
     monkeypatch.setattr(launch, "spawn", request.getfixturevalue("worker_pool").spawn)
+
+
+# ---- one `shardwise run --nproc 2` for the tests that only need a script to run under torchrun -----------------
+# tests/scripts/each_strategy.py runs each script in turn in the same two ranks (a new group each, as a script with
+# several trainings would), so the launcher's and the ranks' start-up (torch, a few seconds of CPU per process) is
+# paid once for all of them. (script, strategy, its flags); "{out}" is the launch's output folder. A script that
+# fails the job on purpose (tests/test_fail_fast.py) or needs restarts (tests/test_elastic.py) launches alone.
+UNDER_RUN = (("examples/digits.py", "ddp", ("--steps", "6", "--out", "{out}/losses.json")),
+             ("examples/setup_loop.py", "ddp", ("--epochs", "2")),
+             ("tests/scripts/fit_auto.py", "-", ()),
+             ("tests/scripts/listening_probe.py", "-", ()))
+
+
+@pytest.fixture(scope="session")
+def under_run(tmp_path_factory):
+    """``(CompletedProcess, output folder)`` of the shared launch of :data:`UNDER_RUN`."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path_factory.mktemp("under_run")
+    argv: list[str] = []
+    for script, strategy, flags in UNDER_RUN:
+        argv += [*(["++"] if argv else []), script, strategy, "--", *(f.format(out=out) for f in flags)]
+    r = subprocess.run([sys.executable, "-m", "shardwise", "run", "--nproc", "2", "tests/scripts/each_strategy.py",
+                        *argv], cwd=root, env={**os.environ, "PYTHONPATH": root, "HF_HUB_OFFLINE": "1"},
+                       capture_output=True, text=True, timeout=400)
+    return r, out
+
+
+def section(r, script: str) -> str:
+    """What rank 0 printed while ``script`` ran in :func:`under_run`; fails naming it if it did not finish."""
+    strategy = next(s for name, s, _ in UNDER_RUN if name == script)
+    begin, end = f"each_strategy: {script} {strategy} starts", f"each_strategy: {script} {strategy} ok"
+    assert begin in r.stdout and end in r.stdout, (
+        f"{script} did not finish under shardwise run (exit code {r.returncode}):\n" + r.stdout[-2000:]
+        + r.stderr[-3000:])
+    return r.stdout.split(begin, 1)[1].split(end, 1)[0]

@@ -5,15 +5,14 @@ import importlib
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
+from conftest import section
 
 pytestmark = pytest.mark.timeout(300)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"}
 
 
 def first_and_final(stdout: str) -> tuple[float, float]:
@@ -62,10 +61,10 @@ def test_hf_gpt2_example(flags, monkeypatch, capsys):
 
 
 @pytest.mark.fresh_processes  # its ranks are started by a command (torchrun), never the pool
-def test_setup_loop_example():
-    r = subprocess.run([sys.executable, "-m", "shardwise", "run", "--nproc", "2", "examples/setup_loop.py",
-                        "--epochs", "2"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=280)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    losses = [float(v) for v in re.findall(r"epoch \d+: last loss ([0-9.]+)", r.stdout)]
-    assert len(losses) == 2, r.stdout
-    assert losses[1] < losses[0], r.stdout
+def test_setup_loop_example(under_run):
+    # examples/setup_loop.py --epochs 2 in the session's shared `shardwise run --nproc 2` (tests/conftest.py).
+    r, _ = under_run
+    text = section(r, "examples/setup_loop.py")
+    losses = [float(v) for v in re.findall(r"epoch \d+: last loss ([0-9.]+)", text)]
+    assert len(losses) == 2, text
+    assert losses[1] < losses[0], text

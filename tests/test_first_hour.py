@@ -6,19 +6,17 @@ import functools
 import json
 import os
 import re
-import subprocess
-import sys
 import warnings
 
 import pytest
 import torch
 
 import shardwise as sw
+from conftest import section
 from shardwise.workloads import digits
 
 pytestmark = pytest.mark.timeout(200)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
 
 
@@ -40,30 +38,13 @@ def test_the_model_passed_in_ends_trained(strategy, devices):
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
-SCRIPT = """import functools, sys, torch
-import shardwise as sw
-from shardwise.workloads import digits
-work = digits()
-for strategy in ("ddp", "zero3"):  # two fits in one script: each joins a group of its own (the second used to hang)
-    model = work.make_model()
-    trainer = sw.Trainer(strategy, accelerator="cpu", progress=False)   # devices: "auto", the world size
-    result = trainer.fit(model, work.train, work.loss_fn, functools.partial(torch.optim.AdamW, lr=1e-2),
-                         batch_size=64, max_steps=3)
-    same = all(torch.equal(v, result.state_dict[k]) for k, v in model.state_dict().items())
-    # One write per line: the two ranks share stdout, and print's text and newline are two writes unbuffered.
-    sys.stdout.write(f"rank {torch.distributed.get_rank() if torch.distributed.is_initialized() else 'x'} "
-                     f"{strategy} devices={trainer.devices} trained={same}\\n")
-    sys.stdout.flush()
-"""
 
 
 @pytest.mark.fresh_processes
-def test_under_shardwise_run_devices_default_to_the_world_the_model_ends_trained_and_fit_runs_twice(tmp_path):
-    script = tmp_path / "fit_auto.py"
-    script.write_text(SCRIPT)
-    r = subprocess.run([sys.executable, "-m", "shardwise", "run", "--nproc", "2", str(script)], cwd=ROOT,
-                       env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0, r.stderr[-3000:]
+def test_under_shardwise_run_devices_default_to_the_world_the_model_ends_trained_and_fit_runs_twice(under_run):
+    # tests/scripts/fit_auto.py, in the session's shared `shardwise run --nproc 2` (tests/conftest.py).
+    r, _ = under_run
+    section(r, "tests/scripts/fit_auto.py")
     lines = sorted(re.findall(r"rank \S+ \w+ devices=\d+ trained=\w+", r.stdout))  # two ranks share stdout
     # The trainer leaves the group it created, so the rank is read before teardown would hide it: "x" here.
     assert lines == ["rank x ddp devices=2 trained=True"] * 2 + ["rank x zero3 devices=2 trained=True"] * 2, r.stdout

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from conftest import section
 from shardwise import cli
 
 # The tests that launch by command (torchrun, a script) are marked fresh_processes: their ranks are fresh
@@ -24,36 +25,10 @@ def run_cli(*args: str, timeout: float = 200) -> subprocess.CompletedProcess[str
                           text=True, timeout=timeout)
 
 
-# The examples these tests run under `shardwise run --nproc 2`, in one launch (tests/scripts/each_strategy.py
-# runs each in turn in the same two ranks, as a script with several trainings would): the launcher's and the
-# ranks' start-up are paid once. (example, strategy, its flags); ddp is also setup_loop.py's default.
-UNDER_RUN = {"digits": ("examples/digits.py", "ddp", ("--steps", "6", "--out", "{out}/losses.json")),
-             "setup_loop": ("examples/setup_loop.py", "ddp", ("--epochs", "1"))}
-
-
-@pytest.fixture(scope="module")
-def under_torchrun(tmp_path_factory):
-    out = tmp_path_factory.mktemp("under_run")
-    argv: list[str] = []
-    for example, strategy, flags in UNDER_RUN.values():
-        argv += [*(["++"] if argv else []), example, strategy, "--", *(f.format(out=out) for f in flags)]
-    return run_cli("run", "--nproc", "2", "tests/scripts/each_strategy.py", *argv), out
-
-
-def section(r: subprocess.CompletedProcess[str], name: str) -> str:
-    """What rank 0 printed while ``name``'s example ran; fails naming the case if it did not finish."""
-    example, strategy, _ = UNDER_RUN[name]
-    begin, end = f"each_strategy: {example} {strategy} starts", f"each_strategy: {example} {strategy} ok"
-    assert begin in r.stdout and end in r.stdout, (
-        f"{example} did not finish under shardwise run (exit code {r.returncode}):\n"
-        + r.stdout[-2000:] + r.stderr[-3000:])
-    return r.stdout.split(begin, 1)[1].split(end, 1)[0]
-
-
 @pytest.mark.fresh_processes
-def test_shardwise_run_under_torchrun_equals_spawned(under_torchrun, tmp_path, monkeypatch, capsys):
-    r, out = under_torchrun
-    assert "test accuracy" in section(r, "digits")
+def test_shardwise_run_under_torchrun_equals_spawned(under_run, tmp_path, monkeypatch, capsys):
+    r, out = under_run  # examples/digits.py in the session's shared `shardwise run --nproc 2` (tests/conftest.py)
+    assert "test accuracy" in section(r, "examples/digits.py")
     torchrun_losses = json.loads((out / "losses.json").read_text())
     # The reference: the same example on one device, which trains in the calling process (no ranks to start).
     single = tmp_path / "single.json"
@@ -66,9 +41,9 @@ def test_shardwise_run_under_torchrun_equals_spawned(under_torchrun, tmp_path, m
 
 
 @pytest.mark.fresh_processes
-def test_setup_example_runs_under_torchrun(under_torchrun):
-    r, _ = under_torchrun
-    assert "epoch 0: last loss" in section(r, "setup_loop")
+def test_setup_example_runs_under_torchrun(under_run):
+    r, _ = under_run
+    assert "epoch 0: last loss" in section(r, "examples/setup_loop.py")
     assert r.returncode == 0, r.stderr[-3000:]
 
 

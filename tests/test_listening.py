@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from conftest import section
 import torch
 import torch.distributed as dist
 
@@ -62,15 +63,10 @@ def test_a_two_rank_job_listens_on_nothing_but_loopback(tmp_path):
 
 @pytest.mark.fresh_processes
 @pytest.mark.skipif(not os.path.isdir("/proc/net"), reason="reads the socket table from /proc")
-def test_shardwise_run_on_one_machine_listens_on_nothing_but_loopback():
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-m", "shardwise", "run", "--nproc", "2",
-                        os.path.join(root, "tests", "scripts", "listening_probe.py")], cwd=root,
-                       env={**os.environ, "PYTHONPATH": root}, capture_output=True, text=True, timeout=100)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = [line.split()[1:] for line in r.stdout.splitlines() if line.startswith("LISTEN ")]
+def test_shardwise_run_on_one_machine_listens_on_nothing_but_loopback(under_run):
+    # tests/scripts/listening_probe.py in the session's shared `shardwise run --nproc 2` (tests/conftest.py).
+    r, _ = under_run
+    text = section(r, "tests/scripts/listening_probe.py")
+    rows = [line.split()[1:] for line in text.splitlines() if line.startswith("LISTEN ")]
     assert len(rows) >= 3  # the launcher's stores and the ranks' gloo sockets: really looked at
     assert [row for row in rows if row[1] not in LOOPBACK] == []
