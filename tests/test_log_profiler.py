@@ -111,7 +111,7 @@ def test_log_and_the_simple_profiler_under_ddp(tmp_path):
 
 def tiny_gpt() -> GPT:
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    return GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16))
 
 
 def token_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -126,10 +126,14 @@ def logging_cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def test_log_under_data_and_tensor_parallel(tmp_path):
+@pytest.mark.parametrize("layout", ["dp2-tp2", "dp2-pp2"])
+def test_log_under_data_tensor_and_pipeline_parallel(tmp_path, layout):
+    """Tensor-parallel peers count once; under a pipeline only the last stage logs (the loss), in 2
+    micro-batches per step, and the first stage's empty set of names is agreed on all the same."""
     path = tmp_path / "m.jsonl"
     data = token_data()
-    sw.Trainer(sw.Parallel(dp=2, tp=2), 4, accelerator="cpu", progress=False, metrics_path=path).fit(
+    strategy = sw.Parallel(dp=2, tp=2) if layout == "dp2-tp2" else sw.Parallel(dp=2, pp=2, microbatches=2)
+    sw.Trainer(strategy, 4, accelerator="cpu", progress=False, metrics_path=path).fit(
         tiny_gpt(), data, logging_cross_entropy, SGD, batch_size=8, max_steps=2)
     y = torch.stack([t for _, t in data]).float()
     for r in rows(path):

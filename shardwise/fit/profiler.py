@@ -139,6 +139,7 @@ class Simple(Profiler):
         self.parts = dict.fromkeys(PARTS, 0.0)
         self.total = 0.0
         self.count = 0
+        self.first = steps[0]  # the first step profiled (a resumed run starts later)
         self._on = False
         self._start = self._last = 0.0
         self._before: dict[str, Any] | None = None  # the counters when the window opened
@@ -149,6 +150,7 @@ class Simple(Profiler):
         if not self._on:
             return
         if self._before is None:
+            self.first = step
             self._open()
         self._sync()
         self._start = self._last = time.perf_counter()
@@ -211,7 +213,7 @@ class Simple(Profiler):
         self._shut()
         if self._before is None:
             return None
-        return {"profiler": "simple", "steps": list(self.steps), "profiled_steps": self.count,
+        return {"profiler": "simple", "steps": [self.first, self.first + self.count], "profiled_steps": self.count,
                 "step_s": self.total, "parts_s": dict(self.parts),
                 "collectives": collectives(self._before, self._after)}
 
