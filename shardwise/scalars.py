@@ -42,6 +42,10 @@ from shardwise.dims import TP, WORLD
 from shardwise.torch_private import recomputing
 
 REDUCES = ("mean", "sum", "max", "min")
+# What the step row already holds (shardwise.fit.progress.StepLog.write, shardwise.fit.steps.step_scalars): a
+# logged name must not overwrite it. Names, and prefixes ending in "/".
+RESERVED = ("step", "loss", "step_time_s", "rss_bytes", "tokens_per_s", "mfu", "grad_norm", "clipped", "lr/",
+            "comm_bytes/", "val/")
 
 
 class Scalars:
@@ -56,6 +60,9 @@ class Scalars:
             raise ValueError(f"sw.log({name!r}) was logged with reduce={kept[0]!r} and now with reduce={reduce!r}; "
                              "one name has one reduction")
         kept[1].append(value)
+
+    def clear(self) -> None:
+        self.values.clear()
 
     def names(self) -> list[tuple[str, str]]:
         return sorted((name, reduce) for name, (reduce, _) in self.values.items())
@@ -89,6 +96,9 @@ def log(name: str, value: float | torch.Tensor, reduce: str = "mean") -> None:
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"sw.log: the name must be a non-empty string, got {name!r}")
+    if any(name == r or (r.endswith("/") and name.startswith(r)) for r in RESERVED):
+        raise ValueError(f"sw.log({name!r}): the step row already has {name!r} (it holds "
+                         f"{', '.join(RESERVED)}); choose another name")
     if reduce not in REDUCES:
         raise ValueError(f"sw.log({name!r}): reduce must be one of {', '.join(map(repr, REDUCES))}, got {reduce!r}")
     scalar = _scalar(name, value)
@@ -182,4 +192,4 @@ def union(every: list[list[list[str]]]) -> list[tuple[str, str]]:
     return sorted(seen.items())
 
 
-__all__ = ["REDUCES", "Reducer", "Scalars", "log", "recording", "union"]
+__all__ = ["RESERVED", "REDUCES", "Reducer", "Scalars", "log", "recording", "union"]

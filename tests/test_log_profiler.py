@@ -162,6 +162,9 @@ def test_log_outside_a_fit_does_nothing_but_checks_its_arguments():
     with pytest.raises(ValueError, match=r"^sw.log\('x'\): the value must be one number, got a tensor of shape "
                                          r"\[2\]$"):
         sw.log("x", torch.ones(2))
+    with pytest.raises(ValueError, match=r"^sw.log\('lr/0'\): the step row already has 'lr/0' \(it holds step, "
+                                         r"loss, .*\); choose another name$"):
+        sw.log("lr/0", 1.0)
 
 
 def test_one_name_has_one_reduction():

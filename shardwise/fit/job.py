@@ -23,6 +23,7 @@ from shardwise import precision as precision_mod
 from shardwise.checkpoint import store as checkpoint
 from shardwise.comm.topology import Topology
 from shardwise.dims import DP
+from shardwise.fit import profiler
 from shardwise.fit.callbacks import CallbackInfo, Control, agree_stop, call, improved, load_states
 from shardwise.fit.callbacks import states as callback_states
 from shardwise.fit.evaluate import (
@@ -33,7 +34,6 @@ from shardwise.fit.evaluate import (
     history_tensors,
     save_best,
 )
-from shardwise.fit import profiler
 from shardwise.fit.options import FitOptions, SchedulerFactory
 from shardwise.fit.progress import StepLog, want_progress
 from shardwise.fit.steps import count_state, global_losses, train_loop
@@ -272,7 +272,7 @@ class Job:
         assert val is not None
         with recording(Scalars()) as logged:  # sw.log during validation: the row's val/<name>
             metrics = evaluate(model, t.strategy, val, self.loss_fn, topo, StepRun(t.precision), seed=t.seed)
-        mine = Reducer(topo).reduce(logged) if t.metrics_path or t.tensorboard_dir else {}
+        mine = Reducer(topo).reduce(logged) if t.step_rows else {}
         before = list(self.history)
         self.history.append({"step": done, **metrics})
         if log is not None:  # the row of the step whose weights were evaluated

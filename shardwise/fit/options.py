@@ -73,6 +73,12 @@ class FitOptions:
         return uses_cuda(self.accelerator)
 
     @property
+    def step_rows(self) -> bool:
+        """Whether rank 0 writes a row per step (a metrics file, TensorBoard): the same answer on every rank,
+        so every rank joins the reductions a row needs (``sw.log``'s)."""
+        return bool(self.metrics_path or self.tensorboard_dir)
+
+    @property
     def rank_accelerator(self) -> str:
         """What each rank picks its device by (:func:`~shardwise.comm.topology.pick_device`): the accelerator,
         with the GPUs of ``devices=[...]`` listed (``"cuda:1,3"``)."""

@@ -76,9 +76,8 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
     state_bytes: dict[str, int] = {}
     log = StepLog(t.metrics_path, t.tensorboard_dir, t.peak_flops, total_numel(shapes), topo.world_size,
                   start=len(prev)) \
-        if rank0 and (t.metrics_path or t.tensorboard_dir) else None
-    # sw.log's values join the step row where there is one (the same decision on every rank: the options).
-    reducer = Reducer(topo) if (t.metrics_path or t.tensorboard_dir) and not isinstance(strat, HasServers) else None
+        if rank0 and t.step_rows else None
+    reducer = Reducer(topo) if t.step_rows and not isinstance(strat, HasServers) else None  # sw.log's values
     prof = profiler.make(t.profiler, t.profile_steps, job.max_steps, topo.stats, device, t.profiler_dir or "",
                          topo.rank)
     loss_fn = prof.loss(job.loss_fn)  # "simple" counts the loss's time as forward's
@@ -98,7 +97,7 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
         advance.skip(len(prev))  # type: ignore[attr-defined]
         for step in range(len(prev), end):
             prof.step_start(step)
-            logged.values.clear()  # sw.log's values of this step
+            logged.clear()  # sw.log's values of this step
             if topo.diag is not None:
                 topo.diag.step = step
             job.hook("on_step_start", step, topo, optimizer=opt)
