@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 
 import pytest
 import torch
@@ -176,3 +177,13 @@ def test_one_name_has_one_reduction():
     with pytest.raises(ValueError, match=r"^sw.log\('x'\) is logged with reduce='mean' on one rank and "
                                          r"reduce='max' on rank 1; one name has one reduction$"):
         union([[["x", "mean"]], [["x", "max"]]])
+
+
+def test_bad_profiler_options_are_refused():
+    with pytest.raises(ValueError, match=r"^profiler must be 'simple', 'pytorch' or None, got 'tensorboard'$"):
+        sw.Trainer("single", 1, profiler="tensorboard")
+    with pytest.raises(ValueError, match=r"^profile_steps must be a range of steps or \(start, stop\) with "
+                                         r"0 <= start < stop, got \(3, 1\)$"):
+        sw.Trainer("single", 1, profiler="simple", profile_steps=(3, 1))
+    t = sw.Trainer("single", 1, profiler="pytorch", profile_steps=range(2, 5), checkpoint_dir="ckpt")
+    assert (t.profile_steps, t.profiler_dir) == ((2, 5), os.path.abspath(os.path.join("ckpt", "profiles")))
