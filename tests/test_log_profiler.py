@@ -83,7 +83,6 @@ def test_log_and_the_simple_profiler_under_ddp(tmp_path):
     assert [r["step"] for r in train] == list(range(STEPS))
     for r in train:
         assert r["y_mean"] == pytest.approx(float(y.mean()))  # mean over the 2 shards x 2 micro-batches
-        assert r["y_mean"] != pytest.approx(float(y[:N // 2].mean()))  # (not a share's)
         assert r["y_sum"] == pytest.approx(float(y.sum()))
         assert (r["y_max"], r["y_min"]) == (pytest.approx(float(y.max())), pytest.approx(float(y.min())))
         assert r["block_calls"] == 2 * 2 * 2  # blocks x micro-batches x ranks: the recompute logs nothing
@@ -139,7 +138,6 @@ def test_log_under_data_tensor_and_pipeline_parallel(tmp_path, layout):
     y = torch.stack([t for _, t in data]).float()
     for r in rows(path):
         assert r["target_mean"] == pytest.approx(float(y.mean()))
-        assert r["target_mean"] != pytest.approx(float(y[:4].mean()))
         assert r["samples"] == 8  # the global batch, not 16 (tp peers twice)
 
 
