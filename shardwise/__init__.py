@@ -37,6 +37,7 @@ _PUBLIC: dict[str, str] = {
     "FitResult": "shardwise.fit.trainer:FitResult",
     "Trainer": "shardwise.fit.trainer:Trainer",
     "setup": "shardwise.loop:setup",
+    "log": "shardwise.scalars:log",
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is imported on first use
@@ -64,6 +65,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is i
         register,
         resolve,
     )
+    from shardwise.scalars import log
     from shardwise.strategies.single import Single
 
 
@@ -88,6 +90,6 @@ def __dir__() -> list[str]:
 
 
 __all__ = ["Callback", "DDP", "EarlyStopping", "FitResult", "Prepared", "REGISTRY", "Single", "Strategy", "Topology", "Trainer",
-           "all_reduce_mean", "available_strategies", "clip_grad_norm_", "gather", "init", "load", "no_sync",
+           "all_reduce_mean", "available_strategies", "clip_grad_norm_", "gather", "init", "load", "log", "no_sync",
            "prepare_dataloader", "register", "resolve", "save", "setup", "teardown", "NaiveMP", "NaiveModelParallel", "ZeRO1", "ZeRO2",
            "ZeRO3", "FSDP", "HSDP", "TP", "PP", "Parallel", "DP", "ParameterServer"]

@@ -28,6 +28,11 @@ private API                                                                what 
                                                                            when autograd's pass ends
                                                                            (:func:`at_backward_end`;
                                                                            ``parallel.ddp``)
+``torch._C._current_graph_task_id()``                                      whether a forward runs inside a
+                                                                           backward pass: activation
+                                                                           checkpointing's recompute
+                                                                           (:func:`recomputing`; ``scalars``,
+                                                                           ``fit.profiler``)
 ``profile.profiler.kineto_results.events()``, each event's ``name()``,     the exact peak of torch's CPU
 ``nbytes()`` and ``start_ns()`` (``torch._C._autograd._ProfilerResult``)   allocator from the profiler's memory
                                                                            records (:func:`memory_records`;
@@ -117,6 +122,18 @@ def at_backward_end(fn: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
+def in_backward() -> bool:
+    """Whether this thread is running an autograd backward pass (the engine's current graph task)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def recomputing() -> bool:
+    """Whether a forward running now is activation checkpointing's recompute: inside a backward pass with grad
+    mode on, where ``torch.utils.checkpoint`` (reentrant or not, and so our per-block wrapper) re-runs a
+    block's forward. A backward pass's own hooks run with grad mode off (unless ``create_graph=True``)."""
+    return torch.is_grad_enabled() and in_backward()
+
+
 # ---- the profiler ------------------------------------------------------------------------------------
 
 
@@ -146,4 +163,5 @@ UNSCALE_AND_CHECK = torch._amp_foreach_non_finite_check_and_unscale_
 
 
 __all__ = ["UNSCALE_AND_CHECK", "BatchNormBase", "FLASH_ATTENTION_CPU", "FLASH_ATTENTION_CPU_BACKWARD", "as_main_process",
-           "at_backward_end", "c10d_default_store", "host_rendezvous_stores", "memory_records"]
+           "at_backward_end", "c10d_default_store", "host_rendezvous_stores", "in_backward", "memory_records",
+           "recomputing"]

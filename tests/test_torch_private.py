@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from shardwise import torch_private as tp
 
@@ -129,6 +130,21 @@ def test_a_callback_runs_when_the_backward_pass_ends():
     y.register_hook(hook)
     (y * x).sum().backward()
     assert calls == ["hook", "end"]
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_the_graph_task_tells_a_recompute(reentrant):
+    seen = []
+
+    def block(x):
+        seen.append((tp.in_backward(), tp.recomputing()))
+        return torch.tanh(x) * 2
+
+    x = torch.ones(3, requires_grad=True)
+    y = checkpoint(block, x, use_reentrant=reentrant)
+    y.register_hook(lambda g: seen.append((tp.in_backward(), tp.recomputing())))  # a backward hook: no recompute
+    y.sum().backward()
+    assert seen == [(False, False), (True, False), (True, True)]  # the forward, the hook, the recompute
 
 
 def test_the_profilers_memory_records():

@@ -58,6 +58,11 @@ class CommStats:
     by_group: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     # Events that are not bytes but belong beside them (tokens an expert layer dispatched or dropped).
     counters: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    # With ``timing`` on (a profiler's window), seconds per name as by_name groups them: from issue until the
+    # wait completed ("in_flight", overlapping compute for an async op) and blocked inside the wait ("waited").
+    timing: bool = False
+    in_flight: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    waited: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
     def count(self, name: str, n: int) -> None:
         self.counters[name] += int(n)
@@ -71,6 +76,11 @@ class CommStats:
         # And by the mesh group it crossed ("dp", "tp", "pp", "dp_shard", ...): what the planner predicts.
         self.by_group[group] += sent
 
+    def timed(self, name: str, in_flight: float, waited: float) -> None:
+        key = name.split(".", 1)[0]
+        self.in_flight[key] += in_flight
+        self.waited[key] += waited
+
     def snapshot(self) -> dict[str, Any]:
         return {"sent": self.sent, "received": self.received, "calls": self.calls, "by_name": dict(self.by_name),
                 "by_group": dict(self.by_group), "counters": dict(self.counters)}
@@ -80,6 +90,8 @@ class CommStats:
         self.by_name = defaultdict(int)
         self.by_group = defaultdict(int)
         self.counters = defaultdict(int)
+        self.in_flight = defaultdict(float)
+        self.waited = defaultdict(float)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -94,12 +106,13 @@ class Handle:
     """An in-flight operation; :meth:`wait` enforces the timeout and explains a failure."""
 
     def __init__(self, work: Any, name: str, timeout: _dt.timedelta, diag: Diagnostics | None = None,
-                 rec: Record | None = None) -> None:
+                 rec: Record | None = None, timed: tuple[CommStats, float] | None = None) -> None:
         self._work = work
         self.name = name
         self._timeout = timeout
         self._diag = diag
         self._rec = rec
+        self._timed = timed  # (the stats to add its times to, when it was issued): only while timing is on
 
     def wait(self) -> None:
         if self._work is None:
@@ -122,6 +135,10 @@ class Handle:
                 head = f"rank {rank}: {what} did not complete within {self._timeout}"
             raise CollectiveTimeout(f"{head} ({cause})\n{detail}") from e
         self._work = None
+        if self._timed is not None:
+            stats, issued = self._timed
+            done = time.monotonic()
+            stats.timed(self.name, done - issued, done - start)
         if self._diag is not None and self._rec is not None:
             self._diag.end(self._rec)
 
@@ -164,7 +181,8 @@ class Comm:
         rec = None
         if self.diag is not None:
             rec = self.diag.begin(op, name, self.label, ranks or self.ranks, [list(t.shape) for t in tensors])
-        h = Handle(start(), name, self.timeout, self.diag, rec)
+        timed = (self.stats, time.monotonic()) if self.stats.timing else None  # one flag test when off
+        h = Handle(start(), name, self.timeout, self.diag, rec, timed)
         if async_op:
             return h
         h.wait()

@@ -23,6 +23,7 @@ from shardwise import precision as precision_mod
 from shardwise.checkpoint import store as checkpoint
 from shardwise.comm.topology import Topology
 from shardwise.dims import DP
+from shardwise.fit import profiler
 from shardwise.fit.callbacks import CallbackInfo, Control, agree_stop, call, improved, load_states
 from shardwise.fit.callbacks import states as callback_states
 from shardwise.fit.evaluate import (
@@ -39,6 +40,7 @@ from shardwise.fit.steps import count_state, global_losses, train_loop
 from shardwise.param_groups import GroupedFactory, GroupPlan
 from shardwise.parallel.checkpointing import apply_activation_checkpointing
 from shardwise.parallel.sync_bn import convert_sync_batchnorm
+from shardwise.scalars import Reducer, Scalars, recording
 from shardwise.stats import (
     cuda_peak_bytes,
     peak_rss_bytes,
@@ -58,6 +60,8 @@ class FitResult:
     stats: list[dict[str, Any]] = field(default_factory=list)
     # One entry per validation: {"step": optimizer steps done, "val_loss": ..., <each val_metrics name>: ...}.
     val_metrics: list[dict[str, float]] = field(default_factory=list)
+    # Trainer(profiler=): each rank's figures (shardwise.fit.profiler), by rank; empty without a profiler.
+    profile: list[dict[str, Any] | None] = field(default_factory=list)
 
 
 def spawned_fit(rank: int, device: torch.device, job: bytes, path: str) -> None:
@@ -142,6 +146,7 @@ class Job:
                 print(line, file=sys.stderr, flush=True)
         self.history = history_from(extra)  # validations of the run so far (a resumed run's included)
         self.steps_done = len(prev)
+        self.profile: dict[str, Any] | None = None  # set by the loop; a server's part is not profiled
         self.hook("on_fit_start", len(prev), topo, optimizer=opt)
         sent_after_setup = topo.stats.sent
         received_after_setup = topo.stats.received
@@ -176,9 +181,14 @@ class Job:
             "buffers_sum": float(sum(float(b.double().sum()) for b in model.buffers()
                                      if b.is_floating_point() and b.device.type != "meta")),  # (ps servers: meta)
             **(strat.rank_stats(model, topo) if isinstance(strat, HasServers) else {}),
+            "profile": self.profile,  # (gathered with the stats, then kept apart in FitResult.profile)
         }
         stats = topo.comm("world").all_gather_object(mine, name="stats")
-        result = FitResult(losses=all_losses, state_dict=state_dict, stats=stats, val_metrics=list(self.history))
+        profile = [s.pop("profile") for s in stats]
+        if topo.rank == 0 and t.profiler == "simple" and any(profile):
+            print(profiler.table(profile), file=sys.stderr, flush=True)
+        result = FitResult(losses=all_losses, state_dict=state_dict, stats=stats, val_metrics=list(self.history),
+                           profile=profile if any(profile) else [])
         call(t.callbacks, "on_fit_end", CallbackInfo(len(all_losses), self.max_steps, topo.rank, topo.world_size,
                                                      history=list(self.history), losses=list(all_losses),
                                                      stop_reason=self.stop_reason, control=self.control))
@@ -219,15 +229,15 @@ class Job:
                                aliases=self.aliases, run=run or self.info, extra=extra,
                                callbacks=callback_states(t.callbacks))
 
-    def after_step(self, done: int, local: float | None, model: nn.Module, opt: torch.optim.Optimizer,
+    def after_step(self, done: int, model: nn.Module, opt: torch.optim.Optimizer,
                    topo: Topology, prev: list[float], losses: list[float], shapes: dict[str, list[int]],
                    scaler: precision_mod.LossScaler | None, log: StepLog | None) -> bool:
-        """After ``done`` optimizer steps, on every training rank: ``on_step_end``, validation when due, the
-        agreement on a stop any callback asked for (with callbacks only: one flag all-reduce), then the periodic
-        checkpoint, or the final one of a run that stops here. Returns whether the run stops."""
+        """After ``done`` optimizer steps (the loop already called ``on_step_end`` and wrote the step's row, so
+        that what a callback logs there joins it), on every training rank: validation when due, the agreement on
+        a stop any callback asked for (with callbacks only: one flag all-reduce), then the periodic checkpoint,
+        or the final one of a run that stops here. Returns whether the run stops."""
         t = self.options
         self.steps_done = done
-        self.hook("on_step_end", done, topo, loss=local, optimizer=opt)
         validated = self.validation is not None and self.validation.due(done, self.max_steps)
         if validated:
             self._validate_now(done, model, opt, topo, prev, losses, shapes, scaler, log)
@@ -260,11 +270,13 @@ class Job:
         save ``<checkpoint_dir>/best`` when this validation is the best so far."""
         t, val = self.options, self.validation
         assert val is not None
-        metrics = evaluate(model, t.strategy, val, self.loss_fn, topo, StepRun(t.precision), seed=t.seed)
+        with recording(Scalars()) as logged:  # sw.log during validation: the row's val/<name>
+            metrics = evaluate(model, t.strategy, val, self.loss_fn, topo, StepRun(t.precision), seed=t.seed)
+        mine = Reducer(topo).reduce(logged) if t.step_rows else {}
         before = list(self.history)
         self.history.append({"step": done, **metrics})
-        if log is not None:
-            log.write_validation(done - 1, metrics)  # the row of the step whose weights were evaluated
+        if log is not None:  # the row of the step whose weights were evaluated
+            log.write_validation(done - 1, {**metrics, **{f"val/{k}": v for k, v in mine.items()}})
         if topo.rank == 0 and want_progress(t.progress):
             shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
             print(f"shardwise: validation after step {done}/{self.max_steps}: {shown}", file=sys.stderr, flush=True)

@@ -22,6 +22,7 @@ from shardwise import precision as precision_mod
 from shardwise.comm.topology import accelerator_name
 from shardwise.data import loader_options
 from shardwise.fit.callbacks import check_callbacks
+from shardwise.fit.profiler import PROFILERS
 from shardwise.layout import RunLayout
 from shardwise.strategies.base import Strategy
 from shardwise.strategies.registry import resolve
@@ -62,11 +63,20 @@ class FitOptions:
     callbacks: tuple[Any, ...]
     dataloader_kwargs: dict[str, Any]
     max_epochs: int | None = None
+    profiler: str | None = None  # "simple" or "pytorch" (shardwise.fit.profiler)
+    profile_steps: tuple[int, int] | None = None  # the steps [start, stop) profiled; None: the profiler's default
+    profiler_dir: str | None = None  # where "pytorch" writes its traces (absolute: every rank agrees)
 
     @property
     def on_cuda(self) -> bool:
         """Whether the ranks will run on CUDA (and talk over NCCL)."""
         return uses_cuda(self.accelerator)
+
+    @property
+    def step_rows(self) -> bool:
+        """Whether rank 0 writes a row per step (a metrics file, TensorBoard): the same answer on every rank,
+        so every rank joins the reductions a row needs (``sw.log``'s)."""
+        return bool(self.metrics_path or self.tensorboard_dir)
 
     @property
     def rank_accelerator(self) -> str:
@@ -117,10 +127,31 @@ class FitOptions:
             raise ValueError(f"accumulate_grad_batches must be >= 1, got {given['accumulate_grad_batches']}")
         for path in ("checkpoint_dir", "tensorboard_dir", "metrics_path"):
             given[path] = os.fspath(given[path]) if given[path] is not None else None
+        given.update(profiling(given["profiler"], given["profile_steps"], given["profiler_dir"], directory))
         timeout = _dt.timedelta(seconds=given.pop("timeout_s"))
         return cls(strategy=strat, devices=devices, layout=strat.layout(devices), accelerator=accelerator,
                    device_ids=device_ids, timeout=timeout, callbacks=tuple(callbacks), dataloader_kwargs=loaders,
                    **given)
+
+
+def profiling(profiler: str | None, steps: Any, directory: Any, checkpoint_dir: Any) -> dict[str, Any]:
+    """``profiler``, ``profile_steps`` (a ``range`` of step 1 or ``(start, stop)``, as a pair) and
+    ``profiler_dir`` (default ``<checkpoint_dir>/profiles``, else ``./shardwise_profiles``), checked."""
+    if profiler not in (None, *PROFILERS):
+        raise ValueError(f"profiler must be 'simple', 'pytorch' or None, got {profiler!r}")
+    if steps is not None:
+        if isinstance(steps, range) and steps.step == 1:
+            steps = (steps.start, steps.stop)
+        if not (isinstance(steps, (tuple, list)) and len(steps) == 2 and all(
+                isinstance(s, int) and not isinstance(s, bool) for s in steps) and 0 <= steps[0] < steps[1]):
+            raise ValueError(f"profile_steps must be a range of steps or (start, stop) with 0 <= start < stop, "
+                             f"got {steps!r}")
+        steps = (steps[0], steps[1])
+    if profiler is None:
+        return {"profile_steps": steps, "profiler_dir": None}
+    if directory is None:
+        directory = os.path.join(checkpoint_dir, "profiles") if checkpoint_dir is not None else "shardwise_profiles"
+    return {"profile_steps": steps, "profiler_dir": os.path.abspath(os.fspath(directory))}
 
 
 def uses_cuda(accelerator: str) -> bool:
@@ -170,4 +201,4 @@ def _launcher_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-__all__ = ["FitOptions", "SchedulerFactory", "auto_devices", "gpus_given", "uses_cuda"]
+__all__ = ["FitOptions", "SchedulerFactory", "auto_devices", "gpus_given", "profiling", "uses_cuda"]

@@ -60,7 +60,7 @@ class StepLog:
 
     def write(self, step: int, loss: float | None, dt: float, tokens: int, extra: dict[str, Any] | None = None) -> None:
         """One row: ``extra`` adds the step's other scalars (``lr/<group>``, ``grad_norm``, ``clipped``,
-        ``comm_bytes/<group>``)."""
+        ``comm_bytes/<group>``, and what :func:`shardwise.log` logged)."""
         row: dict[str, Any] = {"step": step, "loss": loss, "step_time_s": dt, "rss_bytes": current_rss_bytes(),
                                **(extra or {})}
         if tokens and dt > 0:
@@ -80,8 +80,8 @@ class StepLog:
         if self._file is not None:
             self._file.write(json.dumps({"step": step, **metrics}) + "\n")
         if self._tb is not None:
-            for k, v in metrics.items():
-                self._tb.add_scalar(f"val/{k}", v, step)
+            for k, v in metrics.items():  # sw.log's validation values are named val/<name> already
+                self._tb.add_scalar(k if k.startswith("val/") else f"val/{k}", v, step)
 
     def close(self) -> None:
         if self._file is not None:

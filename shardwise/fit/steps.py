@@ -19,6 +19,7 @@ from shardwise import precision as precision_mod
 from shardwise.comm.topology import Topology
 from shardwise.data import Kwargs, as_source, leaves
 from shardwise.dims import CP, DP
+from shardwise.fit import profiler
 from shardwise.fit.options import FitOptions, SchedulerFactory
 from shardwise.fit.progress import (
     StepLog,
@@ -29,6 +30,7 @@ from shardwise.fit.progress import (
 )
 from shardwise.param_groups import apply_hyper
 from shardwise.parallel.checkpointing import track_saved_activations
+from shardwise.scalars import Reducer, Scalars, recording
 from shardwise.stats import unique_bytes
 from shardwise.step import LossFn, StepRun, after_optimizer_step, iter_chunks
 from shardwise.strategies.base import HasServers, Strategy
@@ -48,10 +50,11 @@ class StepHost(Protocol):
     stop_reason: str | None
     activation_bytes: int
     restored_groups: list[dict[str, Any]] | None  # a resumed run's group hyperparameters, set after the schedule
+    profile: dict[str, Any] | None  # this rank's profiler figures (Trainer(profiler=)), set by the loop
 
     def hook(self, name: str, done: int, topo: Topology, **kw: Any) -> None: ...
 
-    def after_step(self, done: int, local: float | None, model: nn.Module, opt: torch.optim.Optimizer,
+    def after_step(self, done: int, model: nn.Module, opt: torch.optim.Optimizer,
                    topo: Topology, prev: list[float], losses: list[float], shapes: dict[str, list[int]],
                    scaler: precision_mod.LossScaler | None, log: StepLog | None) -> bool: ...
 
@@ -73,7 +76,11 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
     state_bytes: dict[str, int] = {}
     log = StepLog(t.metrics_path, t.tensorboard_dir, t.peak_flops, total_numel(shapes), topo.world_size,
                   start=len(prev)) \
-        if rank0 and (t.metrics_path or t.tensorboard_dir) else None
+        if rank0 and t.step_rows else None
+    reducer = Reducer(topo) if t.step_rows and not isinstance(strat, HasServers) else None  # sw.log's values
+    prof = profiler.make(t.profiler, t.profile_steps, job.max_steps, topo.stats, device, t.profiler_dir or "",
+                         topo.rank)
+    loss_fn = prof.loss(job.loss_fn)  # "simple" counts the loss's time as forward's
     scaler = precision_mod.LossScaler() if t.precision == "16-mixed" else None
     bn_buffers = unsynced_batchnorm_buffers(model) if topo.size(DP) > 1 else []
     sched = scheduler(job.lr_scheduler, opt, len(prev)) if job.lr_scheduler is not None else None
@@ -85,9 +92,12 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
         apply_hyper(opt, job.restored_groups)
     if scaler is not None and "scaler" in restored:
         scaler.load_tensor(restored["scaler"])  # the scale and clean-step count the checkpoint's run had
-    with progress_bar(rank0 and want_progress(t.progress), job.max_steps) as advance:
+    with progress_bar(rank0 and want_progress(t.progress), job.max_steps) as advance, \
+            recording(Scalars()) as logged, prof:
         advance.skip(len(prev))  # type: ignore[attr-defined]
         for step in range(len(prev), end):
+            prof.step_start(step)
+            logged.clear()  # sw.log's values of this step
             if topo.diag is not None:
                 topo.diag.step = step
             job.hook("on_step_start", step, topo, optimizer=opt)
@@ -95,20 +105,23 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
             x, y = precision_mod.cast_batch(t.precision, source.split(data.batch(step, device)))
             micro = list(zip(iter_chunks(x, k), iter_chunks(y, k)))
             run = StepRun(t.precision, scaler.scale if scaler is not None else 1.0)
+            prof.mark("data")
             if step == len(prev):
                 # Once, on the first step: the peak bytes autograd holds for backward
                 # (activations; parameters and the batch excluded), FitResult.stats["activation_bytes"].
 
                 with track_saved_activations(model.parameters(), leaves(x) + leaves(y)) as saved:
-                    loss = strat.train_step(model, micro, job.loss_fn, topo, run)
+                    loss = strat.train_step(model, micro, loss_fn, topo, run)
                 job.activation_bytes = saved.peak
             else:
-                loss = strat.train_step(model, micro, job.loss_fn, topo, run)
+                loss = strat.train_step(model, micro, loss_fn, topo, run)
+            prof.compute()
             # Both checks agree across ranks, so every rank skips the same steps. In "error" mode the loss is
             # checked after the step instead (raise_if_nonfinite): reading it here would stop the host until
             # the backward ends, and the GPU would then idle while the optimizer's kernels are launched.
             skip = (scaler is not None and overflow(scaler, opt, topo)) or \
                 (t.on_nonfinite == "skip" and not finite(loss, topo))
+            prof.mark("other")
             norm = None
             if not skip:
                 if t.callbacks:  # the gradients a callback reads are the global ones: reduce what is pending
@@ -122,6 +135,7 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
                     # Counted at the high point of a step: gradients and optimizer states both live.
                     state_bytes = count_state(strat, model, opt)
             opt.zero_grad(set_to_none=True)
+            prof.mark("optimizer")
             for b in bn_buffers:  # rank 0's running statistics are every replica's, as torch DDP's
                 topo.comm(DP).broadcast(b, src=0, name="batchnorm.buffers")
             if sched is not None:
@@ -137,12 +151,18 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
             # What the progress line and the step log show: the global loss fit returns, not rank 0's share.
             shown = global_losses(losses[-1:], strat, topo)[0] if shows else local
             advance(shown, times[-1])
+            job.hook("on_step_end", step + 1, topo, loss=local, optimizer=opt)  # before the row: its sw.log joins it
+            mine = reducer.reduce(logged) if reducer is not None else {}
             if log is not None:
-                log.write(step, shown, times[-1], tokens, step_scalars(opt, norm, t.gradient_clip_val, topo, sent))
+                log.write(step, shown, times[-1], tokens,
+                          {**step_scalars(opt, norm, t.gradient_clip_val, topo, sent), **mine})
                 sent = dict(topo.stats.by_group)
-            if job.after_step(step + 1, local, model, opt, topo, prev, losses, shapes, scaler, log):
+            stop = job.after_step(step + 1, model, opt, topo, prev, losses, shapes, scaler, log)
+            prof.step_end(step)
+            if stop:
                 state_bytes = state_bytes or count_state(strat, model, opt)  # stopped early
                 break
+    job.profile = prof.figures
     data.close()
     if log is not None:
         log.close()

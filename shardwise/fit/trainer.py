@@ -101,6 +101,16 @@ class Trainer:
         dataloader_kwargs: DataLoader options for the training and validation data (``num_workers``,
             ``collate_fn``, ``pin_memory``, ``prefetch_factor``, ``persistent_workers``, ``worker_init_fn``,
             ``multiprocessing_context``, ``timeout``); workers load exactly the batches the main process would.
+        profiler: ``"simple"`` times every rank's profiled steps in parts (data, forward, backward, optimizer,
+            other) and each collective by name beside its bytes; rank 0 prints the table at the end and
+            ``FitResult.profile`` holds each rank's figures. ``"pytorch"`` writes a torch.profiler Chrome trace
+            per rank, ``<profiler_dir>/rank<r>.json``, for Perfetto (:mod:`shardwise.fit.profiler`).
+        profile_steps: the steps profiled, ``range(start, stop)`` or ``(start, stop)``; by default every step
+            for ``"simple"`` and steps 1 and 2 for ``"pytorch"``.
+        profiler_dir: where the traces go (default ``<checkpoint_dir>/profiles``, else ``./shardwise_profiles``).
+
+    :func:`shardwise.log` (``sw.log(name, value, reduce=)``) adds your own scalars to the step log, from a loss
+    function, a model's forward or a callback (:mod:`shardwise.scalars`).
     """
 
     def __init__(self, strategy: str | Strategy = "single", devices: int | str | list[int] = "auto",
@@ -115,7 +125,9 @@ class Trainer:
                  tensorboard_dir: str | os.PathLike[str] | None = None, peak_flops: float | None = None,
                  max_processes_per_core: int | None = 8, sync_batchnorm: bool = False,
                  callbacks: list[Any] | None = None, dataloader_kwargs: dict[str, Any] | None = None,
-                 max_epochs: int | None = None) -> None:
+                 max_epochs: int | None = None, profiler: str | None = None,
+                 profile_steps: range | tuple[int, int] | None = None,
+                 profiler_dir: str | os.PathLike[str] | None = None) -> None:
         given = dict(locals())  # every argument of this signature, defaults included: the options' one source
         for positional in ("self", "strategy", "devices", "accelerator"):
             del given[positional]
