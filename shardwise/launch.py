@@ -60,6 +60,15 @@ def under_launcher() -> bool:
 under_torchrun = under_launcher  # its former name, from when torchrun's variables were the only ones read
 
 
+def follower() -> bool:
+    """True in every rank but rank 0 of a job already running: one a launcher started, or a process group this
+    process has joined. Checks whose verdict every rank would reach alike run on rank 0 alone (see
+    :func:`shardwise.fit.checks.validate`); the launcher ends the other ranks when rank 0 refuses the run."""
+    if dist.is_initialized():
+        return dist.get_rank() != 0
+    return under_launcher() and os.environ["RANK"] != "0"
+
+
 def init(accelerator: str = "auto", timeout: _dt.timedelta = _dt.timedelta(minutes=5)) -> torch.device:
     """Join the process group the launcher describes (idempotent); returns this rank's device."""
     joining = not dist.is_initialized() and under_launcher()

@@ -67,15 +67,8 @@ def validate(t: FitOptions, model: nn.Module, dataset: Any, batch_size: int, max
                          "skip decisions are agreed by every rank each step, and the server ranks take no part "
                          "in training steps; use precision='bf16-mixed' (no loss scaling) or "
                          "on_nonfinite='error' with it")
-    preflight.check_loss(model, batch, loss_fn, t.precision)  # the model and loss on meta (and what fails, on CPU)
-    if t.layout.cp > 1:  # attention it can replace, positions it can pass, a sequence that splits, heads
-        check_context_parallel(model, t.layout.cp, t.layout.cp_mode, t.layout.tp, batch[0])
-    if t.layout.tp > 1:  # the plan, applied to a meta copy, and the split forward, before any rank exists
-
-        # The split forward sees what a rank sees: under cp, its S/cp tokens (sequence parallelism splits those).
-        check_plan(model, tp_plan(t.strategy), t.layout.tp, shard_batch(batch[0], t.layout.cp, 0),
-                   sequence_parallel=t.layout.sequence_parallel)
-    check_devices(t)
+    if not launch.follower():
+        check_running_model(t, model, batch, loss_fn)
     groups, probe = plan_groups(model, optimizer, param_groups)  # the groups, on the unsplit model
     check_groups(t, probe, groups)
     if lr_scheduler is not None:
@@ -85,9 +78,24 @@ def validate(t: FitOptions, model: nn.Module, dataset: Any, batch_size: int, max
         checkpoint.check_directory(t.checkpoint_dir)
         if t.resume:
             checkpoint.check_resume(t.checkpoint_dir, info, max_steps)
-    if t.memory_check != "off":
+    if t.memory_check != "off" and not launch.follower():
         check_memory(t, model, probe, batch_size)
     return info, groups
+
+
+def check_running_model(t: FitOptions, model: nn.Module, batch: Any, loss_fn: LossFn) -> None:
+    """The checks that run the model (on meta copies) and the layout's warnings. Under a launcher only rank 0 runs
+    them: every rank would reach the same verdict, print the same warnings, and pay the meta forward's first use
+    (torch imports torch._dynamo for its Python meta kernels: about 1.5 s of CPU per process) — 8 ranks on one
+    host, 8 times. The launcher ends the other ranks when rank 0 refuses the run."""
+    preflight.check_loss(model, batch, loss_fn, t.precision)  # the model and loss on meta (and what fails, on CPU)
+    if t.layout.cp > 1:  # attention it can replace, positions it can pass, a sequence that splits, heads
+        check_context_parallel(model, t.layout.cp, t.layout.cp_mode, t.layout.tp, batch[0])
+    if t.layout.tp > 1:  # the plan, applied to a meta copy, and the split forward, before any rank exists
+        # The split forward sees what a rank sees: under cp, its S/cp tokens (sequence parallelism splits those).
+        check_plan(model, tp_plan(t.strategy), t.layout.tp, shard_batch(batch[0], t.layout.cp, 0),
+                   sequence_parallel=t.layout.sequence_parallel)
+    check_devices(t)
 
 
 def check_groups(t: FitOptions, probe: torch.optim.Optimizer, groups: GroupPlan) -> None:
@@ -231,7 +239,7 @@ def check_fit_options(trainer: FitOptions, model: nn.Module, loss_fn: LossFn, da
     val_data = None if val_dataset is None else DataSource(val_dataset, data.loader, data.inputs)
     val = make_validation(val_data, val_every, val_metrics, val_batch_size, checkpoint_best, batch_size,
                           trainer.checkpoint_dir, strat)
-    if val is not None:
+    if val is not None and not launch.follower():  # runs the model on meta: rank 0's verdict is every rank's
         check_validation(model, loss_fn, val)
     for cb in trainer.callbacks:
         if hasattr(cb, "check"):
