@@ -107,8 +107,13 @@ def check_logged(run: sw.FitResult, single: sw.FitResult, tmp: str) -> None:
 LAYOUTS = {"ddp": ("ddp", 2), "fsdp": ("fsdp", 2), "dp2-tp2-zero3": (sw.Parallel(dp=2, tp=2, zero=3), 4)}
 
 
-def test_every_logger_reads_back_with_its_own_tool(tmp_path):
-    db = f"sqlite:///{tmp_path}/mlflow.db"  # one database for every run (its schema is made once)
+@pytest.fixture(scope="module")
+def db(tmp_path_factory) -> str:
+    """One MLflow database for the module's runs: a new one spends 1.6 s creating its schema."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
+
+
+def test_every_logger_reads_back_with_its_own_tool(tmp_path, db):
     single = fit("single", 1, sw.loggers.CSV(tmp_path / "single"))
     assert single.loggers["csv"]["path"] == str(tmp_path / "single" / "metrics.csv")
     for name, (strategy, devices) in LAYOUTS.items():
@@ -125,14 +130,38 @@ def test_every_logger_reads_back_with_its_own_tool(tmp_path):
         assert params["processes"] == str(devices) and params["strategy"] == sw.resolve(strategy).name
 
 
-def test_a_resumed_run_logs_into_the_same_mlflow_run(tmp_path):
-    db = f"sqlite:///{tmp_path}/mlflow.db"
+def test_a_resumed_run_logs_into_the_same_mlflow_run(tmp_path, db):
     ck = dict(checkpoint_dir=str(tmp_path / "ck"))
-    first = fit("ddp", 2, sw.loggers.MLflow(tracking_uri=db), steps=2, **ck)
-    run = fit("ddp", 2, sw.loggers.MLflow(tracking_uri=db), steps=4, **ck)  # resumes from step 2
+    first = fit("ddp", 2, sw.loggers.MLflow(tracking_uri=db, experiment="resumed"), steps=2, **ck)
+    run = fit("ddp", 2, sw.loggers.MLflow(tracking_uri=db, experiment="resumed"), steps=4, **ck)  # from step 2
     ref = run.loggers["mlflow"]
     assert ref["run_id"] == first.loggers["mlflow"]["run_id"]
     client = mlflow_client.MlflowClient(db)
-    runs = client.search_runs([client.get_experiment_by_name("shardwise").experiment_id])
+    runs = client.search_runs([client.get_experiment_by_name("resumed").experiment_id])
     assert [(r.info.run_id, r.info.status) for r in runs] == [(ref["run_id"], "FINISHED")]
     assert mlflow_history(ref, "train/loss") == ([0, 1, 2, 3], run.losses)
+
+
+def test_names_repeats_and_every_n_steps(tmp_path):
+    """Names write under <checkpoint_dir>/logs, a second logger of a kind gets its own key, and log_every_n_steps=2
+    logs steps 1, 3 and the last; one process."""
+    trainer = sw.Trainer("single", accelerator="cpu", progress=False, checkpoint_dir=tmp_path / "ck",
+                         logger=["csv", sw.loggers.CSV(tmp_path / "two")], log_every_n_steps=2)
+    run = trainer.fit(gpt(), CharText(stdlib_text(5_000), SEQ), lm_loss, ADAMW, batch_size=BATCH, max_steps=5)
+    assert run.loggers == {"csv": {"path": str(tmp_path / "ck" / "logs" / "csv" / "metrics.csv")},
+                           "csv.1": {"path": str(tmp_path / "two" / "metrics.csv")}}
+    for ref in run.loggers.values():
+        assert csv_history(ref["path"], "train/loss") == ([1, 3, 4], [run.losses[i] for i in (1, 3, 4)])
+
+
+@pytest.mark.parametrize(("kw", "error"), [
+    (dict(logger="neptune"), "unknown logger 'neptune'; valid names: csv, tensorboard, mlflow, wandb (or a logger "
+                             "object)"),
+    (dict(logger=sw.loggers.CSV), "logger holds the class CSV, not an instance: pass CSV(...)"),
+    (dict(logger=[object()]), "lacks log_hyperparams, log_metrics, finalize: a logger has the methods "),
+    (dict(log_every_n_steps=0), "log_every_n_steps must be a positive integer, got 0"),
+])
+def test_a_wrong_logger_option_is_refused_by_the_trainer(kw, error):
+    with pytest.raises((ValueError, TypeError)) as e:
+        sw.Trainer("single", accelerator="cpu", **kw)
+    assert error in str(e.value)

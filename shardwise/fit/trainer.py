@@ -191,7 +191,7 @@ class Trainer:
         in batches of ``val_batch_size`` (default ``batch_size``): ``val_loss`` and each ``val_metrics``
         ``{name: fn(output, target)}``, ``fn`` returning the batch's MEAN, are averaged over the whole set
         weighting each batch by its samples: global values, equal to one device's. They go to the progress
-        output, the metrics file, TensorBoard and ``result.val_metrics``. ``checkpoint_best``
+        output, the loggers (``val/<name>``) and ``result.val_metrics``. ``checkpoint_best``
         (``"val_loss"``, or ``(name, "min" | "max")``) keeps the best validation's checkpoint in
         ``<checkpoint_dir>/best``.
         """

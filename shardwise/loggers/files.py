@@ -25,8 +25,8 @@ def bare(name: str) -> str:
 
 
 def kept_before(path: str, start: int, step_of: Callable[[str], int]) -> list[str]:
-    """The lines of ``path`` whose step is below ``start`` (all of them but the header's, when ``start`` is 0:
-    none); ``step_of`` reads a line's step."""
+    """The lines of ``path`` whose step (``step_of(line)``) is below ``start``: what a run resumed at step
+    ``start`` keeps (nothing for a fresh run, ``start`` 0)."""
     if start <= 0 or not os.path.exists(path):
         return []
     with open(path) as f:

@@ -23,8 +23,16 @@ from shardwise.loggers.files import ROOT
 _PARAMS_PER_BATCH, _PARAM_CHARS = 100, 6000
 
 
+_SQLITE = "sqlite:///"
+
+
 def _sqlite_uri(path: str) -> str:
-    return f"sqlite:///{os.path.abspath(path)}"
+    return f"{_SQLITE}{os.path.abspath(path)}"
+
+
+def _sqlite_file(uri: str) -> str | None:
+    """The database file of a SQLite tracking URI (None for another store)."""
+    return uri[len(_SQLITE):] if uri.startswith(_SQLITE) else None
 
 
 class MLflow:
@@ -86,8 +94,9 @@ class MLflow:
     def _connect(self) -> Any:
         from mlflow.tracking import MlflowClient
 
-        if self.tracking_uri.startswith("sqlite:///"):
-            os.makedirs(os.path.dirname(self.tracking_uri[len("sqlite:///"):]) or ".", exist_ok=True)
+        database = _sqlite_file(self.tracking_uri)
+        if database is not None:
+            os.makedirs(os.path.dirname(database) or ".", exist_ok=True)
             # The database's creation logs each schema migration at INFO: one run's output, not the user's.
             for name in ("alembic", "mlflow.store.db.utils"):
                 logging.getLogger(name).setLevel(logging.WARNING)
@@ -107,17 +116,17 @@ class MLflow:
         return str(run_id)
 
     def _created(self) -> str:
-        client = self._client
-        found = client.get_experiment_by_name(self.experiment)
-        if found is not None:
-            experiment_id = found.experiment_id
-        else:
-            # Beside a SQLite database, not in the working directory (MLflow's default ./mlruns).
-            where = self.tracking_uri[len("sqlite:///"):] if self.tracking_uri.startswith("sqlite:///") else None
-            experiment_id = client.create_experiment(
-                self.experiment, artifact_location=os.path.join(os.path.dirname(where), "mlartifacts") if where
-                else None)
-        return str(client.create_run(experiment_id, run_name=self.run_name).info.run_id)
+        """A new run in the experiment (created when missing)."""
+        found = self._client.get_experiment_by_name(self.experiment)
+        experiment_id = found.experiment_id if found is not None else self._client.create_experiment(
+            self.experiment, artifact_location=self._artifacts())
+        return str(self._client.create_run(experiment_id, run_name=self.run_name).info.run_id)
+
+    def _artifacts(self) -> str | None:
+        """A new experiment's artifacts: beside a SQLite database, not in the working directory (MLflow's
+        default ./mlruns); a server's store decides for itself."""
+        database = _sqlite_file(self.tracking_uri)
+        return os.path.join(os.path.dirname(database), "mlartifacts") if database is not None else None
 
 
 class WandB:
