@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import csv
 import functools
-import glob
 import os
+import shutil
 
 import pytest
 import torch
 from torch.utils.data import Subset
 
 import shardwise as sw
+from shardwise import checkpoint
 from shardwise.models import GPT, GPTConfig, lm_loss
 from shardwise.workloads import CharText, stdlib_text
 
@@ -142,16 +143,29 @@ def test_a_resumed_run_logs_into_the_same_mlflow_run(tmp_path, db):
     assert mlflow_history(ref, "train/loss") == ([0, 1, 2, 3], run.losses)
 
 
-def test_names_repeats_and_every_n_steps(tmp_path):
-    """Names write under <checkpoint_dir>/logs, a second logger of a kind gets its own key, and log_every_n_steps=2
-    logs steps 1, 3 and the last; one process."""
-    trainer = sw.Trainer("single", accelerator="cpu", progress=False, checkpoint_dir=tmp_path / "ck",
+def test_names_repeats_every_n_steps_and_a_resume_after_a_kill(tmp_path):
+    """Names write under <checkpoint_dir>/logs, a second logger of a kind gets its own key, log_every_n_steps=2
+    logs steps 1, 3 and the last; a run resumed from step 2 replaces the rows its killed attempt wrote past it.
+    One process."""
+    ck = tmp_path / "ck"
+    trainer = sw.Trainer("single", accelerator="cpu", progress=False, checkpoint_dir=ck, checkpoint_every=2,
                          logger=["csv", sw.loggers.CSV(tmp_path / "two")], log_every_n_steps=2)
-    run = trainer.fit(gpt(), CharText(stdlib_text(5_000), SEQ), lm_loss, ADAMW, batch_size=BATCH, max_steps=5)
-    assert run.loggers == {"csv": {"path": str(tmp_path / "ck" / "logs" / "csv" / "metrics.csv")},
-                           "csv.1": {"path": str(tmp_path / "two" / "metrics.csv")}}
-    for ref in run.loggers.values():
-        assert csv_history(ref["path"], "train/loss") == ([1, 3, 4], [run.losses[i] for i in (1, 3, 4)])
+
+    def fit5() -> sw.FitResult:
+        return trainer.fit(gpt(), CharText(stdlib_text(5_000), SEQ), lm_loss, ADAMW, batch_size=BATCH, max_steps=5)
+    first = fit5()
+    assert first.loggers == {"csv": {"path": str(ck / "logs" / "csv" / "metrics.csv")},
+                             "csv.1": {"path": str(tmp_path / "two" / "metrics.csv")}}
+    for ref in first.loggers.values():
+        assert csv_history(ref["path"], "train/loss") == ([1, 3, 4], [first.losses[i] for i in (1, 3, 4)])
+    for later in checkpoint.checkpoints(str(ck))[1:]:  # as if killed after step 4, its checkpoint unfinished
+        shutil.rmtree(later)
+    with open(first.loggers["csv"]["path"], "a") as f:
+        f.write("3,9.0\n")  # and a row a killed attempt wrote after its last checkpoint
+    again = fit5()
+    assert again.loggers == first.loggers
+    for ref in again.loggers.values():
+        assert csv_history(ref["path"], "train/loss") == ([1, 3, 4], [again.losses[i] for i in (1, 3, 4)])
 
 
 @pytest.mark.parametrize(("kw", "error"), [
