@@ -41,9 +41,9 @@ _PUBLIC: dict[str, str] = {
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is imported on first use
+    from shardwise import loggers
     from shardwise.comm.topology import Topology, teardown
     from shardwise.fit.callbacks import Callback, EarlyStopping
-    from shardwise import loggers
     from shardwise.fit.trainer import FitResult, Trainer
     from shardwise.loop import (
         Prepared,

@@ -344,7 +344,8 @@ def save(directory: str, step: int, losses: list[float], strat: Checkpointed, mo
     if topo.rank == 0:
         manifest = {"format": FORMAT, "step": step,
                     "param_groups": [json_hyper(g) for g in optimizer.param_groups],
-                    "callbacks": callbacks or {}, "loggers": loggers or {}, "world_size": topo.world_size, "strategy": strat.name,
+                    "callbacks": callbacks or {}, "loggers": loggers or {}, "world_size": topo.world_size,
+                    "strategy": strat.name,
                     "sizes": {d: topo.size(d) for d in MANIFEST_SIZES}, "shapes": shapes,
                     "aliases": aliases or {}, "run": run or {},
                     "extra": {k: [list(v.shape), str(v.dtype).replace("torch.", "")] for k, v in (extra or {}).items()},
