@@ -149,6 +149,7 @@ def test_names_repeats_every_n_steps_and_a_resume_after_a_kill(tmp_path):
     """Names write under <checkpoint_dir>/logs, a second logger of a kind gets its own key, log_every_n_steps=2
     logs steps 1, 3 and the last; a run resumed from step 2 replaces the rows its killed attempt wrote past it.
     One process."""
+    assert sw.Trainer("single", accelerator="cpu", logger=False).loggers == ()  # Lightning's spelling of none
     ck = tmp_path / "ck"
     trainer = sw.Trainer("single", accelerator="cpu", progress=False, checkpoint_dir=ck, checkpoint_every=2,
                          logger=["csv", sw.loggers.CSV(tmp_path / "two")], log_every_n_steps=2)

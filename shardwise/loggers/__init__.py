@@ -26,8 +26,9 @@ NAMES: dict[str, Callable[[str], Any]] = {
 
 
 def resolve(given: Any, root: str = ROOT) -> list[Any]:
-    """``Trainer(logger=)``: None, a name of :data:`NAMES`, a logger object, or a list of them, as loggers."""
-    if given is None:
+    """``Trainer(logger=)``: None (or Lightning's False), a name of :data:`NAMES`, a logger object, or a list of
+    them, as loggers."""
+    if given is None or given is False:
         return []
     out = []
     for item in given if isinstance(given, (list, tuple)) else [given]:
