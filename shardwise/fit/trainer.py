@@ -111,9 +111,9 @@ class Trainer:
             each validation's, as ``val/<name>``): a name (``"csv"``, ``"tensorboard"``, ``"mlflow"``,
             ``"wandb"``, writing under ``<checkpoint_dir>/logs``, else ``./shardwise_logs``), a logger object
             (:mod:`shardwise.loggers`: ``CSV``, ``TensorBoard``, ``JSONL``, ``MLflow``, ``WandB``, or your own of
-            the ``Logger`` protocol; pickled into spawned ranks), or a list of them. ``result.loggers`` says where
-            each run is (the MLflow run id, the W&B run directory); checkpoints keep it, and a resumed run logs
-            into the same tracker run.
+            the ``Logger`` protocol; pickled into spawned ranks), or a list of them (None or False: none).
+            ``result.loggers`` says where each run is (the MLflow run id, the W&B run directory); checkpoints keep
+            it, and a resumed run logs into the same tracker run.
         log_every_n_steps: log the step scalars of every n-th optimizer step (steps n-1, 2n-1, ... and the last);
             1, the default, logs every step as the metrics file always did (Lightning's default is 50: a run of
             many fast steps may want fewer rows). Validations are logged whenever they run.
