@@ -13,14 +13,14 @@ from typing import Any
 
 from shardwise.loggers.base import FAILED, SUCCESS, Logger, Resumable, check_logger, flatten, keys
 from shardwise.loggers.files import CSV, JSONL, ROOT, TensorBoard
-from shardwise.loggers.trackers import MLflow, WandB
+from shardwise.loggers.trackers import MLflow, WandB, sqlite_uri
 
 # Trainer(logger="csv", ...): the logger each name builds, writing under ``root`` (<checkpoint_dir>/logs, or
 # shardwise_logs in the working directory).
 NAMES: dict[str, Callable[[str], Any]] = {
     "csv": lambda root: CSV(os.path.join(root, "csv")),
     "tensorboard": lambda root: TensorBoard(os.path.join(root, "tensorboard")),
-    "mlflow": lambda root: MLflow(tracking_uri=f"sqlite:///{os.path.abspath(os.path.join(root, 'mlflow.db'))}"),
+    "mlflow": lambda root: MLflow(tracking_uri=sqlite_uri(os.path.join(root, "mlflow.db"))),
     "wandb": lambda root: WandB(dir=root),
 }
 
@@ -42,4 +42,4 @@ def resolve(given: Any, root: str = ROOT) -> list[Any]:
 
 
 __all__ = ["CSV", "FAILED", "JSONL", "Logger", "MLflow", "NAMES", "ROOT", "Resumable", "SUCCESS", "TensorBoard",
-           "WandB", "check_logger", "flatten", "keys", "resolve"]
+           "WandB", "check_logger", "flatten", "keys", "resolve", "sqlite_uri"]

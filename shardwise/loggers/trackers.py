@@ -26,7 +26,8 @@ _PARAMS_PER_BATCH, _PARAM_CHARS = 100, 6000
 _SQLITE = "sqlite:///"
 
 
-def _sqlite_uri(path: str) -> str:
+def sqlite_uri(path: str) -> str:
+    """The tracking URI of a SQLite database file (made absolute: every rank and a later resume find it)."""
     return f"{_SQLITE}{os.path.abspath(path)}"
 
 
@@ -51,7 +52,7 @@ class MLflow:
                  run_name: str | None = None) -> None:
         require("sw.loggers.MLflow", "mlflow")
         self.tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or \
-            _sqlite_uri(os.path.join(ROOT, "mlflow.db"))
+            sqlite_uri(os.path.join(ROOT, "mlflow.db"))
         self.experiment, self.run_name = experiment, run_name
         self._ref: dict[str, Any] | None = None
         self._client: Any = None
@@ -181,4 +182,4 @@ class WandB:
         return self._run
 
 
-__all__ = ["MLflow", "WandB"]
+__all__ = ["MLflow", "WandB", "sqlite_uri"]
