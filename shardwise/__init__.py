@@ -38,9 +38,11 @@ _PUBLIC: dict[str, str] = {
     "Trainer": "shardwise.fit.trainer:Trainer",
     "setup": "shardwise.loop:setup",
     "log": "shardwise.scalars:log",
+    "loggers": "shardwise.loggers:",  # the module itself: sw.loggers.CSV, sw.loggers.MLflow, ...
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is imported on first use
+    from shardwise import loggers
     from shardwise.comm.topology import Topology, teardown
     from shardwise.fit.callbacks import Callback, EarlyStopping
     from shardwise.fit.trainer import FitResult, Trainer
@@ -78,7 +80,8 @@ def __getattr__(name: str) -> Any:
     if target is None:
         raise AttributeError(f"module 'shardwise' has no attribute {name!r}")
     module, _, attr = target.partition(":")
-    value = getattr(importlib.import_module(module), attr)
+    value = importlib.import_module(module)
+    value = getattr(value, attr) if attr else value
     globals()[name] = value  # later lookups skip this function
     return value
 
@@ -92,4 +95,4 @@ def __dir__() -> list[str]:
 __all__ = ["Callback", "DDP", "EarlyStopping", "FitResult", "Prepared", "REGISTRY", "Single", "Strategy", "Topology", "Trainer",
            "all_reduce_mean", "available_strategies", "clip_grad_norm_", "gather", "init", "load", "log", "no_sync",
            "prepare_dataloader", "register", "resolve", "save", "setup", "teardown", "NaiveMP", "NaiveModelParallel", "ZeRO1", "ZeRO2",
-           "ZeRO3", "FSDP", "HSDP", "TP", "PP", "Parallel", "DP", "ParameterServer"]
+           "ZeRO3", "FSDP", "HSDP", "TP", "PP", "Parallel", "DP", "ParameterServer", "loggers"]

@@ -16,7 +16,13 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "plots": ("matplotlib", "matplotlib"),  # --plot of `shardwise demo` and `shardwise bench`
     "demo": ("sklearn", "scikit-learn"),  # `shardwise demo` and the digits workload read its bundled digits
     "hf": ("transformers", "transformers"),  # Hugging Face models, `shardwise checkpoint export --format hf`
+    "mlflow": ("mlflow", "mlflow-skinny"),  # sw.loggers.MLflow
+    "wandb": ("wandb", "wandb"),  # sw.loggers.WandB
 }
+# extra -> the packages it installs beside its main one: MLflow's client keeps runs in a SQLite database
+# through SQLAlchemy, whose schema alembic creates (mlflow-skinny leaves both out; the full mlflow adds a server
+# and its UI, which a logger does not need).
+ALSO: dict[str, tuple[str, ...]] = {"mlflow": ("sqlalchemy", "alembic")}
 
 
 class MissingExtra(ImportError):
@@ -42,4 +48,4 @@ def require(feature: str, extra: str) -> None:
         raise MissingExtra(message(feature, extra), name=EXTRAS[extra][0])
 
 
-__all__ = ["EXTRAS", "MissingExtra", "installed", "message", "require"]
+__all__ = ["ALSO", "EXTRAS", "MissingExtra", "installed", "message", "require"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import shardwise
-from shardwise.extras import EXTRAS
+from shardwise.extras import ALSO, EXTRAS
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
@@ -37,10 +37,11 @@ def test_the_version_is_written_once():
 
 def test_each_extra_installs_what_its_feature_needs():
     extras = PROJECT["optional-dependencies"]
-    assert {e: _names(extras[e]) for e in EXTRAS} == {e: [package] for e, (_, package) in EXTRAS.items()}
+    assert {e: _names(extras[e]) for e in EXTRAS} == {e: [package, *ALSO.get(e, ())]
+                                                      for e, (_, package) in EXTRAS.items()}
     assert extras["all"] == [f"shardwise[{','.join(EXTRAS)}]"]
-    # the suite builds the digits workload, draws pictures and trains Hugging Face models
-    assert extras["dev"][0] == "shardwise[demo,plots,hf]"
+    # the suite builds the digits workload, draws pictures, trains Hugging Face models and reads the loggers back
+    assert extras["dev"][0] == "shardwise[demo,plots,hf,tensorboard,mlflow,wandb]"
     assert {"pytest", "pytest-timeout"} <= set(_names(extras["dev"]))
 
 

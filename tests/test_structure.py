@@ -58,7 +58,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "shardwise.strategies": ("shardwise.fit", ROOT),
     "shardwise.checkpoint": ("shardwise.strategies", "shardwise.fit", ROOT),
     **{base: (*_MECHANISMS, *_UPPER, ROOT)
-       for base in ("shardwise.dims", "shardwise.layout", "shardwise.step", "shardwise.precision", "shardwise.moe")},
+       for base in ("shardwise.dims", "shardwise.layout", "shardwise.step", "shardwise.precision", "shardwise.moe",
+                    "shardwise.loggers")},
 }
 
 # "<module>: <imported module>" -> why that import waits for a function to run. Every import statement inside a
@@ -91,7 +92,11 @@ LOCAL_IMPORTS: dict[str, str] = {
     "shardwise.checkpoint.tools: transformers": _HF,
     "shardwise.parallel.cp: transformers": _HF,
     "shardwise.parallel.cp: transformers.masking_utils": _HF,
-    "shardwise.fit.progress: torch.utils.tensorboard": "tensorboard is optional: only with a log directory",
+    "shardwise.loggers.files: torch.utils.tensorboard": "tensorboard is optional: only when its logger opens",
+    "shardwise.loggers.files: torch.utils.tensorboard.summary": "tensorboard is optional: only when its logger opens",
+    "shardwise.loggers.trackers: mlflow.entities": "mlflow is optional: only when its logger writes (rank 0)",
+    "shardwise.loggers.trackers: mlflow.tracking": "mlflow is optional: only when its logger opens (rank 0)",
+    "shardwise.loggers.trackers: wandb": "wandb is optional: only when its logger opens (rank 0)",
     "shardwise.fit.progress: rich.progress": "rich.progress loads only when a progress bar is drawn",
     "shardwise.fit.checks: shardwise.plan": "the planner loads only when the memory check runs (memory_check='off' "
                                             "skips it), through the lazy plan package whose plan_run tests replace",

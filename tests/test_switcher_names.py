@@ -18,7 +18,6 @@ from shardwise import cli
 from shardwise import precision as precision_mod
 from shardwise.comm.topology import pick_device
 from shardwise.extras import EXTRAS, MissingExtra, require
-from shardwise.fit import progress
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -231,8 +230,23 @@ def test_library_features_without_their_extra(feature, extra, line, monkeypatch)
 
 
 def test_tensorboard_dir_without_tensorboard_warns_with_the_extra(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # its import then raises ImportError
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # not found, as when it is not installed
     with pytest.warns(UserWarning) as w:
-        progress.StepLog(None, str(tmp_path), None, 1, 1)
+        trainer = sw.Trainer("single", accelerator="cpu", tensorboard_dir=tmp_path, metrics_path=tmp_path / "m.jsonl")
     assert [str(x.message) for x in w] == ["Trainer(tensorboard_dir=) needs tensorboard: pip install "
-                                           "'shardwise[tensorboard]'; logging to the JSONL file only"]
+                                           "'shardwise[tensorboard]'; logging without TensorBoard"]
+    assert [type(lg).__name__ for lg in trainer.loggers] == ["JSONL"]
+
+
+@pytest.mark.parametrize(("make", "line"), [
+    (lambda: sw.loggers.MLflow(), "sw.loggers.MLflow needs mlflow-skinny: pip install 'shardwise[mlflow]'"),
+    (lambda: sw.Trainer("single", logger="wandb"), "sw.loggers.WandB needs wandb: pip install 'shardwise[wandb]'"),
+    (lambda: sw.loggers.TensorBoard(), "sw.loggers.TensorBoard needs tensorboard: pip install "
+                                       "'shardwise[tensorboard]'"),
+])
+def test_a_logger_without_its_extra_names_it(make, line, monkeypatch):
+    for module in ("mlflow", "wandb", "tensorboard"):
+        monkeypatch.setitem(sys.modules, module, None)
+    with pytest.raises(MissingExtra) as e:
+        make()
+    assert str(e.value) == line

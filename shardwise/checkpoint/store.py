@@ -62,14 +62,16 @@ class Restored:
     # those this run starts with other values (format 3; None for format 2).
     groups: list[dict[str, Any]] | None = None
     callbacks: dict[str, Any] = field(default_factory=dict)  # each callback's state_dict() (format 3)
+    loggers: dict[str, Any] = field(default_factory=dict)  # each logger's run_ref() (format 4)
 
 
 # 1: shardwise < issue 13, every tensor flattened to 1-D (not readable by this version).
 # 2: every tensor under its global shape. 3: format 2, and the manifest keeps each parameter group's
 # hyperparameters at the save ("param_groups"), the groups' members in the run record, and each callback's
-# state_dict() ("callbacks") (read: 2 and 3).
-FORMAT = 3
-READS = (2, 3)
+# state_dict() ("callbacks"). 4: format 3, and the manifest keeps where each logger's run is ("loggers": its
+# run_ref(), e.g. the MLflow run id), so that a resumed run logs into the same tracker run (read: 2, 3 and 4).
+FORMAT = 4
+READS = (2, 3, 4)
 # The manifest's "sizes": dims.SIZES and cp, in the order messages name them (dp, cp, tp, pp), then ep. A manifest
 # written before cp or ep existed has no such key (shown as "?" by `shardwise checkpoint ls`).
 MANIFEST_SIZES: tuple[str, ...] = tuple(d for d in SPLIT_BY if d in SIZES or d == CP) + (EP,)
@@ -319,7 +321,7 @@ def save(directory: str, step: int, losses: list[float], strat: Checkpointed, mo
          optimizer: torch.optim.Optimizer, topo: Topology, shapes: dict[str, list[int]],
          keep: int | None = None, aliases: dict[str, str] | None = None,
          run: dict[str, Any] | None = None, extra: dict[str, torch.Tensor] | None = None,
-         callbacks: dict[str, Any] | None = None) -> str:
+         callbacks: dict[str, Any] | None = None, loggers: dict[str, Any] | None = None) -> str:
     """Write checkpoint ``step`` (after ``step`` optimizer steps) collectively; returns its path.
 
     With ``keep``, older checkpoints beyond the newest ``keep`` are deleted once
@@ -342,7 +344,8 @@ def save(directory: str, step: int, losses: list[float], strat: Checkpointed, mo
     if topo.rank == 0:
         manifest = {"format": FORMAT, "step": step,
                     "param_groups": [json_hyper(g) for g in optimizer.param_groups],
-                    "callbacks": callbacks or {}, "world_size": topo.world_size, "strategy": strat.name,
+                    "callbacks": callbacks or {}, "loggers": loggers or {}, "world_size": topo.world_size,
+                    "strategy": strat.name,
                     "sizes": {d: topo.size(d) for d in MANIFEST_SIZES}, "shapes": shapes,
                     "aliases": aliases or {}, "run": run or {},
                     "extra": {k: [list(v.shape), str(v.dtype).replace("torch.", "")] for k, v in (extra or {}).items()},
@@ -435,7 +438,8 @@ def load(path: str, strat: Checkpointed, model: nn.Module, optimizer: torch.opti
         dcp.load(state, checkpoint_id=path, planner=pieces.LoadPlanner())
     torch.set_rng_state(state["trainer.rng"])
     return Restored(step=int(state["trainer.step"]), losses=[float(v) for v in state["trainer.losses"]], path=path,
-                    extra=extra, groups=resumed_hyper(manifest, run), callbacks=manifest.get("callbacks", {}))
+                    extra=extra, groups=resumed_hyper(manifest, run), callbacks=manifest.get("callbacks", {}),
+                    loggers=manifest.get("loggers", {}))
 
 
 def resumed_hyper(manifest: dict[str, Any], run: dict[str, Any] | None) -> list[dict[str, Any]] | None:

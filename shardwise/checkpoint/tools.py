@@ -118,9 +118,9 @@ def describe(path: str) -> Entry:
     else:
         found = checkpoint.verify(path)
         problem = _short(found, path) if found else None
-        if problem is None and manifest is not None and manifest.get("format") != checkpoint.FORMAT:
+        if problem is None and manifest is not None and manifest.get("format") not in checkpoint.READS:
             problem = (f"format {manifest.get('format')}: written by an older shardwise (every tensor flattened), "
-                       f"this one reads format {checkpoint.FORMAT}")
+                       f"this one reads formats {', '.join(map(str, checkpoint.READS))}")
     m_ = manifest or {}
     sizes = m_.get("sizes")
     return Entry(path=path, step=step, complete=complete, strategy=m_.get("strategy"),

@@ -62,6 +62,9 @@ class FitResult:
     val_metrics: list[dict[str, float]] = field(default_factory=list)
     # Trainer(profiler=): each rank's figures (shardwise.fit.profiler), by rank; empty without a profiler.
     profile: list[dict[str, Any] | None] = field(default_factory=list)
+    # Where each logger's run is, by logger key (shardwise.loggers.keys): {"mlflow": {"run_id": ..., ...},
+    # "wandb": {"run_id": ..., "dir": ...}, "csv": {"path": ...}, ...}; rank 0's (the rank that writes).
+    loggers: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def spawned_fit(rank: int, device: torch.device, job: bytes, path: str) -> None:
@@ -79,8 +82,9 @@ def pickled(job: Job) -> bytes:
         return pickle.dumps(job)
     except Exception:  # PicklingError, AttributeError ("Can't pickle local object"), TypeError
         args = {"optimizer_fn": "optimizer"}
-        launch.require_picklable({f"fit's {args.get(k, k)}": getattr(job, k)
-                                  for k in ("loss_fn", "optimizer_fn", "lr_scheduler", "model", "dataset")})
+        launch.require_picklable({**{f"fit's {args.get(k, k)}": getattr(job, k)
+                                     for k in ("loss_fn", "optimizer_fn", "lr_scheduler", "model", "dataset")},
+                                  **{f"logger {type(lg).__name__}": lg for lg in job.options.loggers}})
         raise
 
 
@@ -128,6 +132,8 @@ class Job:
         model, opt = strat.setup(self.model, grouped, topo)
         grouped.finish(strat.param_names(model))
         self.restored_groups: list[dict[str, Any]] | None = None
+        self.restored_loggers: dict[str, dict[str, Any]] = {}  # the checkpoint's logger runs, reopened on resume
+        self.logger_refs: dict[str, dict[str, Any]] = {}  # this run's, set by the step log on rank 0
         prev: list[float] = []
         extra: dict[str, torch.Tensor] = {}
         self.control, self.stop_reason = Control(), None
@@ -136,7 +142,7 @@ class Job:
             if path is not None:
                 restored = checkpoint.load(path, strat, model, opt, topo, shapes, self.info)
                 prev, extra = restored.losses[:self.max_steps], restored.extra
-                self.restored_groups = restored.groups
+                self.restored_groups, self.restored_loggers = restored.groups, restored.loggers
                 load_states(t.callbacks, restored.callbacks)
             if "stopped" in extra:  # a run that stopped early is complete: rerunning it returns its result
                 self.stop_reason = f"stopped early at step {len(prev)} (by a callback; the checkpoint's run)"
@@ -188,7 +194,7 @@ class Job:
         if topo.rank == 0 and t.profiler == "simple" and any(profile):
             print(profiler.table(profile), file=sys.stderr, flush=True)
         result = FitResult(losses=all_losses, state_dict=state_dict, stats=stats, val_metrics=list(self.history),
-                           profile=profile if any(profile) else [])
+                           profile=profile if any(profile) else [], loggers=dict(self.logger_refs))
         call(t.callbacks, "on_fit_end", CallbackInfo(len(all_losses), self.max_steps, topo.rank, topo.world_size,
                                                      history=list(self.history), losses=list(all_losses),
                                                      stop_reason=self.stop_reason, control=self.control))
@@ -227,7 +233,7 @@ class Job:
         return checkpoint.save(directory or t.checkpoint_dir, done, so_far, t.strategy, model, opt,  # type: ignore
                                topo, shapes, keep=t.checkpoint_keep if directory is None else None,
                                aliases=self.aliases, run=run or self.info, extra=extra,
-                               callbacks=callback_states(t.callbacks))
+                               callbacks=callback_states(t.callbacks), loggers=self.logger_refs)
 
     def after_step(self, done: int, model: nn.Module, opt: torch.optim.Optimizer,
                    topo: Topology, prev: list[float], losses: list[float], shapes: dict[str, list[int]],

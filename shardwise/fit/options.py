@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,9 +19,11 @@ import torch
 from torch import nn
 
 from shardwise import launch
+from shardwise import loggers as loggers_mod
 from shardwise import precision as precision_mod
 from shardwise.comm.topology import accelerator_name
 from shardwise.data import loader_options
+from shardwise.extras import installed, message
 from shardwise.fit.callbacks import check_callbacks
 from shardwise.fit.profiler import PROFILERS
 from shardwise.layout import RunLayout
@@ -66,6 +69,9 @@ class FitOptions:
     profiler: str | None = None  # "simple" or "pytorch" (shardwise.fit.profiler)
     profile_steps: tuple[int, int] | None = None  # the steps [start, stop) profiled; None: the profiler's default
     profiler_dir: str | None = None  # where "pytorch" writes its traces (absolute: every rank agrees)
+    # Every logger rank 0 writes to: Trainer(logger=)'s, then metrics_path's JSONL and tensorboard_dir's TensorBoard.
+    loggers: tuple[Any, ...] = ()
+    log_every_n_steps: int = 1
 
     @property
     def on_cuda(self) -> bool:
@@ -74,9 +80,9 @@ class FitOptions:
 
     @property
     def step_rows(self) -> bool:
-        """Whether rank 0 writes a row per step (a metrics file, TensorBoard): the same answer on every rank,
-        so every rank joins the reductions a row needs (``sw.log``'s)."""
-        return bool(self.metrics_path or self.tensorboard_dir)
+        """Whether rank 0 writes a row per step (any logger: ``logger=``, a metrics file, TensorBoard): the same
+        answer on every rank, so every rank joins the reductions a row needs (``sw.log``'s)."""
+        return bool(self.loggers)
 
     @property
     def rank_accelerator(self) -> str:
@@ -129,9 +135,32 @@ class FitOptions:
             given[path] = os.fspath(given[path]) if given[path] is not None else None
         given.update(profiling(given["profiler"], given["profile_steps"], given["profiler_dir"], directory))
         timeout = _dt.timedelta(seconds=given.pop("timeout_s"))
+        n = given["log_every_n_steps"]
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"log_every_n_steps must be a positive integer, got {n!r}")
+        loggers = run_loggers(given.pop("logger"), given["metrics_path"], given["tensorboard_dir"],
+                              given["checkpoint_dir"])
         return cls(strategy=strat, devices=devices, layout=strat.layout(devices), accelerator=accelerator,
                    device_ids=device_ids, timeout=timeout, callbacks=tuple(callbacks), dataloader_kwargs=loaders,
-                   **given)
+                   loggers=tuple(loggers), **given)
+
+
+def run_loggers(logger: Any, metrics_path: str | None, tensorboard_dir: str | None,
+                checkpoint_dir: str | None) -> list[Any]:
+    """``Trainer(logger=)`` (names write under ``<checkpoint_dir>/logs``, or ``shardwise_logs``), then the
+    shorthands: ``metrics_path`` a :class:`~shardwise.loggers.JSONL`, ``tensorboard_dir`` a
+    :class:`~shardwise.loggers.TensorBoard` (without tensorboard installed: a warning, and no TensorBoard)."""
+    root = os.path.join(checkpoint_dir, "logs") if checkpoint_dir is not None else loggers_mod.ROOT
+    out = loggers_mod.resolve(logger, root)
+    if metrics_path is not None:
+        out.append(loggers_mod.JSONL(metrics_path))
+    if tensorboard_dir is not None:
+        if installed("tensorboard"):
+            out.append(loggers_mod.TensorBoard(tensorboard_dir))
+        else:
+            warnings.warn(f"{message('Trainer(tensorboard_dir=)', 'tensorboard')}; logging without TensorBoard",
+                          stacklevel=4)
+    return out
 
 
 def profiling(profiler: str | None, steps: Any, directory: Any, checkpoint_dir: Any) -> dict[str, Any]:
@@ -201,4 +230,4 @@ def _launcher_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-__all__ = ["FitOptions", "SchedulerFactory", "auto_devices", "gpus_given", "profiling", "uses_cuda"]
+__all__ = ["FitOptions", "SchedulerFactory", "auto_devices", "gpus_given", "profiling", "run_loggers", "uses_cuda"]

@@ -7,17 +7,16 @@ process's memory.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import os
 import sys
 import time
-import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from shardwise.extras import message
+from shardwise.fit.options import FitOptions
+from shardwise.loggers import SUCCESS, Logger, Resumable, keys
 from shardwise.stats import current_rss_bytes
 
 
@@ -33,61 +32,68 @@ def total_numel(shapes: dict[str, list[int]]) -> int:
 
 
 class StepLog:
-    """Per-step metrics of rank 0: a JSONL file and/or TensorBoard scalars."""
+    """Per-step metrics of rank 0, written through the run's loggers (:mod:`shardwise.loggers`).
 
-    def __init__(self, path: str | None, tensorboard_dir: str | None, peak_flops: float | None, params: int,
-                 devices: int, start: int = 0) -> None:
-        self._file = None
-        if path:
-            # A resumed run (``start`` > 0) keeps the rows of the steps before it and drops any an
-            # interrupted attempt wrote past its checkpoint (they are trained again).
-            kept: list[str] = []
-            if start > 0 and os.path.exists(path):
-                with open(path) as f:
-                    kept = [line for line in f if line.strip() and json.loads(line).get("step", -1) < start]
-            self._file = open(path, "w")
-            self._file.writelines(kept)
-        self._tb = None
-        if tensorboard_dir:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                self._tb = SummaryWriter(tensorboard_dir)
-            except ImportError:
-                warnings.warn(f"{message('Trainer(tensorboard_dir=)', 'tensorboard')}; logging to the JSONL file only",
-                              stacklevel=2)
+    Opening it opens each logger's run: a resumed run (``start`` > 0) first hands each logger what the
+    checkpoint kept of its run (``refs``), then every logger gets the run's hyperparameters.
+    """
+
+    def __init__(self, loggers: Sequence[Logger], peak_flops: float | None, params: int, devices: int,
+                 every: int = 1, start: int = 0, refs: dict[str, dict[str, Any]] | None = None,
+                 hyper: dict[str, Any] | None = None) -> None:
+        self._loggers = dict(zip(keys(list(loggers)), loggers))
+        for key, lg in self._loggers.items():
+            if start > 0 and isinstance(lg, Resumable):
+                lg.resume(start, (refs or {}).get(key))
+        for lg in self._loggers.values():
+            lg.log_hyperparams(hyper or {})
         self._peak = peak_flops * devices if peak_flops else None
         self._params = params
+        self._every = every
+
+    def refs(self) -> dict[str, dict[str, Any]]:
+        """Where each logger's run is (its ``run_ref()``), by logger key: for checkpoints and the result."""
+        return {k: lg.run_ref() for k, lg in self._loggers.items() if isinstance(lg, Resumable)}
+
+    def due(self, step: int, last: int) -> bool:
+        """Whether step ``step`` is logged: every ``log_every_n_steps``-th (counting from 1), and the ``last``."""
+        return (step + 1) % self._every == 0 or step == last
 
     def write(self, step: int, loss: float | None, dt: float, tokens: int, extra: dict[str, Any] | None = None) -> None:
-        """One row: ``extra`` adds the step's other scalars (``lr/<group>``, ``grad_norm``, ``clipped``,
-        ``comm_bytes/<group>``, and what :func:`shardwise.log` logged)."""
-        row: dict[str, Any] = {"step": step, "loss": loss, "step_time_s": dt, "rss_bytes": current_rss_bytes(),
-                               **(extra or {})}
+        """One step's scalars, ``train/<name>``: ``extra`` adds the step's others (``lr/<group>``, ``grad_norm``,
+        ``clipped``, ``comm_bytes/<group>``)."""
+        row: dict[str, Any] = {"loss": loss, "step_time_s": dt, "rss_bytes": current_rss_bytes(), **(extra or {})}
         if tokens and dt > 0:
             row["tokens_per_s"] = tokens / dt
             if self._peak:
                 row["mfu"] = 6.0 * self._params * tokens / dt / self._peak
-        if self._file is not None:
-            self._file.write(json.dumps(row) + "\n")
-        if self._tb is not None:
-            for k, v in row.items():
-                if k != "step" and v is not None:
-                    self._tb.add_scalar(f"train/{k}", float(v), step)
+        self._log({f"train/{k}": v for k, v in row.items() if v is not None}, step)
 
     def write_validation(self, step: int, metrics: dict[str, float]) -> None:
-        """One row of global validation metrics, evaluated on the weights after step ``step`` (the index of that
-        step's own row); TensorBoard scalars ``val/<name>``."""
-        if self._file is not None:
-            self._file.write(json.dumps({"step": step, **metrics}) + "\n")
-        if self._tb is not None:
-            for k, v in metrics.items():  # sw.log's validation values are named val/<name> already
-                self._tb.add_scalar(k if k.startswith("val/") else f"val/{k}", v, step)
+        """Global validation metrics, ``val/<name>``, evaluated on the weights after step ``step`` (the index of
+        that step's own row); what :func:`shardwise.log` logged during validation comes named ``val/<name>``
+        already."""
+        self._log({k if k.startswith("val/") else f"val/{k}": v for k, v in metrics.items()}, step)
 
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+    def close(self, status: str = SUCCESS) -> None:
+        for lg in self._loggers.values():
+            lg.finalize(status)
+
+    def _log(self, metrics: dict[str, Any], step: int) -> None:
+        for lg in self._loggers.values():
+            lg.log_metrics(metrics, step)
+
+
+def hyperparameters(options: FitOptions, info: dict[str, Any], max_steps: int) -> dict[str, Any]:
+    """What the loggers record about a run: strategy, sizes, global batch, precision, the optimizer and each
+    of its groups' hyperparameters (and size), seed, steps (``info``: the run record of checkpoints)."""
+    optimizer = info.get("optimizer", {})
+    groups = [{**g["hyper"], "params": len(g["params"])} for g in optimizer.get("groups", [])]
+    return {"strategy": options.strategy.name, "devices": options.devices, "processes": options.layout.processes,
+            "sizes": options.sizes, "batch_size": info.get("batch_size"),
+            "accumulate_grad_batches": options.accumulate_grad_batches, "precision": options.precision,
+            "optimizer": {"class": optimizer.get("class"), "groups": groups}, "seed": options.seed,
+            "max_steps": max_steps, "gradient_clip_val": options.gradient_clip_val}
 
 
 def want_progress(progress: bool | str) -> str | bool:
@@ -169,4 +175,4 @@ def progress_bar(enabled: bool | str, total: int) -> Any:
         yield advance
 
 
-__all__ = ["StepLog", "batch_tokens", "progress_bar", "total_numel", "want_progress"]
+__all__ = ["StepLog", "batch_tokens", "hyperparameters", "progress_bar", "total_numel", "want_progress"]

@@ -7,9 +7,11 @@ piece of the fit stays small enough to read in one sitting.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
@@ -24,10 +26,12 @@ from shardwise.fit.options import FitOptions, SchedulerFactory
 from shardwise.fit.progress import (
     StepLog,
     batch_tokens,
+    hyperparameters,
     progress_bar,
     total_numel,
     want_progress,
 )
+from shardwise.loggers import FAILED, SUCCESS
 from shardwise.param_groups import apply_hyper
 from shardwise.parallel.checkpointing import track_saved_activations
 from shardwise.scalars import Reducer, Scalars, recording
@@ -51,6 +55,9 @@ class StepHost(Protocol):
     activation_bytes: int
     restored_groups: list[dict[str, Any]] | None  # a resumed run's group hyperparameters, set after the schedule
     profile: dict[str, Any] | None  # this rank's profiler figures (Trainer(profiler=)), set by the loop
+    info: dict[str, Any]  # the run record of checkpoints (the loggers' hyperparameters come from it)
+    restored_loggers: dict[str, dict[str, Any]]  # the checkpoint's logger runs (their run_ref), reopened
+    logger_refs: dict[str, dict[str, Any]]  # this run's logger runs, for checkpoints and the result
 
     def hook(self, name: str, done: int, topo: Topology, **kw: Any) -> None: ...
 
@@ -74,9 +81,6 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
     losses: list[float] = []  # floats, not tensors: a long run must not accumulate tensor objects
     times: list[float] = []
     state_bytes: dict[str, int] = {}
-    log = StepLog(t.metrics_path, t.tensorboard_dir, t.peak_flops, total_numel(shapes), topo.world_size,
-                  start=len(prev)) \
-        if rank0 and t.step_rows else None
     reducer = Reducer(topo) if t.step_rows and not isinstance(strat, HasServers) else None  # sw.log's values
     prof = profiler.make(t.profiler, t.profile_steps, job.max_steps, topo.stats, device, t.profiler_dir or "",
                          topo.rank)
@@ -86,13 +90,14 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
     sched = scheduler(job.lr_scheduler, opt, len(prev)) if job.lr_scheduler is not None else None
     # One scalar all-reduce per step where a loss is shown (the same decision on every rank: the options).
     # A parameter server's servers run their own loop and join no per-step collective: workers show their own.
-    shows = bool(t.progress or t.metrics_path or t.tensorboard_dir) and not isinstance(strat, HasServers)
+    shows = bool(t.progress or t.loggers) and not isinstance(strat, HasServers)
     sent = dict(topo.stats.by_group)  # bytes sent so far, by group: the step log's comm_bytes are differences
     if job.restored_groups:  # after the schedule's replay: an lr a callback changed too is the saved run's
         apply_hyper(opt, job.restored_groups)
     if scaler is not None and "scaler" in restored:
         scaler.load_tensor(restored["scaler"])  # the scale and clean-step count the checkpoint's run had
-    with progress_bar(rank0 and want_progress(t.progress), job.max_steps) as advance, \
+    with opened_log(job, topo, shapes, len(prev)) as log, \
+            progress_bar(rank0 and want_progress(t.progress), job.max_steps) as advance, \
             recording(Scalars()) as logged, prof:
         advance.skip(len(prev))  # type: ignore[attr-defined]
         for step in range(len(prev), end):
@@ -138,6 +143,7 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
             prof.mark("optimizer")
             for b in bn_buffers:  # rank 0's running statistics are every replica's, as torch DDP's
                 topo.comm(DP).broadcast(b, src=0, name="batchnorm.buffers")
+            lrs = learning_rates(opt)  # the step's own, before the schedule sets the next step's
             if sched is not None:
                 step_schedule(sched, 1)
             if device.type == "cuda":
@@ -153,10 +159,10 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
             advance(shown, times[-1])
             job.hook("on_step_end", step + 1, topo, loss=local, optimizer=opt)  # before the row: its sw.log joins it
             mine = reducer.reduce(logged) if reducer is not None else {}
-            if log is not None:
+            if log is not None and log.due(step, end - 1):
                 log.write(step, shown, times[-1], tokens,
-                          {**step_scalars(opt, norm, t.gradient_clip_val, topo, sent), **mine})
-                sent = dict(topo.stats.by_group)
+                          {**step_scalars(lrs, norm, t.gradient_clip_val, topo, sent), **mine})
+            sent = dict(topo.stats.by_group)
             stop = job.after_step(step + 1, model, opt, topo, prev, losses, shapes, scaler, log)
             prof.step_end(step)
             if stop:
@@ -164,16 +170,40 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
                 break
     job.profile = prof.figures
     data.close()
-    if log is not None:
-        log.close()
     return losses, times, state_bytes
 
 
-def step_scalars(opt: torch.optim.Optimizer, norm: float | None, max_norm: float | None, topo: Topology,
+@contextlib.contextmanager
+def opened_log(job: StepHost, topo: Topology, shapes: dict[str, list[int]], start: int) -> Iterator[StepLog | None]:
+    """Rank 0's step log over the run's loggers (None elsewhere, or without loggers), their runs opened (a resumed
+    run's reopened) and finalized: ``"success"``, or ``"failed"`` when an exception ends the loop. Where the
+    runs are goes to ``job.logger_refs``, for checkpoints and the result."""
+    t = job.options
+    if topo.rank != 0 or not t.loggers:
+        yield None
+        return
+    log = StepLog(t.loggers, t.peak_flops, total_numel(shapes), topo.world_size, every=t.log_every_n_steps,
+                  start=start, refs=job.restored_loggers, hyper=hyperparameters(t, job.info, job.max_steps))
+    job.logger_refs = log.refs()
+    try:
+        yield log
+    except BaseException:
+        log.close(FAILED)
+        raise
+    log.close(SUCCESS)
+
+
+def learning_rates(opt: torch.optim.Optimizer) -> dict[int, float]:
+    """Each parameter group's lr, by group index (a group without one is left out)."""
+    return {i: float(g["lr"]) for i, g in enumerate(opt.param_groups) if "lr" in g}
+
+
+def step_scalars(lrs: dict[int, float], norm: float | None, max_norm: float | None, topo: Topology,
                  before: dict[str, int]) -> dict[str, Any]:
-    """The step log's scalars beside the loss: each group's lr, the global gradient norm before clipping and
-    whether the clip applied (with ``gradient_clip_val``), and the bytes this rank sent in the step by group."""
-    row: dict[str, Any] = {f"lr/{i}": float(g["lr"]) for i, g in enumerate(opt.param_groups) if "lr" in g}
+    """The step log's scalars beside the loss: each group's lr the step used (``lrs``), the global gradient norm
+    before clipping and whether the clip applied (with ``gradient_clip_val``), and the bytes this rank sent in
+    the step by group."""
+    row: dict[str, Any] = {f"lr/{i}": lr for i, lr in lrs.items()}
     if norm is not None and max_norm is not None:
         row.update(grad_norm=norm, clipped=norm > max_norm)
     row.update({f"comm_bytes/{k}": v - before.get(k, 0) for k, v in topo.stats.by_group.items()})

@@ -31,6 +31,7 @@ from shardwise.fit.job import (
     spawned_fit,
 )
 from shardwise.fit.options import FitOptions
+from shardwise.loggers import Logger
 from shardwise.step import LossFn, OptimizerFactory
 from shardwise.strategies.base import OwnDevices, Strategy
 from shardwise.strategies.single import Single
@@ -57,9 +58,13 @@ class Trainer:
         progress: ``"auto"`` shows a rich progress bar on rank 0 when stderr is a terminal, and plain lines
             (step, loss, step time, memory, elapsed, ETA; every tenth of the run) when it is not (a log, a
             pipe, CI); ``"bar"`` or ``"lines"`` choose; False shows nothing.
-        metrics_path: write one JSON line per step (rank 0) to this file: loss, step time, tokens/s
-            (for integer token inputs), model FLOPs utilisation (with ``peak_flops``), resident memory.
-        tensorboard_dir: also log those scalars to TensorBoard (when tensorboard is installed).
+        metrics_path: write one JSON line per logged step (rank 0) to this file: the global loss, each
+            parameter group's lr, the gradient norm before clipping and whether it clipped (with
+            ``gradient_clip_val``), step time, tokens/s (for integer token inputs), model FLOPs utilisation (with
+            ``peak_flops``), resident memory, bytes sent by group; and a line per validation. A shorthand for
+            ``logger=sw.loggers.JSONL(path)``.
+        tensorboard_dir: also log those scalars to TensorBoard (when tensorboard is installed; a warning
+            otherwise): a shorthand for ``logger=sw.loggers.TensorBoard(dir)``.
         peak_flops: peak FLOP/s of ONE device, for model FLOPs utilisation (6 x parameters x tokens,
             Kaplan et al. 2020, divided by the peak of all devices).
         timeout_s: how long a collective may wait before the run fails with its name.
@@ -108,6 +113,17 @@ class Trainer:
         profile_steps: the steps profiled, ``range(start, stop)`` or ``(start, stop)``; by default every step
             for ``"simple"`` and steps 1 and 2 for ``"pytorch"``.
         profiler_dir: where the traces go (default ``<checkpoint_dir>/profiles``, else ``./shardwise_profiles``).
+        logger: where rank 0 writes the run's hyperparameters (strategy, sizes, global batch, precision, optimizer
+            and its groups, seed, max_steps) and its scalars (those of ``metrics_path``, as ``train/<name>``, and
+            each validation's, as ``val/<name>``): a name (``"csv"``, ``"tensorboard"``, ``"mlflow"``,
+            ``"wandb"``, writing under ``<checkpoint_dir>/logs``, else ``./shardwise_logs``), a logger object
+            (:mod:`shardwise.loggers`: ``CSV``, ``TensorBoard``, ``JSONL``, ``MLflow``, ``WandB``, or your own of
+            the ``Logger`` protocol; pickled into spawned ranks), or a list of them (None or False: none).
+            ``result.loggers`` says where each run is (the MLflow run id, the W&B run directory); checkpoints keep
+            it, and a resumed run logs into the same tracker run.
+        log_every_n_steps: log the step scalars of every n-th optimizer step (steps n-1, 2n-1, ... and the last);
+            1, the default, logs every step as the metrics file always did (Lightning's default is 50: a run of
+            many fast steps may want fewer rows). Validations are logged whenever they run.
 
     :func:`shardwise.log` (``sw.log(name, value, reduce=)``) adds your own scalars to the step log, from a loss
     function, a model's forward or a callback (:mod:`shardwise.scalars`).
@@ -125,7 +141,8 @@ class Trainer:
                  tensorboard_dir: str | os.PathLike[str] | None = None, peak_flops: float | None = None,
                  max_processes_per_core: int | None = 8, sync_batchnorm: bool = False,
                  callbacks: list[Any] | None = None, dataloader_kwargs: dict[str, Any] | None = None,
-                 max_epochs: int | None = None, profiler: str | None = None,
+                 max_epochs: int | None = None, logger: str | Logger | list[str | Logger] | None = None,
+                 log_every_n_steps: int = 1, profiler: str | None = None,
                  profile_steps: range | tuple[int, int] | None = None,
                  profiler_dir: str | os.PathLike[str] | None = None) -> None:
         given = dict(locals())  # every argument of this signature, defaults included: the options' one source
@@ -186,7 +203,7 @@ class Trainer:
         in batches of ``val_batch_size`` (default ``batch_size``): ``val_loss`` and each ``val_metrics``
         ``{name: fn(output, target)}``, ``fn`` returning the batch's MEAN, are averaged over the whole set
         weighting each batch by its samples: global values, equal to one device's. They go to the progress
-        output, the metrics file, TensorBoard and ``result.val_metrics``. ``checkpoint_best``
+        output, the loggers (``val/<name>``) and ``result.val_metrics``. ``checkpoint_best``
         (``"val_loss"``, or ``(name, "min" | "max")``) keeps the best validation's checkpoint in
         ``<checkpoint_dir>/best``.
         """
