@@ -30,7 +30,7 @@ from shardwise.fit.progress import (
 from shardwise.param_groups import apply_hyper
 from shardwise.parallel.checkpointing import track_saved_activations
 from shardwise.stats import unique_bytes
-from shardwise.step import LossFn, StepRun, after_optimizer_step, iter_chunks
+from shardwise.step import LossFn, StepRun, TrainingStep, after_optimizer_step, iter_chunks
 from shardwise.strategies.base import HasServers, Strategy
 from shardwise.torch_private import BatchNormBase
 
@@ -42,6 +42,7 @@ class StepHost(Protocol):
     options: FitOptions
     dataset: Any
     loss_fn: LossFn
+    training_step: TrainingStep | None  # fit(training_step=): the step's loss instead of loss_fn
     batch_size: int
     max_steps: int
     lr_scheduler: SchedulerFactory | None
@@ -85,6 +86,7 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
         apply_hyper(opt, job.restored_groups)
     if scaler is not None and "scaler" in restored:
         scaler.load_tensor(restored["scaler"])  # the scale and clean-step count the checkpoint's run had
+    step_fn = job.training_step or job.loss_fn
     with progress_bar(rank0 and want_progress(t.progress), job.max_steps) as advance:
         advance.skip(len(prev))  # type: ignore[attr-defined]
         for step in range(len(prev), end):
@@ -92,7 +94,9 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
                 topo.diag.step = step
             job.hook("on_step_start", step, topo, optimizer=opt)
             start = time.perf_counter()
-            x, y = precision_mod.cast_batch(t.precision, source.split(data.batch(step, device)))
+            batch = data.batch(step, device)
+            # A training_step takes the whole batch: it comes as the target, beside itself as the input.
+            x, y = precision_mod.cast_batch(t.precision, (batch, batch) if job.training_step else source.split(batch))
             micro = list(zip(iter_chunks(x, k), iter_chunks(y, k)))
             run = StepRun(t.precision, scaler.scale if scaler is not None else 1.0)
             if step == len(prev):
@@ -100,10 +104,10 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
                 # (activations; parameters and the batch excluded), FitResult.stats["activation_bytes"].
 
                 with track_saved_activations(model.parameters(), leaves(x) + leaves(y)) as saved:
-                    loss = strat.train_step(model, micro, job.loss_fn, topo, run)
+                    loss = strat.train_step(model, micro, step_fn, topo, run)
                 job.activation_bytes = saved.peak
             else:
-                loss = strat.train_step(model, micro, job.loss_fn, topo, run)
+                loss = strat.train_step(model, micro, step_fn, topo, run)
             # Both checks agree across ranks, so every rank skips the same steps. In "error" mode the loss is
             # checked after the step instead (raise_if_nonfinite): reading it here would stop the host until
             # the backward ends, and the GPU would then idle while the optimizer's kernels are launched.
@@ -137,8 +141,10 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
             # What the progress line and the step log show: the global loss fit returns, not rank 0's share.
             shown = global_losses(losses[-1:], strat, topo)[0] if shows else local
             advance(shown, times[-1])
+            logged = step_logged(job.training_step, shows, strat, topo)
             if log is not None:
-                log.write(step, shown, times[-1], tokens, step_scalars(opt, norm, t.gradient_clip_val, topo, sent))
+                log.write(step, shown, times[-1], tokens,
+                          {**step_scalars(opt, norm, t.gradient_clip_val, topo, sent), **logged})
                 sent = dict(topo.stats.by_group)
             if job.after_step(step + 1, local, model, opt, topo, prev, losses, shapes, scaler, log):
                 state_bytes = state_bytes or count_state(strat, model, opt)  # stopped early
@@ -158,6 +164,17 @@ def step_scalars(opt: torch.optim.Optimizer, norm: float | None, max_norm: float
         row.update(grad_norm=norm, clipped=norm > max_norm)
     row.update({f"comm_bytes/{k}": v - before.get(k, 0) for k, v in topo.stats.by_group.items()})
     return row
+
+
+def step_logged(step_fn: TrainingStep | None, shows: bool, strat: Strategy, topo: Topology) -> dict[str, float]:
+    """A training_step's other scalars of this step: each the mean over its micro-batches, and over the
+    data-parallel replicas where the step log or progress shows them (as the loss; one all-reduce)."""
+    if step_fn is None:
+        return {}
+    mine = step_fn.take()
+    if not shows or not mine:
+        return mine
+    return dict(zip(mine, global_losses(list(mine.values()), strat, topo)))
 
 
 def finish_gradients(opt: torch.optim.Optimizer) -> None:
