@@ -16,6 +16,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "plots": ("matplotlib", "matplotlib"),  # --plot of `shardwise demo` and `shardwise bench`
     "demo": ("sklearn", "scikit-learn"),  # `shardwise demo` and the digits workload read its bundled digits
     "hf": ("transformers", "transformers"),  # Hugging Face models, `shardwise checkpoint export --format hf`
+    "eval": ("torchmetrics", "torchmetrics"),  # trainer.validate/test with torchmetrics' metric objects
 }
 
 

@@ -39,8 +39,8 @@ def test_each_extra_installs_what_its_feature_needs():
     extras = PROJECT["optional-dependencies"]
     assert {e: _names(extras[e]) for e in EXTRAS} == {e: [package] for e, (_, package) in EXTRAS.items()}
     assert extras["all"] == [f"shardwise[{','.join(EXTRAS)}]"]
-    # the suite builds the digits workload, draws pictures and trains Hugging Face models
-    assert extras["dev"][0] == "shardwise[demo,plots,hf]"
+    # the suite builds the digits workload, draws pictures, trains Hugging Face models and evaluates with torchmetrics
+    assert extras["dev"][0] == "shardwise[demo,plots,hf,eval]"
     assert {"pytest", "pytest-timeout"} <= set(_names(extras["dev"]))
 
 

@@ -199,7 +199,7 @@ class Tally:
         shards, shard = self.strat.data_parallel(self.topo)
         owner = self.strat.owns_loss(self.topo)
         head = [[at, list(t.shape), str(t.dtype).replace("torch.", "")] for at, t in self.rows]
-        every = world.all_gather_object({"cp": self.topo.coord(CP), "rows": head} if owner else None,
+        every = world.all_gather_object({"part": self.topo.coord(CP), "rows": head} if owner else None,
                                         name="predict.meta")
         if self.topo.rank != 0:
             for _, t in self.rows:
@@ -211,7 +211,7 @@ class Tally:
                 continue
             for i, (at, shape, dtype) in enumerate(got["rows"]):
                 t = self.rows[i][1] if r == 0 else _received(world, r, shape, dtype, self.topo.device)
-                parts.setdefault(at, {})[got["cp"]] = t.cpu()
+                parts.setdefault(at, {})[got["part"]] = t.cpu()
         return _in_order(parts, shards)
 
 
