@@ -3,9 +3,11 @@
 Each layout is ONE 2-rank job (the session's worker pool) that trains Hugging Face Mixtral (4 experts, top-2)
 with a training_step returning cross-entropy plus a weighted router z-loss (ST-MoE, Zoph et al. 2022: the
 mean over tokens of logsumexp(router logits)^2, an auxiliary term of the MoE's own routers), then predicts a
-set whose last batch is partial, and must equal the single-device run and predictions (float64). The
-data-parallel jobs also validate a classifier with torchmetrics' F1, which must equal scikit-learn's F1 of
-the single-device predictions, and test a checkpoint written under ddp from an fsdp layout.
+set whose last batch is partial, and must equal the single-device run and predictions (float64), and
+validates with a torchmetrics macro F1 over tokens, which must equal the same metric on one device (its
+states synced over the ranks that hold other samples or tokens, not over tp or pp peers). The data-parallel
+jobs also validate a classifier with torchmetrics' F1, which must equal scikit-learn's F1 of the
+single-device predictions, and test a checkpoint written under ddp from an fsdp layout.
 """
 from __future__ import annotations
 
@@ -72,6 +74,20 @@ class Points(torch.utils.data.Dataset):
         return self.x[i], self.y[i]
 
 
+class TokenF1(MulticlassF1Score):
+    """Macro F1 of next-token predictions: a metric that is not a mean, over (B, S, V) logits."""
+
+    def __init__(self) -> None:
+        super().__init__(num_classes=128, average="macro")
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        super().update(preds.argmax(-1), target)
+
+
+def targets(n: int) -> torch.Tensor:
+    return torch.stack([Held(n)[i][1] for i in range(n)])
+
+
 def classifier() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, CLASSES))
@@ -105,7 +121,10 @@ def _job(rank: int, device: torch.device, name: str, out: str) -> None:
     result, model = train(make_train(), 2, metrics_path=log if name == "ddp" else None)
     got["losses"], got["state_dict"] = result.losses, result.state_dict
     predictor = sw.Trainer(make_predict(), 2, accelerator="cpu", progress=False)
-    got["predict"] = predictor.predict(mixtral() if name == "ddp" else model, Held(6), batch_size=PREDICT_BATCH)
+    predicted = mixtral() if name == "ddp" else model
+    got["predict"] = predictor.predict(predicted, Held(6), batch_size=PREDICT_BATCH)
+    # synced over the ranks holding other samples or tokens (dp x cp), never over tp or pp peers (same samples)
+    got["token_f1"] = predictor.validate(predicted, Held(6), metrics={"f1": TokenF1()}, batch_size=PREDICT_BATCH)["f1"]
     if name in ("ddp", "zero3"):
         f1 = {"f1": MulticlassF1Score(num_classes=CLASSES, average="macro")}
         evaluator = sw.Trainer("ddp" if name == "ddp" else "fsdp", 2, accelerator="cpu", progress=False)
@@ -132,14 +151,19 @@ def reference(tmp_path_factory):
     log = str(tmp_path_factory.mktemp("reference") / "steps.jsonl")
     result, model = train("single", 1, metrics_path=log)
     trainer = sw.Trainer("single", 1, accelerator="cpu", progress=False)
-    logits = classifier()(Points().x)
+    logits = classifier()(Points().x).detach()
     with open(log) as f:
         logged = [json.loads(line)["z_loss"] for line in f]
-    return {"result": result, "logged": logged,
-            "predict": trainer.predict(model, Held(6), batch_size=PREDICT_BATCH),
-            "predict_untrained": trainer.predict(mixtral(), Held(6), batch_size=PREDICT_BATCH),
+    predict = trainer.predict(model, Held(6), batch_size=PREDICT_BATCH)
+    untrained = trainer.predict(mixtral(), Held(6), batch_size=PREDICT_BATCH)
+    f1 = {}
+    for key, out in (("trained", predict), ("untrained", untrained)):
+        metric = TokenF1()
+        metric.update(out, targets(6))
+        f1[key] = float(metric.compute())
+    return {"result": result, "logged": logged, "predict": predict, "predict_untrained": untrained, "token_f1": f1,
             "f1": f1_score(Points().y.numpy(), logits.argmax(-1).numpy(), average="macro"),
-            "ce": float(ce(logits, Points().y))}
+            "ce": float(ce(logits, Points().y).detach())}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -150,6 +174,8 @@ def test_training_step_and_predict_equal_one_device(name, reference, tmp_path, s
     want = reference["predict_untrained" if name == "ddp" else "predict"]
     assert got["predict"].shape == (6, SEQ, 128)
     torch.testing.assert_close(got["predict"], want, rtol=1e-9, atol=1e-12)
+    assert got["token_f1"] == pytest.approx(reference["token_f1"]["untrained" if name == "ddp" else "trained"],
+                                            rel=1e-12)
     if "validate" in got:  # torchmetrics' F1, synced over the data-parallel ranks, is scikit-learn's on the whole set
         assert got["validate"]["f1"] == pytest.approx(reference["f1"], rel=1e-12)
         assert got["validate"]["val_loss"] == pytest.approx(reference["ce"], rel=1e-9)
