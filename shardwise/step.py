@@ -56,12 +56,13 @@ def call_model(model: nn.Module, x: Any) -> Any:
 class TrainingStep:
     """A user's ``training_step(model, batch)`` in the place of ``loss_fn``: called on each micro-batch with the
     strategy's model (wrapped, split or sharded as the layout needs; called like the original) and the whole
-    collated batch, this rank's part of it. The other scalars of a dict result are kept, as floats, until the
-    loop takes their mean over the step's micro-batches (:meth:`take`)."""
+    collated batch, this rank's part of it. The other scalars of a dict result are summed (tensors stay on
+    their device: reading one per micro-batch would stop the host until the GPU is done) until the loop takes
+    their mean over the step's micro-batches (:meth:`take`)."""
 
     def __init__(self, fn: StepFn) -> None:
         self.fn = fn
-        self.sums: dict[str, float] = {}
+        self.sums: dict[str, torch.Tensor | float] = {}
         self.calls = 0
 
     def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
@@ -74,7 +75,7 @@ class TrainingStep:
 
     def take(self) -> dict[str, float]:
         """The mean of each logged scalar over the micro-batches since the last call."""
-        out = {k: v / max(1, self.calls) for k, v in self.sums.items()}
+        out = {k: float(v) / max(1, self.calls) for k, v in self.sums.items()}
         self.sums, self.calls = {}, 0
         return out
 
@@ -85,8 +86,8 @@ class TrainingStep:
         self.__init__(state["fn"])  # type: ignore[misc]
 
 
-def step_result(got: Any) -> tuple[torch.Tensor, dict[str, float]]:
-    """A training_step's result as (the loss tensor, the other scalars as floats), or why it cannot be."""
+def step_result(got: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
+    """A training_step's result as (the loss tensor, the other scalars, detached), or why it cannot be."""
     if isinstance(got, torch.Tensor):
         scalars: dict[str, Any] = {}
         loss = got
@@ -99,12 +100,14 @@ def step_result(got: Any) -> tuple[torch.Tensor, dict[str, float]]:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError(f"training_step's loss must be a one-element tensor (the batch's mean), got "
                          f"{type(loss).__name__}{list(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
-    out = {}
+    out: dict[str, torch.Tensor | float] = {}
     for k, v in scalars.items():
-        if not isinstance(k, str) or not (isinstance(v, (int, float)) or isinstance(v, torch.Tensor) and v.numel() == 1):
+        one = isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.numel() == 1)
+        if not isinstance(k, str) or not one:
+            shape = f" of shape {list(v.shape)}" if isinstance(v, torch.Tensor) else ""
             raise ValueError(f"training_step's dict may hold, beside 'loss', only named scalars to log; {k!r} is a "
-                             f"{type(v).__name__}" + (f" of shape {list(v.shape)}" if isinstance(v, torch.Tensor) else ""))
-        out[k] = float(v.detach()) if isinstance(v, torch.Tensor) else float(v)
+                             f"{type(v).__name__}{shape}")
+        out[k] = v.detach().reshape(()) if isinstance(v, torch.Tensor) else float(v)
     return loss.reshape(()), out
 
 

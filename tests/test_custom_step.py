@@ -25,6 +25,7 @@ from torchmetrics.classification import MulticlassF1Score
 import shardwise as sw
 from shardwise import launch
 from shardwise.models import lm_loss
+from shardwise.step import TrainingStep
 from shardwise.workloads import CharText, stdlib_text
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.float64]
@@ -195,3 +196,18 @@ def test_training_step_under_a_pipeline_is_refused(no_spawn):
         "one after another, so no call of the model runs the whole of it, and the loss is computed on the last "
         "stage from that stage's output alone; pass loss_fn(output, target) instead (with dict samples it gets "
         "the whole batch as target), or use a layout without pipeline stages (pp=1) for training_step")
+
+
+def test_what_is_refused_says_what_to_do_instead(no_spawn):
+    trainer = sw.Trainer("ddp", 2, accelerator="cpu", progress=False)
+    with pytest.raises(TypeError, match=r"^fit\(\) needs the loss: loss_fn\(output, target\), or training_step"):
+        trainer.fit(classifier(), Points(), optimizer=ADAM, batch_size=8, max_steps=1)
+    with pytest.raises(ValueError, match="^val_dataset with training_step needs loss_fn too"):
+        trainer.fit(classifier(), Points(), optimizer=ADAM, batch_size=8, max_steps=1, val_dataset=Points(),
+                    training_step=step)
+    with pytest.raises(ValueError, match=r"^validate computes loss_fn and metrics; pass loss_fn= or metrics="):
+        trainer.validate(classifier(), Points(), batch_size=8)
+    with pytest.raises(TypeError) as e:  # what a rank raises when the step returns a dict without its loss
+        TrainingStep(lambda model, batch: {"ce": torch.ones(())})(classifier(), None)
+    assert str(e.value) == ("training_step must return the loss tensor or a dict with a 'loss' tensor (and other "
+                            "scalars to log), got dict with keys ['ce']")

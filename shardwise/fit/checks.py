@@ -254,7 +254,7 @@ def parse_inputs(inputs: Any) -> str | tuple[str, ...] | None:
     raise TypeError(f"inputs must be a key of the dict samples, a list of keys, or None, got {inputs!r}")
 
 
-def check_fit_options(trainer: FitOptions, model: nn.Module, loss_fn: LossFn, data: DataSource, batch_size: int,
+def check_fit_options(trainer: FitOptions, model: nn.Module, loss_fn: LossFn | None, data: DataSource, batch_size: int,
                       val_dataset: Any, val_every: int | None, val_metrics: dict[str, Any] | None,
                       val_batch_size: int | None, checkpoint_best: Any,
                       training_step: TrainingStep | None = None) -> Validation | None:

@@ -143,13 +143,16 @@ class Tally:
         self.strat: Strategy = job.options.strategy
         self.at: int | None = None  # the dataset position of this batch's first local sample; None: not counted
         self.rows: list[tuple[int, torch.Tensor]] = []
-        names = (["loss"] if job.loss_fn is not None else []) + [k for k, m in job.metrics.items()
-                                                                 if not is_metric_object(m)]
-        self.mean_names = names
-        self.sums = torch.zeros(1 + len(names), dtype=torch.float64)  # samples, then each batch-mean's weighted sum
+        # Batch means: the loss (when given) first, then each fn(output, target) metric.
+        self.means: dict[str, Any] = ({f"{'val' if job.kind == 'validate' else 'test'}_loss": job.loss_fn}
+                                      if job.loss_fn is not None else {})
+        self.means.update({k: m for k, m in job.metrics.items() if not is_metric_object(m)})
+        self.sums = torch.zeros(1 + len(self.means), dtype=torch.float64)  # samples, then each mean's weighted sum
         self.objects = {k: m for k, m in job.metrics.items() if is_metric_object(m)}
         for m in self.objects.values():
             m.reset()
+            if callable(getattr(m, "to", None)):
+                m.to(topo.device)  # its states where the outputs are (torchmetrics' Metric.to)
 
     def __call__(self, out: Any, y: Any) -> torch.Tensor:
         if self.at is not None:
@@ -161,10 +164,9 @@ class Tally:
 
     def _measure(self, out: Any, y: Any) -> None:
         k = batch_len(y) or batch_len(out)
-        values = ([self.job.loss_fn(out, y)] if self.job.loss_fn is not None else []) + \
-            [self.job.metrics[n](out, y) for n in self.mean_names if n != "loss"]
         self.sums[0] += k
-        for i, v in enumerate(values):
+        for i, fn in enumerate(self.means.values()):
+            v = fn(out, y)
             self.sums[1 + i] += k * float(v.detach() if isinstance(v, torch.Tensor) else v)
         for m in self.objects.values():
             m.update(output_tensor(out).detach(), y)
@@ -176,9 +178,7 @@ class Tally:
         sums = self.sums.to(self.topo.device)
         self.topo.comm("world").all_reduce(sums, name="metrics.evaluate")
         n = max(float(sums[0]), 1.0)
-        prefix = "val" if self.job.kind == "validate" else "test"
-        out = {(f"{prefix}_loss" if k == "loss" else k): float(s) / n
-               for k, s in zip(self.mean_names, sums[1:].tolist())}
+        out = {k: float(v) / n for k, v in zip(self.means, sums[1:].tolist())}
         mine = self._computed() if self.strat.owns_loss(self.topo) else None
         given = next(v for v in self.topo.comm("world").all_gather_object(mine, name="metrics.objects")
                      if v is not None)
@@ -196,7 +196,7 @@ class Tally:
     def predictions(self) -> torch.Tensor | None:
         """Every sample's output, in dataset order, on rank 0 (None on the other ranks)."""
         world = self.topo.comm("world")
-        shards, shard = self.strat.data_parallel(self.topo)
+        shards, _ = self.strat.data_parallel(self.topo)
         owner = self.strat.owns_loss(self.topo)
         head = [[at, list(t.shape), str(t.dtype).replace("torch.", "")] for at, t in self.rows]
         every = world.all_gather_object({"part": self.topo.coord(CP), "rows": head} if owner else None,
@@ -247,8 +247,9 @@ def check_inference(options: FitOptions, kind: str, batch_size: int, loss_fn: Lo
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     metrics = dict(metrics or {})
     for name, m in metrics.items():
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"metric names must be non-empty strings, got {name!r}")
+        if not isinstance(name, str) or not name or name in ("val_loss", "test_loss"):
+            raise ValueError(f"metric names must be non-empty strings other than 'val_loss' and 'test_loss' (the "
+                             f"loss_fn's), got {name!r}")
         if not (callable(m) or is_metric_object(m)):
             raise TypeError(f"metrics[{name!r}] must be fn(output, target) -> the batch's mean, or a metric object "
                             f"with update() and compute() (torchmetrics), got {type(m).__name__}")

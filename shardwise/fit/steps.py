@@ -87,6 +87,7 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
     if scaler is not None and "scaler" in restored:
         scaler.load_tensor(restored["scaler"])  # the scale and clean-step count the checkpoint's run had
     step_fn = job.training_step or job.loss_fn
+    logs = shows and bool(t.metrics_path or t.tensorboard_dir)  # a training_step's scalars: into the step log
     with progress_bar(rank0 and want_progress(t.progress), job.max_steps) as advance:
         advance.skip(len(prev))  # type: ignore[attr-defined]
         for step in range(len(prev), end):
@@ -141,7 +142,7 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
             # What the progress line and the step log show: the global loss fit returns, not rank 0's share.
             shown = global_losses(losses[-1:], strat, topo)[0] if shows else local
             advance(shown, times[-1])
-            logged = step_logged(job.training_step, shows, strat, topo)
+            logged = step_logged(job.training_step, logs, strat, topo)
             if log is not None:
                 log.write(step, shown, times[-1], tokens,
                           {**step_scalars(opt, norm, t.gradient_clip_val, topo, sent), **logged})
@@ -166,13 +167,14 @@ def step_scalars(opt: torch.optim.Optimizer, norm: float | None, max_norm: float
     return row
 
 
-def step_logged(step_fn: TrainingStep | None, shows: bool, strat: Strategy, topo: Topology) -> dict[str, float]:
-    """A training_step's other scalars of this step: each the mean over its micro-batches, and over the
-    data-parallel replicas where the step log or progress shows them (as the loss; one all-reduce)."""
+def step_logged(step_fn: TrainingStep | None, logs: bool, strat: Strategy, topo: Topology) -> dict[str, float]:
+    """A training_step's other scalars of this step: each the mean over its micro-batches, and, where the step
+    log records them (``logs``: the same on every rank), over the data-parallel replicas (as the loss; one
+    all-reduce)."""
     if step_fn is None:
         return {}
     mine = step_fn.take()
-    if not shows or not mine:
+    if not logs or not mine:
         return mine
     return dict(zip(mine, global_losses(list(mine.values()), strat, topo)))
 
