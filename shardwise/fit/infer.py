@@ -51,9 +51,6 @@ from shardwise.parallel.cp_attention import join_sequence
 from shardwise.step import LossFn, StepRun
 from shardwise.strategies.base import HasServers, Strategy
 
-KINDS = ("predict", "validate", "test")
-
-
 def is_metric_object(m: Any) -> bool:
     """A stateful metric (torchmetrics' ``Metric``): updated batch by batch, computed once."""
     return callable(getattr(m, "update", None)) and callable(getattr(m, "compute", None))
@@ -264,5 +261,5 @@ def spawned_inference(rank: int, device: torch.device, job: bytes, path: str) ->
         torch.save({"result": result}, path)
 
 
-__all__ = ["Inference", "KINDS", "check_inference", "is_metric_object", "output_tensor", "resolve_checkpoint",
+__all__ = ["Inference", "check_inference", "is_metric_object", "output_tensor", "resolve_checkpoint",
            "spawned_inference"]
