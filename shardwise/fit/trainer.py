@@ -291,20 +291,30 @@ class Trainer:
         if path is not None:
             checkpoint.check_compatible(path, checkpoint.model_shapes(model))
         job = Inference(self.options, model, data, batch_size, kind, loss_fn, checked, path)
-        nprocs = self.layout.processes
+        return self._launch_pass(job)
+
+    def _launch_pass(self, job: Inference) -> Any:
+        """Run ``job`` as :meth:`_launch` runs a fit: in this process, in the running group, or in rank processes
+        started here (rank 0's result comes back)."""
+        nprocs, kind = self.layout.processes, job.kind
         if dist.is_initialized() or launch.under_torchrun():
             owned = not dist.is_initialized()
             device = launch.init(self.options.rank_accelerator, self.timeout)
             job.model = _copy_model(job.model)
-            result = job.run(device)
+            try:
+                result = job.run(device)
+            except BaseException as e:
+                if owned:
+                    leave_after_error(e)
+                raise
             if owned:
                 teardown()
             return result
         if nprocs == 1:
             job.model = _copy_model(job.model)
             return job.run(pick_device(self.options.rank_accelerator, 0))
-        launch.require_picklable({f"{kind}'s {k}": v for k, v in (("model", model), ("dataset", dataset),
-                                                                 ("loss_fn", loss_fn), ("metrics", checked))})
+        sent = {"model": job.model, "dataset": job.data.dataset, "loss_fn": job.loss_fn, "metrics": job.metrics}
+        launch.require_picklable({f"{kind}'s {k}": v for k, v in sent.items()})
         with launch.result_dir() as tmp:
             out = os.path.join(tmp, "result.pt")
             launch.spawn(spawned_inference, nprocs, args=(pickle.dumps(job), out),
