@@ -138,7 +138,7 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
             if t.on_nonfinite == "error":
                 raise_if_nonfinite(local, step, topo)
             losses.append(0.0 if local is None else local)
-            tokens = batch_tokens(x.get("input_ids") if isinstance(x, Kwargs) else x) * shards
+            tokens = batch_tokens(token_ids(x, job.training_step is not None)) * shards
             # What the progress line and the step log show: the global loss fit returns, not rank 0's share.
             shown = global_losses(losses[-1:], strat, topo)[0] if shows else local
             advance(shown, times[-1])
@@ -165,6 +165,14 @@ def step_scalars(opt: torch.optim.Optimizer, norm: float | None, max_norm: float
         row.update(grad_norm=norm, clipped=norm > max_norm)
     row.update({f"comm_bytes/{k}": v - before.get(k, 0) for k, v in topo.stats.by_group.items()})
     return row
+
+
+def token_ids(x: Any, whole: bool) -> Any:
+    """What tokens/s counts: the model's input, its ``input_ids`` for keyword inputs; a training_step's whole
+    batch (``whole``): its first item, or its ``input_ids``."""
+    if whole and isinstance(x, (tuple, list)) and x:
+        return x[0]
+    return x.get("input_ids") if isinstance(x, Kwargs) or (whole and isinstance(x, dict)) else x
 
 
 def step_logged(step_fn: TrainingStep | None, logs: bool, strat: Strategy, topo: Topology) -> dict[str, float]:
