@@ -25,6 +25,9 @@ OptimizerFactory = Callable[..., torch.optim.Optimizer]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
+# fit's ``training_step``: ``fn(model, batch)`` returns the loss, or a dict with "loss" and other scalars to log.
+StepFn = Callable[[nn.Module, Any], Any]
+
 
 def unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
@@ -48,6 +51,71 @@ class StepRun:
 def call_model(model: nn.Module, x: Any) -> Any:
     """``model(x)``, or ``model(**x)`` for the keyword inputs of a dict batch (:class:`shardwise.data.Kwargs`)."""
     return model(**x) if isinstance(x, Kwargs) else model(x)
+
+
+class TrainingStep:
+    """A user's ``training_step(model, batch)`` in the place of ``loss_fn``: called on each micro-batch with the
+    strategy's model (wrapped, split or sharded as the layout needs; called like the original) and the whole
+    collated batch, this rank's part of it. The other scalars of a dict result are summed (tensors stay on
+    their device: reading one per micro-batch would stop the host until the GPU is done) until the loop takes
+    their mean over the step's micro-batches (:meth:`take`)."""
+
+    def __init__(self, fn: StepFn) -> None:
+        self.fn = fn
+        self.sums: dict[str, torch.Tensor | float] = {}
+        self.calls = 0
+
+    def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        got = self.fn(model, batch)
+        loss, scalars = step_result(got)
+        for k, v in scalars.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        self.calls += 1
+        return loss
+
+    def take(self) -> dict[str, float]:
+        """The mean of each logged scalar over the micro-batches since the last call."""
+        out = {k: float(v) / max(1, self.calls) for k, v in self.sums.items()}
+        self.sums, self.calls = {}, 0
+        return out
+
+    def __getstate__(self) -> dict[str, Any]:  # pickled into ranks: only the function travels
+        return {"fn": self.fn}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["fn"])  # type: ignore[misc]
+
+
+def step_result(got: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
+    """A training_step's result as (the loss tensor, the other scalars, detached), or why it cannot be."""
+    if isinstance(got, torch.Tensor):
+        scalars: dict[str, Any] = {}
+        loss = got
+    elif isinstance(got, dict) and "loss" in got:
+        loss, scalars = got["loss"], {k: v for k, v in got.items() if k != "loss"}
+    else:
+        raise TypeError(f"training_step must return the loss tensor or a dict with a 'loss' tensor (and other "
+                        f"scalars to log), got {type(got).__name__}"
+                        + (f" with keys {sorted(map(str, got))}" if isinstance(got, dict) else ""))
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(f"training_step's loss must be a one-element tensor (the batch's mean), got "
+                         f"{type(loss).__name__}{list(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+    out: dict[str, torch.Tensor | float] = {}
+    for k, v in scalars.items():
+        one = isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.numel() == 1)
+        if not isinstance(k, str) or not one:
+            shape = f" of shape {list(v.shape)}" if isinstance(v, torch.Tensor) else ""
+            raise ValueError(f"training_step's dict may hold, beside 'loss', only named scalars to log; {k!r} is a "
+                             f"{type(v).__name__}{shape}")
+        out[k] = v.detach().reshape(()) if isinstance(v, torch.Tensor) else float(v)
+    return loss.reshape(()), out
+
+
+def forward_loss(model: nn.Module, x: Any, y: Any, loss_fn: LossFn) -> torch.Tensor:
+    """One micro-batch's loss: ``loss_fn(model(x), y)``, or a :class:`TrainingStep`'s own (``y``: the whole batch)."""
+    if isinstance(loss_fn, TrainingStep):
+        return loss_fn(model, y)
+    return loss_fn(call_model(model, x), y)
 
 
 def iter_chunks(x: Any, k: int) -> Iterator[Any]:

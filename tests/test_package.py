@@ -40,8 +40,9 @@ def test_each_extra_installs_what_its_feature_needs():
     assert {e: _names(extras[e]) for e in EXTRAS} == {e: [package, *ALSO.get(e, ())]
                                                       for e, (_, package) in EXTRAS.items()}
     assert extras["all"] == [f"shardwise[{','.join(EXTRAS)}]"]
-    # the suite builds the digits workload, draws pictures, trains Hugging Face models and reads the loggers back
-    assert extras["dev"][0] == "shardwise[demo,plots,hf,tensorboard,mlflow,wandb]"
+    # the suite builds the digits workload, draws pictures, trains Hugging Face models, reads the loggers back and
+    # evaluates with torchmetrics
+    assert extras["dev"][0] == "shardwise[demo,plots,hf,tensorboard,mlflow,wandb,eval]"
     assert {"pytest", "pytest-timeout"} <= set(_names(extras["dev"]))
 
 

@@ -90,6 +90,7 @@ LOCAL_IMPORTS: dict[str, str] = {
     "shardwise.checkpoint.store: torch.distributed.checkpoint": _DCP,
     "shardwise.checkpoint.store: shardwise.checkpoint.pieces": _DCP + " (its planners build on it)",
     "shardwise.checkpoint.tools: transformers": _HF,
+    "shardwise.fit.job: transformers.utils.output_capturing": _HF,
     "shardwise.parallel.cp: transformers": _HF,
     "shardwise.parallel.cp: transformers.masking_utils": _HF,
     "shardwise.loggers.files: torch.utils.tensorboard": "tensorboard is optional: only when its logger opens",

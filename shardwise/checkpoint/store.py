@@ -442,6 +442,17 @@ def load(path: str, strat: Checkpointed, model: nn.Module, optimizer: torch.opti
                     loggers=manifest.get("loggers", {}))
 
 
+def load_model(path: str, strat: Checkpointed, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology,
+               shapes: dict[str, list[int]]) -> None:
+    """Restore only the model's tensors from ``path`` in place (collective), each rank reading the pieces it holds
+    under this layout, whatever layout wrote them: for evaluation and inference (no optimizer state is read)."""
+    dcp, pieces = _dcp()
+    check_compatible(path, shapes)
+    state = {k: v for k, v in _state(strat, model, optimizer, topo, shapes, 0, []).items() if k.startswith("model.")}
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=path, planner=pieces.LoadPlanner())
+
+
 def resumed_hyper(manifest: dict[str, Any], run: dict[str, Any] | None) -> list[dict[str, Any]] | None:
     """The saved groups' hyperparameters a resume restores: each one whose value this run starts with is the one
     the saved run started with (a value changed on purpose stays changed; :func:`check_resume` warns)."""

@@ -29,12 +29,42 @@ from shardwise.param_groups import GroupPlan, ParamGroupsFn, check_whole, plan_g
 from shardwise.parallel.cp import check_context_parallel, shard_batch
 from shardwise.parallel.ep import warn_local_aux
 from shardwise.parallel.sync_bn import batchnorm_layers
-from shardwise.step import LossFn, OptimizerFactory
-from shardwise.strategies.base import HasServers, HasTPPlan, SplitsModel, Strategy
+from shardwise.step import LossFn, OptimizerFactory, StepFn, TrainingStep
+from shardwise.strategies.base import HasServers, HasTPPlan, OwnDevices, SplitsModel, Strategy
+
+
+def check_step(t: FitOptions, loss_fn: LossFn | None, training_step: StepFn | None, optimizer: Any,
+               batch_size: Any, val_dataset: Any) -> TrainingStep | None:
+    """fit's loss: ``loss_fn``, or a ``training_step`` (then ``loss_fn``, if given, is validation's loss); the
+    arguments fit cannot default; and where a training_step cannot run (a pipeline: the loss is the last stage's)."""
+    for name, v in (("optimizer", optimizer), ("batch_size", batch_size)):
+        if v is None:
+            raise TypeError(f"fit() needs {name}=")
+    if training_step is None:
+        if loss_fn is None:
+            raise TypeError("fit() needs the loss: loss_fn(output, target), or training_step(model, batch) "
+                            "returning it")
+        return None
+    if not callable(training_step):
+        raise TypeError(f"training_step must be a function fn(model, batch) -> loss (or a dict with 'loss'), got "
+                        f"{type(training_step).__name__}")
+    strat = t.strategy
+    if isinstance(strat, SplitsModel) and (t.layout.pp > 1 or isinstance(strat, OwnDevices)):
+        split = f"pp={t.layout.pp}" if t.layout.pp > 1 else "its model split over devices"
+        raise ValueError(f"training_step is not supported by strategy {strat.name!r} with {split}: the model is cut "
+                         "into stages that run one after another, so no call of the model runs the whole of it, and "
+                         "the loss is computed on the last stage from that stage's output alone; pass "
+                         "loss_fn(output, target) instead (with dict samples it gets the whole batch as target), or "
+                         "use a layout without pipeline stages (pp=1) for training_step")
+    if val_dataset is not None and loss_fn is None:
+        raise ValueError("val_dataset with training_step needs loss_fn too: validation computes val_loss = "
+                         "loss_fn(output, target) on the model's output; or evaluate with trainer.validate(...) "
+                         "after fit")
+    return TrainingStep(training_step)
 
 
 def validate(t: FitOptions, model: nn.Module, dataset: Any, batch_size: int, max_steps: int,
-             optimizer: OptimizerFactory, loss_fn: LossFn, lr_scheduler: SchedulerFactory | None = None,
+             optimizer: OptimizerFactory, loss_fn: LossFn | None, lr_scheduler: SchedulerFactory | None = None,
              param_groups: ParamGroupsFn | None = None) -> tuple[dict[str, Any], GroupPlan]:
     """Everything that can be checked before any process starts or blocks; returns the run's record
     for checkpoints (:func:`shardwise.checkpoint.run_info`) and the optimizer's parameter groups."""
@@ -83,12 +113,13 @@ def validate(t: FitOptions, model: nn.Module, dataset: Any, batch_size: int, max
     return info, groups
 
 
-def check_running_model(t: FitOptions, model: nn.Module, batch: Any, loss_fn: LossFn) -> None:
+def check_running_model(t: FitOptions, model: nn.Module, batch: Any, loss_fn: LossFn | None) -> None:
     """The checks that run the model (on meta copies) and the layout's warnings. Under a launcher only rank 0 runs
     them: every rank would reach the same verdict, print the same warnings, and pay the meta forward's first use
     (torch imports torch._dynamo for its Python meta kernels: about 1.5 s of CPU per process) — 8 ranks on one
     host, 8 times. The launcher ends the other ranks when rank 0 refuses the run."""
-    preflight.check_loss(model, batch, loss_fn, t.precision)  # the model and loss on meta (and what fails, on CPU)
+    if loss_fn is not None:  # (a training_step alone: the model is checked when its step runs)
+        preflight.check_loss(model, batch, loss_fn, t.precision)  # the model and loss on meta (what fails, on CPU)
     if t.layout.cp > 1:  # attention it can replace, positions it can pass, a sequence that splits, heads
         check_context_parallel(model, t.layout.cp, t.layout.cp_mode, t.layout.tp, batch[0])
     if t.layout.tp > 1:  # the plan, applied to a meta copy, and the split forward, before any rank exists
@@ -231,9 +262,10 @@ def parse_inputs(inputs: Any) -> str | tuple[str, ...] | None:
     raise TypeError(f"inputs must be a key of the dict samples, a list of keys, or None, got {inputs!r}")
 
 
-def check_fit_options(trainer: FitOptions, model: nn.Module, loss_fn: LossFn, data: DataSource, batch_size: int,
+def check_fit_options(trainer: FitOptions, model: nn.Module, loss_fn: LossFn | None, data: DataSource, batch_size: int,
                       val_dataset: Any, val_every: int | None, val_metrics: dict[str, Any] | None,
-                      val_batch_size: int | None, checkpoint_best: Any) -> Validation | None:
+                      val_batch_size: int | None, checkpoint_best: Any,
+                      training_step: TrainingStep | None = None) -> Validation | None:
     """fit's data, validation and callback options, checked before any process starts; the run's validation."""
     strat = trainer.strategy
     val_data = None if val_dataset is None else DataSource(val_dataset, data.loader, data.inputs)
@@ -245,14 +277,14 @@ def check_fit_options(trainer: FitOptions, model: nn.Module, loss_fn: LossFn, da
         if hasattr(cb, "check"):
             cb.check(val.names if val is not None else [])
     x = preflight.first_batch(data, 1)[0]
-    if isinstance(x, Kwargs) and isinstance(strat, SplitsModel):
+    if isinstance(x, Kwargs) and isinstance(strat, SplitsModel) and training_step is None:
         raise ValueError(f"strategy {strat.name!r} feeds the model's input through its layers as one tensor, but the "
                          f"dict samples pass keyword inputs ({', '.join(x)}); pass inputs='<key>' (e.g. "
                          "inputs='input_ids') to call the model with that tensor")
     if trainer.layout.processes > 1 and not (dist.is_initialized() or launch.under_torchrun()):
         # Spawned ranks receive these pickled: name the one that is not, with the fix, before anything starts.
         check_picklable(trainer.callbacks)
-        named = {"collate_fn": data.loader.collate_fn, "val_dataset": val_dataset,
+        named = {"collate_fn": data.loader.collate_fn, "val_dataset": val_dataset, "training_step": training_step,
                  **{f"val_metrics[{k!r}]": f for k, f in (val.metrics.items() if val is not None else [])},
                  **{k: v for k, v in data.loader.extra.items() if callable(v)}}
         launch.require_picklable({f"fit's {k}": v for k, v in named.items()})

@@ -47,7 +47,7 @@ from shardwise.stats import (
     reset_cuda_peak,
     reset_peak_rss,
 )
-from shardwise.step import LossFn, OptimizerFactory, StepRun
+from shardwise.step import LossFn, OptimizerFactory, StepRun, TrainingStep
 from shardwise.strategies.base import HasServers
 
 
@@ -83,7 +83,8 @@ def pickled(job: Job) -> bytes:
     except Exception:  # PicklingError, AttributeError ("Can't pickle local object"), TypeError
         args = {"optimizer_fn": "optimizer"}
         launch.require_picklable({**{f"fit's {args.get(k, k)}": getattr(job, k)
-                                     for k in ("loss_fn", "optimizer_fn", "lr_scheduler", "model", "dataset")},
+                                     for k in ("loss_fn", "optimizer_fn", "lr_scheduler", "model", "dataset",
+                                               "training_step")},
                                   **{f"logger {type(lg).__name__}": lg for lg in job.options.loggers}})
         raise
 
@@ -95,7 +96,7 @@ class Job:
     options: FitOptions
     model: nn.Module
     dataset: Any
-    loss_fn: LossFn
+    loss_fn: LossFn | None
     optimizer_fn: OptimizerFactory
     batch_size: int
     max_steps: int
@@ -103,9 +104,11 @@ class Job:
     lr_scheduler: SchedulerFactory | None = None
     validation: Validation | None = None
     groups: GroupPlan | None = None  # the optimizer's parameter groups on the unsplit model
+    training_step: TrainingStep | None = None  # fit(training_step=): the step's loss (loss_fn then validates)
 
     def run(self, device: torch.device) -> FitResult:
         t = self.options
+        hf_output_capture(self.model)
         topo = Topology.create(device, t.layout.dims, timeout=t.timeout, debug=t.debug)
         self.steps_done = 0
         try:
@@ -304,6 +307,22 @@ class Job:
         if stop is not None:
             extra["stopped"] = torch.tensor([done], dtype=torch.int64)
         return extra or None
+
+
+def hf_output_capture(model: nn.Module) -> None:
+    """Let a Hugging Face model unpickled in a rank process record its outputs again (``router_logits``,
+    ``hidden_states``): transformers 5 fills a registry of the classes that record them in the model's
+    ``__init__``, which an unpickled model never ran, so those outputs came back None in spawned ranks."""
+    theirs = [m for m in model.modules() if type(m).__module__.startswith("transformers.")
+              and getattr(m, "_can_record_outputs", None)]
+    if not theirs:
+        return
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # an older transformers: no registry, nothing lost in pickling
+        return
+    for m in theirs:
+        _CAN_RECORD_REGISTRY[m] = m._can_record_outputs
 
 
 def resume_line(path: str | None, done: int, max_steps: int) -> str:

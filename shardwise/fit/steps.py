@@ -35,8 +35,9 @@ from shardwise.loggers import FAILED, SUCCESS
 from shardwise.param_groups import apply_hyper
 from shardwise.parallel.checkpointing import track_saved_activations
 from shardwise.scalars import Reducer, Scalars, recording
+from shardwise.scalars import log as log_scalar
 from shardwise.stats import unique_bytes
-from shardwise.step import LossFn, StepRun, after_optimizer_step, iter_chunks
+from shardwise.step import LossFn, StepRun, TrainingStep, after_optimizer_step, iter_chunks
 from shardwise.strategies.base import HasServers, Strategy
 from shardwise.torch_private import BatchNormBase
 
@@ -48,6 +49,7 @@ class StepHost(Protocol):
     options: FitOptions
     dataset: Any
     loss_fn: LossFn
+    training_step: TrainingStep | None  # fit(training_step=): the step's loss instead of loss_fn
     batch_size: int
     max_steps: int
     lr_scheduler: SchedulerFactory | None
@@ -84,7 +86,8 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
     reducer = Reducer(topo) if t.step_rows and not isinstance(strat, HasServers) else None  # sw.log's values
     prof = profiler.make(t.profiler, t.profile_steps, job.max_steps, topo.stats, device, t.profiler_dir or "",
                          topo.rank)
-    loss_fn = prof.loss(job.loss_fn)  # "simple" counts the loss's time as forward's
+    # "simple" counts the loss's time as forward's; a training_step (forward and loss in one) is forward's whole.
+    loss_fn = job.training_step or prof.loss(job.loss_fn)
     scaler = precision_mod.LossScaler() if t.precision == "16-mixed" else None
     bn_buffers = unsynced_batchnorm_buffers(model) if topo.size(DP) > 1 else []
     sched = scheduler(job.lr_scheduler, opt, len(prev)) if job.lr_scheduler is not None else None
@@ -107,7 +110,9 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
                 topo.diag.step = step
             job.hook("on_step_start", step, topo, optimizer=opt)
             start = time.perf_counter()
-            x, y = precision_mod.cast_batch(t.precision, source.split(data.batch(step, device)))
+            batch = data.batch(step, device)
+            # A training_step takes the whole batch: it comes as the target, beside itself as the input.
+            x, y = precision_mod.cast_batch(t.precision, (batch, batch) if job.training_step else source.split(batch))
             micro = list(zip(iter_chunks(x, k), iter_chunks(y, k)))
             run = StepRun(t.precision, scaler.scale if scaler is not None else 1.0)
             prof.mark("data")
@@ -121,6 +126,9 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
             else:
                 loss = strat.train_step(model, micro, loss_fn, topo, run)
             prof.compute()
+            if job.training_step is not None:  # its dict's other scalars, each its micro-batches' mean: as sw.log's
+                for name, value in job.training_step.take().items():
+                    log_scalar(name, value)
             # Both checks agree across ranks, so every rank skips the same steps. In "error" mode the loss is
             # checked after the step instead (raise_if_nonfinite): reading it here would stop the host until
             # the backward ends, and the GPU would then idle while the optimizer's kernels are launched.
@@ -153,7 +161,7 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
             if t.on_nonfinite == "error":
                 raise_if_nonfinite(local, step, topo)
             losses.append(0.0 if local is None else local)
-            tokens = batch_tokens(x.get("input_ids") if isinstance(x, Kwargs) else x) * shards
+            tokens = batch_tokens(token_ids(x, job.training_step is not None)) * shards
             # What the progress line and the step log show: the global loss fit returns, not rank 0's share.
             shown = global_losses(losses[-1:], strat, topo)[0] if shows else local
             advance(shown, times[-1])
@@ -208,6 +216,14 @@ def step_scalars(lrs: dict[int, float], norm: float | None, max_norm: float | No
         row.update(grad_norm=norm, clipped=norm > max_norm)
     row.update({f"comm_bytes/{k}": v - before.get(k, 0) for k, v in topo.stats.by_group.items()})
     return row
+
+
+def token_ids(x: Any, whole: bool) -> Any:
+    """What tokens/s counts: the model's input, its ``input_ids`` for keyword inputs; a training_step's whole
+    batch (``whole``): its first item, or its ``input_ids``."""
+    if whole and isinstance(x, (tuple, list)) and x:
+        return x[0]
+    return x.get("input_ids") if isinstance(x, Kwargs) or (whole and isinstance(x, dict)) else x
 
 
 def finish_gradients(opt: torch.optim.Optimizer) -> None:

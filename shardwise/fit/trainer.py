@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import pickle
 import sys
 import warnings
 from collections.abc import Callable
@@ -21,7 +22,9 @@ from torch import nn
 from shardwise import launch
 from shardwise.comm.topology import pick_device, teardown
 from shardwise.data import DataSource, loader_options
-from shardwise.fit.checks import check_fit_options, parse_inputs, run_steps, validate
+from shardwise.checkpoint import store as checkpoint
+from shardwise.fit import preflight
+from shardwise.fit.checks import check_fit_options, check_step, parse_inputs, run_steps, validate
 from shardwise.fit.job import (
     FitResult,
     Job,
@@ -30,9 +33,10 @@ from shardwise.fit.job import (
     pickled,
     spawned_fit,
 )
+from shardwise.fit.infer import Inference, check_inference, resolve_checkpoint, spawned_inference
 from shardwise.fit.options import FitOptions
 from shardwise.loggers import Logger
-from shardwise.step import LossFn, OptimizerFactory
+from shardwise.step import LossFn, OptimizerFactory, StepFn
 from shardwise.strategies.base import OwnDevices, Strategy
 from shardwise.strategies.single import Single
 
@@ -164,14 +168,15 @@ class Trainer:
         return getattr(self.options, name)
 
     # ------------------------------------------------------------------
-    def fit(self, model: nn.Module, dataset: Any, loss_fn: LossFn, optimizer: OptimizerFactory,
-            batch_size: int, max_steps: int | None = None, lr_scheduler: SchedulerFactory | None = None, *,
+    def fit(self, model: nn.Module, dataset: Any, loss_fn: LossFn | None = None,
+            optimizer: OptimizerFactory | None = None, batch_size: int | None = None, max_steps: int | None = None,
+            lr_scheduler: SchedulerFactory | None = None, *,
             val_dataset: Any = None, val_every: int | None = None,
             val_metrics: dict[str, Callable[[Any, Any], Any]] | None = None, val_batch_size: int | None = None,
             checkpoint_best: str | tuple[str, str] | None = None, num_workers: int | None = None,
             collate_fn: Callable[[list[Any]], Any] | None = None, pin_memory: bool | None = None,
             inputs: str | list[str] | tuple[str, ...] | None = None,
-            param_groups: ParamGroupsFn | None = None) -> FitResult:
+            param_groups: ParamGroupsFn | None = None, training_step: StepFn | None = None) -> FitResult:
         """Train for ``max_steps`` optimizer steps of global batch ``batch_size`` (or ``Trainer(max_epochs=)``).
 
         The run trains a copy of ``model`` (strategies shard, wrap and split what they are given) and loads the
@@ -206,16 +211,25 @@ class Trainer:
         output, the loggers (``val/<name>``) and ``result.val_metrics``. ``checkpoint_best``
         (``"val_loss"``, or ``(name, "min" | "max")``) keeps the best validation's checkpoint in
         ``<checkpoint_dir>/best``.
+
+        ``training_step``: ``fn(model, batch)`` computes the step's loss itself, instead of
+        ``loss_fn(model(x), y)``: it gets the strategy's model (called like yours) and the collated batch as the
+        dataset gives it (a pair, a dict), this rank's part of it, and returns the loss, or a dict with
+        ``"loss"`` and other scalars, logged (their mean over the data-parallel ranks) in the step log
+        (``metrics_path``, TensorBoard). Several losses, auxiliary terms, extra inputs and weights fit there; the
+        loss must be the batch's mean, as ``loss_fn``'s. ``loss_fn`` is then optional (given, validation uses
+        it). Refused under a pipeline (pp > 1), whose loss is the last stage's (docs: how-to/custom-step).
         """
+        step = check_step(self.options, loss_fn, training_step, optimizer, batch_size, val_dataset)
         data = DataSource(dataset, loader_options(self.dataloader_kwargs, num_workers=num_workers,
                                                   collate_fn=collate_fn, pin_memory=pin_memory), parse_inputs(inputs))
         max_steps = run_steps(max_steps, self.options.max_epochs, dataset, batch_size)
         info, groups = validate(self.options, model, data, batch_size, max_steps, optimizer, loss_fn, lr_scheduler,
                                 param_groups)
         val = check_fit_options(self.options, model, loss_fn, data, batch_size, val_dataset, val_every, val_metrics,
-                                val_batch_size, checkpoint_best)
+                                val_batch_size, checkpoint_best, step)
         job = Job(self.options, model, data, loss_fn, optimizer, batch_size, max_steps, info, lr_scheduler, val,
-                  groups)
+                  groups, step)
         result = self._launch(job)
         # One semantics whatever the launch: the model passed in ends trained. The run itself trains a copy
         # (strategies shard, wrap and split the model they are given), then the final weights go back here.
@@ -257,6 +271,85 @@ class Trainer:
                 raise
             saved = torch.load(path, weights_only=True)
         return FitResult(**saved)
+
+    # ---- evaluation and inference after training (shardwise.fit.infer) ---------------------------------
+    def predict(self, model: nn.Module, dataset: Any, batch_size: int, *,
+                ckpt_path: str | os.PathLike[str] | None = None, inputs: str | list[str] | None = None,
+                num_workers: int | None = None, collate_fn: Callable[[list[Any]], Any] | None = None
+                ) -> torch.Tensor | None:
+        """The model's output for every sample of ``dataset``, once each, in dataset order (stacked along dim 0),
+        computed under this trainer's strategy: fsdp, tp, pp, cp and ep models infer sharded, never gathered
+        whole. ``ckpt_path``: a checkpoint directory (a ``step_*`` one, or a run's ``checkpoint_dir``: its newest)
+        whose weights replace ``model``'s, whatever layout wrote it. A Hugging Face output gives its ``logits``
+        (its first tensor). Batches as in :meth:`fit` (``inputs`` for dict samples); the last may be partial.
+        Returned in the calling process (on rank 0 under ``shardwise run``; None on the other ranks)."""
+        return self._infer("predict", model, dataset, batch_size, None, None, ckpt_path, inputs, num_workers,
+                           collate_fn)
+
+    def validate(self, model: nn.Module, dataset: Any, loss_fn: LossFn | None = None,
+                 metrics: dict[str, Any] | None = None, batch_size: int = 32, *,
+                 ckpt_path: str | os.PathLike[str] | None = None, inputs: str | list[str] | None = None,
+                 num_workers: int | None = None, collate_fn: Callable[[list[Any]], Any] | None = None
+                 ) -> dict[str, float]:
+        """Global metrics of ``model`` (or of the checkpoint at ``ckpt_path``) on ``dataset`` under this
+        trainer's strategy: ``val_loss`` (with ``loss_fn``) and each of ``metrics``: ``fn(output, target)``
+        returning the batch's mean, or a torchmetrics ``Metric`` (any object with ``update(output, target)``
+        and ``compute()``), updated on the ranks that hold each sample and synced over them, so F1 or AUC equal
+        one device's on the whole set. See :mod:`shardwise.fit.infer`."""
+        return self._infer("validate", model, dataset, batch_size, loss_fn, metrics, ckpt_path, inputs,  # type: ignore
+                           num_workers, collate_fn)
+
+    def test(self, model: nn.Module, dataset: Any, loss_fn: LossFn | None = None,
+             metrics: dict[str, Any] | None = None, batch_size: int = 32, *,
+             ckpt_path: str | os.PathLike[str] | None = None, inputs: str | list[str] | None = None,
+             num_workers: int | None = None, collate_fn: Callable[[list[Any]], Any] | None = None
+             ) -> dict[str, float]:
+        """:meth:`validate` on a test set: the loss is ``test_loss``."""
+        return self._infer("test", model, dataset, batch_size, loss_fn, metrics, ckpt_path, inputs,  # type: ignore
+                           num_workers, collate_fn)
+
+    def _infer(self, kind: str, model: nn.Module, dataset: Any, batch_size: int, loss_fn: LossFn | None,
+               metrics: dict[str, Any] | None, ckpt_path: str | os.PathLike[str] | None, inputs: Any,
+               num_workers: int | None, collate_fn: Callable[[list[Any]], Any] | None) -> Any:
+        """One pass of ``kind`` (:class:`shardwise.fit.infer.Inference`), checked here, run on the ranks."""
+        checked = check_inference(self.options, kind, batch_size, loss_fn, metrics)
+        data = DataSource(dataset, loader_options(self.dataloader_kwargs, num_workers=num_workers,
+                                                  collate_fn=collate_fn), parse_inputs(inputs))
+        preflight.check_source(data, 1, what="dataset")
+        path = resolve_checkpoint(ckpt_path) if ckpt_path is not None else None
+        if path is not None:
+            checkpoint.check_compatible(path, checkpoint.model_shapes(model))
+        job = Inference(self.options, model, data, batch_size, kind, loss_fn, checked, path)
+        return self._launch_pass(job)
+
+    def _launch_pass(self, job: Inference) -> Any:
+        """Run ``job`` as :meth:`_launch` runs a fit: in this process, in the running group, or in rank processes
+        started here (rank 0's result comes back)."""
+        nprocs, kind = self.layout.processes, job.kind
+        if dist.is_initialized() or launch.under_torchrun():
+            owned = not dist.is_initialized()
+            device = launch.init(self.options.rank_accelerator, self.timeout)
+            job.model = _copy_model(job.model)
+            try:
+                result = job.run(device)
+            except BaseException as e:
+                if owned:
+                    leave_after_error(e)
+                raise
+            if owned:
+                teardown()
+            return result
+        if nprocs == 1:
+            job.model = _copy_model(job.model)
+            return job.run(pick_device(self.options.rank_accelerator, 0))
+        sent = {"model": job.model, "dataset": job.data.dataset, "loss_fn": job.loss_fn, "metrics": job.metrics}
+        launch.require_picklable({f"{kind}'s {k}": v for k, v in sent.items()})
+        with launch.result_dir() as tmp:
+            out = os.path.join(tmp, "result.pt")
+            launch.spawn(spawned_inference, nprocs, args=(pickle.dumps(job), out),
+                         accelerator=self.options.rank_accelerator, timeout=self.timeout)
+            return torch.load(out, weights_only=True)["result"]
+
 
 def _copy_model(model: nn.Module) -> nn.Module:
     try:

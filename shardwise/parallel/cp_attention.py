@@ -89,6 +89,17 @@ def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.T
     return torch.cat([x.narrow(dim, a * c, c), x.narrow(dim, b * c, c)], dim=dim)
 
 
+def join_sequence(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The whole sequence from every cp rank's tokens (``parts[r]``: rank r's :func:`shard_sequence`), in order."""
+    cp = len(parts)
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for r, x in enumerate(parts):
+        head, tail = x.chunk(2, dim=dim)
+        a, b = chunk_ids(cp, r)
+        chunks[a], chunks[b] = head, tail
+    return torch.cat(chunks, dim=dim)  # type: ignore[arg-type]
+
+
 def unmasked_pairs(seq: int, cp: int, rank: int, head_tail: bool = True) -> int:
     """Causal query-key pairs cp rank ``rank`` computes for one sequence and one head.
 
@@ -403,5 +414,5 @@ def attention(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm
 
 
 __all__ = ["MODES", "RING", "RingAttention", "RingWork", "ULYSSES", "attention", "check_sequence", "check_ulysses_heads",
-           "chunk_ids",
+           "chunk_ids", "join_sequence",
            "local_positions", "ring_attention", "shard_sequence", "ulysses_attention", "unmasked_pairs"]

@@ -102,7 +102,10 @@ class PipelineStage(nn.Module):
         self.layers = nn.ModuleList(m for _, m in layers)
         self.virtual, self.total = virtual, total
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if len(self.layers) == 1:  # the whole model as its one layer (no pipeline): called as the model is
+            return self.layers[0](*args, **kwargs)
+        (x,) = args
         for m in self.layers:
             x = m(x)
         return x

@@ -28,7 +28,15 @@ from shardwise.parallel.accounting import model_state_tensors, with_optimizer_st
 from shardwise.param_groups import named_params
 from shardwise.parallel.ddp import GradSync
 from shardwise.precision import widened
-from shardwise.step import LossFn, OptimizerFactory, StepRun, call_model, set_aux_grad_scale, unwrap
+from shardwise.step import (
+    LossFn,
+    OptimizerFactory,
+    StepRun,
+    call_model,
+    forward_loss,
+    set_aux_grad_scale,
+    unwrap,
+)
 
 
 class Strategy:
@@ -95,7 +103,7 @@ class Strategy:
             ctx = self.no_sync(model) if i < k - 1 else contextlib.nullcontext()
             with ctx:
                 with run.forward_context(topo.device):
-                    loss = loss_fn(call_model(model, x), y)
+                    loss = forward_loss(model, x, y, loss_fn)
                 (widened(loss) * (run.loss_scale / k)).backward()
             total = total + widened(loss.detach())
         return total / k  # type: ignore[return-value]
