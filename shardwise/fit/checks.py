@@ -232,7 +232,7 @@ def check_devices(t: FitOptions) -> None:
                          "pass Trainer(max_processes_per_core=None) to start them anyway")
     if not cuda and local > cores:
         warnings.warn(f"devices={t.devices} starts {local} processes on {cores} CPU cores: ranks will "
-                      "share cores, which is correct but slower than fewer ranks", stacklevel=3)
+                      "share cores, which is correct but slower than fewer ranks", stacklevel=4)
 
 
 def tp_plan(strategy: Strategy) -> Any:
