@@ -52,3 +52,52 @@ def test_meta_model_from_hf_shards_equals_single_device_fine_tuning(saved, same_
     ref = fit("single", 1, LlamaForCausalLM.from_pretrained(saved, dtype=torch.float64))
     for strategy, devices in [("fsdp", 2), ("tp", 2), ("pp", 2), (sw.Parallel(dp=2, tp=2, zero=3), 4)]:
         same_run(ref, fit(strategy, devices, on_meta(saved), init_from=saved))
+
+
+def test_names_and_shapes_that_do_not_fit_are_refused_before_any_process_starts(saved, no_spawn):
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    config = AutoConfig.from_pretrained(saved)
+    config.vocab_size = 64  # another embedding and head shape
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.model.layers[0].mlp.add_module("adapter", torch.nn.Linear(32, 4, bias=False))
+    with pytest.raises(ValueError) as e:
+        fit("fsdp", 2, model, init_from=saved)
+    assert str(e.value).splitlines()[:4] == [
+        f"init_from={saved}: the weights do not fit the model (3 tensors):",
+        f"  model.embed_tokens.weight: {saved} has [128, 32], the model [64, 32]",
+        "  model.layers.0.mlp.adapter.weight: in the model [4, 32], not in " + saved,
+        f"  lm_head.weight: {saved} has [128, 32], the model [64, 32]"]
+    with pytest.raises(ValueError, match=r"^init_from=.*: the weights do not fit the model \(2 tensors\):\n  "
+                                         r"model\.embed_tokens\.weight: "):
+        fit("fsdp", 2, model, init_from=saved, init_allow_missing=["*.adapter.*"])
+
+
+def test_a_per_expert_moe_checkpoint_is_refused_with_the_reason(tmp_path, no_spawn):
+    from tiny_hf import mixtral
+
+    mixtral().save_pretrained(str(tmp_path))
+    with torch.device("meta"):
+        model = mixtral()
+    with pytest.raises(ValueError) as e:
+        fit(sw.Parallel(ep=2), 2, model, init_from=str(tmp_path))
+    assert str(e.value) == (
+        f"init_from={tmp_path} stores the experts one tensor per expert "
+        "(model.layers.0.block_sparse_moe.experts.0.w1.weight), while the model holds them fused in 3-D tensors "
+        "(model.layers.0.mlp.experts.gate_up_proj): transformers renames and merges them at load (its conversion "
+        "mapping), which shardwise does not apply; load the model with from_pretrained and pass it to fit without "
+        "init_from")
+
+
+def test_a_checkpoint_to_resume_wins_over_init_from(saved, tmp_path, capsys):
+    directory = str(tmp_path / "run")
+    one = sw.Trainer("single", 1, accelerator="cpu", progress=False, checkpoint_dir=directory)
+    data = CharText(stdlib_text(20_000), 16)
+    one.fit(on_meta(saved), data, logits_loss, ADAMW, batch_size=8, max_steps=1, init_from=saved)
+    capsys.readouterr()
+    # The same init_from and a meta model again: step 1's checkpoint is resumed, the file is not read.
+    second = one.fit(on_meta(saved), data, logits_loss, ADAMW, batch_size=8, max_steps=2, init_from=saved)
+    assert (f"shardwise: init_from={saved} is not read: the run resumes from {directory}/step_00000001, whose "
+            "weights are this run's own") in capsys.readouterr().err
+    assert len(second.losses) == 2
