@@ -12,8 +12,8 @@ The model may be built on the meta device. Around the strategy's setup:
 
 The model's own initialisation matters only for what the source does not hold:
 modules named in ``allow_missing`` and buffers outside the state dict (rotary
-tables), which it computes as the model's code does: Hugging Face's
-``_init_weights`` for a Hugging Face model, else each module's ``reset_parameters()``.
+tables), which it computes as the model's code does: each module's
+``reset_parameters()``, else Hugging Face's ``_init_weights`` for a Hugging Face model.
 """
 from __future__ import annotations
 
@@ -63,10 +63,10 @@ def own_init(root: nn.Module) -> Callable[[nn.Module], None]:
         with torch.no_grad():
             for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
                 t.zero_()
-        if hf is not None:
-            hf(m)
-        elif hasattr(m, "reset_parameters"):
+        if hasattr(m, "reset_parameters"):  # the module's own (an adapter's), before the model's generic one
             m.reset_parameters()
+        elif hf is not None:
+            hf(m)
     return init
 
 

@@ -166,9 +166,9 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
                         "its own, over the parameters it holds), e.g. functools.partial(torch.optim.AdamW, lr=1e-3)")
     strat = resolve(strategy)
 
-    init = InitFrom.of(init_from, init_allow_missing)
-    if init is not None:
-        init.check(model)
+    weights = InitFrom.of(init_from, init_allow_missing)
+    if weights is not None:
+        weights.check(model)
     if isinstance(strat, HasServers):
         raise ValueError(f"strategy {strat.name!r} cannot run in a hand-written loop: its server ranks hold no "
                          "model replica and run a serving loop of their own while the workers train; use "
@@ -185,10 +185,10 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
         convert_sync_batchnorm(model, topo.comm(DP))
     precision_mod.cast_model(precision, model)  # "bf16-true": the weights themselves in bf16
     grouped = GroupedFactory(optimizer_fn, groups)
-    inner, opt = before_setup(init, model, strat, device).setup(model, grouped, topo)
+    inner, opt = before_setup(weights, model, strat, device).setup(model, grouped, topo)
     grouped.finish(strat.param_names(inner))
-    if init is not None:
-        after_setup(init, strat, inner, opt, topo, shapes, aliases)
+    if weights is not None:
+        after_setup(weights, strat, inner, opt, topo, shapes, aliases)
     prepared = Prepared(inner, strat, topo, precision, shapes, aliases)
     if precision == "16-mixed":
         world_sum = functools.partial(topo.comm("world").all_reduce, name="loop.overflow")

@@ -10,6 +10,7 @@ import torch
 from tiny_hf import llama, logits_loss
 
 import shardwise as sw
+from shardwise import launch
 from shardwise.workloads import CharText, stdlib_text
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]
@@ -101,3 +102,68 @@ def test_a_checkpoint_to_resume_wins_over_init_from(saved, tmp_path, capsys):
     assert (f"shardwise: init_from={saved} is not read: the run resumes from {directory}/step_00000001, whose "
             "weights are this run's own") in capsys.readouterr().err
     assert len(second.losses) == 2
+
+
+def _setup_reads_the_file(rank, device, saved, out):
+    model, _ = sw.setup(on_meta(saved), ADAMW, strategy="zero3", accelerator="cpu", init_from=saved)
+    full = model.state_dict()  # a collective: every rank gathers
+    if rank == 0:
+        torch.save(full, out)
+
+
+def test_sw_setup_reads_init_from_into_zero3_shards(saved, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    out = str(tmp_path / "sd.pt")
+    launch.spawn(_setup_reads_the_file, 2, args=(saved, out))
+    got, want = torch.load(out, weights_only=True), LlamaForCausalLM.from_pretrained(saved, dtype=torch.float64)
+    assert set(got) == set(want.state_dict())
+    for k, v in want.state_dict().items():
+        assert torch.equal(got[k], v), k
+
+
+class LoRA(torch.nn.Linear):
+    """A frozen linear layer plus a trainable low-rank update ``x A^T B^T`` (Hu et al. 2021), its weight under its
+    own name (so it loads from the pretrained file) and its adapters new."""
+
+    def __init__(self, base: torch.nn.Linear, r: int = 4) -> None:
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
+        self.weight.requires_grad_(False)
+        w = base.weight
+        self.lora_a = torch.nn.Parameter(torch.empty(r, self.in_features, dtype=w.dtype, device=w.device))
+        self.lora_b = torch.nn.Parameter(torch.empty(self.out_features, r, dtype=w.dtype, device=w.device))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.lora_a.device.type == "meta":
+            return
+        g = torch.Generator().manual_seed(self.out_features)  # the same adapters however the model was built
+        with torch.no_grad():
+            self.lora_a.copy_(0.1 * torch.randn(self.lora_a.shape, generator=g))
+            self.lora_b.copy_(0.1 * torch.randn(self.lora_b.shape, generator=g))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + torch.nn.functional.linear(torch.nn.functional.linear(x, self.lora_a), self.lora_b)
+
+
+def with_lora(model: torch.nn.Module) -> torch.nn.Module:
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for layer in model.model.layers:
+        layer.self_attn.q_proj = LoRA(layer.self_attn.q_proj)
+        layer.self_attn.v_proj = LoRA(layer.self_attn.v_proj)
+    return model
+
+
+def test_lora_on_a_frozen_base_under_fsdp_and_zero3_equals_single_device(saved, same_run):
+    from transformers import LlamaForCausalLM
+
+    ref = fit("single", 1, with_lora(LlamaForCausalLM.from_pretrained(saved, dtype=torch.float64)))
+    adapters = sum(p.numel() for n, p in with_lora(on_meta(saved)).named_parameters() if ".lora_" in n)
+    assert ref.stats[0]["optimizer_bytes"] == 2 * 8 * adapters  # AdamW's two states, for the adapters only
+    for strategy in ("fsdp", "zero3"):
+        run = fit(strategy, 2, with_lora(on_meta(saved)), init_from=saved, init_allow_missing=["*.lora_?"])
+        same_run(ref, run)
+        assert sum(s["optimizer_bytes"] for s in run.stats) == 2 * 8 * adapters
