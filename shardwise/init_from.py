@@ -4,7 +4,8 @@ The model may be built on the meta device. Around the strategy's setup:
 
 * :func:`before_setup`: FSDP, ZeRO-3 and HSDP keep a meta model meta and
   materialise it one module at a time into the shards (their ``param_init_fn``
-  becomes the model's own initialisation, :func:`own_init`); every other
+  becomes the model's own initialisation, :class:`OwnInit`, which skips the
+  modules the load fills: those get only their shards); every other
   strategy needs real tensors to wrap or split, so the meta tensors get memory
   first (:func:`materialize`), initialised the same way on every rank;
 * :func:`after_setup`: each rank copies into what it holds of every tensor, from
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from shardwise.checkpoint import pretrained
+from shardwise.checkpoint.held import named_state
 from shardwise.checkpoint.store import Checkpointed, model_shapes, tied_aliases
 from shardwise.comm.topology import Topology
 from shardwise.dims import TP
@@ -54,20 +56,28 @@ class InitFrom:
                          self.allow_missing)
 
 
-def own_init(root: nn.Module) -> Callable[[nn.Module], None]:
+class OwnInit:
     """Initialise one module of ``root`` as the model's own code does (its tensors zeroed first, so a module
-    that has no initialiser is the same on every rank)."""
-    hf = getattr(root, "_init_weights", None)
+    that has no initialiser is the same on every rank). ``loaded``: the tensors a load fills afterwards."""
 
-    def init(m: nn.Module) -> None:
+    def __init__(self, root: nn.Module, loaded: set[int] | None = None) -> None:
+        self.hf = getattr(root, "_init_weights", None)
+        self.loaded = loaded or set()
+
+    def __call__(self, m: nn.Module) -> None:
         with torch.no_grad():
             for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
                 t.zero_()
         if hasattr(m, "reset_parameters"):  # the module's own (an adapter's), before the model's generic one
             m.reset_parameters()
-        elif hf is not None:
-            hf(m)
-    return init
+        elif self.hf is not None:
+            self.hf(m)
+
+    def filled_later(self, m: nn.Module) -> bool:
+        """Whether the load fills every tensor of ``m`` (then FSDP allocates only its shards, and no rank
+        initialises it): not a module with buffers outside the state dict, nor one with new tensors."""
+        own = [*m.parameters(recurse=False), *(b for b in m.buffers(recurse=False) if b is not None)]
+        return not m._non_persistent_buffers_set and all(id(t) in self.loaded for t in own)
 
 
 def materialize(model: nn.Module, device: torch.device | str, init: Callable[[nn.Module], None] | None) -> None:
@@ -94,9 +104,17 @@ def before_setup(init: InitFrom | None, model: nn.Module, strategy: Checkpointed
     if init is None or not on_meta(model):
         return strategy
     if isinstance(strategy, FSDP):  # materialises module by module into its shards
-        return dataclasses.replace(strategy, param_init_fn=strategy.param_init_fn or own_init(model))
-    materialize(model, device, own_init(model))
+        return dataclasses.replace(strategy, param_init_fn=strategy.param_init_fn
+                                   or OwnInit(model, _loaded(init, model)))
+    materialize(model, device, OwnInit(model))
     return strategy
+
+
+def _loaded(init: InitFrom, model: nn.Module) -> set[int]:
+    """The ids of ``model``'s tensors that ``init`` fills."""
+    pairs = pretrained.match(pretrained.open_source(init.path), model_shapes(model), tied_aliases(model),
+                             init.allow_missing)
+    return {id(t) for n, t in named_state(model) if n in pairs}
 
 
 def after_setup(init: InitFrom, strategy: Checkpointed, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -108,4 +126,4 @@ def after_setup(init: InitFrom, strategy: Checkpointed, model: nn.Module, optimi
     return pretrained.load(source, held, shapes, pairs, topo.coord(TP), topo.size(TP))
 
 
-__all__ = ["InitFrom", "after_setup", "before_setup", "materialize", "own_init"]
+__all__ = ["InitFrom", "OwnInit", "after_setup", "before_setup", "materialize"]

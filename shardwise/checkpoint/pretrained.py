@@ -183,33 +183,36 @@ def _load_checkpoint(path: str, state: dict[str, object], pairs: dict[str, str])
 def read_box(stored: Stored, offsets: tuple[int, ...], out: torch.Tensor) -> int:
     """Copy the rectangle of ``stored`` at ``offsets`` with ``out``'s shape into ``out`` (converting its dtype),
     reading whole rows of dimension 0, at most :data:`CHUNK_BYTES` at a time. Returns the bytes read."""
-    shape, size = stored.shape, torch.empty((), dtype=stored.dtype).element_size()
+    shape = stored.shape
     if not shape:
-        return _read_into(stored, 0, 1, (), out)
+        out.copy_(_read(stored, 0, 1).view(()))
+        return out.element_size()
     row = math.prod(shape[1:])
-    step = max(1, CHUNK_BYTES // max(1, row * size))
+    step = max(1, CHUNK_BYTES // max(1, row * _itemsize(stored.dtype)))
     read = 0
     for r in range(offsets[0], offsets[0] + out.shape[0], step):
         n = min(step, offsets[0] + out.shape[0] - r)
-        chunk = torch.empty((n, *shape[1:]), dtype=stored.dtype)
-        read += _read_into(stored, r * row, n * row, (n, *shape[1:]), chunk)
+        chunk = _read(stored, r * row, n * row).view(n, *shape[1:])
+        read += chunk.numel() * chunk.element_size()
         for d in range(1, len(shape)):
             chunk = chunk.narrow(d, offsets[d], out.shape[d])
         out.narrow(0, r - offsets[0], n).copy_(chunk)
     return read
 
 
-def _read_into(stored: Stored, first: int, count: int, shape: tuple[int, ...], out: torch.Tensor) -> int:
-    """Read elements ``[first, first + count)`` of ``stored`` into ``out`` (a tensor of ``stored``'s dtype, or
-    any when ``shape`` is a scalar's)."""
-    size = torch.empty((), dtype=stored.dtype).element_size()
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _read(stored: Stored, first: int, count: int) -> torch.Tensor:
+    """Elements ``[first, first + count)`` of ``stored``, flat: one file read into a buffer the tensor views."""
+    size = _itemsize(stored.dtype)
     buf = bytearray(count * size)
     with open(stored.file, "rb") as f:
         f.seek(stored.offset + first * size)
-        f.readinto(buf)
-    src = torch.frombuffer(buf, dtype=stored.dtype).view(shape) if count else torch.empty(shape, dtype=stored.dtype)
-    out.copy_(src)
-    return len(buf)
+        if f.readinto(buf) != len(buf):
+            raise ValueError(f"{stored.file} ends before the tensor its header places at byte {stored.offset}")
+    return torch.frombuffer(buf, dtype=stored.dtype) if count else torch.empty(0, dtype=stored.dtype)
 
 
 __all__ = ["CHUNK_BYTES", "Source", "Stored", "header", "load", "match", "open_source", "read_box"]

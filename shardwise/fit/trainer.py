@@ -31,7 +31,7 @@ from shardwise.fit.job import (
     spawned_fit,
 )
 from shardwise.fit.options import FitOptions
-from shardwise.init_from import InitFrom, materialize, own_init
+from shardwise.init_from import InitFrom, OwnInit, materialize
 from shardwise.step import LossFn, OptimizerFactory
 from shardwise.strategies.base import OwnDevices, Strategy
 from shardwise.strategies.single import Single
@@ -259,6 +259,6 @@ def _copy_model(model: nn.Module) -> nn.Module:
 def trained_into(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
     """Load a run's final full state dict into the model the user passed (every key, strictly); a meta-device
     model gets CPU memory for it first."""
-    materialize(model, "cpu", own_init(model))  # (only a meta tensor changes: buffers outside the state dict)
+    materialize(model, "cpu", OwnInit(model))  # (only a meta tensor changes: buffers outside the state dict)
     with torch.no_grad():
         model.load_state_dict(state_dict, strict=True)
