@@ -72,9 +72,11 @@ class Phases:
     def on_step_end(self, info) -> None:
         if info.step == self.steps:
             self.peaks["train"] = self.sampler.take()
+            self.peaks["level"] = rss_anon()  # what the steps leave: the end of fit is measured above it
 
     def on_fit_end(self, info) -> None:
         self.peaks["end"] = self.sampler.take()
+        self.peaks["held at the end"] = rss_anon()
 
 
 def config(layers: int):
@@ -132,7 +134,9 @@ def main() -> None:
     print(f"model: Llama, {n / 1e6:.1f}M parameters, {full / MIB:.1f} MiB in float32; fsdp x 2, "
           f"{a.steps} SGD steps, state dict {'gathered' if a.state_dict else 'not gathered'}")
     for r in ranks:
-        shown = ", ".join(f"{k} {r[k] / MIB:.1f} MiB ({r[k] / full:.2f}x)" for k in ("load", "train", "end"))
+        r["end above the last step"] = r["end"] - r["level"]
+        shown = ", ".join(f"{k} {r[k] / MIB:.1f} MiB ({r[k] / full:.2f}x)"
+                          for k in ("load", "train", "end", "end above the last step", "held at the end"))
         print(f"rank {r['rank']}: peak RssAnon above baseline ({r['baseline'] / MIB:.0f} MiB): {shown}; "
               f"holds params {r['params_bytes'] / MIB:.1f} MiB, grads {r['grads_bytes'] / MIB:.1f} MiB")
 

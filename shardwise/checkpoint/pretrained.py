@@ -34,7 +34,7 @@ from shardwise.checkpoint.held import Held
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-CHUNK_BYTES = 16 << 20  # rows read per file read: bounds a rank's read buffer whatever the tensor's size
+CHUNK_BYTES = 4 << 20  # rows read per file read: bounds a rank's read buffer whatever the tensor's size
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
