@@ -8,8 +8,10 @@ The model may be built on the meta device. Around the strategy's setup:
   modules the load fills: those get only their shards); every other
   strategy needs real tensors to wrap or split, so the meta tensors get memory
   first (:func:`materialize`), initialised the same way on every rank;
-* :func:`after_setup`: each rank copies into what it holds of every tensor, from
-  the source, only those rectangles (:mod:`shardwise.checkpoint.pretrained`).
+* :func:`after_setup`: what the setup split on meta gets memory for this rank's part;
+* :func:`read_into` (unless a checkpoint is resumed): each rank copies into what it
+  holds of every tensor, from the source, only those rectangles
+  (:mod:`shardwise.checkpoint.pretrained`).
 
 The model's own initialisation matters only for what the source does not hold:
 modules named in ``allow_missing`` and buffers outside the state dict (rotary
@@ -30,7 +32,7 @@ from shardwise.checkpoint import pretrained
 from shardwise.checkpoint.held import named_state
 from shardwise.checkpoint.store import Checkpointed, model_shapes, tied_aliases
 from shardwise.comm.topology import Topology
-from shardwise.dims import TP
+from shardwise.dims import DP_CP, TP
 from shardwise.strategies.data_parallel import on_meta
 from shardwise.strategies.fsdp import FSDP
 
@@ -82,31 +84,43 @@ class OwnInit:
 
 def materialize(model: nn.Module, device: torch.device | str, init: Callable[[nn.Module], None] | None) -> None:
     """Give every meta tensor of ``model`` memory on ``device`` in place (a tied weight stays one Parameter,
-    which ``Module.to_empty`` would split), then ``init`` each module (None: left uninitialised)."""
+    which ``Module.to_empty`` would split), then ``init`` each module that had one (None: left uninitialised)."""
     done: set[int] = set()
+    touched: list[nn.Module] = []
     for m in model.modules():
-        for p in m.parameters(recurse=False):
-            if p.device.type == "meta" and id(p) not in done:
-                fresh = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
-                torch.utils.swap_tensors(p, fresh)  # the same Parameter object: hooks, ties and names stay
-                done.add(id(p))
-        for k, b in m._buffers.items():
-            if b is not None and b.device.type == "meta":
-                m._buffers[k] = torch.empty(b.shape, dtype=b.dtype, device=device)
+        own = [p for p in m.parameters(recurse=False) if p.device.type == "meta" and id(p) not in done]
+        bufs = [k for k, b in m._buffers.items() if b is not None and b.device.type == "meta"]
+        for p in own:
+            fresh = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+            marks = dict(p.__dict__)  # a tp slice's or an expert's spec: swap_tensors swaps the attributes too
+            torch.utils.swap_tensors(p, fresh)  # the same Parameter object: hooks, ties, optimizer entries stay
+            p.__dict__.update(marks)
+            done.add(id(p))
+        for k in bufs:
+            b = m._buffers[k]
+            m._buffers[k] = torch.empty(b.shape, dtype=b.dtype, device=device)  # type: ignore[union-attr]
+        if own or bufs:
+            touched.append(m)
     if init is not None:
-        for m in model.modules():
+        for m in touched:
             init(m)
 
 
-def before_setup(init: InitFrom | None, model: nn.Module, strategy: Checkpointed,
-                 device: torch.device) -> Checkpointed:
-    """Prepare a meta-device ``model`` for ``strategy``'s setup; returns the strategy to set it up with."""
+def before_setup(init: InitFrom | None, model: nn.Module, strategy: Checkpointed, topo: Topology) -> Checkpointed:
+    """Prepare a meta-device ``model`` for ``strategy``'s setup; returns the strategy to set it up with.
+
+    FSDP materialises it module by module into its shards. Without a data-parallel wrapper (tp, pp and their
+    composition with dp = 1), the model stays on meta through the setup, which splits it, and
+    :func:`after_setup` gives memory only to what this rank kept. A data-parallel wrapper (DDP, ZeRO-1/2, or
+    FSDP inside ``sw.Parallel``) starts from real tensors: the whole model gets memory here.
+    """
     if init is None or not on_meta(model):
         return strategy
     if isinstance(strategy, FSDP):  # materialises module by module into its shards
         return dataclasses.replace(strategy, param_init_fn=strategy.param_init_fn
                                    or OwnInit(model, _loaded(init, model)))
-    materialize(model, device, OwnInit(model))
+    if topo.size(DP_CP) > 1:
+        materialize(model, topo.device, OwnInit(model))
     return strategy
 
 
@@ -117,8 +131,15 @@ def _loaded(init: InitFrom, model: nn.Module) -> set[int]:
     return {id(t) for n, t in named_state(model) if n in pairs}
 
 
-def after_setup(init: InitFrom, strategy: Checkpointed, model: nn.Module, optimizer: torch.optim.Optimizer,
-                topo: Topology, shapes: dict[str, list[int]], aliases: dict[str, str]) -> int:
+def after_setup(init: InitFrom | None, model: nn.Module, topo: Topology, root: nn.Module) -> None:
+    """Give memory to what this rank kept of a model that the setup split on the meta device (``root``: the
+    bare model, whose own code initialises what no load fills)."""
+    if init is not None:
+        materialize(model, topo.device, OwnInit(root))
+
+
+def read_into(init: InitFrom, strategy: Checkpointed, model: nn.Module, optimizer: torch.optim.Optimizer,
+              topo: Topology, shapes: dict[str, list[int]], aliases: dict[str, str]) -> int:
     """Read the weights into what this rank holds of the set-up ``model``; returns the bytes it read."""
     source = pretrained.open_source(init.path)
     pairs = pretrained.match(source, shapes, aliases, init.allow_missing)
@@ -126,4 +147,4 @@ def after_setup(init: InitFrom, strategy: Checkpointed, model: nn.Module, optimi
     return pretrained.load(source, held, shapes, pairs, topo.coord(TP), topo.size(TP))
 
 
-__all__ = ["InitFrom", "OwnInit", "after_setup", "before_setup", "materialize"]
+__all__ = ["InitFrom", "OwnInit", "after_setup", "before_setup", "materialize", "read_into"]

@@ -37,7 +37,7 @@ from shardwise.checkpoint import store as checkpoint
 from shardwise.comm.topology import Topology, backend_for, pick_device
 from shardwise.data import to_device
 from shardwise.dims import DP, PP
-from shardwise.init_from import InitFrom, after_setup, before_setup
+from shardwise.init_from import InitFrom, after_setup, before_setup, read_into
 from shardwise.param_groups import (
     GroupedFactory,
     ParamGroupsFn,
@@ -185,10 +185,11 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
         convert_sync_batchnorm(model, topo.comm(DP))
     precision_mod.cast_model(precision, model)  # "bf16-true": the weights themselves in bf16
     grouped = GroupedFactory(optimizer_fn, groups)
-    inner, opt = before_setup(weights, model, strat, device).setup(model, grouped, topo)
+    inner, opt = before_setup(weights, model, strat, topo).setup(model, grouped, topo)
     grouped.finish(strat.param_names(inner))
+    after_setup(weights, inner, topo, model)
     if weights is not None:
-        after_setup(weights, strat, inner, opt, topo, shapes, aliases)
+        read_into(weights, strat, inner, opt, topo, shapes, aliases)
     prepared = Prepared(inner, strat, topo, precision, shapes, aliases)
     if precision == "16-mixed":
         world_sum = functools.partial(topo.comm("world").all_reduce, name="loop.overflow")

@@ -36,7 +36,7 @@ from shardwise.fit.evaluate import (
 from shardwise.fit.options import FitOptions, SchedulerFactory
 from shardwise.fit.progress import StepLog, want_progress
 from shardwise.fit.steps import count_state, global_losses, train_loop
-from shardwise.init_from import InitFrom, after_setup, before_setup
+from shardwise.init_from import InitFrom, after_setup, before_setup, read_into
 from shardwise.param_groups import GroupedFactory, GroupPlan
 from shardwise.parallel.checkpointing import apply_activation_checkpointing
 from shardwise.parallel.sync_bn import convert_sync_batchnorm
@@ -124,7 +124,8 @@ class Job:
             convert_sync_batchnorm(self.model, topo.comm(DP))
         precision_mod.cast_model(t.precision, self.model)  # "bf16-true": weights, and so grads and states, in bf16
         grouped = GroupedFactory(self.optimizer_fn, self.groups)
-        model, opt = before_setup(self.init, self.model, strat, topo.device).setup(self.model, grouped, topo)
+        model, opt = before_setup(self.init, self.model, strat, topo).setup(self.model, grouped, topo)
+        after_setup(self.init, model, topo, self.model)
         grouped.finish(strat.param_names(model))
         self.restored_groups: list[dict[str, Any]] | None = None
         prev: list[float] = []
@@ -196,7 +197,7 @@ class Job:
         if self.init is None:
             return
         if resumed is None:
-            after_setup(self.init, self.options.strategy, model, opt, topo, shapes, self.aliases)
+            read_into(self.init, self.options.strategy, model, opt, topo, shapes, self.aliases)
         elif topo.rank == 0:
             print(f"shardwise: init_from={self.init.path} is not read: the run resumes from {resumed}, whose "
                   "weights are this run's own", file=sys.stderr, flush=True)

@@ -178,7 +178,9 @@ class _Unit:
         storage.resize_(buf.numel() * buf.element_size())
         view = buf[:p.numel()].view(p.shape)
         if p.device.type == "meta":  # off the meta device first (see _to_device), with no memory of its own
+            marks = dict(p.__dict__)  # (swap_tensors swaps the Python attributes too: an expert's spec)
             torch.utils.swap_tensors(p, nn.Parameter(buf.new_empty(0), requires_grad=p.requires_grad))
+            p.__dict__.update(marks)
         # ``.data =``, not a swap: the parameter keeps its own version counter, which the gathers into the
         # padded storage must not advance (autograd checks it in backward).
         p.data = view

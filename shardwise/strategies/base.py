@@ -28,7 +28,7 @@ from shardwise.parallel.accounting import model_state_tensors, with_optimizer_st
 from shardwise.param_groups import named_params
 from shardwise.parallel.ddp import GradSync
 from shardwise.precision import widened
-from shardwise.step import LossFn, OptimizerFactory, StepRun, call_model, set_aux_grad_scale, unwrap
+from shardwise.step import LossFn, OptimizerFactory, StepRun, call_model, on_device, set_aux_grad_scale, unwrap
 
 
 class Strategy:
@@ -68,7 +68,7 @@ class Strategy:
 
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
-        model = model.to(topo.device)
+        model = on_device(model, topo.device)
         return model, optimizer_fn(model.parameters())
 
     def param_names(self, model: nn.Module) -> dict[int, str]:
