@@ -102,6 +102,14 @@ def test_a_checkpoint_to_resume_wins_over_init_from(saved, tmp_path, capsys):
     assert (f"shardwise: init_from={saved} is not read: the run resumes from {directory}/step_00000001, whose "
             "weights are this run's own") in capsys.readouterr().err
     assert len(second.losses) == 2
+    # The run of a meta model exports to a directory from_pretrained loads (the config is in the checkpoint).
+    from transformers import AutoModelForCausalLM
+
+    from shardwise.checkpoint import tools
+
+    tools.export(directory, str(tmp_path / "hf"), "hf")
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float64).state_dict()
+    assert all(torch.equal(exported[k], v) for k, v in second.state_dict.items())
 
 
 def _setup_reads_the_file(rank, device, saved, out):
