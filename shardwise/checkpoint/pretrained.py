@@ -38,6 +38,7 @@ CHUNK_BYTES = 4 << 20  # rows read per file read: bounds a rank's read buffer wh
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
+_NAMES = {v: k for k, v in _DTYPES.items()}
 _PER_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 
@@ -215,4 +216,31 @@ def _read(stored: Stored, first: int, count: int) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=stored.dtype) if count else torch.empty(0, dtype=stored.dtype)
 
 
-__all__ = ["CHUNK_BYTES", "Source", "Stored", "header", "load", "match", "open_source", "read_box"]
+def write_safetensors(path: str, file: str) -> None:
+    """Write the model tensors of the checkpoint at ``path`` into one safetensors ``file``, one tensor at a time:
+    the header first (names, dtypes and shapes from DCP's metadata), then each tensor read alone from whatever
+    pieces the writing layout stored, so the writer never holds more than one tensor. A tied weight is written
+    once, under its first name (as ``save_pretrained`` writes it)."""
+    dcp, _ = store._dcp()
+    manifest = store.current_manifest(path)
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    head: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    at = 0
+    for k, shape in manifest["shapes"].items():
+        dtype = stored[f"model.{k}"].properties.dtype  # type: ignore[union-attr]
+        n = math.prod(shape) * _itemsize(dtype)
+        head[k] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [at, at + n]}
+        at += n
+    raw = json.dumps(head, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for k, shape in manifest["shapes"].items():
+            t = torch.empty(shape, dtype=stored[f"model.{k}"].properties.dtype)  # type: ignore[union-attr]
+            with store._quiet_single_process():
+                dcp.load({f"model.{k}": t}, checkpoint_id=path, no_dist=True)
+            f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+
+
+__all__ = ["CHUNK_BYTES", "Source", "Stored", "header", "load", "match", "open_source", "read_box",
+           "write_safetensors"]
