@@ -16,7 +16,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-
 from shardwise.checkpoint import pretrained
 from shardwise.checkpoint import store as checkpoint
 from shardwise.checkpoint.store import MANIFEST, MANIFEST_SIZES
