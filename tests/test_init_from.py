@@ -112,22 +112,28 @@ def test_a_checkpoint_to_resume_wins_over_init_from(saved, tmp_path, capsys):
     assert all(torch.equal(exported[k], v) for k, v in second.state_dict.items())
 
 
-def _setup_reads_the_file(rank, device, saved, out):
-    model, _ = sw.setup(on_meta(saved), ADAMW, strategy="zero3", accelerator="cpu", init_from=saved)
+def _setup_reads_the_file(rank, device, saved, directory, out):
+    model, opt = sw.setup(on_meta(saved), ADAMW, strategy="zero3", accelerator="cpu", init_from=saved)
     full = model.state_dict()  # a collective: every rank gathers
+    sw.save(model, opt, directory, step=0)
+    # A shardwise checkpoint is a source too: read into another layout's shards (DCP, any layout to any).
+    again, _ = sw.setup(on_meta(saved), ADAMW, strategy="fsdp", accelerator="cpu", init_from=directory)
     if rank == 0:
-        torch.save(full, out)
+        torch.save([full, again.state_dict()], out)
+    else:
+        again.state_dict()
 
 
 def test_sw_setup_reads_init_from_into_zero3_shards(saved, tmp_path):
     from transformers import LlamaForCausalLM
 
     out = str(tmp_path / "sd.pt")
-    launch.spawn(_setup_reads_the_file, 2, args=(saved, out))
-    got, want = torch.load(out, weights_only=True), LlamaForCausalLM.from_pretrained(saved, dtype=torch.float64)
-    assert set(got) == set(want.state_dict())
-    for k, v in want.state_dict().items():
-        assert torch.equal(got[k], v), k
+    launch.spawn(_setup_reads_the_file, 2, args=(saved, str(tmp_path / "ckpt"), out))
+    want = LlamaForCausalLM.from_pretrained(saved, dtype=torch.float64).state_dict()
+    for got in torch.load(out, weights_only=True):
+        assert set(got) == set(want)
+        for k, v in want.items():
+            assert torch.equal(got[k], v), k
 
 
 class LoRA(torch.nn.Linear):
