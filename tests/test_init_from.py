@@ -181,3 +181,24 @@ def test_lora_on_a_frozen_base_under_fsdp_and_zero3_equals_single_device(saved, 
         run = fit(strategy, 2, with_lora(on_meta(saved)), init_from=saved, init_allow_missing=["*.lora_?"])
         same_run(ref, run)
         assert sum(s["optimizer_bytes"] for s in run.stats) == 2 * 8 * adapters
+
+
+def test_a_rectangle_is_read_at_the_header_offsets_in_bounded_chunks_and_converted(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    from shardwise.checkpoint import pretrained
+
+    w = torch.randn(6, 4, 3, dtype=torch.float32).to(torch.bfloat16)
+    save_file({"a": torch.arange(5.0), "w": w, "s": torch.tensor(7, dtype=torch.int64)}, str(tmp_path / "x.safetensors"))
+    source = pretrained.open_source(str(tmp_path / "x.safetensors"))
+    assert source.shapes == {"a": [5], "w": [6, 4, 3], "s": []}
+    monkeypatch.setattr(pretrained, "CHUNK_BYTES", 2 * 4 * 3 * 2)  # two rows of w per read
+    reads, read = [], pretrained._read
+    monkeypatch.setattr(pretrained, "_read", lambda s, first, n: reads.append((first, n)) or read(s, first, n))
+    out = torch.empty(3, 2, 3, dtype=torch.float64)
+    assert pretrained.read_box(source.tensors["w"], (2, 1, 0), out) == 3 * 4 * 3 * 2  # whole rows 2, 3 and 4
+    assert reads == [(2 * 12, 2 * 12), (4 * 12, 12)]  # (first element, count): two reads, at most two rows each
+    assert torch.equal(out, w[2:5, 1:3].double())
+    scalar = torch.empty((), dtype=torch.float32)
+    pretrained.read_box(source.tensors["s"], (), scalar)
+    assert scalar.item() == 7.0
