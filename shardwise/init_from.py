@@ -119,7 +119,7 @@ def before_setup(init: InitFrom | None, model: nn.Module, strategy: Checkpointed
     if isinstance(strategy, FSDP):  # materialises module by module into its shards
         return dataclasses.replace(strategy, param_init_fn=strategy.param_init_fn
                                    or OwnInit(model, _loaded(init, model)))
-    if topo.size(DP_CP) > 1:
+    if topo.size(DP_CP) > 1 or getattr(strategy, "zero", 0) == 3:  # (sw.Parallel's FSDP splits real tensors)
         materialize(model, topo.device, OwnInit(model))
     return strategy
 
