@@ -145,7 +145,7 @@ class Job:
                 line = resume_line(path, len(prev), self.max_steps) if self.stop_reason is None else \
                     f"shardwise: already complete: {path} {self.stop_reason.partition(' (')[0]}, 0 steps to run"
                 print(line, file=sys.stderr, flush=True)
-        self._init_weights(path, model, opt, topo, shapes)
+        self._read_pretrained(path, model, opt, topo, shapes)
         self.history = history_from(extra)  # validations of the run so far (a resumed run's included)
         self.steps_done = len(prev)
         self.hook("on_fit_start", len(prev), topo, optimizer=opt)
@@ -190,7 +190,7 @@ class Job:
                                                      stop_reason=self.stop_reason, control=self.control))
         return result
 
-    def _init_weights(self, resumed: str | None, model: nn.Module, opt: torch.optim.Optimizer, topo: Topology,
+    def _read_pretrained(self, resumed: str | None, model: nn.Module, opt: torch.optim.Optimizer, topo: Topology,
                       shapes: dict[str, list[int]]) -> None:
         """``init_from``'s weights into this rank's shards, unless a checkpoint was resumed: it holds the run's
         own weights, which win (and the message says so)."""
