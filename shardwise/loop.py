@@ -37,6 +37,7 @@ from shardwise.checkpoint import store as checkpoint
 from shardwise.comm.topology import Topology, backend_for, pick_device
 from shardwise.data import to_device
 from shardwise.dims import DP, PP
+from shardwise.init_from import InitFrom, after_setup, before_setup, read_into
 from shardwise.param_groups import (
     GroupedFactory,
     ParamGroupsFn,
@@ -140,7 +141,8 @@ _PREPARED: weakref.WeakSet[Prepared] = weakref.WeakSet()
 
 def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Strategy = "ddp",
           accelerator: str = "auto", precision: str = "32", sync_batchnorm: bool = False,
-          param_groups: ParamGroupsFn | None = None) -> tuple[Prepared, torch.optim.Optimizer]:
+          param_groups: ParamGroupsFn | None = None, init_from: str | os.PathLike[str] | None = None,
+          init_allow_missing: list[str] | tuple[str, ...] = ()) -> tuple[Prepared, torch.optim.Optimizer]:
     """Apply ``strategy`` to ``model`` inside the running group (``sw.init()``); returns the prepared model and
     the optimizer ``optimizer_fn`` builds over the parameters this rank holds.
 
@@ -155,6 +157,8 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
     (which scales the loss) instead of ``loss.backward()``, and ``optimizer.step()`` unscales, skips a step
     whose gradients overflowed on any rank, and adjusts the scale.
     ``sync_batchnorm``: BatchNorm normalises with the whole global batch's statistics (see the Trainer).
+    ``init_from``, ``init_allow_missing``: pretrained weights read straight into what each rank holds, the model
+    possibly on the meta device (see ``Trainer.fit`` and :mod:`shardwise.init_from`).
     """
     precision = precision_mod.check(precision)
     if isinstance(optimizer_fn, torch.optim.Optimizer):
@@ -162,6 +166,9 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
                         "its own, over the parameters it holds), e.g. functools.partial(torch.optim.AdamW, lr=1e-3)")
     strat = resolve(strategy)
 
+    weights = InitFrom.of(init_from, init_allow_missing)
+    if weights is not None:
+        weights.check(model)
     if isinstance(strat, HasServers):
         raise ValueError(f"strategy {strat.name!r} cannot run in a hand-written loop: its server ranks hold no "
                          "model replica and run a serving loop of their own while the workers train; use "
@@ -178,8 +185,11 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
         convert_sync_batchnorm(model, topo.comm(DP))
     precision_mod.cast_model(precision, model)  # "bf16-true": the weights themselves in bf16
     grouped = GroupedFactory(optimizer_fn, groups)
-    inner, opt = strat.setup(model, grouped, topo)
+    inner, opt = before_setup(weights, model, strat, topo).setup(model, grouped, topo)
     grouped.finish(strat.param_names(inner))
+    after_setup(weights, inner, topo, model)
+    if weights is not None:
+        read_into(weights, strat, inner, opt, topo, shapes, aliases)
     prepared = Prepared(inner, strat, topo, precision, shapes, aliases)
     if precision == "16-mixed":
         world_sum = functools.partial(topo.comm("world").all_reduce, name="loop.overflow")

@@ -48,6 +48,14 @@ class StepRun:
         return autocast(self.precision, device)
 
 
+def on_device(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model`` moved to ``device``; a model with meta tensors stays as it is: it is split first and gets memory
+    for what this rank keeps afterwards (:mod:`shardwise.init_from`)."""
+    if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
+        return model
+    return model.to(device)
+
+
 def call_model(model: nn.Module, x: Any) -> Any:
     """``model(x)``, or ``model(**x)`` for the keyword inputs of a dict batch (:class:`shardwise.data.Kwargs`)."""
     return model(**x) if isinstance(x, Kwargs) else model(x)

@@ -16,8 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
+from shardwise.checkpoint import pretrained
 from shardwise.checkpoint import store as checkpoint
 from shardwise.checkpoint.store import MANIFEST, MANIFEST_SIZES
 from shardwise.extras import require
@@ -270,30 +269,23 @@ def _hf_class(model: dict[str, Any], config: Any) -> Any:
                      "the state dict into your class")
 
 
-def _save_hf(sd: dict[str, Any], model: dict[str, Any], out: str) -> str:
+def _save_hf(path: str, model: dict[str, Any], out: str) -> str:
+    """A directory ``from_pretrained`` loads: the run's config, and ``model.safetensors`` written one tensor at a
+    time straight from the checkpoint's pieces (:func:`shardwise.checkpoint.pretrained.write_safetensors`: no full
+    state dict, no model instance), each in the dtype it was trained in (a bf16 run exports bf16)."""
     import transformers
 
-    configs, hf_logging = transformers.CONFIG_MAPPING, transformers.logging  # logging: transformers.utils.logging
     raw = dict(model["hf_config"])
     model_type = raw.get("model_type")
-    if model_type not in configs:
+    if model_type not in transformers.CONFIG_MAPPING:
         raise ValueError(f"the checkpoint's Hugging Face config has model_type={model_type!r}, which this "
                          "transformers does not know; export with --format pt")
-    config = configs[model_type].from_dict(raw)
+    config = transformers.CONFIG_MAPPING[model_type].from_dict(raw)
     cls = _hf_class(model, config)
-    dtypes = {v.dtype for v in sd.values() if v.is_floating_point()}
-    with torch.device("cpu"):
-        m = cls(config)
-    if len(dtypes) == 1:
-        m = m.to(dtypes.pop())  # keep the trained precision (a bf16 run exports bf16)
-    m.load_state_dict(sd, strict=True)
-    bar = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # one small write; a bar on stderr says nothing
-    try:
-        m.save_pretrained(out)
-    finally:
-        if bar:
-            hf_logging.enable_progress_bar()
+    config.architectures = [cls.__name__]
+    os.makedirs(out, exist_ok=True)
+    config.save_pretrained(out)
+    pretrained.write_safetensors(path, os.path.join(out, "model.safetensors"))
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
@@ -324,8 +316,11 @@ def export(source: str, out: str, format: str | None = None) -> Exported:
         raise ValueError(f"{out} is a file; the hf export writes a directory")
     if fmt == "hf":
         require("a Hugging Face export (--format hf)", "hf")
-    sd = checkpoint.export(path, out if fmt == "pt" else None, check=False)
-    cls = _save_hf(sd, model, out) if fmt == "hf" else model.get("class")
+    if fmt == "hf":
+        cls = _save_hf(path, model, out)
+    else:
+        checkpoint.export(path, out, check=False)
+        cls = model.get("class")
     return Exported(source=path, step=int(manifest["step"]), format=fmt, out=out, model_class=cls, skipped=skipped)
 
 

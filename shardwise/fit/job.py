@@ -37,6 +37,7 @@ from shardwise.fit.evaluate import (
 from shardwise.fit.options import FitOptions, SchedulerFactory
 from shardwise.fit.progress import StepLog, want_progress
 from shardwise.fit.steps import count_state, global_losses, train_loop
+from shardwise.init_from import InitFrom, after_setup, before_setup, read_into
 from shardwise.param_groups import GroupedFactory, GroupPlan
 from shardwise.parallel.checkpointing import apply_activation_checkpointing
 from shardwise.parallel.sync_bn import convert_sync_batchnorm
@@ -105,6 +106,8 @@ class Job:
     validation: Validation | None = None
     groups: GroupPlan | None = None  # the optimizer's parameter groups on the unsplit model
     training_step: TrainingStep | None = None  # fit(training_step=): the step's loss (loss_fn then validates)
+    init: InitFrom | None = None  # fit(init_from=): pretrained weights read into the shards (unless resumed)
+    return_state_dict: bool = True  # False: no full state dict is gathered at the end
 
     def run(self, device: torch.device) -> FitResult:
         t = self.options
@@ -132,7 +135,8 @@ class Job:
             convert_sync_batchnorm(self.model, topo.comm(DP))
         precision_mod.cast_model(t.precision, self.model)  # "bf16-true": weights, and so grads and states, in bf16
         grouped = GroupedFactory(self.optimizer_fn, self.groups)
-        model, opt = strat.setup(self.model, grouped, topo)
+        model, opt = before_setup(self.init, self.model, strat, topo).setup(self.model, grouped, topo)
+        after_setup(self.init, model, topo, self.model)
         grouped.finish(strat.param_names(model))
         self.restored_groups: list[dict[str, Any]] | None = None
         self.restored_loggers: dict[str, dict[str, Any]] = {}  # the checkpoint's logger runs, reopened on resume
@@ -140,6 +144,7 @@ class Job:
         prev: list[float] = []
         extra: dict[str, torch.Tensor] = {}
         self.control, self.stop_reason = Control(), None
+        path = None
         if t.checkpoint_dir is not None and t.resume:
             path = checkpoint.resume_point(t.checkpoint_dir, topo)
             if path is not None:
@@ -153,6 +158,7 @@ class Job:
                 line = resume_line(path, len(prev), self.max_steps) if self.stop_reason is None else \
                     f"shardwise: already complete: {path} {self.stop_reason.partition(' (')[0]}, 0 steps to run"
                 print(line, file=sys.stderr, flush=True)
+        self._read_pretrained(path, model, opt, topo, shapes)
         self.history = history_from(extra)  # validations of the run so far (a resumed run's included)
         self.steps_done = len(prev)
         self.profile: dict[str, Any] | None = None  # set by the loop; a server's part is not profiled
@@ -170,7 +176,7 @@ class Job:
         train_sent = topo.stats.sent - sent_after_setup
         train_received = topo.stats.received - received_after_setup
         all_losses = prev + global_losses(losses, strat, topo)
-        state_dict = strat.full_state_dict(model, topo)
+        state_dict = strat.full_state_dict(model, topo) if self.return_state_dict else {}
         mine = {
             "rank": topo.rank,
             "peak_rss_bytes": peak_rss_bytes(),
@@ -202,6 +208,18 @@ class Job:
                                                      history=list(self.history), losses=list(all_losses),
                                                      stop_reason=self.stop_reason, control=self.control))
         return result
+
+    def _read_pretrained(self, resumed: str | None, model: nn.Module, opt: torch.optim.Optimizer, topo: Topology,
+                      shapes: dict[str, list[int]]) -> None:
+        """``init_from``'s weights into this rank's shards, unless a checkpoint was resumed: it holds the run's
+        own weights, which win (and the message says so)."""
+        if self.init is None:
+            return
+        if resumed is None:
+            read_into(self.init, self.options.strategy, model, opt, topo, shapes, self.aliases)
+        elif topo.rank == 0:
+            print(f"shardwise: init_from={self.init.path} is not read: the run resumes from {resumed}, whose "
+                  "weights are this run's own", file=sys.stderr, flush=True)
 
     def _serve(self, model: nn.Module, opt: torch.optim.Optimizer, topo: Topology, prev: list[float],
                shapes: dict[str, list[int]]) -> list[float]:

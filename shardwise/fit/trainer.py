@@ -35,6 +35,7 @@ from shardwise.fit.job import (
 )
 from shardwise.fit.infer import Inference, check_inference, resolve_checkpoint, spawned_inference
 from shardwise.fit.options import FitOptions
+from shardwise.init_from import InitFrom, OwnInit, materialize
 from shardwise.loggers import Logger
 from shardwise.step import LossFn, OptimizerFactory, StepFn
 from shardwise.strategies.base import OwnDevices, Strategy
@@ -176,7 +177,9 @@ class Trainer:
             checkpoint_best: str | tuple[str, str] | None = None, num_workers: int | None = None,
             collate_fn: Callable[[list[Any]], Any] | None = None, pin_memory: bool | None = None,
             inputs: str | list[str] | tuple[str, ...] | None = None,
-            param_groups: ParamGroupsFn | None = None, training_step: StepFn | None = None) -> FitResult:
+            param_groups: ParamGroupsFn | None = None, training_step: StepFn | None = None,
+            init_from: str | os.PathLike[str] | None = None, init_allow_missing: list[str] | tuple[str, ...] = (),
+            return_state_dict: bool = True) -> FitResult:
         """Train for ``max_steps`` optimizer steps of global batch ``batch_size`` (or ``Trainer(max_epochs=)``).
 
         The run trains a copy of ``model`` (strategies shard, wrap and split what they are given) and loads the
@@ -219,6 +222,18 @@ class Trainer:
         (``metrics_path``, TensorBoard). Several losses, auxiliary terms, extra inputs and weights fit there; the
         loss must be the batch's mean, as ``loss_fn``'s. ``loss_fn`` is then optional (given, validation uses
         it). Refused under a pipeline (pp > 1), whose loss is the last stage's (docs: how-to/custom-step).
+
+        ``init_from`` (:mod:`shardwise.init_from`): start from pretrained weights, a Hugging Face model directory
+        (safetensors, sharded with an index or single), a ``.safetensors`` file or a shardwise checkpoint; each
+        rank reads only what it holds, converted to the model's dtype, and ``model`` may be built on the meta
+        device. Names and shapes are matched before any process starts; ``init_allow_missing`` (fnmatch
+        patterns) names the model's tensors meant to be new, which keep the model's own initialisation. A
+        checkpoint in ``checkpoint_dir`` to resume wins over ``init_from``.
+
+        ``return_state_dict=False``: no rank gathers the full state dict at the end; ``result.state_dict`` is
+        empty and ``model`` is left as it was (a meta-device model stays on meta): the trained weights are in
+        the run's checkpoints (``checkpoint_dir``; ``shardwise checkpoint export`` writes them out). With the
+        default ``True``, a meta-device ``model`` is given CPU memory and ends trained, as any other.
         """
         step = check_step(self.options, loss_fn, training_step, optimizer, batch_size, val_dataset)
         data = DataSource(dataset, loader_options(self.dataloader_kwargs, num_workers=num_workers,
@@ -226,14 +241,18 @@ class Trainer:
         max_steps = run_steps(max_steps, self.options.max_epochs, dataset, batch_size)
         info, groups = validate(self.options, model, data, batch_size, max_steps, optimizer, loss_fn, lr_scheduler,
                                 param_groups)
+        init = InitFrom.of(init_from, init_allow_missing)
+        if init is not None:
+            init.check(model)  # before any process starts: the weights fit the model, or the names that differ
         val = check_fit_options(self.options, model, loss_fn, data, batch_size, val_dataset, val_every, val_metrics,
                                 val_batch_size, checkpoint_best, step)
         job = Job(self.options, model, data, loss_fn, optimizer, batch_size, max_steps, info, lr_scheduler, val,
-                  groups, step)
+                  groups, step, init, return_state_dict)
         result = self._launch(job)
         # One semantics whatever the launch: the model passed in ends trained. The run itself trains a copy
         # (strategies shard, wrap and split the model they are given), then the final weights go back here.
-        trained_into(model, result.state_dict)
+        if return_state_dict:
+            trained_into(model, result.state_dict)
         return result
 
     def _launch(self, job: Job) -> FitResult:
@@ -361,6 +380,8 @@ def _copy_model(model: nn.Module) -> nn.Module:
 
 
 def trained_into(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    """Load a run's final full state dict into the model the user passed (every key, strictly)."""
+    """Load a run's final full state dict into the model the user passed (every key, strictly); a meta-device
+    model gets CPU memory for it first."""
+    materialize(model, "cpu", OwnInit(model))  # (only a meta tensor changes: buffers outside the state dict)
     with torch.no_grad():
         model.load_state_dict(state_dict, strict=True)

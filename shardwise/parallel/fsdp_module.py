@@ -327,10 +327,15 @@ class FSDPModule(_Reduction, nn.Module):
         """Allocate, initialise, shard and free one module's parameters at a time (meta-device models)."""
         where = {p: (u, i) for u in self.units for i, p in enumerate(u.params)}
         done: set[nn.Parameter] = set()
+        later = getattr(init, "filled_later", None)  # a load fills these modules afterwards: no full copy needed
         for name, m in root.named_modules():
             own = [p for p in m.parameters(recurse=False) if p.device.type == "meta" and p not in done]
             bufs = [(k, b) for k, b in m.named_buffers(recurse=False) if b is not None and b.device.type == "meta"]
             if not own and not bufs:
+                continue
+            if later is not None and later(m):
+                self._shards_only(m, own, bufs, where, device)
+                done.update(own)
                 continue
             if init is None and not hasattr(m, "reset_parameters"):
                 raise ValueError(
@@ -358,6 +363,21 @@ class FSDPModule(_Reduction, nn.Module):
                     u, i = where[p]
                     u.take_shard(i, p.detach())
                     u.point_to_padded(i)
+
+    @staticmethod
+    def _shards_only(m: nn.Module, own: list[nn.Parameter], bufs: list[tuple[str, torch.Tensor]],
+                     where: dict[nn.Parameter, tuple[_Unit, int]], device: torch.device) -> None:
+        """A meta module whose every tensor a load fills afterwards (``init_from``): its parameters point at
+        their (freed) padded storage at once, the shard left for the load; a parameter outside every unit (a
+        frozen one) and the buffers get whole, uninitialised memory."""
+        for p in own:
+            if p in where:
+                u, i = where[p]
+                u.point_to_padded(i)
+            else:
+                _to_device(p, device)
+        for k, b in bufs:
+            m._buffers[k] = torch.empty(b.shape, dtype=b.dtype, device=device)
 
     # ---- public --------------------------------------------------------
     @contextlib.contextmanager

@@ -176,7 +176,14 @@ class _Unit:
         storage = buf.untyped_storage()
         # A view can only be made of a storage big enough for it: allocate, view, free.
         storage.resize_(buf.numel() * buf.element_size())
-        p.data = buf[:p.numel()].view(p.shape)
+        view = buf[:p.numel()].view(p.shape)
+        if p.device.type == "meta":  # off the meta device first (see _to_device), with no memory of its own
+            marks = dict(p.__dict__)  # (swap_tensors swaps the Python attributes too: an expert's spec)
+            torch.utils.swap_tensors(p, nn.Parameter(buf.new_empty(0), requires_grad=p.requires_grad))
+            p.__dict__.update(marks)
+        # ``.data =``, not a swap: the parameter keeps its own version counter, which the gathers into the
+        # padded storage must not advance (autograd checks it in backward).
+        p.data = view
         storage.resize_(0)
 
     def offload_to(self, device: torch.device, everything: bool) -> None:

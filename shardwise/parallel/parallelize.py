@@ -66,7 +66,7 @@ from shardwise.parallel.pipeline import build_pipeline
 from shardwise.parallel.tp import apply_tp
 from shardwise.parallel.zero import ShardedOptimizer
 from shardwise.parallel.zero_module import ZeROModule
-from shardwise.step import OptimizerFactory
+from shardwise.step import OptimizerFactory, on_device
 
 
 @dataclass(frozen=True)
@@ -216,7 +216,7 @@ def parallelize(model: nn.Module, optimizer_fn: OptimizerFactory, topo: Topology
     def split_tp(m: nn.Module, keep: Callable[[str], bool]) -> nn.Module:
         return apply_tp(m, tp_plan, tp, keep, sequence_parallel=sequence_parallel)
 
-    pm = build_pipeline(model.to(topo.device), topo, split_points, chunks, tied,
+    pm = build_pipeline(on_device(model, topo.device), topo, split_points, chunks, tied,
                         split_tp if topo.size(TP) > 1 else None, shape)  # shape: the schedule's placement
     if topo.size(CP) > 1:
         pm.context = ContextParallel(topo.comm(CP), cp_mode)

@@ -34,6 +34,7 @@ from shardwise.step import (
     StepRun,
     call_model,
     forward_loss,
+    on_device,
     set_aux_grad_scale,
     unwrap,
 )
@@ -76,7 +77,7 @@ class Strategy:
 
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
-        model = model.to(topo.device)
+        model = on_device(model, topo.device)
         return model, optimizer_fn(model.parameters())
 
     def param_names(self, model: nn.Module) -> dict[int, str]:

@@ -18,7 +18,7 @@ from shardwise.comm.topology import Topology
 from shardwise.layout import RunLayout
 from shardwise.parallel.tp import apply_tp, clip_grad_norm_, gather_state
 from shardwise.parallel.tp_plans import Plan, Style
-from shardwise.step import OptimizerFactory, unwrap
+from shardwise.step import OptimizerFactory, on_device, unwrap
 from shardwise.strategies.base import HasTPPlan, Strategy
 
 
@@ -42,7 +42,7 @@ class TP(Strategy, HasTPPlan):
 
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
-        model = apply_tp(model.to(topo.device), self.plan, topo.comm(dims.TP))
+        model = apply_tp(on_device(model, topo.device), self.plan, topo.comm(dims.TP))
         return model, optimizer_fn(model.parameters())
 
     def owns_loss(self, topo: Topology) -> bool:
