@@ -26,6 +26,7 @@ from shardwise.fit.profiler import PROFILERS
 from shardwise.layout import RunLayout
 from shardwise.strategies.base import Strategy
 from shardwise.strategies.registry import resolve
+from shardwise.strategies.torch_engine import engine_for
 
 # Builds the run's learning-rate schedule from its optimizer, e.g. partial(lr_scheduler.OneCycleLR, ...).
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -94,7 +95,9 @@ class FitOptions:
               **given: Any) -> FitOptions:
         """The Trainer's arguments (``given``: its keyword arguments, with the defaults of its signature),
         checked: a ValueError names the first one that is wrong."""
-        strat = resolve(strategy)
+        strat = engine_for(resolve(strategy), given.pop("engine", None),
+                           activation_checkpointing=given["activation_checkpointing"],
+                           sync_batchnorm=given["sync_batchnorm"])
         callbacks = check_callbacks(given.pop("callbacks"))
         loaders = dict(given.pop("dataloader_kwargs") or {})
         loader_options(loaders)  # an unknown or refused option fails here

@@ -108,6 +108,10 @@ class Trainer:
         profile_steps: the steps profiled, ``range(start, stop)`` or ``(start, stop)``; by default every step
             for ``"simple"`` and steps 1 and 2 for ``"pytorch"``.
         profiler_dir: where the traces go (default ``<checkpoint_dir>/profiles``, else ``./shardwise_profiles``).
+        engine: ``"shardwise"`` (our mechanisms; the default) or ``"torch"``: PyTorch's own engines under the
+            same Trainer (``ddp``: DistributedDataParallel; ``zero3``/``fsdp``: FSDP2 ``fully_shard``), see
+            :mod:`shardwise.strategies.torch_engine` and docs/how-to/engines.md. A strategy object's own
+            ``engine=`` wins; both given and different is refused.
 
     :func:`shardwise.log` (``sw.log(name, value, reduce=)``) adds your own scalars to the step log, from a loss
     function, a model's forward or a callback (:mod:`shardwise.scalars`).
@@ -127,7 +131,7 @@ class Trainer:
                  callbacks: list[Any] | None = None, dataloader_kwargs: dict[str, Any] | None = None,
                  max_epochs: int | None = None, profiler: str | None = None,
                  profile_steps: range | tuple[int, int] | None = None,
-                 profiler_dir: str | os.PathLike[str] | None = None) -> None:
+                 profiler_dir: str | os.PathLike[str] | None = None, engine: str | None = None) -> None:
         given = dict(locals())  # every argument of this signature, defaults included: the options' one source
         for positional in ("self", "strategy", "devices", "accelerator"):
             del given[positional]
