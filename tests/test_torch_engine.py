@@ -48,6 +48,13 @@ def fit(model: str, strategy: object, devices: int = 2, steps: int = STEPS, ckpt
         param_groups=no_decay_for_vectors)
 
 
+class StartStep(sw.Callback):
+    """Records the step a run starts at (a resumed run's checkpoint step)."""
+
+    def on_fit_start(self, info) -> None:  # noqa: D102
+        self.step = info.step
+
+
 def _every_case(rank: int, device: torch.device, folder: str) -> None:
     """Every 2-rank run of this file, in the ranks of one launch; rank 0 saves (losses, weights) by case."""
     out: dict[str, sw.FitResult] = {}
@@ -56,10 +63,14 @@ def _every_case(rank: int, device: torch.device, folder: str) -> None:
             out[f"{model} {strategy} torch"] = fit(model, strategy, engine="torch")
     out["gpt fsdp shardwise"] = fit("gpt", "fsdp")
     # Save after 2 steps under one engine, resume to STEPS under the other.
+    starts = [StartStep(), StartStep()]
     fit("gpt", sw.DDP(engine="torch"), steps=2, ckpt=os.path.join(folder, "torch-ddp"))
-    out["torch ddp -> shardwise fsdp"] = fit("gpt", sw.FSDP(), ckpt=os.path.join(folder, "torch-ddp"))
+    out["torch ddp -> shardwise fsdp"] = fit("gpt", sw.FSDP(), ckpt=os.path.join(folder, "torch-ddp"),
+                                             callbacks=[starts[0]])
     fit("gpt", sw.FSDP(), steps=2, ckpt=os.path.join(folder, "fsdp"))
-    out["shardwise fsdp -> torch ddp"] = fit("gpt", "ddp", ckpt=os.path.join(folder, "fsdp"), engine="torch")
+    out["shardwise fsdp -> torch ddp"] = fit("gpt", "ddp", ckpt=os.path.join(folder, "fsdp"), engine="torch",
+                                             callbacks=[starts[1]])
+    assert [s.step for s in starts] == [2, 2]  # both resumed from the other engine's step-2 checkpoint
     if rank == 0:
         torch.save({k: (r.losses, r.state_dict) for k, r in out.items()}, os.path.join(folder, "runs.pt"))
 

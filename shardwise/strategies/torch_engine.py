@@ -28,6 +28,7 @@ from torch import nn
 
 from shardwise.checkpoint.held import Held, named_state
 from shardwise.comm.topology import Topology
+from shardwise.dims import CP, EP
 from shardwise.layout import RunLayout
 from shardwise.parallel.accounting import with_optimizer_states
 from shardwise.parallel.fsdp_units import unit_modules
@@ -38,12 +39,15 @@ from shardwise.strategies.data_parallel import on_meta
 
 ENGINES = ("shardwise", "torch")
 
+# The tables below are keyed by strategy class (the nearest in a class's MRO decides, so a user's subclass of
+# DDP runs as DDP): the strategy names "dp", "tp" and "pp" are also dimension names, written only in dims.py.
 # Strategies PyTorch has an engine for that engine="torch" does not run yet: torch's engine for each.
-NOT_YET = {"zero1": "ZeroRedundancyOptimizer under DDP", "zero2": "FSDP2 with reshard_after_forward=False",
-           "hsdp": "FSDP2 on a 2-D mesh", "tp": "DTensor parallelize_module", "pp": "torch.distributed.pipelining",
-           "parallel": "pp, then tp, then FSDP2 over dp", "dp": "torch.nn.DataParallel"}
+NOT_YET = {"ZeRO1": "ZeroRedundancyOptimizer under DDP", "ZeRO2": "FSDP2 with reshard_after_forward=False",
+           "HSDP": "FSDP2 on a 2-D mesh", "TP": "DTensor parallelize_module", "PP": "torch.distributed.pipelining",
+           "Parallel": "pp, then tp, then FSDP2 over dp", "DP": "torch.nn.DataParallel"}
 # What PyTorch has no engine for at all.
-NO_TORCH_ENGINE = {"ps": "a parameter server", "naive_mp": "naive model parallelism (layers placed on devices)"}
+NO_TORCH_ENGINE = {"ParameterServer": "a parameter server",
+                   "NaiveMP": "naive model parallelism (layers placed on devices)"}
 
 
 @dataclass
@@ -147,7 +151,13 @@ def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
 
-TORCH: dict[str, type[TorchEngine]] = {"ddp": TorchDDP, "zero3": TorchFSDP, "fsdp": TorchFSDP}
+TORCH: dict[str, type[TorchEngine]] = {"DDP": TorchDDP, "ZeRO3": TorchFSDP, "FSDP": TorchFSDP}
+
+
+def _row(strategy: Strategy) -> str | None:
+    """The name of the nearest class of ``strategy`` that the tables here know (None: none, a user's own)."""
+    known = {*TORCH, *NOT_YET, *NO_TORCH_ENGINE}
+    return next((c.__name__ for c in type(strategy).__mro__ if c.__name__ in known), None)
 
 
 def engine_for(strategy: Strategy, engine: str | None, *, activation_checkpointing: Any = False,
@@ -164,25 +174,25 @@ def engine_for(strategy: Strategy, engine: str | None, *, activation_checkpointi
     if (strategy.engine or engine or "shardwise") == "shardwise" or strategy.name == "single":
         return strategy
     refuse_torch(strategy, activation_checkpointing=activation_checkpointing, sync_batchnorm=sync_batchnorm)
-    return TORCH[strategy.name](of=strategy)
+    return TORCH[_row(strategy)](of=strategy)  # type: ignore[index]  # refuse_torch let only these through
 
 
 def refuse_torch(strategy: Strategy, *, activation_checkpointing: Any, sync_batchnorm: bool) -> None:
     """Raise, naming what to use instead, when engine="torch" cannot run ``strategy`` with these options."""
-    name = strategy.name
-    if getattr(strategy, "ep", 1) > 1:
+    name, row = strategy.name, _row(strategy)
+    if getattr(strategy, EP, 1) > 1:  # sw.Parallel's ep= and cp= fields, named as the dimensions
         raise ValueError("engine='torch' has no engine for expert parallelism (ep > 1): PyTorch has none; "
                          "engine='shardwise' runs it")
-    if getattr(strategy, "cp", 1) > 1:
+    if getattr(strategy, CP, 1) > 1:
         raise ValueError("engine='torch' has no engine for context parallelism on CPU (torch's context_parallel "
                          "runs on CUDA only) and does not cover it on CUDA yet; engine='shardwise' runs it")
-    if name in NO_TORCH_ENGINE:
+    if row in NO_TORCH_ENGINE:
         raise ValueError(f"engine='torch' has no engine for strategy {name!r}: PyTorch has none for "
-                         f"{NO_TORCH_ENGINE[name]}; engine='shardwise' runs it")
-    if name in NOT_YET:
+                         f"{NO_TORCH_ENGINE[row]}; engine='shardwise' runs it")
+    if row in NOT_YET:
         raise ValueError(f"engine='torch' does not cover strategy {name!r} yet (torch's engine for it: "
-                         f"{NOT_YET[name]}); engine='shardwise' runs it")
-    if name not in TORCH:
+                         f"{NOT_YET[row]}); engine='shardwise' runs it")
+    if row not in TORCH:
         raise ValueError(f"engine='torch' has no engine for strategy {name!r} (not a built-in strategy); "
                          "engine='shardwise' runs it")
     for what, refused in _unsupported(strategy, activation_checkpointing, sync_batchnorm).items():
