@@ -115,3 +115,10 @@ def test_a_strategy_s_own_engine_wins_and_single_needs_none():
     assert type(sw.Trainer("zero3", 2, accelerator="cpu", engine="torch").strategy).__name__ == "TorchFSDP"
     assert type(sw.Trainer("ddp", 2, accelerator="cpu", engine="shardwise").strategy).__name__ == "DDP"
     assert sw.Trainer("single", 1, accelerator="cpu", engine="torch").strategy.name == "single"
+
+
+def test_the_hand_written_loop_refuses_engine_torch(no_spawn):
+    with pytest.raises(ValueError) as e:
+        sw.setup(gpt(), functools.partial(torch.optim.SGD, lr=0.1), sw.DDP(engine="torch"), accelerator="cpu")
+    assert str(e.value) == ("sw.setup does not run engine='torch' yet (strategy 'ddp'); use sw.Trainer(DDP("
+                            "engine='torch'), ...).fit(...), or engine='shardwise' in the hand-written loop")
