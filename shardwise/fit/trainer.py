@@ -110,7 +110,7 @@ class Trainer:
         profiler_dir: where the traces go (default ``<checkpoint_dir>/profiles``, else ``./shardwise_profiles``).
         engine: ``"shardwise"`` (our mechanisms; the default) or ``"torch"``: PyTorch's own engines under the
             same Trainer (``ddp``: DistributedDataParallel; ``zero3``/``fsdp``: FSDP2 ``fully_shard``), see
-            :mod:`shardwise.strategies.torch_engine` and docs/how-to/engines.md. A strategy object's own
+            ``shardwise.strategies.torch_engine`` and docs/how-to/engines.md. A strategy object's own
             ``engine=`` wins; both given and different is refused.
 
     :func:`shardwise.log` (``sw.log(name, value, reduce=)``) adds your own scalars to the step log, from a loss

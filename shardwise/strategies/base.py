@@ -40,7 +40,7 @@ class Strategy:
     the loss scale) reaches :meth:`train_step` as a :class:`StepRun`.
 
     ``engine``: whose mechanism runs it, ``"shardwise"`` or ``"torch"`` (PyTorch's own: DDP, FSDP2; see
-    :mod:`shardwise.strategies.torch_engine`); None takes the Trainer's ``engine=``, and a strategy's own
+    ``shardwise.strategies.torch_engine``); None takes the Trainer's ``engine=``, and a strategy's own
     engine that differs from the Trainer's is refused. Keyword-only, so every strategy's positional
     arguments stay as they were.
     """
