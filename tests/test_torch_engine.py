@@ -115,6 +115,8 @@ def test_a_strategy_s_own_engine_wins_and_single_needs_none():
     assert type(sw.Trainer("zero3", 2, accelerator="cpu", engine="torch").strategy).__name__ == "TorchFSDP"
     assert type(sw.Trainer("ddp", 2, accelerator="cpu", engine="shardwise").strategy).__name__ == "DDP"
     assert sw.Trainer("single", 1, accelerator="cpu", engine="torch").strategy.name == "single"
+    assert [sw.Trainer(s, 2, accelerator="cpu").engine for s in (sw.DDP(engine="torch"), "ddp")] == ["torch",
+                                                                                                   "shardwise"]
 
 
 def test_the_hand_written_loop_refuses_engine_torch(no_spawn):

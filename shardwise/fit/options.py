@@ -26,7 +26,7 @@ from shardwise.fit.profiler import PROFILERS
 from shardwise.layout import RunLayout
 from shardwise.strategies.base import Strategy
 from shardwise.strategies.registry import resolve
-from shardwise.strategies.torch_engine import engine_for
+from shardwise.strategies.torch_engine import TorchEngine, engine_for
 
 # Builds the run's learning-rate schedule from its optimizer, e.g. partial(lr_scheduler.OneCycleLR, ...).
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -67,6 +67,7 @@ class FitOptions:
     profiler: str | None = None  # "simple" or "pytorch" (shardwise.fit.profiler)
     profile_steps: tuple[int, int] | None = None  # the steps [start, stop) profiled; None: the profiler's default
     profiler_dir: str | None = None  # where "pytorch" writes its traces (absolute: every rank agrees)
+    engine: str = "shardwise"  # whose mechanism runs the strategy: "shardwise" or "torch" (strategies/torch_engine)
 
     @property
     def on_cuda(self) -> bool:
@@ -134,7 +135,7 @@ class FitOptions:
         timeout = _dt.timedelta(seconds=given.pop("timeout_s"))
         return cls(strategy=strat, devices=devices, layout=strat.layout(devices), accelerator=accelerator,
                    device_ids=device_ids, timeout=timeout, callbacks=tuple(callbacks), dataloader_kwargs=loaders,
-                   **given)
+                   engine="torch" if isinstance(strat, TorchEngine) else "shardwise", **given)
 
 
 def profiling(profiler: str | None, steps: Any, directory: Any, checkpoint_dir: Any) -> dict[str, Any]:
