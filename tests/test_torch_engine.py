@@ -124,3 +124,11 @@ def test_the_hand_written_loop_refuses_engine_torch(no_spawn):
         sw.setup(gpt(), functools.partial(torch.optim.SGD, lr=0.1), sw.DDP(engine="torch"), accelerator="cpu")
     assert str(e.value) == ("sw.setup does not run engine='torch' yet (strategy 'ddp'); use sw.Trainer(DDP("
                             "engine='torch'), ...).fit(...), or engine='shardwise' in the hand-written loop")
+
+
+def test_one_process_without_a_group_is_refused_with_the_way_to_launch(no_spawn):
+    with pytest.warns(UserWarning, match="runs one process"), pytest.raises(ValueError) as e:
+        fit("gpt", "fsdp", devices=1, engine="torch")
+    assert str(e.value) == ("engine='torch' runs torch's engine for strategy 'fsdp' in a process group, and this "
+                            "one-process run has none: launch it with `shardwise run --nproc 1`, or drop "
+                            "engine='torch' (one device splits nothing)")

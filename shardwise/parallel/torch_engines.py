@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
@@ -38,8 +38,11 @@ def torch_ddp(model: nn.Module, topo: Topology, bucket_cap_mb: float | None = No
 
 
 def dp_mesh(topo: Topology) -> DeviceMesh:
-    """The 1-D mesh over ``topo``'s data-parallel ranks (a sub-mesh of the run's mesh)."""
-    return topo.mesh[DP]  # type: ignore[index]
+    """The 1-D mesh over ``topo``'s data-parallel ranks: a sub-mesh of the run's mesh, or a mesh of one in a
+    process group of one (where the topology builds no mesh)."""
+    if topo.mesh is None:
+        return init_device_mesh(topo.device.type, (1,), mesh_dim_names=(DP,))
+    return topo.mesh[DP]
 
 
 def fully_shard_units(units: Iterable[nn.Module], mesh: DeviceMesh, reshard_after_forward: bool = True) -> None:

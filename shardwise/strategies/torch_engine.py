@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardwise.checkpoint.held import Held, named_state
@@ -67,6 +68,10 @@ class TorchEngine(Strategy):
         self.of.check_model(model, devices, batch_size, accumulate_grad_batches, backend)
 
     def check_setup(self, model: nn.Module) -> None:
+        if not dist.is_initialized():  # one process started without a group: torch's engines need one
+            raise ValueError(f"engine='torch' runs torch's engine for strategy {self.name!r} in a process group, "
+                             "and this one-process run has none: launch it with `shardwise run --nproc 1`, or "
+                             "drop engine='torch' (one device splits nothing)")
         if on_meta(model):
             raise ValueError(f"engine='torch' does not set up a model on the meta device yet (strategy "
                              f"{self.name!r}); build it on the CPU, or use engine='shardwise', which materialises "
