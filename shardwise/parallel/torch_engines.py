@@ -42,7 +42,8 @@ def dp_mesh(topo: Topology) -> DeviceMesh:
     process group of one (where the topology builds no mesh)."""
     if topo.mesh is None:
         return init_device_mesh(topo.device.type, (1,), mesh_dim_names=(DP,))
-    return topo.mesh[DP]
+    # From the dp group itself: slicing the run's mesh at its flattened dp dim warns that torch will drop it.
+    return DeviceMesh.from_group(topo.group(DP), topo.device.type, mesh_dim_names=(DP,))
 
 
 def fully_shard_units(units: Iterable[nn.Module], mesh: DeviceMesh, reshard_after_forward: bool = True) -> None:
