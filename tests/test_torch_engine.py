@@ -62,6 +62,9 @@ def _every_case(rank: int, device: torch.device, folder: str) -> None:
         for strategy in ("ddp", "fsdp"):
             out[f"{model} {strategy} torch"] = fit(model, strategy, engine="torch")
     out["gpt fsdp shardwise"] = fit("gpt", "fsdp")
+    # Each rank counts its FSDP2 shards (the local tensors of the DTensors): together, the model once.
+    whole = sum(p.numel() * p.element_size() for p in gpt().parameters())
+    assert sum(s["params_bytes"] for s in out["gpt fsdp torch"].stats) == whole
     # Save after 2 steps under one engine, resume to STEPS under the other.
     starts = [StartStep(), StartStep()]
     fit("gpt", sw.DDP(engine="torch"), steps=2, ckpt=os.path.join(folder, "torch-ddp"))
