@@ -165,6 +165,10 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
         raise TypeError("optimizer_fn must be a factory that builds the optimizer from parameters (each rank builds "
                         "its own, over the parameters it holds), e.g. functools.partial(torch.optim.AdamW, lr=1e-3)")
     strat = resolve(strategy)
+    if strat.engine == "torch":  # the loop's wrappers (model.backward, the optimizer's step) are ours
+        raise ValueError(f"sw.setup does not run engine='torch' yet (strategy {strat.name!r}); use "
+                         f"sw.Trainer({type(strat).__name__}(engine='torch'), ...).fit(...), or engine='shardwise' "
+                         "in the hand-written loop")
 
     weights = InitFrom.of(init_from, init_allow_missing)
     if weights is not None:

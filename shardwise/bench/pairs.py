@@ -12,7 +12,6 @@ import torch
 from rich.table import Table
 from torch import nn
 from torch.nn import functional as F
-from torch.nn.parallel import DistributedDataParallel
 
 from shardwise import plots
 from shardwise.bench.harness import (
@@ -25,6 +24,7 @@ from shardwise.bench.harness import (
 from shardwise.comm.topology import Topology
 from shardwise.console import make_console
 from shardwise.dims import CP, DP, PP, TP
+from shardwise.parallel import torch_engines
 from shardwise.parallel.ddp import DDPModule
 from shardwise.workloads import mlp1024
 
@@ -36,8 +36,7 @@ def ours_ddp(model: nn.Module, topo: Topology) -> tuple[nn.Module, torch.optim.O
 
 
 def torch_ddp(model: nn.Module, topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
-    ids = [topo.device.index] if topo.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids, process_group=topo.group(DP)), ADAMW(model.parameters())
+    return torch_engines.torch_ddp(model, topo), ADAMW(model.parameters())
 
 
 def ddp_pair(a: argparse.Namespace) -> Table:

@@ -29,10 +29,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 from torch import nn
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn import functional as F
-from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.bench.harness import (
     Contender,
@@ -45,6 +43,7 @@ from shardwise.comm.topology import Topology
 from shardwise.dims import DP
 from shardwise.fit.trainer import Trainer
 from shardwise.models import GPT, GPTConfig, lm_loss
+from shardwise.parallel import torch_engines
 from shardwise.parallel.fsdp_units import unit_modules
 from shardwise.parallel.sharding import all_gather, reduce_scatter
 from shardwise.strategies.fsdp import FSDP
@@ -79,8 +78,7 @@ def ours_zero1(model: nn.Module, topo: Topology) -> tuple[nn.Module, torch.optim
 
 
 def torch_zero1(model: nn.Module, topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
-    ids = [topo.device.index] if topo.device.type == "cuda" else None
-    ddp = DistributedDataParallel(model, device_ids=ids, process_group=topo.group(DP))
+    ddp = torch_engines.torch_ddp(model, topo)
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
                                   process_group=topo.group(DP), lr=1e-3)
     return ddp, opt
@@ -93,10 +91,8 @@ def ours_sharded(strategy: str, model: nn.Module, topo: Topology) -> tuple[nn.Mo
 
 def torch_fully_shard(strategy: str, model: nn.Module, topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
     """FSDP2 on the same units our ``strategy`` picks, every unit resharded after forward (as ours)."""
-    mesh = topo.mesh[DP]  # type: ignore[index]
-    # Bottom-up (the root is last): a unit's parameters are those not already in a unit below it.
-    for m in unit_modules(model, resolve(strategy).wrap):  # type: ignore[attr-defined]
-        fully_shard(m, mesh=mesh, reshard_after_forward=True)
+    units = unit_modules(model, resolve(strategy).wrap)  # type: ignore[attr-defined]
+    torch_engines.fully_shard_units(units, torch_engines.dp_mesh(topo), reshard_after_forward=True)
     return model, ADAMW(model.parameters())
 
 

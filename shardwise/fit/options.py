@@ -29,6 +29,7 @@ from shardwise.fit.profiler import PROFILERS
 from shardwise.layout import RunLayout
 from shardwise.strategies.base import Strategy
 from shardwise.strategies.registry import resolve
+from shardwise.strategies.torch_engine import TorchEngine, engine_for
 
 # Builds the run's learning-rate schedule from its optimizer, e.g. partial(lr_scheduler.OneCycleLR, ...).
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -72,6 +73,7 @@ class FitOptions:
     # Every logger rank 0 writes to: Trainer(logger=)'s, then metrics_path's JSONL and tensorboard_dir's TensorBoard.
     loggers: tuple[Any, ...] = ()
     log_every_n_steps: int = 1
+    engine: str = "shardwise"  # whose mechanism runs the strategy: "shardwise" or "torch" (strategies/torch_engine)
 
     @property
     def on_cuda(self) -> bool:
@@ -100,7 +102,9 @@ class FitOptions:
               **given: Any) -> FitOptions:
         """The Trainer's arguments (``given``: its keyword arguments, with the defaults of its signature),
         checked: a ValueError names the first one that is wrong."""
-        strat = resolve(strategy)
+        strat = engine_for(resolve(strategy), given.pop("engine", None),
+                           activation_checkpointing=given["activation_checkpointing"],
+                           sync_batchnorm=given["sync_batchnorm"])
         callbacks = check_callbacks(given.pop("callbacks"))
         loaders = dict(given.pop("dataloader_kwargs") or {})
         loader_options(loaders)  # an unknown or refused option fails here
@@ -142,7 +146,8 @@ class FitOptions:
                               given["checkpoint_dir"])
         return cls(strategy=strat, devices=devices, layout=strat.layout(devices), accelerator=accelerator,
                    device_ids=device_ids, timeout=timeout, callbacks=tuple(callbacks), dataloader_kwargs=loaders,
-                   loggers=tuple(loggers), **given)
+                   loggers=tuple(loggers), engine="torch" if isinstance(strat, TorchEngine) else "shardwise",
+                   **given)
 
 
 def run_loggers(logger: Any, metrics_path: str | None, tensorboard_dir: str | None,

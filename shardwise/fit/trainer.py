@@ -129,6 +129,10 @@ class Trainer:
         log_every_n_steps: log the step scalars of every n-th optimizer step (steps n-1, 2n-1, ... and the last);
             1, the default, logs every step as the metrics file always did (Lightning's default is 50: a run of
             many fast steps may want fewer rows). Validations are logged whenever they run.
+        engine: ``"shardwise"`` (our mechanisms; the default) or ``"torch"``: PyTorch's own engines under the
+            same Trainer (``ddp``: DistributedDataParallel; ``zero3``/``fsdp``: FSDP2 ``fully_shard``), see
+            ``shardwise.strategies.torch_engine`` and docs/how-to/engines.md. A strategy object's own
+            ``engine=`` wins; both given and different is refused.
 
     :func:`shardwise.log` (``sw.log(name, value, reduce=)``) adds your own scalars to the step log, from a loss
     function, a model's forward or a callback (:mod:`shardwise.scalars`).
@@ -149,7 +153,7 @@ class Trainer:
                  max_epochs: int | None = None, logger: str | Logger | list[str | Logger] | None = None,
                  log_every_n_steps: int = 1, profiler: str | None = None,
                  profile_steps: range | tuple[int, int] | None = None,
-                 profiler_dir: str | os.PathLike[str] | None = None) -> None:
+                 profiler_dir: str | os.PathLike[str] | None = None, engine: str | None = None) -> None:
         given = dict(locals())  # every argument of this signature, defaults included: the options' one source
         for positional in ("self", "strategy", "devices", "accelerator"):
             del given[positional]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -40,13 +41,20 @@ from shardwise.step import (
 )
 
 
+@dataclass
 class Strategy:
     """Base class: a single replica on one device; subclasses override what they change.
 
     A strategy object holds only its own options: the run's state (precision,
     the loss scale) reaches :meth:`train_step` as a :class:`StepRun`.
+
+    ``engine``: whose mechanism runs it, ``"shardwise"`` or ``"torch"`` (PyTorch's own: DDP, FSDP2; see
+    ``shardwise.strategies.torch_engine``); None takes the Trainer's ``engine=``, and a strategy's own
+    engine that differs from the Trainer's is refused. Keyword-only, so every strategy's positional
+    arguments stay as they were.
     """
 
+    engine: str | None = field(default=None, kw_only=True)
     name: ClassVar[str] = "single"
 
     def layout(self, devices: int) -> RunLayout:

@@ -109,3 +109,11 @@ def test_offload_rows_are_pinned():
     t = torch.randn(16, device="cuda")
     host = pinned_like(t, torch.device("cpu"), t.device)
     assert host.is_pinned() and torch.equal(host.cuda(), t)
+
+
+@pytest.mark.parametrize("work", ["mlp", "gpt"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_world1_torch_engines_on_nccl_equal_single(nccl_group_of_one, reference, same_run, strategy, work):
+    """engine="torch": torch's DDP and FSDP2 (on a mesh of one) in the NCCL group of one, on cuda:0."""
+    run = fit(strategy, digits() if work == "mlp" else gpt(), engine="torch")
+    same_run(reference[work], run, rtol=RTOL, atol=ATOL)

@@ -1,0 +1,219 @@
+"""``engine="torch"``: the same strategy names and the same Trainer, run by PyTorch's own engines.
+
+:func:`engine_for` turns a strategy object into the one that runs (the strategy
+itself under ``engine="shardwise"``); under ``"torch"``:
+
+====================  =====================================================================
+``ddp``               ``torch.nn.parallel.DistributedDataParallel`` (:class:`TorchDDP`)
+``zero3``, ``fsdp``   FSDP2 ``fully_shard`` on each of our FSDP's units, then the root, on a 1-D
+                      mesh over the data-parallel ranks (:class:`TorchFSDP`)
+====================  =====================================================================
+
+Everything else is refused before any process starts, naming what runs it. The
+engines keep the model's own parameter names, so parameter groups, the final state
+dict and the layout-free checkpoint (:mod:`shardwise.checkpoint`) are the same as
+under our engines: a run saved under one engine resumes under the other. The one
+key mapping is :meth:`TorchEngine.checkpoint_held` (DDP's ``module.`` prefix is
+dropped by :func:`~shardwise.step.unwrap`; FSDP2's DTensor shards become flat runs).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.checkpoint.held import Held, named_state
+from shardwise.comm.topology import Topology
+from shardwise.dims import CP, EP
+from shardwise.layout import RunLayout
+from shardwise.parallel.accounting import with_optimizer_states
+from shardwise.parallel.fsdp_units import unit_modules
+from shardwise.parallel.torch_engines import dim0_run, dp_mesh, full, fully_shard_units, torch_ddp
+from shardwise.step import OptimizerFactory, unwrap
+from shardwise.strategies.base import Strategy
+from shardwise.strategies.data_parallel import on_meta
+
+ENGINES = ("shardwise", "torch")
+
+# The tables below are keyed by strategy class (the nearest in a class's MRO decides, so a user's subclass of
+# DDP runs as DDP): the strategy names "dp", "tp" and "pp" are also dimension names, written only in dims.py.
+# Strategies PyTorch has an engine for that engine="torch" does not run yet: torch's engine for each.
+NOT_YET = {"ZeRO1": "ZeroRedundancyOptimizer under DDP", "ZeRO2": "FSDP2 with reshard_after_forward=False",
+           "HSDP": "FSDP2 on a 2-D mesh", "TP": "DTensor parallelize_module", "PP": "torch.distributed.pipelining",
+           "Parallel": "pp, then tp, then FSDP2 over dp", "DP": "torch.nn.DataParallel"}
+# What PyTorch has no engine for at all.
+NO_TORCH_ENGINE = {"ParameterServer": "a parameter server",
+                   "NaiveMP": "naive model parallelism (layers placed on devices)"}
+
+
+@dataclass
+class TorchEngine(Strategy):
+    """A shardwise strategy (``of``: its layout, its options) run by a PyTorch engine."""
+
+    of: Strategy
+
+    def __post_init__(self) -> None:
+        self.name = self.of.name  # type: ignore[misc]  # checkpoints, messages and the planner see the same name
+
+    def layout(self, devices: int) -> RunLayout:
+        return self.of.layout(devices)
+
+    def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int,
+                    backend: str = "gloo") -> None:
+        self.of.check_model(model, devices, batch_size, accumulate_grad_batches, backend)
+
+    def check_setup(self, model: nn.Module) -> None:
+        if not dist.is_initialized():  # one process started without a group: torch's engines need one
+            raise ValueError(f"engine='torch' runs torch's engine for strategy {self.name!r} in a process group, "
+                             "and this one-process run has none: launch it with `shardwise run --nproc 1`, or "
+                             "drop engine='torch' (one device splits nothing)")
+        if on_meta(model):
+            raise ValueError(f"engine='torch' does not set up a model on the meta device yet (strategy "
+                             f"{self.name!r}); build it on the CPU, or use engine='shardwise', which materialises "
+                             "it shard by shard")
+
+    def checkpoint_held(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology) -> list[Held]:
+        """The layout-free checkpoint's keys for torch's engines: the model's own names (the one key mapping)."""
+        out: list[Held] = []
+        for name, t in named_state(unwrap(model)):
+            out.append(_held(f"model.{name}", t.detach()))
+            for k, v in optimizer.state.get(t, {}).items():
+                if isinstance(v, torch.Tensor):
+                    out.append(_held(f"optim.{name}.{k}", v))
+        return out
+
+
+def _held(key: str, t: torch.Tensor) -> Held:
+    start, data = dim0_run(t)
+    return Held(key, t.to_local() if data is not t and data.numel() == t.numel() else data, start)  # type: ignore
+
+
+@dataclass
+class TorchDDP(TorchEngine):
+    """``strategy="ddp"`` under torch's ``DistributedDataParallel`` (DDP's ``bucket_cap_mb`` and
+    ``find_unused_parameters`` carry over)."""
+
+    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
+              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+        self.check_setup(model)
+        model = model.to(topo.device)
+        ddp = torch_ddp(model, topo, getattr(self.of, "bucket_cap_mb", None),
+                        getattr(self.of, "find_unused_parameters", False))
+        return ddp, optimizer_fn(model.parameters())
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        return model.no_sync()  # type: ignore[operator,no-any-return]
+
+
+@dataclass
+class TorchFSDP(TorchEngine):
+    """``strategy="fsdp"``/``"zero3"`` under FSDP2: ``fully_shard`` on the units our FSDP picks (its ``wrap``),
+    then the root; ``reshard_after_forward`` carries over. Parameters stay the model's, as DTensors."""
+
+    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
+              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+        self.check_setup(model)
+        model = model.to(topo.device)
+        units = unit_modules(model, self.of.wrap)  # type: ignore[attr-defined]
+        fully_shard_units(units, dp_mesh(topo), self.of.reshard_after_forward)  # type: ignore[attr-defined]
+        return model, optimizer_fn(model.parameters())
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        return _no_gradient_sync(model)
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
+        # torch's clip handles DTensor gradients: the norm of the shards is reduced over the mesh.
+        return full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+
+    def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
+        return {k: full(v.detach()).cpu().clone() for k, v in model.state_dict().items()}
+
+    def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
+        params = [local(p) for p in model.parameters()]
+        grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
+        out = with_optimizer_states({"params": params, "grads": grads}, optimizer)
+        out["optimizer"] = [local(v) for v in out["optimizer"]]
+        return out
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` (a DTensor's local shard; any other tensor itself), for byte accounting."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@contextlib.contextmanager
+def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """FSDP2's ``no_sync``: gradients accumulate unsharded and unreduced until the block ends."""
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+TORCH: dict[str, type[TorchEngine]] = {"DDP": TorchDDP, "ZeRO3": TorchFSDP, "FSDP": TorchFSDP}
+
+
+def _row(strategy: Strategy) -> str | None:
+    """The name of the nearest class of ``strategy`` that the tables here know (None: none, a user's own)."""
+    known = {*TORCH, *NOT_YET, *NO_TORCH_ENGINE}
+    return next((c.__name__ for c in type(strategy).__mro__ if c.__name__ in known), None)
+
+
+def engine_for(strategy: Strategy, engine: str | None, *, activation_checkpointing: Any = False,
+               sync_batchnorm: bool = False) -> Strategy:
+    """The strategy that runs ``strategy`` under the Trainer's ``engine`` (None: not given) and its own
+    ``engine=`` (which wins; both given and different is refused). Raises ValueError, with what to use
+    instead, for what the engine does not run."""
+    for given in (engine, strategy.engine):
+        if given is not None and given not in ENGINES:
+            raise ValueError(f"engine must be 'shardwise' or 'torch', got {given!r}")
+    if engine is not None and strategy.engine is not None and engine != strategy.engine:
+        raise ValueError(f"Trainer(engine={engine!r}) conflicts with the strategy's own engine={strategy.engine!r} "
+                         f"({type(strategy).__name__}(engine={strategy.engine!r})); give one of them")
+    if (strategy.engine or engine or "shardwise") == "shardwise" or strategy.name == "single":
+        return strategy
+    refuse_torch(strategy, activation_checkpointing=activation_checkpointing, sync_batchnorm=sync_batchnorm)
+    return TORCH[_row(strategy)](of=strategy)  # type: ignore[index]  # refuse_torch let only these through
+
+
+def refuse_torch(strategy: Strategy, *, activation_checkpointing: Any, sync_batchnorm: bool) -> None:
+    """Raise, naming what to use instead, when engine="torch" cannot run ``strategy`` with these options."""
+    name, row = strategy.name, _row(strategy)
+    if getattr(strategy, EP, 1) > 1:  # sw.Parallel's ep= and cp= fields, named as the dimensions
+        raise ValueError("engine='torch' has no engine for expert parallelism (ep > 1): PyTorch has none; "
+                         "engine='shardwise' runs it")
+    if getattr(strategy, CP, 1) > 1:
+        raise ValueError("engine='torch' has no engine for context parallelism on CPU (torch's context_parallel "
+                         "runs on CUDA only) and does not cover it on CUDA yet; engine='shardwise' runs it")
+    if row in NO_TORCH_ENGINE:
+        raise ValueError(f"engine='torch' has no engine for strategy {name!r}: PyTorch has none for "
+                         f"{NO_TORCH_ENGINE[row]}; engine='shardwise' runs it")
+    if row in NOT_YET:
+        raise ValueError(f"engine='torch' does not cover strategy {name!r} yet (torch's engine for it: "
+                         f"{NOT_YET[row]}); engine='shardwise' runs it")
+    if row not in TORCH:
+        raise ValueError(f"engine='torch' has no engine for strategy {name!r} (not a built-in strategy); "
+                         "engine='shardwise' runs it")
+    for what, refused in _unsupported(strategy, activation_checkpointing, sync_batchnorm).items():
+        if refused:
+            raise ValueError(f"engine='torch' does not support {what} yet (strategy {name!r}); "
+                             "engine='shardwise' does")
+
+
+def _unsupported(strategy: Strategy, activation_checkpointing: Any, sync_batchnorm: bool) -> dict[str, bool]:
+    """The options engine="torch" does not run yet, and whether this run asks for each."""
+    return {"activation_checkpointing": bool(activation_checkpointing),
+            "sync_batchnorm": sync_batchnorm,
+            "offload": getattr(strategy, "offload", "none") != "none",
+            "param_init_fn (a meta-device model)": getattr(strategy, "param_init_fn", None) is not None,
+            "DDP(allreduce=...) other than 'native'": getattr(strategy, "allreduce", "native") != "native",
+            "DDP(reduce_dtype=...)": getattr(strategy, "reduce_dtype", None) is not None}
+
+
+__all__ = ["ENGINES", "TorchDDP", "TorchEngine", "TorchFSDP", "engine_for", "refuse_torch"]

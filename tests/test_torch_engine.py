@@ -1,0 +1,137 @@
+"""engine="torch": PyTorch's DDP and FSDP2 under the same Trainer, equal to one device and to our engines, with
+checkpoints that cross between the engines; what the engine does not run is refused before any process starts.
+
+One 2-rank launch trains every case in turn (the Trainer joins the running group), each with gradient
+accumulation, clipping by the global norm and parameter groups, on our GPT and a tiny Hugging Face Llama (GQA).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise import launch
+from shardwise.models import GPT, GPTConfig, lm_loss
+from shardwise.workloads import CharText, stdlib_text
+from tiny_hf import llama, logits_loss
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+STEPS = 3
+
+
+def gpt() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=4, n_embd=32))
+
+
+MODELS = {"gpt": (gpt, lm_loss), "llama": (llama, logits_loss)}
+
+
+def no_decay_for_vectors(model: torch.nn.Module) -> list[dict]:
+    """Parameter groups by name: no weight decay for biases and norms (engines must keep the names)."""
+    named = list(model.named_parameters())
+    return [{"params": [n for n, p in named if p.dim() >= 2]},
+            {"params": [n for n, p in named if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def fit(model: str, strategy: object, devices: int = 2, steps: int = STEPS, ckpt: str | None = None,
+        **kw: object) -> sw.FitResult:
+    make, loss = MODELS[model]
+    return sw.Trainer(strategy, devices, accelerator="cpu", progress=False, accumulate_grad_batches=2,
+                      gradient_clip_val=0.05, checkpoint_dir=ckpt, memory_check="off", **kw).fit(
+        make(), CharText(stdlib_text(20_000), 16), loss, ADAMW, batch_size=8, max_steps=steps,
+        param_groups=no_decay_for_vectors)
+
+
+class StartStep(sw.Callback):
+    """Records the step a run starts at (a resumed run's checkpoint step)."""
+
+    def on_fit_start(self, info) -> None:  # noqa: D102
+        self.step = info.step
+
+
+def _every_case(rank: int, device: torch.device, folder: str) -> None:
+    """Every 2-rank run of this file, in the ranks of one launch; rank 0 saves (losses, weights) by case."""
+    out: dict[str, sw.FitResult] = {}
+    for model in MODELS:
+        for strategy in ("ddp", "fsdp"):
+            out[f"{model} {strategy} torch"] = fit(model, strategy, engine="torch")
+    out["gpt fsdp shardwise"] = fit("gpt", "fsdp")
+    # Each rank counts its FSDP2 shards (the local tensors of the DTensors): together, the model once.
+    whole = sum(p.numel() * p.element_size() for p in gpt().parameters())
+    assert sum(s["params_bytes"] for s in out["gpt fsdp torch"].stats) == whole
+    # Save after 2 steps under one engine, resume to STEPS under the other.
+    starts = [StartStep(), StartStep()]
+    fit("gpt", sw.DDP(engine="torch"), steps=2, ckpt=os.path.join(folder, "torch-ddp"))
+    out["torch ddp -> shardwise fsdp"] = fit("gpt", sw.FSDP(), ckpt=os.path.join(folder, "torch-ddp"),
+                                             callbacks=[starts[0]])
+    fit("gpt", sw.FSDP(), steps=2, ckpt=os.path.join(folder, "fsdp"))
+    out["shardwise fsdp -> torch ddp"] = fit("gpt", "ddp", ckpt=os.path.join(folder, "fsdp"), engine="torch",
+                                             callbacks=[starts[1]])
+    assert [s.step for s in starts] == [2, 2]  # both resumed from the other engine's step-2 checkpoint
+    if rank == 0:
+        torch.save({k: (r.losses, r.state_dict) for k, r in out.items()}, os.path.join(folder, "runs.pt"))
+
+
+def test_torch_engines_equal_one_device_and_ours_and_checkpoints_cross_engines(tmp_path, same_run):
+    launch.spawn(_every_case, 2, args=(str(tmp_path),))
+    runs = {k: sw.FitResult(losses, state) for k, (losses, state) in torch.load(tmp_path / "runs.pt").items()}
+    refs = {model: fit(model, "single", 1) for model in MODELS}
+    for case, run in runs.items():
+        same_run(refs.get(case.split()[0], refs["gpt"]), run)
+    same_run(runs["gpt fsdp shardwise"], runs["gpt fsdp torch"])  # the same run under both engines
+
+
+@pytest.mark.parametrize("strategy, kw, message", [
+    (sw.DDP(engine="torch"), {"engine": "shardwise"},
+     "Trainer(engine='shardwise') conflicts with the strategy's own engine='torch' (DDP(engine='torch')); give one "
+     "of them"),
+    ("ddp", {"engine": "pytorch"}, "engine must be 'shardwise' or 'torch', got 'pytorch'"),
+    ("ps", {"engine": "torch"}, "engine='torch' has no engine for strategy 'ps': PyTorch has none for a parameter "
+                                "server; engine='shardwise' runs it"),
+    (sw.Parallel(dp=1, ep=2), {"engine": "torch"}, "engine='torch' has no engine for expert parallelism (ep > 1): "
+                                                   "PyTorch has none; engine='shardwise' runs it"),
+    (sw.Parallel(cp=2, engine="torch"), {}, "engine='torch' has no engine for context parallelism on CPU (torch's "
+     "context_parallel runs on CUDA only) and does not cover it on CUDA yet; engine='shardwise' runs it"),
+    ("zero1", {"engine": "torch"}, "engine='torch' does not cover strategy 'zero1' yet (torch's engine for it: "
+                                   "ZeroRedundancyOptimizer under DDP); engine='shardwise' runs it"),
+    (sw.Parallel(dp=2, tp=2, engine="torch"), {}, "engine='torch' does not cover strategy 'parallel' yet (torch's "
+     "engine for it: pp, then tp, then FSDP2 over dp); engine='shardwise' runs it"),
+    ("fsdp", {"engine": "torch", "activation_checkpointing": True},
+     "engine='torch' does not support activation_checkpointing yet (strategy 'fsdp'); engine='shardwise' does"),
+    (sw.FSDP(offload="optimizer", engine="torch"), {},
+     "engine='torch' does not support offload yet (strategy 'fsdp'); engine='shardwise' does"),
+])
+def test_what_engine_torch_does_not_run_is_refused_before_start(strategy, kw, message, no_spawn):
+    with pytest.raises(ValueError) as e:
+        sw.Trainer(strategy, 4, accelerator="cpu", progress=False, **kw)
+    assert str(e.value) == message
+
+
+def test_a_strategy_s_own_engine_wins_and_single_needs_none():
+    assert type(sw.Trainer(sw.FSDP(engine="torch"), 2, accelerator="cpu").strategy).__name__ == "TorchFSDP"
+    assert type(sw.Trainer("zero3", 2, accelerator="cpu", engine="torch").strategy).__name__ == "TorchFSDP"
+    assert type(sw.Trainer("ddp", 2, accelerator="cpu", engine="shardwise").strategy).__name__ == "DDP"
+    assert sw.Trainer("single", 1, accelerator="cpu", engine="torch").strategy.name == "single"
+    assert [sw.Trainer(s, 2, accelerator="cpu").engine for s in (sw.DDP(engine="torch"), "ddp")] == ["torch",
+                                                                                                   "shardwise"]
+
+
+def test_the_hand_written_loop_refuses_engine_torch(no_spawn):
+    with pytest.raises(ValueError) as e:
+        sw.setup(gpt(), functools.partial(torch.optim.SGD, lr=0.1), sw.DDP(engine="torch"), accelerator="cpu")
+    assert str(e.value) == ("sw.setup does not run engine='torch' yet (strategy 'ddp'); use sw.Trainer(DDP("
+                            "engine='torch'), ...).fit(...), or engine='shardwise' in the hand-written loop")
+
+
+def test_one_process_without_a_group_is_refused_with_the_way_to_launch(no_spawn):
+    with pytest.warns(UserWarning, match="runs one process"), pytest.raises(ValueError) as e:
+        fit("gpt", "fsdp", devices=1, engine="torch")
+    assert str(e.value) == ("engine='torch' runs torch's engine for strategy 'fsdp' in a process group, and this "
+                            "one-process run has none: launch it with `shardwise run --nproc 1`, or drop "
+                            "engine='torch' (one device splits nothing)")
