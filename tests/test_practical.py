@@ -99,7 +99,9 @@ def test_metrics_jsonl_has_tokens_and_mfu(tmp_path):
     for r in rows:
         assert r["tokens_per_s"] == pytest.approx(16 * 16 / r["step_time_s"])  # global batch x block
         assert r["mfu"] == pytest.approx(6 * params * r["tokens_per_s"] / (2 * 1e12))
-        assert r["rss_bytes"] > 0
+        assert r["samples_per_s"] == pytest.approx(16 / r["step_time_s"])  # the global batch
+        assert 0 < r["rss_bytes"] <= r["peak_rss_bytes"]  # the process's peak so far: at least what it holds now
+        assert not any(k.startswith("cuda_") for k in r)  # the device's peak only on CUDA
 
 
 def test_a_resumed_run_keeps_the_metrics_rows_before_its_checkpoint(tmp_path):

@@ -17,7 +17,7 @@ import torch
 
 from shardwise.fit.options import FitOptions
 from shardwise.loggers import SUCCESS, Logger, Resumable, keys
-from shardwise.stats import current_rss_bytes
+from shardwise.stats import cuda_peak_bytes, current_rss_bytes, peak_rss_bytes
 
 
 def batch_tokens(x: Any) -> int:
@@ -40,7 +40,8 @@ class StepLog:
 
     def __init__(self, loggers: Sequence[Logger], peak_flops: float | None, params: int, devices: int,
                  every: int = 1, start: int = 0, refs: dict[str, dict[str, Any]] | None = None,
-                 hyper: dict[str, Any] | None = None) -> None:
+                 hyper: dict[str, Any] | None = None, samples: int = 0,
+                 device: torch.device | None = None) -> None:
         self._loggers = dict(zip(keys(list(loggers)), loggers))
         for key, lg in self._loggers.items():
             if start > 0 and isinstance(lg, Resumable):
@@ -50,6 +51,8 @@ class StepLog:
         self._peak = peak_flops * devices if peak_flops else None
         self._params = params
         self._every = every
+        self._samples = samples  # the global batch: samples_per_s
+        self._device = device  # its peak memory (CUDA), beside the process's peak resident memory
 
     def refs(self) -> dict[str, dict[str, Any]]:
         """Where each logger's run is (its ``run_ref()``), by logger key: for checkpoints and the result."""
@@ -60,9 +63,15 @@ class StepLog:
         return (step + 1) % self._every == 0 or step == last
 
     def write(self, step: int, loss: float | None, dt: float, tokens: int, extra: dict[str, Any] | None = None) -> None:
-        """One step's scalars, ``train/<name>``: ``extra`` adds the step's others (``lr/<group>``, ``grad_norm``,
-        ``clipped``, ``comm_bytes/<group>``)."""
-        row: dict[str, Any] = {"loss": loss, "step_time_s": dt, "rss_bytes": current_rss_bytes(), **(extra or {})}
+        """One step's scalars, ``train/<name>``: the loss, step time, samples (and tokens) per second, the
+        process's resident and peak resident memory (and the device's peak on CUDA); ``extra`` adds the step's
+        others (``lr/<group>``, ``grad_norm``, ``clipped``, ``comm_bytes/<group>``, ``sw.log``'s)."""
+        row: dict[str, Any] = {"loss": loss, "step_time_s": dt, "rss_bytes": current_rss_bytes(),
+                               "peak_rss_bytes": peak_rss_bytes(), **(extra or {})}
+        if self._device is not None:
+            row.update(cuda_peak_bytes(self._device))  # since the run started (the stats' peak too); CUDA only
+        if self._samples and dt > 0:
+            row["samples_per_s"] = self._samples / dt
         if tokens and dt > 0:
             row["tokens_per_s"] = tokens / dt
             if self._peak:

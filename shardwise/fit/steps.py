@@ -191,7 +191,8 @@ def opened_log(job: StepHost, topo: Topology, shapes: dict[str, list[int]], star
         yield None
         return
     log = StepLog(t.loggers, t.peak_flops, total_numel(shapes), topo.world_size, every=t.log_every_n_steps,
-                  start=start, refs=job.restored_loggers, hyper=hyperparameters(t, job.info, job.max_steps))
+                  start=start, refs=job.restored_loggers, hyper=hyperparameters(t, job.info, job.max_steps),
+                  samples=job.batch_size, device=topo.device)
     job.logger_refs = log.refs()
     try:
         yield log
