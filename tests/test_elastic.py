@@ -79,6 +79,8 @@ def test_sigkill_then_restart_resumes_with_identical_losses(tmp_path, request, n
     resumed = json.loads(out.read_text())
     assert resumed["restart"] == attempt + 1  # it really was the attempt after its kill that finished
     assert resumed["losses"] == reference  # exactly, not approximately: same ranks, same order
+    # A callback's state came back from the checkpoint after the kill: it counted the steps before it too.
+    assert resumed["steps_seen"] == steps
     if name == list(SHARED)[-1] or name not in SHARED:
         assert r.returncode == 0, r.stderr[-3000:]  # the launch's last run: the job as a whole ended well
 

@@ -55,10 +55,27 @@ def build(name: str) -> tuple:
     return strategy, work.make_model(), work.train, work.loss_fn, 64
 
 
+class StepsSeen(sw.Callback):
+    """Counts the optimizer steps it saw; its count is kept in every checkpoint, so after a kill and a restart it
+    is the run's whole step count only if the checkpoint's count came back."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_step_end(self, info) -> None:  # noqa: ANN001, D102
+        self.count += 1
+
+    def state_dict(self) -> dict:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count = state["count"]
+
+
 def fit(strategy, model, data, loss_fn, batch: int, devices: int, checkpoint_dir: str, checkpoint_every: int,
-        steps: int) -> sw.FitResult:
+        steps: int, callbacks: list | None = None) -> sw.FitResult:
     return sw.Trainer(strategy, devices, accelerator="cpu", progress=False, checkpoint_dir=checkpoint_dir,
-                      checkpoint_every=checkpoint_every, timeout_s=30).fit(
+                      checkpoint_every=checkpoint_every, timeout_s=30, callbacks=callbacks).fit(
         model, data, loss_fn, functools.partial(torch.optim.AdamW, lr=1e-3), batch_size=batch, max_steps=steps)
 
 
@@ -88,11 +105,12 @@ def main() -> None:
         if a.kill_rank >= 0:
             strategy.train_step = KillOnce(strategy.train_step, a.kill_rank, a.kill_step,  # type: ignore[method-assign]
                                            a.kill_attempt)
+        seen = StepsSeen()
         result = fit(strategy, model, data, loss_fn, batch, int(os.environ["WORLD_SIZE"]), a.checkpoint_dir,
-                     a.checkpoint_every, a.steps)
+                     a.checkpoint_every, a.steps, [seen])
         if int(os.environ["RANK"]) == 0:
             with open(a.out + ".part", "w") as f:
-                json.dump({"losses": result.losses,
+                json.dump({"losses": result.losses, "steps_seen": seen.count,
                            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}, f)
             os.replace(a.out + ".part", a.out)  # whole or absent, for a restart that reads whether it exists
 
