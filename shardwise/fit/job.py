@@ -21,6 +21,7 @@ from torch import nn
 from shardwise import launch
 from shardwise import precision as precision_mod
 from shardwise.checkpoint import store as checkpoint
+from shardwise.checkpoint.background import Finished, Saver
 from shardwise.comm.topology import Topology
 from shardwise.dims import DP
 from shardwise.fit.callbacks import CallbackInfo, Control, agree_stop, call, improved, load_states
@@ -100,12 +101,15 @@ class Job:
         t = self.options
         topo = Topology.create(device, t.layout.dims, timeout=t.timeout, debug=t.debug)
         self.steps_done = 0
+        self.saver: Saver | None = None
         try:
             return self._run(topo)
         except BaseException as e:
             self.hook("on_exception", self.steps_done, topo, exception=e)
             raise
         finally:
+            if self.saver is not None:
+                self.saver.close()  # SIGTERM's own handler back, also after a failure
             topo.close()
 
     def _run(self, topo: Topology) -> FitResult:
@@ -123,6 +127,8 @@ class Job:
         grouped = GroupedFactory(self.optimizer_fn, self.groups)
         model, opt = strat.setup(self.model, grouped, topo)
         grouped.finish(strat.param_names(model))
+        # Built on every rank at this point: a save in the background creates its own group here (a collective).
+        self.saver = Saver(topo, t.checkpoint_async) if t.checkpoint_dir is not None else None
         self.restored_groups: list[dict[str, Any]] | None = None
         prev: list[float] = []
         extra: dict[str, torch.Tensor] = {}
@@ -152,6 +158,7 @@ class Job:
             state_bytes = count_state(strat, model, opt)
         else:
             losses, times, state_bytes = train_loop(self, model, opt, topo, prev, shapes, extra)
+        self._saves_finished(topo)  # the end of the fit waits for a save in flight
         steps_run = max(1, len(losses))
         train_sent = topo.stats.sent - sent_after_setup
         train_received = topo.stats.received - received_after_setup
@@ -176,6 +183,7 @@ class Job:
             "buffers_sum": float(sum(float(b.double().sum()) for b in model.buffers()
                                      if b.is_floating_point() and b.device.type != "meta")),  # (ps servers: meta)
             **(strat.rank_stats(model, topo) if isinstance(strat, HasServers) else {}),
+            **(self.saver.stats() if self.saver is not None else {}),
         }
         stats = topo.comm("world").all_gather_object(mine, name="stats")
         result = FitResult(losses=all_losses, state_dict=state_dict, stats=stats, val_metrics=list(self.history))
@@ -203,21 +211,40 @@ class Job:
             times += strat.serve(model, opt, topo, stop - done)  # type: ignore[attr-defined]
             done = stop
             if t.checkpoint_dir is not None:
-                self._save(done, prev, [0.0] * (done - len(prev)), model, opt, topo, shapes, None)
+                self._periodic(done, prev, [0.0] * (done - len(prev)), model, opt, topo, shapes, None, "periodic")
         return times
 
-    def _save(self, done: int, prev: list[float], losses: list[float], model: nn.Module, opt: torch.optim.Optimizer,
-              topo: Topology, shapes: dict[str, list[int]], extra: dict[str, torch.Tensor] | None,
-              directory: str | None = None, run: dict[str, Any] | None = None) -> str:
-        """Checkpoint after ``done`` steps, on every rank: this run's ``losses`` made global (an all-reduce in
+    def _pending(self, done: int, prev: list[float], losses: list[float], model: nn.Module,
+                 opt: torch.optim.Optimizer, topo: Topology, shapes: dict[str, list[int]],
+                 extra: dict[str, torch.Tensor] | None, directory: str | None = None,
+                 run: dict[str, Any] | None = None) -> checkpoint.Pending:
+        """The checkpoint after ``done`` steps, on every rank: this run's ``losses`` made global (an all-reduce in
         which servers add zeros) follow the restored ``prev``. ``directory`` (the best checkpoint's) and ``run``
-        replace the checkpoint directory and the run record; returns the checkpoint's path."""
+        replace the checkpoint directory and the run record."""
         t = self.options
         so_far = prev + global_losses(losses, t.strategy, topo)
-        return checkpoint.save(directory or t.checkpoint_dir, done, so_far, t.strategy, model, opt,  # type: ignore
-                               topo, shapes, keep=t.checkpoint_keep if directory is None else None,
-                               aliases=self.aliases, run=run or self.info, extra=extra,
-                               callbacks=callback_states(t.callbacks))
+        return checkpoint.prepare(directory or t.checkpoint_dir, done, so_far, t.strategy, model, opt,  # type: ignore
+                                  topo, shapes, keep=t.checkpoint_keep if directory is None else None,
+                                  aliases=self.aliases, run=run or self.info, extra=extra,
+                                  callbacks=callback_states(t.callbacks))
+
+    def _periodic(self, done: int, prev: list[float], losses: list[float], model: nn.Module,
+                  opt: torch.optim.Optimizer, topo: Topology, shapes: dict[str, list[int]],
+                  extra: dict[str, torch.Tensor] | None, kind: str) -> None:
+        """A periodic or final checkpoint through the run's :class:`Saver` (in the background with
+        ``checkpoint_async``); ``on_checkpoint_saved`` follows each save once it is complete."""
+        assert self.saver is not None
+        self._report(self.saver.save(self._pending(done, prev, losses, model, opt, topo, shapes, extra), kind), topo)
+
+    def _saves_finished(self, topo: Topology) -> None:
+        """Wait for a save in flight (its ``on_checkpoint_saved`` follows) and give SIGTERM its handler back."""
+        if self.saver is not None:
+            self._report(self.saver.finish(), topo)
+            self.saver.close()
+
+    def _report(self, finished: list[Finished], topo: Topology) -> None:
+        for f in finished:
+            self.hook("on_checkpoint_saved", f.step, topo, path=f.path, kind=f.kind)
 
     def after_step(self, done: int, local: float | None, model: nn.Module, opt: torch.optim.Optimizer,
                    topo: Topology, prev: list[float], losses: list[float], shapes: dict[str, list[int]],
@@ -227,6 +254,8 @@ class Job:
         checkpoint, or the final one of a run that stops here. Returns whether the run stops."""
         t = self.options
         self.steps_done = done
+        if self.saver is not None:
+            self.saver.step_ended()
         self.hook("on_step_end", done, topo, loss=local, optimizer=opt)
         validated = self.validation is not None and self.validation.due(done, self.max_steps)
         if validated:
@@ -236,12 +265,14 @@ class Job:
             self._validate_now(done, model, opt, topo, prev, losses, shapes, scaler, log)  # the run's last step
         if t.checkpoint_dir is not None and (done == self.max_steps or stop is not None or (
                 t.checkpoint_every is not None and done % t.checkpoint_every == 0)):
-            path = self._save(done, prev, losses, model, opt, topo, shapes, self._extra(scaler, done, stop))
-            self.hook("on_checkpoint_saved", done, topo, path=path, kind="final" if stop is not None else "periodic")
+            self._periodic(done, prev, losses, model, opt, topo, shapes, self._extra(scaler, done, stop),
+                           "final" if stop is not None else "periodic")
         if stop is not None:
             self.stop_reason = stop
             if topo.rank == 0 and want_progress(t.progress):
                 print(f"shardwise: stopping after step {done}/{self.max_steps}: {stop}", file=sys.stderr, flush=True)
+        if self.saver is not None:
+            self.saver.step_starts()
         return stop is not None
 
     def hook(self, name: str, done: int, topo: Topology, **kw: Any) -> None:
@@ -272,9 +303,9 @@ class Job:
         if val.best is not None and improved(metrics[val.best[0]], best_so_far(before, val.best), val.best[1]):
             name, mode = val.best
             run = {**self.info, "best": {"metric": name, "mode": mode, "value": metrics[name]}}
-            path = save_best(t.checkpoint_dir, lambda d: self._save(  # type: ignore[arg-type]
+            path = save_best(t.checkpoint_dir, lambda d: checkpoint.write(self._pending(  # type: ignore[arg-type]
                 done, prev, losses, model, opt, topo, shapes, self._extra(scaler, done, None), directory=d, run=run),
-                topo)
+                topo.comm("world")), topo)
             self.hook("on_checkpoint_saved", done, topo, path=path, kind="best")
 
     def _extra(self, scaler: precision_mod.LossScaler | None, done: int,

@@ -62,6 +62,7 @@ class FitOptions:
     callbacks: tuple[Any, ...]
     dataloader_kwargs: dict[str, Any]
     max_epochs: int | None = None
+    checkpoint_async: bool = False
 
     @property
     def on_cuda(self) -> bool:
@@ -97,6 +98,8 @@ class FitOptions:
             raise ValueError(f"checkpoint_every must be >= 1, got {every}")
         if every is not None and directory is None:
             raise ValueError("checkpoint_every was given without checkpoint_dir: say where checkpoints go")
+        if given["checkpoint_async"] and directory is None:
+            raise ValueError("checkpoint_async=True was given without checkpoint_dir: say where checkpoints go")
         if keep is not None and keep < 1:
             raise ValueError(f"checkpoint_keep must be >= 1 (or None to keep all), got {keep}")
         if given["memory_check"] not in ("error", "warn", "off"):

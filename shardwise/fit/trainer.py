@@ -68,6 +68,10 @@ class Trainer:
             intact checkpoint there, with any strategy and device count.
         checkpoint_every: save every this many optimizer steps (and after the last step).
         checkpoint_keep: how many of the newest checkpoints to keep (None keeps all).
+        checkpoint_async: write checkpoints beside training: the loop stops only while this rank's share is
+            copied to host memory (pinned on CUDA), and a thread writes and hashes the files on a gloo group of
+            its own; one save at most is in flight (the next one, the end of the fit and SIGTERM wait for it).
+            ``FitResult.stats`` reports the seconds each save blocked and the step slowdown during a write.
         memory_check: before starting, the planner (:mod:`shardwise.plan`) predicts the per-device
             memory of this layout; ``"error"`` stops with its breakdown when it will not fit,
             ``"warn"`` warns, ``"off"`` skips the check.
@@ -115,7 +119,7 @@ class Trainer:
                  tensorboard_dir: str | os.PathLike[str] | None = None, peak_flops: float | None = None,
                  max_processes_per_core: int | None = 8, sync_batchnorm: bool = False,
                  callbacks: list[Any] | None = None, dataloader_kwargs: dict[str, Any] | None = None,
-                 max_epochs: int | None = None) -> None:
+                 max_epochs: int | None = None, checkpoint_async: bool = False) -> None:
         given = dict(locals())  # every argument of this signature, defaults included: the options' one source
         for positional in ("self", "strategy", "devices", "accelerator"):
             del given[positional]
