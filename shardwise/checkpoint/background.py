@@ -156,7 +156,7 @@ class Saver:
         without = statistics.median(alone) if alone else None
         return {"checkpoint_async": self.background, "checkpoint_blocked_s": list(self.blocked),
                 "checkpoint_write_s": list(self.written), "checkpoint_staged_bytes": self.stager.nbytes,
-                "step_time_beside_write_s": with_write, "step_time_without_write_s": without,
+                "checkpoint_steps_beside_write": len(beside), "step_time_beside_write_s": with_write, "step_time_without_write_s": without,
                 "checkpoint_step_slowdown": with_write / without if with_write and without else None}
 
     def _guard_sigterm(self) -> None:
