@@ -45,10 +45,11 @@ from shardwise.param_groups import (
     plan_groups,
     splits_parameters,
 )
+from shardwise.parallel.compiling import compile_blocks
 from shardwise.parallel.sync_bn import convert_sync_batchnorm
 from shardwise.precision import ScaledOptimizer
 from shardwise.step import LossFn, OptimizerFactory, StepRun, iter_chunks
-from shardwise.strategies.base import HasServers, Strategy
+from shardwise.strategies.base import HasServers, Strategy, compile_backend
 from shardwise.strategies.registry import resolve
 
 
@@ -140,7 +141,8 @@ _PREPARED: weakref.WeakSet[Prepared] = weakref.WeakSet()
 
 def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Strategy = "ddp",
           accelerator: str = "auto", precision: str = "32", sync_batchnorm: bool = False,
-          param_groups: ParamGroupsFn | None = None) -> tuple[Prepared, torch.optim.Optimizer]:
+          param_groups: ParamGroupsFn | None = None,
+          compile: bool | str = False) -> tuple[Prepared, torch.optim.Optimizer]:
     """Apply ``strategy`` to ``model`` inside the running group (``sw.init()``); returns the prepared model and
     the optimizer ``optimizer_fn`` builds over the parameters this rank holds.
 
@@ -155,12 +157,15 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
     (which scales the loss) instead of ``loss.backward()``, and ``optimizer.step()`` unscales, skips a step
     whose gradients overflowed on any rank, and adjusts the scale.
     ``sync_batchnorm``: BatchNorm normalises with the whole global batch's statistics (see the Trainer).
+    ``compile``: compile each block in place before the strategy wraps the model (see the Trainer's
+    ``compile``; ``True`` is inductor, a string another ``torch.compile`` backend).
     """
     precision = precision_mod.check(precision)
     if isinstance(optimizer_fn, torch.optim.Optimizer):
         raise TypeError("optimizer_fn must be a factory that builds the optimizer from parameters (each rank builds "
                         "its own, over the parameters it holds), e.g. functools.partial(torch.optim.AdamW, lr=1e-3)")
     strat = resolve(strategy)
+    backend = compile_backend(strat, compile)
 
     if isinstance(strat, HasServers):
         raise ValueError(f"strategy {strat.name!r} cannot run in a hand-written loop: its server ranks hold no "
@@ -177,6 +182,8 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
     if sync_batchnorm and topo.size(DP) > 1:
         convert_sync_batchnorm(model, topo.comm(DP))
     precision_mod.cast_model(precision, model)  # "bf16-true": the weights themselves in bf16
+    if backend is not None:
+        compile_blocks(model, backend)  # before the strategy's wrappers, names unchanged
     grouped = GroupedFactory(optimizer_fn, groups)
     inner, opt = strat.setup(model, grouped, topo)
     grouped.finish(strat.param_names(inner))

@@ -89,6 +89,10 @@ LOCAL_IMPORTS: dict[str, str] = {
     "shardwise.checkpoint.store: torch.distributed.checkpoint": _DCP,
     "shardwise.checkpoint.store: shardwise.checkpoint.pieces": _DCP + " (its planners build on it)",
     "shardwise.checkpoint.tools: transformers": _HF,
+    "shardwise.checkpoint.background: shardwise.checkpoint.pieces": _DCP + " (a staged state holds its Pieces)",
+    "shardwise.torch_private: torch._dynamo": "torch._dynamo (seconds to import) loads only when compile is used",
+    "shardwise.torch_private: torch._inductor.runtime.cache_dir_utils": "torch._inductor loads only when compile "
+                                                                        "is used",
     "shardwise.parallel.cp: transformers": _HF,
     "shardwise.parallel.cp: transformers.masking_utils": _HF,
     "shardwise.fit.progress: torch.utils.tensorboard": "tensorboard is optional: only with a log directory",

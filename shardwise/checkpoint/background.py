@@ -25,7 +25,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise.checkpoint.pieces import Pieces
 from shardwise.checkpoint.store import Pending, write
 from shardwise.comm.collectives import Comm, CommStats
 from shardwise.comm.topology import Topology
@@ -53,7 +52,10 @@ class Stager:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
     def stage(self, state: dict[str, Any]) -> dict[str, Any]:
-        """``state`` with every tensor (and every :class:`Pieces` view) replaced by its host copy."""
+        """``state`` with every tensor (and every :class:`~shardwise.checkpoint.pieces.Pieces` view) replaced by
+        its host copy."""
+        from shardwise.checkpoint.pieces import Pieces
+
         out: dict[str, Any] = {}
         for key, value in state.items():
             if isinstance(value, Pieces):

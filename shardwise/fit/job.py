@@ -39,6 +39,7 @@ from shardwise.fit.progress import StepLog, want_progress
 from shardwise.fit.steps import count_state, global_losses, train_loop
 from shardwise.param_groups import GroupedFactory, GroupPlan
 from shardwise.parallel.checkpointing import apply_activation_checkpointing
+from shardwise.parallel.compiling import compile_blocks, compile_report, recompile_warning
 from shardwise.parallel.sync_bn import convert_sync_batchnorm
 from shardwise.stats import (
     cuda_peak_bytes,
@@ -47,7 +48,7 @@ from shardwise.stats import (
     reset_peak_rss,
 )
 from shardwise.step import LossFn, OptimizerFactory, StepRun
-from shardwise.strategies.base import HasServers
+from shardwise.strategies.base import HasServers, compile_backend
 
 
 @dataclass
@@ -124,6 +125,9 @@ class Job:
         if t.sync_batchnorm and topo.size(DP) > 1:
             convert_sync_batchnorm(self.model, topo.comm(DP))
         precision_mod.cast_model(t.precision, self.model)  # "bf16-true": weights, and so grads and states, in bf16
+        backend = compile_backend(strat, t.compile)
+        if backend is not None:  # before the strategy's wrappers; traced at the first step, with its layers in
+            compile_blocks(self.model, backend)
         grouped = GroupedFactory(self.optimizer_fn, self.groups)
         model, opt = strat.setup(self.model, grouped, topo)
         grouped.finish(strat.param_names(model))
@@ -184,7 +188,10 @@ class Job:
                                      if b.is_floating_point() and b.device.type != "meta")),  # (ps servers: meta)
             **(strat.rank_stats(model, topo) if isinstance(strat, HasServers) else {}),
             **(self.saver.stats() if self.saver is not None else {}),
+            **(compile_report() if backend is not None else {}),
         }
+        if backend is not None and topo.rank == 0 and (storm := recompile_warning(mine)):
+            print(storm, file=sys.stderr, flush=True)
         stats = topo.comm("world").all_gather_object(mine, name="stats")
         result = FitResult(losses=all_losses, state_dict=state_dict, stats=stats, val_metrics=list(self.history))
         call(t.callbacks, "on_fit_end", CallbackInfo(len(all_losses), self.max_steps, topo.rank, topo.world_size,

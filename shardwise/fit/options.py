@@ -23,7 +23,7 @@ from shardwise.comm.topology import accelerator_name
 from shardwise.data import loader_options
 from shardwise.fit.callbacks import check_callbacks
 from shardwise.layout import RunLayout
-from shardwise.strategies.base import Strategy
+from shardwise.strategies.base import Strategy, compile_backend
 from shardwise.strategies.registry import resolve
 
 # Builds the run's learning-rate schedule from its optimizer, e.g. partial(lr_scheduler.OneCycleLR, ...).
@@ -63,6 +63,7 @@ class FitOptions:
     dataloader_kwargs: dict[str, Any]
     max_epochs: int | None = None
     checkpoint_async: bool = False
+    compile: bool | str = False
 
     @property
     def on_cuda(self) -> bool:
@@ -98,6 +99,7 @@ class FitOptions:
             raise ValueError(f"checkpoint_every must be >= 1, got {every}")
         if every is not None and directory is None:
             raise ValueError("checkpoint_every was given without checkpoint_dir: say where checkpoints go")
+        compile_backend(strat, given["compile"])  # a wrong value, or a schedule that cannot run compiled blocks
         if given["checkpoint_async"] and directory is None:
             raise ValueError("checkpoint_async=True was given without checkpoint_dir: say where checkpoints go")
         if keep is not None and keep < 1:

@@ -78,6 +78,11 @@ class Trainer:
         precision: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"`` (Lightning's ``32``, ``16`` and ``"bf16"`` too):
             autocast for the forward and loss, fp32 master weights (the parameters; sharded under ZeRO), and
             for fp16 a dynamic loss scaler whose overflow check is agreed by every rank.
+        compile: compile each block of the model (every entry of its ModuleLists) in place with
+            ``torch.compile`` before the strategy wraps it, so names and checkpoints are unchanged; ``True`` is
+            inductor, a string another backend (``"aot_eager"``). Refused for the split-backward pipeline
+            schedules (``"zb-h1"``, ``"zbv"``, ``"dualpipev"``). Compilations and recompilations are counted in
+            ``FitResult.stats`` and recompilations reported on rank 0.
         activation_checkpointing: recompute each block's forward in backward instead of keeping its
             activations: ``True`` for every entry of the model's ModuleLists, or a tuple of block classes.
         device_memory: bytes per device for that check (default: the GPU's memory, or this
@@ -119,7 +124,8 @@ class Trainer:
                  tensorboard_dir: str | os.PathLike[str] | None = None, peak_flops: float | None = None,
                  max_processes_per_core: int | None = 8, sync_batchnorm: bool = False,
                  callbacks: list[Any] | None = None, dataloader_kwargs: dict[str, Any] | None = None,
-                 max_epochs: int | None = None, checkpoint_async: bool = False) -> None:
+                 max_epochs: int | None = None, checkpoint_async: bool = False,
+                 compile: bool | str = False) -> None:
         given = dict(locals())  # every argument of this signature, defaults included: the options' one source
         for positional in ("self", "strategy", "devices", "accelerator"):
             del given[positional]
