@@ -50,8 +50,8 @@ private API                                                                what 
                                                                            graphs (:func:`run_outside_graphs`;
                                                                            ``parallel.compiling``)
 ``torch._dynamo.utils.get_compilation_metrics()`` (``co_name``,            what a fit compiled and why it
-``recompile_reason``), ``clear_compilation_metrics()``                     recompiled (:func:`compilations`;
-                                                                           ``parallel.compiling``)
+``recompile_reason``), ``clear_compilation_metrics()``,                    recompiled (:func:`compilations`;
+``torch._dynamo.reset()``                                                  ``parallel.compiling``)
 ``torch._inductor.runtime.cache_dir_utils.default_cache_dir()``            inductor's cache, named for every rank
                                                                            (:func:`inductor_cache_dir`)
 =========================================================================  =====================================
@@ -171,10 +171,14 @@ def run_outside_graphs(modules: list[str]) -> None:
             _OUTSIDE.add(m)
 
 
-def forget_compilations() -> None:
-    """Start this process's record of compilations afresh (a worker runs many fits)."""
+def forget_compilations(everything: bool) -> None:
+    """Start this process's record of compilations afresh; with ``everything``, its compiled code too
+    (``torch._dynamo.reset()``: a rank process that runs fit after fit compiles each one's blocks itself)."""
+    import torch._dynamo
     from torch._dynamo import utils
 
+    if everything:
+        torch._dynamo.reset()
     utils.clear_compilation_metrics()
 
 

@@ -127,7 +127,7 @@ class Job:
         precision_mod.cast_model(t.precision, self.model)  # "bf16-true": weights, and so grads and states, in bf16
         backend = compile_backend(strat, t.compile)
         if backend is not None:  # before the strategy's wrappers; traced at the first step, with its layers in
-            compile_blocks(self.model, backend)
+            compile_blocks(self.model, backend, fresh=True)
         grouped = GroupedFactory(self.optimizer_fn, self.groups)
         model, opt = strat.setup(self.model, grouped, topo)
         grouped.finish(strat.param_names(model))

@@ -45,19 +45,20 @@ def backend_of(compile: bool | str) -> str | None:
 
 
 def compile_blocks(model: nn.Module, backend: str = DEFAULT_BACKEND,
-                   classes: Iterable[type[nn.Module]] | None = None) -> list[nn.Module]:
+                   classes: Iterable[type[nn.Module]] | None = None, fresh: bool = False) -> list[nn.Module]:
     """Compile each block of ``model`` in place (names unchanged); returns the blocks (none is an error).
 
     Call it before the strategy wraps the model and after activation checkpointing (the checkpointed forward
     is what gets compiled, recomputation included). Clears this process's record of compilations, so that
-    :func:`compile_report` counts this model's."""
+    :func:`compile_report` counts this model's; ``fresh`` drops the process's compiled code too (a rank of the
+    Trainer compiles its own; a user's process keeps what it compiled elsewhere)."""
     chosen = blocks(model, classes)
     if not chosen:
         raise ValueError("compile found no blocks: the model has no nn.ModuleList of blocks to compile one by one; "
                          "compile the model yourself before passing it (model.compile()), or leave compile off")
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())  # every rank names the same one
     run_outside_graphs(EAGER_MODULES)
-    forget_compilations()
+    forget_compilations(everything=fresh)
     for b in chosen:
         b.compile(backend=backend)
     return chosen
