@@ -86,10 +86,11 @@ class Saver:
         self.stager = Stager(pin=topo.device.type == "cuda")
         self.blocked: list[float] = []  # per save: how long the loop waited (a save in flight, staging, writing)
         self.written: list[float] = []  # per save: how long its write took
-        self.steps: list[tuple[float, bool]] = []  # per step: its time, whether a write was in flight throughout
+        self.steps: list[tuple[float, bool]] = []  # per step: its time, whether it started with a write in flight
         self._thread: threading.Thread | None = None
         self._outcome: tuple[Finished | None, BaseException | None] = (None, None)
         self._mark: float | None = None
+        self._busy = False  # whether a write was in flight when the current step started
         self._previous_sigterm: Any = None
 
     def save(self, pending: Pending, kind: str) -> list[Finished]:
@@ -137,11 +138,12 @@ class Saver:
     def step_ended(self) -> None:
         """The loop finished a step (called before anything else it does after the step)."""
         if self._mark is not None:
-            self.steps.append((time.perf_counter() - self._mark, self._thread is not None and self._thread.is_alive()))
+            self.steps.append((time.perf_counter() - self._mark, self._busy))
 
     def step_starts(self) -> None:
         """The loop is about to start the next step (called after the step's checkpoint, validation...)."""
         self._mark = time.perf_counter()
+        self._busy = self._thread is not None and self._thread.is_alive()
 
     def close(self) -> None:
         """Give SIGTERM back to the handler it had before the first save in the background."""
