@@ -92,6 +92,7 @@ class Saver:
         self._mark: float | None = None
         self._busy = False  # whether a write was in flight when the current step started
         self._previous_sigterm: Any = None
+        self._guarded = False  # whether SIGTERM is ours (the handler before may be None: set outside Python)
 
     def save(self, pending: Pending, kind: str) -> list[Finished]:
         """Write ``pending`` (at once, or start its write in the background); returns the saves this call saw
@@ -147,9 +148,9 @@ class Saver:
 
     def close(self) -> None:
         """Give SIGTERM back to the handler it had before the first save in the background."""
-        if self._previous_sigterm is not None:
-            signal.signal(signal.SIGTERM, self._previous_sigterm)
-            self._previous_sigterm = None
+        if self._guarded:
+            signal.signal(signal.SIGTERM, self._previous_sigterm or signal.SIG_DFL)
+            self._guarded = False
 
     def stats(self) -> dict[str, Any]:
         """``FitResult.stats`` entries: blocked and write seconds per save, and the step times beside a write
@@ -166,15 +167,17 @@ class Saver:
     def _guard_sigterm(self) -> None:
         """SIGTERM (a scheduler's preemption, torchrun stopping the job) waits for the write in flight, so the
         checkpoint it started is complete before the process ends. Only the main thread may set handlers."""
-        if self._previous_sigterm is not None or threading.current_thread() is not threading.main_thread():
+        if self._guarded or threading.current_thread() is not threading.main_thread():
             return
         self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._guarded = True
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         if self._thread is not None:
             self._thread.join()
-        previous, self._previous_sigterm = self._previous_sigterm, None
+        previous = self._previous_sigterm or signal.SIG_DFL
         signal.signal(signal.SIGTERM, previous)
+        self._guarded = False
         if callable(previous):
             previous(signum, frame)
         else:
