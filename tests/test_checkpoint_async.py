@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -23,25 +24,32 @@ STEPS = 6
 
 
 class HeldWrite(sw.Callback):
-    """Holds every write for ``delay`` seconds after its files are on disk and before they are hashed (no
-    manifest yet), so the steps after a save run while it is written; with ``kill_step``, rank 1 is killed
-    (SIGKILL) there instead, in the write of that step's checkpoint. The patch is this rank's, for this fit."""
+    """Holds every write in the background for ``delay`` seconds before it writes anything, so the steps after a
+    save change the live tensors before the write reads its copies; with ``kill_step``, rank 1 is killed
+    (SIGKILL) in the write of that step's checkpoint once its files are on disk (not its manifest). The patches
+    are this rank's, for this fit."""
 
     def __init__(self, delay: float, kill_step: int | None = None) -> None:
         self.delay, self.kill_step = delay, kill_step
 
     def on_fit_start(self, info):
-        original, rank = checkpoint._checksums, info.rank
+        self.originals = checkpoint._dcp, checkpoint._checksums
+        dcp_modules, checksums = self.originals
+        rank = info.rank
 
-        def held(path, comm):
+        def held_dcp():
+            if threading.current_thread().name == "shardwise-checkpoint":
+                time.sleep(self.delay)
+            return dcp_modules()
+
+        def killed(path, comm):
             if self.kill_step is not None and rank == 1 and path.endswith(f"step_{self.kill_step:08d}.tmp"):
                 os.kill(os.getpid(), signal.SIGKILL)
-            time.sleep(self.delay)
-            return original(path, comm)
-        self.original, checkpoint._checksums = original, held
+            return checksums(path, comm)
+        checkpoint._dcp, checkpoint._checksums = held_dcp, killed
 
     def on_fit_end(self, info):
-        checkpoint._checksums = self.original
+        checkpoint._dcp, checkpoint._checksums = self.originals
 
     on_exception = on_fit_end
 
@@ -80,7 +88,7 @@ def test_a_background_save_holds_the_bytes_of_a_foreground_save(tmp_path, synchr
             assert torch.equal(got[k], t), f"{name} {k}"
         assert checkpoint.verify(os.path.join(ckpt, name)) is None
     assert run.losses == sync_run.losses
-    for stats in run.stats:  # each write was held 0.3 s: the steps after steps 2 and 4 ran during it
+    for stats in run.stats:  # each write was held 0.3 s before writing: the steps after 2 and 4 ran first
         assert stats["checkpoint_async"] and len(stats["checkpoint_blocked_s"]) == 3
         assert stats["checkpoint_steps_beside_write"] >= 2 and stats["checkpoint_staged_bytes"] > 0
     assert sync_run.stats[0]["checkpoint_steps_beside_write"] == 0

@@ -72,4 +72,7 @@ def compile_pair(a: argparse.Namespace) -> Table:
         t.add_column(col, justify="left" if col == "implementation" else "right")
     t.add_row("eager", f"{1e3 * eager:.2f} ms", "1.000x")
     t.add_row("compiled blocks", f"{1e3 * compiled:.2f} ms", f"{statistics.median(ratios):.3f}x")
+    # Each repetition's medians, in order: how much the machine's load moved them (the ratio is paired).
+    t.caption = "per repetition, eager / compiled: " + ", ".join(
+        f"{1e3 * e:.0f}/{1e3 * c:.0f} ms" for e, c in zip(r.step_times["eager"], r.step_times["compiled"]))
     return t
