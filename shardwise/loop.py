@@ -46,10 +46,11 @@ from shardwise.param_groups import (
     plan_groups,
     splits_parameters,
 )
+from shardwise.parallel.compiling import compile_blocks
 from shardwise.parallel.sync_bn import convert_sync_batchnorm
 from shardwise.precision import ScaledOptimizer
 from shardwise.step import LossFn, OptimizerFactory, StepRun, iter_chunks
-from shardwise.strategies.base import HasServers, Strategy
+from shardwise.strategies.base import HasServers, Strategy, compile_backend
 from shardwise.strategies.registry import resolve
 
 
@@ -142,7 +143,8 @@ _PREPARED: weakref.WeakSet[Prepared] = weakref.WeakSet()
 def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Strategy = "ddp",
           accelerator: str = "auto", precision: str = "32", sync_batchnorm: bool = False,
           param_groups: ParamGroupsFn | None = None, init_from: str | os.PathLike[str] | None = None,
-          init_allow_missing: list[str] | tuple[str, ...] = ()) -> tuple[Prepared, torch.optim.Optimizer]:
+          init_allow_missing: list[str] | tuple[str, ...] = (),
+          compile: bool | str = False) -> tuple[Prepared, torch.optim.Optimizer]:
     """Apply ``strategy`` to ``model`` inside the running group (``sw.init()``); returns the prepared model and
     the optimizer ``optimizer_fn`` builds over the parameters this rank holds.
 
@@ -159,6 +161,8 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
     ``sync_batchnorm``: BatchNorm normalises with the whole global batch's statistics (see the Trainer).
     ``init_from``, ``init_allow_missing``: pretrained weights read straight into what each rank holds, the model
     possibly on the meta device (see ``Trainer.fit`` and :mod:`shardwise.init_from`).
+    ``compile``: compile each block in place before the strategy wraps the model (see the Trainer's
+    ``compile``; ``True`` is inductor, a string another ``torch.compile`` backend).
     """
     precision = precision_mod.check(precision)
     if isinstance(optimizer_fn, torch.optim.Optimizer):
@@ -169,7 +173,7 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
         raise ValueError(f"sw.setup does not run engine='torch' yet (strategy {strat.name!r}); use "
                          f"sw.Trainer({type(strat).__name__}(engine='torch'), ...).fit(...), or engine='shardwise' "
                          "in the hand-written loop")
-
+    backend = compile_backend(strat, compile)
     weights = InitFrom.of(init_from, init_allow_missing)
     if weights is not None:
         weights.check(model)
@@ -188,6 +192,8 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
     if sync_batchnorm and topo.size(DP) > 1:
         convert_sync_batchnorm(model, topo.comm(DP))
     precision_mod.cast_model(precision, model)  # "bf16-true": the weights themselves in bf16
+    if backend is not None:
+        compile_blocks(model, backend)  # before the strategy's wrappers, names unchanged
     grouped = GroupedFactory(optimizer_fn, groups)
     inner, opt = before_setup(weights, model, strat, topo).setup(model, grouped, topo)
     grouped.finish(strat.param_names(inner))

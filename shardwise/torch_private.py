@@ -50,6 +50,15 @@ private API                                                                what 
                                                                            and inf/NaN check, one pass per device
                                                                            and dtype (:data:`UNSCALE_AND_CHECK`;
                                                                            ``precision.unscale_grads``)
+``torch._dynamo.trace_rules.add(module)``                                  compiled blocks call our communication
+                                                                           and wrappers' hooks eagerly, between
+                                                                           graphs (:func:`run_outside_graphs`;
+                                                                           ``parallel.compiling``)
+``torch._dynamo.utils.get_compilation_metrics()`` (``co_name``,            what a fit compiled and why it
+``recompile_reason``), ``clear_compilation_metrics()``,                    recompiled (:func:`compilations`;
+``torch._dynamo.reset()``                                                  ``parallel.compiling``)
+``torch._inductor.runtime.cache_dir_utils.default_cache_dir()``            inductor's cache, named for every rank
+                                                                           (:func:`inductor_cache_dir`)
 =========================================================================  =====================================
 
 Also relied on, and checked by the tests, though not routed through here: the
@@ -162,6 +171,48 @@ BatchNormBase = nn.modules.batchnorm._BatchNorm
 UNSCALE_AND_CHECK = torch._amp_foreach_non_finite_check_and_unscale_
 
 
+# ---- torch.compile (torch._dynamo and torch._inductor take seconds to import: loaded when compile is used) --
+_OUTSIDE: set[str] = set()
+
+
+def run_outside_graphs(modules: list[str]) -> None:
+    """torch.compile never traces the functions of ``modules`` (packages or modules, by import name): a compiled
+    block that calls one breaks its graph there and runs it eagerly. Communication and the wrappers' hooks keep
+    Python state (byte counts, a unit's sharded or gathered state) that a traced copy would guard on, and so
+    recompile each time it changes; they join dynamo's skip list, where torch's own distributed code is."""
+    from torch._dynamo import trace_rules
+
+    for m in modules:
+        if m not in _OUTSIDE:
+            trace_rules.add(m)
+            _OUTSIDE.add(m)
+
+
+def forget_compilations(everything: bool) -> None:
+    """Start this process's record of compilations afresh; with ``everything``, its compiled code too
+    (``torch._dynamo.reset()``: a rank process that runs fit after fit compiles each one's blocks itself)."""
+    import torch._dynamo
+    from torch._dynamo import utils
+
+    if everything:
+        torch._dynamo.reset()
+    utils.clear_compilation_metrics()
+
+
+def compilations() -> list[tuple[str, str | None]]:
+    """(code name, recompile reason or None) of each compilation this process recorded since it was cleared."""
+    from torch._dynamo import utils
+
+    return [(m.co_name or "", m.recompile_reason) for m in utils.get_compilation_metrics()]
+
+
+def inductor_cache_dir() -> str:
+    """Inductor's default cache directory (``TORCHINDUCTOR_CACHE_DIR`` when set)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return default_cache_dir()
+
+
 __all__ = ["UNSCALE_AND_CHECK", "BatchNormBase", "FLASH_ATTENTION_CPU", "FLASH_ATTENTION_CPU_BACKWARD", "as_main_process",
-           "at_backward_end", "c10d_default_store", "host_rendezvous_stores", "in_backward", "memory_records",
-           "recomputing"]
+           "at_backward_end", "c10d_default_store", "compilations", "forget_compilations", "host_rendezvous_stores",
+           "in_backward", "inductor_cache_dir", "memory_records", "recomputing", "run_outside_graphs"]

@@ -69,6 +69,7 @@ _ROOT_LAZY = "a name of the lazy package root (PEP 562): `import shardwise` does
 _PLOT = "matplotlib only when a plot is drawn"
 _DCP = "torch.distributed.checkpoint loads only when a checkpoint is saved or loaded"
 _HF = "transformers is optional: only for a Hugging Face model"
+_DYNAMO = "torch._dynamo (seconds to import) loads only when compile is used"
 LOCAL_IMPORTS: dict[str, str] = {
     # the package root and the torch-free command line
     "shardwise: shardwise.strategies.registry": _ROOT_LAZY,
@@ -91,6 +92,12 @@ LOCAL_IMPORTS: dict[str, str] = {
     "shardwise.checkpoint.store: shardwise.checkpoint.pieces": _DCP + " (its planners build on it)",
     "shardwise.checkpoint.tools: transformers": _HF,
     "shardwise.fit.job: transformers.utils.output_capturing": _HF,
+    "shardwise.checkpoint.background: shardwise.checkpoint.pieces": _DCP + " (a staged state holds its Pieces)",
+    "shardwise.torch_private: torch._dynamo": _DYNAMO,
+    "shardwise.torch_private: torch._dynamo.trace_rules": _DYNAMO,
+    "shardwise.torch_private: torch._dynamo.utils": _DYNAMO,
+    "shardwise.torch_private: torch._inductor.runtime.cache_dir_utils": "torch._inductor loads only when compile "
+                                                                        "is used",
     "shardwise.parallel.cp: transformers": _HF,
     "shardwise.parallel.cp: transformers.masking_utils": _HF,
     "shardwise.loggers.files: torch.utils.tensorboard": "tensorboard is optional: only when its logger opens",

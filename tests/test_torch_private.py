@@ -218,3 +218,15 @@ def test_the_module_the_worker_pool_preloads():
     from shardwise.pool import PRELOAD
 
     assert "torch._dynamo" in PRELOAD and importlib.util.find_spec("torch._dynamo") is not None
+
+
+def test_the_compile_helpers():
+    """The skip list compiled blocks leave our communication to, the compilation record, the inductor cache."""
+    import torch._dynamo
+    from torch._dynamo import trace_rules, utils
+
+    assert callable(trace_rules.add) and callable(torch._dynamo.reset)
+    assert {"co_name", "recompile_reason"} <= set(utils.CompilationMetrics.__dataclass_fields__)
+    tp.forget_compilations(everything=False)
+    assert tp.compilations() == []
+    assert isinstance(tp.inductor_cache_dir(), str)

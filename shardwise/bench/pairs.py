@@ -73,6 +73,7 @@ PAIRS: dict[str, Callable[[argparse.Namespace], Table]] = {
     CP: _lazy("shardwise.bench.cp:cp_pair"),
     "zb": _lazy("shardwise.bench.zbv:zb_pairs"),  # ZB-H1, then ZBV and DualPipeV
     "moe": _lazy("shardwise.bench.moe:moe_pair"),
+    "compile": _lazy("shardwise.bench.compiled:compile_pair"),  # eager against compiled blocks, one rank
 }
 
 

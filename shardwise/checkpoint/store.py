@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.checkpoint.held import Held, named_state
+from shardwise.comm.collectives import Comm
 from shardwise.comm.topology import Topology
 from shardwise.dims import CP, EP, SIZES, SPLIT_BY, TP
 from shardwise.param_groups import json_hyper
@@ -129,24 +130,20 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
-def _checksums(path: str, topo: Topology) -> dict[str, str]:
-    """SHA-256 of every file of a checkpoint being written, on rank 0 (an empty dict elsewhere).
+def _checksums(path: str, comm: Comm) -> dict[str, str]:
+    """SHA-256 of every file of a checkpoint being written, on rank 0 of ``comm`` (an empty dict elsewhere).
 
     Each rank hashes the files it wrote itself (DCP names them ``__<rank>_<n>.distcp``), at the same time as the
     others, and rank 0 gathers them and hashes the rest (DCP's ``.metadata``): a save no longer waits while one
     rank reads every file of the checkpoint."""
     names = sorted(os.listdir(path))
-    mine = {f: _sha256(os.path.join(path, f)) for f in names if f.startswith(f"__{topo.rank}_")}
-    if topo.world_size > 1 and dist.is_initialized():
-        every = topo.comm("world").all_gather_object(mine, name="checkpoint.hashes")
+    mine = {f: _sha256(os.path.join(path, f)) for f in names if f.startswith(f"__{comm.rank}_")}
+    if comm.size > 1:
+        every = comm.all_gather_object(mine, name="checkpoint.hashes")
         mine = {f: h for part in every for f, h in part.items()}
-    if topo.rank != 0:
+    if comm.rank != 0:
         return {}
     return {f: mine[f] if f in mine else _sha256(os.path.join(path, f)) for f in names}
-
-
-def _barrier(topo: Topology) -> None:
-    topo.comm("world").barrier("checkpoint")
 
 
 def materialize(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -317,6 +314,71 @@ def _state(strat: Checkpointed, model: nn.Module, optimizer: torch.optim.Optimiz
     return state
 
 
+@dataclass
+class Pending:
+    """One checkpoint to write: ``state`` (DCP's, views of the live tensors, or their staged copies for a save
+    in the background) and every manifest entry but the files' checksums, which exist only once it is written."""
+
+    directory: str
+    step: int
+    state: dict[str, Any]
+    manifest: dict[str, Any]
+    keep: int | None = None
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.directory, f"step_{self.step:08d}")
+
+
+def prepare(directory: str, step: int, losses: list[float], strat: Checkpointed, model: nn.Module,
+            optimizer: torch.optim.Optimizer, topo: Topology, shapes: dict[str, list[int]],
+            keep: int | None = None, aliases: dict[str, str] | None = None,
+            run: dict[str, Any] | None = None, extra: dict[str, torch.Tensor] | None = None,
+            callbacks: dict[str, Any] | None = None, loggers: dict[str, Any] | None = None) -> Pending:
+    """Checkpoint ``step`` (after ``step`` optimizer steps) as :func:`write` takes it; nothing is written yet.
+    The arguments are :func:`save`'s."""
+    manifest = {"format": FORMAT, "step": step, "param_groups": [json_hyper(g) for g in optimizer.param_groups],
+                "callbacks": callbacks or {}, "loggers": loggers or {}, "world_size": topo.world_size,
+                "strategy": strat.name,
+                "sizes": {d: topo.size(d) for d in MANIFEST_SIZES}, "shapes": shapes,
+                "aliases": aliases or {}, "run": run or {},
+                "extra": {k: [list(v.shape), str(v.dtype).replace("torch.", "")] for k, v in (extra or {}).items()}}
+    return Pending(directory, step, _state(strat, model, optimizer, topo, shapes, step, losses, extra), manifest,
+                   keep)
+
+
+def write(pending: Pending, comm: Comm) -> str:
+    """Write ``pending`` collectively over ``comm`` (every rank of the run: the world, or a group of its own for
+    a save in the background); returns its path.
+
+    Ranks write into ``step_N.tmp``; rank 0 writes the manifest last and renames the directory, so the checkpoint
+    appears complete or not at all, then deletes those beyond the newest ``keep``."""
+    dcp, pieces = _dcp()
+    final = pending.path
+    tmp = final + ".tmp"
+    if comm.rank == 0:
+        os.makedirs(pending.directory, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    comm.barrier("checkpoint")
+    with _quiet_single_process():
+        dcp.save(pending.state, checkpoint_id=tmp, planner=pieces.SavePlanner(), process_group=comm.group)
+    comm.barrier("checkpoint")
+    files = _checksums(tmp, comm)
+    if comm.rank == 0:
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump({**pending.manifest, "files": files}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)  # atomic on POSIX: the checkpoint appears complete or not at all
+        if pending.keep is not None:
+            for old in checkpoints(pending.directory)[:-pending.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    comm.barrier("checkpoint")
+    return final
+
+
 def save(directory: str, step: int, losses: list[float], strat: Checkpointed, model: nn.Module,
          optimizer: torch.optim.Optimizer, topo: Topology, shapes: dict[str, list[int]],
          keep: int | None = None, aliases: dict[str, str] | None = None,
@@ -328,39 +390,8 @@ def save(directory: str, step: int, losses: list[float], strat: Checkpointed, mo
     the new one is complete. ``extra``: small replicated tensors of run state (the
     fp16 loss scaler), restored by :func:`load` as :attr:`Restored.extra`.
     """
-    dcp, pieces = _dcp()
-    final = os.path.join(directory, f"step_{step:08d}")
-    tmp = final + ".tmp"
-    if topo.rank == 0:
-        os.makedirs(directory, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier(topo)
-    with _quiet_single_process():
-        dcp.save(_state(strat, model, optimizer, topo, shapes, step, losses, extra), checkpoint_id=tmp,
-                 planner=pieces.SavePlanner())
-    _barrier(topo)
-    files = _checksums(tmp, topo)
-    if topo.rank == 0:
-        manifest = {"format": FORMAT, "step": step,
-                    "param_groups": [json_hyper(g) for g in optimizer.param_groups],
-                    "callbacks": callbacks or {}, "loggers": loggers or {}, "world_size": topo.world_size,
-                    "strategy": strat.name,
-                    "sizes": {d: topo.size(d) for d in MANIFEST_SIZES}, "shapes": shapes,
-                    "aliases": aliases or {}, "run": run or {},
-                    "extra": {k: [list(v.shape), str(v.dtype).replace("torch.", "")] for k, v in (extra or {}).items()},
-                    "files": files}
-        with open(os.path.join(tmp, MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)  # atomic on POSIX: the checkpoint appears complete or not at all
-        if keep is not None:
-            for old in checkpoints(directory)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-    _barrier(topo)
-    return final
+    return write(prepare(directory, step, losses, strat, model, optimizer, topo, shapes, keep, aliases, run, extra,
+                         callbacks, loggers), topo.comm("world"))
 
 
 def verify(path: str) -> str | None:

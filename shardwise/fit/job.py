@@ -21,6 +21,7 @@ from torch import nn
 from shardwise import launch
 from shardwise import precision as precision_mod
 from shardwise.checkpoint import store as checkpoint
+from shardwise.checkpoint.background import Finished, Saver
 from shardwise.comm.topology import Topology
 from shardwise.dims import DP
 from shardwise.fit import profiler
@@ -40,6 +41,7 @@ from shardwise.fit.steps import count_state, global_losses, train_loop
 from shardwise.init_from import InitFrom, after_setup, before_setup, read_into
 from shardwise.param_groups import GroupedFactory, GroupPlan
 from shardwise.parallel.checkpointing import apply_activation_checkpointing
+from shardwise.parallel.compiling import compile_blocks, compile_report, recompile_warning
 from shardwise.parallel.sync_bn import convert_sync_batchnorm
 from shardwise.scalars import Reducer, Scalars, recording
 from shardwise.stats import (
@@ -49,7 +51,7 @@ from shardwise.stats import (
     reset_peak_rss,
 )
 from shardwise.step import LossFn, OptimizerFactory, StepRun, TrainingStep
-from shardwise.strategies.base import HasServers
+from shardwise.strategies.base import HasServers, compile_backend
 
 
 @dataclass
@@ -114,12 +116,15 @@ class Job:
         hf_output_capture(self.model)
         topo = Topology.create(device, t.layout.dims, timeout=t.timeout, debug=t.debug)
         self.steps_done = 0
+        self.saver: Saver | None = None
         try:
             return self._run(topo)
         except BaseException as e:
             self.hook("on_exception", self.steps_done, topo, exception=e)
             raise
         finally:
+            if self.saver is not None:
+                self.saver.close()  # SIGTERM's own handler back, also after a failure
             topo.close()
 
     def _run(self, topo: Topology) -> FitResult:
@@ -134,10 +139,15 @@ class Job:
         if t.sync_batchnorm and topo.size(DP) > 1:
             convert_sync_batchnorm(self.model, topo.comm(DP))
         precision_mod.cast_model(t.precision, self.model)  # "bf16-true": weights, and so grads and states, in bf16
+        backend = compile_backend(strat, t.compile)
+        if backend is not None:  # before the strategy's wrappers; traced at the first step, with its layers in
+            compile_blocks(self.model, backend, fresh=True)
         grouped = GroupedFactory(self.optimizer_fn, self.groups)
         model, opt = before_setup(self.init, self.model, strat, topo).setup(self.model, grouped, topo)
         after_setup(self.init, model, topo, self.model)
         grouped.finish(strat.param_names(model))
+        # Built on every rank at this point: a save in the background creates its own group here (a collective).
+        self.saver = Saver(topo, t.checkpoint_async) if t.checkpoint_dir is not None else None
         self.restored_groups: list[dict[str, Any]] | None = None
         self.restored_loggers: dict[str, dict[str, Any]] = {}  # the checkpoint's logger runs, reopened on resume
         self.logger_refs: dict[str, dict[str, Any]] = {}  # this run's, set by the step log on rank 0
@@ -172,6 +182,7 @@ class Job:
             state_bytes = count_state(strat, model, opt)
         else:
             losses, times, state_bytes = train_loop(self, model, opt, topo, prev, shapes, extra)
+        self._saves_finished(topo)  # the end of the fit waits for a save in flight
         steps_run = max(1, len(losses))
         train_sent = topo.stats.sent - sent_after_setup
         train_received = topo.stats.received - received_after_setup
@@ -197,7 +208,11 @@ class Job:
                                      if b.is_floating_point() and b.device.type != "meta")),  # (ps servers: meta)
             **(strat.rank_stats(model, topo) if isinstance(strat, HasServers) else {}),
             "profile": self.profile,  # (gathered with the stats, then kept apart in FitResult.profile)
+            **(self.saver.stats() if self.saver is not None else {}),
+            **(compile_report() if backend is not None else {}),
         }
+        if backend is not None and topo.rank == 0 and (storm := recompile_warning(mine)):
+            print(storm, file=sys.stderr, flush=True)
         stats = topo.comm("world").all_gather_object(mine, name="stats")
         profile = [s.pop("profile") for s in stats]
         if topo.rank == 0 and t.profiler == "simple" and any(profile):
@@ -240,21 +255,40 @@ class Job:
             times += strat.serve(model, opt, topo, stop - done)  # type: ignore[attr-defined]
             done = stop
             if t.checkpoint_dir is not None:
-                self._save(done, prev, [0.0] * (done - len(prev)), model, opt, topo, shapes, None)
+                self._periodic(done, prev, [0.0] * (done - len(prev)), model, opt, topo, shapes, None, "periodic")
         return times
 
-    def _save(self, done: int, prev: list[float], losses: list[float], model: nn.Module, opt: torch.optim.Optimizer,
-              topo: Topology, shapes: dict[str, list[int]], extra: dict[str, torch.Tensor] | None,
-              directory: str | None = None, run: dict[str, Any] | None = None) -> str:
-        """Checkpoint after ``done`` steps, on every rank: this run's ``losses`` made global (an all-reduce in
+    def _pending(self, done: int, prev: list[float], losses: list[float], model: nn.Module,
+                 opt: torch.optim.Optimizer, topo: Topology, shapes: dict[str, list[int]],
+                 extra: dict[str, torch.Tensor] | None, directory: str | None = None,
+                 run: dict[str, Any] | None = None) -> checkpoint.Pending:
+        """The checkpoint after ``done`` steps, on every rank: this run's ``losses`` made global (an all-reduce in
         which servers add zeros) follow the restored ``prev``. ``directory`` (the best checkpoint's) and ``run``
-        replace the checkpoint directory and the run record; returns the checkpoint's path."""
+        replace the checkpoint directory and the run record."""
         t = self.options
         so_far = prev + global_losses(losses, t.strategy, topo)
-        return checkpoint.save(directory or t.checkpoint_dir, done, so_far, t.strategy, model, opt,  # type: ignore
-                               topo, shapes, keep=t.checkpoint_keep if directory is None else None,
-                               aliases=self.aliases, run=run or self.info, extra=extra,
-                               callbacks=callback_states(t.callbacks), loggers=self.logger_refs)
+        return checkpoint.prepare(directory or t.checkpoint_dir, done, so_far, t.strategy, model, opt,  # type: ignore
+                                  topo, shapes, keep=t.checkpoint_keep if directory is None else None,
+                                  aliases=self.aliases, run=run or self.info, extra=extra,
+                                  callbacks=callback_states(t.callbacks), loggers=self.logger_refs)
+
+    def _periodic(self, done: int, prev: list[float], losses: list[float], model: nn.Module,
+                  opt: torch.optim.Optimizer, topo: Topology, shapes: dict[str, list[int]],
+                  extra: dict[str, torch.Tensor] | None, kind: str) -> None:
+        """A periodic or final checkpoint through the run's :class:`Saver` (in the background with
+        ``checkpoint_async``); ``on_checkpoint_saved`` follows each save once it is complete."""
+        assert self.saver is not None
+        self._report(self.saver.save(self._pending(done, prev, losses, model, opt, topo, shapes, extra), kind), topo)
+
+    def _saves_finished(self, topo: Topology) -> None:
+        """Wait for a save in flight (its ``on_checkpoint_saved`` follows) and give SIGTERM its handler back."""
+        if self.saver is not None:
+            self._report(self.saver.finish(), topo)
+            self.saver.close()
+
+    def _report(self, finished: list[Finished], topo: Topology) -> None:
+        for f in finished:
+            self.hook("on_checkpoint_saved", f.step, topo, path=f.path, kind=f.kind)
 
     def after_step(self, done: int, model: nn.Module, opt: torch.optim.Optimizer,
                    topo: Topology, prev: list[float], losses: list[float], shapes: dict[str, list[int]],
@@ -265,6 +299,8 @@ class Job:
         or the final one of a run that stops here. Returns whether the run stops."""
         t = self.options
         self.steps_done = done
+        if self.saver is not None:
+            self.saver.step_ended()
         validated = self.validation is not None and self.validation.due(done, self.max_steps)
         if validated:
             self._validate_now(done, model, opt, topo, prev, losses, shapes, scaler, log)
@@ -273,12 +309,14 @@ class Job:
             self._validate_now(done, model, opt, topo, prev, losses, shapes, scaler, log)  # the run's last step
         if t.checkpoint_dir is not None and (done == self.max_steps or stop is not None or (
                 t.checkpoint_every is not None and done % t.checkpoint_every == 0)):
-            path = self._save(done, prev, losses, model, opt, topo, shapes, self._extra(scaler, done, stop))
-            self.hook("on_checkpoint_saved", done, topo, path=path, kind="final" if stop is not None else "periodic")
+            self._periodic(done, prev, losses, model, opt, topo, shapes, self._extra(scaler, done, stop),
+                           "final" if stop is not None else "periodic")
         if stop is not None:
             self.stop_reason = stop
             if topo.rank == 0 and want_progress(t.progress):
                 print(f"shardwise: stopping after step {done}/{self.max_steps}: {stop}", file=sys.stderr, flush=True)
+        if self.saver is not None:
+            self.saver.step_starts()
         return stop is not None
 
     def hook(self, name: str, done: int, topo: Topology, **kw: Any) -> None:
@@ -311,9 +349,9 @@ class Job:
         if val.best is not None and improved(metrics[val.best[0]], best_so_far(before, val.best), val.best[1]):
             name, mode = val.best
             run = {**self.info, "best": {"metric": name, "mode": mode, "value": metrics[name]}}
-            path = save_best(t.checkpoint_dir, lambda d: self._save(  # type: ignore[arg-type]
+            path = save_best(t.checkpoint_dir, lambda d: checkpoint.write(self._pending(  # type: ignore[arg-type]
                 done, prev, losses, model, opt, topo, shapes, self._extra(scaler, done, None), directory=d, run=run),
-                topo)
+                topo.comm("world")), topo)
             self.hook("on_checkpoint_saved", done, topo, path=path, kind="best")
 
     def _extra(self, scaler: precision_mod.LossScaler | None, done: int,

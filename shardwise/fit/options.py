@@ -27,7 +27,7 @@ from shardwise.extras import installed, message
 from shardwise.fit.callbacks import check_callbacks
 from shardwise.fit.profiler import PROFILERS
 from shardwise.layout import RunLayout
-from shardwise.strategies.base import Strategy
+from shardwise.strategies.base import Strategy, compile_backend
 from shardwise.strategies.registry import resolve
 from shardwise.strategies.torch_engine import TorchEngine, engine_for
 
@@ -74,6 +74,8 @@ class FitOptions:
     loggers: tuple[Any, ...] = ()
     log_every_n_steps: int = 1
     engine: str = "shardwise"  # whose mechanism runs the strategy: "shardwise" or "torch" (strategies/torch_engine)
+    checkpoint_async: bool = False
+    compile: bool | str = False
 
     @property
     def on_cuda(self) -> bool:
@@ -117,6 +119,9 @@ class FitOptions:
             raise ValueError(f"checkpoint_every must be >= 1, got {every}")
         if every is not None and directory is None:
             raise ValueError("checkpoint_every was given without checkpoint_dir: say where checkpoints go")
+        compile_backend(strat, given["compile"])  # a wrong value, or a schedule that cannot run compiled blocks
+        if given["checkpoint_async"] and directory is None:
+            raise ValueError("checkpoint_async=True was given without checkpoint_dir: say where checkpoints go")
         if keep is not None and keep < 1:
             raise ValueError(f"checkpoint_keep must be >= 1 (or None to keep all), got {keep}")
         if given["memory_check"] not in ("error", "warn", "off"):

@@ -78,12 +78,21 @@ class Trainer:
             intact checkpoint there, with any strategy and device count.
         checkpoint_every: save every this many optimizer steps (and after the last step).
         checkpoint_keep: how many of the newest checkpoints to keep (None keeps all).
+        checkpoint_async: write checkpoints beside training: the loop stops only while this rank's share is
+            copied to host memory (pinned on CUDA), and a thread writes and hashes the files on a gloo group of
+            its own; one save at most is in flight (the next one, the end of the fit and SIGTERM wait for it).
+            ``FitResult.stats`` reports the seconds each save blocked and the step slowdown during a write.
         memory_check: before starting, the planner (:mod:`shardwise.plan`) predicts the per-device
             memory of this layout; ``"error"`` stops with its breakdown when it will not fit,
             ``"warn"`` warns, ``"off"`` skips the check.
         precision: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"`` (Lightning's ``32``, ``16`` and ``"bf16"`` too):
             autocast for the forward and loss, fp32 master weights (the parameters; sharded under ZeRO), and
             for fp16 a dynamic loss scaler whose overflow check is agreed by every rank.
+        compile: compile each block of the model (every entry of its ModuleLists) in place with
+            ``torch.compile`` before the strategy wraps it, so names and checkpoints are unchanged; ``True`` is
+            inductor, a string another backend (``"aot_eager"``). Refused for the split-backward pipeline
+            schedules (``"zb-h1"``, ``"zbv"``, ``"dualpipev"``). Compilations and recompilations are counted in
+            ``FitResult.stats`` and recompilations reported on rank 0.
         activation_checkpointing: recompute each block's forward in backward instead of keeping its
             activations: ``True`` for every entry of the model's ModuleLists, or a tuple of block classes.
         device_memory: bytes per device for that check (default: the GPU's memory, or this
@@ -153,7 +162,8 @@ class Trainer:
                  max_epochs: int | None = None, logger: str | Logger | list[str | Logger] | None = None,
                  log_every_n_steps: int = 1, profiler: str | None = None,
                  profile_steps: range | tuple[int, int] | None = None,
-                 profiler_dir: str | os.PathLike[str] | None = None, engine: str | None = None) -> None:
+                 profiler_dir: str | os.PathLike[str] | None = None, engine: str | None = None,
+                 checkpoint_async: bool = False, compile: bool | str = False) -> None:
         given = dict(locals())  # every argument of this signature, defaults included: the options' one source
         for positional in ("self", "strategy", "devices", "accelerator"):
             del given[positional]

@@ -26,6 +26,7 @@ from shardwise.data import leaves, to_device
 from shardwise.dims import DP
 from shardwise.layout import RunLayout
 from shardwise.parallel.accounting import model_state_tensors, with_optimizer_states
+from shardwise.parallel.compiling import backend_of
 from shardwise.param_groups import named_params
 from shardwise.parallel.ddp import GradSync
 from shardwise.precision import widened
@@ -140,6 +141,10 @@ class Strategy:
         return topo.size(DP), topo.coord(DP)
 
 
+    def compile_refusal(self) -> str | None:
+        """Why this strategy's steps cannot run compiled blocks (``compile=True``), or None where they can."""
+        return None
+
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Reject, before any process starts, an optimizer this strategy cannot drive."""
         if isinstance(optimizer, torch.optim.LBFGS):
@@ -219,3 +224,13 @@ class HasServers(Strategy):
     def rank_stats(self, model: nn.Module, topo: Topology) -> dict[str, Any]:
         """Extra per-rank entries for ``FitResult.stats`` (e.g. a parameter server's staleness record)."""
         return {}
+
+
+def compile_backend(strategy: Strategy, compile: bool | str) -> str | None:
+    """The ``torch.compile`` backend of the option ``compile`` (None: eager), refused with the strategy's reason
+    where its steps cannot run compiled blocks (the Trainer's and ``sw.setup``'s check, before anything runs)."""
+    backend = backend_of(compile)
+    why = strategy.compile_refusal() if backend is not None else None
+    if why is not None:
+        raise ValueError(f"compile={compile!r} cannot run with strategy {strategy.name!r}: {why}")
+    return backend

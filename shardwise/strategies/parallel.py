@@ -126,6 +126,14 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
             raise ValueError(f"offload={self.offload!r} needs zero >= 1 (sharded optimizer states); "
                              "DDP keeps the optimizer on every rank")
 
+    def compile_refusal(self) -> str | None:
+        if not schedule_facts(self.schedule).split_backward:
+            return None
+        return (f"schedule={self.schedule!r} splits each backward into the input's gradient and the weights' "
+                "(shardwise.parallel.split_backward walks a block's autograd graph), and a compiled block has one "
+                "fused backward with no such split (torch's zero-bubble schedules refuse compiled stages too); use "
+                "schedule='1f1b' or 'interleaved' with compile, or compile=False")
+
     # ---- layout ---------------------------------------------------------------
     def n_chunks(self) -> int:
         """Model chunks per pipeline rank (the interleaved schedule needs at least 2)."""
