@@ -15,6 +15,7 @@ import math
 import os
 import shutil
 import time
+import traceback
 
 import pytest
 import torch
@@ -40,9 +41,9 @@ class Net(nn.Module):
     """A small classifier with what a server does not serve: a frozen parameter and a buffer.
 
     1810 trainable elements: 3 servers get 604, 603, 603, so ranges cut
-    ``fc1.weight`` [24, 64] inside a row. ``die_saving``: ``(rank, directory)``,
-    that rank exits silently when asked for its state while a save into
-    ``directory`` is under way (the first worker is, for the buffers).
+    ``fc1.weight`` [24, 64] inside a row. ``die_saving``: a rank that exits
+    silently when a save asks for its state (``checkpoint.store.prepare``: the
+    first worker is asked, for the buffers).
     """
 
     def __init__(self, gain: float = 1.5, shift: float = 0.25) -> None:
@@ -52,16 +53,16 @@ class Net(nn.Module):
         self.gain = nn.Parameter(torch.full((24,), gain), requires_grad=False)
         self.fc2 = nn.Linear(24, 10)
         self.register_buffer("shift", torch.full((24,), shift))
-        self.die_saving: tuple[int, str] | None = None
+        self.die_saving: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(torch.relu(self.fc1(x) * self.gain + self.shift))
 
     def state_dict(self, *args, **kwargs):  # type: ignore[override]
         if self.die_saving is not None and dist.is_initialized():
-            rank, directory = self.die_saving
-            if dist.get_rank() == rank and os.path.isdir(directory) and \
-                    any(d.endswith(".tmp") for d in os.listdir(directory)):
+            # Asked for its state by a save (its state is taken before its files are written):
+            if dist.get_rank() == self.die_saving and any(f.filename.endswith(os.path.join("checkpoint", "store.py"))
+                                               and f.name == "prepare" for f in traceback.extract_stack()):
                 os._exit(0)  # a silent death in the middle of a save
         return super().state_dict(*args, **kwargs)
 
@@ -237,10 +238,10 @@ def test_an_async_checkpoint_resumes_under_sync_and_another_layout(tmp_path):
 def test_a_worker_dying_during_a_save_fails_the_run_without_a_hang(tmp_path, mode):
     ckpt = str(tmp_path / "ck")
     model = Net()
-    model.die_saving = (1, ckpt)  # rank 1, the first worker, writes the buffers
+    model.die_saving = 1  # rank 1, the first worker, writes the buffers
     start = time.monotonic()
     # The peers fail in the save's collective (gloo: "Connection reset by peer"), not at the timeout.
-    with pytest.raises(launch.WorkerFailed, match=r"checkpoint/store\.py\", line \d+, in save"):
+    with pytest.raises(launch.WorkerFailed, match=r"checkpoint/store\.py\", line \d+, in \w+"):
         fit(ParameterServer(mode=mode), 3, 4, ckpt, every=2, model=model, timeout_s=8)
     assert time.monotonic() - start < 90
     assert checkpoint.checkpoints(ckpt) == []  # the interrupted save never became a checkpoint
