@@ -197,7 +197,8 @@ def _hangs_on_rank_2(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_server_names_a_worker_that_dies_or_hangs(loss_fn, mode):
     work = digits()
-    trainer = sw.Trainer(ParameterServer(mode=mode), 3, accelerator="cpu", progress=False, timeout_s=5)
+    # 3 s: the hang is found when the server's wait for that gradient times out (a warm pool's steps take ms)
+    trainer = sw.Trainer(ParameterServer(mode=mode), 3, accelerator="cpu", progress=False, timeout_s=3)
     with pytest.raises(Exception, match=r"server rank 0 got no gradient from worker rank 2 \(worker 1\)"):
         trainer.fit(work.make_model(), work.train, loss_fn, ADAMW, batch_size=48, max_steps=4)
 
