@@ -214,6 +214,18 @@ def require_picklable(named: dict[str, Any], fix: str = TOP_LEVEL) -> None:
                             "where every rank builds it itself") from None
 
 
+def pickled_for_ranks(obj: Any, parts: Callable[[], dict[str, Any]]) -> bytes:
+    """``obj`` in plain pickle for the rank processes (not multiprocessing's: torch's pickler would move the
+    parameters into shared memory, and every rank would then step the same storage). When it cannot be pickled,
+    the first of ``parts()`` that cannot is named with the fix (:func:`require_picklable`) instead of a bare
+    PicklingError; the parts are pickled one by one only then, so a picklable job is pickled once."""
+    try:
+        return pickle.dumps(obj)
+    except Exception:  # PicklingError, AttributeError ("Can't pickle local object"), TypeError
+        require_picklable(parts())
+        raise
+
+
 def die_with_parent() -> None:
     """End this process when the process that started it dies, whatever killed it (SIGKILL included).
 

@@ -54,7 +54,7 @@ class Stager:
     def stage(self, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` with every tensor (and every :class:`~shardwise.checkpoint.pieces.Pieces` view) replaced by
         its host copy."""
-        from shardwise.checkpoint.pieces import Pieces
+        from shardwise.checkpoint.pieces import Pieces  # imports DCP (seconds): only once a save is staged
 
         out: dict[str, Any] = {}
         for key, value in state.items():

@@ -78,18 +78,13 @@ def spawned_fit(rank: int, device: torch.device, job: bytes, path: str) -> None:
 
 
 def pickled(job: Job) -> bytes:
-    """The job for the rank processes, in plain pickle (not multiprocessing's: torch's multiprocessing
-    pickler would move the parameters into shared memory, and every rank would then step the same storage).
-    What cannot be pickled is named, with the fix, instead of a bare PicklingError."""
-    try:
-        return pickle.dumps(job)
-    except Exception:  # PicklingError, AttributeError ("Can't pickle local object"), TypeError
-        args = {"optimizer_fn": "optimizer"}
-        launch.require_picklable({**{f"fit's {args.get(k, k)}": getattr(job, k)
-                                     for k in ("loss_fn", "optimizer_fn", "lr_scheduler", "model", "dataset",
-                                               "training_step")},
-                                  **{f"logger {type(lg).__name__}": lg for lg in job.options.loggers}})
-        raise
+    """The job for the rank processes (:func:`shardwise.launch.pickled_for_ranks`): what cannot be pickled is
+    named, with the fix, instead of a bare PicklingError."""
+    args = {"optimizer_fn": "optimizer"}
+    return launch.pickled_for_ranks(job, lambda: {
+        **{f"fit's {args.get(k, k)}": getattr(job, k)
+           for k in ("loss_fn", "optimizer_fn", "lr_scheduler", "model", "dataset", "training_step")},
+        **{f"logger {type(lg).__name__}": lg for lg in job.options.loggers}})
 
 
 @dataclass

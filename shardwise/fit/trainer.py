@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import os
-import pickle
 import sys
 import warnings
 from collections.abc import Callable
@@ -269,8 +268,10 @@ class Trainer:
             trained_into(model, result.state_dict)
         return result
 
-    def _launch(self, job: Job) -> FitResult:
-        """Run ``job`` in this process, in the running group, or in rank processes started here."""
+    def _run_here(self, job: Job | Inference) -> Any:
+        """Run ``job`` (a fit or an evaluation pass) in the running group, joined here when a launcher started this
+        process, or in this process when the layout has one; ``_SPAWN`` when its ranks must be started here.
+        The job runs on a copy of its model (strategies shard and wrap what they are given)."""
         nprocs = self.layout.processes
         if dist.is_initialized() or launch.under_torchrun():
             owned = not dist.is_initialized()
@@ -292,6 +293,14 @@ class Trainer:
         if nprocs == 1:
             job.model = _copy_model(job.model)
             return job.run(pick_device(self.options.rank_accelerator, 0))
+        return _SPAWN
+
+    def _launch(self, job: Job) -> FitResult:
+        """Run ``job`` in this process, in the running group, or in rank processes started here."""
+        here = self._run_here(job)
+        if here is not _SPAWN:
+            return here  # type: ignore[no-any-return]
+        nprocs = self.layout.processes
         payload = pickled(job)
         with launch.result_dir() as tmp:
             path = os.path.join(tmp, "result.pt")
@@ -358,30 +367,19 @@ class Trainer:
     def _launch_pass(self, job: Inference) -> Any:
         """Run ``job`` as :meth:`_launch` runs a fit: in this process, in the running group, or in rank processes
         started here (rank 0's result comes back)."""
-        nprocs, kind = self.layout.processes, job.kind
-        if dist.is_initialized() or launch.under_torchrun():
-            owned = not dist.is_initialized()
-            device = launch.init(self.options.rank_accelerator, self.timeout)
-            job.model = _copy_model(job.model)
-            try:
-                result = job.run(device)
-            except BaseException as e:
-                if owned:
-                    leave_after_error(e)
-                raise
-            if owned:
-                teardown()
-            return result
-        if nprocs == 1:
-            job.model = _copy_model(job.model)
-            return job.run(pick_device(self.options.rank_accelerator, 0))
+        here = self._run_here(job)
+        if here is not _SPAWN:
+            return here
         sent = {"model": job.model, "dataset": job.data.dataset, "loss_fn": job.loss_fn, "metrics": job.metrics}
-        launch.require_picklable({f"{kind}'s {k}": v for k, v in sent.items()})
+        payload = launch.pickled_for_ranks(job, lambda: {f"{job.kind}'s {k}": v for k, v in sent.items()})
         with launch.result_dir() as tmp:
             out = os.path.join(tmp, "result.pt")
-            launch.spawn(spawned_inference, nprocs, args=(pickle.dumps(job), out),
+            launch.spawn(spawned_inference, self.layout.processes, args=(payload, out),
                          accelerator=self.options.rank_accelerator, timeout=self.timeout)
             return torch.load(out, weights_only=True)["result"]
+
+
+_SPAWN = object()  # _run_here's answer when the job's ranks must be started here
 
 
 def _copy_model(model: nn.Module) -> nn.Module:
