@@ -17,8 +17,14 @@ venv: $(STAMP)
 demo: $(STAMP)
 	.venv/bin/shardwise demo
 
+# Two pytest workers (pytest-xdist): ranks spend much of a test waiting, and one pytest process left a third of
+# the two reference cores idle. Each test module runs whole on one worker (tests/conftest.py says why).
+# `make test WORKERS=0` runs the suite in one process; WORKERS=auto starts one worker per core.
+WORKERS ?= 2
+XDIST := -n $(WORKERS) --dist loadgroup
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST)
 
 # The edit-run loop (under 2 minutes): the planner's unit tests and one equivalence file per
 # paradigm; CI and the README's `make test` run everything.
@@ -28,7 +34,7 @@ FAST := tests/plan tests/test_memory_check.py tests/parallel/test_dp.py tests/pa
 	tests/test_hf_models.py
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q $(FAST) -k "not dies_or_hangs"
+	$(PY) -m pytest -q $(XDIST) $(FAST) -k "not dies_or_hangs"
 
 # The whole suite with its 15 slowest tests, then its time against the budget (tests/budget_report.py): a
 # report, not a timed test. The log stays in build/ for a second look; pytest's exit status is make's.
@@ -37,7 +43,7 @@ BUDGET_LOG := build/test-budget.log
 .PHONY: test-budget
 test-budget: $(STAMP)
 	mkdir -p build
-	{ $(PY) -m pytest -q --durations=15; echo $$? > $(BUDGET_LOG).rc; } 2>&1 | tee $(BUDGET_LOG)
+	{ $(PY) -m pytest -q $(XDIST) --durations=15; echo $$? > $(BUDGET_LOG).rc; } 2>&1 | tee $(BUDGET_LOG)
 	$(PY) tests/budget_report.py $(BUDGET_LOG)
 	@exit $$(cat $(BUDGET_LOG).rc)
 
