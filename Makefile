@@ -18,10 +18,12 @@ demo: $(STAMP)
 	.venv/bin/shardwise demo
 
 # Two pytest workers (pytest-xdist): ranks spend much of a test waiting, and one pytest process left a third of
-# the two reference cores idle. Each test module runs whole on one worker (tests/conftest.py says why).
-# `make test WORKERS=0` runs the suite in one process; WORKERS=auto starts one worker per core.
+# the two reference cores idle. Tests go to the workers one by one (--dist load): a fixture shared by several
+# tests (a module's launch, the session's shared `shardwise run`) may run once in each worker. Grouping the
+# tests that share one (--dist loadgroup) does nothing with pytest 9.2, whose node ids xdist 3.8 cannot suffix
+# (pytest-xdist issue 1386). `make test WORKERS=0` runs the suite in one process; WORKERS=auto starts one worker per core.
 WORKERS ?= 2
-XDIST := -n $(WORKERS) --dist loadgroup
+XDIST := -n $(WORKERS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(XDIST)

@@ -53,21 +53,6 @@ def assert_same_run(ref, run, rtol: float | None = None, atol: float | None = No
         torch.testing.assert_close(b, a, rtol=rtol, atol=atol + rtol * scale, msg=lambda m: f"{k}: {m}")
 
 
-# ---- two test processes (pytest-xdist, ``make test``'s ``-n 2 --dist loadgroup``) ------------------------------
-# A third of the machine's two cores sat idle in a one-process run (ranks wait on rendezvous, sockets and sleeps),
-# so ``make test`` runs two pytest workers. Each test module goes to one worker, whole, so that its module-scoped
-# fixtures (a launch, a trained reference) run once; the tests that read the session's shared ``shardwise run``
-# (:func:`under_run`) share one worker for the same reason.
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    if config.getoption("dist", "no") != "loadgroup":
-        return
-    for item in items:
-        if not item.get_closest_marker("xdist_group"):
-            group = "under_run" if "under_run" in item.fixturenames else item.nodeid.split("::", 1)[0]
-            item.add_marker(pytest.mark.xdist_group(group))
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
     """Tests marked ``float64`` build their models and data in double: the default dtype is float64 from

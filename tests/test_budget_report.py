@@ -1,6 +1,8 @@
 """``make test-budget``'s report (tests/budget_report.py) reads pytest's own summary and --durations lines."""
 from __future__ import annotations
 
+import pytest
+
 import budget_report as br
 
 LOG = """........................................................................ [ 99%]
@@ -24,3 +26,12 @@ def test_the_report_says_where_the_run_stands_against_goal_and_budget() -> None:
     assert "OVER the budget by 1.5 min" in br.report(LOG)
     assert br.verdict(11 * 60).startswith("within the budget") and br.verdict(9 * 60).startswith("within the goal")
     assert "no pytest summary" in br.report("killed\n")
+
+
+def test_the_budget_is_read_from_developers_md() -> None:
+    with open(br.DEVELOPERS, encoding="utf-8") as f:
+        budget, goal = br.budget(f.read())
+    assert f"budget: {budget:g} min of pytest on 2 cores, goal {goal:g} min" in br.report(LOG)
+    assert br.budget("The suite's budget: **9 minutes** of pytest; the goal is **7.5 minutes**.") == (9.0, 7.5)
+    with pytest.raises(ValueError, match="DEVELOPERS.md has no line"):
+        br.budget("a budget of 12 minutes")
