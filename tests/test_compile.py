@@ -65,3 +65,17 @@ def test_split_backward_schedules_refuse_compiled_blocks(no_spawn):
         sw.Trainer(sw.PP(schedule="zb-h1"), 2, accelerator="cpu", compile=True)
     with pytest.raises(ValueError, match="^compile must be True, False or a torch.compile backend name, got 1$"):
         sw.Trainer("ddp", 2, accelerator="cpu", compile=1)
+
+
+@pytest.mark.float32  # fp16 autocast is the claim: it computes in half from float32 masters
+def test_compiled_blocks_with_activation_checkpointing_and_the_fp16_scaler_train_as_eager(same_run):
+    """Checkpointed blocks are what gets compiled (their recomputation inside the graph), and the loss scaler
+    steps around them: without inductor's fusions the compiled run computes the eager run's numbers exactly."""
+    def run(compile):
+        work = gpt(n_layer=2, n_embd=32, n_head=4, block=16, max_chars=20_000)
+        return sw.Trainer("single", 1, accelerator="cpu", progress=False, compile=compile, precision="16-mixed",
+                          activation_checkpointing=True).fit(work.make_model(), work.train, work.loss_fn, ADAMW,
+                                                             batch_size=8, max_steps=STEPS)
+    eager, compiled = run(False), run("aot_eager")
+    same_run(eager, compiled, rtol=0.0, atol=0.0)
+    assert compiled.stats[0]["compile_frames"] > 0 and compiled.stats[0]["compile_recompiles"] == 0
