@@ -53,6 +53,20 @@ def assert_same_run(ref, run, rtol: float | None = None, atol: float | None = No
         torch.testing.assert_close(b, a, rtol=rtol, atol=atol + rtol * scale, msg=lambda m: f"{k}: {m}")
 
 
+# Under ``make test``'s two workers (pytest-xdist hands out tests in collection order) the last tests decide when
+# the run ends: the modules that take longest (``make test-budget`` names them) run first, so that the end is made
+# of short tests that even the workers out. Their own order, and every other module's, is unchanged.
+SLOW_FIRST = ("tests/parallel/test_zero_bubble.py", "tests/test_elastic.py", "tests/test_checkpoint_layouts.py",
+              "tests/test_examples_everywhere.py", "tests/test_fail_fast.py", "tests/test_context_parallel.py",
+              "tests/parallel/test_ps.py", "tests/test_faults.py", "tests/test_compile.py", "tests/test_setup_loop.py",
+              "tests/test_main_guard.py", "tests/test_expert_parallel.py")
+
+
+def pytest_collection_modifyitems(items):
+    first = {module: i for i, module in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::", 1)[0], len(SLOW_FIRST)))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
     """Tests marked ``float64`` build their models and data in double: the default dtype is float64 from
