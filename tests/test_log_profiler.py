@@ -134,12 +134,19 @@ def test_log_under_data_tensor_and_pipeline_parallel(tmp_path, layout):
     path = tmp_path / "m.jsonl"
     data = token_data()
     strategy = sw.Parallel(dp=2, tp=2) if layout == "dp2-tp2" else sw.Parallel(dp=2, pp=2, microbatches=2)
-    sw.Trainer(strategy, 4, accelerator="cpu", progress=False, metrics_path=path).fit(
-        tiny_gpt(), data, logging_cross_entropy, SGD, batch_size=8, max_steps=2)
+    every = sw.Trainer(strategy, 4, accelerator="cpu", progress=False, metrics_path=path).fit(
+        tiny_gpt(), data, logging_cross_entropy, SGD, batch_size=8, max_steps=3)
     y = torch.stack([t for _, t in data]).float()
     for r in rows(path):
         assert r["target_mean"] == pytest.approx(float(y.mean()))
         assert r["samples"] == 8  # the global batch, not 16 (tp peers twice)
+    if layout == "dp2-tp2":  # the same run logging every second step (1 and the last, 2): only those reduce
+        skipping = sw.Trainer(strategy, 4, accelerator="cpu", progress=False, metrics_path=tmp_path / "s.jsonl",
+                              log_every_n_steps=2).fit(tiny_gpt(), data, logging_cross_entropy, SGD, batch_size=8,
+                                                       max_steps=3)
+        assert [r["step"] for r in rows(tmp_path / "s.jsonl") if "loss" in r] == [1, 2]
+        assert [s["comm_by_name"]["metrics"] < e["comm_by_name"]["metrics"]
+                for s, e in zip(skipping.stats, every.stats)] == [True] * 4
 
 
 def test_the_pytorch_profiler_writes_a_trace_per_rank(tmp_path):

@@ -31,6 +31,12 @@ def total_numel(shapes: dict[str, list[int]]) -> int:
     return sum(math.prod(s) for s in shapes.values())
 
 
+def logged_step(step: int, last: int, every: int) -> bool:
+    """Whether step ``step`` is logged: every ``every``-th (``log_every_n_steps``, counting from 1), and the
+    ``last``. Every rank can ask (the ranks reduce ``sw.log``'s values only for the steps that are logged)."""
+    return (step + 1) % every == 0 or step == last
+
+
 class StepLog:
     """Per-step metrics of rank 0, written through the run's loggers (:mod:`shardwise.loggers`).
 
@@ -39,7 +45,7 @@ class StepLog:
     """
 
     def __init__(self, loggers: Sequence[Logger], peak_flops: float | None, params: int, devices: int,
-                 every: int = 1, start: int = 0, refs: dict[str, dict[str, Any]] | None = None,
+                 start: int = 0, refs: dict[str, dict[str, Any]] | None = None,
                  hyper: dict[str, Any] | None = None, samples: int = 0,
                  device: torch.device | None = None) -> None:
         self._loggers = dict(zip(keys(list(loggers)), loggers))
@@ -50,17 +56,12 @@ class StepLog:
             lg.log_hyperparams(hyper or {})
         self._peak = peak_flops * devices if peak_flops else None
         self._params = params
-        self._every = every
         self._samples = samples  # the global batch: samples_per_s
         self._device = device  # its peak memory (CUDA), beside the process's peak resident memory
 
     def refs(self) -> dict[str, dict[str, Any]]:
         """Where each logger's run is (its ``run_ref()``), by logger key: for checkpoints and the result."""
         return {k: lg.run_ref() for k, lg in self._loggers.items() if isinstance(lg, Resumable)}
-
-    def due(self, step: int, last: int) -> bool:
-        """Whether step ``step`` is logged: every ``log_every_n_steps``-th (counting from 1), and the ``last``."""
-        return (step + 1) % self._every == 0 or step == last
 
     def write(self, step: int, loss: float | None, dt: float, tokens: int, extra: dict[str, Any] | None = None) -> None:
         """One step's scalars, ``train/<name>``: the loss, step time, samples (and tokens) per second, the

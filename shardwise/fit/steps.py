@@ -27,6 +27,7 @@ from shardwise.fit.progress import (
     StepLog,
     batch_tokens,
     hyperparameters,
+    logged_step,
     progress_bar,
     total_numel,
     want_progress,
@@ -162,12 +163,14 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
                 raise_if_nonfinite(local, step, topo)
             losses.append(0.0 if local is None else local)
             tokens = batch_tokens(token_ids(x, job.training_step is not None)) * shards
+            # The step row's values cost collectives: only a logged step's are reduced (on every rank alike).
+            due = logged_step(step, end - 1, t.log_every_n_steps)
             # What the progress line and the step log show: the global loss fit returns, not rank 0's share.
-            shown = global_losses(losses[-1:], strat, topo)[0] if shows else local
+            shown = global_losses(losses[-1:], strat, topo)[0] if shows and (t.progress or due) else local
             advance(shown, times[-1])
             job.hook("on_step_end", step + 1, topo, loss=local, optimizer=opt)  # before the row: its sw.log joins it
-            mine = reducer.reduce(logged) if reducer is not None else {}
-            if log is not None and log.due(step, end - 1):
+            mine = reducer.reduce(logged) if reducer is not None and due else {}
+            if log is not None and due:
                 log.write(step, shown, times[-1], tokens,
                           {**step_scalars(lrs, norm, t.gradient_clip_val, topo, sent), **mine})
             sent = dict(topo.stats.by_group)
@@ -190,7 +193,7 @@ def opened_log(job: StepHost, topo: Topology, shapes: dict[str, list[int]], star
     if topo.rank != 0 or not t.loggers:
         yield None
         return
-    log = StepLog(t.loggers, t.peak_flops, total_numel(shapes), topo.world_size, every=t.log_every_n_steps,
+    log = StepLog(t.loggers, t.peak_flops, total_numel(shapes), topo.world_size,
                   start=start, refs=job.restored_loggers, hyper=hyperparameters(t, job.info, job.max_steps),
                   samples=job.batch_size, device=topo.device)
     job.logger_refs = log.refs()
