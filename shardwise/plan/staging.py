@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from shardwise.layout import RunLayout
+from shardwise.plan.memory import STAGING
 from shardwise.plan.states import (
     NotModelled,
     Param,
@@ -35,9 +36,6 @@ from shardwise.plan.states import (
     zero_stage,
 )
 from shardwise.step import first_named
-
-STAGING = "checkpoint staging (checkpoint_async)"
-
 
 def scalar_state_bytes(optimizer: torch.optim.Optimizer | str) -> int:
     """Bytes of the optimizer's 0-dimensional states per parameter (AdamW's ``step``: one float32), by stepping a
