@@ -182,12 +182,14 @@ class Job:
         train_sent = topo.stats.sent - sent_after_setup
         train_received = topo.stats.received - received_after_setup
         all_losses = prev + global_losses(losses, strat, topo)
-        state_dict = strat.full_state_dict(model, topo) if self.return_state_dict else {}
+        state_dict = strat.final_state_dict(model, topo) if self.return_state_dict else {}
         mine = {
             "rank": topo.rank,
             "peak_rss_bytes": peak_rss_bytes(),
             **cuda_peak_bytes(topo.device),  # cuda_peak_allocated_bytes, cuda_peak_reserved_bytes (CUDA only)
             "model_state_bytes": sum(state_bytes.values()),
+            # The full state dict this rank holds for fit's result: the whole model on rank 0, nothing elsewhere.
+            "state_dict_bytes": sum(v.numel() * v.element_size() for v in state_dict.values()),
             **{f"{k}_bytes": v for k, v in state_bytes.items()},
             "comm_bytes": topo.stats.sent,
             "comm_bytes_per_step": train_sent / steps_run,

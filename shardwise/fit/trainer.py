@@ -197,7 +197,10 @@ class Trainer:
 
         The run trains a copy of ``model`` (strategies shard, wrap and split what they are given) and loads the
         final weights back into ``model``: after ``fit`` the model passed in is trained, under every strategy
-        and launch (in this process, spawned ranks, or ``shardwise run``), and equals ``result.state_dict``.
+        and launch, and equals ``result.state_dict``, in the process that holds the run's result: the calling
+        process (it started the ranks, or it is the only one), or rank 0 under ``shardwise run``. The full state
+        dict is gathered there only: the other ranks of ``shardwise run`` return an empty ``result.state_dict``
+        and leave their ``model`` as it was (a meta-device model stays on meta).
 
         ``optimizer``: a factory called with the parameters each rank holds, e.g.
         ``functools.partial(torch.optim.AdamW, lr=1e-3)``. The groups it builds (by ``p.dim()``, shape or
@@ -264,7 +267,7 @@ class Trainer:
         result = self._launch(job)
         # One semantics whatever the launch: the model passed in ends trained. The run itself trains a copy
         # (strategies shard, wrap and split the model they are given), then the final weights go back here.
-        if return_state_dict:
+        if return_state_dict and result.state_dict:  # (empty on the ranks but 0 of `shardwise run`)
             trained_into(model, result.state_dict)
         return result
 
