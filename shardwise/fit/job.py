@@ -47,6 +47,7 @@ from shardwise.scalars import Reducer, Scalars, recording
 from shardwise.stats import (
     cuda_peak_bytes,
     peak_rss_bytes,
+    release_free_heap,
     reset_cuda_peak,
     reset_peak_rss,
 )
@@ -183,6 +184,7 @@ class Job:
         train_received = topo.stats.received - received_after_setup
         all_losses = prev + global_losses(losses, strat, topo)
         state_dict = strat.final_state_dict(model, topo) if self.return_state_dict else {}
+        release_free_heap()  # what the steps (and a gather) freed goes back to the system: the rank holds its shards
         mine = {
             "rank": topo.rank,
             "peak_rss_bytes": peak_rss_bytes(),
