@@ -10,7 +10,7 @@ A background save copies the rank's share of the checkpoint into host buffers ke
   n)``: the padding is not written;
 * the optimizer's tensor states (``k`` per element) follow the parameter's piece (ZeRO-1/2: the rank's piece
   of the whole parameter), and its scalar states (AdamW's ``step``) are staged once per trainable parameter;
-* persistent buffers are whole on every rank;
+* persistent buffers are whole on every rank (under a pipeline an upper bound: a stage holds its own);
 * the run state beside them (``trainer.step``, the RNG state, one float64 loss per step done) is the last
   line, counted for the fit's last save.
 
