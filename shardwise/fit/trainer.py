@@ -197,10 +197,9 @@ class Trainer:
 
         The run trains a copy of ``model`` (strategies shard, wrap and split what they are given) and loads the
         final weights back into ``model``: after ``fit`` the model passed in is trained, under every strategy
-        and launch, and equals ``result.state_dict``, in the process that holds the run's result: the calling
-        process (it started the ranks, or it is the only one), or rank 0 under ``shardwise run``. The full state
-        dict is gathered there only: the other ranks of ``shardwise run`` return an empty ``result.state_dict``
-        and leave their ``model`` as it was (a meta-device model stays on meta).
+        and launch (in this process, spawned ranks, or ``shardwise run``), and equals ``result.state_dict``.
+        The full state dict is gathered once per process that called ``fit``: the one that started the ranks
+        (the ranks it started gather none), or each rank of ``shardwise run``, whose model is its own.
 
         ``optimizer``: a factory called with the parameters each rank holds, e.g.
         ``functools.partial(torch.optim.AdamW, lr=1e-3)``. The groups it builds (by ``p.dim()``, shape or
@@ -267,7 +266,7 @@ class Trainer:
         result = self._launch(job)
         # One semantics whatever the launch: the model passed in ends trained. The run itself trains a copy
         # (strategies shard, wrap and split the model they are given), then the final weights go back here.
-        if return_state_dict and result.state_dict:  # (empty on the ranks but 0 of `shardwise run`)
+        if return_state_dict:
             trained_into(model, result.state_dict)
         return result
 
@@ -304,6 +303,7 @@ class Trainer:
         if here is not _SPAWN:
             return here  # type: ignore[no-any-return]
         nprocs = self.layout.processes
+        job.result_from_rank0 = True  # the other ranks' results are dropped: they gather no full state dict
         payload = pickled(job)
         with launch.result_dir() as tmp:
             path = os.path.join(tmp, "result.pt")
