@@ -164,8 +164,8 @@ class Strategy:
         return {k: v.detach().cpu().clone() for k, v in unwrap(model).state_dict().items()}
 
     def final_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
-        """The unsharded state dict on rank 0, the one rank whose result ``fit`` returns (an empty dict on the
-        others), so that the whole model is copied once, not once per rank.
+        """The unsharded state dict on rank 0 (an empty dict on the others), for a ``fit`` that started its ranks
+        and returns rank 0's result: the whole model is copied once, not once per rank.
 
         A strategy whose :meth:`full_state_dict` is this class's copies a replica that every rank holds: only
         rank 0 copies it. One that overrides it gathers over a group, a collective every rank joins; the others
