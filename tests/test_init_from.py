@@ -11,6 +11,8 @@ from tiny_hf import llama, logits_loss
 
 import shardwise as sw
 from shardwise import launch
+from shardwise.plan import rank_states
+from shardwise.strategies.registry import resolve
 from shardwise.workloads import CharText, stdlib_text
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]
@@ -52,7 +54,13 @@ def test_meta_model_from_hf_shards_equals_single_device_fine_tuning(saved, same_
 
     ref = fit("single", 1, LlamaForCausalLM.from_pretrained(saved, dtype=torch.float64))
     for strategy, devices in [("fsdp", 2), ("tp", 2), ("pp", 2), (sw.Parallel(dp=2, tp=2, zero=3), 4)]:
-        same_run(ref, fit(strategy, devices, on_meta(saved), init_from=saved))
+        run = fit(strategy, devices, on_meta(saved), init_from=saved)
+        same_run(ref, run)
+        if strategy == "fsdp":  # the bytes of tensors each rank holds, counted, are the planner's for the meta model
+            planned = rank_states(on_meta(saved), resolve("fsdp").describe(2), ADAMW([torch.nn.Parameter(
+                torch.zeros(1))]))
+            assert [{k: s[k] for k in p.as_stats()} for s, p in zip(run.stats, planned)] == \
+                [p.as_stats() for p in planned]
 
 
 def test_names_and_shapes_that_do_not_fit_are_refused_before_any_process_starts(saved, no_spawn):

@@ -51,6 +51,13 @@ class Stager:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
+    @property
+    def model_nbytes(self) -> int:
+        """The buffers of the model's and the optimizer's tensors (``model.*``, ``optim.*``), the run state apart:
+        what :func:`shardwise.plan.staging.model_share` plans."""
+        return sum(b.numel() * b.element_size() for (key, _), b in self.buffers.items()
+                   if key.startswith(("model.", "optim.")))
+
     def stage(self, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` with every tensor (and every :class:`~shardwise.checkpoint.pieces.Pieces` view) replaced by
         its host copy."""
@@ -161,6 +168,7 @@ class Saver:
         without = statistics.median(alone) if alone else None
         return {"checkpoint_async": self.background, "checkpoint_blocked_s": list(self.blocked),
                 "checkpoint_write_s": list(self.written), "checkpoint_staged_bytes": self.stager.nbytes,
+                "checkpoint_staged_model_bytes": self.stager.model_nbytes,
                 "checkpoint_steps_beside_write": len(beside), "step_time_beside_write_s": with_write, "step_time_without_write_s": without,
                 "checkpoint_step_slowdown": with_write / without if with_write and without else None}
 

@@ -109,7 +109,7 @@ def validate(t: FitOptions, model: nn.Module, dataset: Any, batch_size: int, max
         if t.resume:
             checkpoint.check_resume(t.checkpoint_dir, info, max_steps)
     if t.memory_check != "off" and not launch.follower():
-        check_memory(t, model, probe, batch_size)
+        check_memory(t, model, probe, batch_size, max_steps)
     return info, groups
 
 
@@ -176,14 +176,17 @@ def check_batchnorm(t: FitOptions, model: nn.Module) -> None:
                       "batch's statistics, equal to single-device training", stacklevel=4)
 
 
-def check_memory(t: FitOptions, model: nn.Module, probe: torch.optim.Optimizer, batch_size: int) -> None:
+def check_memory(t: FitOptions, model: nn.Module, probe: torch.optim.Optimizer, batch_size: int,
+                 max_steps: int = 0) -> None:
     """Ask the planner whether exactly this run fits before anything starts.
 
     The strategy describes its whole layout (sizes, zero stage, HSDP
     replicas, offload, pipeline micro-batches); the run adds precision and
     activation checkpointing. The planner lays the model states out rank by
     rank on a meta copy of the model (exact, see :mod:`shardwise.plan.states`)
-    and adds activations and buffers for this batch. A run it cannot model
+    and adds activations and buffers for this batch, and with ``checkpoint_async``
+    the host memory a save stages (its last, after ``max_steps``; on a CPU run
+    that is the memory the ranks train in). A run it cannot model
     is said so in a warning, never silently waved through.
     """
     from shardwise.plan import NotModelled, plan_run
@@ -195,7 +198,8 @@ def check_memory(t: FitOptions, model: nn.Module, probe: torch.optim.Optimizer, 
         plan = plan_run(model, layout, memory, batch_size, probe,
                         accumulate_grad_batches=t.accumulate_grad_batches,
                         batch_shards=t.layout.batch_shards, tp_plan=split,
-                        split_points=t.strategy.split_points if isinstance(t.strategy, SplitsModel) else None)
+                        split_points=t.strategy.split_points if isinstance(t.strategy, SplitsModel) else None,
+                        checkpoint_async=t.checkpoint_async, steps=max_steps, host_is_device=not t.on_cuda)
     except NotModelled as e:
         warnings.warn(f"memory check skipped: the planner cannot model this run ({e}); "
                       "Trainer(memory_check='off') silences this", stacklevel=3)

@@ -47,6 +47,7 @@ from shardwise.scalars import Reducer, Scalars, recording
 from shardwise.stats import (
     cuda_peak_bytes,
     peak_rss_bytes,
+    release_free_heap,
     reset_cuda_peak,
     reset_peak_rss,
 )
@@ -105,6 +106,9 @@ class Job:
     training_step: TrainingStep | None = None  # fit(training_step=): the step's loss (loss_fn then validates)
     init: InitFrom | None = None  # fit(init_from=): pretrained weights read into the shards (unless resumed)
     return_state_dict: bool = True  # False: no full state dict is gathered at the end
+    # The ranks were started for this fit and only rank 0's result goes back (spawned_fit): only it gathers the
+    # full state dict. Where every rank called fit (shardwise run), each one's model ends trained: each gathers.
+    result_from_rank0: bool = False
 
     def run(self, device: torch.device) -> FitResult:
         t = self.options
@@ -182,12 +186,16 @@ class Job:
         train_sent = topo.stats.sent - sent_after_setup
         train_received = topo.stats.received - received_after_setup
         all_losses = prev + global_losses(losses, strat, topo)
-        state_dict = strat.full_state_dict(model, topo) if self.return_state_dict else {}
+        state_dict = {} if not self.return_state_dict else strat.final_state_dict(model, topo) \
+            if self.result_from_rank0 else strat.full_state_dict(model, topo)
+        release_free_heap()  # what the steps (and a gather) freed goes back to the system: the rank holds its shards
         mine = {
             "rank": topo.rank,
             "peak_rss_bytes": peak_rss_bytes(),
             **cuda_peak_bytes(topo.device),  # cuda_peak_allocated_bytes, cuda_peak_reserved_bytes (CUDA only)
             "model_state_bytes": sum(state_bytes.values()),
+            # The full state dict this rank holds for fit's result: the whole model on rank 0, nothing elsewhere.
+            "state_dict_bytes": sum(v.numel() * v.element_size() for v in state_dict.values()),
             **{f"{k}_bytes": v for k, v in state_bytes.items()},
             "comm_bytes": topo.stats.sent,
             "comm_bytes_per_step": train_sent / steps_run,

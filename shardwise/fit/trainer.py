@@ -198,6 +198,8 @@ class Trainer:
         The run trains a copy of ``model`` (strategies shard, wrap and split what they are given) and loads the
         final weights back into ``model``: after ``fit`` the model passed in is trained, under every strategy
         and launch (in this process, spawned ranks, or ``shardwise run``), and equals ``result.state_dict``.
+        The full state dict is gathered once per process that called ``fit``: the one that started the ranks
+        (the ranks it started gather none), or each rank of ``shardwise run``, whose model is its own.
 
         ``optimizer``: a factory called with the parameters each rank holds, e.g.
         ``functools.partial(torch.optim.AdamW, lr=1e-3)``. The groups it builds (by ``p.dim()``, shape or
@@ -301,6 +303,7 @@ class Trainer:
         if here is not _SPAWN:
             return here  # type: ignore[no-any-return]
         nprocs = self.layout.processes
+        job.result_from_rank0 = True  # the other ranks' results are dropped: they gather no full state dict
         payload = pickled(job)
         with launch.result_dir() as tmp:
             path = os.path.join(tmp, "result.pt")

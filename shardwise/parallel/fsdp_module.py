@@ -461,12 +461,13 @@ class FSDPModule(_Reduction, nn.Module):
     def shard_grads(self) -> list[torch.Tensor]:
         return [u.grad_shard for u in self.units if u.grad_shard is not None]
 
-    def gather_full(self) -> dict[nn.Parameter, torch.Tensor]:
-        """Every parameter's full value on CPU (a collective over the shard group)."""
+    def gather_full(self, keep: bool = True) -> dict[nn.Parameter, torch.Tensor]:
+        """Every parameter's full value on CPU (a collective over the shard group); ``keep=False``: this rank
+        only takes part, one unit at a time, and returns an empty dict."""
         out: dict[nn.Parameter, torch.Tensor] = {}
         with torch.no_grad():
             for u in self.units:
-                for p, f in zip(u.params, u.gather_full()):
+                for p, f in zip(u.params, u.gather_full(keep)):
                     out[p] = f.cpu()
         return out
 

@@ -283,14 +283,16 @@ class _Unit:
             p.grad = None
         return out, work
 
-    def gather_full(self) -> list[torch.Tensor]:
-        """Every parameter's full tensor, newly allocated (a blocking collective)."""
-        fulls = [torch.empty(p.shape, dtype=p.dtype, device=self.device) for p in self.params]
+    def gather_full(self, keep: bool = True) -> list[torch.Tensor]:
+        """Every parameter's full tensor, newly allocated (a blocking collective); ``keep=False``: none (this rank
+        takes part in the all-gathers, each group's buffer freed before the next)."""
+        fulls = [torch.empty(p.shape, dtype=p.dtype, device=self.device) for p in self.params] if keep else []
         src = self.source()
         for g in self.groups:
             buf = torch.empty(self.comm.size * g.layout.shard_numel, dtype=self.dtype, device=self.device)
             self.comm.all_gather(buf, src[g.start:g.end], name=f"fsdp_state_dict.u{self.index}")
-            g.layout.unpack(buf, [fulls[i] for i in g.members])
+            if keep:
+                g.layout.unpack(buf, [fulls[i] for i in g.members])
         return fulls
 
     def set_grad_shard(self, buf: torch.Tensor | None) -> None:

@@ -56,6 +56,7 @@ _PUBLIC: dict[str, str] = {
     "recommend": "shardwise.plan.estimate",
     "shard_numel": "shardwise.plan.memory",
     "sharded_numel": "shardwise.plan.memory",
+    "staging_bytes": "shardwise.plan.staging",
     "trace_factory": "shardwise.plan.trace",
     "trace_module": "shardwise.plan.trace",
     "training_time_s": "shardwise.plan.timing",
@@ -89,5 +90,5 @@ __all__ = [
     "NotModelled", "RankStates", "RunPlan", "Trace", "TrainingSpec", "bytes_per_param", "bytes_sent", "check_fit",
     "check_layout", "collective_time", "enumerate_layouts", "estimate", "group_link", "known_model",
     "layer_activation_bytes", "model_state_bytes", "plan", "plan_run", "rank_states", "recommend", "shard_numel",
-    "sharded_numel", "trace_factory", "trace_module", "training_time_s",
+    "sharded_numel", "staging_bytes", "trace_factory", "trace_module", "training_time_s",
 ]

@@ -116,6 +116,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--offload", default="none", choices=OFFLOADS, help="ZeRO-Offload of optimizer (or everything)")
     t.add_argument("--no-sync", action="store_true",
                    help="accumulate unreduced gradients over micro-batches, reduce once per step")
+    t.add_argument("--checkpoint-async", action="store_true",
+                   help="checkpoints saved in the background (Trainer(checkpoint_async=True)): each rank keeps a "
+                        "copy of its checkpoint share in host memory, shown as its own line")
     o = parser.add_argument_group("output")
     o.add_argument("--format", default="table", choices=("table", "json"), help="a table, or JSON for scripts")
     o.add_argument("--strategies", help="comma-separated subset of ddp,zero1,zero2,zero3,fsdp,hsdp")

@@ -71,7 +71,8 @@ def build_training(a: argparse.Namespace) -> TrainingSpec:
                         precision=a.precision, optimizer=a.optimizer,
                         activation_checkpointing=a.activation_checkpointing, sequence_parallel=a.sequence_parallel,
                         flash_attention=a.flash_attention, schedule=a.schedule, fp32_grads=a.fp32_grads,
-                        offload=a.offload, no_sync=a.no_sync, autocast=a.autocast)
+                        offload=a.offload, no_sync=a.no_sync, autocast=a.autocast,
+                        checkpoint_async=a.checkpoint_async)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -184,8 +185,9 @@ def explain_memory(e: Estimate) -> str:
     if e.pp > 1 and e.layout.zero_stage >= 2 and e.microbatches > 1:
         held = " (whole gradients of the stage held while micro-batches accumulate)"
     terms = ", ".join(f"{k} {v / gb:.2f}" for k, v in e.memory_terms.items())
+    host = "".join(f"; host memory: {k} {v / gb:.2f}" for k, v in e.host_buffers.items())
     return (f"{e.layout.label} = {e.layout.code(e.schedule)}: {e.total_bytes / gb:.2f} of "
-            f"{e.available_bytes / gb:.2f} GB, {verdict}. In GB: {terms}{held}")
+            f"{e.available_bytes / gb:.2f} GB, {verdict}. In GB: {terms}{held}{host}")
 
 
 def _unit(largest: float) -> tuple[str, float]:

@@ -15,12 +15,14 @@ from shardwise.plan.comm import (
     offload_copies,
 )
 from shardwise.plan.memory import (
+    STAGING,
     Numels,
     StateBytes,
     activation_bytes,
     buffer_bytes,
     bytes_per_param,
     model_state_bytes,
+    staging_state_bytes,
     total_numel,
 )
 from shardwise.plan.model import ModelSpec
@@ -54,6 +56,8 @@ class Estimate:
     schedule: str = "1f1b"
     params_per_device: int = 0  # parameters the busiest device holds (dense / tp, experts / ep)
     active_params_per_device: int = 0  # of those, what one token runs through (top_k of E experts)
+    # Host memory per device by purpose, not counted against the device's (memory.STAGING with checkpoint_async).
+    host_buffers: dict[str, int] = field(default_factory=dict)
 
     # ---- the layout --------------------------------------------------
     @property
@@ -157,7 +161,8 @@ class Estimate:
             "params_bytes": self.params_bytes, "grads_bytes": self.grads_bytes,
             "optimizer_bytes": self.optimizer_bytes, "model_states_bytes": self.model_states_bytes,
             "activation_bytes": self.activation_bytes, "buffer_bytes": self.buffer_bytes, "buffers": self.buffers,
-            "host_bytes": self.host_bytes, "total_bytes": self.total_bytes, "available_bytes": self.available_bytes,
+            "host_bytes": self.host_bytes, "host_buffers": self.host_buffers, "total_bytes": self.total_bytes,
+            "available_bytes": self.available_bytes,
             "fits": self.fits, "comm_bytes_per_step": self.comm_bytes_per_step,
             "comm_bytes_by_kind": self.comm_bytes_by_kind,
             "collectives": [{"kind": c.kind, "group": c.group, "purpose": c.purpose, "name": c.name,
@@ -271,7 +276,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, lay
                     peak_flops=layout.devices * cluster.flops(training.precision) / cluster.compute_efficiency,
                     notes=tuple(notes), schedule=training.schedule,
                     params_per_device=model.params_per_rank(layout.tp, layout.pp, layout.ep)[0],
-                    active_params_per_device=model.params_per_rank(layout.tp, layout.pp, layout.ep)[1])
+                    active_params_per_device=model.params_per_rank(layout.tp, layout.pp, layout.ep)[1],
+                    host_buffers={STAGING: staging_state_bytes(states)} if training.checkpoint_async else {})
 
 
 def _add(a: StateBytes, b: StateBytes) -> StateBytes:

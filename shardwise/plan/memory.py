@@ -130,6 +130,18 @@ def model_state_bytes(numel: Numels, strategy: str, shard: int, bpp: BytesPerPar
     return StateBytes(p, 0 if stage >= 2 else g, 0, host)
 
 
+# A save in the background (``Trainer(checkpoint_async=True)``) copies the rank's checkpoint share to host memory
+# and keeps the copy for the whole fit: its parameters and optimizer states (and what is offloaded), not its
+# gradients. The exact, rank-by-rank count of a real module is :mod:`shardwise.plan.staging`'s.
+STAGING = "checkpoint staging (checkpoint_async)"
+
+
+def staging_state_bytes(states: StateBytes) -> int:
+    """Host bytes a background save stages on a device holding ``states`` (an upper bound with offload, whose
+    host bytes include the gradient shards)."""
+    return states.params + states.optimizer + states.host
+
+
 # ---- activations -----------------------------------------------------------
 # Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 # Transformer Models" (arXiv:2205.05198): bytes stored per transformer layer for one

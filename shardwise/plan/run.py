@@ -26,6 +26,7 @@ from shardwise.plan.estimate import check_layout, estimate
 from shardwise.plan.fit import fmt_bytes
 from shardwise.plan.model import ModelSpec
 from shardwise.plan.specs import ClusterSpec, Layout, TrainingSpec
+from shardwise.plan.staging import STAGING, staging_bytes
 from shardwise.plan.states import (
     NotModelled,
     RankStates,
@@ -53,6 +54,10 @@ class RunPlan:
     device_memory_bytes: int
     notes: tuple[str, ...] = field(default=())
     suggestion: str = ""  # what would fit instead (filled when this does not)
+    # Host memory per rank, by purpose (:data:`~shardwise.plan.staging.STAGING`: a save in the background's copy
+    # of the rank's checkpoint share, in rank order); on a CPU run the host is the device (``host_is_device``).
+    host: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    host_is_device: bool = False
 
     @property
     def states(self) -> RankStates:
@@ -64,10 +69,17 @@ class RunPlan:
         return sum(self.buffers.values())
 
     @property
+    def host_bytes(self) -> dict[str, int]:
+        """Each host line's bytes on the rank that needs the most of it."""
+        return {what: max(per_rank, default=0) for what, per_rank in self.host.items()}
+
+    @property
     def total_bytes(self) -> int:
         """Device bytes at the peak: the busiest rank's states plus activations and buffers (an upper bound:
-        the rank with the most states need not be the one with the most activations)."""
-        return self.states.device + self.activation_bytes + self.buffer_bytes
+        the rank with the most states need not be the one with the most activations), and the host lines when
+        the host is the device."""
+        host = sum(self.host_bytes.values()) if self.host_is_device else 0
+        return self.states.device + self.activation_bytes + self.buffer_bytes + host
 
     @property
     def fits(self) -> bool:
@@ -93,6 +105,8 @@ class RunPlan:
                 + ", ".join(f"{n} {fmt_bytes(v)}" for n, v in parts) + ")")
         if s.host:
             text += f"; {fmt_bytes(s.host)} offloaded to host memory"
+        for what, n in self.host_bytes.items():
+            text += f"; {what} {fmt_bytes(n)} of host memory per rank" + " (counted above)" * self.host_is_device
         return text + "".join(f"; {n}" for n in self.notes)
 
     def message(self) -> str:
@@ -104,7 +118,8 @@ class RunPlan:
 def plan_run(model: nn.Module, layout: RunLayout, device_memory_bytes: int, batch_size: int,
              optimizer: torch.optim.Optimizer | str = "adamw", *, accumulate_grad_batches: int = 1,
              batch_shards: int | None = None, tp_plan: Any = None,
-             split_points: Sequence[str] | None = None, suggest: bool = True) -> RunPlan:
+             split_points: Sequence[str] | None = None, suggest: bool = True, checkpoint_async: bool = False,
+             steps: int = 0, host_is_device: bool = False) -> RunPlan:
     """The memory plan of ``model`` trained under ``layout`` with a global batch of ``batch_size``.
 
     ``optimizer`` is the optimizer (its states are counted by stepping a
@@ -112,7 +127,10 @@ def plan_run(model: nn.Module, layout: RunLayout, device_memory_bytes: int, batc
     (default dp; a parameter server's workers); ``tp_plan`` and
     ``split_points`` as the strategy will split the model; ``suggest``: when
     the run does not fit, plan the least change that would (a higher zero
-    stage, then offloading the optimizer). Raises
+    stage, then offloading the optimizer). ``checkpoint_async``: saves in the
+    background stage each rank's checkpoint share in host memory, planned for
+    a save after ``steps`` steps (:mod:`shardwise.plan.staging`), counted with
+    the device's bytes when ``host_is_device`` (a CPU run). Raises
     :class:`~shardwise.plan.states.NotModelled` for a run the planner cannot lay out.
     """
     check_modelled(layout)
@@ -127,13 +145,22 @@ def plan_run(model: nn.Module, layout: RunLayout, device_memory_bytes: int, batc
         # Micro-batches accumulate unreduced (no_sync, and a pipeline's chunks until the last micro-batch):
         # ZeRO-2/3 hold whole gradients until the step's single reduce-scatter.
         buffers["unsharded gradients (accumulation)"] = full_grad_bytes(chunks)
-    plan = RunPlan(layout, tuple(ranks), act, buffers, device_memory_bytes, tuple(notes))
+    host: dict[str, tuple[int, ...]] = {}
+    if checkpoint_async:
+        try:
+            host[STAGING] = tuple(staging_bytes(model, layout, optimizer, steps, tp_plan=tp_plan,
+                                                split_points=split_points))
+        except NotModelled as e:  # the rest of the plan stands: say what it leaves out
+            notes.append(f"{STAGING} not planned: {e}")
+    plan = RunPlan(layout, tuple(ranks), act, buffers, device_memory_bytes, tuple(notes), host=host,
+                   host_is_device=host_is_device)
     if plan.fits or not suggest:
         return plan
     for what, alt in alternatives(layout):
         other = plan_run(model, alt, device_memory_bytes, batch_size, optimizer, suggest=False,
                          accumulate_grad_batches=accumulate_grad_batches, batch_shards=batch_shards,
-                         tp_plan=tp_plan, split_points=split_points)
+                         tp_plan=tp_plan, split_points=split_points, checkpoint_async=checkpoint_async, steps=steps,
+                         host_is_device=host_is_device)
         if other.fits:
             return replace(plan, suggestion=f"{what} would need {fmt_bytes(other.total_bytes)}")
     if act > plan.states.device and not layout.activation_checkpointing:

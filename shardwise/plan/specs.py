@@ -138,6 +138,7 @@ class TrainingSpec:
     offload: str = "none"
     no_sync: bool = False
     autocast: bool = False
+    checkpoint_async: bool = False  # saves in the background stage the checkpoint share in host memory
     bucket_bytes: int = int(DDP_BUCKET_MB * 2**20)  # the runtime's DDP default, in bytes
     chunks: int = 1
 

@@ -311,9 +311,7 @@ def states_of(chunks: list[list[list[Param]]], layout: RunLayout, k: int) -> lis
     """
     if layout.strategy == "ps":
         return _ps(chunks[0][0], k, layout)
-    stage, offload, cp, ep = zero_stage(layout), layout.offload, layout.cp, layout.ep
-    n = layout.shard_size * cp if stage else 1
-    shards = layout.shard_size if stage else layout.dp
+    stage, offload = zero_stage(layout), layout.offload
 
     def group(cs: list[list[Param]], n: int, d: int) -> RankStates:
         if stage == 0:
@@ -324,7 +322,20 @@ def states_of(chunks: list[list[list[Param]]], layout: RunLayout, k: int) -> lis
             return _sum(zero(c, k, 2, n, d, offload) for c in cs)
         return _sum(fsdp(c, k, n, offload) for c in cs)
 
-    def per(cs: list[list[Param]], d: int) -> RankStates:
+    return per_rank(chunks, layout, group)
+
+
+Group = Callable[[list[list[Param]], int, int], Any]
+
+
+def per_rank(chunks: list[list[list[Param]]], layout: RunLayout, group: Group) -> list[Any]:
+    """``group(chunks, n, place)`` of every rank, in rank order: its chunks' parameters, sharded over ``n`` ranks
+    of which it is number ``place`` (dense and expert parameters each over their own group, added)."""
+    stage, cp, ep = zero_stage(layout), layout.cp, layout.ep
+    n = layout.shard_size * cp if stage else 1
+    shards = layout.shard_size if stage else layout.dp
+
+    def per(cs: list[list[Param]], d: int) -> Any:
         if not any(q.expert for c in cs for q in c):
             return group(cs, n, d)
         dense = [[q for q in c if not q.expert] for c in cs]
@@ -370,5 +381,5 @@ def busiest(states: Sequence[RankStates]) -> RankStates:
 
 
 __all__ = ["MODELLED", "NotModelled", "Param", "RankStates", "busiest", "check_modelled", "fsdp", "full_grad_bytes",
-           "local_chunks", "meta_copy", "optimizer_states", "rank_states", "replicated", "states_of", "zero",
-           "zero_stage"]
+           "local_chunks", "meta_copy", "optimizer_states", "per_rank", "rank_states", "replicated", "states_of",
+           "zero", "zero_stage"]

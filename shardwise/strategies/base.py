@@ -163,6 +163,18 @@ class Strategy:
         """The unsharded state dict on CPU (a collective for sharded strategies)."""
         return {k: v.detach().cpu().clone() for k, v in unwrap(model).state_dict().items()}
 
+    def final_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
+        """The unsharded state dict on rank 0 (an empty dict on the others), for a ``fit`` that started its ranks
+        and returns rank 0's result: the whole model is copied once, not once per rank.
+
+        A strategy whose :meth:`full_state_dict` is this class's copies a replica that every rank holds: only
+        rank 0 copies it. One that overrides it gathers over a group, a collective every rank joins; the others
+        drop their copy at once. A strategy that can gather to one rank only overrides this (FSDP)."""
+        if type(self).full_state_dict is Strategy.full_state_dict:
+            return self.full_state_dict(model, topo) if topo.rank == 0 else {}
+        full = self.full_state_dict(model, topo)
+        return full if topo.rank == 0 else {}
+
     def checkpoint_held(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology) -> list[Held]:
         """What this rank holds of every tensor of the layout-free checkpoint (see :mod:`shardwise.checkpoint.pieces`).
 

@@ -108,8 +108,18 @@ class FSDP(DataParallel):
                                    reshard_after_forward=self.reshard_after_forward, param_init_fn=self.param_init_fn)
 
     def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
+        return self._gathered(model, keep=True)
+
+    def final_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
+        """Rank 0's: the other ranks take part in each unit's all-gather and keep nothing of it, so no rank but
+        rank 0 ever holds more than its shards and one unit gathered."""
+        return self._gathered(model, keep=topo.rank == 0)
+
+    def _gathered(self, model: nn.Module, keep: bool) -> dict[str, torch.Tensor]:
         fm: FSDPModule = model  # type: ignore[assignment]
-        full = fm.gather_full()
+        full = fm.gather_full(keep)
+        if not keep:
+            return {}
         out: dict[str, torch.Tensor] = {}
         for k, v in unwrap(model).state_dict(keep_vars=True).items():
             out[k] = full[v].clone() if v in full else v.detach().cpu().clone()  # type: ignore[index]

@@ -147,3 +147,11 @@ def test_table_explains_why(capsys):
     assert why[1].lstrip().startswith("1. fsdp") and "= sw.Parallel(" in why[1] and "GB free" in why[1]
     assert "In GB: parameters" in why[1] and "activations" in why[1]
     assert "no (activ.)" in out  # layouts that do not fit say which term is the largest
+
+
+def test_checkpoint_async_adds_the_staging_host_line(capsys):
+    argv = ["--model", "gpt2", "--devices", "2", "--precision", "fp32", "--strategies", "ddp,fsdp", "--max-cp", "1",
+            "--format", "json"]
+    assert all(r["host_buffers"] == {} for r in _json(capsys, argv))
+    for r in _json(capsys, argv + ["--checkpoint-async"]):  # what a checkpoint holds: weights and states
+        assert r["host_buffers"] == {"checkpoint staging (checkpoint_async)": r["params_bytes"] + r["optimizer_bytes"]}
