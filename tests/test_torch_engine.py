@@ -87,6 +87,36 @@ def test_torch_engines_equal_one_device_and_ours_and_checkpoints_cross_engines(t
     same_run(runs["gpt fsdp shardwise"], runs["gpt fsdp torch"])  # the same run under both engines
 
 
+def _zero_rows(rank: int, device: torch.device, folder: str) -> None:
+    """zero1, zero2 and hsdp under torch's engines in one 2-rank launch (hsdp as 2 replicas of 1 shard: the
+    2-D mesh), each on both models; zero1 checkpoints cross engines both ways (ZeroRedundancyOptimizer's
+    states are saved by the rank that owns them)."""
+    out: dict[str, sw.FitResult] = {}
+    for model in MODELS:
+        for strategy in (sw.ZeRO1(), sw.ZeRO2(), sw.HSDP(shard_size=1)):
+            out[f"{model} {strategy.name} torch"] = fit(model, strategy, engine="torch")
+    out["gpt zero1 shardwise"] = fit("gpt", "zero1")
+    starts = [StartStep(), StartStep()]
+    fit("gpt", "zero1", steps=2, ckpt=os.path.join(folder, "torch-zero1"), engine="torch")
+    out["torch zero1 -> shardwise fsdp"] = fit("gpt", "fsdp", ckpt=os.path.join(folder, "torch-zero1"),
+                                               callbacks=[starts[0]])
+    fit("gpt", "zero3", steps=2, ckpt=os.path.join(folder, "zero3"))
+    out["shardwise zero3 -> torch zero1"] = fit("gpt", "zero1", ckpt=os.path.join(folder, "zero3"), engine="torch",
+                                                callbacks=[starts[1]])
+    assert [s.step for s in starts] == [2, 2]
+    if rank == 0:
+        torch.save({k: (r.losses, r.state_dict) for k, r in out.items()}, os.path.join(folder, "runs.pt"))
+
+
+def test_zero_rows_under_torch_equal_one_device_and_ours(tmp_path, same_run):
+    launch.spawn(_zero_rows, 2, args=(str(tmp_path),))
+    runs = {k: sw.FitResult(losses, state) for k, (losses, state) in torch.load(tmp_path / "runs.pt").items()}
+    refs = {model: fit(model, "single", 1) for model in MODELS}
+    for case, run in runs.items():
+        same_run(refs.get(case.split()[0], refs["gpt"]), run)
+    same_run(runs["gpt zero1 shardwise"], runs["gpt zero1 torch"])
+
+
 @pytest.mark.parametrize("strategy, kw, message", [
     (sw.DDP(engine="torch"), {"engine": "shardwise"},
      "Trainer(engine='shardwise') conflicts with the strategy's own engine='torch' (DDP(engine='torch')); give one "

@@ -5,8 +5,12 @@ itself under ``engine="shardwise"``); under ``"torch"``:
 
 ====================  =====================================================================
 ``ddp``               ``torch.nn.parallel.DistributedDataParallel`` (:class:`TorchDDP`)
+``zero1``             ``torch.distributed.optim.ZeroRedundancyOptimizer`` under DDP (:class:`TorchZeRO1`)
+``zero2``             FSDP2 with ``reshard_after_forward=False`` (:class:`TorchZeRO2`): parameters
+                      are sharded between steps too, which our ZeRO-2 does not do
 ``zero3``, ``fsdp``   FSDP2 ``fully_shard`` on each of our FSDP's units, then the root, on a 1-D
                       mesh over the data-parallel ranks (:class:`TorchFSDP`)
+``hsdp``              FSDP2 on the 2-D (replicate, shard) mesh (:class:`TorchHSDP`)
 ====================  =====================================================================
 
 Everything else is refused before any process starts, naming what runs it. The
@@ -14,7 +18,8 @@ engines keep the model's own parameter names, so parameter groups, the final sta
 dict and the layout-free checkpoint (:mod:`shardwise.checkpoint`) are the same as
 under our engines: a run saved under one engine resumes under the other. The one
 key mapping is :meth:`TorchEngine.checkpoint_held` (DDP's ``module.`` prefix is
-dropped by :func:`~shardwise.step.unwrap`; FSDP2's DTensor shards become flat runs).
+dropped by :func:`~shardwise.step.unwrap`; FSDP2's DTensor shards become flat runs;
+``ZeroRedundancyOptimizer``'s states are those of its partition, each saved by the rank that owns it).
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise.checkpoint.held import Held, named_state
 from shardwise.comm.topology import Topology
@@ -33,7 +39,16 @@ from shardwise.dims import CP, EP
 from shardwise.layout import RunLayout
 from shardwise.parallel.accounting import with_optimizer_states
 from shardwise.parallel.fsdp_units import unit_modules
-from shardwise.parallel.torch_engines import dim0_run, dp_mesh, full, fully_shard_units, torch_ddp
+from shardwise.param_groups import GroupedFactory
+from shardwise.parallel.torch_engines import (
+    dim0_run,
+    dp_mesh,
+    full,
+    fully_shard_units,
+    hsdp_mesh,
+    torch_ddp,
+    zero_redundancy,
+)
 from shardwise.step import OptimizerFactory, unwrap
 from shardwise.strategies.base import Strategy
 from shardwise.strategies.data_parallel import on_meta
@@ -43,8 +58,7 @@ ENGINES = ("shardwise", "torch")
 # The tables below are keyed by strategy class (the nearest in a class's MRO decides, so a user's subclass of
 # DDP runs as DDP): the strategy names "dp", "tp" and "pp" are also dimension names, written only in dims.py.
 # Strategies PyTorch has an engine for that engine="torch" does not run yet: torch's engine for each.
-NOT_YET = {"ZeRO1": "ZeroRedundancyOptimizer under DDP", "ZeRO2": "FSDP2 with reshard_after_forward=False",
-           "HSDP": "FSDP2 on a 2-D mesh", "TP": "DTensor parallelize_module", "PP": "torch.distributed.pipelining",
+NOT_YET = {"TP": "DTensor parallelize_module", "PP": "torch.distributed.pipelining",
            "Parallel": "pp, then tp, then FSDP2 over dp", "DP": "torch.nn.DataParallel"}
 # What PyTorch has no engine for at all.
 NO_TORCH_ENGINE = {"ParameterServer": "a parameter server",
@@ -78,7 +92,9 @@ class TorchEngine(Strategy):
                              "it shard by shard")
 
     def checkpoint_held(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology) -> list[Held]:
-        """The layout-free checkpoint's keys for torch's engines: the model's own names (the one key mapping)."""
+        """The layout-free checkpoint's keys for torch's engines: the model's own names (the one key mapping).
+        A parameter's optimizer states are where this rank's optimizer keeps them: all of them (DDP), its
+        shard's (FSDP2), or only those of the parameters its ``ZeroRedundancyOptimizer`` partition owns."""
         out: list[Held] = []
         for name, t in named_state(unwrap(model)):
             out.append(_held(f"model.{name}", t.detach()))
@@ -111,6 +127,22 @@ class TorchDDP(TorchEngine):
 
 
 @dataclass
+class TorchZeRO1(TorchDDP):
+    """``strategy="zero1"`` under torch's DDP with ``ZeroRedundancyOptimizer``: full gradients all-reduced by
+    DDP, each rank steps the parameters its partition owns (whole tensors, greedily balanced by size) and
+    broadcasts them."""
+
+    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
+              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+        ddp, base = super().setup(model, optimizer_fn, topo)
+        # ZeroRedundancyOptimizer partitions by parameter group once it is built, so the run's groups must be
+        # final before: regroup the factory's optimizer now (the Trainer's second regrouping changes nothing).
+        if isinstance(optimizer_fn, GroupedFactory):
+            optimizer_fn.finish(self.param_names(ddp))
+        return ddp, zero_redundancy(base, topo)
+
+
+@dataclass
 class TorchFSDP(TorchEngine):
     """``strategy="fsdp"``/``"zero3"`` under FSDP2: ``fully_shard`` on the units our FSDP picks (its ``wrap``),
     then the root; ``reshard_after_forward`` carries over. Parameters stay the model's, as DTensors."""
@@ -119,9 +151,16 @@ class TorchFSDP(TorchEngine):
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
         self.check_setup(model)
         model = model.to(topo.device)
-        units = unit_modules(model, self.of.wrap)  # type: ignore[attr-defined]
-        fully_shard_units(units, dp_mesh(topo), self.of.reshard_after_forward)  # type: ignore[attr-defined]
+        units = unit_modules(model, getattr(self.of, "wrap", "auto"))
+        fully_shard_units(units, self.mesh(topo), self.reshard_after_forward())
         return model, optimizer_fn(model.parameters())
+
+    def mesh(self, topo: Topology) -> DeviceMesh:
+        """The mesh FSDP2 shards over: the data-parallel ranks."""
+        return dp_mesh(topo)
+
+    def reshard_after_forward(self) -> bool:
+        return bool(self.of.reshard_after_forward)  # type: ignore[attr-defined]
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         return _no_gradient_sync(model)
@@ -141,6 +180,25 @@ class TorchFSDP(TorchEngine):
         return out
 
 
+@dataclass
+class TorchZeRO2(TorchFSDP):
+    """``strategy="zero2"`` under FSDP2 with ``reshard_after_forward=False`` (torch's answer to ZeRO-2, FSDP1's
+    SHARD_GRAD_OP): gradients and optimizer states sharded, parameters gathered from a unit's forward to its
+    backward; unlike our ZeRO-2 they are sharded between steps too. Units as our FSDP's default ``wrap``."""
+
+    def reshard_after_forward(self) -> bool:
+        return False
+
+
+@dataclass
+class TorchHSDP(TorchFSDP):
+    """``strategy="hsdp"`` under FSDP2 on the 2-D (replicate, shard) mesh of the run's replicas of shards:
+    each parameter a DTensor replicated over the first dimension and sharded on dim 0 over the second."""
+
+    def mesh(self, topo: Topology) -> DeviceMesh:
+        return hsdp_mesh(topo)
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t`` (a DTensor's local shard; any other tensor itself), for byte accounting."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -156,7 +214,8 @@ def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
 
-TORCH: dict[str, type[TorchEngine]] = {"DDP": TorchDDP, "ZeRO3": TorchFSDP, "FSDP": TorchFSDP}
+TORCH: dict[str, type[TorchEngine]] = {"DDP": TorchDDP, "ZeRO1": TorchZeRO1, "ZeRO2": TorchZeRO2,
+                                       "ZeRO3": TorchFSDP, "FSDP": TorchFSDP, "HSDP": TorchHSDP}
 
 
 def _row(strategy: Strategy) -> str | None:
@@ -216,4 +275,5 @@ def _unsupported(strategy: Strategy, activation_checkpointing: Any, sync_batchno
             "DDP(reduce_dtype=...)": getattr(strategy, "reduce_dtype", None) is not None}
 
 
-__all__ = ["ENGINES", "TorchDDP", "TorchEngine", "TorchFSDP", "engine_for", "refuse_torch"]
+__all__ = ["ENGINES", "TorchDDP", "TorchEngine", "TorchFSDP", "TorchHSDP", "TorchZeRO1", "TorchZeRO2", "engine_for",
+           "refuse_torch"]
