@@ -128,8 +128,8 @@ def test_zero_rows_under_torch_equal_one_device_and_ours(tmp_path, same_run):
                                                    "PyTorch has none; engine='shardwise' runs it"),
     (sw.Parallel(cp=2, engine="torch"), {}, "engine='torch' has no engine for context parallelism on CPU (torch's "
      "context_parallel runs on CUDA only) and does not cover it on CUDA yet; engine='shardwise' runs it"),
-    ("zero1", {"engine": "torch"}, "engine='torch' does not cover strategy 'zero1' yet (torch's engine for it: "
-                                   "ZeroRedundancyOptimizer under DDP); engine='shardwise' runs it"),
+    ("pp", {"engine": "torch"}, "engine='torch' does not cover strategy 'pp' yet (torch's engine for it: "
+                                "torch.distributed.pipelining); engine='shardwise' runs it"),
     (sw.Parallel(dp=2, tp=2, engine="torch"), {}, "engine='torch' does not cover strategy 'parallel' yet (torch's "
      "engine for it: pp, then tp, then FSDP2 over dp); engine='shardwise' runs it"),
     ("fsdp", {"engine": "torch", "activation_checkpointing": True},

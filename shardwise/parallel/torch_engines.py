@@ -24,7 +24,6 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -58,7 +57,7 @@ def hsdp_mesh(topo: Topology) -> DeviceMesh:
     return topo.mesh[DP_REPLICATE, DP_SHARD]
 
 
-def zero_redundancy(base: torch.optim.Optimizer, topo: Topology) -> ZeroRedundancyOptimizer:
+def zero_redundancy(base: torch.optim.Optimizer, topo: Topology) -> torch.optim.Optimizer:
     """``ZeroRedundancyOptimizer`` over ``topo``'s data-parallel group with ``base``'s class and parameter groups.
 
     ``base`` is what the run's factory built (its groups already final): every group carries all its
@@ -67,9 +66,13 @@ def zero_redundancy(base: torch.optim.Optimizer, topo: Topology) -> ZeroRedundan
     The local optimizer's ``state`` (this rank's partition) becomes the wrapper's, where the Trainer, the
     checkpoint and the byte accounting read optimizer states.
     """
+    # Loaded here: torch.distributed.optim scripts its functional optimizers on import (about 1 s, and
+    # torch.jit's deprecation warnings) for every run that never builds one.
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
     groups = [{**g, "params": list(g["params"])} for g in base.param_groups]
     zero = ZeroRedundancyOptimizer(groups, optimizer_class=type(base), process_group=topo.group(DP))
-    zero.state = zero.optim.state
+    zero.state = zero.optim.state  # type: ignore[has-type]
     return zero
 
 
