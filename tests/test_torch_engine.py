@@ -117,6 +117,35 @@ def test_zero_rows_under_torch_equal_one_device_and_ours(tmp_path, same_run):
     same_run(runs["gpt zero1 shardwise"], runs["gpt zero1 torch"])
 
 
+def _tp_rows(rank: int, device: torch.device, folder: str) -> None:
+    """tp under DTensor's parallelize_module on both models, and with sequence parallelism on our GPT (sw.Parallel
+    split by tp alone), in one 2-rank launch; tp checkpoints cross engines both ways."""
+    out: dict[str, sw.FitResult] = {}
+    for model in MODELS:
+        out[f"{model} tp torch"] = fit(model, "tp", engine="torch")
+    sp = functools.partial(sw.Parallel, tp=2, sequence_parallel=True)
+    out["gpt sp torch"] = fit("gpt", sp(engine="torch"))
+    out["gpt sp shardwise"] = fit("gpt", sp())
+    starts = [StartStep(), StartStep()]
+    fit("gpt", sp(engine="torch"), steps=2, ckpt=os.path.join(folder, "torch-sp"))
+    out["torch sp -> shardwise tp"] = fit("gpt", "tp", ckpt=os.path.join(folder, "torch-sp"), callbacks=[starts[0]])
+    fit("gpt", "tp", steps=2, ckpt=os.path.join(folder, "tp"))
+    out["shardwise tp -> torch tp"] = fit("gpt", "tp", ckpt=os.path.join(folder, "tp"), engine="torch",
+                                          callbacks=[starts[1]])
+    assert [s.step for s in starts] == [2, 2]
+    if rank == 0:
+        torch.save({k: (r.losses, r.state_dict) for k, r in out.items()}, os.path.join(folder, "runs.pt"))
+
+
+def test_tp_rows_under_torch_equal_one_device_and_ours(tmp_path, same_run):
+    launch.spawn(_tp_rows, 2, args=(str(tmp_path),))
+    runs = {k: sw.FitResult(losses, state) for k, (losses, state) in torch.load(tmp_path / "runs.pt").items()}
+    refs = {model: fit(model, "single", 1) for model in MODELS}
+    for case, run in runs.items():
+        same_run(refs.get(case.split()[0], refs["gpt"]), run)
+    same_run(runs["gpt sp shardwise"], runs["gpt sp torch"])
+
+
 @pytest.mark.parametrize("strategy, kw, message", [
     (sw.DDP(engine="torch"), {"engine": "shardwise"},
      "Trainer(engine='shardwise') conflicts with the strategy's own engine='torch' (DDP(engine='torch')); give one "

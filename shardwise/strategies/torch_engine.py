@@ -11,6 +11,8 @@ itself under ``engine="shardwise"``); under ``"torch"``:
 ``zero3``, ``fsdp``   FSDP2 ``fully_shard`` on each of our FSDP's units, then the root, on a 1-D
                       mesh over the data-parallel ranks (:class:`TorchFSDP`)
 ``hsdp``              FSDP2 on the 2-D (replicate, shard) mesh (:class:`TorchHSDP`)
+``tp``                DTensor ``parallelize_module`` with torch's styles for our plan, also
+                      ``sw.Parallel`` split by tp alone, ``sequence_parallel`` included (:class:`TorchTP`)
 ====================  =====================================================================
 
 Everything else is refused before any process starts, naming what runs it. The
@@ -35,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise.checkpoint.held import Held, named_state
 from shardwise.comm.topology import Topology
-from shardwise.dims import CP, EP
+from shardwise.dims import CP, DP, EP, PP, TP
 from shardwise.layout import RunLayout
 from shardwise.parallel.accounting import with_optimizer_states
 from shardwise.parallel.fsdp_units import unit_modules
@@ -49,6 +51,15 @@ from shardwise.parallel.torch_engines import (
     torch_ddp,
     zero_redundancy,
 )
+from shardwise.parallel.torch_tp import (
+    apply_torch_tp,
+    clip_grad_norm_,
+    on_tp_mesh,
+    torch_plan_refusal,
+    tp_mesh,
+    tp_slice,
+)
+from shardwise.parallel.tp_plans import Plan, resolve_plan
 from shardwise.step import OptimizerFactory, unwrap
 from shardwise.strategies.base import Strategy
 from shardwise.strategies.data_parallel import on_meta
@@ -58,8 +69,8 @@ ENGINES = ("shardwise", "torch")
 # The tables below are keyed by strategy class (the nearest in a class's MRO decides, so a user's subclass of
 # DDP runs as DDP): the strategy names "dp", "tp" and "pp" are also dimension names, written only in dims.py.
 # Strategies PyTorch has an engine for that engine="torch" does not run yet: torch's engine for each.
-NOT_YET = {"TP": "DTensor parallelize_module", "PP": "torch.distributed.pipelining",
-           "Parallel": "pp, then tp, then FSDP2 over dp", "DP": "torch.nn.DataParallel"}
+NOT_YET = {"PP": "torch.distributed.pipelining", "Parallel": "pp, then tp, then FSDP2 over dp",
+           "DP": "torch.nn.DataParallel"}
 # What PyTorch has no engine for at all.
 NO_TORCH_ENGINE = {"ParameterServer": "a parameter server",
                    "NaiveMP": "naive model parallelism (layers placed on devices)"}
@@ -80,6 +91,9 @@ class TorchEngine(Strategy):
     def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int,
                     backend: str = "gloo") -> None:
         self.of.check_model(model, devices, batch_size, accumulate_grad_batches, backend)
+
+    def owns_loss(self, topo: Topology) -> bool:
+        return self.of.owns_loss(topo)  # one loss per tp group, as under our engine
 
     def check_setup(self, model: nn.Module) -> None:
         if not dist.is_initialized():  # one process started without a group: torch's engines need one
@@ -105,6 +119,8 @@ class TorchEngine(Strategy):
 
 
 def _held(key: str, t: torch.Tensor) -> Held:
+    if on_tp_mesh(t):  # our tp layout's slice (torch.chunk's equals ours: every split is even), or a replica
+        return Held(key, local(t), 0, tp_slice(t))
     start, data = dim0_run(t)
     return Held(key, t.to_local() if data is not t and data.numel() == t.numel() else data, start)  # type: ignore
 
@@ -143,7 +159,22 @@ class TorchZeRO1(TorchDDP):
 
 
 @dataclass
-class TorchFSDP(TorchEngine):
+class TorchDTensors(TorchEngine):
+    """An engine that keeps the model's parameters, some or all of them as DTensors (FSDP2, tp)."""
+
+    def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
+        return {k: full(v.detach()).cpu().clone() for k, v in model.state_dict().items()}
+
+    def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
+        params = [local(p) for p in model.parameters()]
+        grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
+        out = with_optimizer_states({"params": params, "grads": grads}, optimizer)
+        out["optimizer"] = [local(v) for v in out["optimizer"]]
+        return out
+
+
+@dataclass
+class TorchFSDP(TorchDTensors):
     """``strategy="fsdp"``/``"zero3"`` under FSDP2: ``fully_shard`` on the units our FSDP picks (its ``wrap``),
     then the root; ``reshard_after_forward`` carries over. Parameters stay the model's, as DTensors."""
 
@@ -169,16 +200,6 @@ class TorchFSDP(TorchEngine):
         # torch's clip handles DTensor gradients: the norm of the shards is reduced over the mesh.
         return full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
 
-    def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
-        return {k: full(v.detach()).cpu().clone() for k, v in model.state_dict().items()}
-
-    def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
-        params = [local(p) for p in model.parameters()]
-        grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
-        out = with_optimizer_states({"params": params, "grads": grads}, optimizer)
-        out["optimizer"] = [local(v) for v in out["optimizer"]]
-        return out
-
 
 @dataclass
 class TorchZeRO2(TorchFSDP):
@@ -199,6 +220,42 @@ class TorchHSDP(TorchFSDP):
         return hsdp_mesh(topo)
 
 
+@dataclass
+class TorchTP(TorchDTensors):
+    """``strategy="tp"`` (and ``sw.Parallel`` split by tp alone, ``sequence_parallel`` included) under DTensor's
+    ``parallelize_module``, with torch's styles for our plan (:mod:`shardwise.parallel.torch_tp`)."""
+
+    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
+              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+        self.check_setup(model)
+        model = model.to(topo.device)
+        plan = self.plan(model)
+        if plan.check is not None:
+            plan.check(model, topo.size(TP))
+        apply_torch_tp(model, plan, tp_mesh(topo), self.sequence_parallel())
+        return model, optimizer_fn(model.parameters())
+
+    def plan(self, model: nn.Module) -> Plan:
+        return resolve_plan(self.of.tensor_parallel_plan(), model)  # type: ignore[attr-defined]
+
+    def sequence_parallel(self) -> bool:
+        return bool(getattr(self.of, "sequence_parallel", False))
+
+    def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int,
+                    backend: str = "gloo") -> None:
+        super().check_model(model, devices, batch_size, accumulate_grad_batches, backend)
+        if self.layout(devices).dp > 1:  # Parallel's dp=-1 left ranks over
+            raise ValueError(f"engine='torch' does not cover strategy {self.name!r} with dp > 1 yet (torch's engine "
+                             f"for it: {NOT_YET['Parallel']}); engine='shardwise' runs it")
+        why = torch_plan_refusal(self.plan(model), self.sequence_parallel())
+        if why is not None:
+            raise ValueError(f"engine='torch' cannot run strategy {self.name!r} on {type(model).__name__}: {why}; "
+                             "engine='shardwise' runs it")
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
+        return clip_grad_norm_(list(model.parameters()), max_norm)
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t`` (a DTensor's local shard; any other tensor itself), for byte accounting."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -215,13 +272,16 @@ def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
 
 
 TORCH: dict[str, type[TorchEngine]] = {"DDP": TorchDDP, "ZeRO1": TorchZeRO1, "ZeRO2": TorchZeRO2,
-                                       "ZeRO3": TorchFSDP, "FSDP": TorchFSDP, "HSDP": TorchHSDP}
+                                       "ZeRO3": TorchFSDP, "FSDP": TorchFSDP, "HSDP": TorchHSDP, "TP": TorchTP}
 
 
 def _row(strategy: Strategy) -> str | None:
     """The name of the nearest class of ``strategy`` that the tables here know (None: none, a user's own)."""
     known = {*TORCH, *NOT_YET, *NO_TORCH_ENGINE}
-    return next((c.__name__ for c in type(strategy).__mro__ if c.__name__ in known), None)
+    row = next((c.__name__ for c in type(strategy).__mro__ if c.__name__ in known), None)
+    # sw.Parallel split by tp alone runs as tp (dp=-1 can still leave dp > 1: TorchTP.check_model knows the devices)
+    tp_alone = getattr(strategy, TP, 1) > 1 and getattr(strategy, PP, 1) == 1 and getattr(strategy, DP, 1) in (1, -1)
+    return "TP" if row == "Parallel" and tp_alone else row
 
 
 def engine_for(strategy: Strategy, engine: str | None, *, activation_checkpointing: Any = False,
@@ -275,5 +335,5 @@ def _unsupported(strategy: Strategy, activation_checkpointing: Any, sync_batchno
             "DDP(reduce_dtype=...)": getattr(strategy, "reduce_dtype", None) is not None}
 
 
-__all__ = ["ENGINES", "TorchDDP", "TorchEngine", "TorchFSDP", "TorchHSDP", "TorchZeRO1", "TorchZeRO2", "engine_for",
-           "refuse_torch"]
+__all__ = ["ENGINES", "TorchDDP", "TorchDTensors", "TorchEngine", "TorchFSDP", "TorchHSDP", "TorchTP", "TorchZeRO1",
+           "TorchZeRO2", "engine_for", "refuse_torch"]
