@@ -87,63 +87,37 @@ def test_torch_engines_equal_one_device_and_ours_and_checkpoints_cross_engines(t
     same_run(runs["gpt fsdp shardwise"], runs["gpt fsdp torch"])  # the same run under both engines
 
 
-def _zero_rows(rank: int, device: torch.device, folder: str) -> None:
-    """zero1, zero2 and hsdp under torch's engines in one 2-rank launch (hsdp as 2 replicas of 1 shard: the
-    2-D mesh), each on both models; zero1 checkpoints cross engines both ways (ZeroRedundancyOptimizer's
-    states are saved by the rank that owns them)."""
+def _new_rows(rank: int, device: torch.device, folder: str) -> None:
+    """zero1, zero2, hsdp and tp under torch's engines on both models, and tp with sequence parallelism on our GPT
+    (sw.Parallel split by tp alone), in one 2-rank launch; hsdp runs as 2 replicas of 1 shard (the 2-D mesh).
+    Checkpoints cross engines: ZeroRedundancyOptimizer's states (saved by the rank that owns each) into our FSDP,
+    and DTensor tp slices both ways."""
     out: dict[str, sw.FitResult] = {}
-    for model in MODELS:
-        for strategy in (sw.ZeRO1(), sw.ZeRO2(), sw.HSDP(shard_size=1)):
-            out[f"{model} {strategy.name} torch"] = fit(model, strategy, engine="torch")
-    out["gpt zero1 shardwise"] = fit("gpt", "zero1")
-    starts = [StartStep(), StartStep()]
-    fit("gpt", "zero1", steps=2, ckpt=os.path.join(folder, "torch-zero1"), engine="torch")
-    out["torch zero1 -> shardwise fsdp"] = fit("gpt", "fsdp", ckpt=os.path.join(folder, "torch-zero1"),
-                                               callbacks=[starts[0]])
-    fit("gpt", "zero3", steps=2, ckpt=os.path.join(folder, "zero3"))
-    out["shardwise zero3 -> torch zero1"] = fit("gpt", "zero1", ckpt=os.path.join(folder, "zero3"), engine="torch",
-                                                callbacks=[starts[1]])
-    assert [s.step for s in starts] == [2, 2]
-    if rank == 0:
-        torch.save({k: (r.losses, r.state_dict) for k, r in out.items()}, os.path.join(folder, "runs.pt"))
-
-
-def test_zero_rows_under_torch_equal_one_device_and_ours(tmp_path, same_run):
-    launch.spawn(_zero_rows, 2, args=(str(tmp_path),))
-    runs = {k: sw.FitResult(losses, state) for k, (losses, state) in torch.load(tmp_path / "runs.pt").items()}
-    refs = {model: fit(model, "single", 1) for model in MODELS}
-    for case, run in runs.items():
-        same_run(refs.get(case.split()[0], refs["gpt"]), run)
-    same_run(runs["gpt zero1 shardwise"], runs["gpt zero1 torch"])
-
-
-def _tp_rows(rank: int, device: torch.device, folder: str) -> None:
-    """tp under DTensor's parallelize_module on both models, and with sequence parallelism on our GPT (sw.Parallel
-    split by tp alone), in one 2-rank launch; tp checkpoints cross engines both ways."""
-    out: dict[str, sw.FitResult] = {}
-    for model in MODELS:
-        out[f"{model} tp torch"] = fit(model, "tp", engine="torch")
     sp = functools.partial(sw.Parallel, tp=2, sequence_parallel=True)
+    for model in MODELS:
+        for strategy in (sw.ZeRO1(), sw.ZeRO2(), sw.HSDP(shard_size=1), sw.TP()):
+            out[f"{model} {strategy.name} torch"] = fit(model, strategy, engine="torch")
     out["gpt sp torch"] = fit("gpt", sp(engine="torch"))
     out["gpt sp shardwise"] = fit("gpt", sp())
-    starts = [StartStep(), StartStep()]
-    fit("gpt", sp(engine="torch"), steps=2, ckpt=os.path.join(folder, "torch-sp"))
-    out["torch sp -> shardwise tp"] = fit("gpt", "tp", ckpt=os.path.join(folder, "torch-sp"), callbacks=[starts[0]])
-    fit("gpt", "tp", steps=2, ckpt=os.path.join(folder, "tp"))
-    out["shardwise tp -> torch tp"] = fit("gpt", "tp", ckpt=os.path.join(folder, "tp"), engine="torch",
-                                          callbacks=[starts[1]])
-    assert [s.step for s in starts] == [2, 2]
+    starts = [StartStep() for _ in range(3)]
+    crossings = [(sw.ZeRO1(engine="torch"), sw.FSDP()), (sp(engine="torch"), sw.TP()), (sw.TP(), sp(engine="torch"))]
+    for (before, after), start in zip(crossings, starts):
+        ckpt = os.path.join(folder, f"{before.name}-{before.engine}")
+        fit("gpt", before, steps=2, ckpt=ckpt)
+        out[f"gpt {before.name} {before.engine} -> {after.name} {after.engine}"] = fit("gpt", after, ckpt=ckpt,
+                                                                                       callbacks=[start])
+    assert [s.step for s in starts] == [2, 2, 2]  # each resumed from the other engine's step-2 checkpoint
     if rank == 0:
         torch.save({k: (r.losses, r.state_dict) for k, r in out.items()}, os.path.join(folder, "runs.pt"))
 
 
-def test_tp_rows_under_torch_equal_one_device_and_ours(tmp_path, same_run):
-    launch.spawn(_tp_rows, 2, args=(str(tmp_path),))
+def test_zero_hsdp_and_tp_rows_under_torch_equal_one_device_and_ours(tmp_path, same_run):
+    launch.spawn(_new_rows, 2, args=(str(tmp_path),))
     runs = {k: sw.FitResult(losses, state) for k, (losses, state) in torch.load(tmp_path / "runs.pt").items()}
     refs = {model: fit(model, "single", 1) for model in MODELS}
     for case, run in runs.items():
-        same_run(refs.get(case.split()[0], refs["gpt"]), run)
-    same_run(runs["gpt sp shardwise"], runs["gpt sp torch"])
+        same_run(refs[case.split()[0]], run)
+    same_run(runs["gpt sp shardwise"], runs["gpt sp torch"])  # the same run under both engines
 
 
 @pytest.mark.parametrize("strategy, kw, message", [
