@@ -279,8 +279,10 @@ def _row(strategy: Strategy) -> str | None:
     """The name of the nearest class of ``strategy`` that the tables here know (None: none, a user's own)."""
     known = {*TORCH, *NOT_YET, *NO_TORCH_ENGINE}
     row = next((c.__name__ for c in type(strategy).__mro__ if c.__name__ in known), None)
-    # sw.Parallel split by tp alone runs as tp (dp=-1 can still leave dp > 1: TorchTP.check_model knows the devices)
-    tp_alone = getattr(strategy, TP, 1) > 1 and getattr(strategy, PP, 1) == 1 and getattr(strategy, DP, 1) in (1, -1)
+    # sw.Parallel split by tp alone (or sequence parallel on a tp mesh of one) runs as tp; dp=-1 can still leave
+    # dp > 1, which TorchTP.check_model refuses, knowing the devices.
+    tp_alone = (getattr(strategy, TP, 1) > 1 or getattr(strategy, "sequence_parallel", False)) and \
+        getattr(strategy, PP, 1) == 1 and getattr(strategy, DP, 1) in (1, -1)
     return "TP" if row == "Parallel" and tp_alone else row
 
 
