@@ -16,7 +16,7 @@ import shardwise as sw
 from shardwise import launch
 from shardwise.models import GPT, GPTConfig, lm_loss
 from shardwise.workloads import CharText, stdlib_text
-from tiny_hf import llama, logits_loss
+from tiny_hf import gpt2, llama, logits_loss
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]
 
@@ -143,6 +143,24 @@ def test_zero_hsdp_and_tp_rows_under_torch_equal_one_device_and_ours(tmp_path, s
 def test_what_engine_torch_does_not_run_is_refused_before_start(strategy, kw, message, no_spawn):
     with pytest.raises(ValueError) as e:
         sw.Trainer(strategy, 4, accelerator="cpu", progress=False, **kw)
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("model, strategy, devices, message", [
+    ("gpt2", "tp", 2, "engine='torch' cannot run strategy 'tp' on GPT2LMHeadModel: the 'gpt2' plan adjusts module "
+     "attributes to the local widths (fixup, local_attrs), which torch's styles do not; engine='shardwise' runs it"),
+    ("llama", sw.Parallel(tp=2, sequence_parallel=True), 2,
+     "engine='torch' cannot run strategy 'parallel' on LlamaForCausalLM: the 'llama' plan's sequence-parallel region "
+     "starts at a block's input or ends without a head; engine='torch' runs it only from the embeddings to the head "
+     "(shardwise's GPT); engine='shardwise' runs it"),
+    ("gpt", sw.Parallel(tp=2), 4, "engine='torch' does not cover strategy 'parallel' with dp > 1 yet (torch's engine "
+     "for it: pp, then tp, then FSDP2 over dp); engine='shardwise' runs it"),
+])
+def test_what_torch_tp_cannot_run_is_refused_before_start(model, strategy, devices, message, no_spawn):
+    make = {"gpt2": gpt2, "llama": llama, "gpt": gpt}[model]
+    with pytest.raises(ValueError) as e:
+        sw.Trainer(strategy, devices, accelerator="cpu", progress=False, engine="torch").fit(
+            make(), CharText(stdlib_text(2_000), 16), logits_loss, ADAMW, batch_size=8, max_steps=1)
     assert str(e.value) == message
 
 
