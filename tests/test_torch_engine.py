@@ -120,6 +120,33 @@ def test_zero_hsdp_and_tp_rows_under_torch_equal_one_device_and_ours(tmp_path, s
     same_run(runs["gpt sp shardwise"], runs["gpt sp torch"])  # the same run under both engines
 
 
+def _tp_then_fsdp(rank: int, device: torch.device, folder: str) -> None:
+    """Parallel(dp=2, tp=2, zero=3) under torch (tp, then FSDP2 over dp) on both models, in one 4-rank launch;
+    its checkpoints cross from and to FSDP under the other engine."""
+    out: dict[str, sw.FitResult] = {}
+    for model in MODELS:
+        out[f"{model} dp2-tp2-zero3 torch"] = fit(model, sw.Parallel(dp=2, tp=2, zero=3), devices=4, engine="torch")
+    starts = [StartStep(), StartStep()]
+    crossings = [(sw.FSDP(), sw.Parallel(dp=2, tp=2, zero=3, engine="torch")),
+                 (sw.Parallel(dp=2, tp=2, zero=3, engine="torch"), sw.FSDP())]
+    for (before, after), start in zip(crossings, starts):
+        ckpt = os.path.join(folder, f"{before.name}-{before.engine}")
+        fit("gpt", before, devices=4, steps=2, ckpt=ckpt)
+        out[f"gpt {before.name} {before.engine} -> {after.name} {after.engine}"] = fit(
+            "gpt", after, devices=4, ckpt=ckpt, callbacks=[start])
+    assert [s.step for s in starts] == [2, 2]
+    if rank == 0:
+        torch.save({k: (r.losses, r.state_dict) for k, r in out.items()}, os.path.join(folder, "runs.pt"))
+
+
+def test_tp_then_fsdp_under_torch_equals_one_device_and_crosses_engines(tmp_path, same_run):
+    launch.spawn(_tp_then_fsdp, 4, args=(str(tmp_path),))
+    runs = {k: sw.FitResult(losses, state) for k, (losses, state) in torch.load(tmp_path / "runs.pt").items()}
+    refs = {model: fit(model, "single", 1) for model in MODELS}
+    for case, run in runs.items():
+        same_run(refs[case.split()[0]], run)
+
+
 @pytest.mark.parametrize("strategy, kw, message", [
     (sw.DDP(engine="torch"), {"engine": "shardwise"},
      "Trainer(engine='shardwise') conflicts with the strategy's own engine='torch' (DDP(engine='torch')); give one "

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.comm.topology import Topology
-from shardwise.dims import DP, DP_REPLICATE, DP_SHARD
+from shardwise.dims import DP, DP_REPLICATE, DP_SHARD, TP
 
 
 def torch_ddp(model: nn.Module, topo: Topology, bucket_cap_mb: float | None = None,
@@ -47,6 +47,12 @@ def dp_mesh(topo: Topology) -> DeviceMesh:
         return init_device_mesh(topo.device.type, (1,), mesh_dim_names=(DP,))
     # From the dp group itself: slicing the run's mesh at its flattened dp dim warns that torch will drop it.
     return DeviceMesh.from_group(topo.group(DP), topo.device.type, mesh_dim_names=(DP,))
+
+
+def dp_shard_mesh(topo: Topology) -> DeviceMesh:
+    """The run's ``dp_shard`` mesh dimension, sliced from its mesh: FSDP2 over parameters that are already
+    DTensors on the run's ``tp`` dimension needs both on one root mesh."""
+    return topo.mesh[DP_SHARD]  # type: ignore[index]  # dp > 1: the run has a mesh
 
 
 def hsdp_mesh(topo: Topology) -> DeviceMesh:
@@ -83,19 +89,31 @@ def fully_shard_units(units: Iterable[nn.Module], mesh: DeviceMesh, reshard_afte
 
 
 def dim0_run(t: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """``(start, data)`` of what this rank holds of ``t``: for a DTensor sharded on dim 0 over one mesh dimension
-    (replicated over any other), the flat offset of its rows and a 1-D view of them (live storage); any other
-    tensor is whole: ``(0, t)``."""
+    """``(start, data)`` of what this rank holds of ``t``: for a DTensor sharded on dim 0 over one data-parallel
+    mesh dimension (replicated over any other, or sliced over a ``tp`` one first), the flat offset of its rows
+    in its tp slice and a 1-D view of them (live storage; the local tensor itself where that dimension has one
+    rank); any other tensor is whole: ``(0, t)``.
+
+    FSDP2 over tp shards each rank's tp slice (``_StridedShard``: the dp pieces are ``torch.chunk`` pieces of
+    the tp-local tensor), so the rows counted here are the slice's."""
     if not isinstance(t, DTensor):
         return 0, t
-    sharded = [i for i, p in enumerate(t.placements) if not isinstance(p, Replicate)]
-    if len(sharded) != 1 or t.placements[sharded[0]] != Shard(0):
-        raise ValueError(f"expected a DTensor sharded on dim 0 over one mesh dimension, got placements "
-                         f"{t.placements}")
-    rows, world = t.shape[0], t.device_mesh.size(sharded[0])
+    names, shape, sharded = t.device_mesh.mesh_dim_names or (), list(t.shape), []
+    for i, p in enumerate(t.placements):
+        if i < len(names) and names[i] == TP:
+            if isinstance(p, Shard):
+                shape[p.dim] //= t.device_mesh.size(i)  # the plans' checks make every tp split even
+        elif not isinstance(p, Replicate):
+            sharded.append(i)
+    dp = t.placements[sharded[0]] if len(sharded) == 1 else None
+    # Shard(0), or FSDP2-over-tp's _StridedShard(0) (not a Shard subclass): both hold rows of dim 0.
+    if dp is None or dp.is_partial() or getattr(dp, "dim", None) != 0:
+        raise ValueError(f"expected a DTensor sharded on dim 0 over one data-parallel mesh dimension, got placements "
+                         f"{t.placements} on mesh dimensions {names}")
+    rows, world = shape[0], t.device_mesh.size(sharded[0])
     first = min(t.device_mesh.get_local_rank(sharded[0]) * math.ceil(rows / world), rows)
     local = t.to_local()
-    return first * math.prod(t.shape[1:]), local.view(-1)
+    return first * math.prod(shape[1:]), local if world == 1 else local.view(-1)  # one piece: the whole slice
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -103,4 +121,5 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-__all__ = ["dim0_run", "dp_mesh", "full", "fully_shard_units", "hsdp_mesh", "torch_ddp", "zero_redundancy"]
+__all__ = ["dim0_run", "dp_mesh", "dp_shard_mesh", "full", "fully_shard_units", "hsdp_mesh", "torch_ddp",
+           "zero_redundancy"]

@@ -137,9 +137,10 @@ def on_tp_mesh(t: torch.Tensor) -> bool:
 
 
 def tp_slice(t: torch.Tensor) -> tuple[int, int] | None:
-    """``(dim, 1)``, the :func:`~shardwise.parallel.tp.tp_spec` form, of a DTensor sliced on ``dim`` over the tp
-    mesh; None for a DTensor replicated over it."""
-    (p,) = t.placements  # type: ignore[attr-defined]
+    """``(dim, 1)``, the :func:`~shardwise.parallel.tp.tp_spec` form, of a DTensor sliced on ``dim`` over a tp
+    mesh dimension (FSDP2's 2-D DTensors included); None for any other tensor."""
+    names = (t.device_mesh.mesh_dim_names or ()) if isinstance(t, DTensor) else ()
+    p = t.placements[names.index(TP)] if TP in names else None  # type: ignore[attr-defined]
     return (p.dim, 1) if isinstance(p, Shard) else None
 
 __all__ = ["apply_torch_tp", "clip_grad_norm_", "torch_plan", "torch_plan_refusal", "on_tp_mesh", "tp_mesh", "tp_slice"]

@@ -13,6 +13,8 @@ itself under ``engine="shardwise"``); under ``"torch"``:
 ``hsdp``              FSDP2 on the 2-D (replicate, shard) mesh (:class:`TorchHSDP`)
 ``tp``                DTensor ``parallelize_module`` with torch's styles for our plan, also
                       ``sw.Parallel`` split by tp alone, ``sequence_parallel`` included (:class:`TorchTP`)
+``Parallel(zero=3)``  tp, then FSDP2 over dp on the same root mesh (torchtitan's order; no pp, no
+                      replicas)
 ====================  =====================================================================
 
 Everything else is refused before any process starts, naming what runs it. The
@@ -26,6 +28,7 @@ dropped by :func:`~shardwise.step.unwrap`; FSDP2's DTensor shards become flat ru
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +48,7 @@ from shardwise.param_groups import GroupedFactory
 from shardwise.parallel.torch_engines import (
     dim0_run,
     dp_mesh,
+    dp_shard_mesh,
     full,
     fully_shard_units,
     hsdp_mesh,
@@ -121,8 +125,8 @@ class TorchEngine(Strategy):
 def _held(key: str, t: torch.Tensor) -> Held:
     if on_tp_mesh(t):  # our tp layout's slice (torch.chunk's equals ours: every split is even), or a replica
         return Held(key, local(t), 0, tp_slice(t))
-    start, data = dim0_run(t)
-    return Held(key, t.to_local() if data is not t and data.numel() == t.numel() else data, start)  # type: ignore
+    start, data = dim0_run(t)  # an FSDP2 shard: a run of this rank's tp slice (the whole tensor without tp)
+    return Held(key, data, start, tp_slice(t))
 
 
 @dataclass
@@ -222,8 +226,9 @@ class TorchHSDP(TorchFSDP):
 
 @dataclass
 class TorchTP(TorchDTensors):
-    """``strategy="tp"`` (and ``sw.Parallel`` split by tp alone, ``sequence_parallel`` included) under DTensor's
-    ``parallelize_module``, with torch's styles for our plan (:mod:`shardwise.parallel.torch_tp`)."""
+    """``strategy="tp"`` (and ``sw.Parallel`` split by tp, ``sequence_parallel`` included) under DTensor's
+    ``parallelize_module``, with torch's styles for our plan (:mod:`shardwise.parallel.torch_tp`); with
+    ``Parallel(dp=N, zero=3)``, then FSDP2 ``fully_shard`` on our units over dp (torchtitan's order)."""
 
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -233,7 +238,14 @@ class TorchTP(TorchDTensors):
         if plan.check is not None:
             plan.check(model, topo.size(TP))
         apply_torch_tp(model, plan, tp_mesh(topo), self.sequence_parallel())
+        if topo.size(DP) > 1:  # torchtitan's order: tp first, then FSDP2 over dp on the same root mesh
+            units = unit_modules(model, getattr(self.of, "wrap", "auto"))
+            fully_shard_units(units, dp_shard_mesh(topo), getattr(self.of, "reshard_after_forward", True))
         return model, optimizer_fn(model.parameters())
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        # FSDP2 over dp: its own switch; tp alone reduces no gradients over ranks.
+        return _no_gradient_sync(model) if hasattr(model, "set_requires_gradient_sync") else contextlib.nullcontext()
 
     def plan(self, model: nn.Module) -> Plan:
         return resolve_plan(self.of.tensor_parallel_plan(), model)  # type: ignore[attr-defined]
@@ -244,9 +256,10 @@ class TorchTP(TorchDTensors):
     def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int,
                     backend: str = "gloo") -> None:
         super().check_model(model, devices, batch_size, accumulate_grad_batches, backend)
-        if self.layout(devices).dp > 1:  # Parallel's dp=-1 left ranks over
-            raise ValueError(f"engine='torch' does not cover strategy {self.name!r} with dp > 1 yet (torch's engine "
-                             f"for it: {NOT_YET['Parallel']}); engine='shardwise' runs it")
+        if self.layout(devices).dp > 1 and getattr(self.of, "zero", 0) != 3:  # Parallel's dp=-1 left ranks over
+            raise ValueError(f"engine='torch' covers strategy {self.name!r} with dp > 1 only as zero=3 (FSDP2 over "
+                             f"dp after tp) yet (torch's engine for the rest: {NOT_YET['Parallel']}); "
+                             "engine='shardwise' runs it")
         why = torch_plan_refusal(self.plan(model), self.sequence_parallel())
         if why is not None:
             raise ValueError(f"engine='torch' cannot run strategy {self.name!r} on {type(model).__name__}: {why}; "
@@ -279,11 +292,16 @@ def _row(strategy: Strategy) -> str | None:
     """The name of the nearest class of ``strategy`` that the tables here know (None: none, a user's own)."""
     known = {*TORCH, *NOT_YET, *NO_TORCH_ENGINE}
     row = next((c.__name__ for c in type(strategy).__mro__ if c.__name__ in known), None)
-    # sw.Parallel split by tp alone (or sequence parallel on a tp mesh of one) runs as tp; dp=-1 can still leave
-    # dp > 1, which TorchTP.check_model refuses, knowing the devices.
-    tp_alone = (getattr(strategy, TP, 1) > 1 or getattr(strategy, "sequence_parallel", False)) and \
-        getattr(strategy, PP, 1) == 1 and getattr(strategy, DP, 1) in (1, -1)
-    return "TP" if row == "Parallel" and tp_alone else row
+    return "TP" if row == "Parallel" and _tp_then_fsdp(strategy) else row
+
+
+def _tp_then_fsdp(strategy: Strategy) -> bool:
+    """Whether a ``sw.Parallel`` is what :class:`TorchTP` runs: tp (or sequence parallelism on a tp mesh of one),
+    then nothing over dp, or FSDP2 (``zero=3``, no replicas); dp=-1 can still leave dp > 1 without zero=3, which
+    TorchTP.check_model refuses, knowing the devices."""
+    field = functools.partial(getattr, strategy)
+    split = field(TP) > 1 or field("sequence_parallel")
+    return split and field(PP) == 1 and (field(DP) in (1, -1) or (field("zero") == 3 and field("replicate") == 1))
 
 
 def engine_for(strategy: Strategy, engine: str | None, *, activation_checkpointing: Any = False,
