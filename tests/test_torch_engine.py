@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import pathlib
 
 import pytest
 import torch
@@ -87,64 +88,69 @@ def test_torch_engines_equal_one_device_and_ours_and_checkpoints_cross_engines(t
     same_run(runs["gpt fsdp shardwise"], runs["gpt fsdp torch"])  # the same run under both engines
 
 
+# The rows below run 2 steps (a crossing saves after 1): the suite's budget, with the mechanism's whole cycle
+# (accumulation, clipping, the optimizer's step, a save and a load) in each.
+SHORT = 2
+TP_THEN_FSDP = functools.partial(sw.Parallel, dp=2, tp=2, zero=3)
+
+
+def _crossing(folder: str, before: sw.Strategy, after: sw.Strategy, devices: int) -> tuple[str, sw.FitResult]:
+    """Save after 1 step under ``before``, resume to SHORT under ``after``: (case name, the resumed run)."""
+    ckpt, start = os.path.join(folder, f"{before.name}-{before.engine}"), StartStep()
+    fit("gpt", before, devices, steps=1, ckpt=ckpt)
+    run = fit("gpt", after, devices, steps=SHORT, ckpt=ckpt, callbacks=[start])
+    assert start.step == 1  # resumed from the other engine's checkpoint
+    return f"gpt {before.name} {before.engine} -> {after.name} {after.engine}", run
+
+
 def _new_rows(rank: int, device: torch.device, folder: str) -> None:
-    """zero1, zero2, hsdp and tp under torch's engines on both models, and tp with sequence parallelism on our GPT
-    (sw.Parallel split by tp alone), in one 2-rank launch; hsdp runs as 2 replicas of 1 shard (the 2-D mesh).
-    Checkpoints cross engines: ZeroRedundancyOptimizer's states (saved by the rank that owns each) into our FSDP,
-    and DTensor tp slices both ways."""
+    """zero1, zero2, hsdp and tp under torch's engines, and tp with sequence parallelism on our GPT (sw.Parallel
+    split by tp alone), in one 2-rank launch; hsdp runs as 2 replicas of 1 shard (the 2-D mesh). zero2 runs on
+    our GPT only: it is the fsdp row's FSDP2 with reshard_after_forward=False, which Llama runs above.
+    Checkpoints cross engines: ZeroRedundancyOptimizer's states (saved by the rank that owns each) into our
+    FSDP, and our tp slices into torch's DTensors."""
     out: dict[str, sw.FitResult] = {}
     sp = functools.partial(sw.Parallel, tp=2, sequence_parallel=True)
-    for model in MODELS:
-        for strategy in (sw.ZeRO1(), sw.ZeRO2(), sw.HSDP(shard_size=1), sw.TP()):
-            out[f"{model} {strategy.name} torch"] = fit(model, strategy, engine="torch")
-    out["gpt sp torch"] = fit("gpt", sp(engine="torch"))
-    out["gpt sp shardwise"] = fit("gpt", sp())
-    starts = [StartStep() for _ in range(3)]
-    crossings = [(sw.ZeRO1(engine="torch"), sw.FSDP()), (sp(engine="torch"), sw.TP()), (sw.TP(), sp(engine="torch"))]
-    for (before, after), start in zip(crossings, starts):
-        ckpt = os.path.join(folder, f"{before.name}-{before.engine}")
-        fit("gpt", before, steps=2, ckpt=ckpt)
-        out[f"gpt {before.name} {before.engine} -> {after.name} {after.engine}"] = fit("gpt", after, ckpt=ckpt,
-                                                                                       callbacks=[start])
-    assert [s.step for s in starts] == [2, 2, 2]  # each resumed from the other engine's step-2 checkpoint
+    for model, strategies in {"gpt": (sw.ZeRO1(), sw.ZeRO2(), sw.HSDP(shard_size=1), sw.TP()),
+                              "llama": (sw.ZeRO1(), sw.HSDP(shard_size=1), sw.TP())}.items():
+        for strategy in strategies:
+            out[f"{model} {strategy.name} torch"] = fit(model, strategy, steps=SHORT, engine="torch")
+    out["gpt sp torch"] = fit("gpt", sp(engine="torch"), steps=SHORT)
+    out["gpt sp shardwise"] = fit("gpt", sp(), steps=SHORT)
+    for before, after in [(sw.ZeRO1(engine="torch"), sw.FSDP()), (sw.TP(), sp(engine="torch"))]:
+        case, out[case] = _crossing(folder, before, after, 2)
     if rank == 0:
         torch.save({k: (r.losses, r.state_dict) for k, r in out.items()}, os.path.join(folder, "runs.pt"))
+
+
+def _tp_then_fsdp(rank: int, device: torch.device, folder: str) -> None:
+    """Parallel(dp=2, tp=2, zero=3) under torch (tp, then FSDP2 over dp) in one 4-rank launch: on Llama, and on
+    our GPT through its checkpoints, which cross from and to our FSDP (each half of a crossing trains under it)."""
+    out = {"llama dp2-tp2-zero3 torch": fit("llama", TP_THEN_FSDP(), 4, steps=SHORT, engine="torch")}
+    for before, after in [(sw.FSDP(), TP_THEN_FSDP(engine="torch")), (TP_THEN_FSDP(engine="torch"), sw.FSDP())]:
+        case, out[case] = _crossing(folder, before, after, 4)
+    if rank == 0:
+        torch.save({k: (r.losses, r.state_dict) for k, r in out.items()}, os.path.join(folder, "runs.pt"))
+
+
+def _equal_one_device(folder: pathlib.Path, same_run) -> dict[str, sw.FitResult]:
+    """The launch's runs (saved by rank 0), each checked against the single-device run of its model."""
+    runs = {k: sw.FitResult(losses, state) for k, (losses, state) in torch.load(folder / "runs.pt").items()}
+    refs = {model: fit(model, "single", 1, steps=SHORT) for model in MODELS}
+    for case, run in runs.items():
+        same_run(refs[case.split()[0]], run)
+    return runs
 
 
 def test_zero_hsdp_and_tp_rows_under_torch_equal_one_device_and_ours(tmp_path, same_run):
     launch.spawn(_new_rows, 2, args=(str(tmp_path),))
-    runs = {k: sw.FitResult(losses, state) for k, (losses, state) in torch.load(tmp_path / "runs.pt").items()}
-    refs = {model: fit(model, "single", 1) for model in MODELS}
-    for case, run in runs.items():
-        same_run(refs[case.split()[0]], run)
+    runs = _equal_one_device(tmp_path, same_run)
     same_run(runs["gpt sp shardwise"], runs["gpt sp torch"])  # the same run under both engines
-
-
-def _tp_then_fsdp(rank: int, device: torch.device, folder: str) -> None:
-    """Parallel(dp=2, tp=2, zero=3) under torch (tp, then FSDP2 over dp) on both models, in one 4-rank launch;
-    its checkpoints cross from and to FSDP under the other engine."""
-    out: dict[str, sw.FitResult] = {}
-    for model in MODELS:
-        out[f"{model} dp2-tp2-zero3 torch"] = fit(model, sw.Parallel(dp=2, tp=2, zero=3), devices=4, engine="torch")
-    starts = [StartStep(), StartStep()]
-    crossings = [(sw.FSDP(), sw.Parallel(dp=2, tp=2, zero=3, engine="torch")),
-                 (sw.Parallel(dp=2, tp=2, zero=3, engine="torch"), sw.FSDP())]
-    for (before, after), start in zip(crossings, starts):
-        ckpt = os.path.join(folder, f"{before.name}-{before.engine}")
-        fit("gpt", before, devices=4, steps=2, ckpt=ckpt)
-        out[f"gpt {before.name} {before.engine} -> {after.name} {after.engine}"] = fit(
-            "gpt", after, devices=4, ckpt=ckpt, callbacks=[start])
-    assert [s.step for s in starts] == [2, 2]
-    if rank == 0:
-        torch.save({k: (r.losses, r.state_dict) for k, r in out.items()}, os.path.join(folder, "runs.pt"))
 
 
 def test_tp_then_fsdp_under_torch_equals_one_device_and_crosses_engines(tmp_path, same_run):
     launch.spawn(_tp_then_fsdp, 4, args=(str(tmp_path),))
-    runs = {k: sw.FitResult(losses, state) for k, (losses, state) in torch.load(tmp_path / "runs.pt").items()}
-    refs = {model: fit(model, "single", 1) for model in MODELS}
-    for case, run in runs.items():
-        same_run(refs[case.split()[0]], run)
+    _equal_one_device(tmp_path, same_run)
 
 
 @pytest.mark.parametrize("strategy, kw, message", [
@@ -180,8 +186,8 @@ def test_what_engine_torch_does_not_run_is_refused_before_start(strategy, kw, me
      "engine='torch' cannot run strategy 'parallel' on LlamaForCausalLM: the 'llama' plan's sequence-parallel region "
      "starts at a block's input or ends without a head; engine='torch' runs it only from the embeddings to the head "
      "(shardwise's GPT); engine='shardwise' runs it"),
-    ("gpt", sw.Parallel(tp=2), 4, "engine='torch' does not cover strategy 'parallel' with dp > 1 yet (torch's engine "
-     "for it: pp, then tp, then FSDP2 over dp); engine='shardwise' runs it"),
+    ("gpt", sw.Parallel(tp=2), 4, "engine='torch' runs strategy 'parallel' with dp > 1 only with zero=3 yet (tp, "
+     "then FSDP2 over dp); engine='shardwise' runs it with any zero"),
 ])
 def test_what_torch_tp_cannot_run_is_refused_before_start(model, strategy, devices, message, no_spawn):
     make = {"gpt2": gpt2, "llama": llama, "gpt": gpt}[model]

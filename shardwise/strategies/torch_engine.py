@@ -257,9 +257,8 @@ class TorchTP(TorchDTensors):
                     backend: str = "gloo") -> None:
         super().check_model(model, devices, batch_size, accumulate_grad_batches, backend)
         if self.layout(devices).dp > 1 and getattr(self.of, "zero", 0) != 3:  # Parallel's dp=-1 left ranks over
-            raise ValueError(f"engine='torch' covers strategy {self.name!r} with dp > 1 only as zero=3 (FSDP2 over "
-                             f"dp after tp) yet (torch's engine for the rest: {NOT_YET['Parallel']}); "
-                             "engine='shardwise' runs it")
+            raise ValueError(f"engine='torch' runs strategy {self.name!r} with dp > 1 only with zero=3 yet (tp, "
+                             "then FSDP2 over dp); engine='shardwise' runs it with any zero")
         why = torch_plan_refusal(self.plan(model), self.sequence_parallel())
         if why is not None:
             raise ValueError(f"engine='torch' cannot run strategy {self.name!r} on {type(model).__name__}: {why}; "
