@@ -300,7 +300,7 @@ def _tp_then_fsdp(strategy: Strategy) -> bool:
     TorchTP.check_model refuses, knowing the devices."""
     field = functools.partial(getattr, strategy)
     split = field(TP) > 1 or field("sequence_parallel")
-    return split and field(PP) == 1 and (field(DP) in (1, -1) or (field("zero") == 3 and field("replicate") == 1))
+    return split and field(PP) == 1 and field("replicate") == 1 and (field(DP) in (1, -1) or field("zero") == 3)
 
 
 def engine_for(strategy: Strategy, engine: str | None, *, activation_checkpointing: Any = False,
