@@ -8,7 +8,8 @@
   factory (ZeRO-1 under DDP);
 * :func:`fully_shard_units`: FSDP2 ``fully_shard`` on the units our FSDP picks
   (:func:`~shardwise.parallel.fsdp_units.unit_modules`: bottom-up, the root last) over a 1-D mesh
-  (:func:`dp_mesh`), or the 2-D (replicate, shard) mesh of HSDP (:func:`hsdp_mesh`).
+  (:func:`dp_mesh`), the 2-D (replicate, shard) mesh of HSDP (:func:`hsdp_mesh`), or, after tp
+  (:mod:`shardwise.parallel.torch_tp`), the run's ``dp_shard`` dimension (:func:`dp_shard_mesh`).
 
 FSDP2 keeps every parameter's name and holds it as a DTensor sharded on dim 0 in
 ``torch.chunk`` pieces (rank ``r`` of the shard dimension holds rows ``[r * ceil(n / W), ...)``,
