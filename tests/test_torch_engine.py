@@ -88,66 +88,64 @@ def test_torch_engines_equal_one_device_and_ours_and_checkpoints_cross_engines(t
     same_run(runs["gpt fsdp shardwise"], runs["gpt fsdp torch"])  # the same run under both engines
 
 
-# The rows below run 2 steps, saving a checkpoint that a run under the other engine resumes to 3: the suite's
-# budget, with the mechanism's whole cycle (accumulation, clipping, the optimizer's step, a save, a load) in each.
-SHORT = 2
+# The rows below run 1 or 2 steps and hand their checkpoint to a run under the other engine, which resumes it
+# to 2 or 3: the suite's budget, with the mechanism's whole cycle (accumulation, clipping, the optimizer's step,
+# a save, a load) in each. Each run equals the single-device run of its length, so the same run under both
+# engines is equal too.
 TP_THEN_FSDP = functools.partial(sw.Parallel, dp=2, tp=2, zero=3)
 SP = functools.partial(sw.Parallel, tp=2, sequence_parallel=True)
 
 
-def _cross(out: dict[str, sw.FitResult], folder: str, model: str, before: sw.Strategy, after: sw.Strategy,
+def _chain(out: dict[str, sw.FitResult], folder: str, model: str, strategies: list[sw.Strategy],
            devices: int) -> None:
-    """Train ``before`` for SHORT steps, then resume its checkpoint under ``after`` to STEPS; both runs go to ``out``."""
-    saved, resumed = (f"{s.name} {s.engine or 'shardwise'}" for s in (before, after))
-    ckpt, start = os.path.join(folder, f"{model} {saved}"), StartStep()
-    out[f"{model} {saved}"] = fit(model, before, devices, steps=SHORT, ckpt=ckpt)
-    out[f"{model} {saved} -> {resumed}"] = fit(model, after, devices, ckpt=ckpt, callbacks=[start])
-    assert start.step == SHORT  # resumed from the other engine's checkpoint
+    """Run ``strategies`` one after another on one checkpoint directory, the i-th to step i + 1 (resuming the
+    one before, which ran under the other engine); every run goes to ``out``."""
+    ckpt, names = os.path.join(folder, f"{model} chain"), []
+    for steps, strategy in enumerate(strategies, 1):
+        start = StartStep()
+        names.append(f"{strategy.name} {strategy.engine or 'shardwise'}")
+        out[f"{model} {' -> '.join(names)}"] = fit(model, strategy, devices, steps=steps, ckpt=ckpt,
+                                                   callbacks=[start])
+        assert start.step == steps - 1  # resumed from the other engine's checkpoint
 
 
 def _new_rows(rank: int, device: torch.device, folder: str) -> None:
     """zero1, zero2, hsdp and tp under torch's engines, and tp with sequence parallelism (sw.Parallel split by
-    tp alone) against ours, in one 2-rank launch; hsdp runs as 2 replicas of 1 shard (the 2-D mesh). Llama runs
-    the rows whose mechanism depends on the model (how its modules shard and split): zero1 and zero2 are
-    ZeroRedundancyOptimizer and the fsdp row's FSDP2, which Llama runs above. Checkpoints cross engines:
-    ZeroRedundancyOptimizer's states (saved by the rank that owns each) into our FSDP, and our sequence-parallel
-    tp slices into torch's DTensors."""
+    tp alone), in one 2-rank launch; hsdp runs as 2 replicas of 1 shard (the 2-D mesh). Llama runs tp, the row
+    whose mapping depends on the model (its grouped-query k/v projections); zero1, zero2 and hsdp are
+    ZeroRedundancyOptimizer and FSDP2 over whole modules, which Llama runs as fsdp above. Checkpoints cross
+    engines: ZeroRedundancyOptimizer's states (saved by the rank that owns each) into our FSDP, and our
+    sequence-parallel tp slices into torch's DTensors and back."""
     out: dict[str, sw.FitResult] = {}
-    for model, strategies in {"gpt": (sw.ZeRO2(), sw.HSDP(shard_size=1), sw.TP()),
-                              "llama": (sw.HSDP(shard_size=1), sw.TP())}.items():
-        for strategy in strategies:
-            out[f"{model} {strategy.name} torch"] = fit(model, strategy, steps=SHORT, engine="torch")
-    out["gpt sp torch"] = fit("gpt", SP(engine="torch"), steps=SHORT)
-    _cross(out, folder, "gpt", sw.ZeRO1(engine="torch"), sw.FSDP(), 2)
-    _cross(out, folder, "gpt", SP(), SP(engine="torch"), 2)
+    for model, strategy in [("gpt", sw.ZeRO2()), ("gpt", sw.HSDP(shard_size=1)), ("llama", sw.TP())]:
+        out[f"{model} {strategy.name} torch"] = fit(model, strategy, steps=2, engine="torch")
+    _chain(out, os.path.join(folder, "zero1"), "gpt", [sw.ZeRO1(engine="torch"), sw.FSDP()], 2)
+    _chain(out, os.path.join(folder, "sp"), "gpt", [SP(), SP(engine="torch"), SP()], 2)
     if rank == 0:
         torch.save({k: (r.losses, r.state_dict) for k, r in out.items()}, os.path.join(folder, "runs.pt"))
 
 
 def _tp_then_fsdp(rank: int, device: torch.device, folder: str) -> None:
     """Parallel(dp=2, tp=2, zero=3) under torch (tp, then FSDP2 over dp) on both models in one 4-rank launch;
-    its checkpoints cross to and from our FSDP."""
-    out = {"llama parallel torch": fit("llama", TP_THEN_FSDP(), 4, steps=SHORT, engine="torch")}
-    _cross(out, folder, "gpt", TP_THEN_FSDP(engine="torch"), sw.FSDP(), 4)
-    _cross(out, folder, "gpt", sw.FSDP(), TP_THEN_FSDP(engine="torch"), 4)
+    on our GPT between two runs of our FSDP, whose checkpoint it resumes and leaves."""
+    out = {"llama parallel torch": fit("llama", TP_THEN_FSDP(), 4, steps=2, engine="torch")}
+    _chain(out, folder, "gpt", [sw.FSDP(), TP_THEN_FSDP(engine="torch"), sw.FSDP()], 4)
     if rank == 0:
         torch.save({k: (r.losses, r.state_dict) for k, r in out.items()}, os.path.join(folder, "runs.pt"))
 
 
-def _equal_one_device(folder: pathlib.Path, same_run) -> dict[str, sw.FitResult]:
+def _equal_one_device(folder: pathlib.Path, same_run) -> None:
     """The launch's runs (saved by rank 0), each checked against the single-device run of its model and length."""
     runs = {k: sw.FitResult(losses, state) for k, (losses, state) in torch.load(folder / "runs.pt").items()}
-    refs = {(model, steps): fit(model, "single", 1, steps=steps) for model in MODELS for steps in (SHORT, STEPS)
-            if any(k.split()[0] == model and len(r.losses) == steps for k, r in runs.items())}
+    refs = {(k.split()[0], len(r.losses)): None for k, r in runs.items()}
+    refs = {(model, steps): fit(model, "single", 1, steps=steps) for model, steps in refs}
     for case, run in runs.items():
         same_run(refs[case.split()[0], len(run.losses)], run)
-    return runs
 
 
-def test_zero_hsdp_and_tp_rows_under_torch_equal_one_device_and_ours(tmp_path, same_run):
+def test_zero_hsdp_and_tp_rows_under_torch_equal_one_device(tmp_path, same_run):
     launch.spawn(_new_rows, 2, args=(str(tmp_path),))
-    runs = _equal_one_device(tmp_path, same_run)
-    same_run(runs["gpt parallel shardwise"], runs["gpt sp torch"])  # the same run under both engines
+    _equal_one_device(tmp_path, same_run)
 
 
 def test_tp_then_fsdp_under_torch_equals_one_device_and_crosses_engines(tmp_path, same_run):
