@@ -110,6 +110,8 @@ LOCAL_IMPORTS: dict[str, str] = {
                                             "skips it), through the lazy plan package whose plan_run tests replace",
     "shardwise.torch_private: torch.distributed.elastic.rendezvous.dynamic_rendezvous":
         "torchelastic's rendezvous, only for `shardwise run` (its absence is tolerated)",
+    "shardwise.parallel.torch_engines: torch.distributed.optim": "torch.distributed.optim jit-scripts its "
+        "functional optimizers on import (about 1 s, with deprecation warnings): only when engine='torch' runs zero1",
     "shardwise.stats: resource": "resource exists on Unix only; read only where /proc is missing (macOS)",
 }
 

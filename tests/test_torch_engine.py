@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import pathlib
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import shardwise as sw
 from shardwise import launch
 from shardwise.models import GPT, GPTConfig, lm_loss
 from shardwise.workloads import CharText, stdlib_text
-from tiny_hf import llama, logits_loss
+from tiny_hf import gpt2, llama, logits_loss
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]
 
@@ -87,6 +88,71 @@ def test_torch_engines_equal_one_device_and_ours_and_checkpoints_cross_engines(t
     same_run(runs["gpt fsdp shardwise"], runs["gpt fsdp torch"])  # the same run under both engines
 
 
+# The rows below run 1 or 2 steps and hand their checkpoint to a run under the other engine, which resumes it
+# to 2 or 3: the suite's budget, with the mechanism's whole cycle (accumulation, clipping, the optimizer's step,
+# a save, a load) in each. Each run equals the single-device run of its length, so the same run under both
+# engines is equal too.
+TP_THEN_FSDP = functools.partial(sw.Parallel, dp=2, tp=2, zero=3)
+SP = functools.partial(sw.Parallel, tp=2, sequence_parallel=True)
+
+
+def _chain(out: dict[str, sw.FitResult], folder: str, model: str, strategies: list[sw.Strategy],
+           devices: int) -> None:
+    """Run ``strategies`` one after another on one checkpoint directory, the i-th to step i + 1 (resuming the
+    one before, which ran under the other engine); every run goes to ``out``."""
+    ckpt, names = os.path.join(folder, f"{model} chain"), []
+    for steps, strategy in enumerate(strategies, 1):
+        start = StartStep()
+        names.append(f"{strategy.name} {strategy.engine or 'shardwise'}")
+        out[f"{model} {' -> '.join(names)}"] = fit(model, strategy, devices, steps=steps, ckpt=ckpt,
+                                                   callbacks=[start])
+        assert start.step == steps - 1  # resumed from the other engine's checkpoint
+
+
+def _new_rows(rank: int, device: torch.device, folder: str) -> None:
+    """zero1, zero2, hsdp and tp under torch's engines, and tp with sequence parallelism (sw.Parallel split by
+    tp alone), in one 2-rank launch; hsdp runs as 2 replicas of 1 shard (the 2-D mesh). Llama runs tp, the row
+    whose mapping depends on the model (its grouped-query k/v projections); zero1, zero2 and hsdp are
+    ZeroRedundancyOptimizer and FSDP2 over whole modules, which Llama runs as fsdp above. Checkpoints cross
+    engines: ZeroRedundancyOptimizer's states (saved by the rank that owns each) into our FSDP, and our
+    sequence-parallel tp slices into torch's DTensors and back."""
+    out: dict[str, sw.FitResult] = {}
+    for model, strategy in [("gpt", sw.ZeRO2()), ("gpt", sw.HSDP(shard_size=1)), ("llama", sw.TP())]:
+        out[f"{model} {strategy.name} torch"] = fit(model, strategy, steps=2, engine="torch")
+    _chain(out, os.path.join(folder, "zero1"), "gpt", [sw.ZeRO1(engine="torch"), sw.FSDP()], 2)
+    _chain(out, os.path.join(folder, "sp"), "gpt", [SP(), SP(engine="torch"), SP()], 2)
+    if rank == 0:
+        torch.save({k: (r.losses, r.state_dict) for k, r in out.items()}, os.path.join(folder, "runs.pt"))
+
+
+def _tp_then_fsdp(rank: int, device: torch.device, folder: str) -> None:
+    """Parallel(dp=2, tp=2, zero=3) under torch (tp, then FSDP2 over dp) on both models in one 4-rank launch;
+    on our GPT between two runs of our FSDP, whose checkpoint it resumes and leaves."""
+    out = {"llama parallel torch": fit("llama", TP_THEN_FSDP(), 4, steps=2, engine="torch")}
+    _chain(out, folder, "gpt", [sw.FSDP(), TP_THEN_FSDP(engine="torch"), sw.FSDP()], 4)
+    if rank == 0:
+        torch.save({k: (r.losses, r.state_dict) for k, r in out.items()}, os.path.join(folder, "runs.pt"))
+
+
+def _equal_one_device(folder: pathlib.Path, same_run) -> None:
+    """The launch's runs (saved by rank 0), each checked against the single-device run of its model and length."""
+    runs = {k: sw.FitResult(losses, state) for k, (losses, state) in torch.load(folder / "runs.pt").items()}
+    refs = {(k.split()[0], len(r.losses)): None for k, r in runs.items()}
+    refs = {(model, steps): fit(model, "single", 1, steps=steps) for model, steps in refs}
+    for case, run in runs.items():
+        same_run(refs[case.split()[0], len(run.losses)], run)
+
+
+def test_zero_hsdp_and_tp_rows_under_torch_equal_one_device(tmp_path, same_run):
+    launch.spawn(_new_rows, 2, args=(str(tmp_path),))
+    _equal_one_device(tmp_path, same_run)
+
+
+def test_tp_then_fsdp_under_torch_equals_one_device_and_crosses_engines(tmp_path, same_run):
+    launch.spawn(_tp_then_fsdp, 4, args=(str(tmp_path),))
+    _equal_one_device(tmp_path, same_run)
+
+
 @pytest.mark.parametrize("strategy, kw, message", [
     (sw.DDP(engine="torch"), {"engine": "shardwise"},
      "Trainer(engine='shardwise') conflicts with the strategy's own engine='torch' (DDP(engine='torch')); give one "
@@ -98,8 +164,8 @@ def test_torch_engines_equal_one_device_and_ours_and_checkpoints_cross_engines(t
                                                    "PyTorch has none; engine='shardwise' runs it"),
     (sw.Parallel(cp=2, engine="torch"), {}, "engine='torch' has no engine for context parallelism on CPU (torch's "
      "context_parallel runs on CUDA only) and does not cover it on CUDA yet; engine='shardwise' runs it"),
-    ("zero1", {"engine": "torch"}, "engine='torch' does not cover strategy 'zero1' yet (torch's engine for it: "
-                                   "ZeroRedundancyOptimizer under DDP); engine='shardwise' runs it"),
+    ("pp", {"engine": "torch"}, "engine='torch' does not cover strategy 'pp' yet (torch's engine for it: "
+                                "torch.distributed.pipelining); engine='shardwise' runs it"),
     (sw.Parallel(dp=2, tp=2, engine="torch"), {}, "engine='torch' does not cover strategy 'parallel' yet (torch's "
      "engine for it: pp, then tp, then FSDP2 over dp); engine='shardwise' runs it"),
     ("fsdp", {"engine": "torch", "activation_checkpointing": True},
@@ -110,6 +176,24 @@ def test_torch_engines_equal_one_device_and_ours_and_checkpoints_cross_engines(t
 def test_what_engine_torch_does_not_run_is_refused_before_start(strategy, kw, message, no_spawn):
     with pytest.raises(ValueError) as e:
         sw.Trainer(strategy, 4, accelerator="cpu", progress=False, **kw)
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("model, strategy, devices, message", [
+    ("gpt2", "tp", 2, "engine='torch' cannot run strategy 'tp' on GPT2LMHeadModel: the 'gpt2' plan adjusts module "
+     "attributes to the local widths (fixup, local_attrs), which torch's styles do not; engine='shardwise' runs it"),
+    ("llama", sw.Parallel(tp=2, sequence_parallel=True), 2,
+     "engine='torch' cannot run strategy 'parallel' on LlamaForCausalLM: the 'llama' plan's sequence-parallel region "
+     "starts at a block's input or ends without a head; engine='torch' runs it only from the embeddings to the head "
+     "(shardwise's GPT); engine='shardwise' runs it"),
+    ("gpt", sw.Parallel(tp=2), 4, "engine='torch' runs strategy 'parallel' with dp > 1 only with zero=3 yet (tp, "
+     "then FSDP2 over dp); engine='shardwise' runs it with any zero"),
+])
+def test_what_torch_tp_cannot_run_is_refused_before_start(model, strategy, devices, message, no_spawn):
+    make = {"gpt2": gpt2, "llama": llama, "gpt": gpt}[model]
+    with pytest.raises(ValueError) as e:
+        sw.Trainer(strategy, devices, accelerator="cpu", progress=False, engine="torch").fit(
+            make(), CharText(stdlib_text(2_000), 16), logits_loss, ADAMW, batch_size=8, max_steps=1)
     assert str(e.value) == message
 
 

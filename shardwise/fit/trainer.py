@@ -138,7 +138,8 @@ class Trainer:
             1, the default, logs every step as the metrics file always did (Lightning's default is 50: a run of
             many fast steps may want fewer rows). Validations are logged whenever they run.
         engine: ``"shardwise"`` (our mechanisms; the default) or ``"torch"``: PyTorch's own engines under the
-            same Trainer (``ddp``: DistributedDataParallel; ``zero3``/``fsdp``: FSDP2 ``fully_shard``), see
+            same Trainer (``ddp``: DistributedDataParallel, with ZeroRedundancyOptimizer for ``zero1``;
+            ``zero2``/``zero3``/``fsdp``/``hsdp``: FSDP2 ``fully_shard``; ``tp``: ``parallelize_module``), see
             ``shardwise.strategies.torch_engine`` and docs/how-to/engines.md. A strategy object's own
             ``engine=`` wins; both given and different is refused.
 

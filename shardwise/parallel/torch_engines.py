@@ -4,13 +4,17 @@
 ``shardwise bench`` races them against ours, so the construction is written once, here:
 
 * :func:`torch_ddp`: ``torch.nn.parallel.DistributedDataParallel`` on the data-parallel group;
+* :func:`zero_redundancy`: ``ZeroRedundancyOptimizer`` over the groups of an optimizer built by the run's
+  factory (ZeRO-1 under DDP);
 * :func:`fully_shard_units`: FSDP2 ``fully_shard`` on the units our FSDP picks
-  (:func:`~shardwise.parallel.fsdp_units.unit_modules`: bottom-up, the root last) over a 1-D mesh.
+  (:func:`~shardwise.parallel.fsdp_units.unit_modules`: bottom-up, the root last) over a 1-D mesh
+  (:func:`dp_mesh`), the 2-D (replicate, shard) mesh of HSDP (:func:`hsdp_mesh`), or, after tp
+  (:mod:`shardwise.parallel.torch_tp`), the run's ``dp_shard`` dimension (:func:`dp_shard_mesh`).
 
 FSDP2 keeps every parameter's name and holds it as a DTensor sharded on dim 0 in
-``torch.chunk`` pieces (rank ``r`` holds rows ``[r * ceil(n / W), ...)``, the last
-ranks fewer or none); :func:`dim0_run` says where a rank's piece sits in the
-flattened tensor, the form of :class:`~shardwise.checkpoint.held.Held`.
+``torch.chunk`` pieces (rank ``r`` of the shard dimension holds rows ``[r * ceil(n / W), ...)``,
+the last ranks fewer or none; HSDP's replicas hold the same pieces); :func:`dim0_run` says where a
+rank's piece sits in the flattened tensor, the form of :class:`~shardwise.checkpoint.held.Held`.
 """
 from __future__ import annotations
 
@@ -21,11 +25,11 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.comm.topology import Topology
-from shardwise.dims import DP
+from shardwise.dims import DP, DP_REPLICATE, DP_SHARD, TP
 
 
 def torch_ddp(model: nn.Module, topo: Topology, bucket_cap_mb: float | None = None,
@@ -46,6 +50,39 @@ def dp_mesh(topo: Topology) -> DeviceMesh:
     return DeviceMesh.from_group(topo.group(DP), topo.device.type, mesh_dim_names=(DP,))
 
 
+def dp_shard_mesh(topo: Topology) -> DeviceMesh:
+    """The run's ``dp_shard`` mesh dimension, sliced from its mesh: FSDP2 over parameters that are already
+    DTensors on the run's ``tp`` dimension needs both on one root mesh."""
+    return topo.mesh[DP_SHARD]  # type: ignore[index]  # dp > 1: the run has a mesh
+
+
+def hsdp_mesh(topo: Topology) -> DeviceMesh:
+    """The 2-D (replicate, shard) mesh of HSDP over ``topo``'s data-parallel ranks: the run's own mesh sliced
+    (its dims already group dp into replicas of shards), or a 1 x 1 mesh in a process group of one."""
+    if topo.mesh is None:
+        return init_device_mesh(topo.device.type, (1, 1), mesh_dim_names=(DP_REPLICATE, DP_SHARD))
+    return topo.mesh[DP_REPLICATE, DP_SHARD]
+
+
+def zero_redundancy(base: torch.optim.Optimizer, topo: Topology) -> torch.optim.Optimizer:
+    """``ZeroRedundancyOptimizer`` over ``topo``'s data-parallel group with ``base``'s class and parameter groups.
+
+    ``base`` is what the run's factory built (its groups already final): every group carries all its
+    hyperparameters, so each rank's local optimizer is ``type(base)(its groups)`` with no defaults to pass
+    (a class's ``defaults`` can hold keys its constructor refuses, as AdamW's ``decoupled_weight_decay``).
+    The local optimizer's ``state`` (this rank's partition) becomes the wrapper's, where the Trainer, the
+    checkpoint and the byte accounting read optimizer states.
+    """
+    # Loaded here: torch.distributed.optim scripts its functional optimizers on import (about 1 s, and
+    # torch.jit's deprecation warnings) for every run that never builds one.
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    groups = [{**g, "params": list(g["params"])} for g in base.param_groups]
+    zero = ZeroRedundancyOptimizer(groups, optimizer_class=type(base), process_group=topo.group(DP))
+    zero.state = zero.optim.state  # type: ignore[has-type]
+    return zero
+
+
 def fully_shard_units(units: Iterable[nn.Module], mesh: DeviceMesh, reshard_after_forward: bool = True) -> None:
     """FSDP2 on each unit in order (bottom-up, the root last: a unit owns the parameters no unit below it took)."""
     for m in units:
@@ -53,16 +90,31 @@ def fully_shard_units(units: Iterable[nn.Module], mesh: DeviceMesh, reshard_afte
 
 
 def dim0_run(t: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """``(start, data)`` of what this rank holds of ``t``: for a DTensor sharded on dim 0 over a 1-D mesh, the
-    flat offset of its rows and a 1-D view of them (live storage); any other tensor is whole: ``(0, t)``."""
+    """``(start, data)`` of what this rank holds of ``t``: for a DTensor sharded on dim 0 over one data-parallel
+    mesh dimension (replicated over any other, or sliced over a ``tp`` one first), the flat offset of its rows
+    in its tp slice and a 1-D view of them (live storage; the local tensor itself where that dimension has one
+    rank); any other tensor is whole: ``(0, t)``.
+
+    FSDP2 over tp shards each rank's tp slice (``_StridedShard``: the dp pieces are ``torch.chunk`` pieces of
+    the tp-local tensor), so the rows counted here are the slice's."""
     if not isinstance(t, DTensor):
         return 0, t
-    if tuple(t.placements) != (Shard(0),):
-        raise ValueError(f"expected a DTensor sharded on dim 0 over a 1-D mesh, got placements {t.placements}")
-    rows, world = t.shape[0], t.device_mesh.size()
-    first = min(t.device_mesh.get_local_rank() * math.ceil(rows / world), rows)
+    names, shape, sharded = t.device_mesh.mesh_dim_names or (), list(t.shape), []
+    for i, p in enumerate(t.placements):
+        if i < len(names) and names[i] == TP:
+            if isinstance(p, Shard):
+                shape[p.dim] //= t.device_mesh.size(i)  # the plans' checks make every tp split even
+        elif not isinstance(p, Replicate):
+            sharded.append(i)
+    dp = t.placements[sharded[0]] if len(sharded) == 1 else None
+    # Shard(0), or FSDP2-over-tp's _StridedShard(0) (not a Shard subclass): both hold rows of dim 0.
+    if dp is None or dp.is_partial() or getattr(dp, "dim", None) != 0:
+        raise ValueError(f"expected a DTensor sharded on dim 0 over one data-parallel mesh dimension, got placements "
+                         f"{t.placements} on mesh dimensions {names}")
+    rows, world = shape[0], t.device_mesh.size(sharded[0])
+    first = min(t.device_mesh.get_local_rank(sharded[0]) * math.ceil(rows / world), rows)
     local = t.to_local()
-    return first * math.prod(t.shape[1:]), local.view(-1)
+    return first * math.prod(shape[1:]), local if world == 1 else local.view(-1)  # one piece: the whole slice
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -70,4 +122,5 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-__all__ = ["dim0_run", "dp_mesh", "full", "fully_shard_units", "torch_ddp"]
+__all__ = ["dim0_run", "dp_mesh", "dp_shard_mesh", "full", "fully_shard_units", "hsdp_mesh", "torch_ddp",
+           "zero_redundancy"]

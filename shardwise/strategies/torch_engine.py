@@ -5,8 +5,16 @@ itself under ``engine="shardwise"``); under ``"torch"``:
 
 ====================  =====================================================================
 ``ddp``               ``torch.nn.parallel.DistributedDataParallel`` (:class:`TorchDDP`)
+``zero1``             ``torch.distributed.optim.ZeroRedundancyOptimizer`` under DDP (:class:`TorchZeRO1`)
+``zero2``             FSDP2 with ``reshard_after_forward=False`` (:class:`TorchZeRO2`): parameters
+                      are sharded between steps too, which our ZeRO-2 does not do
 ``zero3``, ``fsdp``   FSDP2 ``fully_shard`` on each of our FSDP's units, then the root, on a 1-D
                       mesh over the data-parallel ranks (:class:`TorchFSDP`)
+``hsdp``              FSDP2 on the 2-D (replicate, shard) mesh (:class:`TorchHSDP`)
+``tp``                DTensor ``parallelize_module`` with torch's styles for our plan, also
+                      ``sw.Parallel`` split by tp alone, ``sequence_parallel`` included (:class:`TorchTP`)
+``Parallel(zero=3)``  tp, then FSDP2 over dp on the same root mesh (torchtitan's order; no pp, no
+                      replicas)
 ====================  =====================================================================
 
 Everything else is refused before any process starts, naming what runs it. The
@@ -14,11 +22,13 @@ engines keep the model's own parameter names, so parameter groups, the final sta
 dict and the layout-free checkpoint (:mod:`shardwise.checkpoint`) are the same as
 under our engines: a run saved under one engine resumes under the other. The one
 key mapping is :meth:`TorchEngine.checkpoint_held` (DDP's ``module.`` prefix is
-dropped by :func:`~shardwise.step.unwrap`; FSDP2's DTensor shards become flat runs).
+dropped by :func:`~shardwise.step.unwrap`; FSDP2's DTensor shards become flat runs;
+``ZeroRedundancyOptimizer``'s states are those of its partition, each saved by the rank that owns it).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -26,14 +36,34 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise.checkpoint.held import Held, named_state
 from shardwise.comm.topology import Topology
-from shardwise.dims import CP, EP
+from shardwise.dims import CP, DP, EP, PP, TP
 from shardwise.layout import RunLayout
 from shardwise.parallel.accounting import with_optimizer_states
 from shardwise.parallel.fsdp_units import unit_modules
-from shardwise.parallel.torch_engines import dim0_run, dp_mesh, full, fully_shard_units, torch_ddp
+from shardwise.param_groups import GroupedFactory
+from shardwise.parallel.torch_engines import (
+    dim0_run,
+    dp_mesh,
+    dp_shard_mesh,
+    full,
+    fully_shard_units,
+    hsdp_mesh,
+    torch_ddp,
+    zero_redundancy,
+)
+from shardwise.parallel.torch_tp import (
+    apply_torch_tp,
+    clip_grad_norm_,
+    on_tp_mesh,
+    torch_plan_refusal,
+    tp_mesh,
+    tp_slice,
+)
+from shardwise.parallel.tp_plans import Plan, resolve_plan
 from shardwise.step import OptimizerFactory, unwrap
 from shardwise.strategies.base import Strategy
 from shardwise.strategies.data_parallel import on_meta
@@ -43,9 +73,8 @@ ENGINES = ("shardwise", "torch")
 # The tables below are keyed by strategy class (the nearest in a class's MRO decides, so a user's subclass of
 # DDP runs as DDP): the strategy names "dp", "tp" and "pp" are also dimension names, written only in dims.py.
 # Strategies PyTorch has an engine for that engine="torch" does not run yet: torch's engine for each.
-NOT_YET = {"ZeRO1": "ZeroRedundancyOptimizer under DDP", "ZeRO2": "FSDP2 with reshard_after_forward=False",
-           "HSDP": "FSDP2 on a 2-D mesh", "TP": "DTensor parallelize_module", "PP": "torch.distributed.pipelining",
-           "Parallel": "pp, then tp, then FSDP2 over dp", "DP": "torch.nn.DataParallel"}
+NOT_YET = {"PP": "torch.distributed.pipelining", "Parallel": "pp, then tp, then FSDP2 over dp",
+           "DP": "torch.nn.DataParallel"}
 # What PyTorch has no engine for at all.
 NO_TORCH_ENGINE = {"ParameterServer": "a parameter server",
                    "NaiveMP": "naive model parallelism (layers placed on devices)"}
@@ -67,6 +96,9 @@ class TorchEngine(Strategy):
                     backend: str = "gloo") -> None:
         self.of.check_model(model, devices, batch_size, accumulate_grad_batches, backend)
 
+    def owns_loss(self, topo: Topology) -> bool:
+        return self.of.owns_loss(topo)  # one loss per tp group, as under our engine
+
     def check_setup(self, model: nn.Module) -> None:
         if not dist.is_initialized():  # one process started without a group: torch's engines need one
             raise ValueError(f"engine='torch' runs torch's engine for strategy {self.name!r} in a process group, "
@@ -78,7 +110,9 @@ class TorchEngine(Strategy):
                              "it shard by shard")
 
     def checkpoint_held(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology) -> list[Held]:
-        """The layout-free checkpoint's keys for torch's engines: the model's own names (the one key mapping)."""
+        """The layout-free checkpoint's keys for torch's engines: the model's own names (the one key mapping).
+        A parameter's optimizer states are where this rank's optimizer keeps them: all of them (DDP), its
+        shard's (FSDP2), or only those of the parameters its ``ZeroRedundancyOptimizer`` partition owns."""
         out: list[Held] = []
         for name, t in named_state(unwrap(model)):
             out.append(_held(f"model.{name}", t.detach()))
@@ -89,8 +123,10 @@ class TorchEngine(Strategy):
 
 
 def _held(key: str, t: torch.Tensor) -> Held:
-    start, data = dim0_run(t)
-    return Held(key, t.to_local() if data is not t and data.numel() == t.numel() else data, start)  # type: ignore
+    if on_tp_mesh(t):  # our tp layout's slice (torch.chunk's equals ours: every split is even), or a replica
+        return Held(key, local(t), 0, tp_slice(t))
+    start, data = dim0_run(t)  # an FSDP2 shard: a run of this rank's tp slice (the whole tensor without tp)
+    return Held(key, data, start, tp_slice(t))
 
 
 @dataclass
@@ -111,24 +147,24 @@ class TorchDDP(TorchEngine):
 
 
 @dataclass
-class TorchFSDP(TorchEngine):
-    """``strategy="fsdp"``/``"zero3"`` under FSDP2: ``fully_shard`` on the units our FSDP picks (its ``wrap``),
-    then the root; ``reshard_after_forward`` carries over. Parameters stay the model's, as DTensors."""
+class TorchZeRO1(TorchDDP):
+    """``strategy="zero1"`` under torch's DDP with ``ZeroRedundancyOptimizer``: full gradients all-reduced by
+    DDP, each rank steps the parameters its partition owns (whole tensors, greedily balanced by size) and
+    broadcasts them."""
 
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
-        self.check_setup(model)
-        model = model.to(topo.device)
-        units = unit_modules(model, self.of.wrap)  # type: ignore[attr-defined]
-        fully_shard_units(units, dp_mesh(topo), self.of.reshard_after_forward)  # type: ignore[attr-defined]
-        return model, optimizer_fn(model.parameters())
+        ddp, base = super().setup(model, optimizer_fn, topo)
+        # ZeroRedundancyOptimizer partitions by parameter group once it is built, so the run's groups must be
+        # final before: regroup the factory's optimizer now (the Trainer's second regrouping changes nothing).
+        if isinstance(optimizer_fn, GroupedFactory):
+            optimizer_fn.finish(self.param_names(ddp))
+        return ddp, zero_redundancy(base, topo)
 
-    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
-        return _no_gradient_sync(model)
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
-        # torch's clip handles DTensor gradients: the norm of the shards is reduced over the mesh.
-        return full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+@dataclass
+class TorchDTensors(TorchEngine):
+    """An engine that keeps the model's parameters, some or all of them as DTensors (FSDP2, tp)."""
 
     def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
         return {k: full(v.detach()).cpu().clone() for k, v in model.state_dict().items()}
@@ -139,6 +175,97 @@ class TorchFSDP(TorchEngine):
         out = with_optimizer_states({"params": params, "grads": grads}, optimizer)
         out["optimizer"] = [local(v) for v in out["optimizer"]]
         return out
+
+
+@dataclass
+class TorchFSDP(TorchDTensors):
+    """``strategy="fsdp"``/``"zero3"`` under FSDP2: ``fully_shard`` on the units our FSDP picks (its ``wrap``),
+    then the root; ``reshard_after_forward`` carries over. Parameters stay the model's, as DTensors."""
+
+    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
+              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+        self.check_setup(model)
+        model = model.to(topo.device)
+        units = unit_modules(model, getattr(self.of, "wrap", "auto"))
+        fully_shard_units(units, self.mesh(topo), self.reshard_after_forward())
+        return model, optimizer_fn(model.parameters())
+
+    def mesh(self, topo: Topology) -> DeviceMesh:
+        """The mesh FSDP2 shards over: the data-parallel ranks."""
+        return dp_mesh(topo)
+
+    def reshard_after_forward(self) -> bool:
+        return bool(self.of.reshard_after_forward)  # type: ignore[attr-defined]
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        return _no_gradient_sync(model)
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
+        # torch's clip handles DTensor gradients: the norm of the shards is reduced over the mesh.
+        return full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+
+
+@dataclass
+class TorchZeRO2(TorchFSDP):
+    """``strategy="zero2"`` under FSDP2 with ``reshard_after_forward=False`` (torch's answer to ZeRO-2, FSDP1's
+    SHARD_GRAD_OP): gradients and optimizer states sharded, parameters gathered from a unit's forward to its
+    backward; unlike our ZeRO-2 they are sharded between steps too. Units as our FSDP's default ``wrap``."""
+
+    def reshard_after_forward(self) -> bool:
+        return False
+
+
+@dataclass
+class TorchHSDP(TorchFSDP):
+    """``strategy="hsdp"`` under FSDP2 on the 2-D (replicate, shard) mesh of the run's replicas of shards:
+    each parameter a DTensor replicated over the first dimension and sharded on dim 0 over the second."""
+
+    def mesh(self, topo: Topology) -> DeviceMesh:
+        return hsdp_mesh(topo)
+
+
+@dataclass
+class TorchTP(TorchDTensors):
+    """``strategy="tp"`` (and ``sw.Parallel`` split by tp, ``sequence_parallel`` included) under DTensor's
+    ``parallelize_module``, with torch's styles for our plan (:mod:`shardwise.parallel.torch_tp`); with
+    ``Parallel(dp=N, zero=3)``, then FSDP2 ``fully_shard`` on our units over dp (torchtitan's order)."""
+
+    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
+              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+        self.check_setup(model)
+        model = model.to(topo.device)
+        plan = self.plan(model)
+        if plan.check is not None:
+            plan.check(model, topo.size(TP))
+        apply_torch_tp(model, plan, tp_mesh(topo), self.sequence_parallel())
+        if topo.size(DP) > 1:  # torchtitan's order: tp first, then FSDP2 over dp on the same root mesh
+            units = unit_modules(model, getattr(self.of, "wrap", "auto"))
+            fully_shard_units(units, dp_shard_mesh(topo), getattr(self.of, "reshard_after_forward", True))
+        return model, optimizer_fn(model.parameters())
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        # FSDP2 over dp: its own switch; tp alone reduces no gradients over ranks.
+        return _no_gradient_sync(model) if hasattr(model, "set_requires_gradient_sync") else contextlib.nullcontext()
+
+    def plan(self, model: nn.Module) -> Plan:
+        return resolve_plan(self.of.tensor_parallel_plan(), model)  # type: ignore[attr-defined]
+
+    def sequence_parallel(self) -> bool:
+        return bool(getattr(self.of, "sequence_parallel", False))
+
+    def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int,
+                    backend: str = "gloo") -> None:
+        super().check_model(model, devices, batch_size, accumulate_grad_batches, backend)
+        if self.layout(devices).dp > 1 and getattr(self.of, "zero", 0) != 3:  # Parallel's dp=-1 left ranks over
+            raise ValueError(f"engine='torch' runs strategy {self.name!r} with dp > 1 only with zero=3 yet (tp, "
+                             "then FSDP2 over dp); engine='shardwise' runs it with any zero")
+        why = torch_plan_refusal(self.plan(model), self.sequence_parallel())
+        if why is not None:
+            raise ValueError(f"engine='torch' cannot run strategy {self.name!r} on {type(model).__name__}: {why}; "
+                             "engine='shardwise' runs it")
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
+        return clip_grad_norm_(list(model.parameters()), max_norm)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -156,13 +283,24 @@ def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
 
-TORCH: dict[str, type[TorchEngine]] = {"DDP": TorchDDP, "ZeRO3": TorchFSDP, "FSDP": TorchFSDP}
+TORCH: dict[str, type[TorchEngine]] = {"DDP": TorchDDP, "ZeRO1": TorchZeRO1, "ZeRO2": TorchZeRO2,
+                                       "ZeRO3": TorchFSDP, "FSDP": TorchFSDP, "HSDP": TorchHSDP, "TP": TorchTP}
 
 
 def _row(strategy: Strategy) -> str | None:
     """The name of the nearest class of ``strategy`` that the tables here know (None: none, a user's own)."""
     known = {*TORCH, *NOT_YET, *NO_TORCH_ENGINE}
-    return next((c.__name__ for c in type(strategy).__mro__ if c.__name__ in known), None)
+    row = next((c.__name__ for c in type(strategy).__mro__ if c.__name__ in known), None)
+    return "TP" if row == "Parallel" and _tp_then_fsdp(strategy) else row
+
+
+def _tp_then_fsdp(strategy: Strategy) -> bool:
+    """Whether a ``sw.Parallel`` is what :class:`TorchTP` runs: tp (or sequence parallelism on a tp mesh of one),
+    then nothing over dp, or FSDP2 (``zero=3``, no replicas); dp=-1 can still leave dp > 1 without zero=3, which
+    TorchTP.check_model refuses, knowing the devices."""
+    field = functools.partial(getattr, strategy)
+    split = field(TP) > 1 or field("sequence_parallel")
+    return split and field(PP) == 1 and field("replicate") == 1 and (field(DP) in (1, -1) or field("zero") == 3)
 
 
 def engine_for(strategy: Strategy, engine: str | None, *, activation_checkpointing: Any = False,
@@ -216,4 +354,5 @@ def _unsupported(strategy: Strategy, activation_checkpointing: Any, sync_batchno
             "DDP(reduce_dtype=...)": getattr(strategy, "reduce_dtype", None) is not None}
 
 
-__all__ = ["ENGINES", "TorchDDP", "TorchEngine", "TorchFSDP", "engine_for", "refuse_torch"]
+__all__ = ["ENGINES", "TorchDDP", "TorchDTensors", "TorchEngine", "TorchFSDP", "TorchHSDP", "TorchTP", "TorchZeRO1",
+           "TorchZeRO2", "engine_for", "refuse_torch"]

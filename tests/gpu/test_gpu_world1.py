@@ -112,8 +112,15 @@ def test_offload_rows_are_pinned():
 
 
 @pytest.mark.parametrize("work", ["mlp", "gpt"])
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp", "hsdp", "tp"])
 def test_world1_torch_engines_on_nccl_equal_single(nccl_group_of_one, reference, same_run, strategy, work):
-    """engine="torch": torch's DDP and FSDP2 (on a mesh of one) in the NCCL group of one, on cuda:0."""
+    """engine="torch": torch's DDP (zero1: with ZeroRedundancyOptimizer), FSDP2 (on a mesh of one; hsdp's 1 x 1)
+    and parallelize_module (a tp mesh of one) in the NCCL group of one, on cuda:0."""
     run = fit(strategy, digits() if work == "mlp" else gpt(), engine="torch")
     same_run(reference[work], run, rtol=RTOL, atol=ATOL)
+
+
+def test_world1_torch_sequence_parallel_on_nccl_equals_single(nccl_group_of_one, reference, same_run):
+    """engine="torch" with sequence parallelism: SequenceParallel norms and the gathers of a tp mesh of one."""
+    run = fit(sw.Parallel(sequence_parallel=True, engine="torch"), gpt())
+    same_run(reference["gpt"], run, rtol=RTOL, atol=ATOL)
