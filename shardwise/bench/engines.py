@@ -66,7 +66,7 @@ def _gpt() -> Made:
     return work.make_model(), work.train, work.loss_fn
 
 
-# Built in each rank by name (a workload's model factory is a closure, which the spawn cannot pickle).
+# Built here, then sent to the ranks as objects (a Workload's model factory is a closure, which cannot be pickled).
 WORKLOADS: dict[str, tuple[str, Callable[[], Made]]] = {
     MLP: ("4 x Linear(1024) MLP, random regression data", _mlp),
     GPT_: ("GPT 4 x 128 (4 heads, T=64, vocabulary 128), characters of the standard library's source", _gpt)}
@@ -127,26 +127,25 @@ def fit_once(c: EngineContender, job: dict[str, Any], made: Made, rank: int,
 def _worker(rank: int, device: torch.device, blob: bytes, path: str) -> None:
     job = pickle.loads(blob)
     topo = Topology.create(device)  # for gathering the results; each fit builds its own
-    made = WORKLOADS[job["workload"]][1]()
     losses: dict[str, list[float]] = {}
-    res = alternate(ENGINES, job["reps"], lambda c: fit_once(c, job, made, rank, losses))
+    res = alternate(ENGINES, job["reps"], lambda c: fit_once(c, job, job["made"], rank, losses))
     res.losses = losses  # the last run of each engine: did both train alike?
     gather_results(res, topo, path)
     topo.close()
 
 
-def run_switch(strategy: str, workload: str, nproc: int, batch: int, reps: int = 5, steps: int = 10,
+def run_switch(strategy: str, made: Made, nproc: int, batch: int, reps: int = 5, steps: int = 10,
                accelerator: str = "cpu") -> tuple[list[PairResult], dict[str, list[float]]]:
-    """One launch of ``nproc`` ranks alternating both engines ``reps`` times on ``workload``: one
-    :class:`PairResult` per rank, and each engine's losses in its last run."""
-    job = dict(strategy=strategy, workload=workload, nproc=nproc, batch=batch, reps=reps, steps=steps,
+    """One launch of ``nproc`` ranks alternating both engines ``reps`` times on ``made`` (model, data, loss),
+    ``steps`` timed steps each (after one more, untimed): one :class:`PairResult` per rank, and each engine's
+    losses in its last run."""
+    job = dict(strategy=strategy, made=made, nproc=nproc, batch=batch, reps=reps, steps=steps,
                accelerator=accelerator)
     out: list[PairResult] = spawn_collect(_worker, nproc, pickle.dumps(job), accelerator=accelerator)
     return out, out[0].losses
 
 
-def grad_bytes(workload: str) -> int:
-    model = WORKLOADS[workload][1]()[0]
+def grad_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
@@ -171,16 +170,16 @@ def switch_rows(workload: str, runs: list[list[PairResult]], formula: float, gap
     return rows
 
 
-def switch_table(name: str, sw: Switch, results: dict[str, tuple[list[list[PairResult]], float]], nproc: int,
+def switch_table(name: str, sw: Switch, results: dict[str, tuple[list[list[PairResult]], float, int]], nproc: int,
                  batch: int, wide_: bool = False) -> Table:
-    """``results``: per workload, its runs and the largest gap between the engines' losses."""
-    rows = [row for w, (runs, gap) in results.items()
-            for row in switch_rows(w, runs, sw.factor * (nproc - 1) / nproc * grad_bytes(w), gap)]
+    """``results``: per workload, its runs, the largest gap between the engines' losses and its gradient bytes."""
+    rows = [row for w, (runs, gap, grads) in results.items()
+            for row in switch_rows(w, runs, sw.factor * (nproc - 1) / nproc * grads, gap)]
     notes = " ".join(x for x in [f"{k}: {WORKLOADS[k][0]}." for k in results] + [
         "vs torch: engine='torch''s median step over this one's (above 1: faster); RSS vs torch: peak RSS "
         "increase over its (below 1: less).", PAIRED_NOTE, NOT_SEEN_NOTE,
         f"formula: {sw.factor}(N-1)/N x gradient bytes. loss gap: the largest difference of the two engines' "
-        "losses in their last runs."] + [runs_note(runs) for runs, _ in results.values()] if x)
+        "losses in their last runs."] + [runs_note(runs) for runs, _, _ in results.values()] if x)
     title = (f"{name}: Trainer({sw.strategy!r}, engine='shardwise' | 'torch'), {nproc} ranks, global batch {batch}, "
              "AdamW fp32, the engines alternating in the same ranks")
     return table(title, COLUMNS, rows, wide_, notes)
@@ -195,16 +194,17 @@ def switch_pair(name: str, a: argparse.Namespace) -> Table:
     sw = SWITCHES[name]
     results = {}
     for w in sw.workloads:
+        made = WORKLOADS[w][1]()
         gaps: list[float] = []
 
         def one() -> list[PairResult]:
-            res, losses = run_switch(sw.strategy, w, a.nproc, a.batch, a.reps, a.steps, a.accelerator)
+            res, losses = run_switch(sw.strategy, made, a.nproc, a.batch, a.reps, a.steps, a.accelerator)
             gaps.append(loss_gap(losses))
             return res
         runs = over_runs(getattr(a, "runs", 1), one)
-        results[w] = (runs, max(gaps))
+        results[w] = (runs, max(gaps), grad_bytes(made[0]))
     return switch_table(name, sw, results, a.nproc, a.batch, wide(a))
 
 
 __all__ = ["ENGINES", "GPT_", "MLP", "SWITCHES", "WORKLOADS", "EngineContender", "Switch", "fit_once", "loss_gap",
-           "run_switch", "switch_pair", "switch_rows", "switch_table"]
+           "grad_bytes", "run_switch", "switch_pair", "switch_rows", "switch_table"]
