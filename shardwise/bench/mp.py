@@ -199,7 +199,8 @@ def pp_pair(a: argparse.Namespace) -> Table:
 
 def tp_pair(a: argparse.Namespace) -> Table:
     n, width, blocks = a.nproc, 1024, 2
-    contenders = (StepContender("shardwise TP", ours_tp), StepContender("torch DTensor TP", torch_tp, counts_bytes=False))
+    contenders = (StepContender("shardwise TP", ours_tp),
+                  StepContender("torch DTensor TP", torch_tp, counts_bytes=False))
     runs = over_runs(getattr(a, "runs", 1), lambda: run_steps(
         contenders, megatron_mlp(width, blocks), {DP: 1, TP: n, PP: 1}, a.batch, width, 1, a.reps, steps=a.steps,
         accelerator=a.accelerator))
