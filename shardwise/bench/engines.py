@@ -11,7 +11,8 @@ communication layer counted per step (torch's engines' traffic passes outside it
 :data:`SWITCHES` names the pairs that run this way: those whose strategy ``engine="torch"`` runs. The other
 pairs race hand-built torch code (:mod:`shardwise.bench.zero`, :mod:`~shardwise.bench.mp`,
 :mod:`~shardwise.bench.compose`) until it does; then one entry here moves a pair over, for instance
-``"zero1": Switch("zero1", (MLP, GPT_), 2)``, and ``--hand-built`` still runs the hand-built contenders.
+``"zero1": Switch("zero1", (MLP, GPT_), 2)`` or ``"tp": Switch("tp", (GPT_,))``, and ``--hand-built`` still runs
+the hand-built contenders.
 """
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ from shardwise.bench.tables import Column, table, wide
 from shardwise.comm.topology import Topology
 from shardwise.fit.trainer import Trainer
 from shardwise.stats import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+from shardwise.strategies.base import Strategy
 from shardwise.workloads import gpt, mlp1024
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
@@ -74,14 +76,20 @@ WORKLOADS: dict[str, tuple[str, Callable[[], Made]]] = {
 
 @dataclass(frozen=True)
 class Switch:
-    """A pair as an engine switch: ``strategy`` (a name the Trainer takes) on each of ``workloads``;
-    ``factor``: our bytes per step are ``factor (N-1)/N`` x the gradient bytes (2 all-reduce, 3 ZeRO-3)."""
+    """A pair as an engine switch: ``strategy`` (a name the Trainer takes, or a function of the rank count
+    returning a strategy object, such as ``lambda n: Parallel(dp=n // 2, tp=2, zero=3)`` written as a module-level
+    function) on each of ``workloads``; ``factor``: our bytes per step are ``factor (N-1)/N`` x the gradient bytes
+    (2: an all-reduce, 3: ZeRO-3), None where no such formula holds (tp, pp)."""
 
-    strategy: str
+    strategy: str | Callable[[int], Strategy]
     workloads: tuple[str, ...]
-    factor: int
+    factor: int | None = None
+
+    def strategy_for(self, nproc: int) -> str | Strategy:
+        return self.strategy if isinstance(self.strategy, str) else self.strategy(nproc)
 
 
+# The pairs that run as engine switches: the strategies engine="torch" runs (strategies/torch_engine.py's TORCH).
 SWITCHES: dict[str, Switch] = {"ddp": Switch("ddp", (MLP,), 2), "zero3": Switch("zero3", (MLP, GPT_), 3),
                                "fsdp": Switch("fsdp", (MLP, GPT_), 3)}
 
@@ -134,7 +142,7 @@ def _worker(rank: int, device: torch.device, blob: bytes, path: str) -> None:
     topo.close()
 
 
-def run_switch(strategy: str, made: Made, nproc: int, batch: int, reps: int = 5, steps: int = 10,
+def run_switch(strategy: str | Strategy, made: Made, nproc: int, batch: int, reps: int = 5, steps: int = 10,
                accelerator: str = "cpu") -> tuple[list[PairResult], dict[str, list[float]]]:
     """One launch of ``nproc`` ranks alternating both engines ``reps`` times on ``made`` (model, data, loss),
     ``steps`` timed steps each (after one more, untimed): one :class:`PairResult` per rank, and each engine's
@@ -154,7 +162,7 @@ COLUMNS = (Column("model", left=True), Column("engine", left=True), Column("medi
            Column("formula", detail=True), Column("loss gap", detail=True))
 
 
-def switch_rows(workload: str, runs: list[list[PairResult]], formula: float, gap: float) -> list[list[str]]:
+def switch_rows(workload: str, runs: list[list[PairResult]], formula: float | None, gap: float) -> list[list[str]]:
     """The two rows (shardwise, torch) of one workload's runs."""
     every = merged(runs)
     s = summarize(every)
@@ -166,7 +174,8 @@ def switch_rows(workload: str, runs: list[list[PairResult]], formula: float, gap
         rows.append([workload, c.engine, f"{1e3 * v['step_time_s']:.2f} ms", f"{base_t / v['step_time_s']:.3f}x",
                      ratio_text(*paired([r.step_times for r in every], c.name, "torch")),
                      f"{v['peak_rss_delta_bytes'] / 2**20:.2f} MiB", f"{v['peak_rss_delta_bytes'] / base_m:.3f}x",
-                     NOT_SEEN if sent is None else f"{sent:,.0f} B", f"{formula:,.0f} B", f"{gap:.3g}"])
+                     NOT_SEEN if sent is None else f"{sent:,.0f} B", "" if formula is None else f"{formula:,.0f} B",
+                     f"{gap:.3g}"])
     return rows
 
 
@@ -174,13 +183,14 @@ def switch_table(name: str, sw: Switch, results: dict[str, tuple[list[list[PairR
                  batch: int, wide_: bool = False) -> Table:
     """``results``: per workload, its runs, the largest gap between the engines' losses and its gradient bytes."""
     rows = [row for w, (runs, gap, grads) in results.items()
-            for row in switch_rows(w, runs, sw.factor * (nproc - 1) / nproc * grads, gap)]
+            for row in switch_rows(w, runs, None if sw.factor is None else sw.factor * (nproc - 1) / nproc * grads,
+                                   gap)]
     notes = " ".join(x for x in [f"{k}: {WORKLOADS[k][0]}." for k in results] + [
         "vs torch: engine='torch''s median step over this one's (above 1: faster); RSS vs torch: peak RSS "
         "increase over its (below 1: less).", PAIRED_NOTE, NOT_SEEN_NOTE,
-        f"formula: {sw.factor}(N-1)/N x gradient bytes. loss gap: the largest difference of the two engines' "
-        "losses in their last runs."] + [runs_note(runs) for runs, _, _ in results.values()] if x)
-    title = (f"{name}: Trainer({sw.strategy!r}, engine='shardwise' | 'torch'), {nproc} ranks, global batch {batch}, "
+        "" if sw.factor is None else f"formula: {sw.factor}(N-1)/N x gradient bytes.",
+        "loss gap: the largest difference of the two engines' losses in their last runs."] + [runs_note(runs) for runs, _, _ in results.values()] if x)
+    title = (f"{name}: Trainer({sw.strategy_for(nproc)!r}, engine='shardwise' | 'torch'), {nproc} ranks, global batch {batch}, "
              "AdamW fp32, the engines alternating in the same ranks")
     return table(title, COLUMNS, rows, wide_, notes)
 
@@ -198,7 +208,7 @@ def switch_pair(name: str, a: argparse.Namespace) -> Table:
         gaps: list[float] = []
 
         def one() -> list[PairResult]:
-            res, losses = run_switch(sw.strategy, made, a.nproc, a.batch, a.reps, a.steps, a.accelerator)
+            res, losses = run_switch(sw.strategy_for(a.nproc), made, a.nproc, a.batch, a.reps, a.steps, a.accelerator)
             gaps.append(loss_gap(losses))
             return res
         runs = over_runs(getattr(a, "runs", 1), one)

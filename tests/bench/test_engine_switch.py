@@ -25,7 +25,7 @@ def made() -> tuple[nn.Module, TensorDataset, object]:
 def test_a_switch_alternates_the_engines_of_one_trainer_setup(pair):
     switch = SWITCHES[pair]
     work = made()
-    ranks, losses = run_switch(switch.strategy, work, 2, batch=8, reps=2, steps=2)
+    ranks, losses = run_switch(switch.strategy_for(2), work, 2, batch=8, reps=2, steps=2)
     assert len(ranks) == 2
     for r in ranks:
         assert r.names == ("shardwise", "torch")
