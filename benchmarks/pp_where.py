@@ -53,8 +53,8 @@ def _worker(rank: int, device: torch.device, batch: int, steps: int, reps: int, 
             for e in prof.key_averages():
                 ops[name][e.key] += e.self_cpu_time_total / 1e3  # ms
     n = steps * reps
-    out = {name: (wall[name] / n * 1e3, sorted(((k, v / n) for k, v in ops[name].items()), key=lambda kv: -kv[1])[:top])
-           for name in CONTENDERS}
+    out = {name: (wall[name] / n * 1e3, sorted(((k, v / n) for k, v in ops[name].items()),
+                                               key=lambda kv: -kv[1])[:top]) for name in CONTENDERS}
     everyone = topo.comm(WORLD).all_gather_object(out, name="pp_where")
     if rank == 0:
         with open(path, "wb") as f:
@@ -72,7 +72,8 @@ def main() -> None:
     ranks = spawn_collect(_worker, 2, a.batch, a.steps, a.reps, a.top)
     for r, res in enumerate(ranks):
         for name, (ms, top) in res.items():
-            print(f"rank {r} ({PP} stage {r}), {name}: {ms:.2f} ms per step (wall, under the profiler); self CPU per step:")
+            print(f"rank {r} ({PP} stage {r}), {name}: {ms:.2f} ms per step (wall, under the profiler); "
+                  "self CPU per step:")
             for k, v in top:
                 print(f"    {v:9.2f} ms  {k}")
 

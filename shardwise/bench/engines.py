@@ -185,17 +185,19 @@ def switch_table(name: str, sw: Switch, results: dict[str, tuple[list[list[PairR
     rows = [row for w, (runs, gap, grads) in results.items()
             for row in switch_rows(w, runs, None if sw.factor is None else sw.factor * (nproc - 1) / nproc * grads,
                                    gap)]
-    notes = " ".join(x for x in [f"{k}: {WORKLOADS[k][0]}." for k in results] + [
+    notes = [f"{k}: {WORKLOADS[k][0]}." for k in results if k in WORKLOADS] + [
         "vs torch: engine='torch''s median step over this one's (above 1: faster); RSS vs torch: peak RSS "
         "increase over its (below 1: less).", PAIRED_NOTE, NOT_SEEN_NOTE,
         "" if sw.factor is None else f"formula: {sw.factor}(N-1)/N x gradient bytes.",
-        "loss gap: the largest difference of the two engines' losses in their last runs."] + [runs_note(runs) for runs, _, _ in results.values()] if x)
-    title = (f"{name}: Trainer({sw.strategy_for(nproc)!r}, engine='shardwise' | 'torch'), {nproc} ranks, global batch {batch}, "
-             "AdamW fp32, the engines alternating in the same ranks")
-    return table(title, COLUMNS, rows, wide_, notes)
+        "loss gap: the largest difference of the two engines' losses in their last runs."]
+    notes += [f"{w}: {runs_note(runs)}" for w, (runs, _, _) in results.items() if len(runs) > 1]
+    title = (f"{name}: Trainer({sw.strategy_for(nproc)!r}, engine='shardwise' | 'torch'), {nproc} ranks, global "
+             f"batch {batch}, AdamW fp32, the engines alternating in the same ranks")
+    return table(title, COLUMNS, rows, wide_, " ".join(x for x in notes if x))
 
 
 def loss_gap(losses: dict[str, list[float]]) -> float:
+    """The largest difference of the two engines' losses, step by step."""
     return max((abs(a - b) for a, b in zip(losses.get("shardwise", []), losses.get("torch", []))), default=0.0)
 
 
