@@ -86,7 +86,10 @@ def init(accelerator: str = "auto", timeout: _dt.timedelta = _dt.timedelta(minut
             if hint is not None and hasattr(e, "add_note"):
                 e.add_note(hint)
             raise
-    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+    # Threads from the launcher's LOCAL_WORLD_SIZE; a group that runs without a launcher's variables (launch.spawn's
+    # ranks, which set their own share, or a user's) keeps its threads: LOCAL_WORLD_SIZE's default of 1 would give
+    # each rank every core (2 ranks on 2 cores ran the bench's ddp engine switch 4x slower).
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ and under_launcher():
         torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     return device
 

@@ -25,6 +25,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=64, metavar="N", help="global batch (default: 64)")
     p.add_argument("--accelerator", default="cpu", choices=["cpu", "cuda"],
                    help="cpu (gloo) or cuda (NCCL) (default: cpu)")
+    p.add_argument("--runs", type=int, default=1, metavar="N",
+                   help="launch each pair N times; its caption gives each launch's paired ratio and their median "
+                        "and middle half (default: 1)")
+    p.add_argument("--wide", action="store_true",
+                   help="every column (formulas, CPU time, ...); by default each table fits 120 columns")
+    p.add_argument("--hand-built", action="store_true",
+                   help="for the pairs that switch engines under one Trainer setup (ddp, zero3, fsdp), race "
+                        "hand-built torch code instead, outside the Trainer")
     p.add_argument("--plot", dest="plot_dir", default=None, metavar="DIR",
                    help="also save each comparison's PNG picture under DIR")
 

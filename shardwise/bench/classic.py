@@ -29,6 +29,7 @@ import shardwise.dims as dims  # as a module: dims.DP is the dimension, DP the s
 from shardwise import plots
 from shardwise.bench import add_arguments
 from shardwise.bench.harness import optimizer_step, spawn_collect, timed_steps
+from shardwise.bench.tables import Column, table, wide
 from shardwise.comm.algorithms import (
     naive_allreduce,
     naive_bytes,
@@ -142,15 +143,7 @@ def dp_vs_ddp(a: argparse.Namespace) -> Table:
             times["DDP"] = times["DP"]
         rows.append((n, statistics.median(times["DP"]), statistics.median(times["DDP"])))
         spread[n] = (min(times["DP"]), max(times["DP"]), min(times["DDP"]), max(times["DDP"]))
-    t = Table(title=f"DP (1 process, N threads) vs DDP (N processes): 4 x Linear(1024) MLP, global batch "
-                    f"{a.batch}, AdamW, {a.accelerator}, median (min-max) of {a.reps} alternating launches")
-    for col in ("devices N", "DP step", "DP samples/s", "DDP step", "DDP samples/s", "DDP / DP throughput"):
-        t.add_column(col, justify="right")
-    for n, dp_t, ddp_t in rows:
-        lo, hi, dlo, dhi = spread[n]
-        t.add_row(str(n), f"{1e3 * dp_t:.1f} ms ({1e3 * lo:.0f}-{1e3 * hi:.0f})", f"{a.batch / dp_t:,.0f}",
-                  f"{1e3 * ddp_t:.1f} ms ({1e3 * dlo:.0f}-{1e3 * dhi:.0f})", f"{a.batch / ddp_t:,.0f}",
-                  f"{dp_t / ddp_t:.2f}x")
+    t = dp_vs_ddp_table(rows, spread, a)
     path = plot_path(a, "dp_vs_ddp.png")
     if path:
         plt = plots.pyplot()
@@ -168,6 +161,23 @@ def dp_vs_ddp(a: argparse.Namespace) -> Table:
     return t
 
 
+DP_COLUMNS = (Column("devices N"), Column("DP step"), Column("DP samples/s"), Column("DDP step"),
+              Column("DDP samples/s"), Column("DDP / DP throughput"))
+
+
+def dp_vs_ddp_table(rows: list[tuple[int, float, float]], spread: dict[int, tuple[float, float, float, float]],
+                    a: argparse.Namespace) -> Table:
+    """``rows``: (devices, DP step, DDP step), medians; ``spread``: per device count, (min, max) of each."""
+    out = []
+    for n, dp_t, ddp_t in rows:
+        lo, hi, dlo, dhi = spread[n]
+        out.append([str(n), f"{1e3 * dp_t:.1f} ms ({1e3 * lo:.0f}-{1e3 * hi:.0f})", f"{a.batch / dp_t:,.0f}",
+                    f"{1e3 * ddp_t:.1f} ms ({1e3 * dlo:.0f}-{1e3 * dhi:.0f})", f"{a.batch / ddp_t:,.0f}",
+                    f"{dp_t / ddp_t:.2f}x"])
+    return table(f"DP (1 process, N threads) vs DDP (N processes): 4 x Linear(1024) MLP, global batch {a.batch}, "
+                 f"AdamW, {a.accelerator}, median (min-max) of {a.reps} alternating launches", DP_COLUMNS, out, wide(a))
+
+
 # ---- parameter server against DDP ----------------------------------------------------------------
 def _ps_configs(workers: int) -> list[tuple[str, str, Any, int]]:
     """(series, label, strategy, processes) for ``workers`` data-parallel workers."""
@@ -178,18 +188,18 @@ def _ps_configs(workers: int) -> list[tuple[str, str, Any, int]]:
              ParameterServer(mode="async", max_staleness=workers), workers + 1)]
 
 
+PS_COLUMNS = (Column("configuration", left=True), Column("workers"), Column("processes", detail=True),
+              Column("worker step"), Column("samples/s"), Column("max staleness", detail=True),
+              Column("busiest receives / step"), Column("formula", detail=True))
+
+
 def ps_vs_ddp(a: argparse.Namespace) -> Table:
     """Throughput and the busiest rank's received bytes per step, as the number of workers grows."""
     workers_list = sorted({1, 2, max(2, a.nproc)} | {4})
     work = mlp1024()
     p_bytes = sum(p.numel() * p.element_size() for p in work.make_model().parameters())
     results: dict[str, list[tuple[int, float, float]]] = {}
-    t = Table(title=f"Parameter server vs DDP: 4 x Linear(1024) MLP ({_mib(p_bytes)} of fp32 weights), "
-                    f"global batch {a.batch}, AdamW, {a.steps} steps, {a.accelerator}; median (min-max) of "
-                    f"{a.reps} runs, configurations alternating")
-    for col in ("configuration", "workers", "processes", "worker step", "samples/s", "max staleness",
-                "busiest rank receives / step", "formula"):
-        t.add_column(col, justify="left" if col == "configuration" else "right")
+    rows: list[list[str]] = []
     for w in workers_list:
         configs = _ps_configs(w)
         seen: dict[str, list[tuple[float, float, float, int]]] = {c[1]: [] for c in configs}
@@ -226,9 +236,11 @@ def ps_vs_ddp(a: argparse.Namespace) -> Table:
                     if w * (shard + 16) >= p_bytes else "P (a worker's pull)"
             results.setdefault(series, []).append((w, statistics.median(rates), busiest))
             step_cell = f"{1e3 * statistics.median(steps_t):.1f} ms ({1e3 * min(steps_t):.0f}-{1e3 * max(steps_t):.0f})"
-            t.add_row(label, str(w), str(procs), step_cell,
-                      f"{statistics.median(rates):,.0f}", "-" if stale < 0 else str(stale), _mib(busiest),
-                      f"{text} = {_mib(formula)}")
+            rows.append([label, str(w), str(procs), step_cell, f"{statistics.median(rates):,.0f}",
+                         "-" if stale < 0 else str(stale), _mib(busiest), f"{text} = {_mib(formula)}"])
+    t = table(f"Parameter server vs DDP: 4 x Linear(1024) MLP ({_mib(p_bytes)} of fp32 weights), global batch "
+              f"{a.batch}, AdamW, {a.steps} steps, {a.accelerator}; median (min-max) of {a.reps} runs, "
+              "configurations alternating", PS_COLUMNS, rows, wide(a))
     path = plot_path(a, "ps_vs_ddp.png")
     if path:
         plt = plots.pyplot()
@@ -292,24 +304,7 @@ def allreduce_algorithms(a: argparse.Namespace) -> Table:
     rows: list[dict[str, Any]] = []
     for n in worlds:
         rows += spawn_collect(_allreduce_worker, n, sizes, a.reps, accelerator=a.accelerator)
-    t = Table(title=f"All-reduce algorithms on {a.accelerator} (gloo for 'native'), fp32, median of {a.reps} "
-                    f"(slowest rank each)")
-    for col in ("N", "size S", "algorithm", "time", "algbw", "busiest sends", "busiest receives",
-                "formula (busiest)", "/ S"):
-        t.add_column(col, justify="right")
-    for r in rows:
-        n, s = r["n"], r["size"]
-        if r["algo"] == "naive":
-            fb = max(naive_bytes(s // 4, n, 4, k)[1] for k in range(n))
-            sent, recv, label = max(r["sent"]), max(r["received"]), "(N-1) S"
-        elif r["algo"] == "ring":
-            fb = max(ring_bytes(s // 4, n, 4, k)[1] for k in range(n))
-            sent, recv, label = max(r["sent"]), max(r["received"]), "2(N-1)/N S"
-        else:
-            fb, label = 2 * (n - 1) * s // n, "2(N-1)/N S (counted by formula)"
-            sent, recv = max(r["sent"]), max(r["received"])
-        t.add_row(str(n), _size(s), r["algo"], f"{1e3 * r['time']:.3f} ms", f"{s / r['time'] / 2**30:.2f} GiB/s",
-                  f"{sent:,}", f"{recv:,}", f"{label} = {fb:,}", f"{recv / s:.3f}")
+    t = allreduce_table(rows, a)
     path = plot_path(a, "allreduce_algorithms.png")
     if path:
         plt = plots.pyplot()
@@ -345,6 +340,29 @@ def allreduce_algorithms(a: argparse.Namespace) -> Table:
         fig.savefig(path, dpi=120)
         plt.close(fig)
     return t
+
+
+ALLREDUCE_COLUMNS = (Column("N"), Column("size S"), Column("algorithm"), Column("time"), Column("algbw"),
+                     Column("busiest sends", detail=True), Column("busiest receives"),
+                     Column("formula (busiest)", detail=True), Column("/ S"))
+
+
+def allreduce_table(rows: list[dict[str, Any]], a: argparse.Namespace) -> Table:
+    """One row per (N, size, algorithm) of :func:`_allreduce_worker`'s results."""
+    out = []
+    for r in rows:
+        n, s = r["n"], r["size"]
+        if r["algo"] == "naive":
+            fb, label = max(naive_bytes(s // 4, n, 4, k)[1] for k in range(n)), "(N-1) S"
+        elif r["algo"] == "ring":
+            fb, label = max(ring_bytes(s // 4, n, 4, k)[1] for k in range(n)), "2(N-1)/N S"
+        else:
+            fb, label = 2 * (n - 1) * s // n, "2(N-1)/N S (counted by formula)"
+        sent, recv = max(r["sent"]), max(r["received"])
+        out.append([str(n), _size(s), r["algo"], f"{1e3 * r['time']:.3f} ms", f"{s / r['time'] / 2**30:.2f} GiB/s",
+                    f"{sent:,}", f"{recv:,}", f"{label} = {fb:,}", f"{recv / s:.3f}"])
+    return table(f"All-reduce algorithms on {a.accelerator} (gloo for 'native'), fp32, median of {a.reps} (slowest "
+                 "rank each)", ALLREDUCE_COLUMNS, out, wide(a))
 
 
 BENCHES: dict[str, Callable[[argparse.Namespace], Table]] = {

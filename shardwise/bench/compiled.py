@@ -10,13 +10,22 @@ from __future__ import annotations
 import argparse
 import copy
 import pickle
-import statistics
 
 import torch
 from rich.table import Table
 from torch import nn
 
-from shardwise.bench.harness import PairResult, alternate, gather_results, measure, optimizer_step, spawn_collect
+from shardwise.bench.harness import (
+    PAIRED_NOTE,
+    PairResult,
+    alternate,
+    gather_results,
+    measure,
+    optimizer_step,
+    paired,
+    ratio_text,
+    spawn_collect,
+)
 from shardwise.comm.topology import Topology
 from shardwise.models import GPT, GPTConfig, count_parameters, lm_loss
 from shardwise.parallel.compiling import compile_blocks
@@ -63,16 +72,20 @@ def compile_pair(a: argparse.Namespace) -> Table:
     """``shardwise bench --pairs compile``: step time of the GPT eager and compiled, one rank."""
     job = dict(batch=a.batch, reps=a.reps, warmup=3, steps=a.steps)
     res: list[PairResult] = spawn_collect(_worker, 1, pickle.dumps(job), accelerator=a.accelerator)
-    r = res[0]
+    return compile_table(res[0], a.batch)
+
+
+def compile_table(r: PairResult, batch: int) -> Table:
+    """One rank's eager and compiled repetitions: medians, and the paired speed-up (eager over compiled)."""
     eager, compiled = r.median_time("eager"), r.median_time("compiled")
-    ratios = [e / c for e, c in zip(r.step_times["eager"], r.step_times["compiled"])]
     t = Table(title=f"compile: GPT {count_parameters(GPT(CONFIG)) / 1e6:.1f}M parameters ({CONFIG.n_layer} blocks of "
-                    f"{CONFIG.n_embd}, sequence {CONFIG.block_size}), batch {a.batch}, AdamW, inductor, one rank")
-    for col in ("implementation", "median step", "speed-up vs eager (paired median)"):
+                    f"{CONFIG.n_embd}, sequence {CONFIG.block_size}), batch {batch}, AdamW, inductor, one rank")
+    for col in ("implementation", "median step", "speed-up vs eager (paired)"):
         t.add_column(col, justify="left" if col == "implementation" else "right")
     t.add_row("eager", f"{1e3 * eager:.2f} ms", "1.000x")
-    t.add_row("compiled blocks", f"{1e3 * compiled:.2f} ms", f"{statistics.median(ratios):.3f}x")
+    t.add_row("compiled blocks", f"{1e3 * compiled:.2f} ms", ratio_text(*paired([r.step_times], "compiled", "eager")))
     # Each repetition's medians, in order: how much the machine's load moved them (the ratio is paired).
     t.caption = "per repetition, eager / compiled: " + ", ".join(
-        f"{1e3 * e:.0f}/{1e3 * c:.0f} ms" for e, c in zip(r.step_times["eager"], r.step_times["compiled"]))
+        f"{1e3 * e:.0f}/{1e3 * c:.0f} ms" for e, c in zip(r.step_times["eager"], r.step_times["compiled"])) + \
+        f". {PAIRED_NOTE}"
     return t

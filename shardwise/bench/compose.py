@@ -29,10 +29,13 @@ from shardwise.bench.harness import (
     PairResult,
     alternate,
     gather_results,
+    merged,
+    over_runs,
     pair_table,
     spawn_collect,
 )
 from shardwise.bench.mp import StepContender, _summary_worst, _time
+from shardwise.bench.tables import wide
 from shardwise.comm.topology import Topology
 from shardwise.dims import DP, TP
 from shardwise.models import GPT, GPTConfig, lm_loss
@@ -117,7 +120,7 @@ def _worker(rank: int, device: torch.device, blob: bytes, path: str) -> None:
 
 def run_fsdp_tp(model: GPT, dp: int, tp: int, batch: int, reps: int = 5, warmup: int = 3, steps: int = 10,
                 accelerator: str = "cpu") -> list[PairResult]:
-    contenders = (StepContender(f"shardwise Parallel(zero={ZERO})", ours_fsdp_tp),
+    contenders = (StepContender("shardwise Parallel", ours_fsdp_tp),
                   StepContender("torch fully_shard + TP", torch_fsdp_tp, counts_bytes=False))
     job = dict(contenders=contenders, model=model, dp=dp, tp=tp, batch=batch, reps=reps, warmup=warmup, steps=steps)
     out: list[PairResult] = spawn_collect(_worker, dp * tp, pickle.dumps(job), accelerator=accelerator)
@@ -143,11 +146,12 @@ def fsdp_tp_pair(a: argparse.Namespace) -> Table:
         raise SystemExit(f"fsdp-tp: --nproc {a.nproc} must be a multiple of tp={tp}, and --batch a multiple of dp")
     dp = a.nproc // tp
     model = gpt()
-    res = run_fsdp_tp(model, dp, tp, a.batch, a.reps, steps=a.steps, accelerator=a.accelerator)
+    runs = over_runs(getattr(a, "runs", 1), lambda: run_fsdp_tp(model, dp, tp, a.batch, a.reps, steps=a.steps,
+                                                                accelerator=a.accelerator))
     title = (f"FSDP x TP: GPT {CFG.n_layer} x {CFG.n_embd} ({CFG.n_head} heads, vocab {CFG.vocab_size}, "
              f"T={CFG.block_size}), dp={dp} x tp={tp}, global batch {a.batch}, AdamW")
-    return pair_table(title, _summary_worst(res), expected_sent(model, dp, tp, a.batch),
-                      f"TP + ZeRO-{ZERO} formula")
+    return pair_table(title, runs, _summary_worst(merged(runs)), expected_sent(model, dp, tp, a.batch),
+                      f"TP + ZeRO-{ZERO} formula", wide(a))
 
 
 def _losses_worker(rank: int, device: torch.device, cfg: GPTConfig, steps: int, batch: int, path: str) -> None:

@@ -43,6 +43,7 @@ from torch import nn
 
 from shardwise.bench.compose import strategy_step
 from shardwise.bench.harness import measure, spawn_collect
+from shardwise.bench.tables import Column, table, wide
 from shardwise.comm.topology import Topology
 from shardwise.dims import CP, DP, WORLD
 from shardwise.models import GPT, GPTConfig, lm_loss
@@ -217,30 +218,34 @@ def summarize(results: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, A
     return out
 
 
-def cp_table(summary: dict[str, dict[str, Any]], cfg: GPTConfig, n: int, sequences: int, grads: int) -> Table:
+def cp_table(summary: dict[str, dict[str, Any]], cfg: GPTConfig, n: int, sequences: int, grads: int,
+             wide_: bool = False) -> Table:
     title = (f"Context parallelism, ring against Ulysses: GPT {cfg.n_layer} x {cfg.n_embd} ({cfg.n_head} heads, "
              f"vocab {cfg.vocab_size}), S={cfg.block_size}, C=N={n} ranks, global batch {sequences} sequences "
              f"({sequences * cfg.block_size} tokens), AdamW fp32. Baseline: Parallel(dp=N) on the same tokens per "
              f"step (PyTorch has no CPU context parallelism: torch's context_parallel dispatches only CUDA SDPA "
              f"kernels)")
-    t = Table(title=title, caption=f"Formula: {FORMULA} Saved activations: bytes autograd holds for backward "
-                                   "after one forward (each storage once, no parameters, no batch), over the rank's "
-                                   "batch and over one sequence (under cp: its S/C tokens of it).")
-    for col in ("implementation", "a rank holds", "median step", "tokens/s", "throughput vs dp",
-                "sent / rank / step", "formula", "saved act. / rank", "saved act. / sequence", "per sequence vs dp"):
-        t.add_column(col, justify="left" if col == "implementation" else "right")
+    caption = (f"Formula: {FORMULA} Saved activations: bytes autograd holds for backward after one forward (each "
+               "storage once, no parameters, no batch), over the rank's batch and over one sequence (under cp: its "
+               "S/C tokens of it). --wide: every column.")
     base = summary[BASELINE]
     tokens = sequences * cfg.block_size
+    rows = []
     for key, s in summary.items():
         mode = None if key == BASELINE else key
         st = s["step_time_s"]
         name = f"Parallel(dp={n}) (DDP)" if mode is None else f"Parallel(cp={n}, {mode})"
         held = cfg.block_size if mode is None else cfg.block_size // n
-        t.add_row(name, f"{s['sequences']} x {held} tokens", f"{1e3 * st:.2f} ms", f"{tokens / st:,.0f}",
-                  f"{base['step_time_s'] / st:.3f}x", f"{s['sent']:,.0f} B",
-                  f"{expected_sent(cfg, mode, n, s['sequences'], grads):,} B", f"{s['saved']:,} B",
-                  f"{s['saved_one']:,} B", f"{s['saved_one'] / base['saved_one']:.4f}x")
-    return t
+        rows.append([name, f"{s['sequences']} x {held} tokens", f"{1e3 * st:.2f} ms", f"{tokens / st:,.0f}",
+                     f"{base['step_time_s'] / st:.3f}x", f"{s['sent']:,.0f} B",
+                     f"{expected_sent(cfg, mode, n, s['sequences'], grads):,} B", f"{s['saved']:,} B",
+                     f"{s['saved_one']:,} B", f"{s['saved_one'] / base['saved_one']:.4f}x"])
+    return table(title, COLUMNS, rows, wide_, caption)
+
+
+COLUMNS = (Column("implementation", left=True), Column("a rank holds", detail=True), Column("median step"),
+           Column("tokens/s", detail=True), Column("vs dp"), Column("sent/rank/step"), Column("formula", detail=True),
+           Column("saved act. / rank", detail=True), Column("saved act. / seq."), Column("per seq. vs dp"))
 
 
 def cp_pair(a: argparse.Namespace) -> Table:
@@ -248,7 +253,7 @@ def cp_pair(a: argparse.Namespace) -> Table:
     tokens (``--batch`` counts the other pairs' short samples and is not used here)."""
     model = gpt()
     res = run_cp(model, a.nproc, SEQUENCES, a.reps, steps=a.steps, accelerator=a.accelerator)
-    return cp_table(summarize(res), CFG, a.nproc, SEQUENCES, grad_bytes(model))
+    return cp_table(summarize(res), CFG, a.nproc, SEQUENCES, grad_bytes(model), wide(a))
 
 
 __all__ = ["BASELINE", "CFG", "CONTENDERS", "SEQUENCES", "CPContender", "cp_pair", "cp_table", "expected_sent",

@@ -25,6 +25,7 @@ from rich.table import Table
 from torch import nn
 
 from shardwise import launch
+from shardwise.bench.tables import Column, table
 from shardwise.comm.topology import Topology
 from shardwise.stats import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 
@@ -46,6 +47,7 @@ class PairResult:
     step_times: dict[str, list[float]] = field(default_factory=dict)   # per repetition, median over steps
     peak_rss_delta: dict[str, list[int]] = field(default_factory=dict)  # bytes above the pre-build RSS
     sent_per_step: dict[str, float | None] = field(default_factory=dict)
+    losses: dict[str, list[float]] = field(default_factory=dict)  # where a pair keeps them: each one's last run
 
     def median_time(self, name: str) -> float:
         return statistics.median(self.step_times[name])
@@ -211,24 +213,91 @@ def summarize(results: list[PairResult]) -> dict[str, Any]:
     return out
 
 
+def middle_half(values: list[float]) -> tuple[float, float, float]:
+    """The median of ``values`` and their quartiles (25th, 75th percentile, inclusive): the middle half."""
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    lo, _, hi = statistics.quantiles(values, n=4, method="inclusive")
+    return statistics.median(values), lo, hi
+
+
+def paired(times: list[dict[str, list[float]]], key: str, other: str) -> tuple[float, float, float]:
+    """``other``'s step time over ``key``'s (``key``'s throughput relative to ``other``'s), repetition by
+    repetition, each the slowest rank's (``times``: per rank, per contender, one per repetition): the two ran in
+    the same repetition, so a drift of the host slower than a repetition cancels in the ratio, where it only
+    averages out in a ratio of medians. Returns the median and the middle half (:func:`middle_half`)."""
+    reps = len(times[0][key])
+    return middle_half([max(r[other][i] for r in times) / max(r[key][i] for r in times) for i in range(reps)])
+
+
+def ratio_text(mid: float, lo: float, hi: float) -> str:
+    """A median and middle half as a table cell: ``1.021x (0.990-1.046)``."""
+    return f"{mid:.3f}x ({lo:.3f}-{hi:.3f})"
+
+
+def over_runs(runs: int, run: Callable[[], list[PairResult]]) -> list[list[PairResult]]:
+    """``run()`` (one launch of a pair's ranks) ``runs`` times, one after the other (``--runs``)."""
+    return [run() for _ in range(max(1, runs))]
+
+
+def merged(runs: list[list[PairResult]]) -> list[PairResult]:
+    """Per rank, every run's repetitions one after the other: one result as if it were one long run."""
+    out = []
+    for per_rank in zip(*runs):
+        first = per_rank[0]
+        out.append(PairResult(first.names, {n: [t for r in per_rank for t in r.step_times[n]] for n in first.names},
+                              {n: [m for r in per_rank for m in r.peak_rss_delta[n]] for n in first.names},
+                              dict(first.sent_per_step), dict(first.losses)))
+    return out
+
+
+def runs_note(runs: list[list[PairResult]]) -> str:
+    """Under ``--runs N`` (N > 1), a caption sentence: each run's paired ratio of the first contender against
+    the second, and their median and middle half; empty for one run."""
+    if len(runs) < 2:
+        return ""
+    ours, theirs = runs[0][0].names
+    each = [paired([r.step_times for r in run], ours, theirs)[0] for run in runs]
+    return (f"{len(runs)} runs (launches), each run's paired ratio: {', '.join(f'{v:.3f}x' for v in each)}; "
+            f"their median and middle half {ratio_text(*middle_half(each))}.")
+
+
+PAIRED_NOTE = ("paired: the other's step over this one's, repetition by repetition (each the slowest rank's median "
+               "step; the two ran in the same repetition, so a slowdown of the host that lasts longer than one "
+               "repetition hits both and cancels), median and, in brackets, the middle half of the repetitions.")
+
+
 def _fmt_mib(b: float) -> str:
     return f"{b / 2**20:.2f} MiB"
 
 
-def pair_table(title: str, summary: dict, formula_bytes: float | None, formula_label: str) -> Table:
-    """One row per contender of a :func:`summarize` result, torch's own as the baseline of the ratios."""
+PAIR_COLUMNS = (Column("implementation", left=True), Column("median step"), Column("vs torch"),
+                Column("paired vs torch"), Column("peak RSS +"), Column("RSS vs torch"),
+                Column("sent/rank/step"), Column("formula", detail=True))
+NOT_SEEN = "not seen"  # the sent cell of torch's own engines: their traffic does not pass through our Comm
+NOT_SEEN_NOTE = "not seen: torch's own traffic does not pass through our communication layer (not observable)."
+
+
+def pair_table(title: str, runs: list[list[PairResult]], summary: dict, formula_bytes: float | None,
+               formula_label: str, wide: bool = False) -> Table:
+    """One row per contender of a :func:`summarize` result of ``runs`` (one list of per-rank results per launch,
+    :func:`merged` before summarizing), torch's own as the baseline of the ratios; the paired column over every
+    repetition of every run, and under several runs each run's paired ratio in the caption."""
     ours, theirs = summary["names"]
-    t = Table(title=title)
-    for col in ("implementation", "median step", "throughput vs torch", "peak RSS increase",
-                "memory vs torch", "sent / rank / step", formula_label):
-        t.add_column(col, justify="left" if col == "implementation" else "right")
+    every = merged(runs)
     base_t = summary[theirs]["step_time_s"]
     base_m = max(1, summary[theirs]["peak_rss_delta_bytes"])
+    formula = "" if formula_bytes is None else f"{formula_bytes:,.0f} B"
+    rows = []
     for n in (ours, theirs):
         s = summary[n]
         sent = s["sent_per_step"]
-        t.add_row(n, f"{1e3 * s['step_time_s']:.2f} ms", f"{base_t / s['step_time_s']:.3f}x",
-                  _fmt_mib(s["peak_rss_delta_bytes"]), f"{s['peak_rss_delta_bytes'] / base_m:.3f}x",
-                  "(not observable)" if sent is None else f"{sent:,.0f} B",
-                  "" if formula_bytes is None else f"{formula_bytes:,.0f} B")
-    return t
+        rows.append([n, f"{1e3 * s['step_time_s']:.2f} ms", f"{base_t / s['step_time_s']:.3f}x",
+                     ratio_text(*paired([r.step_times for r in every], n, theirs)),
+                     _fmt_mib(s["peak_rss_delta_bytes"]), f"{s['peak_rss_delta_bytes'] / base_m:.3f}x",
+                     NOT_SEEN if sent is None else f"{sent:,.0f} B", formula])
+    caption = " ".join(x for x in (
+        "vs torch: torch's median step over this one's (above 1: faster); RSS vs torch: peak RSS increase over "
+        "torch's (below 1: less).", PAIRED_NOTE, NOT_SEEN_NOTE, runs_note(runs),
+        f"formula ({formula_label}): {formula}." if formula else "") if x)
+    return table(title, PAIR_COLUMNS, rows, wide, caption)

@@ -47,6 +47,7 @@ from torch import nn
 
 from shardwise.bench.compose import local_batch
 from shardwise.bench.harness import spawn_collect, timed_steps, trim_malloc
+from shardwise.bench.tables import Column, table, wide
 from shardwise.comm.topology import Topology
 from shardwise.dims import EP, WORLD
 from shardwise.fit.steps import count_state
@@ -83,9 +84,9 @@ class MoEContender:
     @property
     def label(self) -> str:
         if self.ep == 1:
-            return "Parallel(dp=N) (DDP)"
-        cf = "dropless" if self.capacity_factor is None else f"capacity_factor={self.capacity_factor:g}"
-        return f"Parallel(ep={self.ep}), {cf}"
+            return "dp=N (DDP)"
+        cf = "dropless" if self.capacity_factor is None else f"cf={self.capacity_factor:g}"
+        return f"ep={self.ep}, {cf}"
 
     def strategy(self, n: int) -> Parallel:
         return Parallel(dp=n, ep=self.ep, capacity_factor=self.capacity_factor)
@@ -233,7 +234,8 @@ def _mib(b: float) -> str:
     return f"{b / 2**20:.2f} MiB"
 
 
-def moe_table(summaries: dict[int, dict[str, dict[str, Any]]], cfg: GPTConfig, sequences: int) -> Table:
+def moe_table(summaries: dict[int, dict[str, dict[str, Any]]], cfg: GPTConfig, sequences: int,
+              wide_: bool = False) -> Table:
     """One row per (world size, contender); ratios against ddp at the same world size, and against dropless ep."""
     title = (f"Mixture of experts: GPT {cfg.n_layer} x {cfg.n_embd} ({cfg.n_head} heads, vocab {cfg.vocab_size}, "
              f"S={cfg.block_size}), {cfg.n_experts} experts top-{cfg.top_k} (expert width {cfg.moe_intermediate}, "
@@ -243,12 +245,9 @@ def moe_table(summaries: dict[int, dict[str, dict[str, Any]]], cfg: GPTConfig, s
     caption = ("model state: parameters + gradients + AdamW states one rank holds after opt.step (as "
                "stats['model_state_bytes']). a2a: ep_dispatch + ep_combine + their gradients, off-rank rows only, "
                "the largest rank. routed / dropped: slots (k per token per MoE layer), all ranks, per step. "
-               "Times: medians over steps and repetitions, the slowest rank.")
-    t = Table(title=title, caption=caption)
-    for col in ("ranks", "layout", "median step", "throughput vs ddp", "vs ep dropless", "model state / rank",
-                "state vs ddp", "peak RSS increase", "a2a / rank / step", "sent / rank / step", "routed / step",
-                "dropped / step", "dropped share"):
-        t.add_column(col, justify="left" if col == "layout" else "right")
+               "Times: medians over steps and repetitions, the slowest rank. ep=E: Parallel(ep=E); cf: its "
+               "capacity_factor. --wide: every column.")
+    rows = []
     for n, summary in summaries.items():
         base = summary["ddp"]
         dropless = summary.get(f"{EP}{n}")
@@ -256,15 +255,21 @@ def moe_table(summaries: dict[int, dict[str, dict[str, Any]]], cfg: GPTConfig, s
             c = contender_of(key)
             st = s["step_time_s"]
             is_ep = c.ep > 1
-            t.add_row(str(n), c.label.replace("dp=N", f"dp={n}"), f"{1e3 * st:.2f} ms",
-                      f"{base['step_time_s'] / st:.3f}x",
-                      f"{dropless['step_time_s'] / st:.3f}x" if is_ep and dropless is not None else "",
-                      _mib(s["state"]), f"{s['state'] / max(1, base['state']):.3f}x", _mib(s["rss"]),
-                      f"{s['a2a']:,.0f} B", f"{s['sent']:,.0f} B",
-                      f"{s['dispatched']:,.0f}" if is_ep else "(not counted)",
-                      f"{s['dropped']:,.1f}" if is_ep else "",
-                      f"{s['dropped'] / s['dispatched']:.2%}" if is_ep and s["dispatched"] else "")
-    return t
+            rows.append([str(n), c.label.replace("dp=N", f"dp={n}"), f"{1e3 * st:.2f} ms",
+                         f"{base['step_time_s'] / st:.3f}x",
+                         f"{dropless['step_time_s'] / st:.3f}x" if is_ep and dropless is not None else "",
+                         _mib(s["state"]), f"{s['state'] / max(1, base['state']):.3f}x", _mib(s["rss"]),
+                         f"{s['a2a']:,.0f} B", f"{s['sent']:,.0f} B",
+                         f"{s['dispatched']:,.0f}" if is_ep else "(not counted)",
+                         f"{s['dropped']:,.1f}" if is_ep else "",
+                         f"{s['dropped'] / s['dispatched']:.2%}" if is_ep and s["dispatched"] else ""])
+    return table(title, COLUMNS, rows, wide_, caption)
+
+
+COLUMNS = (Column("ranks"), Column("layout", left=True), Column("median step"), Column("vs ddp"),
+           Column("vs dropless"), Column("state / rank"), Column("state vs ddp", detail=True),
+           Column("peak RSS +", detail=True), Column("a2a/rank/step"), Column("sent/rank/step", detail=True),
+           Column("routed / step", detail=True), Column("dropped / step", detail=True), Column("dropped share"))
 
 
 def contender_of(key: str) -> MoEContender:
@@ -282,7 +287,7 @@ def moe_pair(a: argparse.Namespace) -> Table:
     model = gpt()
     summaries = {n: summarize(run_moe(model, n, SEQUENCES, a.reps, steps=a.steps, accelerator=a.accelerator))
                  for n in WORLDS}
-    return moe_table(summaries, CFG, SEQUENCES)
+    return moe_table(summaries, CFG, SEQUENCES, wide(a))
 
 
 __all__ = ["CAPACITIES", "CFG", "SEQUENCES", "TOKEN_EXCHANGES", "WORLDS", "MoEContender", "Sample", "contender_of",

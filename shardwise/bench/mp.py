@@ -36,11 +36,14 @@ from shardwise.bench.harness import (
     alternate,
     gather_results,
     measure,
+    merged,
     optimizer_step,
+    over_runs,
     pair_table,
     spawn_collect,
     summarize,
 )
+from shardwise.bench.tables import wide
 from shardwise.comm.topology import Topology
 from shardwise.dims import DP, PP, TP
 from shardwise.models import GPT, Block, GPTConfig, lm_loss
@@ -180,30 +183,34 @@ def pp_sizes(stages: int) -> tuple[int, int]:
 
 
 def pp_pair(a: argparse.Namespace) -> Table:
+    """Our 1F1B against torch's ``Schedule1F1B``; ``--runs N`` launches it N times (the paired ratio of each run
+    in the caption, with their median and middle half)."""
     n, width = a.nproc, 1024
     depth, m = pp_sizes(n)
-    res = run_steps((StepContender("shardwise 1F1B", ours_1f1b),
-                     StepContender("torch Schedule1F1B", torch_1f1b, counts_bytes=False)),
-                    mlp(width, depth), {DP: 1, TP: 1, PP: n}, a.batch, width, m, a.reps, steps=a.steps,
-                    accelerator=a.accelerator)
+    contenders = (StepContender("shardwise 1F1B", ours_1f1b),
+                  StepContender("torch Schedule1F1B", torch_1f1b, counts_bytes=False))
+    runs = over_runs(getattr(a, "runs", 1), lambda: run_steps(
+        contenders, mlp(width, depth), {DP: 1, TP: 1, PP: n}, a.batch, width, m, a.reps, steps=a.steps,
+        accelerator=a.accelerator))
     act = a.batch * width * 4  # one boundary's activations (or gradients) over the m micro-batches
     return pair_table(f"PP 1F1B: {depth} x Linear({width}) MLP, {n} stages, {m} micro-batches, batch {a.batch}, AdamW",
-                      _summary_worst(res), act, "batch x width x 4 B")
+                      runs, _summary_worst(merged(runs)), act, "batch x width x 4 B", wide(a))
 
 
 def tp_pair(a: argparse.Namespace) -> Table:
     n, width, blocks = a.nproc, 1024, 2
-    res = run_steps((StepContender("shardwise TP", ours_tp),
-                     StepContender("torch DTensor TP", torch_tp, counts_bytes=False)),
-                    megatron_mlp(width, blocks), {DP: 1, TP: n, PP: 1}, a.batch, width, 1, a.reps,
-                    steps=a.steps, accelerator=a.accelerator)
+    contenders = (StepContender("shardwise TP", ours_tp),
+                  StepContender("torch DTensor TP", torch_tp, counts_bytes=False))
+    runs = over_runs(getattr(a, "runs", 1), lambda: run_steps(
+        contenders, megatron_mlp(width, blocks), {DP: 1, TP: n, PP: 1}, a.batch, width, 1, a.reps, steps=a.steps,
+        accelerator=a.accelerator))
     # Per block: one all-reduce forward (g after the row-parallel layer), one backward (f before the
     # column one), except the first block's f: the input needs no gradient, so autograd skips it.
     ar = 2 * (n - 1) * (a.batch * width * 4) // n
     title = (f"TP: {blocks} x Megatron MLP (Linear({width},{4 * width}) col, Linear({4 * width},{width}) row), "
              f"{n} ranks, batch {a.batch}, AdamW")
-    return pair_table(title, _summary_worst(res), (2 * blocks - 1) * ar,
-                      "(2 x blocks - 1) all-reduces")
+    return pair_table(title, runs, _summary_worst(merged(runs)), (2 * blocks - 1) * ar,
+                      "(2 x blocks - 1) all-reduces", wide(a))
 
 
 __all__ = ["StepContender", "ascii_timeline", "megatron_mlp", "mlp", "pp_pair", "pp_sizes", "run_steps", "tp_pair"]

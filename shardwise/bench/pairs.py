@@ -16,11 +16,14 @@ from torch.nn import functional as F
 from shardwise import plots
 from shardwise.bench.harness import (
     Contender,
+    merged,
+    over_runs,
     pair_table,
     run_pair,
     same_shape_target,
     summarize,
 )
+from shardwise.bench.tables import WIDTH, wide
 from shardwise.comm.topology import Topology
 from shardwise.console import make_console
 from shardwise.dims import CP, DP, PP, TP
@@ -40,15 +43,17 @@ def torch_ddp(model: nn.Module, topo: Topology) -> tuple[nn.Module, torch.optim.
 
 
 def ddp_pair(a: argparse.Namespace) -> Table:
+    """The hand-built ddp pair (``--hand-built``): our DDPModule against torch's DDP, outside the Trainer."""
     work = mlp1024()
     model = work.make_model()
     n = a.nproc
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    res = run_pair((Contender("shardwise DDP", ours_ddp), Contender("torch DDP", torch_ddp, counts_bytes=False)),
-                   model, (1024,), same_shape_target, F.mse_loss, nprocs=n, local_batch=a.batch // n,
-                   reps=a.reps, steps=a.steps, accelerator=a.accelerator)
-    return pair_table(f"DDP: 4 x Linear(1024) MLP, {n} ranks, global batch {a.batch}, AdamW",
-                      summarize(res), 2 * (n - 1) / n * grad_bytes, "2(N-1)/N x grad bytes")
+    contenders = (Contender("shardwise DDP", ours_ddp), Contender("torch DDP", torch_ddp, counts_bytes=False))
+    runs = over_runs(getattr(a, "runs", 1), lambda: run_pair(
+        contenders, model, (1024,), same_shape_target, F.mse_loss, nprocs=n, local_batch=a.batch // n, reps=a.reps,
+        steps=a.steps, accelerator=a.accelerator))
+    return pair_table(f"DDP: 4 x Linear(1024) MLP, {n} ranks, global batch {a.batch}, AdamW", runs,
+                      summarize(merged(runs)), 2 * (n - 1) / n * grad_bytes, "2(N-1)/N x grad bytes", wide(a))
 
 
 def _lazy(target: str) -> Callable[[argparse.Namespace], Table]:
@@ -59,11 +64,24 @@ def _lazy(target: str) -> Callable[[argparse.Namespace], Table]:
     return run
 
 
+def _switch_or(name: str, hand_built: Callable[[argparse.Namespace], Table]) -> Callable[[argparse.Namespace], Table]:
+    """Pair ``name`` as an engine switch of one Trainer setup (:mod:`shardwise.bench.engines`) when its
+    :data:`~shardwise.bench.engines.SWITCHES` has it and the run did not ask for ``--hand-built``; else
+    ``hand_built``."""
+    def run(a: argparse.Namespace) -> Table:
+        engines = importlib.import_module("shardwise.bench.engines")
+        if name in engines.SWITCHES and not getattr(a, "hand_built", False):
+            return engines.switch_pair(name, a)  # type: ignore[no-any-return]
+        return hand_built(a)
+    return run
+
+
+# Every pair by name; the hand-built ones that engine="torch" covers run as engine switches (_switch_or).
 PAIRS: dict[str, Callable[[argparse.Namespace], Table]] = {
-    "ddp": ddp_pair,
+    "ddp": _switch_or("ddp", ddp_pair),
     "zero1": _lazy("shardwise.bench.zero:zero1_pair"),
-    "zero3": _lazy("shardwise.bench.zero:zero3_pair"),
-    "fsdp": _lazy("shardwise.bench.zero:fsdp_pair"),
+    "zero3": _switch_or("zero3", _lazy("shardwise.bench.zero:zero3_pair")),
+    "fsdp": _switch_or("fsdp", _lazy("shardwise.bench.zero:fsdp_pair")),
     PP: _lazy("shardwise.bench.mp:pp_pair"),
     TP: _lazy("shardwise.bench.mp:tp_pair"),
     "fsdp-tp": _lazy("shardwise.bench.compose:fsdp_tp_pair"),
@@ -79,14 +97,15 @@ PAIRS: dict[str, Callable[[argparse.Namespace], Table]] = {
 
 def run(a: argparse.Namespace) -> int:
     """``shardwise bench``: each pair of ``a.pairs`` (or ``all``) as a table; ``a.plot_dir``: also the PNGs."""
-    console = make_console(min_width=140)
+    console = make_console(min_width=300 if wide(a) else WIDTH)  # --wide: no table squeezed
     names = list(PAIRS) if a.pairs == "all" else a.pairs.split(",")
     unknown = [n for n in names if n not in PAIRS]
     if unknown:
         console.print(f"unknown pair(s) {unknown}; valid: {', '.join(PAIRS)}")
         return 2
     console.print(f"{_dt.date.today()} on {platform.node()} ({platform.processor() or platform.machine()}), "
-                  f"{a.nproc} ranks, {a.reps} alternating repetitions x {a.steps} steps, medians")
+                  f"{a.nproc} ranks, {a.reps} alternating repetitions x {a.steps} steps, medians"
+                  + (f", {a.runs} runs" if getattr(a, "runs", 1) > 1 else ""))
     for n in names:
         table = PAIRS[n](a)
         console.print(table)

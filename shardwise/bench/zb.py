@@ -46,7 +46,9 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleavedZeroBubble
 from torch.nn import functional as F
 
-from shardwise.bench.harness import measure, spawn_collect
+from shardwise.bench.harness import NOT_SEEN, NOT_SEEN_NOTE, PAIRED_NOTE, measure, ratio_text, spawn_collect
+from shardwise.bench.harness import paired as harness_paired
+from shardwise.bench.tables import Column, table, wide
 from shardwise.bench.mp import mlp
 from shardwise.comm.topology import Topology
 from shardwise.dims import PP, WORLD
@@ -67,9 +69,6 @@ ZB, F1B, TORCH_ZB, TORCH_1F1B = "zb-h1", "1f1b", "torch-zb", "torch-1f1b"
 CPU_NOTE = ("CPU / step: the process CPU time of a timed step (every thread), median of the repetitions, summed "
             "over the ranks; where ranks share cores (more ranks than cores) it, not one rank's wall clock, sets "
             "the pace, and it varies less from run to run.")
-PAIRED_NOTE = ("Paired: the other's step over this one's, repetition by repetition (each the slowest rank's median "
-               "step; the two ran in the same repetition, so a slowdown of the host that lasts longer than one "
-               "repetition hits both and cancels), median and, in brackets, the middle half of the repetitions.")
 Order = list[str]  # per rank, its compute actions in order, e.g. "F0 F1 B0 W0 ...": kind F, B or W, micro-batch
 
 
@@ -195,10 +194,11 @@ def torch_1f1b_order(p: int, m: int) -> Order:
     return out
 
 
+# torch ZB: ScheduleInterleavedZeroBubble; torch 1F1B: Schedule1F1B (short names: the tables' first column).
 CONTENDERS = (ZBContender("shardwise ZB-H1", ZB, ours_zb),
-              ZBContender("torch ScheduleInterleavedZeroBubble", TORCH_ZB, torch_zb, counts_bytes=False),
+              ZBContender("torch ZB", TORCH_ZB, torch_zb, counts_bytes=False),
               ZBContender("shardwise 1F1B", F1B, ours_1f1b),
-              ZBContender("torch Schedule1F1B", TORCH_1F1B, torch_1f1b, counts_bytes=False))
+              ZBContender("torch 1F1B", TORCH_1F1B, torch_1f1b, counts_bytes=False))
 
 
 # ---- running -------------------------------------------------------------------------------------
@@ -318,21 +318,14 @@ def summarize(results: list[RankResult]) -> dict[str, dict[str, Any]]:
 
 
 def paired(results: list[RankResult], key: str, other: str) -> tuple[float, float, float]:
-    """``other``'s step time over ``key``'s (its throughput relative to ``other``'s), per repetition: the two ran
-    in the same repetition, so a drift of the host slower than a repetition cancels in the ratio, where it only
-    averages out in a ratio of medians. Returns the median and the quartiles (25th, 75th percentile)."""
-    reps = len(results[0].times[key])
-    ratios = [max(r.times[other][i] for r in results) / max(r.times[key][i] for r in results) for i in range(reps)]
-    if reps < 2:
-        return ratios[0], ratios[0], ratios[0]
-    lo, _, hi = statistics.quantiles(ratios, n=4, method="inclusive")
-    return statistics.median(ratios), lo, hi
+    """``other``'s step time over ``key``'s, repetition by repetition, the slowest rank's: the median and the
+    middle half (:func:`shardwise.bench.harness.paired`)."""
+    return harness_paired([r.times for r in results], key, other)
 
 
 def paired_text(results: list[RankResult], key: str, other: str) -> str:
     """:func:`paired` as a table cell: ``1.021x (0.990-1.046)``."""
-    mid, lo, hi = paired(results, key, other)
-    return f"{mid:.3f}x ({lo:.3f}-{hi:.3f})"
+    return ratio_text(*paired(results, key, other))
 
 
 def loss_gap(results: list[RankResult], key: str = TORCH_ZB, ref: str = ZB,
@@ -346,7 +339,7 @@ def loss_gap(results: list[RankResult], key: str = TORCH_ZB, ref: str = ZB,
 
 
 def zb_table(results: list[RankResult], contenders: tuple[ZBContender, ...], p: int, m: int, batch_size: int,
-             width: int, depth: int, elem: int = 4) -> Table:
+             width: int, depth: int, elem: int = 4, wide_: bool = False) -> Table:
     s = summarize(results)
     names = {c.key: c.name for c in contenders}
     counts = {c.key: c.counts_bytes for c in contenders}
@@ -359,7 +352,8 @@ def zb_table(results: list[RankResult], contenders: tuple[ZBContender, ...], p: 
                  f"{s[F1B]['step_time_s'] / s[ZB]['step_time_s']:.3f}x, peak tensor bytes "
                  f"{s[ZB]['alloc'] / max(1, s[F1B]['alloc']):.3f}x, peak RSS increase "
                  f"{s[ZB]['rss'] / max(1, s[F1B]['rss']):.3f}x. ")
-    caption = (f"{zb_vs}torch ZB: ScheduleInterleavedZeroBubble given one PipelineStage per rank; it runs "
+    caption = (f"{zb_vs}torch ZB: ScheduleInterleavedZeroBubble given one PipelineStage per rank, torch 1F1B: "
+               f"Schedule1F1B; torch ZB runs "
                f"{'the same' if same else 'NOT the same'} actions in the same order as ours zb-h1 on every rank "
                f"(its I = our B). First step from the same weights: |loss ZB-H1 - loss torch ZB| = {dl:.3g}, "
                f"largest gradient difference {dg:.3g}. Formula: activations forward and their gradients backward, "
@@ -370,14 +364,10 @@ def zb_table(results: list[RankResult], contenders: tuple[ZBContender, ...], p: 
                f"the memory the ratios beside it compare; the peak RSS increase also counts what the C heap "
                f"keeps mapped after frees, and varies from repetition to repetition. Simulated bubble: each "
                f"schedule's actions on the model clock, F = B = W = 1 (1F1B's backward 2): (p-1)/(m+p-1) for 1F1B, "
-               f"(p-1)/(3m+p-1) for ZB-H1. {CPU_NOTE} {PAIRED_NOTE}")
-    t = Table(title=f"Zero bubble: {depth} x Linear({width}) MLP, {p} stages (one per rank), {m} micro-batches, "
-                    f"batch {batch_size}, AdamW", caption=caption)
-    for col in ("implementation", "simulated bubble", "median step", "throughput vs torch ZB",
-                "paired vs torch ZB", "throughput vs torch 1F1B", "CPU / step", "CPU vs torch ZB", "peak tensors",
-                "memory vs torch ZB", "memory vs torch 1F1B",
-                "peak RSS increase", "RSS vs torch ZB", "saved act. per rank", "sent / rank / step", "formula"):
-        t.add_column(col, justify="left" if col == "implementation" else "right")
+               f"(p-1)/(3m+p-1) for ZB-H1. {CPU_NOTE} {PAIRED_NOTE} {NOT_SEEN_NOTE} --wide: every column.")
+    title = (f"Zero bubble: {depth} x Linear({width}) MLP, {p} stages (one per rank), {m} micro-batches, "
+             f"batch {batch_size}, AdamW")
+    rows = []
     for key, v in s.items():
         st, mem = v["step_time_s"], v["alloc"]
         vs_t = [f"{s[k]['step_time_s'] / st:.3f}x" if k in s else "" for k in (TORCH_ZB, TORCH_1F1B)]
@@ -385,13 +375,22 @@ def zb_table(results: list[RankResult], contenders: tuple[ZBContender, ...], p: 
         vs_m = [f"{mem / max(1, s[k]['alloc']):.3f}x" if k in s else "" for k in (TORCH_ZB, TORCH_1F1B)]
         rss = f"{v['rss'] / max(1, s[TORCH_ZB]['rss']):.3f}x" if TORCH_ZB in s else ""
         cpu = f"{v['cpu_s'] / s[TORCH_ZB]['cpu_s']:.3f}x" if TORCH_ZB in s else ""
-        t.add_row(names[key], f"{simulated_bubble(v['order'], p):.4f}", f"{1e3 * st:.2f} ms", *vs_t,
-                  f"{1e3 * v['cpu_s']:.1f} ms", cpu, f"{mem / 2**20:.2f} MiB", *vs_m,
-                  f"{v['rss'] / 2**20:.2f} MiB", rss,
-                  " / ".join(f"{b / 1024:,.0f}" for b in v["saved"]) + " KiB",
-                  f"{v['sent']:,.0f} B" if counts[key] else "(not observable)",
-                  f"{formula:,} B")
-    return t
+        rows.append([names[key], f"{simulated_bubble(v['order'], p):.4f}", f"{1e3 * st:.2f} ms", *vs_t,
+                     f"{1e3 * v['cpu_s']:.1f} ms", cpu, f"{mem / 2**20:.2f} MiB", *vs_m,
+                     f"{v['rss'] / 2**20:.2f} MiB", rss,
+                     " / ".join(f"{b / 1024:,.0f}" for b in v["saved"]) + " KiB",
+                     f"{v['sent']:,.0f} B" if counts[key] else NOT_SEEN, f"{formula:,} B"])
+    return table(title, ZB_COLUMNS, rows, wide_, caption)
+
+
+# The default columns: time, the paired ratio and the exact memory against torch's zero-bubble schedule.
+ZB_COLUMNS = (Column("implementation", left=True), Column("sim. bubble", detail=True), Column("median step"),
+              Column("vs torch ZB"), Column("paired vs torch ZB"), Column("vs torch 1F1B", detail=True),
+              Column("CPU / step", detail=True), Column("CPU vs torch ZB", detail=True), Column("peak tensors"),
+              Column("mem. vs torch ZB"), Column("mem. vs torch 1F1B", detail=True),
+              Column("peak RSS +", detail=True), Column("RSS vs torch ZB", detail=True),
+              Column("saved act. / rank", detail=True), Column("sent/rank/step", detail=True),
+              Column("formula", detail=True))
 
 
 def zb_pair(a: argparse.Namespace) -> Table:
@@ -399,7 +398,7 @@ def zb_pair(a: argparse.Namespace) -> Table:
     this table and, under it, the V half: :func:`shardwise.bench.zbv.zb_pairs`)."""
     model = mlp(WIDTH, DEPTH)
     res = run_zb(model, a.nproc, a.batch, MICROBATCHES, a.reps, steps=a.steps, accelerator=a.accelerator)
-    return zb_table(res, CONTENDERS, a.nproc, MICROBATCHES, a.batch, WIDTH, DEPTH)
+    return zb_table(res, CONTENDERS, a.nproc, MICROBATCHES, a.batch, WIDTH, DEPTH, wide_=wide(a))
 
 
 __all__ = ["ALLOC_STEPS", "CONTENDERS", "CPU_NOTE", "DEPTH", "F1B", "MICROBATCHES", "PAIRED_NOTE", "TORCH_1F1B",

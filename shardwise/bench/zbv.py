@@ -20,7 +20,9 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV, ScheduleZBVZeroBubble
 from torch.nn import functional as F
 
+from shardwise.bench.harness import NOT_SEEN, NOT_SEEN_NOTE
 from shardwise.bench.mp import mlp
+from shardwise.bench.tables import Column, table, wide
 from shardwise.bench.zb import (
     ADAMW,
     CPU_NOTE,
@@ -118,10 +120,11 @@ def torch_v_order(pipeline_order: dict[int, list[Any]], p: int) -> Order:
     return out
 
 
+# torch ZBV: ScheduleZBVZeroBubble; torch DualPipeV: ScheduleDualPipeV (short names: the table's first column).
 V_CONTENDERS = (ZBContender("shardwise ZBV", ZBV, ours_zbv),
-                ZBContender("torch ScheduleZBVZeroBubble", TORCH_ZBV, torch_zbv, counts_bytes=False),
+                ZBContender("torch ZBV", TORCH_ZBV, torch_zbv, counts_bytes=False),
                 ZBContender("shardwise DualPipeV", DPV, ours_dualpipev),
-                ZBContender("torch ScheduleDualPipeV", TORCH_DPV, torch_dualpipev, counts_bytes=False))
+                ZBContender("torch DualPipeV", TORCH_DPV, torch_dualpipev, counts_bytes=False))
 
 
 def expected_sent_v(rank: int, p: int, batch_size: int, width: int, elem: int = 4) -> int:
@@ -139,7 +142,7 @@ def simulated_bubble_v(order: Order, p: int) -> float:
 
 
 def zbv_table(results: list[RankResult], p: int, m: int, batch_size: int, width: int, depth: int,
-              elem: int = 4) -> Table:
+              elem: int = 4, wide_: bool = False) -> Table:
     s = summarize(results)
     names = {c.key: c.name for c in V_CONTENDERS}
     counts = {c.key: c.counts_bytes for c in V_CONTENDERS}
@@ -148,7 +151,8 @@ def zbv_table(results: list[RankResult], p: int, m: int, batch_size: int, width:
     same = {k: split_order(s[k]["order"]) == split_order(s[f"torch-{k}"]["order"]) for k in (ZBV, DPV)}
     whole = {k: sum(o.count("BW") for o in s[k]["order"]) for k in s}
     gaps = {k: loss_gap(results, k, ZBV, loss_rank=0) for k in (TORCH_ZBV, DPV, TORCH_DPV)}
-    caption = ("Two chunks per rank in a V (rank r: virtual stages r and 2p-1-r; torch: two PipelineStages). "
+    caption = ("Two chunks per rank in a V (rank r: virtual stages r and 2p-1-r; torch: two PipelineStages). torch "
+               "ZBV: ScheduleZBVZeroBubble; torch DualPipeV: ScheduleDualPipeV. "
                f"torch ZBV runs {'the same' if same[ZBV] else 'NOT the same'} actions as ours zbv, torch "
                f"DualPipeV {'the same' if same[DPV] else 'NOT the same'} as ours dualpipev (its overlapped F&B "
                "pairs as F then the full backward in one autograd pass, ours too). Whole backwards, all ranks: "
@@ -158,34 +162,37 @@ def zbv_table(results: list[RankResult], p: int, m: int, batch_size: int, width:
                + ", ".join(f"{names[k]} |loss| {dl:.3g}, |grad| {dg:.3g}" for k, (dl, dg) in gaps.items())
                + f". Formula: 2 x ((r < p-1) + (r > 0)) x batch x width x {elem} B, the worst rank. Peak "
                "tensors and RSS as in the table above. Simulated bubble: F = B = W = 1 per chunk, (p-1)/(6m+p-1) "
-               f"for both when m >= 2p. {CPU_NOTE} {PAIRED_NOTE}")
-    t = Table(title=f"Zero bubble, V: {depth} x Linear({width}) MLP, {p} ranks x 2 chunks, {m} micro-batches, "
-                    f"batch {batch_size}, AdamW", caption=caption)
-    for col in ("implementation", "simulated bubble", "median step", "throughput vs torch", "paired vs torch",
-                "CPU / step",
-                "CPU vs torch", "peak tensors",
-                "memory vs torch", "peak RSS increase", "RSS vs torch", "saved act. per rank", "sent / rank / step",
-                "formula"):
-        t.add_column(col, justify="left" if col == "implementation" else "right")
+               f"for both when m >= 2p. {CPU_NOTE} {PAIRED_NOTE} {NOT_SEEN_NOTE} --wide: every column.")
+    title = (f"Zero bubble, V: {depth} x Linear({width}) MLP, {p} ranks x 2 chunks, {m} micro-batches, "
+             f"batch {batch_size}, AdamW")
+    rows = []
     for key, v in s.items():
         st, mem, rss = v["step_time_s"], v["alloc"], v["rss"]
         torch_key = key if key.startswith("torch-") else f"torch-{key}"
-        t.add_row(names[key], f"{simulated_bubble_v(v['order'], p):.4f}", f"{1e3 * st:.2f} ms",
-                  f"{s[torch_key]['step_time_s'] / st:.3f}x", paired_text(results, key, torch_key),
-                  f"{1e3 * v['cpu_s']:.1f} ms",
-                  f"{v['cpu_s'] / s[torch_key]['cpu_s']:.3f}x", f"{mem / 2**20:.2f} MiB",
-                  f"{mem / max(1, s[torch_key]['alloc']):.3f}x", f"{rss / 2**20:.2f} MiB",
-                  f"{rss / max(1, s[torch_key]['rss']):.3f}x",
-                  " / ".join(f"{b / 1024:,.0f}" for b in v["saved"]) + " KiB",
-                  f"{v['sent']:,.0f} B" if counts[key] else "(not observable)", f"{formula:,} B")
-    return t
+        rows.append([names[key], f"{simulated_bubble_v(v['order'], p):.4f}", f"{1e3 * st:.2f} ms",
+                     f"{s[torch_key]['step_time_s'] / st:.3f}x", paired_text(results, key, torch_key),
+                     f"{1e3 * v['cpu_s']:.1f} ms", f"{v['cpu_s'] / s[torch_key]['cpu_s']:.3f}x",
+                     f"{mem / 2**20:.2f} MiB", f"{mem / max(1, s[torch_key]['alloc']):.3f}x", f"{rss / 2**20:.2f} MiB",
+                     f"{rss / max(1, s[torch_key]['rss']):.3f}x",
+                     " / ".join(f"{b / 1024:,.0f}" for b in v["saved"]) + " KiB",
+                     f"{v['sent']:,.0f} B" if counts[key] else NOT_SEEN, f"{formula:,} B"])
+    return table(title, ZBV_COLUMNS, rows, wide_, caption)
+
+
+# As the ZB-H1 table's (:data:`~shardwise.bench.zb.ZB_COLUMNS`), each row against torch's same schedule.
+ZBV_COLUMNS = (Column("implementation", left=True), Column("sim. bubble", detail=True), Column("median step"),
+               Column("vs torch"), Column("paired vs torch"), Column("CPU / step", detail=True),
+               Column("CPU vs torch", detail=True), Column("peak tensors"), Column("mem. vs torch"),
+               Column("peak RSS +", detail=True), Column("RSS vs torch", detail=True),
+               Column("saved act. / rank", detail=True), Column("sent/rank/step", detail=True),
+               Column("formula", detail=True))
 
 
 def zbv_pair(a: argparse.Namespace) -> Table:
     """``shardwise bench --pairs zb`` (V half): ``--nproc`` ranks x 2 chunks, :data:`MICROBATCHES` micro-batches."""
     res = run_zb(mlp(WIDTH, DEPTH), a.nproc, a.batch, MICROBATCHES, a.reps, steps=a.steps, accelerator=a.accelerator,
                  contenders=V_CONTENDERS)
-    return zbv_table(res, a.nproc, MICROBATCHES, a.batch, WIDTH, DEPTH)
+    return zbv_table(res, a.nproc, MICROBATCHES, a.batch, WIDTH, DEPTH, wide_=wide(a))
 
 
 def zb_pairs(a: argparse.Namespace) -> Table:

@@ -33,12 +33,21 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn import functional as F
 
 from shardwise.bench.harness import (
+    NOT_SEEN,
+    NOT_SEEN_NOTE,
+    PAIRED_NOTE,
     Contender,
+    PairResult,
+    merged,
+    over_runs,
+    paired,
+    ratio_text,
     run_pair,
     same_shape_target,
     spawn_collect,
     summarize,
 )
+from shardwise.bench.tables import Column, table, wide
 from shardwise.comm.topology import Topology
 from shardwise.dims import DP
 from shardwise.fit.trainer import Trainer
@@ -100,48 +109,70 @@ def torch_fully_shard(strategy: str, model: nn.Module, topo: Topology) -> tuple[
 def _workloads() -> list[tuple[str, nn.Module, tuple[int, ...], Callable[..., torch.Tensor],
                                Callable[..., torch.Tensor]]]:
     torch.manual_seed(0)
-    return [("4 x Linear(1024) MLP", mlp1024().make_model(), (1024,), same_shape_target, F.mse_loss),
-            (f"GPT {GPT_CFG.n_layer}x{GPT_CFG.n_embd}, T={GPT_CFG.block_size}", TokenGPT(), (GPT_CFG.block_size,),
-             _token_target, lm_loss)]
+    return [("MLP", mlp1024().make_model(), (1024,), same_shape_target, F.mse_loss),
+            ("GPT", TokenGPT(), (GPT_CFG.block_size,), _token_target, lm_loss)]
 
 
-def _pair_rows(title: str, a: argparse.Namespace, ours: Contender, theirs: Contender, factor: int) -> Table:
+MODELS_NOTE = (f"MLP: 4 x Linear(1024); GPT: {GPT_CFG.n_layer} x {GPT_CFG.n_embd}, T={GPT_CFG.block_size}, fed "
+               "token ids made from the harness's float inputs.")
+COLUMNS = (Column("model", left=True), Column("implementation", left=True), Column("median step"),
+           Column("vs torch"), Column("paired vs torch"), Column("peak RSS +"), Column("RSS vs torch"),
+           Column("sent/rank/step"), Column("formula", detail=True))
+
+
+def zero_rows(label: str, results: list[PairResult], factor: int, grad_bytes: int) -> list[list[str]]:
+    """The two rows (ours, torch's) of one workload: ratios against torch's, which is second."""
+    ours, theirs = results[0].names
+    res = summarize(results)
+    n = len(results)
+    base_t = res[theirs]["step_time_s"]
+    base_m = max(1, res[theirs]["peak_rss_delta_bytes"])
+    rows = []
+    for name in (ours, theirs):
+        s = res[name]
+        sent = s["sent_per_step"]
+        rows.append([label, name, f"{1e3 * s['step_time_s']:.2f} ms", f"{base_t / s['step_time_s']:.3f}x",
+                     ratio_text(*paired([r.step_times for r in results], name, theirs)),
+                     f"{s['peak_rss_delta_bytes'] / 2**20:.2f} MiB", f"{s['peak_rss_delta_bytes'] / base_m:.3f}x",
+                     NOT_SEEN if sent is None else f"{sent:,.0f} B", f"{factor * (n - 1) / n * grad_bytes:,.0f} B"])
+    return rows
+
+
+def zero_table(title: str, rows: list[list[str]], factor: int, note: str, wide_: bool = False) -> Table:
+    caption = (f"{MODELS_NOTE} {note} vs torch: torch's median step over this one's (above 1: faster). {PAIRED_NOTE} "
+               f"{NOT_SEEN_NOTE} formula: {factor}(N-1)/N x gradient bytes.")
+    return table(title, COLUMNS, rows, wide_, caption)
+
+
+def _pair_rows(title: str, a: argparse.Namespace, ours: Contender, theirs: Contender, factor: int,
+               note: str = "") -> Table:
     """Run the pair on both workloads; one table, two rows per workload."""
     n = a.nproc
-    t = Table(title=f"{title}: {n} ranks, global batch {a.batch}, AdamW fp32")
-    for col in ("model", "implementation", "median step", "throughput vs torch", "peak RSS increase",
-                "memory vs torch", "sent / rank / step", f"{factor}(N-1)/N x grad bytes"):
-        t.add_column(col, justify="left" if col in ("model", "implementation") else "right")
+    rows = []
     for label, model, in_shape, target, loss in _workloads():
         grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        res = summarize(run_pair((ours, theirs), model, in_shape, target, loss, nprocs=n, local_batch=a.batch // n,
-                                 reps=a.reps, steps=a.steps, accelerator=a.accelerator, exact_rss=True))
-        base_t = res[theirs.name]["step_time_s"]
-        base_m = max(1, res[theirs.name]["peak_rss_delta_bytes"])
-        for c in (ours, theirs):
-            s = res[c.name]
-            sent = s["sent_per_step"]
-            t.add_row(label, c.name, f"{1e3 * s['step_time_s']:.2f} ms", f"{base_t / s['step_time_s']:.3f}x",
-                      f"{s['peak_rss_delta_bytes'] / 2**20:.2f} MiB", f"{s['peak_rss_delta_bytes'] / base_m:.3f}x",
-                      "(not observable)" if sent is None else f"{sent:,.0f} B",
-                      f"{factor * (n - 1) / n * grad_bytes:,.0f} B")
-    return t
+        res = merged(over_runs(getattr(a, "runs", 1), lambda: run_pair(
+            (ours, theirs), model, in_shape, target, loss, nprocs=n, local_batch=a.batch // n, reps=a.reps,
+            steps=a.steps, accelerator=a.accelerator, exact_rss=True)))
+        rows += zero_rows(label, res, factor, grad_bytes)
+    return zero_table(f"{title}: {n} ranks, global batch {a.batch}, AdamW fp32", rows, factor, note, wide(a))
 
 
 def zero1_pair(a: argparse.Namespace) -> Table:
     """Our ZeRO-1 against torch DDP + ZeroRedundancyOptimizer."""
     return _pair_rows("ZeRO-1", a, Contender("shardwise zero1", ours_zero1),
-                      Contender("torch DDP + ZeroRedundancyOptimizer", torch_zero1, counts_bytes=False), 2)
+                      Contender("torch ZeRO-1", torch_zero1, counts_bytes=False), 2,
+                      "torch ZeRO-1: torch's DDP + ZeroRedundancyOptimizer.")
 
 
 def zero3_pair(a: argparse.Namespace) -> Table:
-    """Our ZeRO-3 (size-based units) against FSDP2 fully_shard on the same units."""
+    """Our ZeRO-3 (size-based units) against FSDP2 fully_shard on the same units (``--hand-built``)."""
     return _pair_rows("ZeRO-3", a, Contender("shardwise zero3", functools.partial(ours_sharded, "zero3")),
                       Contender("torch fully_shard", functools.partial(torch_fully_shard, "zero3"), counts_bytes=False), 3)
 
 
 def fsdp_pair(a: argparse.Namespace) -> Table:
-    """Our FSDP (a unit per block/layer) against FSDP2 fully_shard on the same units."""
+    """Our FSDP (a unit per block/layer) against FSDP2 fully_shard on the same units (``--hand-built``)."""
     return _pair_rows("FSDP", a, Contender("shardwise fsdp", functools.partial(ours_sharded, "fsdp")),
                       Contender("torch fully_shard", functools.partial(torch_fully_shard, "fsdp"), counts_bytes=False), 3)
 
