@@ -134,6 +134,19 @@ def _tp_then_fsdp(rank: int, device: torch.device, folder: str) -> None:
         torch.save({k: (r.losses, r.state_dict) for k, r in out.items()}, os.path.join(folder, "runs.pt"))
 
 
+def _pp_rows(rank: int, device: torch.device, folder: str) -> None:
+    """pp under torch.distributed.pipelining in one 2-rank launch: our GPT (its embedding tied to the head across
+    the two stages) between two runs of our DDP, resuming one's checkpoint and leaving its own to the other;
+    torch's zbv and interleaved schedules around our 1f1b, each resuming the other engine's stages; Llama under
+    torch's GPipe."""
+    out = {"llama pp torch": fit("llama", sw.PP(schedule="gpipe"), steps=2, engine="torch")}
+    _chain(out, os.path.join(folder, "ddp"), "gpt", [sw.DDP(), sw.PP(engine="torch"), sw.DDP()], 2)
+    _chain(out, os.path.join(folder, "pp"), "gpt", [sw.PP(schedule="zbv", engine="torch"), sw.PP(),
+                                                    sw.PP(schedule="interleaved", engine="torch")], 2)
+    if rank == 0:
+        torch.save({k: (r.losses, r.state_dict) for k, r in out.items()}, os.path.join(folder, "runs.pt"))
+
+
 def _equal_one_device(folder: pathlib.Path, same_run) -> None:
     """The launch's runs (saved by rank 0), each checked against the single-device run of its model and length."""
     runs = {k: sw.FitResult(losses, state) for k, (losses, state) in torch.load(folder / "runs.pt").items()}
@@ -145,6 +158,11 @@ def _equal_one_device(folder: pathlib.Path, same_run) -> None:
 
 def test_zero_hsdp_and_tp_rows_under_torch_equal_one_device(tmp_path, same_run):
     launch.spawn(_new_rows, 2, args=(str(tmp_path),))
+    _equal_one_device(tmp_path, same_run)
+
+
+def test_pp_under_torch_equals_one_device_and_crosses_engines(tmp_path, same_run):
+    launch.spawn(_pp_rows, 2, args=(str(tmp_path),))
     _equal_one_device(tmp_path, same_run)
 
 
@@ -164,8 +182,12 @@ def test_tp_then_fsdp_under_torch_equals_one_device_and_crosses_engines(tmp_path
                                                    "PyTorch has none; engine='shardwise' runs it"),
     (sw.Parallel(cp=2, engine="torch"), {}, "engine='torch' has no engine for context parallelism on CPU (torch's "
      "context_parallel runs on CUDA only) and does not cover it on CUDA yet; engine='shardwise' runs it"),
-    ("pp", {"engine": "torch"}, "engine='torch' does not cover strategy 'pp' yet (torch's engine for it: "
-                                "torch.distributed.pipelining); engine='shardwise' runs it"),
+    (sw.PP(schedule="zb-h1"), {"engine": "torch"}, "engine='torch' cannot run strategy 'pp' with schedule='zb-h1': "
+     "torch's zero-bubble schedules hold several stages per rank (ScheduleInterleavedZeroBubble on a loop, "
+     "ScheduleZBVZeroBubble on a V); ZB-H1 holds one, so torch has no schedule for it (use 'zbv'); "
+     "engine='shardwise' runs it"),
+    (sw.Parallel(pp=2, dp=1, engine="torch"), {}, "engine='torch' does not cover strategy 'parallel' yet (torch's "
+     "engine for it: pp, then tp, then FSDP2 over dp); engine='shardwise' runs it"),
     (sw.Parallel(dp=2, tp=2, engine="torch"), {}, "engine='torch' does not cover strategy 'parallel' yet (torch's "
      "engine for it: pp, then tp, then FSDP2 over dp); engine='shardwise' runs it"),
     ("fsdp", {"engine": "torch", "activation_checkpointing": True},

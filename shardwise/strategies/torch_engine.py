@@ -16,7 +16,7 @@ itself under ``engine="shardwise"``); under ``"torch"``:
 ``Parallel(zero=3)``  tp, then FSDP2 over dp on the same root mesh (torchtitan's order; no pp, no
                       replicas)
 ``pp``                ``torch.distributed.pipelining``: our stages (same cut, same tied weights kept
-                      in sync) as ``PipelineStage``\ s, run by torch's schedule for ours: gpipe
+                      in sync) as ``PipelineStage`` objects, run by torch's schedule for ours: gpipe
                       ``ScheduleGPipe``, 1f1b ``Schedule1F1B``, interleaved ``ScheduleInterleaved1F1B``,
                       zbv ``ScheduleZBVZeroBubble``; zb-h1 and dualpipev refused (:class:`TorchPP`)
 ====================  =====================================================================
@@ -291,14 +291,6 @@ class TorchPP(TorchEngine, SplitsModel):
     def split_points(self) -> list[str] | None:  # type: ignore[override]
         return self.of.split_points  # type: ignore[attr-defined,no-any-return]
 
-    def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int,
-                    backend: str = "gloo") -> None:
-        schedule = self.of.schedule  # type: ignore[attr-defined]
-        if schedule in NO_TORCH_SCHEDULE:
-            raise ValueError(f"engine='torch' cannot run strategy {self.name!r} with schedule={schedule!r}: "
-                             f"{NO_TORCH_SCHEDULE[schedule]}; engine='shardwise' runs it")
-        super().check_model(model, devices, batch_size, accumulate_grad_batches, backend)
-
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
         self.check_setup(model)
@@ -407,6 +399,10 @@ def refuse_torch(strategy: Strategy, *, activation_checkpointing: Any, sync_batc
     if row not in TORCH:
         raise ValueError(f"engine='torch' has no engine for strategy {name!r} (not a built-in strategy); "
                          "engine='shardwise' runs it")
+    schedule = getattr(strategy, "schedule", None)
+    if row == "PP" and schedule in NO_TORCH_SCHEDULE:
+        raise ValueError(f"engine='torch' cannot run strategy {name!r} with schedule={schedule!r}: "
+                         f"{NO_TORCH_SCHEDULE[schedule]}; engine='shardwise' runs it")
     for what, refused in _unsupported(strategy, activation_checkpointing, sync_batchnorm).items():
         if refused:
             raise ValueError(f"engine='torch' does not support {what} yet (strategy {name!r}); "
