@@ -16,6 +16,7 @@ two stages share.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -71,7 +72,9 @@ class TorchPipeline:
     def __init__(self, pm: PipelineModel, topo: Topology, schedule: str) -> None:
         self.pm, self.schedule = pm, schedule
         total = pm.stages * len(pm.chunks)
-        self.stages = [torch_stage(pm.chunks[c], pm.placement.virtual(pm.rank, c), total, topo)
+        # The run's forward context (autocast) wraps each forward and the loss, not torch's backwards.
+        self.context: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext
+        self.stages = [torch_stage(_InContext(pm.chunks[c], self), pm.placement.virtual(pm.rank, c), total, topo)
                        for c in range(len(pm.chunks))]
         self.first = any(s.is_first for s in self.stages)
         self.last = any(s.is_last for s in self.stages)
@@ -89,15 +92,19 @@ class TorchPipeline:
         mbs = resplit(micro_batches, microbatches)
         x, y = torch.cat([x for x, _ in mbs]), torch.cat([y for _, y in mbs])
         sched, fn = self._schedule(len(mbs))
-        fn[0] = lambda out, target: loss_fn(out, target) * loss_scale
+        fn[0] = functools.partial(self._loss, loss_fn, loss_scale)
+        self.context = forward_context
         self.pm.sync_copies()
         losses: list[torch.Tensor] = []
         args = (x,) if self.first else ()
         kw: dict[str, Any] = {"target": y, "losses": losses} if self.last else {}
-        with forward_context():
-            sched.step(*args, **kw)
+        sched.step(*args, **kw)
         sync_ties(self.pm, self.comm)
         return torch.stack([l.detach() for l in losses]).mean() / loss_scale if self.last else None
+
+    def _loss(self, loss_fn: LossFn, scale: float, out: Any, target: Any) -> torch.Tensor:
+        with self.context():
+            return loss_fn(out, target) * scale
 
     def _schedule(self, microbatches: int) -> tuple[_PipelineSchedule, list[LossFn]]:
         """The schedule for ``microbatches`` (built once per count), and the cell holding the loss it calls (the
@@ -108,6 +115,19 @@ class TorchPipeline:
                                    lambda out, target: fn[0](out, target))
             self.built[microbatches] = sched, fn
         return self.built[microbatches]
+
+
+class _InContext(nn.Module):
+    """A chunk whose forward runs in its pipeline's current forward context (what torch's stage calls)."""
+
+    def __init__(self, chunk: nn.Module, pipe: TorchPipeline) -> None:
+        super().__init__()
+        self.chunk = chunk
+        self.pipe = pipe
+
+    def forward(self, *args: Any) -> Any:
+        with self.pipe.context():
+            return self.chunk(*args)
 
 
 __all__ = ["NO_TORCH_SCHEDULE", "TORCH_SCHEDULES", "TorchPipeline", "torch_schedule", "torch_stage"]
