@@ -306,6 +306,9 @@ class TorchPP(TorchEngine, SplitsModel):
         return self.pipe.step(micro_batches, loss_fn, self.of._micro(micro_batches, topo),  # type: ignore[attr-defined]
                               lambda: run.forward_context(topo.device), run.loss_scale)
 
+    def compile_refusal(self) -> str | None:
+        return self.of.compile_refusal()  # a zero-bubble schedule splits each backward, as torch's needs too
+
     def eval_step(self, model: nn.Module, x: Any, y: Any, fn: LossFn, topo: Topology,
                   run: StepRun = StepRun()) -> torch.Tensor | None:
         return self.of.eval_step(model, x, y, fn, topo, run)  # our forward-only pass over the same stages
