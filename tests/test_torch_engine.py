@@ -222,6 +222,7 @@ def test_what_torch_tp_cannot_run_is_refused_before_start(model, strategy, devic
 def test_a_strategy_s_own_engine_wins_and_single_needs_none():
     assert type(sw.Trainer(sw.FSDP(engine="torch"), 2, accelerator="cpu").strategy).__name__ == "TorchFSDP"
     assert type(sw.Trainer("zero3", 2, accelerator="cpu", engine="torch").strategy).__name__ == "TorchFSDP"
+    assert type(sw.Trainer("pp", 2, accelerator="cpu", engine="torch").strategy).__name__ == "TorchPP"
     assert type(sw.Trainer("ddp", 2, accelerator="cpu", engine="shardwise").strategy).__name__ == "DDP"
     assert sw.Trainer("single", 1, accelerator="cpu", engine="torch").strategy.name == "single"
     assert [sw.Trainer(s, 2, accelerator="cpu").engine for s in (sw.DDP(engine="torch"), "ddp")] == ["torch",
