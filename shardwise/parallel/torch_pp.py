@@ -30,9 +30,10 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.comm.topology import Topology
-from shardwise.dims import PP
+from shardwise.dims import DP, PP
 from shardwise.parallel.pipeline import PipelineModel
 from shardwise.parallel.pipeline_run import resplit, sync_ties
 from shardwise.step import LossFn
@@ -69,13 +70,16 @@ def torch_schedule(schedule: str, stages: list[PipelineStage], microbatches: int
 class TorchPipeline:
     """This rank's chunks of a :class:`PipelineModel` as torch stages, run by torch's schedule for ``schedule``."""
 
-    def __init__(self, pm: PipelineModel, topo: Topology, schedule: str) -> None:
+    def __init__(self, pm: PipelineModel, topo: Topology, schedule: str, bucket_cap_mb: float | None = None) -> None:
+        """With dp > 1, each chunk runs under torch's DDP over dp (:class:`StageDDP`, ``bucket_cap_mb``), whose
+        reduction torch's stage starts in the last micro-batch's backward."""
         self.pm, self.schedule = pm, schedule
         total = pm.stages * len(pm.chunks)
         # The run's forward context (autocast) wraps each forward and the loss, not torch's backwards.
         self.context: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext
-        self.stages = [torch_stage(_InContext(pm.chunks[c], self), pm.placement.virtual(pm.rank, c), total, topo)
-                       for c in range(len(pm.chunks))]
+        wrap = functools.partial(stage_ddp, topo=topo, bucket_cap_mb=bucket_cap_mb) if topo.size(DP) > 1 else None
+        self.stages = [torch_stage((wrap or _same)(_InContext(pm.chunks[c], self)), pm.placement.virtual(pm.rank, c),
+                                   total, topo) for c in range(len(pm.chunks))]
         self.first = any(s.is_first for s in self.stages)
         self.last = any(s.is_last for s in self.stages)
         self.comm = topo.comm(PP)
@@ -115,6 +119,31 @@ class TorchPipeline:
                                    lambda out, target: fn[0](out, target))
             self.built[microbatches] = sched, fn
         return self.built[microbatches]
+
+
+class StageDDP(DistributedDataParallel):
+    """torch's DDP for a pipeline stage: every forward runs as under ``no_sync()``.
+
+    torch's stage runs each micro-batch's forward under ``no_sync()`` itself and starts the reduction before
+    the last backward (``prepare_for_backward``); but on the first step it infers the shapes sent between
+    stages with one more forward, outside ``no_sync()``, which would leave DDP expecting a backward that never
+    comes: the next micro-batch's backward then counts every parameter twice, and DDP's bucket rebuild fails
+    (``rebuilt parameter indices size is not same as original model parameters size``)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self.no_sync():
+            return super().forward(*args, **kwargs)
+
+
+def stage_ddp(module: nn.Module, topo: Topology, bucket_cap_mb: float | None = None) -> StageDDP:
+    """:class:`StageDDP` over ``topo``'s data-parallel group (``bucket_cap_mb`` None: torch's default)."""
+    ids = [topo.device.index] if topo.device.type == "cuda" else None
+    extra = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    return StageDDP(module, device_ids=ids, process_group=topo.group(DP), **extra)
+
+
+def _same(module: nn.Module) -> nn.Module:
+    return module
 
 
 class _InContext(nn.Module):

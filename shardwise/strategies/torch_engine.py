@@ -60,7 +60,7 @@ from shardwise.parallel.torch_engines import (
     zero_redundancy,
 )
 from shardwise.parallel.pipeline import build_pipeline
-from shardwise.parallel.schedules import shape_of
+from shardwise.parallel.schedules import schedule_facts, shape_of
 from shardwise.parallel.torch_pp import NO_TORCH_SCHEDULE, TorchPipeline
 from shardwise.parallel.torch_tp import (
     apply_torch_tp,
@@ -291,13 +291,24 @@ class TorchPP(TorchEngine, SplitsModel):
     def split_points(self) -> list[str] | None:  # type: ignore[override]
         return self.of.split_points  # type: ignore[attr-defined,no-any-return]
 
+    def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int,
+                    backend: str = "gloo") -> None:
+        super().check_model(model, devices, batch_size, accumulate_grad_batches, backend)
+        schedule = self.of.schedule  # type: ignore[attr-defined]
+        if self.layout(devices).dp > 1 and schedule_facts(schedule).split_backward:
+            raise ValueError(f"engine='torch' cannot run strategy {self.name!r} with schedule={schedule!r} and "
+                             "dp > 1: torch's stage starts DDP's gradient reduction at the last micro-batch's "
+                             "input backward, before the weight backwards the zero-bubble schedule runs later, "
+                             "whose gradients would miss it; use schedule='1f1b', 'gpipe' or 'interleaved', or "
+                             "engine='shardwise'")
+
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
         self.check_setup(model)
         of: Any = self.of
         pm = build_pipeline(model.to(topo.device), topo, of.split_points, of.n_chunks(), of.tied,
                             shape=shape_of(of.schedule))
-        self.pipe = TorchPipeline(pm, topo, of.schedule)
+        self.pipe = TorchPipeline(pm, topo, of.schedule, of.bucket_cap_mb)
         return pm, optimizer_fn(pm.parameters())
 
     def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
@@ -355,7 +366,9 @@ def _row(strategy: Strategy) -> str | None:
     """The name of the nearest class of ``strategy`` that the tables here know (None: none, a user's own)."""
     known = {*TORCH, *NOT_YET, *NO_TORCH_ENGINE}
     row = next((c.__name__ for c in type(strategy).__mro__ if c.__name__ in known), None)
-    return "TP" if row == "Parallel" and _tp_then_fsdp(strategy) else row
+    if row == "Parallel" and _tp_then_fsdp(strategy):
+        return "TP"
+    return "PP" if row == "Parallel" and _pp_then_ddp(strategy) else row
 
 
 def _tp_then_fsdp(strategy: Strategy) -> bool:
@@ -365,6 +378,14 @@ def _tp_then_fsdp(strategy: Strategy) -> bool:
     field = functools.partial(getattr, strategy)
     split = field(TP) > 1 or field("sequence_parallel")
     return split and field(PP) == 1 and field("replicate") == 1 and (field(DP) in (1, -1) or field("zero") == 3)
+
+
+def _pp_then_ddp(strategy: Strategy) -> bool:
+    """Whether a ``sw.Parallel`` is what :class:`TorchPP` runs: a pipeline, then torch's DDP over dp on each
+    stage (``zero=0``), split by nothing else."""
+    field = functools.partial(getattr, strategy)
+    return (field(PP) > 1 and field(TP) == 1 and not field("sequence_parallel") and field("zero") == 0
+            and field("replicate") == 1)
 
 
 def engine_for(strategy: Strategy, engine: str | None, *, activation_checkpointing: Any = False,
