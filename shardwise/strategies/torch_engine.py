@@ -19,6 +19,7 @@ itself under ``engine="shardwise"``); under ``"torch"``:
                       in sync) as ``PipelineStage`` objects, run by torch's schedule for ours: gpipe
                       ``ScheduleGPipe``, 1f1b ``Schedule1F1B``, interleaved ``ScheduleInterleaved1F1B``,
                       zbv ``ScheduleZBVZeroBubble``; zb-h1 and dualpipev refused (:class:`TorchPP`)
+``Parallel(pp, dp)``  that pipeline with each stage under torch's DDP over dp (``zero=0``; not zbv)
 ====================  =====================================================================
 
 Everything else is refused before any process starts, naming what runs it. The
