@@ -127,9 +127,25 @@ def _new_rows(rank: int, device: torch.device, folder: str) -> None:
 
 def _tp_then_fsdp(rank: int, device: torch.device, folder: str) -> None:
     """Parallel(dp=2, tp=2, zero=3) under torch (tp, then FSDP2 over dp) on both models in one 4-rank launch;
-    on our GPT between two runs of our FSDP, whose checkpoint it resumes and leaves."""
-    out = {"llama parallel torch": fit("llama", TP_THEN_FSDP(), 4, steps=2, engine="torch")}
+    on our GPT between two runs of our FSDP, whose checkpoint it resumes and leaves. Parallel(pp=2, dp=2) under
+    torch (ScheduleInterleaved1F1B over torch's DDP on each stage) on our GPT."""
+    out = {"llama parallel torch": fit("llama", TP_THEN_FSDP(), 4, steps=2, engine="torch"),
+           "gpt parallel pp torch": fit("gpt", sw.Parallel(pp=2, dp=2, schedule="interleaved"), 4, steps=2,
+                                        engine="torch")}
     _chain(out, folder, "gpt", [sw.FSDP(), TP_THEN_FSDP(engine="torch"), sw.FSDP()], 4)
+    if rank == 0:
+        torch.save({k: (r.losses, r.state_dict) for k, r in out.items()}, os.path.join(folder, "runs.pt"))
+
+
+def _pp_rows(rank: int, device: torch.device, folder: str) -> None:
+    """pp under torch.distributed.pipelining in one 2-rank launch: our GPT (its embedding tied to the head across
+    the two stages) between two runs of our DDP, resuming one's checkpoint and leaving its own to the other;
+    torch's zbv and interleaved schedules around our 1f1b, each resuming the other engine's stages; Llama under
+    torch's GPipe."""
+    out = {"llama pp torch": fit("llama", sw.PP(schedule="gpipe"), steps=2, engine="torch")}
+    _chain(out, os.path.join(folder, "ddp"), "gpt", [sw.DDP(), sw.PP(engine="torch"), sw.DDP()], 2)
+    _chain(out, os.path.join(folder, "pp"), "gpt", [sw.PP(schedule="zbv", engine="torch"), sw.PP(),
+                                                    sw.PP(schedule="interleaved", engine="torch")], 2)
     if rank == 0:
         torch.save({k: (r.losses, r.state_dict) for k, r in out.items()}, os.path.join(folder, "runs.pt"))
 
@@ -148,7 +164,12 @@ def test_zero_hsdp_and_tp_rows_under_torch_equal_one_device(tmp_path, same_run):
     _equal_one_device(tmp_path, same_run)
 
 
-def test_tp_then_fsdp_under_torch_equals_one_device_and_crosses_engines(tmp_path, same_run):
+def test_pp_under_torch_equals_one_device_and_crosses_engines(tmp_path, same_run):
+    launch.spawn(_pp_rows, 2, args=(str(tmp_path),))
+    _equal_one_device(tmp_path, same_run)
+
+
+def test_tp_then_fsdp_and_pp_then_ddp_under_torch_equal_one_device_and_cross_engines(tmp_path, same_run):
     launch.spawn(_tp_then_fsdp, 4, args=(str(tmp_path),))
     _equal_one_device(tmp_path, same_run)
 
@@ -164,8 +185,12 @@ def test_tp_then_fsdp_under_torch_equals_one_device_and_crosses_engines(tmp_path
                                                    "PyTorch has none; engine='shardwise' runs it"),
     (sw.Parallel(cp=2, engine="torch"), {}, "engine='torch' has no engine for context parallelism on CPU (torch's "
      "context_parallel runs on CUDA only) and does not cover it on CUDA yet; engine='shardwise' runs it"),
-    ("pp", {"engine": "torch"}, "engine='torch' does not cover strategy 'pp' yet (torch's engine for it: "
-                                "torch.distributed.pipelining); engine='shardwise' runs it"),
+    (sw.PP(schedule="zb-h1"), {"engine": "torch"}, "engine='torch' cannot run strategy 'pp' with schedule='zb-h1': "
+     "torch's zero-bubble schedules hold several stages per rank (ScheduleInterleavedZeroBubble on a loop, "
+     "ScheduleZBVZeroBubble on a V); ZB-H1 holds one, so torch has no schedule for it (use 'zbv'); "
+     "engine='shardwise' runs it"),
+    (sw.Parallel(pp=2, dp=2, zero=3, engine="torch"), {}, "engine='torch' does not cover strategy 'parallel' yet (torch's "
+     "engine for it: pp, then tp, then FSDP2 over dp); engine='shardwise' runs it"),
     (sw.Parallel(dp=2, tp=2, engine="torch"), {}, "engine='torch' does not cover strategy 'parallel' yet (torch's "
      "engine for it: pp, then tp, then FSDP2 over dp); engine='shardwise' runs it"),
     ("fsdp", {"engine": "torch", "activation_checkpointing": True},
@@ -186,6 +211,10 @@ def test_what_engine_torch_does_not_run_is_refused_before_start(strategy, kw, me
      "engine='torch' cannot run strategy 'parallel' on LlamaForCausalLM: the 'llama' plan's sequence-parallel region "
      "starts at a block's input or ends without a head; engine='torch' runs it only from the embeddings to the head "
      "(shardwise's GPT); engine='shardwise' runs it"),
+    ("gpt", sw.Parallel(pp=2, schedule="zbv"), 4, "engine='torch' cannot run strategy 'parallel' with "
+     "schedule='zbv' and dp > 1: torch's stage starts DDP's gradient reduction at the last micro-batch's input "
+     "backward, before the weight backwards the zero-bubble schedule runs later, whose gradients would miss it; use "
+     "schedule='1f1b', 'gpipe' or 'interleaved', or engine='shardwise'"),
     ("gpt", sw.Parallel(tp=2), 4, "engine='torch' runs strategy 'parallel' with dp > 1 only with zero=3 yet (tp, "
      "then FSDP2 over dp); engine='shardwise' runs it with any zero"),
 ])
@@ -200,6 +229,7 @@ def test_what_torch_tp_cannot_run_is_refused_before_start(model, strategy, devic
 def test_a_strategy_s_own_engine_wins_and_single_needs_none():
     assert type(sw.Trainer(sw.FSDP(engine="torch"), 2, accelerator="cpu").strategy).__name__ == "TorchFSDP"
     assert type(sw.Trainer("zero3", 2, accelerator="cpu", engine="torch").strategy).__name__ == "TorchFSDP"
+    assert type(sw.Trainer("pp", 2, accelerator="cpu", engine="torch").strategy).__name__ == "TorchPP"
     assert type(sw.Trainer("ddp", 2, accelerator="cpu", engine="shardwise").strategy).__name__ == "DDP"
     assert sw.Trainer("single", 1, accelerator="cpu", engine="torch").strategy.name == "single"
     assert [sw.Trainer(s, 2, accelerator="cpu").engine for s in (sw.DDP(engine="torch"), "ddp")] == ["torch",

@@ -23,7 +23,6 @@ import torch
 from rich.console import Console
 from rich.table import Table
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -59,6 +58,7 @@ from shardwise.parallel.schedules import (
     schedule_facts,
     simulate,
 )
+from shardwise.parallel.torch_pp import torch_schedule, torch_stage
 from shardwise.parallel.tp import apply_tp
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
@@ -98,8 +98,8 @@ def torch_1f1b(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tenso
     starts = stage_starts(layers, p) + [len(layers)]  # the same cut as ours
     sub = nn.Sequential(*[mod for _, mod in layers[starts[r]:starts[r + 1]]]).to(topo.device)
     example = x.chunk(m)[0]
-    stage = PipelineStage(sub, r, p, topo.device, input_args=(example,), group=topo.group(PP))
-    sched = Schedule1F1B(stage, n_microbatches=m, loss_fn=F.mse_loss)
+    stage = torch_stage(sub, r, p, topo, example)
+    sched = torch_schedule("1f1b", [stage], m, F.mse_loss)
     opt = ADAMW(sub.parameters())
 
     def step() -> None:

@@ -15,6 +15,11 @@ itself under ``engine="shardwise"``); under ``"torch"``:
                       ``sw.Parallel`` split by tp alone, ``sequence_parallel`` included (:class:`TorchTP`)
 ``Parallel(zero=3)``  tp, then FSDP2 over dp on the same root mesh (torchtitan's order; no pp, no
                       replicas)
+``pp``                ``torch.distributed.pipelining``: our stages (same cut, same tied weights kept
+                      in sync) as ``PipelineStage`` objects, run by torch's schedule for ours: gpipe
+                      ``ScheduleGPipe``, 1f1b ``Schedule1F1B``, interleaved ``ScheduleInterleaved1F1B``,
+                      zbv ``ScheduleZBVZeroBubble``; zb-h1 and dualpipev refused (:class:`TorchPP`)
+``Parallel(pp, dp)``  that pipeline with each stage under torch's DDP over dp (``zero=0``; not zbv)
 ====================  =====================================================================
 
 Everything else is refused before any process starts, naming what runs it. The
@@ -29,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +60,9 @@ from shardwise.parallel.torch_engines import (
     torch_ddp,
     zero_redundancy,
 )
+from shardwise.parallel.pipeline import build_pipeline
+from shardwise.parallel.schedules import schedule_facts, shape_of
+from shardwise.parallel.torch_pp import NO_TORCH_SCHEDULE, TorchPipeline
 from shardwise.parallel.torch_tp import (
     apply_torch_tp,
     clip_grad_norm_,
@@ -64,8 +72,8 @@ from shardwise.parallel.torch_tp import (
     tp_slice,
 )
 from shardwise.parallel.tp_plans import Plan, resolve_plan
-from shardwise.step import OptimizerFactory, unwrap
-from shardwise.strategies.base import Strategy
+from shardwise.step import LossFn, OptimizerFactory, StepRun, unwrap
+from shardwise.strategies.base import SplitsModel, Strategy
 from shardwise.strategies.data_parallel import on_meta
 
 ENGINES = ("shardwise", "torch")
@@ -73,7 +81,7 @@ ENGINES = ("shardwise", "torch")
 # The tables below are keyed by strategy class (the nearest in a class's MRO decides, so a user's subclass of
 # DDP runs as DDP): the strategy names "dp", "tp" and "pp" are also dimension names, written only in dims.py.
 # Strategies PyTorch has an engine for that engine="torch" does not run yet: torch's engine for each.
-NOT_YET = {"PP": "torch.distributed.pipelining", "Parallel": "pp, then tp, then FSDP2 over dp",
+NOT_YET = {"Parallel": "pp, then tp, then FSDP2 over dp",
            "DP": "torch.nn.DataParallel"}
 # What PyTorch has no engine for at all.
 NO_TORCH_ENGINE = {"ParameterServer": "a parameter server",
@@ -268,6 +276,73 @@ class TorchTP(TorchDTensors):
         return clip_grad_norm_(list(model.parameters()), max_norm)
 
 
+@dataclass
+class TorchPP(TorchEngine, SplitsModel):
+    """``strategy="pp"`` under ``torch.distributed.pipelining`` (:mod:`shardwise.parallel.torch_pp`): our
+    pipeline's split (:func:`~shardwise.parallel.pipeline.build_pipeline`: the same stages, names and tied
+    copies), each chunk a torch ``PipelineStage`` run by torch's schedule for ours. What reads the split model
+    (clipping by the global norm over the stages, the full state dict, the checkpoint's keys, parameter
+    groups, evaluation's forward) is our PP's, on the same model."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.pipe: TorchPipeline | None = None  # built in the rank, by setup
+
+    @property
+    def split_points(self) -> list[str] | None:  # type: ignore[override]
+        return self.of.split_points  # type: ignore[attr-defined,no-any-return]
+
+    def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int,
+                    backend: str = "gloo") -> None:
+        super().check_model(model, devices, batch_size, accumulate_grad_batches, backend)
+        schedule = self.of.schedule  # type: ignore[attr-defined]
+        if self.layout(devices).dp > 1 and schedule_facts(schedule).split_backward:
+            raise ValueError(f"engine='torch' cannot run strategy {self.name!r} with schedule={schedule!r} and "
+                             "dp > 1: torch's stage starts DDP's gradient reduction at the last micro-batch's "
+                             "input backward, before the weight backwards the zero-bubble schedule runs later, "
+                             "whose gradients would miss it; use schedule='1f1b', 'gpipe' or 'interleaved', or "
+                             "engine='shardwise'")
+
+    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
+              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+        self.check_setup(model)
+        of: Any = self.of
+        pm = build_pipeline(model.to(topo.device), topo, of.split_points, of.n_chunks(), of.tied,
+                            shape=shape_of(of.schedule))
+        self.pipe = TorchPipeline(pm, topo, of.schedule, of.bucket_cap_mb)
+        return pm, optimizer_fn(pm.parameters())
+
+    def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
+                   topo: Topology, run: StepRun = StepRun()) -> torch.Tensor | None:
+        assert self.pipe is not None, "setup builds the pipeline"
+        return self.pipe.step(micro_batches, loss_fn, self.of._micro(micro_batches, topo),  # type: ignore[attr-defined]
+                              lambda: run.forward_context(topo.device), run.loss_scale)
+
+    def compile_refusal(self) -> str | None:
+        return self.of.compile_refusal()  # a zero-bubble schedule splits each backward, as torch's needs too
+
+    def eval_step(self, model: nn.Module, x: Any, y: Any, fn: LossFn, topo: Topology,
+                  run: StepRun = StepRun()) -> torch.Tensor | None:
+        return self.of.eval_step(model, x, y, fn, topo, run)  # our forward-only pass over the same stages
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
+        return self.of.clip_grad_norm(model, max_norm, topo)
+
+    def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
+        return self.of.full_state_dict(model, topo)
+
+    def checkpoint_held(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology) -> list[Held]:
+        """Our PP's keys: the stage modules' tensors under the unsplit model's names (a tied weight under its
+        first name), so the checkpoint crosses to any layout under either engine."""
+        return self.of.checkpoint_held(model, optimizer, topo)
+
+    def param_names(self, model: nn.Module) -> dict[int, str]:
+        return self.of.param_names(model)
+
+    def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
+        return self.of.state_tensors(model, optimizer)
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t`` (a DTensor's local shard; any other tensor itself), for byte accounting."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -284,14 +359,17 @@ def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
 
 
 TORCH: dict[str, type[TorchEngine]] = {"DDP": TorchDDP, "ZeRO1": TorchZeRO1, "ZeRO2": TorchZeRO2,
-                                       "ZeRO3": TorchFSDP, "FSDP": TorchFSDP, "HSDP": TorchHSDP, "TP": TorchTP}
+                                       "ZeRO3": TorchFSDP, "FSDP": TorchFSDP, "HSDP": TorchHSDP, "TP": TorchTP,
+                                       "PP": TorchPP}
 
 
 def _row(strategy: Strategy) -> str | None:
     """The name of the nearest class of ``strategy`` that the tables here know (None: none, a user's own)."""
     known = {*TORCH, *NOT_YET, *NO_TORCH_ENGINE}
     row = next((c.__name__ for c in type(strategy).__mro__ if c.__name__ in known), None)
-    return "TP" if row == "Parallel" and _tp_then_fsdp(strategy) else row
+    if row == "Parallel" and _tp_then_fsdp(strategy):
+        return "TP"
+    return "PP" if row == "Parallel" and _pp_then_ddp(strategy) else row
 
 
 def _tp_then_fsdp(strategy: Strategy) -> bool:
@@ -301,6 +379,14 @@ def _tp_then_fsdp(strategy: Strategy) -> bool:
     field = functools.partial(getattr, strategy)
     split = field(TP) > 1 or field("sequence_parallel")
     return split and field(PP) == 1 and field("replicate") == 1 and (field(DP) in (1, -1) or field("zero") == 3)
+
+
+def _pp_then_ddp(strategy: Strategy) -> bool:
+    """Whether a ``sw.Parallel`` is what :class:`TorchPP` runs: a pipeline, then torch's DDP over dp on each
+    stage (``zero=0``), split by nothing else."""
+    field = functools.partial(getattr, strategy)
+    return (field(PP) > 1 and field(TP) == 1 and not field("sequence_parallel") and field("zero") == 0
+            and field("replicate") == 1)
 
 
 def engine_for(strategy: Strategy, engine: str | None, *, activation_checkpointing: Any = False,
@@ -338,6 +424,10 @@ def refuse_torch(strategy: Strategy, *, activation_checkpointing: Any, sync_batc
     if row not in TORCH:
         raise ValueError(f"engine='torch' has no engine for strategy {name!r} (not a built-in strategy); "
                          "engine='shardwise' runs it")
+    schedule = getattr(strategy, "schedule", None)
+    if row == "PP" and schedule in NO_TORCH_SCHEDULE:
+        raise ValueError(f"engine='torch' cannot run strategy {name!r} with schedule={schedule!r}: "
+                         f"{NO_TORCH_SCHEDULE[schedule]}; engine='shardwise' runs it")
     for what, refused in _unsupported(strategy, activation_checkpointing, sync_batchnorm).items():
         if refused:
             raise ValueError(f"engine='torch' does not support {what} yet (strategy {name!r}); "
@@ -354,5 +444,5 @@ def _unsupported(strategy: Strategy, activation_checkpointing: Any, sync_batchno
             "DDP(reduce_dtype=...)": getattr(strategy, "reduce_dtype", None) is not None}
 
 
-__all__ = ["ENGINES", "TorchDDP", "TorchDTensors", "TorchEngine", "TorchFSDP", "TorchHSDP", "TorchTP", "TorchZeRO1",
+__all__ = ["ENGINES", "TorchDDP", "TorchDTensors", "TorchEngine", "TorchFSDP", "TorchHSDP", "TorchPP", "TorchTP", "TorchZeRO1",
            "TorchZeRO2", "engine_for", "refuse_torch"]

@@ -1,0 +1,164 @@
+"""PyTorch's own pipeline engine, ``torch.distributed.pipelining``, over the stages our pipeline cuts.
+
+``engine="torch"`` (:class:`~shardwise.strategies.torch_engine.TorchPP`) trains with it and
+``shardwise bench`` races it against ours, so the construction is written once, here:
+
+* :func:`torch_stage`: one ``PipelineStage`` over a stage module (the bench's whole-stage ``nn.Sequential``,
+  or a chunk of our :class:`~shardwise.parallel.pipeline.PipelineModel`), on the pp group;
+* :class:`TorchPipeline`: every chunk of a :class:`~shardwise.parallel.pipeline.PipelineModel` as a torch stage,
+  run by torch's schedule for our schedule's name (:data:`TORCH_SCHEDULES`).
+* :class:`StageDDP`: torch's DDP over dp for each stage (``sw.Parallel(pp=N, dp=M)``), its forwards under
+  ``no_sync()`` as torch's stage expects.
+
+The split (stage boundaries, tied weights, parameter names) stays ours: torch runs the forwards, backwards and
+point-to-point sends of a step; the tied copies' gradients are then summed between their stages as under our
+engine (:func:`~shardwise.parallel.pipeline_run.sync_ties`), since torch's pipelining has no notion of a weight
+two stages share.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.nn.parallel import DistributedDataParallel
+
+from shardwise.comm.topology import Topology
+from shardwise.dims import DP, PP
+from shardwise.parallel.pipeline import PipelineModel
+from shardwise.parallel.pipeline_run import resplit, sync_ties
+from shardwise.step import LossFn
+
+# Our schedule's name -> torch's schedule with the same order of forwards and backwards on the same placement
+# (gpipe and 1f1b: one stage per rank; interleaved: the loop c * p + r; zbv: the V, ranks r and 2p-1-r).
+TORCH_SCHEDULES: dict[str, type[_PipelineSchedule]] = {
+    "gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+    "zbv": ScheduleZBVZeroBubble}
+# Ours that torch has no schedule for, and why.
+NO_TORCH_SCHEDULE = {
+    "zb-h1": "torch's zero-bubble schedules hold several stages per rank (ScheduleInterleavedZeroBubble on a loop, "
+             "ScheduleZBVZeroBubble on a V); ZB-H1 holds one, so torch has no schedule for it (use 'zbv')",
+    "dualpipev": "torch's ScheduleDualPipeV overlaps a forward and a backward of two micro-batches in one call, "
+                 "which runs a different order of operations than ours; not mapped yet (use 'zbv')"}
+
+
+def torch_stage(module: nn.Module, index: int, stages: int, topo: Topology,
+                example: torch.Tensor | None = None) -> PipelineStage:
+    """torch's ``PipelineStage`` for virtual stage ``index`` of ``stages`` over ``topo``'s pp group (``example``:
+    a micro-batch input for its shapes; None: torch infers them on the first step)."""
+    inputs = None if example is None else (example,)
+    return PipelineStage(module, index, stages, topo.device, input_args=inputs, group=topo.group(PP))
+
+
+def torch_schedule(schedule: str, stages: list[PipelineStage], microbatches: int,
+                   loss_fn: Callable[[Any, Any], torch.Tensor]) -> _PipelineSchedule:
+    """torch's schedule for our ``schedule`` name over this rank's ``stages`` (one: a single-stage schedule)."""
+    cls = TORCH_SCHEDULES[schedule]
+    return cls(stages[0] if len(stages) == 1 and cls in (ScheduleGPipe, Schedule1F1B) else stages,  # type: ignore[arg-type]
+               n_microbatches=microbatches, loss_fn=loss_fn)
+
+
+class TorchPipeline:
+    """This rank's chunks of a :class:`PipelineModel` as torch stages, run by torch's schedule for ``schedule``."""
+
+    def __init__(self, pm: PipelineModel, topo: Topology, schedule: str, bucket_cap_mb: float | None = None) -> None:
+        """With dp > 1, each chunk runs under torch's DDP over dp (:class:`StageDDP`, ``bucket_cap_mb``), whose
+        reduction torch's stage starts in the last micro-batch's backward."""
+        self.pm, self.schedule = pm, schedule
+        total = pm.stages * len(pm.chunks)
+        # The run's forward context (autocast) wraps each forward and the loss, not torch's backwards.
+        self.context: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext
+        wrap = functools.partial(stage_ddp, topo=topo, bucket_cap_mb=bucket_cap_mb) if topo.size(DP) > 1 else None
+        self.stages = [torch_stage((wrap or _same)(_InContext(pm.chunks[c], self)), pm.placement.virtual(pm.rank, c),
+                                   total, topo) for c in range(len(pm.chunks))]
+        self.first = any(s.is_first for s in self.stages)
+        self.last = any(s.is_last for s in self.stages)
+        self.comm = topo.comm(PP)
+        self.built: dict[int, tuple[_PipelineSchedule, list[LossFn]]] = {}
+
+    def step(self, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn, microbatches: int | None,
+             forward_context: Callable[[], contextlib.AbstractContextManager[object]],
+             loss_scale: float = 1.0) -> torch.Tensor | None:
+        """One optimizer step's forwards and backwards; the mean loss over the micro-batches on the last stage.
+
+        torch splits the local batch again into equal micro-batches and divides the gradients by their count
+        (``scale_grads``): the mean loss's gradient, as ours. ``loss_scale`` (fp16) multiplies each loss before
+        its backward and is divided out of the losses returned."""
+        mbs = resplit(micro_batches, microbatches)
+        x, y = torch.cat([x for x, _ in mbs]), torch.cat([y for _, y in mbs])
+        sched, fn = self._schedule(len(mbs))
+        fn[0] = functools.partial(self._loss, loss_fn, loss_scale)
+        self.context = forward_context
+        self.pm.sync_copies()
+        losses: list[torch.Tensor] = []
+        args = (x,) if self.first else ()
+        kw: dict[str, Any] = {"target": y, "losses": losses} if self.last else {}
+        sched.step(*args, **kw)
+        sync_ties(self.pm, self.comm)
+        return torch.stack([l.detach() for l in losses]).mean() / loss_scale if self.last else None
+
+    def _loss(self, loss_fn: LossFn, scale: float, out: Any, target: Any) -> torch.Tensor:
+        with self.context():
+            return loss_fn(out, target) * scale
+
+    def _schedule(self, microbatches: int) -> tuple[_PipelineSchedule, list[LossFn]]:
+        """The schedule for ``microbatches`` (built once per count), and the cell holding the loss it calls (the
+        Trainer's loss function and scale can change between steps, torch's schedule keeps the one it got)."""
+        if microbatches not in self.built:
+            fn: list[LossFn] = [lambda out, target: out]
+            sched = torch_schedule(self.schedule, self.stages, microbatches,
+                                   lambda out, target: fn[0](out, target))
+            self.built[microbatches] = sched, fn
+        return self.built[microbatches]
+
+
+class StageDDP(DistributedDataParallel):
+    """torch's DDP for a pipeline stage: every forward runs as under ``no_sync()``.
+
+    torch's stage runs each micro-batch's forward under ``no_sync()`` itself and starts the reduction before
+    the last backward (``prepare_for_backward``); but on the first step it infers the shapes sent between
+    stages with one more forward, outside ``no_sync()``, which would leave DDP expecting a backward that never
+    comes: the next micro-batch's backward then counts every parameter twice, and DDP's bucket rebuild fails
+    (``rebuilt parameter indices size is not same as original model parameters size``)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self.no_sync():
+            return super().forward(*args, **kwargs)
+
+
+def stage_ddp(module: nn.Module, topo: Topology, bucket_cap_mb: float | None = None) -> StageDDP:
+    """:class:`StageDDP` over ``topo``'s data-parallel group (``bucket_cap_mb`` None: torch's default)."""
+    ids = [topo.device.index] if topo.device.type == "cuda" else None
+    extra = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    return StageDDP(module, device_ids=ids, process_group=topo.group(DP), **extra)
+
+
+def _same(module: nn.Module) -> nn.Module:
+    return module
+
+
+class _InContext(nn.Module):
+    """A chunk whose forward runs in its pipeline's current forward context (what torch's stage calls)."""
+
+    def __init__(self, chunk: nn.Module, pipe: TorchPipeline) -> None:
+        super().__init__()
+        self.chunk = chunk
+        self.pipe = pipe
+
+    def forward(self, *args: Any) -> Any:
+        with self.pipe.context():
+            return self.chunk(*args)
+
+
+__all__ = ["NO_TORCH_SCHEDULE", "TORCH_SCHEDULES", "TorchPipeline", "torch_schedule", "torch_stage"]
