@@ -66,6 +66,9 @@ def _every_case(rank: int, device: torch.device, folder: str) -> None:
     # Each rank counts its FSDP2 shards (the local tensors of the DTensors): together, the model once.
     whole = sum(p.numel() * p.element_size() for p in gpt().parameters())
     assert sum(s["params_bytes"] for s in out["gpt fsdp torch"].stats) == whole
+    # torch's traffic passes outside our communication layer: the stats say their comm bytes do not count it.
+    assert [s["comm_counted"] for s in out["gpt fsdp torch"].stats + out["gpt fsdp shardwise"].stats] == \
+        [False, False, True, True]
     # Save after 2 steps under one engine, resume to STEPS under the other.
     starts = [StartStep(), StartStep()]
     fit("gpt", sw.DDP(engine="torch"), steps=2, ckpt=os.path.join(folder, "torch-ddp"))

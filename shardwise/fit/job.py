@@ -198,6 +198,8 @@ class Job:
             "state_dict_bytes": sum(v.numel() * v.element_size() for v in state_dict.values()),
             **{f"{k}_bytes": v for k, v in state_bytes.items()},
             "comm_bytes": topo.stats.sent,
+            # False under engine="torch": the comm_* figures then count only the Trainer's own collectives.
+            "comm_counted": strat.comm_counted,
             "comm_bytes_per_step": train_sent / steps_run,
             "comm_received_bytes_per_step": train_received / steps_run,
             "comm_by_name": dict(topo.stats.by_name),

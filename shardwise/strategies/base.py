@@ -57,6 +57,9 @@ class Strategy:
 
     engine: str | None = field(default=None, kw_only=True)
     name: ClassVar[str] = "single"
+    # Whether the strategy's own collectives pass through shardwise's communication layer, so that the stats'
+    # comm_bytes count them; PyTorch's engines call torch.distributed themselves (their traffic is not seen).
+    comm_counted: ClassVar[bool] = True
 
     def layout(self, devices: int) -> RunLayout:
         """What this strategy builds on ``devices``: its parallel dims, data-parallel form and options.

@@ -36,7 +36,7 @@ import contextlib
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -93,6 +93,7 @@ class TorchEngine(Strategy):
     """A shardwise strategy (``of``: its layout, its options) run by a PyTorch engine."""
 
     of: Strategy
+    comm_counted: ClassVar[bool] = False  # torch's DDP, FSDP2, DTensor and pipelining send outside our Comm
 
     def __post_init__(self) -> None:
         self.name = self.of.name  # type: ignore[misc]  # checkpoints, messages and the planner see the same name
