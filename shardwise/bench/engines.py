@@ -49,7 +49,7 @@ from shardwise.bench.harness import (
 )
 from shardwise.bench.tables import Column, table, wide
 from shardwise.comm.topology import Topology
-from shardwise.dims import DP
+from shardwise.dims import DP, TP
 from shardwise.fit.trainer import Trainer
 from shardwise.stats import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from shardwise.strategies.base import Strategy
@@ -134,7 +134,7 @@ def shown(strategy: str | Strategy) -> str:
 # tp and fsdp-tp need a model with a built-in tensor-parallel plan: the GPT (the MLP is a bare nn.Sequential).
 SWITCHES: dict[str, Switch] = {"ddp": Switch("ddp", (MLP,), 2), "zero1": Switch("zero1", (MLP, GPT_), 2),
                                "zero2": Switch("zero2", (MLP, GPT_), 2), "zero3": Switch("zero3", (MLP, GPT_), 3),
-                               "fsdp": Switch("fsdp", (MLP, GPT_), 3), "tp": Switch("tp", (GPT_,), tp_formula=True),
+                               "fsdp": Switch("fsdp", (MLP, GPT_), 3), TP: Switch(TP, (GPT_,), tp_formula=True),
                                "fsdp-tp": Switch(fsdp_tp, (GPT_,), tp_formula=True)}
 
 

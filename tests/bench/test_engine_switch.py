@@ -4,6 +4,9 @@ communication layer counted per step equal the formula (torch's are not seen). d
 and zero2 too, tp and fsdp-tp a tiny GPT (they need a model with a built-in tensor-parallel plan)."""
 from __future__ import annotations
 
+import argparse
+import importlib
+
 import pytest
 import torch
 from torch import nn
@@ -11,7 +14,9 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 from shardwise import launch
+from shardwise.bench import engines
 from shardwise.bench.engines import SWITCHES, loss_gap, run_switch
+from shardwise.bench.pairs import PAIRS
 from shardwise.models import GPT, GPTConfig, lm_loss
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.float64]
@@ -63,3 +68,14 @@ def test_a_fit_joining_the_ranks_keeps_their_threads(tmp_path):
     # launch.spawn gives each rank its share of the cores; joining its group once took them all again (each of the
     # 2 ranks on 2 cores 2 threads: the ddp switch's steps ran 4x slower than the same Trainer launched alone).
     launch.spawn(_threads_after_joining, 2, args=(str(tmp_path),))
+
+
+def test_hand_built_still_races_the_hand_built_pairs(monkeypatch):
+    monkeypatch.setattr(engines, "switch_pair", lambda name, a: f"switch {name}")
+    for name, (module, fn) in {"zero1": ("zero", "zero1_pair"), "tp": ("mp", "tp_pair"),
+                               "fsdp-tp": ("compose", "fsdp_tp_pair")}.items():
+        monkeypatch.setattr(importlib.import_module(f"shardwise.bench.{module}"), fn, lambda a: f"hand-built {a.n}")
+        assert PAIRS[name](argparse.Namespace(hand_built=False, n=name)) == f"switch {name}"
+        assert PAIRS[name](argparse.Namespace(hand_built=True, n=name)) == f"hand-built {name}"
+    with pytest.raises(SystemExit, match="^zero2: no hand-built pair; run it without --hand-built"):
+        PAIRS["zero2"](argparse.Namespace(hand_built=True))
