@@ -9,9 +9,9 @@ of its steps after the first); its memory the peak RSS increase over the RSS bef
 communication layer counted per step (torch's engines' traffic passes outside it: not seen).
 
 :data:`SWITCHES` names the pairs that run this way: those whose strategy ``engine="torch"`` runs (ddp, zero1,
-zero2, zero3, fsdp, tp, fsdp-tp). The other pairs race hand-built torch code (:mod:`~shardwise.bench.mp`'s pp,
-...) until it does; then one entry here moves a pair over, and ``--hand-built`` still runs the hand-built
-contenders (:mod:`shardwise.bench.zero`, :mod:`~shardwise.bench.mp`, :mod:`~shardwise.bench.compose`).
+zero2, zero3, fsdp, tp, fsdp-tp). The other pairs (pp, zb, ...) race hand-built torch code until it does; then
+one entry here moves a pair over. ``--hand-built`` still runs the hand-built contenders of the switches
+(:mod:`shardwise.bench.zero`, :mod:`~shardwise.bench.mp`, :mod:`~shardwise.bench.compose`; zero2 has none).
 """
 from __future__ import annotations
 
@@ -106,6 +106,7 @@ class Switch:
 
     @property
     def formula_note(self) -> str:
+        """What :meth:`formula` counts, for the table's caption ("" where it has no formula)."""
         if self.factor is not None:
             return f"formula: {self.factor}(N-1)/N x gradient bytes."
         return ("formula: per block 4 all-reduces of the (B/dp, T, D) activations, the embedding's and head's, the "
