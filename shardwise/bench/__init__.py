@@ -11,8 +11,8 @@ if TYPE_CHECKING:
 
 # The pairs' names, for the command line's help without importing torch (shardwise.bench.pairs does);
 # tests/test_cli_output.py checks that they are PAIRS' keys.
-PAIR_NAMES = ("ddp", "zero1", "zero3", "fsdp", PP, TP, "fsdp-tp", "dp-vs-ddp", "ps-vs-ddp", "allreduce", CP, "zb", "moe",
-              "compile")
+PAIR_NAMES = ("ddp", "zero1", "zero2", "zero3", "fsdp", PP, TP, "fsdp-tp", "dp-vs-ddp", "ps-vs-ddp", "allreduce", CP,
+              "zb", "moe", "compile")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wide", action="store_true",
                    help="every column (formulas, CPU time, ...); by default each table fits 120 columns")
     p.add_argument("--hand-built", action="store_true",
-                   help="for the pairs that switch engines under one Trainer setup (ddp, zero3, fsdp), race "
+                   help="for the pairs that switch engines under one Trainer setup (ddp, zero1, zero3, fsdp, "
+                        "tp, fsdp-tp), race "
                         "hand-built torch code instead, outside the Trainer")
     p.add_argument("--plot", dest="plot_dir", default=None, metavar="DIR",
                    help="also save each comparison's PNG picture under DIR")

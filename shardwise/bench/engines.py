@@ -8,15 +8,15 @@ sides, so the ratio is the engines'. A run's step time is the Trainer's own ``st
 of its steps after the first); its memory the peak RSS increase over the RSS before ``fit``; its bytes what our
 communication layer counted per step (torch's engines' traffic passes outside it: not seen).
 
-:data:`SWITCHES` names the pairs that run this way: those whose strategy ``engine="torch"`` runs. The other
-pairs race hand-built torch code (:mod:`shardwise.bench.zero`, :mod:`~shardwise.bench.mp`,
-:mod:`~shardwise.bench.compose`) until it does; then one entry here moves a pair over, for instance
-``"zero1": Switch("zero1", (MLP, GPT_), 2)`` or ``"tp": Switch("tp", (GPT_,))``, and ``--hand-built`` still runs
-the hand-built contenders.
+:data:`SWITCHES` names the pairs that run this way: those whose strategy ``engine="torch"`` runs (ddp, zero1,
+zero2, zero3, fsdp, tp, fsdp-tp). The other pairs (pp, zb, ...) race hand-built torch code until it does; then
+one entry here moves a pair over. ``--hand-built`` still runs the hand-built contenders of the switches
+(:mod:`shardwise.bench.zero`, :mod:`~shardwise.bench.mp`, :mod:`~shardwise.bench.compose`; zero2 has none).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import pickle
@@ -30,6 +30,7 @@ from rich.table import Table
 from torch import nn
 from torch.utils.data import Dataset
 
+from shardwise.bench.compose import expected_sent
 from shardwise.bench.harness import (
     NOT_SEEN,
     NOT_SEEN_NOTE,
@@ -48,9 +49,11 @@ from shardwise.bench.harness import (
 )
 from shardwise.bench.tables import Column, table, wide
 from shardwise.comm.topology import Topology
+from shardwise.dims import DP, TP
 from shardwise.fit.trainer import Trainer
 from shardwise.stats import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from shardwise.strategies.base import Strategy
+from shardwise.strategies.parallel import Parallel
 from shardwise.workloads import gpt, mlp1024
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
@@ -77,21 +80,63 @@ WORKLOADS: dict[str, tuple[str, Callable[[], Made]]] = {
 @dataclass(frozen=True)
 class Switch:
     """A pair as an engine switch: ``strategy`` (a name the Trainer takes, or a function of the rank count
-    returning a strategy object, such as ``lambda n: Parallel(dp=n // 2, tp=2, zero=3)`` written as a module-level
-    function) on each of ``workloads``; ``factor``: our bytes per step are ``factor (N-1)/N`` x the gradient bytes
-    (2: an all-reduce, 3: ZeRO-3), None where no such formula holds (tp, pp)."""
+    returning a strategy object, such as :func:`fsdp_tp`) on each of ``workloads``; our bytes per step are
+    ``factor (N-1)/N`` x the gradient bytes (2: an all-reduce, 3: ZeRO-3) or, with ``tp_formula``, the GPT's
+    tensor-parallel all-reduces plus ZeRO-3 over dp (:func:`shardwise.bench.compose.expected_sent`); neither: no
+    formula is shown."""
 
     strategy: str | Callable[[int], Strategy]
     workloads: tuple[str, ...]
     factor: int | None = None
+    tp_formula: bool = False
 
     def strategy_for(self, nproc: int) -> str | Strategy:
         return self.strategy if isinstance(self.strategy, str) else self.strategy(nproc)
 
+    def formula(self, model: nn.Module, nproc: int, batch: int) -> float | None:
+        """The bytes our engine should count per rank and step on ``model``, ``nproc`` ranks, global ``batch``."""
+        if self.factor is not None:
+            return self.factor * (nproc - 1) / nproc * grad_bytes(model)
+        if not self.tp_formula:
+            return None
+        strategy = self.strategy_for(nproc)
+        dp = 1 if isinstance(strategy, str) else getattr(strategy, DP)  # the name "tp": every rank one replica
+        width = next(model.parameters()).element_size()
+        return expected_sent(model, dp, nproc // dp, batch) * width / 4  # expected_sent counts fp32 elements
+
+    @property
+    def formula_note(self) -> str:
+        """What :meth:`formula` counts, for the table's caption ("" where it has no formula)."""
+        if self.factor is not None:
+            return f"formula: {self.factor}(N-1)/N x gradient bytes."
+        return ("formula: per block 4 all-reduces of the (B/dp, T, D) activations, the embedding's and head's, the "
+                "logits' all-gather, and 3(dp-1)/dp x the local parameter bytes (ZeRO-3)." if self.tp_formula else "")
+
+
+def fsdp_tp(nproc: int) -> Strategy:
+    """The fsdp-tp pair's layout (that of :mod:`shardwise.bench.compose`): tp=2 inside each replica, ZeRO-3 over
+    the ``nproc // 2`` replicas."""
+    if nproc % 2:
+        raise SystemExit(f"fsdp-tp: --nproc {nproc} must be a multiple of tp=2")
+    return Parallel(dp=nproc // 2, tp=2, zero=3)
+
+
+def shown(strategy: str | Strategy) -> str:
+    """How a title names ``strategy``: a name quoted, an object by the fields it sets (its full repr lists every
+    field, some 300 characters for ``Parallel``)."""
+    if isinstance(strategy, str):
+        return repr(strategy)
+    fields = [f for f in dataclasses.fields(strategy) if f.default is not dataclasses.MISSING]  # type: ignore[arg-type]
+    set_ = [f"{f.name}={getattr(strategy, f.name)!r}" for f in fields if getattr(strategy, f.name) != f.default]
+    return f"{type(strategy).__name__}({', '.join(set_)})"
+
 
 # The pairs that run as engine switches: the strategies engine="torch" runs (strategies/torch_engine.py's TORCH).
-SWITCHES: dict[str, Switch] = {"ddp": Switch("ddp", (MLP,), 2), "zero3": Switch("zero3", (MLP, GPT_), 3),
-                               "fsdp": Switch("fsdp", (MLP, GPT_), 3)}
+# tp and fsdp-tp need a model with a built-in tensor-parallel plan: the GPT (the MLP is a bare nn.Sequential).
+SWITCHES: dict[str, Switch] = {"ddp": Switch("ddp", (MLP,), 2), "zero1": Switch("zero1", (MLP, GPT_), 2),
+                               "zero2": Switch("zero2", (MLP, GPT_), 2), "zero3": Switch("zero3", (MLP, GPT_), 3),
+                               "fsdp": Switch("fsdp", (MLP, GPT_), 3), TP: Switch(TP, (GPT_,), tp_formula=True),
+                               "fsdp-tp": Switch(fsdp_tp, (GPT_,), tp_formula=True)}
 
 
 @dataclass(frozen=True)
@@ -179,19 +224,17 @@ def switch_rows(workload: str, runs: list[list[PairResult]], formula: float | No
     return rows
 
 
-def switch_table(name: str, sw: Switch, results: dict[str, tuple[list[list[PairResult]], float, int]], nproc: int,
-                 batch: int, wide_: bool = False) -> Table:
-    """``results``: per workload, its runs, the largest gap between the engines' losses and its gradient bytes."""
-    rows = [row for w, (runs, gap, grads) in results.items()
-            for row in switch_rows(w, runs, None if sw.factor is None else sw.factor * (nproc - 1) / nproc * grads,
-                                   gap)]
+def switch_table(name: str, sw: Switch, results: dict[str, tuple[list[list[PairResult]], float, float | None]],
+                 nproc: int, batch: int, wide_: bool = False) -> Table:
+    """``results``: per workload, its runs, the largest gap between the engines' losses and the formula's bytes."""
+    rows = [row for w, (runs, gap, formula) in results.items() for row in switch_rows(w, runs, formula, gap)]
     notes = [f"{k}: {WORKLOADS[k][0]}." for k in results if k in WORKLOADS] + [
         "vs torch: engine='torch''s median step over this one's (above 1: faster); RSS vs torch: peak RSS "
         "increase over its (below 1: less).", PAIRED_NOTE, NOT_SEEN_NOTE,
-        "" if sw.factor is None else f"formula: {sw.factor}(N-1)/N x gradient bytes.",
+        sw.formula_note,
         "loss gap: the largest difference of the two engines' losses in their last runs."]
     notes += [f"{w}: {runs_note(runs)}" for w, (runs, _, _) in results.items() if len(runs) > 1]
-    title = (f"{name}: Trainer({sw.strategy_for(nproc)!r}, engine='shardwise' | 'torch'), {nproc} ranks, global "
+    title = (f"{name}: Trainer({shown(sw.strategy_for(nproc))}, engine='shardwise' | 'torch'), {nproc} ranks, global "
              f"batch {batch}, AdamW fp32, the engines alternating in the same ranks")
     return table(title, COLUMNS, rows, wide_, " ".join(x for x in notes if x))
 
@@ -214,9 +257,9 @@ def switch_pair(name: str, a: argparse.Namespace) -> Table:
             gaps.append(loss_gap(losses))
             return res
         runs = over_runs(getattr(a, "runs", 1), one)
-        results[w] = (runs, max(gaps), grad_bytes(made[0]))
+        results[w] = (runs, max(gaps), sw.formula(made[0], a.nproc, a.batch))
     return switch_table(name, sw, results, a.nproc, a.batch, wide(a))
 
 
 __all__ = ["ENGINES", "GPT_", "MLP", "SWITCHES", "WORKLOADS", "EngineContender", "Switch", "fit_once", "loss_gap",
-           "grad_bytes", "run_switch", "switch_pair", "switch_rows", "switch_table"]
+           "fsdp_tp", "grad_bytes", "run_switch", "shown", "switch_pair", "switch_rows", "switch_table"]

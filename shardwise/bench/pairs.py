@@ -76,15 +76,23 @@ def _switch_or(name: str, hand_built: Callable[[argparse.Namespace], Table]) -> 
     return run
 
 
+def no_hand_built(name: str) -> Callable[[argparse.Namespace], Table]:
+    """The ``--hand-built`` side of a pair that only ever ran as an engine switch: refused, saying so."""
+    def run(a: argparse.Namespace) -> Table:
+        raise SystemExit(f"{name}: no hand-built pair; run it without --hand-built (an engine switch)")
+    return run
+
+
 # Every pair by name; the hand-built ones that engine="torch" covers run as engine switches (_switch_or).
 PAIRS: dict[str, Callable[[argparse.Namespace], Table]] = {
     "ddp": _switch_or("ddp", ddp_pair),
-    "zero1": _lazy("shardwise.bench.zero:zero1_pair"),
+    "zero1": _switch_or("zero1", _lazy("shardwise.bench.zero:zero1_pair")),
+    "zero2": _switch_or("zero2", no_hand_built("zero2")),
     "zero3": _switch_or("zero3", _lazy("shardwise.bench.zero:zero3_pair")),
     "fsdp": _switch_or("fsdp", _lazy("shardwise.bench.zero:fsdp_pair")),
     PP: _lazy("shardwise.bench.mp:pp_pair"),
-    TP: _lazy("shardwise.bench.mp:tp_pair"),
-    "fsdp-tp": _lazy("shardwise.bench.compose:fsdp_tp_pair"),
+    TP: _switch_or(TP, _lazy("shardwise.bench.mp:tp_pair")),
+    "fsdp-tp": _switch_or("fsdp-tp", _lazy("shardwise.bench.compose:fsdp_tp_pair")),
     "dp-vs-ddp": _lazy("shardwise.bench.classic:dp_vs_ddp"),
     "ps-vs-ddp": _lazy("shardwise.bench.classic:ps_vs_ddp"),
     "allreduce": _lazy("shardwise.bench.classic:allreduce_algorithms"),

@@ -45,10 +45,15 @@ def test_pair_and_engine_switch_tables_fit():
         check(t, PAIR)
         assert "5 runs (launches), each run's paired ratio: 1.108x, 1.108x" in t.caption
         assert headers(pair_table("t", runs, summarize(merged(runs)), 1.0, "f", wide=True)) == PAIR + ["formula"]
-    switch = {w: ([pair_results(("shardwise", "torch"), sent=25_190_400.0)], 0.0, 16_793_600) for w in (MLP, GPT_)}
-    t = switch_table("fsdp", SWITCHES["fsdp"], switch, 4, 256)
-    check(t, ["model", "engine", *PAIR[1:]])
-    assert t.row_count == 4 and "formula: 3(N-1)/N x gradient bytes." in t.caption
+    for name, sw in SWITCHES.items():  # every switch, fsdp-tp's title naming Parallel(dp=2, tp=2, zero=3)
+        switch = {w: ([pair_results(("shardwise", "torch"), sent=25_190_400.0)] * 3, 0.0, 25_190_400.0)
+                  for w in sw.workloads}
+        t = switch_table(name, sw, switch, 4, 256)
+        check(t, ["model", "engine", *PAIR[1:]])
+        assert t.row_count == 2 * len(sw.workloads) and sw.formula_note in t.caption
+    assert "formula: 3(N-1)/N x gradient bytes." in switch_table("fsdp", SWITCHES["fsdp"], switch, 4, 256).caption
+    assert "Trainer(Parallel(dp=2, tp=2, zero=3), engine=" in switch_table("fsdp-tp", SWITCHES["fsdp-tp"], switch, 4,
+                                                                           256).title
     rows = [row for w in (MLP, GPT_) for row in zero_rows(w, pair_results(("shardwise zero1", "torch ZeRO-1"),
                                                                            sent=16_793_600.0), 2, 16_793_600)]
     check(zero_table("ZeRO-1: 4 ranks, global batch 256, AdamW fp32", rows, 2, ""), ["model", *PAIR])
