@@ -49,7 +49,7 @@ from shardwise.bench.harness import (
 )
 from shardwise.bench.tables import Column, table, wide
 from shardwise.comm.topology import Topology
-from shardwise.dims import DP, TP
+from shardwise.dims import DP, PP, TP
 from shardwise.fit.trainer import Trainer
 from shardwise.stats import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from shardwise.strategies.base import Strategy
@@ -136,7 +136,9 @@ def shown(strategy: str | Strategy) -> str:
 SWITCHES: dict[str, Switch] = {"ddp": Switch("ddp", (MLP,), 2), "zero1": Switch("zero1", (MLP, GPT_), 2),
                                "zero2": Switch("zero2", (MLP, GPT_), 2), "zero3": Switch("zero3", (MLP, GPT_), 3),
                                "fsdp": Switch("fsdp", (MLP, GPT_), 3), TP: Switch(TP, (GPT_,), tp_formula=True),
-                               "fsdp-tp": Switch(fsdp_tp, (GPT_,), tp_formula=True)}
+                               "fsdp-tp": Switch(fsdp_tp, (GPT_,), tp_formula=True),
+                               # 1F1B over the GPT's blocks; its sends (activations, their gradients) have no formula
+                               PP: Switch(PP, (GPT_,))}
 
 
 @dataclass(frozen=True)
