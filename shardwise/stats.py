@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import ctypes.util
 import os
 import sys
 from collections.abc import Iterator
@@ -46,17 +47,18 @@ def reset_peak_rss() -> None:
         pass
 
 
-def release_free_heap() -> None:
+def release_free_heap() -> bool:
     """Give the system back the heap pages freed tensors left behind (glibc's ``malloc_trim``; a no-op elsewhere).
 
     glibc serves allocations below its mmap threshold (which the first large free raises, up to 32 MiB) from its
     arenas and keeps what is freed there. After two steps of a 100M-parameter Llama under fsdp x 2, each rank
     held 0.6x to 1.0x the model's bytes of such freed heap beside its 0.5x of shards; trimmed, 0.55x in all
-    (benchmarks/init_from_memory.py)."""
+    (benchmarks/init_from_memory.py). The benchmarks call it between contenders too, so that what one freed does
+    not lower the next one's RSS increase. False where there is no glibc to ask."""
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return bool(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0))
     except (OSError, AttributeError):  # not glibc: its allocator keeps or returns memory its own way
-        pass
+        return False
 
 
 def current_rss_bytes() -> int:

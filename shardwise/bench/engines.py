@@ -45,13 +45,12 @@ from shardwise.bench.harness import (
     runs_note,
     spawn_collect,
     summarize,
-    trim_malloc,
 )
 from shardwise.bench.tables import Column, table, wide
 from shardwise.comm.topology import Topology
 from shardwise.dims import DP, PP, TP
 from shardwise.fit.trainer import Trainer
-from shardwise.stats import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+from shardwise.stats import current_rss_bytes, peak_rss_bytes, release_free_heap, reset_peak_rss
 from shardwise.strategies.base import Strategy
 from shardwise.strategies.parallel import Parallel
 from shardwise.workloads import gpt, mlp1024
@@ -165,7 +164,7 @@ def fit_once(c: EngineContender, job: dict[str, Any], made: Made, rank: int,
     bytes our Comm counted per step); the run's global losses go to ``losses[c.engine]``."""
     model, data, loss = made
     gc.collect()
-    trim_malloc()  # what the other engine freed must not lower this one's RSS increase
+    release_free_heap()  # what the other engine freed must not lower this one's RSS increase
     reset_peak_rss()
     before = current_rss_bytes()
     with warnings.catch_warnings():

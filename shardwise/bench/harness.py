@@ -8,8 +8,6 @@ builds ``(model, optimizer, step_sent_bytes)`` from a fresh model copy.
 from __future__ import annotations
 
 import copy
-import ctypes
-import ctypes.util
 import gc
 import os
 import pickle
@@ -27,7 +25,7 @@ from torch import nn
 from shardwise import launch
 from shardwise.bench.tables import Column, table
 from shardwise.comm.topology import Topology
-from shardwise.stats import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+from shardwise.stats import current_rss_bytes, peak_rss_bytes, release_free_heap, reset_peak_rss
 
 # build(model, topo) -> (model, optimizer); after the contender ran, comm_bytes()
 # tells the bytes it sent per step (None when it cannot be observed).
@@ -94,7 +92,7 @@ def measure(build: Callable[[], Step], topo: Topology, cuda: bool, warmup: int, 
     """
     gc.collect()
     if trim:
-        trim_malloc()
+        release_free_heap()
     reset_peak_rss()
     before = current_rss_bytes()
     step = build()
@@ -117,19 +115,6 @@ def _time_contender(c: Contender, base: nn.Module, topo: Topology, x: torch.Tens
                     trim: bool = False) -> tuple[float, int, float]:
     return measure(lambda: optimizer_step(*c.build(copy.deepcopy(base), topo), loss_fn, x, y),
                    topo, x.device.type == "cuda", warmup, steps, trim)
-
-
-def trim_malloc() -> bool:
-    """Give the heap's free memory back to the OS (glibc ``malloc_trim(0)``); False where unavailable.
-
-    Without it, memory freed by the contender that ran before stays mapped and
-    the next one reuses it: that one's RSS increase reads too low, and depends
-    on who ran first. Called between contenders only, so step times are untouched.
-    """
-    try:
-        return bool(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0))
-    except (OSError, AttributeError):
-        return False
 
 
 def _bench_worker(rank: int, device: torch.device, blob: bytes, path: str) -> None:
@@ -175,7 +160,7 @@ def run_pair(contenders: tuple[Contender, Contender], model: nn.Module, in_shape
     """Run both contenders on ``nprocs`` ranks; returns one :class:`PairResult` per rank.
 
     ``exact_rss``: give freed heap memory back to the OS before each contender
-    (see :func:`trim_malloc`), so that peak RSS increases compare fairly. On by
+    (see :func:`shardwise.stats.release_free_heap`), so that peak RSS increases compare fairly. On by
     default: without it the contender that runs second reuses what the first
     freed (the DDP pair's memory ratio read 0.501x over 7 repetitions and 2.495x
     over 2 without it; 0.905x with it).

@@ -16,7 +16,7 @@ Every contender trains the same MoE GPT from the same weights on the same global
 batch (each rank its ``1/N`` of the sequences: ep is carved from the data-parallel
 ranks, so tokens per rank are the same as under ddp). The contenders of one
 world size run in the same spawned ranks; repetitions rotate which goes first,
-and the heap is trimmed before each (:func:`shardwise.bench.harness.trim_malloc`),
+and the heap is trimmed before each (:func:`shardwise.stats.release_free_heap`),
 as in :mod:`shardwise.bench.cp`. Medians over a repetition's timed steps, then
 over repetitions, then the slowest rank (the largest for bytes).
 
@@ -46,13 +46,13 @@ from rich.table import Table
 from torch import nn
 
 from shardwise.bench.compose import local_batch
-from shardwise.bench.harness import spawn_collect, timed_steps, trim_malloc
+from shardwise.bench.harness import spawn_collect, timed_steps
 from shardwise.bench.tables import Column, table, wide
 from shardwise.comm.topology import Topology
 from shardwise.dims import EP, WORLD
 from shardwise.fit.steps import count_state
 from shardwise.models import GPT, GPTConfig, lm_loss
-from shardwise.stats import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+from shardwise.stats import current_rss_bytes, peak_rss_bytes, release_free_heap, reset_peak_rss
 from shardwise.strategies.parallel import Parallel
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
@@ -128,7 +128,7 @@ def measure_one(c: MoEContender, model: nn.Module, topo: Topology, x: torch.Tens
     (after ``opt.step``, before the gradients are freed), where ``Trainer.fit`` counts it.
     """
     gc.collect()
-    trim_malloc()  # what the previous contender freed must not lower this one's RSS increase
+    release_free_heap()  # what the previous contender freed must not lower this one's RSS increase
     reset_peak_rss()
     before = current_rss_bytes()
     strat = c.strategy(topo.world_size)
