@@ -124,6 +124,9 @@ def _new_rows(rank: int, device: torch.device, folder: str) -> None:
         out[f"{model} {strategy.name} torch"] = fit(model, strategy, steps=2, engine="torch")
     _chain(out, os.path.join(folder, "zero1"), "gpt", [sw.ZeRO1(engine="torch"), sw.FSDP()], 2)
     _chain(out, os.path.join(folder, "sp"), "gpt", [SP(), SP(engine="torch"), SP()], 2)
+    for strategy in (sw.DDP(), sw.FSDP(), sw.TP(), sw.PP()):  # checkpointed blocks, wrapped by torch's engines
+        out[f"gpt {strategy.name}-ac torch"] = fit("gpt", strategy, steps=2, engine="torch",
+                                                   activation_checkpointing=True)
     if rank == 0:
         torch.save({k: (r.losses, r.state_dict) for k, r in out.items()}, os.path.join(folder, "runs.pt"))
 
@@ -196,8 +199,8 @@ def test_tp_then_fsdp_and_pp_then_ddp_under_torch_equal_one_device_and_cross_eng
      "engine for it: pp, then tp, then FSDP2 over dp); engine='shardwise' runs it"),
     (sw.Parallel(dp=2, tp=2, engine="torch"), {}, "engine='torch' does not cover strategy 'parallel' yet (torch's "
      "engine for it: pp, then tp, then FSDP2 over dp); engine='shardwise' runs it"),
-    ("fsdp", {"engine": "torch", "activation_checkpointing": True},
-     "engine='torch' does not support activation_checkpointing yet (strategy 'fsdp'); engine='shardwise' does"),
+    ("ddp", {"engine": "torch", "sync_batchnorm": True},
+     "engine='torch' does not support sync_batchnorm yet (strategy 'ddp'); engine='shardwise' does"),
     (sw.FSDP(offload="optimizer", engine="torch"), {},
      "engine='torch' does not support offload yet (strategy 'fsdp'); engine='shardwise' does"),
 ])

@@ -390,8 +390,7 @@ def _pp_then_ddp(strategy: Strategy) -> bool:
             and field("replicate") == 1)
 
 
-def engine_for(strategy: Strategy, engine: str | None, *, activation_checkpointing: Any = False,
-               sync_batchnorm: bool = False) -> Strategy:
+def engine_for(strategy: Strategy, engine: str | None, *, sync_batchnorm: bool = False) -> Strategy:
     """The strategy that runs ``strategy`` under the Trainer's ``engine`` (None: not given) and its own
     ``engine=`` (which wins; both given and different is refused). Raises ValueError, with what to use
     instead, for what the engine does not run."""
@@ -403,11 +402,11 @@ def engine_for(strategy: Strategy, engine: str | None, *, activation_checkpointi
                          f"({type(strategy).__name__}(engine={strategy.engine!r})); give one of them")
     if (strategy.engine or engine or "shardwise") == "shardwise" or strategy.name == "single":
         return strategy
-    refuse_torch(strategy, activation_checkpointing=activation_checkpointing, sync_batchnorm=sync_batchnorm)
+    refuse_torch(strategy, sync_batchnorm=sync_batchnorm)
     return TORCH[_row(strategy)](of=strategy)  # type: ignore[index]  # refuse_torch let only these through
 
 
-def refuse_torch(strategy: Strategy, *, activation_checkpointing: Any, sync_batchnorm: bool) -> None:
+def refuse_torch(strategy: Strategy, *, sync_batchnorm: bool) -> None:
     """Raise, naming what to use instead, when engine="torch" cannot run ``strategy`` with these options."""
     name, row = strategy.name, _row(strategy)
     if getattr(strategy, EP, 1) > 1:  # sw.Parallel's ep= and cp= fields, named as the dimensions
@@ -429,16 +428,15 @@ def refuse_torch(strategy: Strategy, *, activation_checkpointing: Any, sync_batc
     if row == "PP" and schedule in NO_TORCH_SCHEDULE:
         raise ValueError(f"engine='torch' cannot run strategy {name!r} with schedule={schedule!r}: "
                          f"{NO_TORCH_SCHEDULE[schedule]}; engine='shardwise' runs it")
-    for what, refused in _unsupported(strategy, activation_checkpointing, sync_batchnorm).items():
+    for what, refused in _unsupported(strategy, sync_batchnorm).items():
         if refused:
             raise ValueError(f"engine='torch' does not support {what} yet (strategy {name!r}); "
                              "engine='shardwise' does")
 
 
-def _unsupported(strategy: Strategy, activation_checkpointing: Any, sync_batchnorm: bool) -> dict[str, bool]:
+def _unsupported(strategy: Strategy, sync_batchnorm: bool) -> dict[str, bool]:
     """The options engine="torch" does not run yet, and whether this run asks for each."""
-    return {"activation_checkpointing": bool(activation_checkpointing),
-            "sync_batchnorm": sync_batchnorm,
+    return {"sync_batchnorm": sync_batchnorm,
             "offload": getattr(strategy, "offload", "none") != "none",
             "param_init_fn (a meta-device model)": getattr(strategy, "param_init_fn", None) is not None,
             "DDP(allreduce=...) other than 'native'": getattr(strategy, "allreduce", "native") != "native",
