@@ -18,7 +18,6 @@ The validation history and the fp16 scaler are run state too (a few bytes) and n
 """
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 
 import torch
@@ -33,6 +32,7 @@ from shardwise.plan.states import (
     meta_copy,
     optimizer_states,
     per_rank,
+    stepped_probe,
     zero_stage,
 )
 from shardwise.step import first_named
@@ -42,14 +42,7 @@ def scalar_state_bytes(optimizer: torch.optim.Optimizer | str) -> int:
     copy of the probe as :func:`~shardwise.plan.states.optimizer_states` does (names: torch's defaults)."""
     if isinstance(optimizer, str):
         return {"adamw": 4, "adam": 4}.get(optimizer, 0)
-    try:
-        opt = copy.deepcopy(optimizer)
-        params = [p for g in opt.param_groups for p in g["params"]]
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        opt.step()
-    except Exception as e:  # an optimizer we cannot probe: say so rather than guess
-        raise NotModelled(f"cannot count the states of {type(optimizer).__name__}: {e}") from e
+    opt, params = stepped_probe(optimizer)
     scalars = sum(t.element_size() for s in opt.state.values() for t in s.values()
                   if isinstance(t, torch.Tensor) and not t.dim())
     return scalars // max(1, len(params))

@@ -115,6 +115,21 @@ class RankStates:
         return (self.params, self.grads, self.optimizer, self.host_params, self.host_grads, self.host_optimizer)
 
 
+def stepped_probe(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, list[torch.Tensor]]:
+    """A copy of the probe optimizer (and its parameters) after one step on zero gradients: the states it holds
+    are what the optimizer really allocates. The caller's optimizer is left as it was. Raises NotModelled for an
+    optimizer that cannot be stepped so (say so rather than guess)."""
+    try:
+        opt = copy.deepcopy(optimizer)  # its own parameters
+        params = [p for g in opt.param_groups for p in g["params"]]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+    except Exception as e:
+        raise NotModelled(f"cannot count the states of {type(optimizer).__name__}: {e}") from e
+    return opt, params
+
+
 def optimizer_states(optimizer: torch.optim.Optimizer | str) -> int:
     """Tensors of the parameter's size the optimizer keeps per parameter (AdamW 2, SGD with momentum 1).
 
@@ -125,14 +140,7 @@ def optimizer_states(optimizer: torch.optim.Optimizer | str) -> int:
     """
     if isinstance(optimizer, str):
         return {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}[optimizer]
-    try:
-        opt = copy.deepcopy(optimizer)  # its own parameters: the caller's optimizer is left as it was
-        params = [p for g in opt.param_groups for p in g["params"]]
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        opt.step()
-    except Exception as e:  # an optimizer we cannot probe: say so rather than guess
-        raise NotModelled(f"cannot count the states of {type(optimizer).__name__}: {e}") from e
+    opt, params = stepped_probe(optimizer)
     numel = sum(p.numel() for p in params) or 1
     states = sum(t.numel() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim())
     return states // numel
