@@ -389,5 +389,5 @@ def busiest(states: Sequence[RankStates]) -> RankStates:
 
 
 __all__ = ["MODELLED", "NotModelled", "Param", "RankStates", "busiest", "check_modelled", "fsdp", "full_grad_bytes",
-           "local_chunks", "meta_copy", "optimizer_states", "per_rank", "rank_states", "replicated", "states_of", "stepped_probe",
-           "zero", "zero_stage"]
+           "local_chunks", "meta_copy", "optimizer_states", "per_rank", "rank_states", "replicated", "states_of",
+           "stepped_probe", "zero", "zero_stage"]
