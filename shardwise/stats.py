@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import ctypes
 import ctypes.util
 import os
@@ -55,10 +56,18 @@ def release_free_heap() -> bool:
     held 0.6x to 1.0x the model's bytes of such freed heap beside its 0.5x of shards; trimmed, 0.55x in all
     (benchmarks/init_from_memory.py). The benchmarks call it between contenders too, so that what one freed does
     not lower the next one's RSS increase. False where there is no glibc to ask."""
+    trim = getattr(_libc(), "malloc_trim", None)  # not glibc: its allocator keeps or returns memory its own way
+    return bool(trim(0)) if trim is not None else False
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library, looked up once (``find_library`` runs ``ldconfig`` in a subprocess; the end of every fit
+    and every benchmark contender asks for it)."""
     try:
-        return bool(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0))
-    except (OSError, AttributeError):  # not glibc: its allocator keeps or returns memory its own way
-        return False
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
 
 
 def current_rss_bytes() -> int:
