@@ -62,6 +62,9 @@ class RunLayout:
         sequence_parallel: Megatron sequence parallelism over the tp group (norms,
             dropout and residuals on ``s / tp`` tokens; each tp all-reduce becomes a
             reduce-scatter plus an all-gather).
+        engine: whose mechanisms hold the states: ``"shardwise"`` or ``"torch"`` (PyTorch's DDP,
+            ``ZeroRedundancyOptimizer``, FSDP2, DTensor and pipelining, which partition
+            differently: :mod:`shardwise.plan.states`).
     """
 
     # The defaults are the constructor's: written once, in its signature.
@@ -80,6 +83,7 @@ class RunLayout:
     devices_per_process: int
     cp_mode: str | None
     sequence_parallel: bool
+    engine: str
 
     def __init__(self, strategy: str, dp: int | None = None, tp: int | None = None, pp: int | None = None,
                  zero: int = 0, replicate: int = 1, offload: str = "none", wrap: Any = None,
@@ -87,7 +91,7 @@ class RunLayout:
                  precision: str = "32", activation_checkpointing: bool = False, servers: int = 0,
                  cp: int | None = None, ep: int | None = None, devices_per_process: int = 1,
                  cp_mode: str | None = None, sequence_parallel: bool = False, *,
-                 dims: ParallelDims | None = None) -> None:
+                 dims: ParallelDims | None = None, engine: str = "shardwise") -> None:
         for name, v in (("chunks", chunks), ("devices_per_process", devices_per_process)):
             if v < 1:
                 raise ValueError(f"{name}={v}: must be >= 1")
@@ -98,7 +102,8 @@ class RunLayout:
         fields = dict(strategy=strategy, dims=grouped, zero=zero, replicate=replicate, offload=offload, wrap=wrap,
                       schedule=schedule, microbatches=microbatches, chunks=chunks, precision=precision,
                       activation_checkpointing=activation_checkpointing, servers=servers,
-                      devices_per_process=devices_per_process, cp_mode=cp_mode, sequence_parallel=sequence_parallel)
+                      devices_per_process=devices_per_process, cp_mode=cp_mode, sequence_parallel=sequence_parallel,
+                      engine=engine)
         for name, value in fields.items():
             object.__setattr__(self, name, value)  # frozen: the one way in
 
@@ -166,6 +171,8 @@ class RunLayout:
             parts.append(f"cp_mode={self.cp_mode}")
         if self.sequence_parallel:
             parts.append("sequence_parallel")
+        if self.engine != "shardwise":
+            parts.append(f"engine={self.engine}")
         return f"{self.strategy}({', '.join(parts)})"
 
 

@@ -29,6 +29,7 @@ from shardwise.plan.specs import ClusterSpec, Layout, TrainingSpec
 from shardwise.plan.staging import STAGING, staging_bytes
 from shardwise.plan.states import (
     NotModelled,
+    Param,
     RankStates,
     busiest,
     check_modelled,
@@ -145,6 +146,8 @@ def plan_run(model: nn.Module, layout: RunLayout, device_memory_bytes: int, batc
         # Micro-batches accumulate unreduced (no_sync, and a pipeline's chunks until the last micro-batch):
         # ZeRO-2/3 hold whole gradients until the step's single reduce-scatter.
         buffers["unsharded gradients (accumulation)"] = full_grad_bytes(chunks)
+    if layout.engine == "torch":
+        _torch_engine_buffers(layout, chunks, buffers, notes)
     host: dict[str, tuple[int, ...]] = {}
     if checkpoint_async:
         try:
@@ -167,6 +170,19 @@ def plan_run(model: nn.Module, layout: RunLayout, device_memory_bytes: int, batc
         return replace(plan, suggestion="activations dominate: try activation checkpointing or a smaller batch "
                                         "per device")
     return replace(plan, suggestion="try more devices, a larger tp/pp, or a smaller model")
+
+
+def _torch_engine_buffers(layout: RunLayout, chunks: list[list[list[Param]]], buffers: dict[str, int],
+                          notes: list[str]) -> None:
+    """What torch's engines hold besides the model states (laid out as torch partitions them), where it is known
+    to differ from ours, and a note naming what is estimated as our engines hold it."""
+    if zero_stage(layout) <= 1 and layout.dp > 1:
+        # torch's DDP (gradient_as_bucket_view=False, its default) copies every gradient into a bucket of its own;
+        # ours reduces in the gradients' own storage.
+        buffers["DDP gradient buckets (torch)"] = full_grad_bytes(chunks)
+    notes.append("engine='torch': model states as torch's engines partition them; activations and the other "
+                 "buffers as shardwise's engines hold them (FSDP2's all-gather and reduce-scatter buffers, DTensor's "
+                 "redistributions and torch's pipeline buffers are not modelled on their own)")
 
 
 def alternatives(layout: RunLayout) -> list[tuple[str, RunLayout]]:

@@ -84,6 +84,8 @@ def staging_bytes(model: nn.Module, layout: RunLayout, optimizer: torch.optim.Op
     and workers hold other things)."""
     if layout.strategy == "ps":
         raise NotModelled("the parameter server's checkpoint share is not planned")
+    if layout.engine == "torch":
+        raise NotModelled("the checkpoint share under engine='torch' is not planned (it follows torch's partitions)")
     chunks = local_chunks(model, layout, tp_plan, split_points)
     return [s + buffer_bytes(meta_copy(model)) + run_state_bytes(steps)
             for s in model_share(chunks, layout, optimizer)]

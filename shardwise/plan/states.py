@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -72,6 +72,7 @@ class Param:
     storage_bytes: int  # the storage behind it: a slice may keep its whole base alive
     trainable: bool
     expert: bool = False  # this rank's rows of an experts module's weight: its own data-parallel group (edp)
+    rows: int = 1  # the size of dim 0 (FSDP2 shards each parameter by rows; a 0-d parameter is one row)
 
 
 @dataclass(frozen=True)
@@ -166,8 +167,8 @@ def meta_copy(model: nn.Module) -> nn.Module:
 def _params(modules: Iterable[nn.Module], experts: set[int] | None = None) -> list[Param]:
     experts = experts or set()
     holder = nn.ModuleList(modules)  # parameters() of one container: each tied parameter once
-    return [Param(p.numel(), p.element_size(), p.untyped_storage().nbytes(), p.requires_grad, id(p) in experts)
-            for p in holder.parameters()]
+    return [Param(p.numel(), p.element_size(), p.untyped_storage().nbytes(), p.requires_grad, id(p) in experts,
+                  p.shape[0] if p.dim() else 1) for p in holder.parameters()]
 
 
 def _split_experts(model: nn.Module, ep: int) -> set[int]:
@@ -285,6 +286,41 @@ def fsdp(params: Sequence[Param], k: int, n: int, offload: str) -> RankStates:
     return RankStates(frozen + (row if offload == "optimizer" else 0), 0, 0, row, row, k * row)
 
 
+# ---- the same family under torch's engines (engine="torch") ----------------------
+def zero_redundancy(params: Sequence[Param], k: int, n: int, rank: int) -> RankStates:
+    """torch's ZeRO-1 (``ZeroRedundancyOptimizer`` under DDP) on dp rank ``rank`` of ``n``: whole parameters and
+    gradients; the optimizer states of the whole tensors its partition owns. torch partitions greedily: the
+    tensors largest first (in order among equals), each to the rank owning the fewest elements so far (the
+    lowest such rank). One parameter group; with several, torch partitions group by group."""
+    owned = [0] * n
+    mine = 0
+    for q in sorted(params, key=lambda q: -q.numel):
+        r = owned.index(min(owned))
+        owned[r] += q.numel
+        if r == rank and q.trainable:
+            mine += q.numel * q.element_size
+    return replace(replicated(params, k), optimizer=k * mine)
+
+
+def fully_sharded(params: Sequence[Param], k: int, n: int, rank: int, offload: str) -> RankStates:
+    """FSDP2 (torch's zero2, zero3, fsdp and hsdp) on shard rank ``rank`` of ``n``: every parameter, frozen ones
+    too, cut by rows into ``ceil(rows / n)``-row pieces; weights and gradients live in storage padded to a whole
+    piece on every rank, the optimizer's states are the size of this rank's rows (the last ranks may hold fewer,
+    or none)."""
+    if offload != "none":
+        raise NotModelled("offload under engine='torch' (FSDP2's CPUOffloadPolicy)")
+
+    def piece(q: Param) -> int:
+        return _ceil(q.rows, n) * (q.numel // max(q.rows, 1)) * q.element_size
+
+    def own(q: Param) -> int:
+        rows = max(0, min(_ceil(q.rows, n), q.rows - rank * _ceil(q.rows, n)))
+        return rows * (q.numel // max(q.rows, 1)) * q.element_size
+
+    train = [q for q in params if q.trainable]
+    return RankStates(sum(map(piece, params)), sum(map(piece, train)), k * sum(map(own, train)))
+
+
 def rank_states(model: nn.Module, layout: RunLayout, optimizer: torch.optim.Optimizer | str = "adamw", *,
                 tp_plan: Any = None, split_points: Sequence[str] | None = None) -> list[RankStates]:
     """Model-state bytes of every rank, in rank order of the mesh ``(pp, dp, cp, tp)`` (tp innermost).
@@ -322,6 +358,8 @@ def states_of(chunks: list[list[list[Param]]], layout: RunLayout, k: int) -> lis
     stage, offload = zero_stage(layout), layout.offload
 
     def group(cs: list[list[Param]], n: int, d: int) -> RankStates:
+        if layout.engine == "torch" and stage:  # DDP (stage 0) holds what ours does
+            return torch_group(cs, n, d)
         if stage == 0:
             return _sum(replicated(c, k) for c in cs)
         if stage == 1:  # one ZeRO-1 wrapper over every chunk of the rank
@@ -329,6 +367,13 @@ def states_of(chunks: list[list[list[Param]]], layout: RunLayout, k: int) -> lis
         if stage == 2:  # one wrapper per chunk
             return _sum(zero(c, k, 2, n, d, offload) for c in cs)
         return _sum(fsdp(c, k, n, offload) for c in cs)
+
+    def torch_group(cs: list[list[Param]], n: int, d: int) -> RankStates:
+        if stage == 1:
+            if offload != "none":
+                raise NotModelled("offload under engine='torch'")
+            return zero_redundancy([q for c in cs for q in c], k, n, d)
+        return _sum(fully_sharded(c, k, n, d, offload) for c in cs)  # zero2 runs as FSDP2 too
 
     return per_rank(chunks, layout, group)
 
@@ -389,5 +434,5 @@ def busiest(states: Sequence[RankStates]) -> RankStates:
 
 
 __all__ = ["MODELLED", "NotModelled", "Param", "RankStates", "busiest", "check_modelled", "fsdp", "full_grad_bytes",
-           "local_chunks", "meta_copy", "optimizer_states", "per_rank", "rank_states", "replicated", "states_of",
-           "stepped_probe", "zero", "zero_stage"]
+           "fully_sharded", "local_chunks", "meta_copy", "optimizer_states", "per_rank", "rank_states", "replicated",
+           "states_of", "stepped_probe", "zero", "zero_redundancy", "zero_stage"]

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -99,7 +99,7 @@ class TorchEngine(Strategy):
         self.name = self.of.name  # type: ignore[misc]  # checkpoints, messages and the planner see the same name
 
     def layout(self, devices: int) -> RunLayout:
-        return self.of.layout(devices)
+        return replace(self.of.layout(devices), engine="torch")  # the planner lays out torch's partitions
 
     def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int,
                     backend: str = "gloo") -> None:
