@@ -20,8 +20,8 @@ import shardwise as sw
 from shardwise import launch
 from shardwise.models import lm_loss
 from shardwise.parallel.schedules import Action, zb_h1
-from test_torch_engine import ADAMW, _chain, _equal_one_device, gpt
 from shardwise.workloads import CharText, stdlib_text
+from test_torch_engine import ADAMW, _chain, _equal_one_device, gpt
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]
 
