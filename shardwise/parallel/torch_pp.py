@@ -27,8 +27,8 @@ from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
-    ScheduleGPipe,
     ScheduleDualPipeV,
+    ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
@@ -52,7 +52,7 @@ TORCH_SCHEDULES: dict[str, type[_PipelineSchedule]] = {
     "gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
     "zb-h1": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
 # torch's looped schedules run the micro-batches in max(1, m // p) rounds of equal size and refuse an m the
-# rounds do not divide (p = 2: m = 5 or 7); our interleaved needs m % p == 0 anyway, our ZB-H1 has no rounds.
+# rounds do not divide (p = 2: m = 5, 7, 9, ...); our interleaved needs m % p == 0 anyway, our ZB-H1 has no rounds.
 IN_ROUNDS = (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
 
 
