@@ -191,10 +191,6 @@ def test_tp_then_fsdp_and_pp_then_ddp_under_torch_equal_one_device_and_cross_eng
                                                    "PyTorch has none; engine='shardwise' runs it"),
     (sw.Parallel(cp=2, engine="torch"), {}, "engine='torch' has no engine for context parallelism on CPU (torch's "
      "context_parallel runs on CUDA only) and does not cover it on CUDA yet; engine='shardwise' runs it"),
-    (sw.PP(schedule="zb-h1"), {"engine": "torch"}, "engine='torch' cannot run strategy 'pp' with schedule='zb-h1': "
-     "torch's zero-bubble schedules hold several stages per rank (ScheduleInterleavedZeroBubble on a loop, "
-     "ScheduleZBVZeroBubble on a V); ZB-H1 holds one, so torch has no schedule for it (use 'zbv'); "
-     "engine='shardwise' runs it"),
     (sw.Parallel(pp=2, dp=2, zero=3, engine="torch"), {}, "engine='torch' does not cover strategy 'parallel' yet (torch's "
      "engine for it: pp, then tp, then FSDP2 over dp); engine='shardwise' runs it"),
     (sw.Parallel(dp=2, tp=2, engine="torch"), {}, "engine='torch' does not cover strategy 'parallel' yet (torch's "

@@ -27,8 +27,10 @@ from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
 from torch.distributed.pipelining.schedules import _PipelineSchedule
@@ -40,17 +42,28 @@ from shardwise.parallel.pipeline import PipelineModel
 from shardwise.parallel.pipeline_run import resplit, sync_ties
 from shardwise.step import LossFn
 
-# Our schedule's name -> torch's schedule with the same order of forwards and backwards on the same placement
-# (gpipe and 1f1b: one stage per rank; interleaved: the loop c * p + r; zbv: the V, ranks r and 2p-1-r).
+# Our schedule's name -> torch's schedule on the same placement (gpipe, 1f1b, zb-h1: one stage per rank;
+# interleaved: the loop c * p + r; zbv, dualpipev: the V, rank r holding stages r and 2p-1-r), with the same
+# forwards and backwards in the same order (tests/bench/test_zb_pair.py, tests/parallel/test_zero_bubble.py,
+# tests/test_torch_engine_zb.py compare them). ScheduleInterleavedZeroBubble is the paper's ZB1P: given one
+# stage per rank it runs ZB-H1's order. torch's DualPipeV and ZBV run DualPipe's and the paper's whole and split
+# backwards where they have them; ours (zbv, dualpipev) run some more of them whole, the same actions.
 TORCH_SCHEDULES: dict[str, type[_PipelineSchedule]] = {
     "gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
-    "zbv": ScheduleZBVZeroBubble}
-# Ours that torch has no schedule for, and why.
-NO_TORCH_SCHEDULE = {
-    "zb-h1": "torch's zero-bubble schedules hold several stages per rank (ScheduleInterleavedZeroBubble on a loop, "
-             "ScheduleZBVZeroBubble on a V); ZB-H1 holds one, so torch has no schedule for it (use 'zbv')",
-    "dualpipev": "torch's ScheduleDualPipeV overlaps a forward and a backward of two micro-batches in one call, "
-                 "which runs a different order of operations than ours; not mapped yet (use 'zbv')"}
+    "zb-h1": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+# torch's looped schedules run the micro-batches in max(1, m // p) rounds of equal size and refuse an m the
+# rounds do not divide (p = 2: m = 5, 7, 9, ...); our interleaved needs m % p == 0 anyway, our ZB-H1 has no rounds.
+IN_ROUNDS = (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
+
+
+def torch_schedule_refusal(schedule: str, stages: int, microbatches: int) -> str | None:
+    """Why torch's schedule for ``schedule`` cannot run ``microbatches`` on ``stages`` ranks where ours can
+    (None: it can)."""
+    cls, rounds = TORCH_SCHEDULES[schedule], max(1, microbatches // stages)
+    if cls not in IN_ROUNDS or microbatches % rounds == 0:
+        return None
+    return (f"torch's {cls.__name__} runs the micro-batches in max(1, m // p) = {rounds} rounds of equal size, "
+            f"and microbatches={microbatches} does not split into {rounds}; use a multiple of the {stages} stages")
 
 
 def torch_stage(module: nn.Module, index: int, stages: int, topo: Topology,
@@ -161,4 +174,4 @@ class _InContext(nn.Module):
             return self.chunk(*args)
 
 
-__all__ = ["NO_TORCH_SCHEDULE", "TORCH_SCHEDULES", "TorchPipeline", "torch_schedule", "torch_stage"]
+__all__ = ["TORCH_SCHEDULES", "TorchPipeline", "torch_schedule", "torch_schedule_refusal", "torch_stage"]

@@ -16,9 +16,12 @@ itself under ``engine="shardwise"``); under ``"torch"``:
 ``Parallel(zero=3)``  tp, then FSDP2 over dp on the same root mesh (torchtitan's order; no pp, no
                       replicas)
 ``pp``                ``torch.distributed.pipelining``: our stages (same cut, same tied weights kept
-                      in sync) as ``PipelineStage`` objects, run by torch's schedule for ours: gpipe
-                      ``ScheduleGPipe``, 1f1b ``Schedule1F1B``, interleaved ``ScheduleInterleaved1F1B``,
-                      zbv ``ScheduleZBVZeroBubble``; zb-h1 and dualpipev refused (:class:`TorchPP`)
+                      in sync) as ``PipelineStage`` objects, run by torch's schedule for ours, on the
+                      same placement and in the same order: gpipe ``ScheduleGPipe``, 1f1b
+                      ``Schedule1F1B``, interleaved ``ScheduleInterleaved1F1B``, zb-h1
+                      ``ScheduleInterleavedZeroBubble`` given one stage per rank (the paper's ZB1P,
+                      there ZB-H1), zbv ``ScheduleZBVZeroBubble``, dualpipev ``ScheduleDualPipeV``
+                      (the V's: the same actions, ours run a few more backwards whole) (:class:`TorchPP`)
 ``Parallel(pp, dp)``  that pipeline with each stage under torch's DDP over dp (``zero=0``; not zbv)
 ====================  =====================================================================
 
@@ -62,7 +65,7 @@ from shardwise.parallel.torch_engines import (
 )
 from shardwise.parallel.pipeline import build_pipeline
 from shardwise.parallel.schedules import schedule_facts, shape_of
-from shardwise.parallel.torch_pp import NO_TORCH_SCHEDULE, TorchPipeline
+from shardwise.parallel.torch_pp import TorchPipeline, torch_schedule_refusal
 from shardwise.parallel.torch_tp import (
     apply_torch_tp,
     clip_grad_norm_,
@@ -303,6 +306,17 @@ class TorchPP(TorchEngine, SplitsModel):
                              "input backward, before the weight backwards the zero-bubble schedule runs later, "
                              "whose gradients would miss it; use schedule='1f1b', 'gpipe' or 'interleaved', or "
                              "engine='shardwise'")
+        self._check_torch_schedule(devices, batch_size, accumulate_grad_batches)
+
+    def _check_torch_schedule(self, devices: int, batch_size: int, accumulate_grad_batches: int) -> None:
+        """torch's schedule's own rules on the micro-batch count, where they are stricter than ours."""
+        of: Any = self.of
+        p = self.layout(devices).pp
+        m = of.effective_microbatches(batch_size // of.batch_shards(devices), p, accumulate_grad_batches)
+        why = torch_schedule_refusal(of.schedule, p, m)
+        if why is not None:
+            raise ValueError(f"engine='torch' cannot run strategy {self.name!r} with schedule={of.schedule!r}: "
+                             f"{why}; engine='shardwise' runs it")
 
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -424,10 +438,6 @@ def refuse_torch(strategy: Strategy, *, sync_batchnorm: bool) -> None:
     if row not in TORCH:
         raise ValueError(f"engine='torch' has no engine for strategy {name!r} (not a built-in strategy); "
                          "engine='shardwise' runs it")
-    schedule = getattr(strategy, "schedule", None)
-    if row == "PP" and schedule in NO_TORCH_SCHEDULE:
-        raise ValueError(f"engine='torch' cannot run strategy {name!r} with schedule={schedule!r}: "
-                         f"{NO_TORCH_SCHEDULE[schedule]}; engine='shardwise' runs it")
     for what, refused in _unsupported(strategy, sync_batchnorm).items():
         if refused:
             raise ValueError(f"engine='torch' does not support {what} yet (strategy {name!r}); "
