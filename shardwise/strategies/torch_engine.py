@@ -41,7 +41,9 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from shardwise.checkpoint.held import Held, named_state
 from shardwise.comm.topology import Topology
@@ -62,6 +64,7 @@ from shardwise.parallel.torch_engines import (
 )
 from shardwise.parallel.pipeline import build_pipeline
 from shardwise.parallel.schedules import schedule_facts, shape_of
+from shardwise.parallel.torch_meta import init_meta
 from shardwise.parallel.torch_pp import NO_TORCH_SCHEDULE, TorchPipeline
 from shardwise.parallel.torch_tp import (
     apply_torch_tp,
@@ -94,6 +97,7 @@ class TorchEngine(Strategy):
 
     of: Strategy
     comm_counted: ClassVar[bool] = False  # torch's DDP, FSDP2, DTensor and pipelining send outside our Comm
+    inits_meta: ClassVar[bool] = False  # whether setup gives a meta-device model memory (torch_meta.init_meta)
 
     def __post_init__(self) -> None:
         self.name = self.of.name  # type: ignore[misc]  # checkpoints, messages and the planner see the same name
@@ -113,10 +117,10 @@ class TorchEngine(Strategy):
             raise ValueError(f"engine='torch' runs torch's engine for strategy {self.name!r} in a process group, "
                              "and this one-process run has none: launch it with `shardwise run --nproc 1`, or "
                              "drop engine='torch' (one device splits nothing)")
-        if on_meta(model):
-            raise ValueError(f"engine='torch' does not set up a model on the meta device yet (strategy "
-                             f"{self.name!r}); build it on the CPU, or use engine='shardwise', which materialises "
-                             "it shard by shard")
+        if on_meta(model) and not self.inits_meta:
+            raise ValueError(f"engine='torch' does not set up a model on the meta device under strategy "
+                             f"{self.name!r} yet (ddp, zero1, zero2, zero3, fsdp and hsdp do); build it on the "
+                             "CPU, or use engine='shardwise', which materialises it shard by shard")
 
     def checkpoint_held(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology) -> list[Held]:
         """The layout-free checkpoint's keys for torch's engines: the model's own names (the one key mapping).
@@ -141,14 +145,30 @@ def _held(key: str, t: torch.Tensor) -> Held:
 @dataclass
 class TorchDDP(TorchEngine):
     """``strategy="ddp"`` under torch's ``DistributedDataParallel`` (DDP's ``bucket_cap_mb`` and
-    ``find_unused_parameters`` carry over)."""
+    ``find_unused_parameters`` carry over; ``reduce_dtype`` float16 or bfloat16 becomes torch's compress hook
+    of that dtype). A meta-device model gets whole memory first, initialised module by module."""
+
+    inits_meta: ClassVar[bool] = True
+
+    def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int,
+                    backend: str = "gloo") -> None:
+        super().check_model(model, devices, batch_size, accumulate_grad_batches, backend)
+        if getattr(self.of, "reduce_dtype", None) == "bfloat16" and backend != "nccl":
+            raise ValueError(f"engine='torch' cannot run DDP(reduce_dtype='bfloat16') on {backend}: torch's "
+                             "bf16_compress_hook runs only with NCCL 2.10+ on CUDA (or XCCL); use "
+                             "reduce_dtype='float16', or engine='shardwise'")
 
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
         self.check_setup(model)
+        if on_meta(model):  # DDP wraps whole tensors
+            init_meta(model, topo.device)
         model = model.to(topo.device)
         ddp = torch_ddp(model, topo, getattr(self.of, "bucket_cap_mb", None),
                         getattr(self.of, "find_unused_parameters", False))
+        hook = COMPRESS_HOOKS.get(getattr(self.of, "reduce_dtype", None) or "")
+        if hook is not None:
+            ddp.register_comm_hook(topo.group(DP), getattr(default_hooks, hook))
         return ddp, optimizer_fn(model.parameters())
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
@@ -189,15 +209,32 @@ class TorchDTensors(TorchEngine):
 @dataclass
 class TorchFSDP(TorchDTensors):
     """``strategy="fsdp"``/``"zero3"`` under FSDP2: ``fully_shard`` on the units our FSDP picks (its ``wrap``),
-    then the root; ``reshard_after_forward`` carries over. Parameters stay the model's, as DTensors."""
+    then the root; ``reshard_after_forward`` carries over, and ``offload="all"`` is FSDP2's ``CPUOffloadPolicy``.
+    Parameters stay the model's, as DTensors. A meta-device model is sharded on meta, then only the shards get
+    memory, initialised module by module (``param_init_fn``, else each module's ``reset_parameters()``)."""
+
+    inits_meta: ClassVar[bool] = True
 
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
         self.check_setup(model)
-        model = model.to(topo.device)
+        meta = on_meta(model)
+        if not meta:
+            model = model.to(topo.device)
         units = unit_modules(model, getattr(self.of, "wrap", "auto"))
-        fully_shard_units(units, self.mesh(topo), self.reshard_after_forward())
+        policy = self.offload_policy(topo)
+        fully_shard_units(units, self.mesh(topo), self.reshard_after_forward(), policy)
+        if meta:
+            init_meta(model, topo.device, getattr(self.of, "param_init_fn", None),
+                      shards_on="cpu" if isinstance(policy, CPUOffloadPolicy) else topo.device)
         return model, optimizer_fn(model.parameters())
+
+    def offload_policy(self, topo: Topology) -> OffloadPolicy:
+        """FSDP2's for our ``offload``: ``"all"`` (no shard kept on the device, the optimizer steps on the CPU) is
+        ``CPUOffloadPolicy``, in pinned memory where there is an accelerator to copy to (pinning needs one)."""
+        if getattr(self.of, "offload", "none") != "all":
+            return OffloadPolicy()
+        return CPUOffloadPolicy(pin_memory=topo.device.type != "cpu")
 
     def mesh(self, topo: Topology) -> DeviceMesh:
         """The mesh FSDP2 shards over: the data-parallel ranks."""
@@ -432,15 +469,45 @@ def refuse_torch(strategy: Strategy, *, sync_batchnorm: bool) -> None:
         if refused:
             raise ValueError(f"engine='torch' does not support {what} yet (strategy {name!r}); "
                              "engine='shardwise' does")
+    why = _option_refusal(strategy, row)
+    if why is not None:
+        raise ValueError(f"engine='torch' cannot run strategy {name!r} with {why}; engine='shardwise' runs it")
 
 
 def _unsupported(strategy: Strategy, sync_batchnorm: bool) -> dict[str, bool]:
     """The options engine="torch" does not run yet, and whether this run asks for each."""
-    return {"sync_batchnorm": sync_batchnorm,
-            "offload": getattr(strategy, "offload", "none") != "none",
-            "param_init_fn (a meta-device model)": getattr(strategy, "param_init_fn", None) is not None,
-            "DDP(allreduce=...) other than 'native'": getattr(strategy, "allreduce", "native") != "native",
-            "DDP(reduce_dtype=...)": getattr(strategy, "reduce_dtype", None) is not None}
+    return {"sync_batchnorm": sync_batchnorm}
+
+
+# DDP(reduce_dtype=...) -> torch's DDP communication hook (torch.distributed.algorithms.ddp_comm_hooks
+# .default_hooks) that sends gradients in that dtype: the bucket cast, divided by the world size, summed, widened
+# back. Ours divides before the cast: the same numbers wherever the division is exact (a power-of-two world,
+# outside float16's subnormals).
+COMPRESS_HOOKS = {"float16": "fp16_compress_hook", "bfloat16": "bf16_compress_hook"}
+
+
+def _option_refusal(strategy: Strategy, row: str | None) -> str | None:
+    """Why torch's engine for ``row`` cannot run an option of ``strategy`` (None: it runs them all): the end of
+    the sentence "engine='torch' cannot run strategy X with ..."."""
+    offload, allreduce = getattr(strategy, "offload", "none"), getattr(strategy, "allreduce", "native")
+    reduce_dtype = getattr(strategy, "reduce_dtype", None)
+    if offload == "optimizer":
+        return ("offload='optimizer': torch's one offload is FSDP2's CPUOffloadPolicy, which keeps the parameter "
+                "shards on the CPU too and copies them over at each gather (our offload='all'); no torch engine "
+                "keeps a shard on the device and offloads only the optimizer")
+    if offload == "all" and row not in ("FSDP", "ZeRO3", "HSDP"):  # sw.Parallel(zero=3) runs as tp, then FSDP2
+        return "offload='all' after tp: FSDP2's CPUOffloadPolicy is run here for fsdp, zero3 and hsdp alone"
+    if offload != "none" and getattr(strategy, "offload_device", "cpu") != "cpu":
+        return (f"offload_device={strategy.offload_device!r}: FSDP2's CPUOffloadPolicy "  # type: ignore[attr-defined]
+                "offloads to the CPU only")
+    if allreduce != "native":
+        return (f"allreduce={allreduce!r}: torch's DDP all-reduces each bucket with the process group's own "
+                "all-reduce (gloo's or NCCL's algorithm), so our algorithms have no place in it; use "
+                "allreduce='native'")
+    if reduce_dtype is not None and reduce_dtype not in COMPRESS_HOOKS:
+        return (f"reduce_dtype={reduce_dtype!r}: torch's DDP sends gradients in float16 or bfloat16 only "
+                "(fp16_compress_hook, bf16_compress_hook)")
+    return None
 
 
 __all__ = ["ENGINES", "TorchDDP", "TorchDTensors", "TorchEngine", "TorchFSDP", "TorchHSDP", "TorchPP", "TorchTP", "TorchZeRO1",
