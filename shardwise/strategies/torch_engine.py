@@ -47,7 +47,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from shardwise.checkpoint.held import Held, named_state
 from shardwise.comm.topology import Topology
-from shardwise.dims import CP, DP, EP, PP, TP
+from shardwise.dims import CP, DP, DP_SHARD, EP, PP, TP
 from shardwise.layout import RunLayout
 from shardwise.parallel.accounting import with_optimizer_states
 from shardwise.parallel.fsdp_units import unit_modules
@@ -64,6 +64,7 @@ from shardwise.parallel.torch_engines import (
 )
 from shardwise.parallel.pipeline import build_pipeline
 from shardwise.parallel.schedules import schedule_facts, shape_of
+from shardwise.parallel.sharding import clip_global_norm
 from shardwise.parallel.torch_meta import init_meta
 from shardwise.parallel.torch_pp import NO_TORCH_SCHEDULE, TorchPipeline
 from shardwise.parallel.torch_tp import (
@@ -214,6 +215,7 @@ class TorchFSDP(TorchDTensors):
     memory, initialised module by module (``param_init_fn``, else each module's ``reset_parameters()``)."""
 
     inits_meta: ClassVar[bool] = True
+    shard_dim: ClassVar[str] = DP  # the ranks whose shards together hold each parameter once
 
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -247,8 +249,14 @@ class TorchFSDP(TorchDTensors):
         return _no_gradient_sync(model)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
-        # torch's clip handles DTensor gradients: the norm of the shards is reduced over the mesh.
-        return full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+        if not isinstance(self.offload_policy(topo), CPUOffloadPolicy):
+            # torch's clip handles DTensor gradients: the norm of the shards is reduced over the mesh.
+            return full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+        # Offloaded gradients are on the CPU, which torch's clip would reduce over the mesh's backend (NCCL cannot):
+        # this rank's squares are summed on the host, and the scalar all-reduced on the device over the shards.
+        grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
+        return clip_global_norm(grads, grads, max_norm, [(topo.comm(self.shard_dim), "torch_fsdp_clip")],
+                                topo.device)
 
 
 @dataclass
@@ -265,6 +273,8 @@ class TorchZeRO2(TorchFSDP):
 class TorchHSDP(TorchFSDP):
     """``strategy="hsdp"`` under FSDP2 on the 2-D (replicate, shard) mesh of the run's replicas of shards:
     each parameter a DTensor replicated over the first dimension and sharded on dim 0 over the second."""
+
+    shard_dim: ClassVar[str] = DP_SHARD
 
     def mesh(self, topo: Topology) -> DeviceMesh:
         return hsdp_mesh(topo)
