@@ -45,7 +45,7 @@ def init_meta(model: nn.Module, device: torch.device, init: Init | None = None,
 
 def _meta_modules(model: nn.Module) -> list[tuple[str, nn.Module, list[str], list[str]]]:
     """Each module with tensors of its own on the meta device: (name, module, their parameter and buffer keys)."""
-    out = []
+    out: list[tuple[str, nn.Module, list[str], list[str]]] = []
     for name, m in model.named_modules():
         params = [k for k, p in m._parameters.items() if p is not None and p.device.type == "meta"]
         bufs = [k for k, b in m._buffers.items() if b is not None and b.device.type == "meta"]

@@ -22,6 +22,11 @@ itself under ``engine="shardwise"``); under ``"torch"``:
 ``Parallel(pp, dp)``  that pipeline with each stage under torch's DDP over dp (``zero=0``; not zbv)
 ====================  =====================================================================
 
+The options around the engine map to torch's where they mean the same: ``offload="all"`` is FSDP2's
+``CPUOffloadPolicy`` (:meth:`TorchFSDP.offload_policy`), a meta-device model is initialised into FSDP2's shards
+or DDP's whole tensors (:mod:`shardwise.parallel.torch_meta`), and DDP's ``reduce_dtype`` is torch's compress
+hook of that dtype (:data:`COMPRESS_HOOKS`); :func:`_option_refusal` says why the others cannot run.
+
 Everything else is refused before any process starts, naming what runs it. The
 engines keep the model's own parameter names, so parameter groups, the final state
 dict and the layout-free checkpoint (:mod:`shardwise.checkpoint`) are the same as
