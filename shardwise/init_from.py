@@ -5,7 +5,8 @@ The model may be built on the meta device. Around the strategy's setup:
 * :func:`before_setup`: FSDP, ZeRO-3 and HSDP keep a meta model meta and
   materialise it one module at a time into the shards (their ``param_init_fn``
   becomes the model's own initialisation, :class:`OwnInit`, which skips the
-  modules the load fills: those get only their shards); every other
+  modules the load fills: those get only their shards; FSDP2 under
+  ``engine="torch"`` initialises those too, then the load overwrites them); every other
   strategy needs real tensors to wrap or split, so the meta tensors get memory
   first (:func:`materialize`), initialised the same way on every rank;
 * :func:`after_setup`: what the setup split on meta gets memory for this rank's part;
@@ -35,6 +36,7 @@ from shardwise.comm.topology import Topology
 from shardwise.dims import DP_CP, TP
 from shardwise.strategies.data_parallel import on_meta
 from shardwise.strategies.fsdp import FSDP
+from shardwise.strategies.torch_engine import TorchFSDP
 
 
 @dataclass(frozen=True)
@@ -109,8 +111,8 @@ def materialize(model: nn.Module, device: torch.device | str, init: Callable[[nn
 def before_setup(init: InitFrom | None, model: nn.Module, strategy: Checkpointed, topo: Topology) -> Checkpointed:
     """Prepare a meta-device ``model`` for ``strategy``'s setup; returns the strategy to set it up with.
 
-    FSDP materialises it module by module into its shards. Without a data-parallel wrapper (tp, pp and their
-    composition with dp = 1), the model stays on meta through the setup, which splits it, and
+    FSDP (ours, or FSDP2 under ``engine="torch"``) materialises it module by module into its shards. Without a
+    data-parallel wrapper (tp, pp and their composition with dp = 1), the model stays on meta through the setup, which splits it, and
     :func:`after_setup` gives memory only to what this rank kept. A data-parallel wrapper (DDP, ZeRO-1/2, or
     FSDP inside ``sw.Parallel``) starts from real tensors: the whole model gets memory here.
     """
@@ -119,6 +121,8 @@ def before_setup(init: InitFrom | None, model: nn.Module, strategy: Checkpointed
     if isinstance(strategy, FSDP):  # materialises module by module into its shards
         return dataclasses.replace(strategy, param_init_fn=strategy.param_init_fn
                                    or OwnInit(model, _loaded(init, model)))
+    if isinstance(strategy, TorchFSDP) and isinstance(strategy.of, FSDP):  # FSDP2 too, sharded on meta first
+        return dataclasses.replace(strategy, of=before_setup(init, model, strategy.of, topo))
     if topo.size(DP_CP) > 1 or getattr(strategy, "zero", 0) == 3:  # (sw.Parallel's FSDP splits real tensors)
         materialize(model, topo.device, OwnInit(model))
     return strategy

@@ -197,8 +197,6 @@ def test_tp_then_fsdp_and_pp_then_ddp_under_torch_equal_one_device_and_cross_eng
      "engine for it: pp, then tp, then FSDP2 over dp); engine='shardwise' runs it"),
     ("ddp", {"engine": "torch", "sync_batchnorm": True},
      "engine='torch' does not support sync_batchnorm yet (strategy 'ddp'); engine='shardwise' does"),
-    (sw.FSDP(offload="optimizer", engine="torch"), {},
-     "engine='torch' does not support offload yet (strategy 'fsdp'); engine='shardwise' does"),
 ])
 def test_what_engine_torch_does_not_run_is_refused_before_start(strategy, kw, message, no_spawn):
     with pytest.raises(ValueError) as e:

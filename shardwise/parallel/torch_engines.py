@@ -24,7 +24,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -83,10 +83,13 @@ def zero_redundancy(base: torch.optim.Optimizer, topo: Topology) -> torch.optim.
     return zero
 
 
-def fully_shard_units(units: Iterable[nn.Module], mesh: DeviceMesh, reshard_after_forward: bool = True) -> None:
-    """FSDP2 on each unit in order (bottom-up, the root last: a unit owns the parameters no unit below it took)."""
+def fully_shard_units(units: Iterable[nn.Module], mesh: DeviceMesh, reshard_after_forward: bool = True,
+                      offload_policy: OffloadPolicy | None = None) -> None:
+    """FSDP2 on each unit in order (bottom-up, the root last: a unit owns the parameters no unit below it took);
+    ``offload_policy``: FSDP2's, the same for every unit (None: nothing offloaded)."""
     for m in units:
-        fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                    offload_policy=offload_policy or OffloadPolicy())
 
 
 def dim0_run(t: torch.Tensor) -> tuple[int, torch.Tensor]:

@@ -25,6 +25,11 @@ itself under ``engine="shardwise"``); under ``"torch"``:
 ``Parallel(pp, dp)``  that pipeline with each stage under torch's DDP over dp (``zero=0``; not zbv)
 ====================  =====================================================================
 
+The options around the engine map to torch's where they mean the same: ``offload="all"`` is FSDP2's
+``CPUOffloadPolicy`` (:meth:`TorchFSDP.offload_policy`), a meta-device model is initialised into FSDP2's shards
+or DDP's whole tensors (:mod:`shardwise.parallel.torch_meta`), and DDP's ``reduce_dtype`` is torch's compress
+hook of that dtype (:data:`COMPRESS_HOOKS`); :func:`_option_refusal` says why the others cannot run.
+
 Everything else is refused before any process starts, naming what runs it. The
 engines keep the model's own parameter names, so parameter groups, the final state
 dict and the layout-free checkpoint (:mod:`shardwise.checkpoint`) are the same as
@@ -44,11 +49,13 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from shardwise.checkpoint.held import Held, named_state
 from shardwise.comm.topology import Topology
-from shardwise.dims import CP, DP, EP, PP, TP
+from shardwise.dims import CP, DP, DP_SHARD, EP, PP, TP
 from shardwise.layout import RunLayout
 from shardwise.parallel.accounting import with_optimizer_states
 from shardwise.parallel.fsdp_units import unit_modules
@@ -65,6 +72,8 @@ from shardwise.parallel.torch_engines import (
 )
 from shardwise.parallel.pipeline import build_pipeline
 from shardwise.parallel.schedules import schedule_facts, shape_of
+from shardwise.parallel.sharding import clip_global_norm
+from shardwise.parallel.torch_meta import init_meta
 from shardwise.parallel.torch_pp import TorchPipeline, torch_schedule_refusal
 from shardwise.parallel.torch_tp import (
     apply_torch_tp,
@@ -97,6 +106,7 @@ class TorchEngine(Strategy):
 
     of: Strategy
     comm_counted: ClassVar[bool] = False  # torch's DDP, FSDP2, DTensor and pipelining send outside our Comm
+    inits_meta: ClassVar[bool] = False  # whether setup gives a meta-device model memory (torch_meta.init_meta)
 
     def __post_init__(self) -> None:
         self.name = self.of.name  # type: ignore[misc]  # checkpoints, messages and the planner see the same name
@@ -116,10 +126,10 @@ class TorchEngine(Strategy):
             raise ValueError(f"engine='torch' runs torch's engine for strategy {self.name!r} in a process group, "
                              "and this one-process run has none: launch it with `shardwise run --nproc 1`, or "
                              "drop engine='torch' (one device splits nothing)")
-        if on_meta(model):
-            raise ValueError(f"engine='torch' does not set up a model on the meta device yet (strategy "
-                             f"{self.name!r}); build it on the CPU, or use engine='shardwise', which materialises "
-                             "it shard by shard")
+        if on_meta(model) and not self.inits_meta:
+            raise ValueError(f"engine='torch' does not set up a model on the meta device under strategy "
+                             f"{self.name!r} yet (ddp, zero1, zero2, zero3, fsdp and hsdp do); build it on the "
+                             "CPU, or use engine='shardwise', which materialises it shard by shard")
 
     def checkpoint_held(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology) -> list[Held]:
         """The layout-free checkpoint's keys for torch's engines: the model's own names (the one key mapping).
@@ -144,14 +154,30 @@ def _held(key: str, t: torch.Tensor) -> Held:
 @dataclass
 class TorchDDP(TorchEngine):
     """``strategy="ddp"`` under torch's ``DistributedDataParallel`` (DDP's ``bucket_cap_mb`` and
-    ``find_unused_parameters`` carry over)."""
+    ``find_unused_parameters`` carry over; ``reduce_dtype`` float16 or bfloat16 becomes torch's compress hook
+    of that dtype). A meta-device model gets whole memory first, initialised module by module."""
+
+    inits_meta: ClassVar[bool] = True
+
+    def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int,
+                    backend: str = "gloo") -> None:
+        super().check_model(model, devices, batch_size, accumulate_grad_batches, backend)
+        if getattr(self.of, "reduce_dtype", None) == "bfloat16" and backend != "nccl":
+            raise ValueError(f"engine='torch' cannot run DDP(reduce_dtype='bfloat16') on {backend}: torch's "
+                             "bf16_compress_hook runs only with NCCL 2.10+ on CUDA (or XCCL); use "
+                             "reduce_dtype='float16', or engine='shardwise'")
 
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
         self.check_setup(model)
+        if on_meta(model):  # DDP wraps whole tensors
+            init_meta(model, topo.device)
         model = model.to(topo.device)
         ddp = torch_ddp(model, topo, getattr(self.of, "bucket_cap_mb", None),
                         getattr(self.of, "find_unused_parameters", False))
+        hook = COMPRESS_HOOKS.get(getattr(self.of, "reduce_dtype", None) or "")
+        if hook is not None:
+            ddp.register_comm_hook(topo.group(DP), getattr(default_hooks, hook))
         return ddp, optimizer_fn(model.parameters())
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
@@ -192,15 +218,33 @@ class TorchDTensors(TorchEngine):
 @dataclass
 class TorchFSDP(TorchDTensors):
     """``strategy="fsdp"``/``"zero3"`` under FSDP2: ``fully_shard`` on the units our FSDP picks (its ``wrap``),
-    then the root; ``reshard_after_forward`` carries over. Parameters stay the model's, as DTensors."""
+    then the root; ``reshard_after_forward`` carries over, and ``offload="all"`` is FSDP2's ``CPUOffloadPolicy``.
+    Parameters stay the model's, as DTensors. A meta-device model is sharded on meta, then only the shards get
+    memory, initialised module by module (``param_init_fn``, else each module's ``reset_parameters()``)."""
+
+    inits_meta: ClassVar[bool] = True
+    shard_dim: ClassVar[str] = DP  # the ranks whose shards together hold each parameter once
 
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
         self.check_setup(model)
-        model = model.to(topo.device)
+        meta = on_meta(model)
+        if not meta:
+            model = model.to(topo.device)
         units = unit_modules(model, getattr(self.of, "wrap", "auto"))
-        fully_shard_units(units, self.mesh(topo), self.reshard_after_forward())
+        policy = self.offload_policy(topo)
+        fully_shard_units(units, self.mesh(topo), self.reshard_after_forward(), policy)
+        if meta:
+            init_meta(model, topo.device, getattr(self.of, "param_init_fn", None),
+                      shards_on="cpu" if isinstance(policy, CPUOffloadPolicy) else topo.device)
         return model, optimizer_fn(model.parameters())
+
+    def offload_policy(self, topo: Topology) -> OffloadPolicy:
+        """FSDP2's for our ``offload``: ``"all"`` (no shard kept on the device, the optimizer steps on the CPU) is
+        ``CPUOffloadPolicy``, in pinned memory where there is an accelerator to copy to (pinning needs one)."""
+        if getattr(self.of, "offload", "none") != "all":
+            return OffloadPolicy()
+        return CPUOffloadPolicy(pin_memory=topo.device.type != "cpu")
 
     def mesh(self, topo: Topology) -> DeviceMesh:
         """The mesh FSDP2 shards over: the data-parallel ranks."""
@@ -213,8 +257,14 @@ class TorchFSDP(TorchDTensors):
         return _no_gradient_sync(model)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
-        # torch's clip handles DTensor gradients: the norm of the shards is reduced over the mesh.
-        return full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+        if not isinstance(self.offload_policy(topo), CPUOffloadPolicy):
+            # torch's clip handles DTensor gradients: the norm of the shards is reduced over the mesh.
+            return full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+        # Offloaded gradients are on the CPU, which torch's clip would reduce over the mesh's backend (NCCL cannot):
+        # this rank's squares are summed on the host, and the scalar all-reduced on the device over the shards.
+        grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
+        return clip_global_norm(grads, grads, max_norm, [(topo.comm(self.shard_dim), "torch_fsdp_clip")],
+                                topo.device)
 
 
 @dataclass
@@ -231,6 +281,8 @@ class TorchZeRO2(TorchFSDP):
 class TorchHSDP(TorchFSDP):
     """``strategy="hsdp"`` under FSDP2 on the 2-D (replicate, shard) mesh of the run's replicas of shards:
     each parameter a DTensor replicated over the first dimension and sharded on dim 0 over the second."""
+
+    shard_dim: ClassVar[str] = DP_SHARD
 
     def mesh(self, topo: Topology) -> DeviceMesh:
         return hsdp_mesh(topo)
@@ -442,15 +494,45 @@ def refuse_torch(strategy: Strategy, *, sync_batchnorm: bool) -> None:
         if refused:
             raise ValueError(f"engine='torch' does not support {what} yet (strategy {name!r}); "
                              "engine='shardwise' does")
+    why = _option_refusal(strategy, row)
+    if why is not None:
+        raise ValueError(f"engine='torch' cannot run strategy {name!r} with {why}; engine='shardwise' runs it")
 
 
 def _unsupported(strategy: Strategy, sync_batchnorm: bool) -> dict[str, bool]:
     """The options engine="torch" does not run yet, and whether this run asks for each."""
-    return {"sync_batchnorm": sync_batchnorm,
-            "offload": getattr(strategy, "offload", "none") != "none",
-            "param_init_fn (a meta-device model)": getattr(strategy, "param_init_fn", None) is not None,
-            "DDP(allreduce=...) other than 'native'": getattr(strategy, "allreduce", "native") != "native",
-            "DDP(reduce_dtype=...)": getattr(strategy, "reduce_dtype", None) is not None}
+    return {"sync_batchnorm": sync_batchnorm}
+
+
+# DDP(reduce_dtype=...) -> torch's DDP communication hook (torch.distributed.algorithms.ddp_comm_hooks
+# .default_hooks) that sends gradients in that dtype: the bucket cast, divided by the world size, summed, widened
+# back. Ours divides before the cast: the same numbers wherever the division is exact (a power-of-two world,
+# outside float16's subnormals).
+COMPRESS_HOOKS = {"float16": "fp16_compress_hook", "bfloat16": "bf16_compress_hook"}
+
+
+def _option_refusal(strategy: Strategy, row: str | None) -> str | None:
+    """Why torch's engine for ``row`` cannot run an option of ``strategy`` (None: it runs them all): the end of
+    the sentence "engine='torch' cannot run strategy X with ..."."""
+    offload, allreduce = getattr(strategy, "offload", "none"), getattr(strategy, "allreduce", "native")
+    reduce_dtype = getattr(strategy, "reduce_dtype", None)
+    if offload == "optimizer":
+        return ("offload='optimizer': torch's one offload is FSDP2's CPUOffloadPolicy, which keeps the parameter "
+                "shards on the CPU too and copies them over at each gather (our offload='all'); no torch engine "
+                "keeps a shard on the device and offloads only the optimizer")
+    if offload == "all" and row not in ("FSDP", "ZeRO3", "HSDP"):  # sw.Parallel(zero=3) runs as tp, then FSDP2
+        return "offload='all' after tp: FSDP2's CPUOffloadPolicy is run here for fsdp, zero3 and hsdp alone"
+    if offload != "none" and getattr(strategy, "offload_device", "cpu") != "cpu":
+        return (f"offload_device={strategy.offload_device!r}: FSDP2's CPUOffloadPolicy "  # type: ignore[attr-defined]
+                "offloads to the CPU only")
+    if allreduce != "native":
+        return (f"allreduce={allreduce!r}: torch's DDP all-reduces each bucket with the process group's own "
+                "all-reduce (gloo's or NCCL's algorithm), so our algorithms have no place in it; use "
+                "allreduce='native'")
+    if reduce_dtype is not None and reduce_dtype not in COMPRESS_HOOKS:
+        return (f"reduce_dtype={reduce_dtype!r}: torch's DDP sends gradients in float16 or bfloat16 only "
+                "(fp16_compress_hook, bf16_compress_hook)")
+    return None
 
 
 __all__ = ["ENGINES", "TorchDDP", "TorchDTensors", "TorchEngine", "TorchFSDP", "TorchHSDP", "TorchPP", "TorchTP", "TorchZeRO1",
