@@ -18,10 +18,11 @@ from shardwise import launch
 from shardwise.comm.topology import Topology
 from shardwise.data import Kwargs
 from shardwise.dims import CP, DP_CP, ParallelDims
+from shardwise.models import GPT, GPTConfig
 from shardwise.parallel.cp_attention import local_positions, shard_sequence
 from shardwise.parallel.torch_cp import TorchContextParallel, cp_mesh, dp_shard_cp_mesh, use_torch_sdpa
 from shardwise.strategies.registry import resolve
-from shardwise.strategies.torch_engine import engine_for
+from shardwise.strategies.torch_engine import TorchCP, engine_for
 from tiny_hf import llama
 
 pytestmark = pytest.mark.timeout(120)
@@ -128,3 +129,14 @@ def test_a_hugging_face_model_reaches_sdpa_as_the_ring_needs_it(monkeypatch):
     # Head-tail positions (rank 0 of 2) would read as two packed sequences: still no mask, causal by is_causal.
     model(x[:, :4], position_ids=local_positions(4, 2, 0).unsqueeze(0))
     assert seen == [(True, True, True)] * 4  # 2 layers x 2 forwards: no mask, causal, kv heads repeated
+
+
+@pytest.mark.float64
+def test_the_cp_engine_refuses_a_float64_model_before_start():
+    with pytest.raises(ValueError) as e:
+        TorchCP(of=sw.Parallel(cp=2)).check_model(GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2,
+                                                                 n_embd=8)), 2, 4, 1, "nccl")
+    assert str(e.value) == ("engine='torch' cannot run strategy 'parallel' on a float64 model: torch's ring attention "
+                            "has forms of SDPA's flash, efficient and cuDNN kernels only, and none takes float64 "
+                            "(efficient: float32 and half; flash, cuDNN: half); use float32 or half precision, or "
+                            "engine='shardwise'")

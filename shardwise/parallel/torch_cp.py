@@ -37,12 +37,15 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.experimental import context_parallel
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shardwise.comm.topology import Topology
 from shardwise.data import Kwargs
 from shardwise.dims import CP, DP_SHARD_CP
 from shardwise.parallel.cp import hf_attention_modules, position_takers
 
+# The SDPA kernels torch's ring attention has a form of (CUDA's; flash and cuDNN in half precision only).
+RING_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
 TORCH_HF_ATTENTION = "shardwise_torch_cp"  # transformers' "sdpa" function, registered under this name, no mask
 
 
@@ -121,10 +124,14 @@ class TorchContextParallel:
                 self.positions = None
 
 
-def _context_parallel(mesh: DeviceMesh, buffers: list[torch.Tensor]) -> contextlib.AbstractContextManager[None]:
-    # The buffers are this step's copies: nothing reads them whole afterwards, so none is restored.
-    return context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers),  # type: ignore[no-any-return]
-                            no_restore_buffers=set(buffers))
+@contextlib.contextmanager
+def _context_parallel(mesh: DeviceMesh, buffers: list[torch.Tensor]) -> Iterator[None]:
+    # The buffers are this step's copies: nothing reads them whole afterwards, so none is restored. SDPA may pick
+    # only the kernels with a ring form: its math kernel on DTensors would attend over the head-tail order as if it
+    # were the sequence's, wrong without an error (torchtitan restricts it the same way).
+    with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers),
+                          no_restore_buffers=set(buffers)), sdpa_kernel(RING_KERNELS):
+        yield
 
 
 def _with_positions(cp: TorchContextParallel, module: nn.Module, args: tuple[Any, ...],
@@ -168,5 +175,5 @@ def _register_hf() -> None:
     AttentionMaskInterface.register(TORCH_HF_ATTENTION, _no_mask)
 
 
-__all__ = ["TORCH_HF_ATTENTION", "TorchContextParallel", "cp_mesh", "dp_shard_cp_mesh", "positions_of",
+__all__ = ["RING_KERNELS", "TORCH_HF_ATTENTION", "TorchContextParallel", "cp_mesh", "dp_shard_cp_mesh", "positions_of",
            "sequence_copies", "use_torch_sdpa"]

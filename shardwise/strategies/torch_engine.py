@@ -384,6 +384,15 @@ class TorchCP(TorchFSDP):
         return torch_ddp(model, topo, getattr(self.of, "bucket_cap_mb", None), dim=DP_CP), \
             optimizer_fn(model.parameters())
 
+    def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int,
+                    backend: str = "gloo") -> None:
+        super().check_model(model, devices, batch_size, accumulate_grad_batches, backend)
+        if any(p.dtype == torch.float64 for p in model.parameters()):
+            raise ValueError(f"engine='torch' cannot run strategy {self.name!r} on a float64 model: torch's ring "
+                             "attention has forms of SDPA's flash, efficient and cuDNN kernels only, and none takes "
+                             "float64 (efficient: float32 and half; flash, cuDNN: half); use float32 or half "
+                             "precision, or engine='shardwise'")
+
     def sharded(self) -> bool:
         """FSDP2 over dp_shard x cp (``zero=3``), else torch's DDP over dp x cp."""
         return getattr(self.of, "zero", 0) == 3
