@@ -9,6 +9,9 @@ Hugging Face model's attention reaches SDPA as the ring needs it (no mask, causa
 """
 from __future__ import annotations
 
+import functools
+import os
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -18,16 +21,18 @@ from shardwise import launch
 from shardwise.comm.topology import Topology
 from shardwise.data import Kwargs
 from shardwise.dims import CP, DP_CP, ParallelDims
-from shardwise.models import GPT, GPTConfig
+from shardwise.models import GPT, Attention, GPTConfig, lm_loss
 from shardwise.parallel.cp_attention import local_positions, shard_sequence
 from shardwise.parallel.torch_cp import TorchContextParallel, cp_mesh, dp_shard_cp_mesh, use_torch_sdpa
 from shardwise.strategies.registry import resolve
 from shardwise.strategies.torch_engine import TorchCP, engine_for
+from shardwise.workloads import CharText, stdlib_text
 from tiny_hf import llama
 
 pytestmark = pytest.mark.timeout(120)
 
 ON_CPU = "; engine='shardwise' runs it on CPU"
+SGD = functools.partial(torch.optim.SGD, lr=0.1)  # float32: Adam would amplify rounding where gradients are ~0
 
 
 @pytest.mark.parametrize("strategy, kw, message", [
@@ -85,6 +90,37 @@ class PositionsOut(torch.nn.Module):
         return position_ids
 
 
+def math_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention without SDPA: what a cp mesh of one rank computes, without the ring CPU lacks."""
+    t = q.shape[2]
+    scores = (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5
+    mask = torch.ones(t, t, dtype=torch.bool).tril()
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+
+def gpt_math() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=4, n_embd=32))
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.attend = math_causal  # type: ignore[method-assign]
+    return model
+
+
+def fit(strategy: object, devices: int) -> sw.FitResult:
+    return sw.Trainer(strategy, devices, accelerator="cpu", progress=False, accumulate_grad_batches=2,
+                      memory_check="off").fit(gpt_math(), CharText(stdlib_text(20_000), 16), lm_loss, SGD,
+                                              batch_size=8, max_steps=3)
+
+
+def _cp_engine_on_cpu(rank: int, device: torch.device, folder: str) -> None:
+    """The cp engine's parts CPU runs: the cuts and meshes at cp=2, then the engine's runs on a cp mesh of one."""
+    _cuts_like_ours(rank, device)
+    runs = {z: fit(TorchCP(of=sw.Parallel(dp=2, zero=z)), 2) for z in (0, 3)}
+    if rank == 0:
+        torch.save({z: (r.losses, r.state_dict) for z, r in runs.items()}, os.path.join(folder, "runs.pt"))
+
+
 def _cuts_like_ours(rank: int, device: torch.device) -> None:
     topo = Topology.create(device, ParallelDims.for_world(2, cp=2))
     mesh, shard_mesh = cp_mesh(topo), dp_shard_cp_mesh(topo)
@@ -107,8 +143,15 @@ def _cuts_like_ours(rank: int, device: torch.device) -> None:
     assert torch.equal(batches[0][0], torch.arange(32).view(2, 16))  # the loader's batch stays whole
 
 
-def test_context_parallel_cuts_every_micro_batch_and_its_positions_as_our_cp_does():
-    launch.spawn(_cuts_like_ours, 2)
+def test_context_parallel_cuts_micro_batches_as_our_cp_and_the_engine_trains_on_a_cp_mesh_of_one(tmp_path,
+                                                                                                    same_run):
+    """At cp=2: the cuts, positions and meshes. At cp=1 x dp=2: the engine's whole step (the block around each
+    step's micro-batches, the position hook, torch's DDP over dp x cp, FSDP2 over dp_shard x cp, accumulation)
+    with an attention that calls no SDPA, equal to one device (float32: the engine refuses float64)."""
+    launch.spawn(_cp_engine_on_cpu, 2, args=(str(tmp_path),))
+    ref = fit("single", 1)
+    for losses, state in torch.load(tmp_path / "runs.pt").values():
+        same_run(ref, sw.FitResult(losses, state))
 
 
 @pytest.mark.float64
