@@ -54,6 +54,7 @@ from shardwise.comm.topology import Topology
 from shardwise.dims import CP, DP, DP_CP, EP, PP, TP
 from shardwise.layout import RunLayout
 from shardwise.parallel.accounting import with_optimizer_states
+from shardwise.parallel.dp import DataParallelModule
 from shardwise.parallel.fsdp_units import unit_modules
 from shardwise.param_groups import GroupedFactory
 from shardwise.parallel.torch_cp import TorchContextParallel, cp_mesh, dp_shard_cp_mesh
@@ -79,7 +80,6 @@ from shardwise.parallel.torch_tp import (
     tp_slice,
 )
 from shardwise.parallel.tp_plans import Plan, resolve_plan
-from shardwise.parallel.dp import DataParallelModule
 from shardwise.step import LossFn, OptimizerFactory, StepRun, unwrap
 from shardwise.strategies.base import SplitsModel, Strategy
 from shardwise.strategies.data_parallel import on_meta
