@@ -127,8 +127,9 @@ class TorchContextParallel:
 @contextlib.contextmanager
 def _context_parallel(mesh: DeviceMesh, buffers: list[torch.Tensor]) -> Iterator[None]:
     # The buffers are this step's copies: nothing reads them whole afterwards, so none is restored. SDPA may pick
-    # only the kernels with a ring form: its math kernel on DTensors would attend over the head-tail order as if it
-    # were the sequence's, wrong without an error (torchtitan restricts it the same way).
+    # only the kernels torch's ring has a form of (torchtitan restricts it the same way): the math kernel has none,
+    # and what it would compute on DTensors of head-tail chunks is not the ring's attention; a model it would need
+    # fails here, naming the kernels, rather than training on something else.
     with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers),
                           no_restore_buffers=set(buffers)), sdpa_kernel(RING_KERNELS):
         yield
