@@ -189,14 +189,18 @@ def test_tp_then_fsdp_and_pp_then_ddp_under_torch_equal_one_device_and_cross_eng
                                 "server; engine='shardwise' runs it"),
     (sw.Parallel(dp=1, ep=2), {"engine": "torch"}, "engine='torch' has no engine for expert parallelism (ep > 1): "
                                                    "PyTorch has none; engine='shardwise' runs it"),
-    (sw.Parallel(cp=2, engine="torch"), {}, "engine='torch' has no engine for context parallelism on CPU (torch's "
-     "context_parallel runs on CUDA only) and does not cover it on CUDA yet; engine='shardwise' runs it"),
+    (sw.Parallel(cp=2, engine="torch"), {}, "engine='torch' runs context parallelism on CUDA only: torch's "
+     "context_parallel runs its ring attention through SDPA's flash, efficient and cuDNN kernels, which are CUDA's, "
+     "and has no sharding strategy for the CPU's (aten._scaled_dot_product_flash_attention_for_cpu); "
+     "engine='shardwise' runs it on CPU"),
     (sw.Parallel(pp=2, dp=2, zero=3, engine="torch"), {}, "engine='torch' does not cover strategy 'parallel' yet (torch's "
      "engine for it: pp, then tp, then FSDP2 over dp); engine='shardwise' runs it"),
     (sw.Parallel(dp=2, tp=2, engine="torch"), {}, "engine='torch' does not cover strategy 'parallel' yet (torch's "
      "engine for it: pp, then tp, then FSDP2 over dp); engine='shardwise' runs it"),
-    ("ddp", {"engine": "torch", "sync_batchnorm": True},
-     "engine='torch' does not support sync_batchnorm yet (strategy 'ddp'); engine='shardwise' does"),
+    ("ddp", {"engine": "torch", "sync_batchnorm": True}, "engine='torch' runs sync_batchnorm on CUDA only: torch's "
+     "nn.SyncBatchNorm takes CUDA inputs only (on CPU its forward raises 'SyncBatchNorm expected input tensor to be "
+     "on GPU', and its statistics kernel, batch_norm_stats, has no CPU implementation); engine='shardwise' runs it "
+     "on CPU"),
 ])
 def test_what_engine_torch_does_not_run_is_refused_before_start(strategy, kw, message, no_spawn):
     with pytest.raises(ValueError) as e:

@@ -43,6 +43,7 @@ from shardwise.param_groups import GroupedFactory, GroupPlan
 from shardwise.parallel.checkpointing import apply_activation_checkpointing
 from shardwise.parallel.compiling import compile_blocks, compile_report, recompile_warning
 from shardwise.parallel.sync_bn import convert_sync_batchnorm
+from shardwise.parallel.torch_engines import torch_sync_batchnorm
 from shardwise.scalars import Reducer, Scalars, recording
 from shardwise.stats import (
     cuda_peak_bytes,
@@ -53,6 +54,7 @@ from shardwise.stats import (
 )
 from shardwise.step import LossFn, OptimizerFactory, StepRun, TrainingStep
 from shardwise.strategies.base import HasServers, compile_backend
+from shardwise.strategies.torch_engine import TorchDDP
 
 
 @dataclass
@@ -135,7 +137,9 @@ class Job:
         if t.activation_checkpointing:
             classes = None if t.activation_checkpointing is True else t.activation_checkpointing
             apply_activation_checkpointing(self.model, classes)  # type: ignore[arg-type]
-        if t.sync_batchnorm and topo.size(DP) > 1:
+        if t.sync_batchnorm and isinstance(strat, TorchDDP):  # torch's nn.SyncBatchNorm (CUDA), in any group
+            self.model = torch_sync_batchnorm(self.model, topo)
+        elif t.sync_batchnorm and topo.size(DP) > 1:
             convert_sync_batchnorm(self.model, topo.comm(DP))
         precision_mod.cast_model(t.precision, self.model)  # "bf16-true": weights, and so grads and states, in bf16
         backend = compile_backend(strat, t.compile)

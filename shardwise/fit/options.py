@@ -104,7 +104,8 @@ class FitOptions:
               **given: Any) -> FitOptions:
         """The Trainer's arguments (``given``: its keyword arguments, with the defaults of its signature),
         checked: a ValueError names the first one that is wrong."""
-        strat = engine_for(resolve(strategy), given.pop("engine", None), sync_batchnorm=given["sync_batchnorm"])
+        strat = engine_for(resolve(strategy), given.pop("engine", None), sync_batchnorm=given["sync_batchnorm"],
+                           cuda=uses_cuda(accelerator_name(accelerator)))
         callbacks = check_callbacks(given.pop("callbacks"))
         loaders = dict(given.pop("dataloader_kwargs") or {})
         loader_options(loaders)  # an unknown or refused option fails here

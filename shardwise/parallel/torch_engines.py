@@ -3,7 +3,8 @@
 ``engine="torch"`` (:mod:`shardwise.strategies.torch_engine`) trains with these, and
 ``shardwise bench`` races them against ours, so the construction is written once, here:
 
-* :func:`torch_ddp`: ``torch.nn.parallel.DistributedDataParallel`` on the data-parallel group;
+* :func:`torch_ddp`: ``torch.nn.parallel.DistributedDataParallel`` on the data-parallel group, with
+  :func:`torch_sync_batchnorm` (``nn.SyncBatchNorm``) when the run asks for it;
 * :func:`zero_redundancy`: ``ZeroRedundancyOptimizer`` over the groups of an optimizer built by the run's
   factory (ZeRO-1 under DDP);
 * :func:`fully_shard_units`: FSDP2 ``fully_shard`` on the units our FSDP picks
@@ -33,12 +34,20 @@ from shardwise.dims import DP, DP_REPLICATE, DP_SHARD, TP
 
 
 def torch_ddp(model: nn.Module, topo: Topology, bucket_cap_mb: float | None = None,
-              find_unused_parameters: bool = False) -> DistributedDataParallel:
-    """torch's DDP over ``topo``'s data-parallel group (``bucket_cap_mb`` None: torch's default)."""
+              find_unused_parameters: bool = False, dim: str = DP) -> DistributedDataParallel:
+    """torch's DDP over ``topo``'s data-parallel group (``bucket_cap_mb`` None: torch's default); ``dim`` names
+    another group that averages gradients (``dp_cp`` under context parallelism)."""
     ids = [topo.device.index] if topo.device.type == "cuda" else None
     extra = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
-    return DistributedDataParallel(model, device_ids=ids, process_group=topo.group(DP),
+    return DistributedDataParallel(model, device_ids=ids, process_group=topo.group(dim),
                                    find_unused_parameters=find_unused_parameters, **extra)
+
+
+def torch_sync_batchnorm(model: nn.Module, topo: Topology) -> nn.Module:
+    """``model`` with its BatchNorm layers as torch's ``nn.SyncBatchNorm`` over ``topo``'s data-parallel group
+    (CUDA inputs only; in a group of one it normalises as BatchNorm does). The root is returned: a model that
+    is itself a BatchNorm is replaced, not changed."""
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=topo.group(DP))
 
 
 def dp_mesh(topo: Topology) -> DeviceMesh:
@@ -126,4 +135,4 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["dim0_run", "dp_mesh", "dp_shard_mesh", "full", "fully_shard_units", "hsdp_mesh", "torch_ddp",
-           "zero_redundancy"]
+           "torch_sync_batchnorm", "zero_redundancy"]

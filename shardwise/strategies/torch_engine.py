@@ -23,6 +23,11 @@ itself under ``engine="shardwise"``); under ``"torch"``:
                       there ZB-H1), zbv ``ScheduleZBVZeroBubble``, dualpipev ``ScheduleDualPipeV``
                       (the V's: the same actions, ours run a few more backwards whole) (:class:`TorchPP`)
 ``Parallel(pp, dp)``  that pipeline with each stage under torch's DDP over dp (``zero=0``; not zbv)
+``Parallel(cp)``      on CUDA: ``context_parallel`` around each step's micro-batches, attention through SDPA
+                      (:mod:`shardwise.parallel.torch_cp`), with ``dp``: torch's DDP over dp x cp
+                      (``zero=0``) or FSDP2 over dp_shard x cp (``zero=3``) (:class:`TorchCP`)
+``dp``                on CUDA: ``torch.nn.DataParallel`` over the strategy's devices (:class:`TorchDP`)
+``sync_batchnorm``    on CUDA, under torch's DDP (``ddp``, ``zero1``): ``nn.SyncBatchNorm`` over dp
 ====================  =====================================================================
 
 The options around the engine map to torch's where they mean the same: ``offload="all"`` is FSDP2's
@@ -30,7 +35,8 @@ The options around the engine map to torch's where they mean the same: ``offload
 or DDP's whole tensors (:mod:`shardwise.parallel.torch_meta`), and DDP's ``reduce_dtype`` is torch's compress
 hook of that dtype (:data:`COMPRESS_HOOKS`); :func:`_option_refusal` says why the others cannot run.
 
-Everything else is refused before any process starts, naming what runs it. The
+Everything else is refused before any process starts, naming what runs it; so are the three CUDA-only
+engines on CPU, with the reason (:data:`CUDA_ONLY`). The
 engines keep the model's own parameter names, so parameter groups, the final state
 dict and the layout-free checkpoint (:mod:`shardwise.checkpoint`) are the same as
 under our engines: a run saved under one engine resumes under the other. The one
@@ -55,11 +61,13 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from shardwise.checkpoint.held import Held, named_state
 from shardwise.comm.topology import Topology
-from shardwise.dims import CP, DP, DP_SHARD, EP, PP, TP
+from shardwise.dims import CP, DP, DP_CP, DP_SHARD, EP, PP, TP
 from shardwise.layout import RunLayout
 from shardwise.parallel.accounting import with_optimizer_states
+from shardwise.parallel.dp import DataParallelModule
 from shardwise.parallel.fsdp_units import unit_modules
 from shardwise.param_groups import GroupedFactory
+from shardwise.parallel.torch_cp import TorchContextParallel, cp_mesh, dp_shard_cp_mesh
 from shardwise.parallel.torch_engines import (
     dim0_run,
     dp_mesh,
@@ -93,11 +101,20 @@ ENGINES = ("shardwise", "torch")
 # The tables below are keyed by strategy class (the nearest in a class's MRO decides, so a user's subclass of
 # DDP runs as DDP): the strategy names "dp", "tp" and "pp" are also dimension names, written only in dims.py.
 # Strategies PyTorch has an engine for that engine="torch" does not run yet: torch's engine for each.
-NOT_YET = {"Parallel": "pp, then tp, then FSDP2 over dp",
-           "DP": "torch.nn.DataParallel"}
+NOT_YET = {"Parallel": "pp, then tp, then FSDP2 over dp"}
 # What PyTorch has no engine for at all.
 NO_TORCH_ENGINE = {"ParameterServer": "a parameter server",
                    "NaiveMP": "naive model parallelism (layers placed on devices)"}
+# What torch runs on CUDA only, and why not on CPU (torch 2.13; refused on CPU before any process starts).
+CUDA_ONLY = {
+    "context parallelism": "torch's context_parallel runs its ring attention through SDPA's flash, efficient and "
+                           "cuDNN kernels, which are CUDA's, and has no sharding strategy for the CPU's "
+                           "(aten._scaled_dot_product_flash_attention_for_cpu)",
+    "strategy 'dp'": "torch.nn.DataParallel splits the batch over CUDA devices only (on CPU it runs the module "
+                     "unsplit, on one replica)",
+    "sync_batchnorm": "torch's nn.SyncBatchNorm takes CUDA inputs only (on CPU its forward raises 'SyncBatchNorm "
+                      "expected input tensor to be on GPU', and its statistics kernel, batch_norm_stats, has no "
+                      "CPU implementation)"}
 
 
 @dataclass
@@ -410,6 +427,81 @@ class TorchPP(TorchEngine, SplitsModel):
         return self.of.state_tensors(model, optimizer)
 
 
+@dataclass
+class TorchCP(TorchFSDP):
+    """``sw.Parallel(cp=N)`` on CUDA under torch's ``context_parallel`` (:mod:`shardwise.parallel.torch_cp`): each
+    step's micro-batches cut along the sequence with their positions, forward and backward inside one block, the
+    attention through SDPA; gradients averaged over dp x cp by torch's DDP (``zero=0``), or reduce-scattered by
+    FSDP2 over dp_shard x cp (``zero=3``, on our units; torchtitan's layout)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.context: TorchContextParallel | None = None  # built in the rank, by setup
+
+    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
+              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+        self.check_setup(model)
+        # On the model's own modules, before a wrapper: the position hooks and a Hugging Face model's SDPA.
+        self.context = TorchContextParallel(cp_mesh(topo))
+        self.context.prepare(model)
+        if self.sharded():
+            return super().setup(model, optimizer_fn, topo)
+        model = model.to(topo.device)
+        return torch_ddp(model, topo, getattr(self.of, "bucket_cap_mb", None), dim=DP_CP), \
+            optimizer_fn(model.parameters())
+
+    def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int,
+                    backend: str = "gloo") -> None:
+        super().check_model(model, devices, batch_size, accumulate_grad_batches, backend)
+        if any(p.dtype == torch.float64 for p in model.parameters()):
+            raise ValueError(f"engine='torch' cannot run strategy {self.name!r} on a float64 model: torch's ring "
+                             "attention has forms of SDPA's flash, efficient and cuDNN kernels only, and none takes "
+                             "float64 (efficient: float32 and half; flash, cuDNN: half); use float32 or half "
+                             "precision, or engine='shardwise'")
+
+    def sharded(self) -> bool:
+        """FSDP2 over dp_shard x cp (``zero=3``), else torch's DDP over dp x cp."""
+        return getattr(self.of, "zero", 0) == 3
+
+    def mesh(self, topo: Topology) -> DeviceMesh:
+        return dp_shard_cp_mesh(topo)
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        return super().no_sync(model) if self.sharded() else model.no_sync()  # type: ignore[operator]
+
+    def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
+                   topo: Topology, run: StepRun = StepRun()) -> torch.Tensor | None:
+        with self._context().sharded(micro_batches) as local:
+            return super().train_step(model, local, loss_fn, topo, run)
+
+    def eval_step(self, model: nn.Module, x: Any, y: Any, fn: LossFn, topo: Topology,
+                  run: StepRun = StepRun()) -> torch.Tensor | None:
+        with self._context().sharded([(x, y)]) as [(x, y)]:  # this rank's tokens, as evaluation joins them
+            return super().eval_step(model, x, y, fn, topo, run)
+
+    def _context(self) -> TorchContextParallel:
+        assert self.context is not None, "setup builds the context"
+        return self.context
+
+    def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
+        return super().full_state_dict(unwrap(model), topo)  # DDP's module. prefix dropped
+
+
+@dataclass
+class TorchDP(TorchEngine):
+    """``strategy="dp"`` on CUDA under ``torch.nn.DataParallel``: one process, the batch scattered over the
+    strategy's devices (primary first), replicas in threads, gradients summed on the primary device; the same
+    design as ours (:mod:`shardwise.parallel.dp`), so the devices, the primary-device check and the optimizer are
+    our DP's."""
+
+    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
+              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+        # One process drives every device: DataParallel needs no process group (no check_setup).
+        ours, optimizer = self.of.setup(model, optimizer_fn, topo)
+        assert isinstance(ours, DataParallelModule)
+        return nn.DataParallel(ours.module, device_ids=ours.devices, output_device=ours.devices[0]), optimizer
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t`` (a DTensor's local shard; any other tensor itself), for byte accounting."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -427,13 +519,15 @@ def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
 
 TORCH: dict[str, type[TorchEngine]] = {"DDP": TorchDDP, "ZeRO1": TorchZeRO1, "ZeRO2": TorchZeRO2,
                                        "ZeRO3": TorchFSDP, "FSDP": TorchFSDP, "HSDP": TorchHSDP, "TP": TorchTP,
-                                       "PP": TorchPP}
+                                       "PP": TorchPP, "CP": TorchCP, "DP": TorchDP}
 
 
 def _row(strategy: Strategy) -> str | None:
     """The name of the nearest class of ``strategy`` that the tables here know (None: none, a user's own)."""
     known = {*TORCH, *NOT_YET, *NO_TORCH_ENGINE}
     row = next((c.__name__ for c in type(strategy).__mro__ if c.__name__ in known), None)
+    if row == "Parallel" and getattr(strategy, CP) > 1:  # what else it splits, refuse_torch says
+        return "CP"
     if row == "Parallel" and _tp_then_fsdp(strategy):
         return "TP"
     return "PP" if row == "Parallel" and _pp_then_ddp(strategy) else row
@@ -456,10 +550,11 @@ def _pp_then_ddp(strategy: Strategy) -> bool:
             and field("replicate") == 1)
 
 
-def engine_for(strategy: Strategy, engine: str | None, *, sync_batchnorm: bool = False) -> Strategy:
+def engine_for(strategy: Strategy, engine: str | None, *, sync_batchnorm: bool = False,
+               cuda: bool = False) -> Strategy:
     """The strategy that runs ``strategy`` under the Trainer's ``engine`` (None: not given) and its own
-    ``engine=`` (which wins; both given and different is refused). Raises ValueError, with what to use
-    instead, for what the engine does not run."""
+    ``engine=`` (which wins; both given and different is refused), on CUDA or not. Raises ValueError, with what
+    to use instead, for what the engine does not run."""
     for given in (engine, strategy.engine):
         if given is not None and given not in ENGINES:
             raise ValueError(f"engine must be 'shardwise' or 'torch', got {given!r}")
@@ -468,19 +563,23 @@ def engine_for(strategy: Strategy, engine: str | None, *, sync_batchnorm: bool =
                          f"({type(strategy).__name__}(engine={strategy.engine!r})); give one of them")
     if (strategy.engine or engine or "shardwise") == "shardwise" or strategy.name == "single":
         return strategy
-    refuse_torch(strategy, sync_batchnorm=sync_batchnorm)
+    refuse_torch(strategy, sync_batchnorm=sync_batchnorm, cuda=cuda)
     return TORCH[_row(strategy)](of=strategy)  # type: ignore[index]  # refuse_torch let only these through
 
 
-def refuse_torch(strategy: Strategy, *, sync_batchnorm: bool) -> None:
-    """Raise, naming what to use instead, when engine="torch" cannot run ``strategy`` with these options."""
+def refuse_torch(strategy: Strategy, *, sync_batchnorm: bool, cuda: bool = False) -> None:
+    """Raise, naming what to use instead, when engine="torch" cannot run ``strategy`` with these options (on CUDA
+    or not)."""
     name, row = strategy.name, _row(strategy)
     if getattr(strategy, EP, 1) > 1:  # sw.Parallel's ep= and cp= fields, named as the dimensions
         raise ValueError("engine='torch' has no engine for expert parallelism (ep > 1): PyTorch has none; "
                          "engine='shardwise' runs it")
-    if getattr(strategy, CP, 1) > 1:
-        raise ValueError("engine='torch' has no engine for context parallelism on CPU (torch's context_parallel "
-                         "runs on CUDA only) and does not cover it on CUDA yet; engine='shardwise' runs it")
+    what = None if cuda else next(iter(_cuda_only(row, sync_batchnorm)), None)
+    if what is not None:
+        raise ValueError(f"engine='torch' runs {what} on CUDA only: {CUDA_ONLY[what]}; engine='shardwise' runs it "
+                         "on CPU")
+    if row == "CP":
+        refuse_torch_cp(strategy)
     if row in NO_TORCH_ENGINE:
         raise ValueError(f"engine='torch' has no engine for strategy {name!r}: PyTorch has none for "
                          f"{NO_TORCH_ENGINE[row]}; engine='shardwise' runs it")
@@ -499,9 +598,33 @@ def refuse_torch(strategy: Strategy, *, sync_batchnorm: bool) -> None:
         raise ValueError(f"engine='torch' cannot run strategy {name!r} with {why}; engine='shardwise' runs it")
 
 
+def _cuda_only(row: str | None, sync_batchnorm: bool) -> list[str]:
+    """What of this run torch runs on CUDA only (keys of :data:`CUDA_ONLY`)."""
+    asks = {"context parallelism": row == "CP", "strategy 'dp'": row == "DP", "sync_batchnorm": sync_batchnorm}
+    return [what for what, asked in asks.items() if asked]
+
+
+def refuse_torch_cp(strategy: Strategy) -> None:
+    """Refuse what :class:`TorchCP` does not run of a ``sw.Parallel`` with cp > 1: torch's ring only, split by
+    nothing but dp, gradients through DDP or FSDP2 without replicas."""
+    field = functools.partial(getattr, strategy)
+    if field("cp_mode") != "ring":
+        raise ValueError(f"engine='torch' has no engine for cp_mode={field('cp_mode')!r}: torch's context_parallel "
+                         "is ring attention only; use cp_mode='ring', or engine='shardwise'")
+    others = {TP: field(TP), PP: field(PP), "replicate": field("replicate")}
+    split = {k: v for k, v in others.items() if v != 1}
+    if split or field("sequence_parallel") or field("zero") not in (0, 3):
+        given = ", ".join(f"{k}={v}" for k, v in {**split, "zero": field("zero")}.items())
+        raise ValueError(f"engine='torch' runs context parallelism only with dp yet (sw.Parallel(cp=N, dp=M) with "
+                         f"zero=0: torch's DDP over dp x cp, or zero=3: FSDP2 over dp x cp), got {given}"
+                         f"{', sequence_parallel=True' if field('sequence_parallel') else ''}; engine='shardwise' "
+                         "runs it")
+
+
 def _unsupported(strategy: Strategy, sync_batchnorm: bool) -> dict[str, bool]:
     """The options engine="torch" does not run yet, and whether this run asks for each."""
-    return {"sync_batchnorm": sync_batchnorm}
+    ddp = issubclass(TORCH.get(_row(strategy) or "", TorchEngine), TorchDDP)
+    return {"sync_batchnorm outside torch's DDP ('ddp', 'zero1')": sync_batchnorm and not ddp}
 
 
 # DDP(reduce_dtype=...) -> torch's DDP communication hook (torch.distributed.algorithms.ddp_comm_hooks
@@ -535,5 +658,5 @@ def _option_refusal(strategy: Strategy, row: str | None) -> str | None:
     return None
 
 
-__all__ = ["ENGINES", "TorchDDP", "TorchDTensors", "TorchEngine", "TorchFSDP", "TorchHSDP", "TorchPP", "TorchTP", "TorchZeRO1",
-           "TorchZeRO2", "engine_for", "refuse_torch"]
+__all__ = ["CUDA_ONLY", "ENGINES", "TorchCP", "TorchDDP", "TorchDP", "TorchDTensors", "TorchEngine", "TorchFSDP",
+           "TorchHSDP", "TorchPP", "TorchTP", "TorchZeRO1", "TorchZeRO2", "engine_for", "refuse_torch"]
