@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -36,8 +37,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.comm.topology import Topology
 from shardwise.dims import DP, PP
+from shardwise.parallel.fsdp_units import unit_modules
 from shardwise.parallel.pipeline import PipelineModel
 from shardwise.parallel.pipeline_run import resplit, sync_ties
+from shardwise.parallel.torch_engines import fully_shard_units
 from shardwise.step import LossFn
 
 # Our schedule's name -> torch's schedule with the same order of forwards and backwards on the same placement
@@ -72,16 +75,19 @@ def torch_schedule(schedule: str, stages: list[PipelineStage], microbatches: int
 class TorchPipeline:
     """This rank's chunks of a :class:`PipelineModel` as torch stages, run by torch's schedule for ``schedule``."""
 
-    def __init__(self, pm: PipelineModel, topo: Topology, schedule: str, bucket_cap_mb: float | None = None) -> None:
-        """With dp > 1, each chunk runs under torch's DDP over dp (:class:`StageDDP`, ``bucket_cap_mb``), whose
-        reduction torch's stage starts in the last micro-batch's backward."""
+    def __init__(self, pm: PipelineModel, topo: Topology, schedule: str,
+                 data: Callable[[PipelineModel], list[nn.Module]] | None = None) -> None:
+        """``data`` puts the chunks under a data-parallel engine over dp and returns the modules torch's stages
+        run (:func:`ddp_chunks`: torch's DDP, whose reduction torch's stage starts in the last micro-batch's
+        backward; :func:`fsdp_chunks`: FSDP2, reduced once all backwards ran); None: no data parallelism."""
         self.pm, self.schedule = pm, schedule
         total = pm.stages * len(pm.chunks)
         # The run's forward context (autocast) wraps each forward and the loss, not torch's backwards.
         self.context: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext
-        wrap = functools.partial(stage_ddp, topo=topo, bucket_cap_mb=bucket_cap_mb) if topo.size(DP) > 1 else None
-        self.stages = [torch_stage((wrap or _same)(_InContext(pm.chunks[c], self)), pm.placement.virtual(pm.rank, c),
-                                   total, topo) for c in range(len(pm.chunks))]
+        for c in range(len(pm.chunks)):  # evaluation's forwards (ours, over pm.chunks) go through it too
+            pm.chunks[c] = _InContext(pm.chunks[c], self)
+        modules = list(pm.chunks) if data is None else data(pm)
+        self.stages = [torch_stage(m, pm.placement.virtual(pm.rank, c), total, topo) for c, m in enumerate(modules)]
         self.first = any(s.is_first for s in self.stages)
         self.last = any(s.is_last for s in self.stages)
         self.comm = topo.comm(PP)
@@ -144,8 +150,24 @@ def stage_ddp(module: nn.Module, topo: Topology, bucket_cap_mb: float | None = N
     return StageDDP(module, device_ids=ids, process_group=topo.group(DP), **extra)
 
 
-def _same(module: nn.Module) -> nn.Module:
-    return module
+def ddp_chunks(pm: PipelineModel, topo: Topology, bucket_cap_mb: float | None = None) -> list[nn.Module]:
+    """Each chunk under :class:`StageDDP` (for :class:`TorchPipeline`'s ``data``); the chunks stay pm's."""
+    return [stage_ddp(c, topo, bucket_cap_mb) for c in pm.chunks]
+
+
+def fsdp_chunks(pm: PipelineModel, mesh: DeviceMesh, wrap: Any = "auto",
+                reshard_after_forward: bool = True) -> list[nn.Module]:
+    """FSDP2 on each chunk in place (for :class:`TorchPipeline`'s ``data``): ``fully_shard`` on our FSDP's units
+    within it (``wrap``), then on the chunk, over ``mesh`` (torchtitan's order: after the split and tp).
+
+    torch's stage drives FSDP2 itself: gradients accumulate unreduced over the micro-batches and are
+    reduce-scattered once, after the last backward (weight backwards of a zero-bubble schedule included). FSDP2
+    gives the chunks new parameters (DTensors): the pipeline's claims and ties follow them."""
+    before = [(m, n, p) for c in pm.chunks for m in c.modules() for n, p in m.named_parameters(recurse=False)]
+    for c in pm.chunks:
+        fully_shard_units(unit_modules(c, wrap), mesh, reshard_after_forward)
+    pm.renew({id(p): getattr(m, n) for m, n, p in before})
+    return list(pm.chunks)
 
 
 class _InContext(nn.Module):
@@ -161,4 +183,5 @@ class _InContext(nn.Module):
             return self.chunk(*args)
 
 
-__all__ = ["NO_TORCH_SCHEDULE", "TORCH_SCHEDULES", "TorchPipeline", "torch_schedule", "torch_stage"]
+__all__ = ["NO_TORCH_SCHEDULE", "TORCH_SCHEDULES", "TorchPipeline", "ddp_chunks", "fsdp_chunks", "torch_schedule",
+           "torch_stage"]

@@ -1,0 +1,46 @@
+"""engine="torch" for sw.Parallel's compositions, in torchtitan's order: pp, then tp, then FSDP2 over dp (and tp, then
+FSDP2 as ZeRO-2 or HSDP), each equal to one device in float64, with a checkpoint that crosses engines.
+
+One 4-rank launch trains every case in turn (the helpers of tests/test_torch_engine.py: gradient accumulation,
+clipping by the global norm and parameter groups in each run), on our GPT (its embedding tied to the head across
+the two stages) and a tiny Hugging Face Llama (GQA).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise import launch
+from test_torch_engine import _chain, _equal_one_device, fit
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]
+
+PP_FSDP = functools.partial(sw.Parallel, pp=2, dp=2, zero=3)
+PP_TP = functools.partial(sw.Parallel, pp=2, tp=2)
+
+
+def _compositions(rank: int, device: torch.device, folder: str) -> None:
+    """Parallel(pp=2, dp=2, zero=3) under torch (FSDP2 on each stage chunk, driven by torch's schedule) between two
+    runs of ours, resuming one's checkpoint and leaving its own to the other; the same on Llama under GPipe, and
+    on our GPT under zbv (a split backward: FSDP2 reduces after the weight backwards). Parallel(pp=2, tp=2) under
+    torch (parallelize_module on each stage's modules) on both models, Llama interleaved. tp, then FSDP2 as
+    ZeRO-2 (zero=2) and as HSDP (2 replicas of 1 shard) on the 2-D and 3-D meshes."""
+    out = {"llama pp-fsdp gpipe torch": fit("llama", PP_FSDP(schedule="gpipe"), 4, steps=2, engine="torch"),
+           "gpt pp-fsdp zbv torch": fit("gpt", PP_FSDP(schedule="zbv"), 4, steps=2, engine="torch"),
+           "gpt pp-tp torch": fit("gpt", PP_TP(), 4, steps=2, engine="torch"),
+           "llama pp-tp interleaved torch": fit("llama", PP_TP(schedule="interleaved"), 4, steps=2, engine="torch"),
+           "gpt tp-zero2 torch": fit("gpt", sw.Parallel(dp=2, tp=2, zero=2), 4, steps=2, engine="torch"),
+           "llama tp-hsdp torch": fit("llama", sw.Parallel(dp=2, tp=2, zero=3, replicate=2), 4, steps=2,
+                                      engine="torch")}
+    _chain(out, folder, "gpt", [PP_FSDP(), PP_FSDP(engine="torch"), PP_FSDP()], 4)
+    if rank == 0:
+        torch.save({k: (r.losses, r.state_dict) for k, r in out.items()}, os.path.join(folder, "runs.pt"))
+
+
+def test_parallel_compositions_with_pp_under_torch_equal_one_device_and_cross_engines(tmp_path, same_run):
+    launch.spawn(_compositions, 4, args=(str(tmp_path),))
+    _equal_one_device(tmp_path, same_run)
