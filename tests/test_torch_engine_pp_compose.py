@@ -24,19 +24,21 @@ PP_TP = functools.partial(sw.Parallel, pp=2, tp=2)
 
 
 def _compositions(rank: int, device: torch.device, folder: str) -> None:
-    """Parallel(pp=2, dp=2, zero=3) under torch (FSDP2 on each stage chunk, driven by torch's schedule) between two
-    runs of ours, resuming one's checkpoint and leaving its own to the other; the same on Llama under GPipe, and
-    on our GPT under zbv (a split backward: FSDP2 reduces after the weight backwards). Parallel(pp=2, tp=2) under
-    torch (parallelize_module on each stage's modules) on both models, Llama interleaved. tp, then FSDP2 as
-    ZeRO-2 (zero=2) and as HSDP (2 replicas of 1 shard) on the 2-D and 3-D meshes."""
-    out = {"llama pp-fsdp gpipe torch": fit("llama", PP_FSDP(schedule="gpipe"), 4, steps=2, engine="torch"),
-           "gpt pp-fsdp zbv torch": fit("gpt", PP_FSDP(schedule="zbv"), 4, steps=2, engine="torch"),
-           "gpt pp-tp torch": fit("gpt", PP_TP(), 4, steps=2, engine="torch"),
-           "llama pp-tp interleaved torch": fit("llama", PP_TP(schedule="interleaved"), 4, steps=2, engine="torch"),
-           "gpt tp-zero2 torch": fit("gpt", sw.Parallel(dp=2, tp=2, zero=2), 4, steps=2, engine="torch"),
-           "llama tp-hsdp torch": fit("llama", sw.Parallel(dp=2, tp=2, zero=3, replicate=2), 4, steps=2,
-                                      engine="torch")}
-    _chain(out, folder, "gpt", [PP_FSDP(), PP_FSDP(engine="torch"), PP_FSDP()], 4)
+    """Under torch: Parallel(pp=2, dp=2, zero=3) (FSDP2 on each stage chunk, driven by torch's schedule) on Llama
+    under GPipe and on our GPT under zbv (a split backward: FSDP2 reduces after the weight backwards); with HSDP
+    (2 replicas of 1 shard) interleaved; Parallel(pp=2, tp=2) (parallelize_module on each stage's modules) on
+    Llama interleaved; tp, then FSDP2 as ZeRO-2 (zero=2) and as HSDP on the 2-D and 3-D meshes. A chain on one
+    checkpoint directory, each run resuming the one before: our Parallel(pp=2, dp=2, zero=3), torch's, torch's
+    Parallel(pp=2, tp=2) (FSDP2 shards into tp slices), ours again."""
+    runs = {"llama pp-fsdp gpipe": PP_FSDP(schedule="gpipe"),
+            "gpt pp-fsdp zbv": PP_FSDP(schedule="zbv"),
+            "gpt pp-hsdp interleaved": PP_FSDP(replicate=2, schedule="interleaved"),
+            "llama pp-tp interleaved": PP_TP(schedule="interleaved"),
+            "gpt tp-zero2": sw.Parallel(dp=2, tp=2, zero=2),
+            "llama tp-hsdp": sw.Parallel(dp=2, tp=2, zero=3, replicate=2)}
+    out = {f"{case} torch": fit(case.split()[0], strategy, 4, steps=2, engine="torch")
+           for case, strategy in runs.items()}
+    _chain(out, folder, "gpt", [PP_FSDP(), PP_FSDP(engine="torch"), PP_TP(engine="torch"), PP_FSDP()], 4)
     if rank == 0:
         torch.save({k: (r.losses, r.state_dict) for k, r in out.items()}, os.path.join(folder, "runs.pt"))
 

@@ -347,8 +347,8 @@ class TorchPP(TorchDTensors, SplitsModel):
         of: Any = self.of
         if topo.size(DP) == 1:
             return None
-        if of.zero == 3:
-            mesh = dp_shard_mesh(topo) if topo.size(TP) > 1 else dp_mesh(topo)
+        if of.zero == 3:  # the meshes of TorchTP (after tp), TorchHSDP (replicas) and TorchFSDP
+            mesh = hsdp_mesh(topo) if of.replicate > 1 else dp_shard_mesh(topo) if topo.size(TP) > 1 else dp_mesh(topo)
             # A split backward's weight half needs the unsharded parameters its input half saw: resharded after
             # the forward, zbv's gradients came out wrong (2 steps of our GPT: the second loss 3e-3 off one
             # device's). torchtitan keeps them unsharded under every pipeline schedule.
@@ -439,11 +439,10 @@ def _tp_then_fsdp(strategy: Strategy) -> bool:
 
 def _pp_composed(strategy: Strategy) -> bool:
     """Whether a ``sw.Parallel`` is what :class:`TorchPP` runs: a pipeline, then tp on each stage, then over dp
-    torch's DDP (``zero=0``) or FSDP2 (``zero=3``), with no replicas and no sequence parallelism (dp > 1 with
+    torch's DDP (``zero=0``) or FSDP2 (``zero=3``, HSDP with replicas), with no sequence parallelism (dp > 1 with
     tp > 1 and zero=0 is refused by TorchPP.check_model, knowing the devices)."""
     field = functools.partial(getattr, strategy)
-    return (field(PP) > 1 and not field("sequence_parallel") and field("zero") in (0, 3)
-            and field("replicate") == 1)
+    return field(PP) > 1 and not field("sequence_parallel") and field("zero") in (0, 3)
 
 
 def engine_for(strategy: Strategy, engine: str | None, *, sync_batchnorm: bool = False) -> Strategy:
