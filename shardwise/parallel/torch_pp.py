@@ -8,7 +8,9 @@
 * :class:`TorchPipeline`: every chunk of a :class:`~shardwise.parallel.pipeline.PipelineModel` as a torch stage,
   run by torch's schedule for our schedule's name (:data:`TORCH_SCHEDULES`).
 * :class:`StageDDP`: torch's DDP over dp for each stage (``sw.Parallel(pp=N, dp=M)``), its forwards under
-  ``no_sync()`` as torch's stage expects.
+  ``no_sync()`` as torch's stage expects (:func:`ddp_chunks`);
+* :func:`fsdp_chunks`: FSDP2 over dp on each stage chunk instead (``sw.Parallel(pp=N, dp=M, zero=3)``), which
+  torch's stage drives (gradients reduced once per step, after every backward).
 
 The split (stage boundaries, tied weights, parameter names) stays ours: torch runs the forwards, backwards and
 point-to-point sends of a step; the tied copies' gradients are then summed between their stages as under our

@@ -13,13 +13,17 @@ itself under ``engine="shardwise"``); under ``"torch"``:
 ``hsdp``              FSDP2 on the 2-D (replicate, shard) mesh (:class:`TorchHSDP`)
 ``tp``                DTensor ``parallelize_module`` with torch's styles for our plan, also
                       ``sw.Parallel`` split by tp alone, ``sequence_parallel`` included (:class:`TorchTP`)
-``Parallel(zero=3)``  tp, then FSDP2 over dp on the same root mesh (torchtitan's order; no pp, no
-                      replicas)
+``Parallel(tp, dp)``  tp, then FSDP2 over dp on the same root mesh (torchtitan's order): ``zero=3``,
+                      ``zero=2`` (no resharding after the forward), HSDP with ``replicate``; dp over
+                      tp with ``zero`` 0 or 1 refused (torch's DDP and DTensor parameters)
 ``pp``                ``torch.distributed.pipelining``: our stages (same cut, same tied weights kept
                       in sync) as ``PipelineStage`` objects, run by torch's schedule for ours: gpipe
                       ``ScheduleGPipe``, 1f1b ``Schedule1F1B``, interleaved ``ScheduleInterleaved1F1B``,
                       zbv ``ScheduleZBVZeroBubble``; zb-h1 and dualpipev refused (:class:`TorchPP`)
-``Parallel(pp, dp)``  that pipeline with each stage under torch's DDP over dp (``zero=0``; not zbv)
+``Parallel(pp, ..)``  torchtitan's order on each rank's stage chunks: the pipeline's split, tp
+                      (``parallelize_module`` on the stage's modules), then over dp FSDP2 (``zero=3``,
+                      HSDP with ``replicate``; every schedule) or torch's DDP (``zero=0``; not zbv);
+                      not yet with sequence parallelism or ``zero`` 1 or 2
 ====================  =====================================================================
 
 Everything else is refused before any process starts, naming what runs it. The
