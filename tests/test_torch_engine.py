@@ -215,11 +215,6 @@ def test_what_engine_torch_does_not_run_is_refused_before_start(strategy, kw, me
      "engine='torch' cannot run strategy 'parallel' on LlamaForCausalLM: the 'llama' plan's sequence-parallel region "
      "starts at a block's input or ends without a head; engine='torch' runs it only from the embeddings to the head "
      "(shardwise's GPT); engine='shardwise' runs it"),
-    ("gpt", sw.Parallel(pp=2, schedule="zbv"), 4, "engine='torch' cannot run strategy 'parallel' with "
-     "schedule='zbv', dp > 1 and zero=0: torch's stage starts DDP's gradient reduction at the last micro-batch's "
-     "input backward, before the weight backwards the zero-bubble schedule runs later, whose gradients would miss "
-     "it; use zero=3 (FSDP2, reduced after every backward), schedule='1f1b', 'gpipe' or 'interleaved', or "
-     "engine='shardwise'"),
     ("gpt", sw.Parallel(tp=2), 4, "engine='torch' runs strategy 'parallel' with dp > 1 over tp > 1 only with zero=2 "
      "or 3 (tp, then FSDP2 over dp), not zero=0: torch's DDP refuses tp's DTensor parameters over a process group "
      "(c10d.broadcast_ has no DTensor sharding strategy), and over a device mesh turns them into plain local tensors "

@@ -25,13 +25,15 @@ PP_TP = functools.partial(sw.Parallel, pp=2, tp=2)
 
 def _compositions(rank: int, device: torch.device, folder: str) -> None:
     """Under torch: Parallel(pp=2, dp=2, zero=3) (FSDP2 on each stage chunk, driven by torch's schedule) on Llama
-    under GPipe and on our GPT under zbv (a split backward: FSDP2 reduces after the weight backwards); with HSDP
+    under GPipe and on our GPT under zbv (a split backward: FSDP2 reduces after the weight backwards; with zero=0
+    the gradients are averaged after the schedule instead of by torch's DDP); with HSDP
     (2 replicas of 1 shard) interleaved; Parallel(pp=2, tp=2) (parallelize_module on each stage's modules) on
     Llama interleaved; tp, then FSDP2 as ZeRO-2 (zero=2) and as HSDP on the 2-D and 3-D meshes. A chain on one
     checkpoint directory, each run resuming the one before: our Parallel(pp=2, dp=2, zero=3), torch's, torch's
     Parallel(pp=2, tp=2) (FSDP2 shards into tp slices), ours again."""
     runs = {"llama pp-fsdp gpipe": PP_FSDP(schedule="gpipe"),
             "gpt pp-fsdp zbv": PP_FSDP(schedule="zbv"),
+            "gpt pp-dp zbv": sw.Parallel(pp=2, dp=2, schedule="zbv"),
             "gpt pp-hsdp interleaved": PP_FSDP(replicate=2, schedule="interleaved"),
             "llama pp-tp interleaved": PP_TP(schedule="interleaved"),
             "gpt tp-zero2": sw.Parallel(dp=2, tp=2, zero=2),

@@ -10,7 +10,9 @@
 * :class:`StageDDP`: torch's DDP over dp for each stage (``sw.Parallel(pp=N, dp=M)``), its forwards under
   ``no_sync()`` as torch's stage expects (:func:`ddp_chunks`);
 * :func:`fsdp_chunks`: FSDP2 over dp on each stage chunk instead (``sw.Parallel(pp=N, dp=M, zero=3)``), which
-  torch's stage drives (gradients reduced once per step, after every backward).
+  torch's stage drives (gradients reduced once per step, after every backward);
+* :func:`average_gradients`: under a zero-bubble schedule with ``zero=0``, the replicated chunks' gradients
+  averaged over dp after the schedule (torch's stage would start DDP's reduction before the weight backwards).
 
 The split (stage boundaries, tied weights, parameter names) stays ours: torch runs the forwards, backwards and
 point-to-point sends of a step; the tied copies' gradients are then summed between their stages as under our
@@ -21,10 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
@@ -78,11 +81,14 @@ class TorchPipeline:
     """This rank's chunks of a :class:`PipelineModel` as torch stages, run by torch's schedule for ``schedule``."""
 
     def __init__(self, pm: PipelineModel, topo: Topology, schedule: str,
-                 data: Callable[[PipelineModel], list[nn.Module]] | None = None) -> None:
+                 data: Callable[[PipelineModel], list[nn.Module]] | None = None,
+                 average_over: dist.ProcessGroup | None = None) -> None:
         """``data`` puts the chunks under a data-parallel engine over dp and returns the modules torch's stages
         run (:func:`ddp_chunks`: torch's DDP, whose reduction torch's stage starts in the last micro-batch's
-        backward; :func:`fsdp_chunks`: FSDP2, reduced once all backwards ran); None: no data parallelism."""
-        self.pm, self.schedule = pm, schedule
+        backward; :func:`fsdp_chunks`: FSDP2, reduced once all backwards ran); None: none. ``average_over``:
+        the replicated chunks' gradients are averaged over that group after the schedule instead
+        (:func:`average_gradients`: a zero-bubble schedule's weight backwards come after DDP's reduction)."""
+        self.pm, self.schedule, self.average_over = pm, schedule, average_over
         total = pm.stages * len(pm.chunks)
         # The run's forward context (autocast) wraps each forward and the loss, not torch's backwards.
         self.context: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext
@@ -113,6 +119,8 @@ class TorchPipeline:
         args = (x,) if self.first else ()
         kw: dict[str, Any] = {"target": y, "losses": losses} if self.last else {}
         sched.step(*args, **kw)
+        if self.average_over is not None:
+            average_gradients(self.pm.parameters(), self.average_over)
         sync_ties(self.pm, self.comm)
         return torch.stack([l.detach() for l in losses]).mean() / loss_scale if self.last else None
 
@@ -152,6 +160,22 @@ def stage_ddp(module: nn.Module, topo: Topology, bucket_cap_mb: float | None = N
     return StageDDP(module, device_ids=ids, process_group=topo.group(DP), **extra)
 
 
+def average_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Average the gradients of replicated ``params`` over ``group``: one all-reduce per dtype, once all of a
+    step's backwards ran (what torch's DDP does for a stage, but after a zero-bubble schedule's weight
+    backwards, which come after the last micro-batch's input backward, where torch's stage starts DDP's)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        flat /= dist.get_world_size(group)
+        for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(piece.view_as(g))
+
+
 def ddp_chunks(pm: PipelineModel, topo: Topology, bucket_cap_mb: float | None = None) -> list[nn.Module]:
     """Each chunk under :class:`StageDDP` (for :class:`TorchPipeline`'s ``data``); the chunks stay pm's."""
     return [stage_ddp(c, topo, bucket_cap_mb) for c in pm.chunks]
@@ -185,5 +209,5 @@ class _InContext(nn.Module):
             return self.chunk(*args)
 
 
-__all__ = ["NO_TORCH_SCHEDULE", "TORCH_SCHEDULES", "TorchPipeline", "ddp_chunks", "fsdp_chunks", "torch_schedule",
+__all__ = ["NO_TORCH_SCHEDULE", "TORCH_SCHEDULES", "TorchPipeline", "average_gradients", "ddp_chunks", "fsdp_chunks", "torch_schedule",
            "torch_stage"]

@@ -22,7 +22,8 @@ itself under ``engine="shardwise"``); under ``"torch"``:
                       zbv ``ScheduleZBVZeroBubble``; zb-h1 and dualpipev refused (:class:`TorchPP`)
 ``Parallel(pp, ..)``  torchtitan's order on each rank's stage chunks: the pipeline's split, tp
                       (``parallelize_module`` on the stage's modules), then over dp FSDP2 (``zero=3``,
-                      HSDP with ``replicate``; every schedule) or torch's DDP (``zero=0``; not zbv);
+                      HSDP with ``replicate``) or torch's DDP (``zero=0``; under zbv, gradients
+                      averaged over dp after the schedule instead);
                       not yet with sequence parallelism or ``zero`` 1 or 2
 ====================  =====================================================================
 
@@ -80,6 +81,7 @@ from shardwise.step import LossFn, OptimizerFactory, StepRun, unwrap
 from shardwise.strategies.base import SplitsModel, Strategy
 from shardwise.strategies.data_parallel import on_meta
 from shardwise.strategies.parallel import unsplit_named
+from shardwise.torch_private import forget_dtensor_plans
 
 ENGINES = ("shardwise", "torch")
 
@@ -118,6 +120,7 @@ class TorchEngine(Strategy):
             raise ValueError(f"engine='torch' runs torch's engine for strategy {self.name!r} in a process group, "
                              "and this one-process run has none: launch it with `shardwise run --nproc 1`, or "
                              "drop engine='torch' (one device splits nothing)")
+        forget_dtensor_plans()  # an earlier group's meshes, equal to this one's, may be in torch's caches
         if on_meta(model):
             raise ValueError(f"engine='torch' does not set up a model on the meta device yet (strategy "
                              f"{self.name!r}); build it on the CPU, or use engine='shardwise', which materialises "
@@ -325,12 +328,6 @@ class TorchPP(TorchDTensors, SplitsModel):
                     backend: str = "gloo") -> None:
         super().check_model(model, devices, batch_size, accumulate_grad_batches, backend)
         of: Any = self.of
-        if self.layout(devices).dp > 1 and of.zero == 0 and schedule_facts(of.schedule).split_backward:
-            raise ValueError(f"engine='torch' cannot run strategy {self.name!r} with schedule={of.schedule!r}, dp > 1 "
-                             "and zero=0: torch's stage starts DDP's gradient reduction at the last micro-batch's "
-                             "input backward, before the weight backwards the zero-bubble schedule runs later, "
-                             "whose gradients would miss it; use zero=3 (FSDP2, reduced after every backward), "
-                             "schedule='1f1b', 'gpipe' or 'interleaved', or engine='shardwise'")
         if self.layout(devices).tp > 1:
             _refuse_ddp_over_tp(self.name, self.layout(devices), of.zero)
             _refuse_plan(self.name, resolve_plan(of.tensor_parallel_plan(), model), model, False)
@@ -342,14 +339,22 @@ class TorchPP(TorchDTensors, SplitsModel):
         split_tp = functools.partial(_stage_tp, plan=of.tensor_parallel_plan(), topo=topo)
         pm = build_pipeline(model.to(topo.device), topo, of.split_points, of.n_chunks(), of.tied,
                             split_tp if topo.size(TP) > 1 else None, shape=shape_of(of.schedule))
-        self.pipe = TorchPipeline(pm, topo, of.schedule, self.stage_data(topo))
+        self.pipe = TorchPipeline(pm, topo, of.schedule, self.stage_data(topo),
+                                  topo.group(DP) if self.averages_after(topo) else None)
         return pm, optimizer_fn(pm.parameters())
+
+    def averages_after(self, topo: Topology) -> bool:
+        """Whether the gradients are averaged over dp after the schedule rather than by torch's DDP: a zero-bubble
+        schedule's weight backwards come after the last micro-batch's input backward, where torch's stage
+        starts DDP's reduction, whose buckets they would miss (FSDP2, ``zero=3``, reduces after all of them)."""
+        of: Any = self.of
+        return topo.size(DP) > 1 and of.zero == 0 and schedule_facts(of.schedule).split_backward
 
     def stage_data(self, topo: Topology) -> Callable[[PipelineModel], list[nn.Module]] | None:
         """How :class:`TorchPipeline` puts the chunks under dp: FSDP2 (``zero=3``, on the run's dp_shard mesh
         dimension after tp, as :class:`TorchTP`), torch's DDP (``zero=0``), or nothing (dp = 1)."""
         of: Any = self.of
-        if topo.size(DP) == 1:
+        if topo.size(DP) == 1 or self.averages_after(topo):
             return None
         if of.zero == 3:  # the meshes of TorchTP (after tp), TorchHSDP (replicas) and TorchFSDP
             mesh = hsdp_mesh(topo) if of.replicate > 1 else dp_shard_mesh(topo) if topo.size(TP) > 1 else dp_mesh(topo)
