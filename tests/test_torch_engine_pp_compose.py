@@ -15,7 +15,9 @@ import torch
 
 import shardwise as sw
 from shardwise import launch
-from test_torch_engine import _chain, _equal_one_device, fit
+from shardwise.models import lm_loss
+from shardwise.workloads import CharText, stdlib_text
+from test_torch_engine import ADAMW, _chain, _equal_one_device, fit, gpt
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]
 
@@ -48,3 +50,14 @@ def _compositions(rank: int, device: torch.device, folder: str) -> None:
 def test_parallel_compositions_with_pp_under_torch_equal_one_device_and_cross_engines(tmp_path, same_run):
     launch.spawn(_compositions, 4, args=(str(tmp_path),))
     _equal_one_device(tmp_path, same_run)
+
+
+def test_dp_over_tp_in_a_pipeline_with_torch_s_ddp_is_refused_before_start(no_spawn):
+    with pytest.raises(ValueError) as e:
+        sw.Trainer(sw.Parallel(pp=2, tp=2, dp=2), 8, accelerator="cpu", progress=False, engine="torch").fit(
+            gpt(), CharText(stdlib_text(2_000), 16), lm_loss, ADAMW, batch_size=8, max_steps=1)
+    assert str(e.value) == (
+        "engine='torch' runs strategy 'parallel' with dp > 1 over tp > 1 only with zero=3 (tp, then FSDP2 over "
+        "dp), not zero=0: torch's DDP refuses tp's DTensor parameters over a process group (c10d.broadcast_ has no "
+        "DTensor sharding strategy), and over a device mesh turns them into plain local tensors (torch's interim DDP "
+        "+ tp transform), which hides their tp layout from the checkpoint and the clip; engine='shardwise' runs it")

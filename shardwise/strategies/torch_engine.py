@@ -288,11 +288,11 @@ class TorchTP(TorchDTensors):
         return clip_grad_norm_(list(model.parameters()), max_norm)
 
 
-def _refuse_ddp_over_tp(name: str, layout: RunLayout, zero: int) -> None:
-    """Refuse dp > 1 over tp > 1 with torch's DDP (zero=0) or ZeroRedundancyOptimizer under it (zero=1); Parallel's
-    dp=-1 can leave ranks over for dp, which only the devices tell."""
+def _refuse_ddp_over_tp(name: str, layout: RunLayout, zero: int, runs: str = "zero=2 or 3") -> None:
+    """Refuse dp > 1 over tp > 1 with torch's DDP (zero=0) or ZeroRedundancyOptimizer under it (zero=1), naming
+    the ``zero`` that ``runs``; Parallel's dp=-1 can leave ranks over for dp, which only the devices tell."""
     if layout.dp > 1 and layout.tp > 1 and zero in (0, 1):
-        raise ValueError(f"engine='torch' runs strategy {name!r} with dp > 1 over tp > 1 only with zero=2 or 3 (tp, "
+        raise ValueError(f"engine='torch' runs strategy {name!r} with dp > 1 over tp > 1 only with {runs} (tp, "
                          f"then FSDP2 over dp), not zero={zero}: torch's DDP refuses tp's DTensor parameters over a "
                          "process group (c10d.broadcast_ has no DTensor sharding strategy), and over a device mesh "
                          "turns them into plain local tensors (torch's interim DDP + tp transform), which hides "
@@ -329,7 +329,7 @@ class TorchPP(TorchDTensors, SplitsModel):
         super().check_model(model, devices, batch_size, accumulate_grad_batches, backend)
         of: Any = self.of
         if self.layout(devices).tp > 1:
-            _refuse_ddp_over_tp(self.name, self.layout(devices), of.zero)
+            _refuse_ddp_over_tp(self.name, self.layout(devices), of.zero, "zero=3")
             _refuse_plan(self.name, resolve_plan(of.tensor_parallel_plan(), model), model, False)
 
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
