@@ -31,8 +31,8 @@ def _compositions(rank: int, device: torch.device, folder: str) -> None:
     the gradients are averaged after the schedule instead of by torch's DDP); with HSDP
     (2 replicas of 1 shard) interleaved; Parallel(pp=2, tp=2) (parallelize_module on each stage's modules) on
     Llama interleaved; tp, then FSDP2 as ZeRO-2 (zero=2) and as HSDP on the 2-D and 3-D meshes. A chain on one
-    checkpoint directory, each run resuming the one before: our Parallel(pp=2, dp=2, zero=3), torch's, torch's
-    Parallel(pp=2, tp=2) (FSDP2 shards into tp slices), ours again."""
+    checkpoint directory, each run resuming the one before under the other engine: torch's Parallel(pp=2, dp=2,
+    zero=3) (FSDP2 shards), ours, torch's Parallel(pp=2, tp=2) (our shards into DTensor tp slices)."""
     runs = {"llama pp-fsdp gpipe": PP_FSDP(schedule="gpipe"),
             "gpt pp-fsdp zbv": PP_FSDP(schedule="zbv"),
             "gpt pp-dp zbv": sw.Parallel(pp=2, dp=2, schedule="zbv"),
@@ -42,7 +42,7 @@ def _compositions(rank: int, device: torch.device, folder: str) -> None:
             "llama tp-hsdp": sw.Parallel(dp=2, tp=2, zero=3, replicate=2)}
     out = {f"{case} torch": fit(case.split()[0], strategy, 4, steps=2, engine="torch")
            for case, strategy in runs.items()}
-    _chain(out, folder, "gpt", [PP_FSDP(), PP_FSDP(engine="torch"), PP_TP(engine="torch"), PP_FSDP()], 4)
+    _chain(out, folder, "gpt", [PP_FSDP(engine="torch"), PP_FSDP(), PP_TP(engine="torch")], 4)
     if rank == 0:
         torch.save({k: (r.losses, r.state_dict) for k, r in out.items()}, os.path.join(folder, "runs.pt"))
 
