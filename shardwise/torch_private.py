@@ -218,11 +218,6 @@ def inductor_cache_dir() -> str:
     return default_cache_dir()
 
 
-__all__ = ["UNSCALE_AND_CHECK", "BatchNormBase", "FLASH_ATTENTION_CPU", "FLASH_ATTENTION_CPU_BACKWARD", "as_main_process",
-           "at_backward_end", "c10d_default_store", "compilations", "forget_compilations", "host_rendezvous_stores",
-           "in_backward", "inductor_cache_dir", "memory_records", "recomputing", "run_outside_graphs"]
-
-
 def forget_dtensor_plans() -> None:
     """Empty DTensor's caches of redistribution steps and sharding propagation. They are keyed by DTensor specs,
     whose ``DeviceMesh`` equals a mesh of an earlier process group with the same ranks, shape and names (mesh
@@ -235,3 +230,10 @@ def forget_dtensor_plans() -> None:
     _redistribute._gen_transform_infos.cache_clear()
     _clear_python_sharding_prop_cache()
     _clear_fast_path_sharding_prop_cache()  # the C++ dispatch's own cache of the same
+
+
+__all__ = ["UNSCALE_AND_CHECK", "BatchNormBase", "FLASH_ATTENTION_CPU", "FLASH_ATTENTION_CPU_BACKWARD", "as_main_process",
+           "at_backward_end", "c10d_default_store", "compilations", "forget_compilations",
+           "forget_dtensor_plans", "host_rendezvous_stores",
+           "in_backward", "inductor_cache_dir", "memory_records", "recomputing", "run_outside_graphs"]
+

@@ -209,5 +209,5 @@ class _InContext(nn.Module):
             return self.chunk(*args)
 
 
-__all__ = ["NO_TORCH_SCHEDULE", "TORCH_SCHEDULES", "TorchPipeline", "average_gradients", "ddp_chunks", "fsdp_chunks", "torch_schedule",
-           "torch_stage"]
+__all__ = ["NO_TORCH_SCHEDULE", "TORCH_SCHEDULES", "TorchPipeline", "average_gradients", "ddp_chunks", "fsdp_chunks",
+           "torch_schedule", "torch_stage"]

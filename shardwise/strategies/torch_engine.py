@@ -56,9 +56,9 @@ from shardwise.parallel.accounting import with_optimizer_states
 from shardwise.parallel.fsdp_units import unit_modules
 from shardwise.param_groups import GroupedFactory
 from shardwise.parallel.torch_engines import (
+    composed_mesh,
     dim0_run,
     dp_mesh,
-    dp_shard_mesh,
     full,
     fully_shard_units,
     hsdp_mesh,
@@ -263,9 +263,8 @@ class TorchTP(TorchDTensors):
         if topo.size(DP) > 1:  # torchtitan's order: tp first, then FSDP2 over dp on the same root mesh
             of: Any = self.of
             units = unit_modules(model, of.wrap)
-            # zero=2: FSDP2 without resharding after the forward, as TorchZeRO2; replicas: HSDP's 2-D mesh.
-            mesh = hsdp_mesh(topo) if of.replicate > 1 else dp_shard_mesh(topo)
-            fully_shard_units(units, mesh, of.reshard_after_forward and of.zero == 3)
+            # zero=2: FSDP2 without resharding after the forward, as TorchZeRO2.
+            fully_shard_units(units, composed_mesh(topo, of.replicate), of.reshard_after_forward and of.zero == 3)
         return model, optimizer_fn(model.parameters())
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
@@ -351,18 +350,17 @@ class TorchPP(TorchDTensors, SplitsModel):
         return topo.size(DP) > 1 and of.zero == 0 and schedule_facts(of.schedule).split_backward
 
     def stage_data(self, topo: Topology) -> Callable[[PipelineModel], list[nn.Module]] | None:
-        """How :class:`TorchPipeline` puts the chunks under dp: FSDP2 (``zero=3``, on the run's dp_shard mesh
-        dimension after tp, as :class:`TorchTP`), torch's DDP (``zero=0``), or nothing (dp = 1)."""
+        """How :class:`TorchPipeline` puts the chunks under dp: FSDP2 (``zero=3``, on the mesh of :class:`TorchTP`'s,
+        HSDP's with replicas), torch's DDP (``zero=0``), or nothing (dp = 1, or averaged after the schedule)."""
         of: Any = self.of
         if topo.size(DP) == 1 or self.averages_after(topo):
             return None
-        if of.zero == 3:  # the meshes of TorchTP (after tp), TorchHSDP (replicas) and TorchFSDP
-            mesh = hsdp_mesh(topo) if of.replicate > 1 else dp_shard_mesh(topo) if topo.size(TP) > 1 else dp_mesh(topo)
+        if of.zero == 3:
             # A split backward's weight half needs the unsharded parameters its input half saw: resharded after
             # the forward, zbv's gradients came out wrong (2 steps of our GPT: the second loss 3e-3 off one
             # device's). torchtitan keeps them unsharded under every pipeline schedule.
             keep = schedule_facts(of.schedule).split_backward
-            return functools.partial(fsdp_chunks, mesh=mesh, wrap=of.wrap,
+            return functools.partial(fsdp_chunks, mesh=composed_mesh(topo, of.replicate), wrap=of.wrap,
                                      reshard_after_forward=of.reshard_after_forward and not keep)
         return functools.partial(ddp_chunks, topo=topo, bucket_cap_mb=of.bucket_cap_mb)
 
