@@ -358,7 +358,8 @@ class TorchPP(TorchDTensors, SplitsModel):
         if of.zero == 3:
             # A split backward's weight half needs the unsharded parameters its input half saw: resharded after
             # the forward, zbv's gradients came out wrong (2 steps of our GPT: the second loss 3e-3 off one
-            # device's). torchtitan keeps them unsharded under every pipeline schedule.
+            # device's). torchtitan's default keeps them unsharded under any pipeline (reshard_after_forward =
+            # not pp_enabled), to spare an all-gather per micro-batch; here the Parallel's option decides elsewhere.
             keep = schedule_facts(of.schedule).split_backward
             return functools.partial(fsdp_chunks, mesh=composed_mesh(topo, of.replicate), wrap=of.wrap,
                                      reshard_after_forward=of.reshard_after_forward and not keep)
@@ -369,9 +370,6 @@ class TorchPP(TorchDTensors, SplitsModel):
         assert self.pipe is not None, "setup builds the pipeline"
         return self.pipe.step(micro_batches, loss_fn, self.of._micro(micro_batches, topo),  # type: ignore[attr-defined]
                               lambda: run.forward_context(topo.device), run.loss_scale)
-
-    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()  # a step's micro-batches all run in one schedule, reduced once by it
 
     def compile_refusal(self) -> str | None:
         return self.of.compile_refusal()  # a zero-bubble schedule splits each backward, as torch's needs too
