@@ -27,10 +27,10 @@ PP_TP = functools.partial(sw.Parallel, pp=2, tp=2)
 
 def _compositions(rank: int, device: torch.device, folder: str) -> None:
     """Under torch: Parallel(pp=2, dp=2, zero=3) (FSDP2 on each stage chunk, driven by torch's schedule) on Llama
-    under GPipe and on our GPT under zbv (a split backward: FSDP2 reduces after the weight backwards; with zero=0
-    the gradients are averaged after the schedule instead of by torch's DDP); with HSDP
-    (2 replicas of 1 shard) interleaved; Parallel(pp=2, tp=2) (parallelize_module on each stage's modules) on
-    Llama interleaved; tp, then FSDP2 as ZeRO-2 (zero=2) and as HSDP on the 2-D and 3-D meshes. A chain on one
+    under GPipe and on our GPT under zbv (a split backward: FSDP2 reduces after the weight backwards), and as HSDP
+    (2 replicas of 1 shard) interleaved; Parallel(pp=2, dp=2) under zbv (zero=0: the gradients averaged after the
+    schedule, not by torch's DDP); Parallel(pp=2, tp=2) (parallelize_module on each stage's modules) on Llama
+    interleaved; tp, then FSDP2 as ZeRO-2 (zero=2) and as HSDP on the 2-D and 3-D meshes. A chain on one
     checkpoint directory, each run resuming the one before under the other engine: torch's Parallel(pp=2, dp=2,
     zero=3) (FSDP2 shards), ours, torch's Parallel(pp=2, tp=2) (our shards into DTensor tp slices)."""
     runs = {"llama pp-fsdp gpipe": PP_FSDP(schedule="gpipe"),
