@@ -59,6 +59,11 @@ private API                                                                what 
 ``torch._dynamo.reset()``                                                  ``parallel.compiling``)
 ``torch._inductor.runtime.cache_dir_utils.default_cache_dir()``            inductor's cache, named for every rank
                                                                            (:func:`inductor_cache_dir`)
+``torch.distributed.tensor._redistribute._gen_transform_infos``            emptied when torch's engines start in
+(``cache_clear()``), ``torch.distributed.tensor.debug``'s                  a process that ran DTensors in an
+``_clear_python_sharding_prop_cache()`` and                                earlier process group
+``_clear_fast_path_sharding_prop_cache()``                                 (:func:`forget_dtensor_plans`;
+                                                                           ``strategies.torch_engine``)
 =========================================================================  =====================================
 
 Also relied on, and checked by the tests, though not routed through here: the
@@ -213,6 +218,22 @@ def inductor_cache_dir() -> str:
     return default_cache_dir()
 
 
+def forget_dtensor_plans() -> None:
+    """Empty DTensor's caches of redistribution steps and sharding propagation. They are keyed by DTensor specs,
+    whose ``DeviceMesh`` equals a mesh of an earlier process group with the same ranks, shape and names (mesh
+    equality ignores the groups), and they hold meshes: a second run in one process (a worker that trains fit
+    after fit, a notebook) would reuse the first group's, gone by then ("Could not resolve the process group
+    registered under the name N", measured: the tests' worker pool, a 4-rank tp x HSDP run, then tp x FSDP)."""
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor.debug import _clear_fast_path_sharding_prop_cache, _clear_python_sharding_prop_cache
+
+    _redistribute._gen_transform_infos.cache_clear()
+    _clear_python_sharding_prop_cache()
+    _clear_fast_path_sharding_prop_cache()  # the C++ dispatch's own cache of the same
+
+
 __all__ = ["UNSCALE_AND_CHECK", "BatchNormBase", "FLASH_ATTENTION_CPU", "FLASH_ATTENTION_CPU_BACKWARD", "as_main_process",
-           "at_backward_end", "c10d_default_store", "compilations", "forget_compilations", "host_rendezvous_stores",
+           "at_backward_end", "c10d_default_store", "compilations", "forget_compilations",
+           "forget_dtensor_plans", "host_rendezvous_stores",
            "in_backward", "inductor_cache_dir", "memory_records", "recomputing", "run_outside_graphs"]
+

@@ -115,6 +115,10 @@ LOCAL_IMPORTS: dict[str, str] = {
         "torchelastic's rendezvous, only for `shardwise run` (its absence is tolerated)",
     "shardwise.parallel.torch_engines: torch.distributed.optim": "torch.distributed.optim jit-scripts its "
         "functional optimizers on import (about 1 s, with deprecation warnings): only when engine='torch' runs zero1",
+    "shardwise.torch_private: torch.distributed.tensor._redistribute": "DTensor (0.55 s) loads only when "
+        "engine='torch' starts, the one caller, not with every user of torch_private",
+    "shardwise.torch_private: torch.distributed.tensor.debug": "DTensor (0.55 s) loads only when engine='torch' "
+        "starts, the one caller, not with every user of torch_private",
     "shardwise.stats: resource": "resource exists on Unix only; read only where /proc is missing (macOS)",
 }
 

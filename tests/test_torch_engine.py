@@ -193,10 +193,8 @@ def test_tp_then_fsdp_and_pp_then_ddp_under_torch_equal_one_device_and_cross_eng
      "context_parallel runs its ring attention through SDPA's flash, efficient and cuDNN kernels, which are CUDA's, "
      "and has no sharding strategy for the CPU's (aten._scaled_dot_product_flash_attention_for_cpu); "
      "engine='shardwise' runs it on CPU"),
-    (sw.Parallel(pp=2, dp=2, zero=3, engine="torch"), {}, "engine='torch' does not cover strategy 'parallel' yet (torch's "
-     "engine for it: pp, then tp, then FSDP2 over dp); engine='shardwise' runs it"),
-    (sw.Parallel(dp=2, tp=2, engine="torch"), {}, "engine='torch' does not cover strategy 'parallel' yet (torch's "
-     "engine for it: pp, then tp, then FSDP2 over dp); engine='shardwise' runs it"),
+    (sw.Parallel(pp=2, tp=2, sequence_parallel=True, engine="torch"), {}, "engine='torch' does not cover strategy "
+     "'parallel' yet (torch's engine for it: pp, then tp, then FSDP2 over dp); engine='shardwise' runs it"),
     ("ddp", {"engine": "torch", "sync_batchnorm": True}, "engine='torch' runs sync_batchnorm on CUDA only: torch's "
      "nn.SyncBatchNorm takes CUDA inputs only (on CPU its forward raises 'SyncBatchNorm expected input tensor to be "
      "on GPU', and its statistics kernel, batch_norm_stats, has no CPU implementation); engine='shardwise' runs it "
@@ -215,12 +213,11 @@ def test_what_engine_torch_does_not_run_is_refused_before_start(strategy, kw, me
      "engine='torch' cannot run strategy 'parallel' on LlamaForCausalLM: the 'llama' plan's sequence-parallel region "
      "starts at a block's input or ends without a head; engine='torch' runs it only from the embeddings to the head "
      "(shardwise's GPT); engine='shardwise' runs it"),
-    ("gpt", sw.Parallel(pp=2, schedule="zbv"), 4, "engine='torch' cannot run strategy 'parallel' with "
-     "schedule='zbv' and dp > 1: torch's stage starts DDP's gradient reduction at the last micro-batch's input "
-     "backward, before the weight backwards the zero-bubble schedule runs later, whose gradients would miss it; use "
-     "schedule='1f1b', 'gpipe' or 'interleaved', or engine='shardwise'"),
-    ("gpt", sw.Parallel(tp=2), 4, "engine='torch' runs strategy 'parallel' with dp > 1 only with zero=3 yet (tp, "
-     "then FSDP2 over dp); engine='shardwise' runs it with any zero"),
+    ("gpt", sw.Parallel(tp=2), 4, "engine='torch' runs strategy 'parallel' with dp > 1 over tp > 1 only with zero=2 "
+     "or 3 (tp, then FSDP2 over dp), not zero=0: torch's DDP refuses tp's DTensor parameters over a process group "
+     "(c10d.broadcast_ has no DTensor sharding strategy), and over a device mesh turns them into plain local tensors "
+     "(torch's interim DDP + tp transform), which hides their tp layout from the checkpoint and the clip; "
+     "engine='shardwise' runs it"),
 ])
 def test_what_torch_tp_cannot_run_is_refused_before_start(model, strategy, devices, message, no_spawn):
     make = {"gpt2": gpt2, "llama": llama, "gpt": gpt}[model]

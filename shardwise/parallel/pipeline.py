@@ -159,7 +159,16 @@ class PipelineModel(nn.Module):
                 return w.grad_piece(p)  # type: ignore[no-any-return]
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        return p.grad
+        # A DTensor's (torch's FSDP2 or tp): its local shard, a view, laid out alike in every stage's copy.
+        return p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+
+    def renew(self, new: dict[int, nn.Parameter]) -> None:
+        """Point the claims, ties and copies at the parameters that replaced theirs (``id(old) -> new``): an
+        engine that swaps a chunk's parameters after the split (torch's FSDP2) keeps the names."""
+        self.claimed = {k: new.get(id(t), t) for k, t in self.claimed.items()}
+        for t in self.ties:
+            t.param = new.get(id(t.param), t.param)
+        self.copies = [(new.get(id(f), f), new.get(id(c), c)) for f, c in self.copies]
 
     def sync_copies(self) -> None:
         """Give every further copy of a weight tied within this rank the first copy's value.
@@ -325,7 +334,7 @@ def find_ties(model: nn.Module, parts: list[list[tuple[str, nn.Module]]], p: int
 # ---- the full state dict -------------------------------------------------------
 def gather_full_state(pm: PipelineModel, topo: Topology) -> dict[str, torch.Tensor]:
     """The original model's full state dict on every rank: tp shards gathered, then stages exchanged."""
-    tp, pp = topo.comm(TP), topo.comm(PP)
+    tp = topo.comm(TP)
     mine: dict[str, torch.Tensor] = {}
     for k in pm.keys:
         if k in pm.claimed:
@@ -335,6 +344,12 @@ def gather_full_state(pm: PipelineModel, topo: Topology) -> dict[str, torch.Tens
             if is_expert(pm.claimed[k]):  # this rank's experts: every ep rank's rows, in rank order
                 t = gather_tensor(t, 0, 1, topo.comm(EP), name="ep.state")
             mine[k] = t.contiguous()
+    return exchange_stages(pm, mine, topo)
+
+
+def exchange_stages(pm: PipelineModel, mine: dict[str, torch.Tensor], topo: Topology) -> dict[str, torch.Tensor]:
+    """The full state dict on every rank from each stage's whole tensors ``mine`` (this rank's claimed keys)."""
+    pp = topo.comm(PP)
     listing = pp.all_gather_object([(k, list(t.shape), str(t.dtype)) for k, t in mine.items()], name="pp.keys")
     owner: dict[str, tuple[int, list[int], str]] = {}
     for s, items in enumerate(listing):
@@ -364,5 +379,5 @@ def gather_full_state(pm: PipelineModel, topo: Topology) -> dict[str, torch.Tens
     return {k: out[k] for k in pm.keys}
 
 
-__all__ = ["PipelineModel", "PipelineStage", "balanced_starts", "build_pipeline", "find_ties", "gather_full_state",
-           "pipeline_layers", "stage_starts"]
+__all__ = ["PipelineModel", "PipelineStage", "balanced_starts", "build_pipeline", "exchange_stages", "find_ties",
+           "gather_full_state", "pipeline_layers", "stage_starts"]

@@ -10,7 +10,8 @@
 * :func:`fully_shard_units`: FSDP2 ``fully_shard`` on the units our FSDP picks
   (:func:`~shardwise.parallel.fsdp_units.unit_modules`: bottom-up, the root last) over a 1-D mesh
   (:func:`dp_mesh`), the 2-D (replicate, shard) mesh of HSDP (:func:`hsdp_mesh`), or, after tp
-  (:mod:`shardwise.parallel.torch_tp`), the run's ``dp_shard`` dimension (:func:`dp_shard_mesh`).
+  (:mod:`shardwise.parallel.torch_tp`) or on pipeline stages, the run's ``dp_shard`` dimension or both
+  (:func:`composed_mesh`).
 
 FSDP2 keeps every parameter's name and holds it as a DTensor sharded on dim 0 in
 ``torch.chunk`` pieces (rank ``r`` of the shard dimension holds rows ``[r * ceil(n / W), ...)``,
@@ -71,6 +72,13 @@ def hsdp_mesh(topo: Topology) -> DeviceMesh:
     if topo.mesh is None:
         return init_device_mesh(topo.device.type, (1, 1), mesh_dim_names=(DP_REPLICATE, DP_SHARD))
     return topo.mesh[DP_REPLICATE, DP_SHARD]
+
+
+def composed_mesh(topo: Topology, replicate: int) -> DeviceMesh:
+    """The mesh FSDP2 shards over in a composition (after tp, or on pipeline stages): the run's ``dp_shard``
+    dimension, or with replicas HSDP's ``(dp_replicate, dp_shard)``, sliced from the run's mesh, the root that
+    tp's DTensors live on too."""
+    return hsdp_mesh(topo) if replicate > 1 else dp_shard_mesh(topo)
 
 
 def zero_redundancy(base: torch.optim.Optimizer, topo: Topology) -> torch.optim.Optimizer:
@@ -134,5 +142,5 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-__all__ = ["dim0_run", "dp_mesh", "dp_shard_mesh", "full", "fully_shard_units", "hsdp_mesh", "torch_ddp",
-           "torch_sync_batchnorm", "zero_redundancy"]
+__all__ = ["composed_mesh", "dim0_run", "dp_mesh", "dp_shard_mesh", "full", "fully_shard_units", "hsdp_mesh",
+           "torch_ddp", "torch_sync_batchnorm", "zero_redundancy"]

@@ -8,7 +8,11 @@
 * :class:`TorchPipeline`: every chunk of a :class:`~shardwise.parallel.pipeline.PipelineModel` as a torch stage,
   run by torch's schedule for our schedule's name (:data:`TORCH_SCHEDULES`).
 * :class:`StageDDP`: torch's DDP over dp for each stage (``sw.Parallel(pp=N, dp=M)``), its forwards under
-  ``no_sync()`` as torch's stage expects.
+  ``no_sync()`` as torch's stage expects (:func:`ddp_chunks`);
+* :func:`fsdp_chunks`: FSDP2 over dp on each stage chunk instead (``sw.Parallel(pp=N, dp=M, zero=3)``), which
+  torch's stage drives (gradients reduced once per step, after every backward);
+* :func:`average_gradients`: under a zero-bubble schedule with ``zero=0``, the replicated chunks' gradients
+  averaged over dp after the schedule (torch's stage would start DDP's reduction before the weight backwards).
 
 The split (stage boundaries, tied weights, parameter names) stays ours: torch runs the forwards, backwards and
 point-to-point sends of a step; the tied copies' gradients are then summed between their stages as under our
@@ -19,11 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -38,8 +44,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.comm.topology import Topology
 from shardwise.dims import DP, PP
+from shardwise.parallel.fsdp_units import unit_modules
 from shardwise.parallel.pipeline import PipelineModel
 from shardwise.parallel.pipeline_run import resplit, sync_ties
+from shardwise.parallel.torch_engines import fully_shard_units
 from shardwise.step import LossFn
 
 # Our schedule's name -> torch's schedule on the same placement (gpipe, 1f1b, zb-h1: one stage per rank;
@@ -85,16 +93,22 @@ def torch_schedule(schedule: str, stages: list[PipelineStage], microbatches: int
 class TorchPipeline:
     """This rank's chunks of a :class:`PipelineModel` as torch stages, run by torch's schedule for ``schedule``."""
 
-    def __init__(self, pm: PipelineModel, topo: Topology, schedule: str, bucket_cap_mb: float | None = None) -> None:
-        """With dp > 1, each chunk runs under torch's DDP over dp (:class:`StageDDP`, ``bucket_cap_mb``), whose
-        reduction torch's stage starts in the last micro-batch's backward."""
-        self.pm, self.schedule = pm, schedule
+    def __init__(self, pm: PipelineModel, topo: Topology, schedule: str,
+                 data: Callable[[PipelineModel], list[nn.Module]] | None = None,
+                 average_over: dist.ProcessGroup | None = None) -> None:
+        """``data`` puts the chunks under a data-parallel engine over dp and returns the modules torch's stages
+        run (:func:`ddp_chunks`: torch's DDP, whose reduction torch's stage starts in the last micro-batch's
+        backward; :func:`fsdp_chunks`: FSDP2, reduced once all backwards ran); None: none. ``average_over``:
+        the replicated chunks' gradients are averaged over that group after the schedule instead
+        (:func:`average_gradients`: a zero-bubble schedule's weight backwards come after DDP's reduction)."""
+        self.pm, self.schedule, self.average_over = pm, schedule, average_over
         total = pm.stages * len(pm.chunks)
         # The run's forward context (autocast) wraps each forward and the loss, not torch's backwards.
         self.context: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext
-        wrap = functools.partial(stage_ddp, topo=topo, bucket_cap_mb=bucket_cap_mb) if topo.size(DP) > 1 else None
-        self.stages = [torch_stage((wrap or _same)(_InContext(pm.chunks[c], self)), pm.placement.virtual(pm.rank, c),
-                                   total, topo) for c in range(len(pm.chunks))]
+        for c in range(len(pm.chunks)):  # evaluation's forwards (ours, over pm.chunks) go through it too
+            pm.chunks[c] = _InContext(pm.chunks[c], self)
+        modules = list(pm.chunks) if data is None else data(pm)
+        self.stages = [torch_stage(m, pm.placement.virtual(pm.rank, c), total, topo) for c, m in enumerate(modules)]
         self.first = any(s.is_first for s in self.stages)
         self.last = any(s.is_last for s in self.stages)
         self.comm = topo.comm(PP)
@@ -118,6 +132,8 @@ class TorchPipeline:
         args = (x,) if self.first else ()
         kw: dict[str, Any] = {"target": y, "losses": losses} if self.last else {}
         sched.step(*args, **kw)
+        if self.average_over is not None:
+            average_gradients(self.pm.parameters(), self.average_over)
         sync_ties(self.pm, self.comm)
         return torch.stack([l.detach() for l in losses]).mean() / loss_scale if self.last else None
 
@@ -157,8 +173,40 @@ def stage_ddp(module: nn.Module, topo: Topology, bucket_cap_mb: float | None = N
     return StageDDP(module, device_ids=ids, process_group=topo.group(DP), **extra)
 
 
-def _same(module: nn.Module) -> nn.Module:
-    return module
+def average_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Average the gradients of replicated ``params`` over ``group``: one all-reduce per dtype, once all of a
+    step's backwards ran (what torch's DDP does for a stage, but after a zero-bubble schedule's weight
+    backwards, which come after the last micro-batch's input backward, where torch's stage starts DDP's)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        flat /= dist.get_world_size(group)
+        for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(piece.view_as(g))
+
+
+def ddp_chunks(pm: PipelineModel, topo: Topology, bucket_cap_mb: float | None = None) -> list[nn.Module]:
+    """Each chunk under :class:`StageDDP` (for :class:`TorchPipeline`'s ``data``); the chunks stay pm's."""
+    return [stage_ddp(c, topo, bucket_cap_mb) for c in pm.chunks]
+
+
+def fsdp_chunks(pm: PipelineModel, mesh: DeviceMesh, wrap: Any = "auto",
+                reshard_after_forward: bool = True) -> list[nn.Module]:
+    """FSDP2 on each chunk in place (for :class:`TorchPipeline`'s ``data``): ``fully_shard`` on our FSDP's units
+    within it (``wrap``), then on the chunk, over ``mesh`` (torchtitan's order: after the split and tp).
+
+    torch's stage drives FSDP2 itself: gradients accumulate unreduced over the micro-batches and are
+    reduce-scattered once, after the last backward (weight backwards of a zero-bubble schedule included). FSDP2
+    gives the chunks new parameters (DTensors): the pipeline's claims and ties follow them."""
+    before = [(m, n, p) for c in pm.chunks for m in c.modules() for n, p in m.named_parameters(recurse=False)]
+    for c in pm.chunks:
+        fully_shard_units(unit_modules(c, wrap), mesh, reshard_after_forward)
+    pm.renew({id(p): getattr(m, n) for m, n, p in before})
+    return list(pm.chunks)
 
 
 class _InContext(nn.Module):
@@ -174,4 +222,5 @@ class _InContext(nn.Module):
             return self.chunk(*args)
 
 
-__all__ = ["TORCH_SCHEDULES", "TorchPipeline", "torch_schedule", "torch_schedule_refusal", "torch_stage"]
+__all__ = ["TORCH_SCHEDULES", "TorchPipeline", "average_gradients", "ddp_chunks", "fsdp_chunks", "torch_schedule",
+           "torch_schedule_refusal", "torch_stage"]

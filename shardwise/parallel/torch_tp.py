@@ -24,6 +24,8 @@ which equal our slices since the plans' checks make every split even); the other
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -38,9 +40,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from shardwise.comm import Comm
 from shardwise.comm.topology import Topology
 from shardwise.dims import TP
-from shardwise.parallel.tp_plans import Plan, as_style
+from shardwise.parallel.tp_plans import Plan, as_style, module_pattern
 
 
 def tp_mesh(topo: Topology) -> DeviceMesh:
@@ -91,10 +94,18 @@ def _style(kind: str, gather_output: bool, sequence_parallel: bool) -> ParallelS
     return ColwiseParallel()
 
 
-def apply_torch_tp(model: nn.Module, plan: Plan, mesh: DeviceMesh, sequence_parallel: bool) -> nn.Module:
-    """``parallelize_module`` with ``plan``'s styles, in place; weights tied in ``model`` stay tied."""
-    ties = _ties(model)
-    parallelize_module(model, mesh, torch_plan(plan, sequence_parallel))
+def apply_torch_tp(model: nn.Module, plan: Plan, mesh: DeviceMesh, sequence_parallel: bool,
+                   keep: Callable[[str], bool] | None = None) -> nn.Module:
+    """``parallelize_module`` with ``plan``'s styles, in place; weights tied in ``model`` stay tied. ``keep(name)``
+    limits it to some modules (a pipeline stage's own, :func:`~shardwise.parallel.pipeline.build_pipeline`'s
+    transform); a tie stays only between two kept modules (another stage's copy is that stage's)."""
+    styles = torch_plan(plan, sequence_parallel)
+    if keep is not None:  # the patterns spelled out as this stage's module names
+        styles = {n: style for pattern, style in styles.items() for n, _ in model.named_modules()
+                  if module_pattern(pattern).match(n) and keep(n)}
+    ties = [(a, f) for a, f in _ties(model)
+            if keep is None or (keep(a.rpartition(".")[0]) and keep(f.rpartition(".")[0]))]
+    parallelize_module(model, mesh, styles)
     for alias, first in ties:
         owner, _, leaf = alias.rpartition(".")
         setattr(model.get_submodule(owner), leaf, model.get_parameter(first))
@@ -112,12 +123,20 @@ def _ties(model: nn.Module) -> list[tuple[str, str]]:
     return out
 
 
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Clip by the global norm of gradients that are partly DTensors (tp slices) and partly plain, replicated
-    tensors (torch's clip cannot stack the two kinds); torch's formula, so the same numbers."""
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, elsewhere: Collection[int] = (),
+                    across: Comm | None = None) -> torch.Tensor:
+    """Clip by the global norm of gradients that are partly DTensors (tp slices, FSDP2 shards: each counted
+    whole over its mesh) and partly plain, replicated tensors (torch's clip cannot stack the two kinds); torch's
+    formula, so the same numbers. A pipeline stage's rank holds some of the model: ``across`` (pp) sums the
+    squares of the stages, and a tied copy whose norm another copy counts (``id`` in ``elsewhere``) is left
+    out of the sum, though clipped."""
     grads = [p.grad for p in params if p.grad is not None]
-    squares = [_full(torch.linalg.vector_norm(g)) ** 2 for g in grads]
-    total = torch.stack(squares).sum().sqrt()
+    squares = [_full(torch.linalg.vector_norm(p.grad)) ** 2 for p in params
+               if p.grad is not None and id(p) not in elsewhere]
+    sq = torch.stack(squares).sum() if squares else torch.zeros((), device=grads[0].device if grads else None)
+    if across is not None and across.size > 1:
+        across.all_reduce(sq, name="pp.clip")
+    total = sq.sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
         for g in grads:

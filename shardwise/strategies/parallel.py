@@ -283,13 +283,13 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
         (the copies are equal, and DCP keeps one of identical chunks).
         """
         pm: PipelineModel = model  # type: ignore[assignment]
-        return held_state(_unsplit_named(pm), pm.data.wrappers if pm.data is not None else [], optimizer)
+        return held_state(unsplit_named(pm), pm.data.wrappers if pm.data is not None else [], optimizer)
 
     def param_names(self, model: nn.Module) -> dict[int, str]:
         """This rank's stage(s) under the unsplit model's names: a weight tied across stages under its first
         name, a further copy in this rank under the first copy's, and the shards of the chunks' wrappers."""
         pm: PipelineModel = model  # type: ignore[assignment]
-        named = _unsplit_named(pm)
+        named = unsplit_named(pm)
         first = {id(t): n for n, t in named}
         named += [(first[id(f)], c) for f, c in pm.copies]
         return named_params(named, pm.data.wrappers if pm.data is not None else [])
@@ -305,7 +305,7 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
         return with_optimizer_states(parts, optimizer)
 
 
-def _unsplit_named(pm: PipelineModel) -> list[tuple[str, torch.Tensor]]:
+def unsplit_named(pm: PipelineModel) -> list[tuple[str, torch.Tensor]]:
     """This rank's stage tensors under the unsplit model's names, in its order: each once, a weight tied across
     stages under its first name (a stage's copy of it included)."""
     tied = {id(t.param): t.name for t in pm.ties}

@@ -13,8 +13,9 @@ itself under ``engine="shardwise"``); under ``"torch"``:
 ``hsdp``              FSDP2 on the 2-D (replicate, shard) mesh (:class:`TorchHSDP`)
 ``tp``                DTensor ``parallelize_module`` with torch's styles for our plan, also
                       ``sw.Parallel`` split by tp alone, ``sequence_parallel`` included (:class:`TorchTP`)
-``Parallel(zero=3)``  tp, then FSDP2 over dp on the same root mesh (torchtitan's order; no pp, no
-                      replicas)
+``Parallel(tp, dp)``  tp, then FSDP2 over dp on the same root mesh (torchtitan's order): ``zero=3``,
+                      ``zero=2`` (no resharding after the forward), HSDP with ``replicate``; dp over
+                      tp with ``zero`` 0 or 1 refused (torch's DDP and DTensor parameters)
 ``pp``                ``torch.distributed.pipelining``: our stages (same cut, same tied weights kept
                       in sync) as ``PipelineStage`` objects, run by torch's schedule for ours, on the
                       same placement and in the same order: gpipe ``ScheduleGPipe``, 1f1b
@@ -22,7 +23,11 @@ itself under ``engine="shardwise"``); under ``"torch"``:
                       ``ScheduleInterleavedZeroBubble`` given one stage per rank (the paper's ZB1P,
                       there ZB-H1), zbv ``ScheduleZBVZeroBubble``, dualpipev ``ScheduleDualPipeV``
                       (the V's: the same actions, ours run a few more backwards whole) (:class:`TorchPP`)
-``Parallel(pp, dp)``  that pipeline with each stage under torch's DDP over dp (``zero=0``; not zbv)
+``Parallel(pp, ..)``  torchtitan's order on each rank's stage chunks: the pipeline's split, tp
+                      (``parallelize_module`` on the stage's modules), then over dp FSDP2 (``zero=3``,
+                      HSDP with ``replicate``) or torch's DDP (``zero=0``; under zbv, gradients
+                      averaged over dp after the schedule instead);
+                      not yet with sequence parallelism or ``zero`` 1 or 2
 ``Parallel(cp)``      on CUDA: ``context_parallel`` around each step's micro-batches, attention through SDPA
                       (:mod:`shardwise.parallel.torch_cp`), with ``dp``: torch's DDP over dp x cp
                       (``zero=0``) or FSDP2 over dp_shard x cp (``zero=3``) (:class:`TorchCP`)
@@ -48,7 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -69,20 +74,20 @@ from shardwise.parallel.fsdp_units import unit_modules
 from shardwise.param_groups import GroupedFactory
 from shardwise.parallel.torch_cp import TorchContextParallel, cp_mesh, dp_shard_cp_mesh
 from shardwise.parallel.torch_engines import (
+    composed_mesh,
     dim0_run,
     dp_mesh,
-    dp_shard_mesh,
     full,
     fully_shard_units,
     hsdp_mesh,
     torch_ddp,
     zero_redundancy,
 )
-from shardwise.parallel.pipeline import build_pipeline
+from shardwise.parallel.pipeline import PipelineModel, build_pipeline, exchange_stages
 from shardwise.parallel.schedules import schedule_facts, shape_of
 from shardwise.parallel.sharding import clip_global_norm
 from shardwise.parallel.torch_meta import init_meta
-from shardwise.parallel.torch_pp import TorchPipeline, torch_schedule_refusal
+from shardwise.parallel.torch_pp import TorchPipeline, ddp_chunks, fsdp_chunks, torch_schedule_refusal
 from shardwise.parallel.torch_tp import (
     apply_torch_tp,
     clip_grad_norm_,
@@ -95,6 +100,8 @@ from shardwise.parallel.tp_plans import Plan, resolve_plan
 from shardwise.step import LossFn, OptimizerFactory, StepRun, unwrap
 from shardwise.strategies.base import SplitsModel, Strategy
 from shardwise.strategies.data_parallel import on_meta
+from shardwise.strategies.parallel import unsplit_named
+from shardwise.torch_private import forget_dtensor_plans
 
 ENGINES = ("shardwise", "torch")
 
@@ -143,6 +150,7 @@ class TorchEngine(Strategy):
             raise ValueError(f"engine='torch' runs torch's engine for strategy {self.name!r} in a process group, "
                              "and this one-process run has none: launch it with `shardwise run --nproc 1`, or "
                              "drop engine='torch' (one device splits nothing)")
+        forget_dtensor_plans()  # an earlier group's meshes, equal to this one's, may be in torch's caches
         if on_meta(model) and not self.inits_meta:
             raise ValueError(f"engine='torch' does not set up a model on the meta device under strategy "
                              f"{self.name!r} yet (ddp, zero1, zero2, zero3, fsdp and hsdp do); build it on the "
@@ -152,13 +160,18 @@ class TorchEngine(Strategy):
         """The layout-free checkpoint's keys for torch's engines: the model's own names (the one key mapping).
         A parameter's optimizer states are where this rank's optimizer keeps them: all of them (DDP), its
         shard's (FSDP2), or only those of the parameters its ``ZeroRedundancyOptimizer`` partition owns."""
-        out: list[Held] = []
-        for name, t in named_state(unwrap(model)):
-            out.append(_held(f"model.{name}", t.detach()))
-            for k, v in optimizer.state.get(t, {}).items():
-                if isinstance(v, torch.Tensor):
-                    out.append(_held(f"optim.{name}.{k}", v))
-        return out
+        return _held_named(named_state(unwrap(model)), optimizer)
+
+
+def _held_named(named: Iterable[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer) -> list[Held]:
+    """:class:`Held` entries of ``named`` tensors (the unsplit model's names) and their optimizer states."""
+    out: list[Held] = []
+    for name, t in named:
+        out.append(_held(f"model.{name}", t.detach()))
+        for k, v in optimizer.state.get(t, {}).items():
+            if isinstance(v, torch.Tensor):
+                out.append(_held(f"optim.{name}.{k}", v))
+    return out
 
 
 def _held(key: str, t: torch.Tensor) -> Held:
@@ -320,8 +333,10 @@ class TorchTP(TorchDTensors):
             plan.check(model, topo.size(TP))
         apply_torch_tp(model, plan, tp_mesh(topo), self.sequence_parallel())
         if topo.size(DP) > 1:  # torchtitan's order: tp first, then FSDP2 over dp on the same root mesh
-            units = unit_modules(model, getattr(self.of, "wrap", "auto"))
-            fully_shard_units(units, dp_shard_mesh(topo), getattr(self.of, "reshard_after_forward", True))
+            of: Any = self.of
+            units = unit_modules(model, of.wrap)
+            # zero=2: FSDP2 without resharding after the forward, as TorchZeRO2.
+            fully_shard_units(units, composed_mesh(topo, of.replicate), of.reshard_after_forward and of.zero == 3)
         return model, optimizer_fn(model.parameters())
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
@@ -337,25 +352,40 @@ class TorchTP(TorchDTensors):
     def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int,
                     backend: str = "gloo") -> None:
         super().check_model(model, devices, batch_size, accumulate_grad_batches, backend)
-        if self.layout(devices).dp > 1 and getattr(self.of, "zero", 0) != 3:  # Parallel's dp=-1 left ranks over
-            raise ValueError(f"engine='torch' runs strategy {self.name!r} with dp > 1 only with zero=3 yet (tp, "
-                             "then FSDP2 over dp); engine='shardwise' runs it with any zero")
-        why = torch_plan_refusal(self.plan(model), self.sequence_parallel())
-        if why is not None:
-            raise ValueError(f"engine='torch' cannot run strategy {self.name!r} on {type(model).__name__}: {why}; "
-                             "engine='shardwise' runs it")
+        _refuse_ddp_over_tp(self.name, self.layout(devices), getattr(self.of, "zero", 0))
+        _refuse_plan(self.name, self.plan(model), model, self.sequence_parallel())
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
         return clip_grad_norm_(list(model.parameters()), max_norm)
 
 
+def _refuse_ddp_over_tp(name: str, layout: RunLayout, zero: int, runs: str = "zero=2 or 3") -> None:
+    """Refuse dp > 1 over tp > 1 with torch's DDP (zero=0) or ZeroRedundancyOptimizer under it (zero=1), naming
+    the ``zero`` that ``runs``; Parallel's dp=-1 can leave ranks over for dp, which only the devices tell."""
+    if layout.dp > 1 and layout.tp > 1 and zero in (0, 1):
+        raise ValueError(f"engine='torch' runs strategy {name!r} with dp > 1 over tp > 1 only with {runs} (tp, "
+                         f"then FSDP2 over dp), not zero={zero}: torch's DDP refuses tp's DTensor parameters over a "
+                         "process group (c10d.broadcast_ has no DTensor sharding strategy), and over a device mesh "
+                         "turns them into plain local tensors (torch's interim DDP + tp transform), which hides "
+                         "their tp layout from the checkpoint and the clip; engine='shardwise' runs it")
+
+
+def _refuse_plan(name: str, plan: Plan, model: nn.Module, sequence_parallel: bool) -> None:
+    why = torch_plan_refusal(plan, sequence_parallel)
+    if why is not None:
+        raise ValueError(f"engine='torch' cannot run strategy {name!r} on {type(model).__name__}: {why}; "
+                         "engine='shardwise' runs it")
+
+
 @dataclass
-class TorchPP(TorchEngine, SplitsModel):
-    """``strategy="pp"`` under ``torch.distributed.pipelining`` (:mod:`shardwise.parallel.torch_pp`): our
-    pipeline's split (:func:`~shardwise.parallel.pipeline.build_pipeline`: the same stages, names and tied
-    copies), each chunk a torch ``PipelineStage`` run by torch's schedule for ours. What reads the split model
-    (clipping by the global norm over the stages, the full state dict, the checkpoint's keys, parameter
-    groups, evaluation's forward) is our PP's, on the same model."""
+class TorchPP(TorchDTensors, SplitsModel):
+    """``strategy="pp"`` and ``sw.Parallel(pp=N, ...)`` under ``torch.distributed.pipelining``
+    (:mod:`shardwise.parallel.torch_pp`): our pipeline's split (:func:`~shardwise.parallel.pipeline.build_pipeline`:
+    the same stages, names and tied copies), each chunk a torch ``PipelineStage`` run by torch's schedule for
+    ours. torchtitan's order within a stage: tp (``parallelize_module`` on the stage's modules), then over dp
+    torch's DDP (``zero=0``) or FSDP2 (``zero=3``). What reads the split model (parameter groups, evaluation's
+    forward) is our PP's, on the same model; the full state, the checkpoint's keys and clipping by the global
+    norm read its DTensors."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -368,13 +398,10 @@ class TorchPP(TorchEngine, SplitsModel):
     def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int,
                     backend: str = "gloo") -> None:
         super().check_model(model, devices, batch_size, accumulate_grad_batches, backend)
-        schedule = self.of.schedule  # type: ignore[attr-defined]
-        if self.layout(devices).dp > 1 and schedule_facts(schedule).split_backward:
-            raise ValueError(f"engine='torch' cannot run strategy {self.name!r} with schedule={schedule!r} and "
-                             "dp > 1: torch's stage starts DDP's gradient reduction at the last micro-batch's "
-                             "input backward, before the weight backwards the zero-bubble schedule runs later, "
-                             "whose gradients would miss it; use schedule='1f1b', 'gpipe' or 'interleaved', or "
-                             "engine='shardwise'")
+        of: Any = self.of
+        if self.layout(devices).tp > 1:
+            _refuse_ddp_over_tp(self.name, self.layout(devices), of.zero, "zero=3")
+            _refuse_plan(self.name, resolve_plan(of.tensor_parallel_plan(), model), model, False)
         self._check_torch_schedule(devices, batch_size, accumulate_grad_batches)
 
     def _check_torch_schedule(self, devices: int, batch_size: int, accumulate_grad_batches: int) -> None:
@@ -391,10 +418,35 @@ class TorchPP(TorchEngine, SplitsModel):
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
         self.check_setup(model)
         of: Any = self.of
+        split_tp = functools.partial(_stage_tp, plan=of.tensor_parallel_plan(), topo=topo)
         pm = build_pipeline(model.to(topo.device), topo, of.split_points, of.n_chunks(), of.tied,
-                            shape=shape_of(of.schedule))
-        self.pipe = TorchPipeline(pm, topo, of.schedule, of.bucket_cap_mb)
+                            split_tp if topo.size(TP) > 1 else None, shape=shape_of(of.schedule))
+        self.pipe = TorchPipeline(pm, topo, of.schedule, self.stage_data(topo),
+                                  topo.group(DP) if self.averages_after(topo) else None)
         return pm, optimizer_fn(pm.parameters())
+
+    def averages_after(self, topo: Topology) -> bool:
+        """Whether the gradients are averaged over dp after the schedule rather than by torch's DDP: a zero-bubble
+        schedule's weight backwards come after the last micro-batch's input backward, where torch's stage
+        starts DDP's reduction, whose buckets they would miss (FSDP2, ``zero=3``, reduces after all of them)."""
+        of: Any = self.of
+        return topo.size(DP) > 1 and of.zero == 0 and schedule_facts(of.schedule).split_backward
+
+    def stage_data(self, topo: Topology) -> Callable[[PipelineModel], list[nn.Module]] | None:
+        """How :class:`TorchPipeline` puts the chunks under dp: FSDP2 (``zero=3``, on the mesh of :class:`TorchTP`'s,
+        HSDP's with replicas), torch's DDP (``zero=0``), or nothing (dp = 1, or averaged after the schedule)."""
+        of: Any = self.of
+        if topo.size(DP) == 1 or self.averages_after(topo):
+            return None
+        if of.zero == 3:
+            # A split backward's weight half needs the unsharded parameters its input half saw: resharded after
+            # the forward, zbv's gradients came out wrong (2 steps of our GPT: the second loss 3e-3 off one
+            # device's). torchtitan's default keeps them unsharded under any pipeline (reshard_after_forward =
+            # not pp_enabled), to spare an all-gather per micro-batch; here the Parallel's option decides elsewhere.
+            keep = schedule_facts(of.schedule).split_backward
+            return functools.partial(fsdp_chunks, mesh=composed_mesh(topo, of.replicate), wrap=of.wrap,
+                                     reshard_after_forward=of.reshard_after_forward and not keep)
+        return functools.partial(ddp_chunks, topo=topo, bucket_cap_mb=of.bucket_cap_mb)
 
     def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
                    topo: Topology, run: StepRun = StepRun()) -> torch.Tensor | None:
@@ -410,21 +462,31 @@ class TorchPP(TorchEngine, SplitsModel):
         return self.of.eval_step(model, x, y, fn, topo, run)  # our forward-only pass over the same stages
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
-        return self.of.clip_grad_norm(model, max_norm, topo)
+        # Each stage's squares (a DTensor's over its dp and tp mesh), summed over pp; a tied weight counted once.
+        pm: PipelineModel = model  # type: ignore[assignment]
+        return clip_grad_norm_(list(pm.parameters()), max_norm, pm.elsewhere(), topo.comm(PP))
 
     def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
-        return self.of.full_state_dict(model, topo)
+        pm: PipelineModel = model  # type: ignore[assignment]
+        mine = {k: full(t.detach()).contiguous() for k, t in pm.claimed.items()}  # each stage's, whole
+        return exchange_stages(pm, mine, topo)
 
     def checkpoint_held(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology) -> list[Held]:
         """Our PP's keys: the stage modules' tensors under the unsplit model's names (a tied weight under its
-        first name), so the checkpoint crosses to any layout under either engine."""
-        return self.of.checkpoint_held(model, optimizer, topo)
+        first name), each as tp slice and FSDP2 shard, so the checkpoint crosses to any layout under either
+        engine."""
+        return _held_named(unsplit_named(model), optimizer)  # type: ignore[arg-type]
 
     def param_names(self, model: nn.Module) -> dict[int, str]:
         return self.of.param_names(model)
 
-    def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
-        return self.of.state_tensors(model, optimizer)
+
+def _stage_tp(model: nn.Module, keep: Callable[[str], bool], plan: Any, topo: Topology) -> nn.Module:
+    """torch's tp on the modules of this rank's stage(s) (:func:`build_pipeline`'s transform, before the cut)."""
+    resolved = resolve_plan(plan, model)
+    if resolved.check is not None:
+        resolved.check(model, topo.size(TP))
+    return apply_torch_tp(model, resolved, tp_mesh(topo), False, keep)
 
 
 @dataclass
@@ -530,24 +592,22 @@ def _row(strategy: Strategy) -> str | None:
         return "CP"
     if row == "Parallel" and _tp_then_fsdp(strategy):
         return "TP"
-    return "PP" if row == "Parallel" and _pp_then_ddp(strategy) else row
+    return "PP" if row == "Parallel" and _pp_composed(strategy) else row
 
 
 def _tp_then_fsdp(strategy: Strategy) -> bool:
     """Whether a ``sw.Parallel`` is what :class:`TorchTP` runs: tp (or sequence parallelism on a tp mesh of one),
-    then nothing over dp, or FSDP2 (``zero=3``, no replicas); dp=-1 can still leave dp > 1 without zero=3, which
-    TorchTP.check_model refuses, knowing the devices."""
+    no pipeline, then FSDP2 over dp (or nothing); TorchTP.check_model refuses dp > 1 with zero 0 or 1."""
     field = functools.partial(getattr, strategy)
-    split = field(TP) > 1 or field("sequence_parallel")
-    return split and field(PP) == 1 and field("replicate") == 1 and (field(DP) in (1, -1) or field("zero") == 3)
+    return bool(field(TP) > 1 or field("sequence_parallel")) and field(PP) == 1
 
 
-def _pp_then_ddp(strategy: Strategy) -> bool:
-    """Whether a ``sw.Parallel`` is what :class:`TorchPP` runs: a pipeline, then torch's DDP over dp on each
-    stage (``zero=0``), split by nothing else."""
+def _pp_composed(strategy: Strategy) -> bool:
+    """Whether a ``sw.Parallel`` is what :class:`TorchPP` runs: a pipeline, then tp on each stage, then over dp
+    torch's DDP (``zero=0``) or FSDP2 (``zero=3``, HSDP with replicas), with no sequence parallelism (dp > 1 with
+    tp > 1 and zero=0 is refused by TorchPP.check_model, knowing the devices)."""
     field = functools.partial(getattr, strategy)
-    return (field(PP) > 1 and field(TP) == 1 and not field("sequence_parallel") and field("zero") == 0
-            and field("replicate") == 1)
+    return field(PP) > 1 and not field("sequence_parallel") and field("zero") in (0, 3)
 
 
 def engine_for(strategy: Strategy, engine: str | None, *, sync_batchnorm: bool = False,
