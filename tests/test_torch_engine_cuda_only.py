@@ -25,7 +25,8 @@ from shardwise.models import GPT, Attention, GPTConfig, lm_loss
 from shardwise.parallel.cp_attention import local_positions, shard_sequence
 from shardwise.parallel.torch_cp import TorchContextParallel, cp_mesh, dp_shard_cp_mesh, use_torch_sdpa
 from shardwise.strategies.registry import resolve
-from shardwise.strategies.torch_engine import TorchCP, engine_for
+from shardwise.strategies.torch_choice import engine_for
+from shardwise.strategies.torch_engine import TorchCP
 from shardwise.workloads import CharText, stdlib_text
 from tiny_hf import llama
 

@@ -1,0 +1,185 @@
+"""Which of PyTorch's engines runs a strategy under ``engine="torch"``, or why none does.
+
+:func:`engine_for` turns a strategy object into the one that runs: the strategy itself under
+``engine="shardwise"``; under ``"torch"`` the :mod:`shardwise.strategies.torch_engine` class of its row
+(:data:`TORCH`), after :func:`refuse_torch` has refused, before any process starts and naming what runs it
+instead, what torch has no engine for (:data:`NO_TORCH_ENGINE`), runs on CUDA only (:data:`CUDA_ONLY`), or
+cannot run with the strategy's options.
+"""
+from __future__ import annotations
+
+import functools
+
+from shardwise.dims import CP, EP, PP, TP
+from shardwise.strategies.base import Strategy
+from shardwise.strategies.torch_engine import (
+    COMPRESS_HOOKS,
+    TorchCP,
+    TorchDDP,
+    TorchDP,
+    TorchEngine,
+    TorchFSDP,
+    TorchHSDP,
+    TorchPP,
+    TorchTP,
+    TorchZeRO1,
+    TorchZeRO2,
+)
+
+ENGINES = ("shardwise", "torch")
+
+# The tables below are keyed by strategy class (the nearest in a class's MRO decides, so a user's subclass of
+# DDP runs as DDP): the strategy names "dp", "tp" and "pp" are also dimension names, written only in dims.py.
+# Strategies PyTorch has an engine for that engine="torch" does not run yet: torch's engine for each.
+NOT_YET = {"Parallel": "pp, then tp, then FSDP2 over dp"}
+# What PyTorch has no engine for at all.
+NO_TORCH_ENGINE = {"ParameterServer": "a parameter server",
+                   "NaiveMP": "naive model parallelism (layers placed on devices)"}
+# What torch runs on CUDA only, and why not on CPU (torch 2.13; refused on CPU before any process starts).
+CUDA_ONLY = {
+    "context parallelism": "torch's context_parallel runs its ring attention through SDPA's flash, efficient and "
+                           "cuDNN kernels, which are CUDA's, and has no sharding strategy for the CPU's "
+                           "(aten._scaled_dot_product_flash_attention_for_cpu)",
+    "strategy 'dp'": "torch.nn.DataParallel splits the batch over CUDA devices only (on CPU it runs the module "
+                     "unsplit, on one replica)",
+    "sync_batchnorm": "torch's nn.SyncBatchNorm takes CUDA inputs only (on CPU its forward raises 'SyncBatchNorm "
+                      "expected input tensor to be on GPU', and its statistics kernel, batch_norm_stats, has no "
+                      "CPU implementation)"}
+
+
+TORCH: dict[str, type[TorchEngine]] = {"DDP": TorchDDP, "ZeRO1": TorchZeRO1, "ZeRO2": TorchZeRO2,
+                                       "ZeRO3": TorchFSDP, "FSDP": TorchFSDP, "HSDP": TorchHSDP, "TP": TorchTP,
+                                       "PP": TorchPP, "CP": TorchCP, "DP": TorchDP}
+
+
+def _row(strategy: Strategy) -> str | None:
+    """The name of the nearest class of ``strategy`` that the tables here know (None: none, a user's own)."""
+    known = {*TORCH, *NOT_YET, *NO_TORCH_ENGINE}
+    row = next((c.__name__ for c in type(strategy).__mro__ if c.__name__ in known), None)
+    if row == "Parallel" and getattr(strategy, CP) > 1:  # what else it splits, refuse_torch says
+        return "CP"
+    if row == "Parallel" and _tp_then_fsdp(strategy):
+        return "TP"
+    return "PP" if row == "Parallel" and _pp_composed(strategy) else row
+
+
+def _tp_then_fsdp(strategy: Strategy) -> bool:
+    """Whether a ``sw.Parallel`` is what :class:`TorchTP` runs: tp (or sequence parallelism on a tp mesh of one),
+    no pipeline, then FSDP2 over dp (or nothing); TorchTP.check_model refuses dp > 1 with zero 0 or 1."""
+    field = functools.partial(getattr, strategy)
+    return bool(field(TP) > 1 or field("sequence_parallel")) and field(PP) == 1
+
+
+def _pp_composed(strategy: Strategy) -> bool:
+    """Whether a ``sw.Parallel`` is what :class:`TorchPP` runs: a pipeline, then tp on each stage, then over dp
+    torch's DDP (``zero=0``) or FSDP2 (``zero=3``, HSDP with replicas), with no sequence parallelism (dp > 1 with
+    tp > 1 and zero=0 is refused by TorchPP.check_model, knowing the devices)."""
+    field = functools.partial(getattr, strategy)
+    return field(PP) > 1 and not field("sequence_parallel") and field("zero") in (0, 3)
+
+
+def engine_for(strategy: Strategy, engine: str | None, *, sync_batchnorm: bool = False,
+               cuda: bool = False) -> Strategy:
+    """The strategy that runs ``strategy`` under the Trainer's ``engine`` (None: not given) and its own
+    ``engine=`` (which wins; both given and different is refused), on CUDA or not. Raises ValueError, with what
+    to use instead, for what the engine does not run."""
+    for given in (engine, strategy.engine):
+        if given is not None and given not in ENGINES:
+            raise ValueError(f"engine must be 'shardwise' or 'torch', got {given!r}")
+    if engine is not None and strategy.engine is not None and engine != strategy.engine:
+        raise ValueError(f"Trainer(engine={engine!r}) conflicts with the strategy's own engine={strategy.engine!r} "
+                         f"({type(strategy).__name__}(engine={strategy.engine!r})); give one of them")
+    if (strategy.engine or engine or "shardwise") == "shardwise" or strategy.name == "single":
+        return strategy
+    refuse_torch(strategy, sync_batchnorm=sync_batchnorm, cuda=cuda)
+    return TORCH[_row(strategy)](of=strategy)  # type: ignore[index]  # refuse_torch let only these through
+
+
+def refuse_torch(strategy: Strategy, *, sync_batchnorm: bool, cuda: bool = False) -> None:
+    """Raise, naming what to use instead, when engine="torch" cannot run ``strategy`` with these options (on CUDA
+    or not)."""
+    name, row = strategy.name, _row(strategy)
+    if getattr(strategy, EP, 1) > 1:  # sw.Parallel's ep= and cp= fields, named as the dimensions
+        raise ValueError("engine='torch' has no engine for expert parallelism (ep > 1): PyTorch has none; "
+                         "engine='shardwise' runs it")
+    what = None if cuda else next(iter(_cuda_only(row, sync_batchnorm)), None)
+    if what is not None:
+        raise ValueError(f"engine='torch' runs {what} on CUDA only: {CUDA_ONLY[what]}; engine='shardwise' runs it "
+                         "on CPU")
+    if row == "CP":
+        refuse_torch_cp(strategy)
+    if row in NO_TORCH_ENGINE:
+        raise ValueError(f"engine='torch' has no engine for strategy {name!r}: PyTorch has none for "
+                         f"{NO_TORCH_ENGINE[row]}; engine='shardwise' runs it")
+    if row in NOT_YET:
+        raise ValueError(f"engine='torch' does not cover strategy {name!r} yet (torch's engine for it: "
+                         f"{NOT_YET[row]}); engine='shardwise' runs it")
+    if row not in TORCH:
+        raise ValueError(f"engine='torch' has no engine for strategy {name!r} (not a built-in strategy); "
+                         "engine='shardwise' runs it")
+    for what, refused in _unsupported(strategy, sync_batchnorm).items():
+        if refused:
+            raise ValueError(f"engine='torch' does not support {what} yet (strategy {name!r}); "
+                             "engine='shardwise' does")
+    why = _option_refusal(strategy, row)
+    if why is not None:
+        raise ValueError(f"engine='torch' cannot run strategy {name!r} with {why}; engine='shardwise' runs it")
+
+
+def _cuda_only(row: str | None, sync_batchnorm: bool) -> list[str]:
+    """What of this run torch runs on CUDA only (keys of :data:`CUDA_ONLY`)."""
+    asks = {"context parallelism": row == "CP", "strategy 'dp'": row == "DP", "sync_batchnorm": sync_batchnorm}
+    return [what for what, asked in asks.items() if asked]
+
+
+def refuse_torch_cp(strategy: Strategy) -> None:
+    """Refuse what :class:`TorchCP` does not run of a ``sw.Parallel`` with cp > 1: torch's ring only, split by
+    nothing but dp, gradients through DDP or FSDP2 without replicas."""
+    field = functools.partial(getattr, strategy)
+    if field("cp_mode") != "ring":
+        raise ValueError(f"engine='torch' has no engine for cp_mode={field('cp_mode')!r}: torch's context_parallel "
+                         "is ring attention only; use cp_mode='ring', or engine='shardwise'")
+    others = {TP: field(TP), PP: field(PP), "replicate": field("replicate")}
+    split = {k: v for k, v in others.items() if v != 1}
+    if split or field("sequence_parallel") or field("zero") not in (0, 3):
+        given = ", ".join(f"{k}={v}" for k, v in {**split, "zero": field("zero")}.items())
+        raise ValueError(f"engine='torch' runs context parallelism only with dp yet (sw.Parallel(cp=N, dp=M) with "
+                         f"zero=0: torch's DDP over dp x cp, or zero=3: FSDP2 over dp x cp), got {given}"
+                         f"{', sequence_parallel=True' if field('sequence_parallel') else ''}; engine='shardwise' "
+                         "runs it")
+
+
+def _unsupported(strategy: Strategy, sync_batchnorm: bool) -> dict[str, bool]:
+    """The options engine="torch" does not run yet, and whether this run asks for each."""
+    ddp = issubclass(TORCH.get(_row(strategy) or "", TorchEngine), TorchDDP)
+    return {"sync_batchnorm outside torch's DDP ('ddp', 'zero1')": sync_batchnorm and not ddp}
+
+
+
+
+def _option_refusal(strategy: Strategy, row: str | None) -> str | None:
+    """Why torch's engine for ``row`` cannot run an option of ``strategy`` (None: it runs them all): the end of
+    the sentence "engine='torch' cannot run strategy X with ..."."""
+    offload, allreduce = getattr(strategy, "offload", "none"), getattr(strategy, "allreduce", "native")
+    reduce_dtype = getattr(strategy, "reduce_dtype", None)
+    if offload == "optimizer":
+        return ("offload='optimizer': torch's one offload is FSDP2's CPUOffloadPolicy, which keeps the parameter "
+                "shards on the CPU too and copies them over at each gather (our offload='all'); no torch engine "
+                "keeps a shard on the device and offloads only the optimizer")
+    if offload == "all" and row not in ("FSDP", "ZeRO3", "HSDP"):  # sw.Parallel(zero=3) runs as tp, then FSDP2
+        return "offload='all' after tp: FSDP2's CPUOffloadPolicy is run here for fsdp, zero3 and hsdp alone"
+    if offload != "none" and getattr(strategy, "offload_device", "cpu") != "cpu":
+        return (f"offload_device={strategy.offload_device!r}: FSDP2's CPUOffloadPolicy "  # type: ignore[attr-defined]
+                "offloads to the CPU only")
+    if allreduce != "native":
+        return (f"allreduce={allreduce!r}: torch's DDP all-reduces each bucket with the process group's own "
+                "all-reduce (gloo's or NCCL's algorithm), so our algorithms have no place in it; use "
+                "allreduce='native'")
+    if reduce_dtype is not None and reduce_dtype not in COMPRESS_HOOKS:
+        return (f"reduce_dtype={reduce_dtype!r}: torch's DDP sends gradients in float16 or bfloat16 only "
+                "(fp16_compress_hook, bf16_compress_hook)")
+    return None
+
+
+__all__ = ["CUDA_ONLY", "ENGINES", "NO_TORCH_ENGINE", "NOT_YET", "TORCH", "engine_for", "refuse_torch",
+           "refuse_torch_cp"]
