@@ -47,11 +47,11 @@ from shardwise.param_groups import (
     splits_parameters,
 )
 from shardwise.parallel.compiling import compile_blocks
-from shardwise.parallel.sync_bn import convert_sync_batchnorm
 from shardwise.precision import ScaledOptimizer
 from shardwise.step import LossFn, OptimizerFactory, StepRun, iter_chunks
 from shardwise.strategies.base import HasServers, Strategy, compile_backend
 from shardwise.strategies.registry import resolve
+from shardwise.strategies.torch_choice import engine_for, synced_batchnorm
 
 
 class Prepared(nn.Module):
@@ -163,16 +163,14 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
     possibly on the meta device (see ``Trainer.fit`` and :mod:`shardwise.init_from`).
     ``compile``: compile each block in place before the strategy wraps the model (see the Trainer's
     ``compile``; ``True`` is inductor, a string another ``torch.compile`` backend).
+    A strategy object's ``engine="torch"`` runs PyTorch's engine for it, as in the Trainer
+    (:mod:`shardwise.strategies.torch_choice`); what torch has no engine for is refused with the reason.
     """
     precision = precision_mod.check(precision)
     if isinstance(optimizer_fn, torch.optim.Optimizer):
         raise TypeError("optimizer_fn must be a factory that builds the optimizer from parameters (each rank builds "
                         "its own, over the parameters it holds), e.g. functools.partial(torch.optim.AdamW, lr=1e-3)")
     strat = resolve(strategy)
-    if strat.engine == "torch":  # the loop's wrappers (model.backward, the optimizer's step) are ours
-        raise ValueError(f"sw.setup does not run engine='torch' yet (strategy {strat.name!r}); use "
-                         f"sw.Trainer({type(strat).__name__}(engine='torch'), ...).fit(...), or engine='shardwise' "
-                         "in the hand-written loop")
     backend = compile_backend(strat, compile)
     weights = InitFrom.of(init_from, init_allow_missing)
     if weights is not None:
@@ -182,6 +180,8 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
                          "model replica and run a serving loop of their own while the workers train; use "
                          f"sw.Trainer({strat.name!r}, devices=N).fit(...)")
     device = init(accelerator)
+    # A strategy's own engine="torch": PyTorch's engine for it (refused before anything is built where none runs).
+    strat = engine_for(strat, None, sync_batchnorm=sync_batchnorm, cuda=device.type == "cuda")
     world = dist.get_world_size() if dist.is_initialized() else 1
     layout = strat.layout(world)
     groups, probe = plan_groups(model, optimizer_fn, param_groups)
@@ -189,8 +189,8 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
     check_whole(probe, strat.name, splits_parameters(layout))
     topo = Topology.create(device, layout.dims)
     shapes, aliases = checkpoint.model_shapes(model), checkpoint.tied_aliases(model)
-    if sync_batchnorm and topo.size(DP) > 1:
-        convert_sync_batchnorm(model, topo.comm(DP))
+    if sync_batchnorm:
+        model = synced_batchnorm(model, strat, topo)
     precision_mod.cast_model(precision, model)  # "bf16-true": the weights themselves in bf16
     if backend is not None:
         compile_blocks(model, backend)  # before the strategy's wrappers, names unchanged

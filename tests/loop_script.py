@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 import shardwise as sw
+from shardwise.strategies.registry import resolve
 from shardwise.workloads import digits
 
 MAX_NORM = 0.05  # small enough that every step clips
@@ -22,13 +24,17 @@ def batches(loader):
 
 
 def train(strategy: str, steps: int, out: str | None = None, start_dir: str | None = None,
-          save_dir: str | None = None) -> list[float]:
-    """Steps ``start..steps`` of the loop (``start`` from ``start_dir``'s checkpoint); rank 0 writes the full
-    state dict from ``model.state_dict()`` to ``out``. Returns the losses and the clip norms."""
+          save_dir: str | None = None, engine: str = "shardwise") -> list[float]:
+    """Steps ``start..steps`` of the loop (``start`` from ``start_dir``'s checkpoint) under ``engine``'s
+    mechanism for ``strategy``; rank 0 writes the full state dict from ``model.state_dict()`` to ``out``.
+    Returns the losses and the clip norms."""
     sw.init(accelerator="cpu")
     work = digits()
     torch.manual_seed(0)
-    model, opt = sw.setup(work.make_model(), ADAMW, strategy=strategy, accelerator="cpu")
+    model, opt = sw.setup(work.make_model(), ADAMW, strategy=replace(resolve(strategy), engine=engine),
+                          accelerator="cpu")
+    # The engine asked for is the one that runs: torch's engines are the Torch* strategies.
+    assert type(model.strategy).__name__.startswith("Torch") == (engine == "torch"), type(model.strategy)
     loader = sw.prepare_dataloader(work.train, batch_size=BATCH, model=model, shuffle=False)
     start = sw.load(model, opt, start_dir) if start_dir else 0
     data = batches(loader)

@@ -56,6 +56,32 @@ def test_hand_written_loop_equals_single_and_saves_the_full_model(tmp_path, sing
     same(single, state, losses)
 
 
+TORCH_ROWS = ["ddp", "zero1", "fsdp", "tp", "pp"]
+
+
+def _torch_rows(rank, device, folder):
+    """The loop under torch's engines (DDP, ZeroRedundancyOptimizer, FSDP2, parallelize_module, pipelining), one
+    launch; then a save under torch's FSDP2 resumed by our tp."""
+    runs = {}
+    for strategy in TORCH_ROWS:
+        runs[strategy] = train(strategy, STEPS, os.path.join(folder, f"{strategy}.pt"), engine="torch")
+    ck = os.path.join(folder, "ck")
+    train("fsdp", 2, save_dir=ck, engine="torch")
+    runs["fsdp torch -> tp"] = train("tp", STEPS, os.path.join(folder, "fsdp torch -> tp.pt"), start_dir=ck)
+    if rank == 0:
+        torch.save(runs, os.path.join(folder, "losses.pt"))
+
+
+def test_the_loop_under_torch_s_engines_equals_single_and_resumes_under_ours(tmp_path, single):
+    launch.spawn(_torch_rows, 2, args=(str(tmp_path),))
+    runs = torch.load(tmp_path / "losses.pt", weights_only=True)
+    assert list(runs) == [*TORCH_ROWS, "fsdp torch -> tp"]
+    for name, losses in runs.items():
+        state = torch.load(tmp_path / f"{name}.pt", weights_only=True)
+        resumed = name.endswith("-> tp")
+        same((single[0], single[1][2:] if resumed else single[1]), state, losses)
+
+
 def test_save_and_load_resume_the_loop_under_another_layout(tmp_path):
     ck = str(tmp_path / "ck")
     spawn_loop(tmp_path, "zero3", steps=3, save_dir=ck)

@@ -237,11 +237,11 @@ def test_a_strategy_s_own_engine_wins_and_single_needs_none():
                                                                                                    "shardwise"]
 
 
-def test_the_hand_written_loop_refuses_engine_torch(no_spawn):
+def test_the_hand_written_loop_refuses_what_engine_torch_does_not_run(no_spawn):
     with pytest.raises(ValueError) as e:
-        sw.setup(gpt(), functools.partial(torch.optim.SGD, lr=0.1), sw.DDP(engine="torch"), accelerator="cpu")
-    assert str(e.value) == ("sw.setup does not run engine='torch' yet (strategy 'ddp'); use sw.Trainer(DDP("
-                            "engine='torch'), ...).fit(...), or engine='shardwise' in the hand-written loop")
+        sw.setup(gpt(), functools.partial(torch.optim.SGD, lr=0.1), sw.Parallel(cp=2, engine="torch"),
+                 accelerator="cpu")
+    assert str(e.value).startswith("engine='torch' runs context parallelism on CUDA only: torch's context_parallel")
 
 
 def test_one_process_without_a_group_is_refused_with_the_way_to_launch(no_spawn):

@@ -23,7 +23,6 @@ from shardwise import precision as precision_mod
 from shardwise.checkpoint import store as checkpoint
 from shardwise.checkpoint.background import Finished, Saver
 from shardwise.comm.topology import Topology
-from shardwise.dims import DP
 from shardwise.fit import profiler
 from shardwise.fit.callbacks import CallbackInfo, Control, agree_stop, call, improved, load_states
 from shardwise.fit.callbacks import states as callback_states
@@ -42,8 +41,6 @@ from shardwise.init_from import InitFrom, after_setup, before_setup, read_into
 from shardwise.param_groups import GroupedFactory, GroupPlan
 from shardwise.parallel.checkpointing import apply_activation_checkpointing
 from shardwise.parallel.compiling import compile_blocks, compile_report, recompile_warning
-from shardwise.parallel.sync_bn import convert_sync_batchnorm
-from shardwise.parallel.torch_engines import torch_sync_batchnorm
 from shardwise.scalars import Reducer, Scalars, recording
 from shardwise.stats import (
     cuda_peak_bytes,
@@ -54,7 +51,7 @@ from shardwise.stats import (
 )
 from shardwise.step import LossFn, OptimizerFactory, StepRun, TrainingStep
 from shardwise.strategies.base import HasServers, compile_backend
-from shardwise.strategies.torch_engine import TorchDDP
+from shardwise.strategies.torch_choice import synced_batchnorm
 
 
 @dataclass
@@ -137,10 +134,8 @@ class Job:
         if t.activation_checkpointing:
             classes = None if t.activation_checkpointing is True else t.activation_checkpointing
             apply_activation_checkpointing(self.model, classes)  # type: ignore[arg-type]
-        if t.sync_batchnorm and isinstance(strat, TorchDDP):  # torch's nn.SyncBatchNorm (CUDA), in any group
-            self.model = torch_sync_batchnorm(self.model, topo)
-        elif t.sync_batchnorm and topo.size(DP) > 1:
-            convert_sync_batchnorm(self.model, topo.comm(DP))
+        if t.sync_batchnorm:
+            self.model = synced_batchnorm(self.model, strat, topo)
         precision_mod.cast_model(t.precision, self.model)  # "bf16-true": weights, and so grads and states, in bf16
         backend = compile_backend(strat, t.compile)
         if backend is not None:  # before the strategy's wrappers; traced at the first step, with its layers in

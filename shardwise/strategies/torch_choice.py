@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import functools
 
-from shardwise.dims import CP, EP, PP, TP
+from torch import nn
+
+from shardwise.comm.topology import Topology
+from shardwise.dims import CP, DP, EP, PP, TP
+from shardwise.parallel.sync_bn import convert_sync_batchnorm
+from shardwise.parallel.torch_engines import torch_sync_batchnorm
 from shardwise.strategies.base import Strategy
 from shardwise.strategies.torch_engine import (
     COMPRESS_HOOKS,
@@ -181,5 +186,16 @@ def _option_refusal(strategy: Strategy, row: str | None) -> str | None:
     return None
 
 
+def synced_batchnorm(model: nn.Module, strategy: Strategy, topo: Topology) -> nn.Module:
+    """``model`` with BatchNorm normalising over the whole global batch (``sync_batchnorm=True``): torch's
+    ``nn.SyncBatchNorm`` under torch's DDP family (CUDA; refuse_torch refused it elsewhere), our synchronised
+    BatchNorm over dp otherwise. Returns the root (torch replaces a model that is itself a BatchNorm)."""
+    if isinstance(strategy, TorchDDP):
+        return torch_sync_batchnorm(model, topo)
+    if topo.size(DP) > 1:
+        convert_sync_batchnorm(model, topo.comm(DP))
+    return model
+
+
 __all__ = ["CUDA_ONLY", "ENGINES", "NO_TORCH_ENGINE", "NOT_YET", "TORCH", "engine_for", "refuse_torch",
-           "refuse_torch_cp"]
+           "refuse_torch_cp", "synced_batchnorm"]
