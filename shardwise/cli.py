@@ -134,9 +134,10 @@ def _verify(a: argparse.Namespace) -> int:
         require("shardwise verify --model digits", "demo")
     work = load(a.model)
     v = judge(work, a.strategy, a.devices, a.steps, rtol=a.rtol, accumulate_grad_batches=a.accumulate,
-              sync_batchnorm=a.sync_batchnorm)
+              sync_batchnorm=a.sync_batchnorm, engine=a.engine)
     r, f = v.run, v.floor
-    print(f"verify {a.strategy} on {a.devices} devices, workload {work.name}, {a.steps} steps")
+    under = "" if a.engine == "shardwise" else f" under engine={a.engine}"
+    print(f"verify {a.strategy}{under} on {a.devices} devices, workload {work.name}, {a.steps} steps")
     print(f"  noise floor (single device, float32 against float64): losses {f.max_loss_rel:.2e}, "
           f"weights {f.max_param_rel:.2e} relative (worst tensor); tolerance {FLOOR_FACTOR:g}x the floor, per weight "
           f"tensor, at least {a.rtol:g}")
@@ -219,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accumulate_grad_batches of every run (default: 1)")
     v.add_argument("--rtol", type=float, default=1e-6,
                    help="the smallest relative tolerance, used when the measured noise floor is lower (default: 1e-6)")
+    v.add_argument("--engine", choices=("shardwise", "torch"), default="shardwise",
+                   help="whose mechanism runs the strategy: shardwise's (default) or PyTorch's own (DDP, FSDP2, "
+                        "DTensor, pipelining; docs/how-to/engines.md)")
     v.add_argument("--sync-batchnorm", action="store_true",
                    help="train the strategy's run with Trainer(sync_batchnorm=True): BatchNorm normalises with the "
                         "whole global batch's statistics")

@@ -392,7 +392,7 @@ class Verdict:
 
 
 def judge(work: Workload, strategy: str | Strategy, devices: int, steps: int, rtol: float = 1e-6,
-          accumulate_grad_batches: int = 1, sync_batchnorm: bool = False) -> Verdict:
+          accumulate_grad_batches: int = 1, sync_batchnorm: bool = False, engine: str = "shardwise") -> Verdict:
     """Probe the model for batch coupling, then run the reference, its float64 twin and the strategy; each
     tolerance (the losses', and each weight tensor's) is the larger of ``rtol`` and ``FLOOR_FACTOR`` times
     the floor's own difference.
@@ -401,7 +401,9 @@ def judge(work: Workload, strategy: str | Strategy, devices: int, steps: int, rt
     same items with their floating-point tensors cast; it trains the same function, so its difference from
     the reference is float32 rounding only, for any model. ``sync_batchnorm`` goes to the strategy's Trainer
     (where the strategy can apply it at all); a model whose samples are coupled in a batch the strategy cuts
-    is a mismatch, with the reason, unless SyncBatchNorm makes the cut exact.
+    is a mismatch, with the reason, unless SyncBatchNorm makes the cut exact. ``engine``: whose mechanism runs
+    the strategy (``"torch"``: PyTorch's engine for it, :mod:`shardwise.strategies.torch_choice`); the reference
+    and its twin run on one device either way.
     """
     strat = resolve(strategy)
     k = accumulate_grad_batches
@@ -409,14 +411,15 @@ def judge(work: Workload, strategy: str | Strategy, devices: int, steps: int, rt
     split = batch_split(strat, devices, work.batch_size, k)
     reason = coupling_reason(coupling, split, f"{strat.name} on {devices} devices", sync_batchnorm)
 
-    def fit(s: str | Strategy, n: int, model: nn.Module, data: Any, sync: bool = False) -> FitResult:
-        return Trainer(s, n, accelerator="cpu", progress=False, accumulate_grad_batches=k,
-                       sync_batchnorm=sync).fit(model, data, work.loss_fn, work.optimizer(), work.batch_size, steps)
+    def fit(s: str | Strategy, n: int, model: nn.Module, data: Any, sync: bool = False,
+            under: str = "shardwise") -> FitResult:
+        return Trainer(s, n, accelerator="cpu", progress=False, accumulate_grad_batches=k, sync_batchnorm=sync,
+                       engine=under).fit(model, data, work.loss_fn, work.optimizer(), work.batch_size, steps)
 
     ref = fit("single", 1, work.make_model(), work.train)
     wide = fit("single", 1, work.make_model().double(), in_float64(work.train))
     # Only where the Trainer can apply it: one process (dp) refuses it, and the servers of ps never join.
-    res = fit(strat, devices, work.make_model(), work.train, sync_batchnorm and split.sync_possible)
+    res = fit(strat, devices, work.make_model(), work.train, sync_batchnorm and split.sync_possible, engine)
     floor_t = tensor_differences(ref, wide)
     tols = {n: max(rtol, FLOOR_FACTOR * d) for n, d in floor_t.items()}
     floor = compare(ref, wide)

@@ -73,6 +73,12 @@ def test_a_correct_run_is_equal(name):
     assert v.equal, v
 
 
+def test_a_correct_run_under_torch_s_engine_is_equal():
+    """`shardwise verify --engine torch`: torch's FSDP2 judged against the same reference and floor."""
+    v = judge(WORKLOADS["gpt2"], "fsdp", 2, steps=3, engine="torch")
+    assert v.equal, v
+
+
 def skip_bucket0(t, comm, name):
     if name == "ddp.bucket0":  # the injected bug: this bucket's gradients stay local
         return Handle(None, name, comm.timeout)
@@ -215,14 +221,15 @@ def test_the_command_line_prints_the_reason(monkeypatch, capsys):
 
     asked = {}
 
-    def fake_judge(work, strategy, devices, steps, rtol, accumulate_grad_batches, sync_batchnorm):
-        asked["sync_batchnorm"] = sync_batchnorm
+    def fake_judge(work, strategy, devices, steps, rtol, accumulate_grad_batches, sync_batchnorm, engine):
+        asked["sync_batchnorm"], asked["engine"] = sync_batchnorm, engine
         c = Comparison(0.0, 0.0, 0.0, 0.0, "w")
         return Verdict(c, c, 1e-6, {"w": 1e-6}, {"w": 0.0}, reason=BN_SPLIT)
 
     monkeypatch.setattr(verify, "judge", fake_judge)
     monkeypatch.setattr(workloads, "load", lambda name: WORKLOADS["groupnorm-cnn"])
-    assert cli.main(["verify", "--sync-batchnorm", "--steps", "1"]) == 1
+    assert cli.main(["verify", "--sync-batchnorm", "--steps", "1", "--engine", "torch"]) == 1
     lines = capsys.readouterr().out.splitlines()
-    assert asked == {"sync_batchnorm": True}
+    assert asked == {"sync_batchnorm": True, "engine": "torch"}
+    assert lines[0] == "verify ddp under engine=torch on 2 devices, workload groupnorm-cnn, 1 steps"
     assert lines[-2:] == [f"  {BN_SPLIT}", "  MISMATCH"]
