@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from shardwise import launch
 from shardwise import precision as precision_mod
 from shardwise.checkpoint import store as checkpoint
-from shardwise.comm.topology import Topology, backend_for, pick_device
+from shardwise.comm.topology import Topology, accelerator_name, backend_for, pick_device, uses_cuda
 from shardwise.data import to_device
 from shardwise.dims import DP, PP
 from shardwise.init_from import InitFrom, after_setup, before_setup, read_into
@@ -170,7 +170,9 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
     if isinstance(optimizer_fn, torch.optim.Optimizer):
         raise TypeError("optimizer_fn must be a factory that builds the optimizer from parameters (each rank builds "
                         "its own, over the parameters it holds), e.g. functools.partial(torch.optim.AdamW, lr=1e-3)")
-    strat = resolve(strategy)
+    # A strategy's own engine="torch": PyTorch's engine for it, or refused with the reason before anything runs.
+    strat = engine_for(resolve(strategy), None, sync_batchnorm=sync_batchnorm,
+                       cuda=uses_cuda(accelerator_name(accelerator)))
     backend = compile_backend(strat, compile)
     weights = InitFrom.of(init_from, init_allow_missing)
     if weights is not None:
@@ -180,8 +182,6 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
                          "model replica and run a serving loop of their own while the workers train; use "
                          f"sw.Trainer({strat.name!r}, devices=N).fit(...)")
     device = init(accelerator)
-    # A strategy's own engine="torch": PyTorch's engine for it (refused before anything is built where none runs).
-    strat = engine_for(strat, None, sync_batchnorm=sync_batchnorm, cuda=device.type == "cuda")
     world = dist.get_world_size() if dist.is_initialized() else 1
     layout = strat.layout(world)
     groups, probe = plan_groups(model, optimizer_fn, param_groups)

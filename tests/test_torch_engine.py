@@ -113,15 +113,17 @@ def _chain(out: dict[str, sw.FitResult], folder: str, model: str, strategies: li
 
 
 def _new_rows(rank: int, device: torch.device, folder: str) -> None:
-    """zero1, zero2, hsdp and tp under torch's engines, and tp with sequence parallelism (sw.Parallel split by
+    """zero1, zero2, hsdp and tp under torch's engines (and sw.Parallel split by dp alone, as zero=3 and zero=1),
+    and tp with sequence parallelism (sw.Parallel split by
     tp alone), in one 2-rank launch; hsdp runs as 2 replicas of 1 shard (the 2-D mesh). Llama runs every row
     but sequence parallelism (its Hugging Face layout is refused under torch's styles). Checkpoints cross
     engines: ZeroRedundancyOptimizer's states (saved by the rank that owns each) into our FSDP, and our
     sequence-parallel tp slices into torch's DTensors and back."""
     out: dict[str, sw.FitResult] = {}
-    for model, strategy in [("gpt", sw.ZeRO2()), ("gpt", sw.HSDP(shard_size=1)), ("llama", sw.TP()),
+    for model, strategy in [("gpt", sw.ZeRO2()), ("gpt", sw.HSDP(shard_size=1)), ("gpt", sw.Parallel(dp=2, zero=3)),
+                            ("gpt", sw.Parallel(dp=2, zero=1)), ("llama", sw.TP()),
                             ("llama", sw.ZeRO1()), ("llama", sw.ZeRO2()), ("llama", sw.HSDP(shard_size=1))]:
-        out[f"{model} {strategy.name} torch"] = fit(model, strategy, steps=2, engine="torch")
+        out[f"{model} {strategy.describe(2).label()} torch"] = fit(model, strategy, steps=2, engine="torch")
     _chain(out, os.path.join(folder, "zero1"), "gpt", [sw.ZeRO1(engine="torch"), sw.FSDP()], 2)
     _chain(out, os.path.join(folder, "sp"), "gpt", [SP(), SP(engine="torch"), SP()], 2)
     for strategy in (sw.DDP(), sw.FSDP(), sw.TP(), sw.PP()):  # checkpointed blocks, wrapped by torch's engines
@@ -193,8 +195,10 @@ def test_tp_then_fsdp_and_pp_then_ddp_under_torch_equal_one_device_and_cross_eng
      "context_parallel runs its ring attention through SDPA's flash, efficient and cuDNN kernels, which are CUDA's, "
      "and has no sharding strategy for the CPU's (aten._scaled_dot_product_flash_attention_for_cpu); "
      "engine='shardwise' runs it on CPU"),
-    (sw.Parallel(pp=2, tp=2, sequence_parallel=True, engine="torch"), {}, "engine='torch' does not cover strategy "
-     "'parallel' yet (torch's engine for it: pp, then tp, then FSDP2 over dp); engine='shardwise' runs it"),
+    (sw.Parallel(pp=2, tp=2, sequence_parallel=True, engine="torch"), {}, "engine='torch' cannot run strategy "
+     "'parallel' with pp > 1 and sequence_parallel=True: torch's sequence-parallel styles for our plan hold the "
+     "sequence region from the embedding to the head within one module (shardwise.parallel.torch_tp), and a "
+     "pipeline stage holds only part of it; engine='shardwise' runs it"),
     ("ddp", {"engine": "torch", "sync_batchnorm": True}, "engine='torch' runs sync_batchnorm on CUDA only: torch's "
      "nn.SyncBatchNorm takes CUDA inputs only (on CPU its forward raises 'SyncBatchNorm expected input tensor to be "
      "on GPU', and its statistics kernel, batch_norm_stats, has no CPU implementation); engine='shardwise' runs it "

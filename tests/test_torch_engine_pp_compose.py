@@ -30,7 +30,9 @@ def _compositions(rank: int, device: torch.device, folder: str) -> None:
     under GPipe and on our GPT under zbv (a split backward: FSDP2 reduces after the weight backwards), and as HSDP
     (2 replicas of 1 shard) interleaved; Parallel(pp=2, dp=2) under zbv (zero=0: the gradients averaged after the
     schedule, not by torch's DDP); Parallel(pp=2, tp=2) (parallelize_module on each stage's modules) on Llama
-    interleaved; tp, then FSDP2 as ZeRO-2 (zero=2) and as HSDP on the 2-D and 3-D meshes. A chain on one
+    interleaved; tp, then FSDP2 as ZeRO-2 (zero=2) and as HSDP on the 2-D and 3-D meshes; on Llama,
+    Parallel(pp=2, dp=2, zero=1) (ZeroRedundancyOptimizer over each stage's dp ranks, under torch's DDP) and
+    zero=2 (FSDP2 unresharded) under zbv. A chain on one
     checkpoint directory, each run resuming the one before under the other engine: torch's Parallel(pp=2, dp=2,
     zero=3) (FSDP2 shards), ours, torch's Parallel(pp=2, tp=2) (our shards into DTensor tp slices)."""
     runs = {"llama pp-fsdp gpipe": PP_FSDP(schedule="gpipe"),
@@ -39,7 +41,9 @@ def _compositions(rank: int, device: torch.device, folder: str) -> None:
             "gpt pp-hsdp interleaved": PP_FSDP(replicate=2, schedule="interleaved"),
             "llama pp-tp interleaved": PP_TP(schedule="interleaved"),
             "gpt tp-zero2": sw.Parallel(dp=2, tp=2, zero=2),
-            "llama tp-hsdp": sw.Parallel(dp=2, tp=2, zero=3, replicate=2)}
+            "llama tp-hsdp": sw.Parallel(dp=2, tp=2, zero=3, replicate=2),
+            "llama pp-zero1": sw.Parallel(pp=2, dp=2, zero=1),
+            "llama pp-zero2 zbv": sw.Parallel(pp=2, dp=2, zero=2, schedule="zbv")}
     out = {f"{case} torch": fit(case.split()[0], strategy, 4, steps=2, engine="torch")
            for case, strategy in runs.items()}
     _chain(out, folder, "gpt", [PP_FSDP(engine="torch"), PP_FSDP(), PP_TP(engine="torch")], 4)
@@ -57,7 +61,7 @@ def test_dp_over_tp_in_a_pipeline_with_torch_s_ddp_is_refused_before_start(no_sp
         sw.Trainer(sw.Parallel(pp=2, tp=2, dp=2), 8, accelerator="cpu", progress=False, engine="torch").fit(
             gpt(), CharText(stdlib_text(2_000), 16), lm_loss, ADAMW, batch_size=8, max_steps=1)
     assert str(e.value) == (
-        "engine='torch' runs strategy 'parallel' with dp > 1 over tp > 1 only with zero=3 (tp, then FSDP2 over "
+        "engine='torch' runs strategy 'parallel' with dp > 1 over tp > 1 only with zero=2 or 3 (tp, then FSDP2 over "
         "dp), not zero=0: torch's DDP refuses tp's DTensor parameters over a process group (c10d.broadcast_ has no "
         "DTensor sharding strategy), and over a device mesh turns them into plain local tensors (torch's interim DDP "
         "+ tp transform), which hides their tp layout from the checkpoint and the clip; engine='shardwise' runs it")

@@ -36,6 +36,11 @@ def accelerator_name(accelerator: str) -> str:
     return name  # type: ignore[no-any-return]
 
 
+def uses_cuda(accelerator: str) -> bool:
+    """``"cuda"``, or ``"auto"`` where CUDA is present (as :func:`pick_device` decides)."""
+    return accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available())
+
+
 def pick_device(accelerator: str, local_rank: int) -> torch.device:
     """``auto`` takes CUDA when present, else CPU. ``"cuda:1,3"`` (``Trainer(devices=[1, 3])``) puts local
     rank r on the r-th GPU listed; plain ``"cuda"`` puts it on GPU r (modulo the GPUs there are)."""

@@ -21,7 +21,7 @@ from torch import nn
 from shardwise import launch
 from shardwise import loggers as loggers_mod
 from shardwise import precision as precision_mod
-from shardwise.comm.topology import accelerator_name
+from shardwise.comm.topology import accelerator_name, uses_cuda
 from shardwise.data import loader_options
 from shardwise.extras import installed, message
 from shardwise.fit.callbacks import check_callbacks
@@ -193,11 +193,6 @@ def profiling(profiler: str | None, steps: Any, directory: Any, checkpoint_dir: 
     return {"profile_steps": steps, "profiler_dir": os.path.abspath(os.fspath(directory))}
 
 
-def uses_cuda(accelerator: str) -> bool:
-    """``"cuda"``, or ``"auto"`` where CUDA is present (as :func:`~shardwise.comm.topology.pick_device` decides)."""
-    return accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available())
-
-
 def gpus_given(devices: Any, accelerator: str) -> tuple[Any, tuple[int, ...] | None]:
     """Lightning's GPU spellings of ``devices``: ``-1`` is every GPU (the world size under a launcher),
     ``[0, 1]`` those GPUs (one rank each, local rank r on the r-th listed); refused, with the reason, where
@@ -240,4 +235,4 @@ def _launcher_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-__all__ = ["FitOptions", "SchedulerFactory", "auto_devices", "gpus_given", "profiling", "run_loggers", "uses_cuda"]
+__all__ = ["FitOptions", "SchedulerFactory", "auto_devices", "gpus_given", "profiling", "run_loggers"]

@@ -36,7 +36,10 @@ ENGINES = ("shardwise", "torch")
 # The tables below are keyed by strategy class (the nearest in a class's MRO decides, so a user's subclass of
 # DDP runs as DDP): the strategy names "dp", "tp" and "pp" are also dimension names, written only in dims.py.
 # Strategies PyTorch has an engine for that engine="torch" does not run yet: torch's engine for each.
-NOT_YET = {"Parallel": "pp, then tp, then FSDP2 over dp"}
+NOT_YET: dict[str, str] = {}
+# Why torch's engines cannot run a sw.Parallel that no row below takes (a pipeline with sequence parallelism).
+SP_IN_PIPELINE = ("torch's sequence-parallel styles for our plan hold the sequence region from the embedding to the "
+                  "head within one module (shardwise.parallel.torch_tp), and a pipeline stage holds only part of it")
 # What PyTorch has no engine for at all.
 NO_TORCH_ENGINE = {"ParameterServer": "a parameter server",
                    "NaiveMP": "naive model parallelism (layers placed on devices)"}
@@ -59,13 +62,27 @@ TORCH: dict[str, type[TorchEngine]] = {"DDP": TorchDDP, "ZeRO1": TorchZeRO1, "Ze
 
 def _row(strategy: Strategy) -> str | None:
     """The name of the nearest class of ``strategy`` that the tables here know (None: none, a user's own)."""
-    known = {*TORCH, *NOT_YET, *NO_TORCH_ENGINE}
+    known = {*TORCH, *NOT_YET, *NO_TORCH_ENGINE, "Parallel"}  # a Parallel's row is read from its sizes below
     row = next((c.__name__ for c in type(strategy).__mro__ if c.__name__ in known), None)
     if row == "Parallel" and getattr(strategy, CP) > 1:  # what else it splits, refuse_torch says
         return "CP"
     if row == "Parallel" and _tp_then_fsdp(strategy):
         return "TP"
-    return "PP" if row == "Parallel" and _pp_composed(strategy) else row
+    if row == "Parallel" and _pp_composed(strategy):
+        return "PP"
+    return _data_parallel_row(strategy) if row == "Parallel" and _dp_alone(strategy) else row
+
+
+def _dp_alone(strategy: Strategy) -> bool:
+    """Whether a ``sw.Parallel`` splits by dp alone (its form over dp is one of the whole-model strategies)."""
+    field = functools.partial(getattr, strategy)
+    return field(PP) == field(TP) == field(CP) == 1 and not field("sequence_parallel")
+
+
+def _data_parallel_row(strategy: Strategy) -> str:
+    """The whole-model strategy a ``sw.Parallel`` split by dp alone is: its ``zero`` stage (HSDP with replicas)."""
+    zero, replicate = getattr(strategy, "zero"), getattr(strategy, "replicate")
+    return {0: "DDP", 1: "ZeRO1", 2: "ZeRO2"}.get(zero, "HSDP" if replicate > 1 else "FSDP")
 
 
 def _tp_then_fsdp(strategy: Strategy) -> bool:
@@ -77,10 +94,11 @@ def _tp_then_fsdp(strategy: Strategy) -> bool:
 
 def _pp_composed(strategy: Strategy) -> bool:
     """Whether a ``sw.Parallel`` is what :class:`TorchPP` runs: a pipeline, then tp on each stage, then over dp
-    torch's DDP (``zero=0``) or FSDP2 (``zero=3``, HSDP with replicas), with no sequence parallelism (dp > 1 with
-    tp > 1 and zero=0 is refused by TorchPP.check_model, knowing the devices)."""
+    torch's DDP (``zero=0``, ``ZeroRedundancyOptimizer`` under it with ``zero=1``) or FSDP2 (``zero=2`` or 3,
+    HSDP with replicas), with no sequence parallelism (dp > 1 over tp > 1 with zero 0 or 1 is refused by
+    TorchPP.check_model, knowing the devices)."""
     field = functools.partial(getattr, strategy)
-    return field(PP) > 1 and not field("sequence_parallel") and field("zero") in (0, 3)
+    return field(PP) > 1 and not field("sequence_parallel")
 
 
 def engine_for(strategy: Strategy, engine: str | None, *, sync_batchnorm: bool = False,
@@ -116,6 +134,9 @@ def refuse_torch(strategy: Strategy, *, sync_batchnorm: bool, cuda: bool = False
     if row in NO_TORCH_ENGINE:
         raise ValueError(f"engine='torch' has no engine for strategy {name!r}: PyTorch has none for "
                          f"{NO_TORCH_ENGINE[row]}; engine='shardwise' runs it")
+    if row == "Parallel":  # what no row takes: a pipeline with sequence parallelism
+        raise ValueError(f"engine='torch' cannot run strategy {name!r} with pp > 1 and sequence_parallel=True: "
+                         f"{SP_IN_PIPELINE}; engine='shardwise' runs it")
     if row in NOT_YET:
         raise ValueError(f"engine='torch' does not cover strategy {name!r} yet (torch's engine for it: "
                          f"{NOT_YET[row]}); engine='shardwise' runs it")

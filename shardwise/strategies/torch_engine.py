@@ -25,9 +25,11 @@
                       (the V's: the same actions, ours run a few more backwards whole) (:class:`TorchPP`)
 ``Parallel(pp, ..)``  torchtitan's order on each rank's stage chunks: the pipeline's split, tp
                       (``parallelize_module`` on the stage's modules), then over dp FSDP2 (``zero=3``,
-                      HSDP with ``replicate``) or torch's DDP (``zero=0``; under zbv, gradients
-                      averaged over dp after the schedule instead);
-                      not yet with sequence parallelism or ``zero`` 1 or 2
+                      ``zero=2`` unresharded, HSDP with ``replicate``) or torch's DDP (``zero=0``,
+                      ``ZeroRedundancyOptimizer`` per stage with ``zero=1``; under zbv, gradients
+                      averaged over dp after the schedule instead); sequence parallelism refused
+``Parallel(dp, ..)``  split by dp alone: the row of its ``zero`` (ddp, zero1, zero2, fsdp; hsdp with
+                      ``replicate``)
 ``Parallel(cp)``      on CUDA: ``context_parallel`` around each step's micro-batches, attention through SDPA
                       (:mod:`shardwise.parallel.torch_cp`), with ``dp``: torch's DDP over dp x cp
                       (``zero=0``) or FSDP2 over dp_shard x cp (``zero=3``) (:class:`TorchCP`)
@@ -362,7 +364,8 @@ class TorchPP(TorchDTensors, SplitsModel):
     (:mod:`shardwise.parallel.torch_pp`): our pipeline's split (:func:`~shardwise.parallel.pipeline.build_pipeline`:
     the same stages, names and tied copies), each chunk a torch ``PipelineStage`` run by torch's schedule for
     ours. torchtitan's order within a stage: tp (``parallelize_module`` on the stage's modules), then over dp
-    torch's DDP (``zero=0``) or FSDP2 (``zero=3``). What reads the split model (parameter groups, evaluation's
+    torch's DDP (``zero=0``; ``zero=1``: ``ZeroRedundancyOptimizer`` over each stage's dp ranks) or FSDP2
+    (``zero=3``; ``zero=2`` without resharding after the forward). What reads the split model (parameter groups, evaluation's
     forward) is our PP's, on the same model; the full state, the checkpoint's keys and clipping by the global
     norm read its DTensors."""
 
@@ -379,7 +382,7 @@ class TorchPP(TorchDTensors, SplitsModel):
         super().check_model(model, devices, batch_size, accumulate_grad_batches, backend)
         of: Any = self.of
         if self.layout(devices).tp > 1:
-            _refuse_ddp_over_tp(self.name, self.layout(devices), of.zero, "zero=3")
+            _refuse_ddp_over_tp(self.name, self.layout(devices), of.zero)
             _refuse_plan(self.name, resolve_plan(of.tensor_parallel_plan(), model), model, False)
         self._check_torch_schedule(devices, batch_size, accumulate_grad_batches)
 
@@ -402,27 +405,33 @@ class TorchPP(TorchDTensors, SplitsModel):
                             split_tp if topo.size(TP) > 1 else None, shape=shape_of(of.schedule))
         self.pipe = TorchPipeline(pm, topo, of.schedule, self.stage_data(topo),
                                   topo.group(DP) if self.averages_after(topo) else None)
-        return pm, optimizer_fn(pm.parameters())
+        base = optimizer_fn(pm.parameters())
+        if of.zero != 1 or topo.size(DP) == 1:
+            return pm, base
+        if isinstance(optimizer_fn, GroupedFactory):  # ZeroRedundancyOptimizer partitions the final groups
+            optimizer_fn.finish(self.param_names(pm))
+        return pm, zero_redundancy(base, topo)  # each stage's parameters partitioned over its dp ranks
 
     def averages_after(self, topo: Topology) -> bool:
         """Whether the gradients are averaged over dp after the schedule rather than by torch's DDP: a zero-bubble
         schedule's weight backwards come after the last micro-batch's input backward, where torch's stage
         starts DDP's reduction, whose buckets they would miss (FSDP2, ``zero=3``, reduces after all of them)."""
         of: Any = self.of
-        return topo.size(DP) > 1 and of.zero == 0 and schedule_facts(of.schedule).split_backward
+        return topo.size(DP) > 1 and of.zero <= 1 and schedule_facts(of.schedule).split_backward
 
     def stage_data(self, topo: Topology) -> Callable[[PipelineModel], list[nn.Module]] | None:
-        """How :class:`TorchPipeline` puts the chunks under dp: FSDP2 (``zero=3``, on the mesh of :class:`TorchTP`'s,
-        HSDP's with replicas), torch's DDP (``zero=0``), or nothing (dp = 1, or averaged after the schedule)."""
+        """How :class:`TorchPipeline` puts the chunks under dp: FSDP2 (``zero`` 2 or 3, on the mesh of
+        :class:`TorchTP`'s, HSDP's with replicas), torch's DDP (``zero`` 0 or 1), or nothing (dp = 1, or averaged
+        after the schedule)."""
         of: Any = self.of
         if topo.size(DP) == 1 or self.averages_after(topo):
             return None
-        if of.zero == 3:
+        if of.zero >= 2:  # zero=2: FSDP2 without resharding after the forward, as TorchZeRO2
             # A split backward's weight half needs the unsharded parameters its input half saw: resharded after
             # the forward, zbv's gradients came out wrong (2 steps of our GPT: the second loss 3e-3 off one
             # device's). torchtitan's default keeps them unsharded under any pipeline (reshard_after_forward =
             # not pp_enabled), to spare an all-gather per micro-batch; here the Parallel's option decides elsewhere.
-            keep = schedule_facts(of.schedule).split_backward
+            keep = schedule_facts(of.schedule).split_backward or of.zero == 2
             return functools.partial(fsdp_chunks, mesh=composed_mesh(topo, of.replicate), wrap=of.wrap,
                                      reshard_after_forward=of.reshard_after_forward and not keep)
         return functools.partial(ddp_chunks, topo=topo, bucket_cap_mb=of.bucket_cap_mb)
