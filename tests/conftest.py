@@ -59,7 +59,8 @@ def assert_same_run(ref, run, rtol: float | None = None, atol: float | None = No
 SLOW_FIRST = ("tests/parallel/test_zero_bubble.py", "tests/test_elastic.py", "tests/test_checkpoint_layouts.py",
               "tests/test_examples_everywhere.py", "tests/test_fail_fast.py", "tests/test_context_parallel.py",
               "tests/parallel/test_ps.py", "tests/test_faults.py", "tests/test_compile.py", "tests/test_setup_loop.py",
-              "tests/test_main_guard.py", "tests/test_expert_parallel.py")
+              "tests/test_main_guard.py", "tests/test_expert_parallel.py", "tests/test_torch_engine_pp_compose.py",
+              "tests/test_torch_engine.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -65,3 +65,16 @@ def test_dp_over_tp_in_a_pipeline_with_torch_s_ddp_is_refused_before_start(no_sp
         "dp), not zero=0: torch's DDP refuses tp's DTensor parameters over a process group (c10d.broadcast_ has no "
         "DTensor sharding strategy), and over a device mesh turns them into plain local tensors (torch's interim DDP "
         "+ tp transform), which hides their tp layout from the checkpoint and the clip; engine='shardwise' runs it")
+
+
+def _three_ways(rank: int, device: torch.device, folder: str) -> None:
+    """Parallel(pp=2, tp=2, dp=2, zero=3) under torch on 8 ranks: the pipeline's stages, tp on each stage's
+    modules, then FSDP2 over dp on each chunk; rank 0 saves the run."""
+    run = fit("gpt", sw.Parallel(pp=2, tp=2, dp=2, zero=3), 8, steps=2, engine="torch")
+    if rank == 0:
+        torch.save({"gpt pp-tp-fsdp torch": (run.losses, run.state_dict)}, os.path.join(folder, "runs.pt"))
+
+
+def test_pp_then_tp_then_fsdp_under_torch_on_eight_ranks_equals_one_device(tmp_path, same_run):
+    launch.spawn(_three_ways, 8, args=(str(tmp_path),))
+    _equal_one_device(tmp_path, same_run)
