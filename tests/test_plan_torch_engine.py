@@ -1,5 +1,6 @@
 """The planner under engine="torch": each rank's model states as torch's engines partition them (FSDP2's rows
-padded per parameter, ZeroRedundancyOptimizer's whole tensors handed out greedily), equal to what the runs count,
+padded per parameter, in host memory under its CPUOffloadPolicy; ZeroRedundancyOptimizer's whole tensors handed
+out greedily), equal to what the runs count,
 rank by rank; the buffers torch holds besides, and what the plan does not model, said in its notes."""
 from __future__ import annotations
 
@@ -42,7 +43,13 @@ def _data(model: str) -> tuple[object, object]:
 
 
 CASES = [("uneven", "ddp"), ("uneven", "zero1"), ("uneven", "zero2"), ("uneven", "fsdp"), ("gpt", "zero1"),
-         ("gpt", "fsdp")]
+         ("gpt", "fsdp"), ("uneven", "fsdp-offload")]
+# FSDP2's CPUOffloadPolicy: every shard in host memory.
+STRATEGIES = {"fsdp-offload": functools.partial(sw.FSDP, offload="all")}
+
+
+def strategy_of(name: str) -> object:
+    return STRATEGIES[name]() if name in STRATEGIES else name
 
 
 def _runs(rank: int, device: torch.device, folder: str) -> None:
@@ -50,7 +57,7 @@ def _runs(rank: int, device: torch.device, folder: str) -> None:
     out = {}
     for model, strategy in CASES:
         data, loss = _data(model)
-        run = sw.Trainer(strategy, 2, accelerator="cpu", progress=False, engine="torch").fit(
+        run = sw.Trainer(strategy_of(strategy), 2, accelerator="cpu", progress=False, engine="torch").fit(
             {"uneven": uneven, "gpt": gpt}[model](), data, loss, ADAMW, batch_size=8, max_steps=2)
         out[model, strategy] = run.stats
     if rank == 0:
@@ -61,7 +68,7 @@ def test_torch_partitions_planned_equal_counted_rank_by_rank(tmp_path):
     launch.spawn(_runs, 2, args=(str(tmp_path),))
     counted = torch.load(tmp_path / "stats.pt")
     for model, strategy in CASES:
-        layout = sw.Trainer(strategy, 2, accelerator="cpu", engine="torch").strategy.describe(2)
+        layout = sw.Trainer(strategy_of(strategy), 2, accelerator="cpu", engine="torch").strategy.describe(2)
         planned = rank_states({"uneven": uneven, "gpt": gpt}[model](), layout, "adamw")
         stats = sorted(counted[model, strategy], key=lambda s: s["rank"])
         assert [{k: s[k] for k in p.as_stats()} for s, p in zip(stats, planned, strict=True)] == \
@@ -76,6 +83,10 @@ def test_torch_partitions_planned_equal_counted_rank_by_rank(tmp_path):
     # rank 1 0.weight (30), 2.weight (15) and 0.bias (3); the frozen 2.bias (rank 0's) has no state.
     assert [s["optimizer_bytes"] for s in sorted(counted["uneven", "zero1"], key=lambda s: s["rank"])] == \
         [8 * 42, 8 * 48]
+    # Offloaded, the same shards, all of them in host memory, none on the device.
+    offloaded = sorted(counted["uneven", "fsdp-offload"], key=lambda s: s["rank"])
+    assert [(s["params_bytes"], s["host_params_bytes"], s["host_optimizer_bytes"]) for s in offloaded] == \
+        [(0, f[0], f[2]) for f in ((s["params_bytes"], 0, s["optimizer_bytes"]) for s in fsdp)]
 
 
 def test_the_plan_under_torch_adds_ddp_s_buckets_and_says_what_it_does_not_model():

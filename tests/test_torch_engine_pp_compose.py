@@ -3,7 +3,7 @@ FSDP2 as ZeRO-2 or HSDP), each equal to one device in float64, with a checkpoint
 
 One 4-rank launch trains every case in turn (the helpers of tests/test_torch_engine.py: gradient accumulation,
 clipping by the global norm and parameter groups in each run), on our GPT (its embedding tied to the head across
-the two stages) and a tiny Hugging Face Llama (GQA).
+the two stages) and a tiny Hugging Face Llama (GQA); one 8-rank launch runs all three: pp, then tp, then FSDP2.
 """
 from __future__ import annotations
 

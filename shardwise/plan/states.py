@@ -306,9 +306,9 @@ def fully_sharded(params: Sequence[Param], k: int, n: int, rank: int, offload: s
     """FSDP2 (torch's zero2, zero3, fsdp and hsdp) on shard rank ``rank`` of ``n``: every parameter, frozen ones
     too, cut by rows into ``ceil(rows / n)``-row pieces; weights and gradients live in storage padded to a whole
     piece on every rank, the optimizer's states are the size of this rank's rows (the last ranks may hold fewer,
-    or none)."""
-    if offload != "none":
-        raise NotModelled("offload under engine='torch' (FSDP2's CPUOffloadPolicy)")
+    or none). Offloaded (``"all"``: FSDP2's ``CPUOffloadPolicy``), all of it lives in host memory."""
+    if offload not in ("none", "all"):
+        raise NotModelled(f"offload={offload!r} under engine='torch'")  # refused before start: not run either
 
     def piece(q: Param) -> int:
         return _ceil(q.rows, n) * (q.numel // max(q.rows, 1)) * q.element_size
@@ -318,7 +318,8 @@ def fully_sharded(params: Sequence[Param], k: int, n: int, rank: int, offload: s
         return rows * (q.numel // max(q.rows, 1)) * q.element_size
 
     train = [q for q in params if q.trainable]
-    return RankStates(sum(map(piece, params)), sum(map(piece, train)), k * sum(map(own, train)))
+    held = (sum(map(piece, params)), sum(map(piece, train)), k * sum(map(own, train)))
+    return RankStates(*held) if offload == "none" else RankStates(0, 0, 0, *held)
 
 
 def rank_states(model: nn.Module, layout: RunLayout, optimizer: torch.optim.Optimizer | str = "adamw", *,

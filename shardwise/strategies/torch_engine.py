@@ -257,6 +257,15 @@ class TorchFSDP(TorchDTensors):
             return OffloadPolicy()
         return CPUOffloadPolicy(pin_memory=topo.device.type != "cpu")
 
+    def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
+        """The shards as :class:`TorchDTensors` counts them; under ``CPUOffloadPolicy`` every one of them (frozen
+        parameters' too) lives in host memory, and is counted there, as our offload's are."""
+        out = super().state_tensors(model, optimizer)
+        if getattr(self.of, "offload", "none") != "all":
+            return out
+        return {"params": [], "grads": [], "optimizer": [], "host_params": out["params"],
+                "host_grads": out["grads"], "host_optimizer": out["optimizer"]}
+
     def mesh(self, topo: Topology) -> DeviceMesh:
         """The mesh FSDP2 shards over: the data-parallel ranks."""
         return dp_mesh(topo)
