@@ -24,7 +24,7 @@ from shardwise.parallel.torch_engines import torch_sync_batchnorm
 from shardwise.strategies.torch_engine import TorchCP
 from shardwise.workloads import CharText, Workload, digits, gpt, stdlib_text
 
-from .test_gpu_world1 import ATOL, RTOL, nccl_group_of_one  # noqa: F401  (a fixture: a NCCL group of one)
+from .test_gpu_world1 import ATOL, RTOL
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -7,12 +7,10 @@ CPU, unpinned, and the bfloat16 hook is refused.
 """
 from __future__ import annotations
 
-import datetime as dt
 import functools
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import shardwise as sw
 from shardwise.models import MLP
@@ -29,18 +27,6 @@ def fit(strategy, work, model=None, steps=6, accelerator="cuda", **kw):
                       gradient_clip_val=0.05, **kw).fit(
         model if model is not None else work.make_model(), work.train, work.loss_fn, ADAMW, batch_size=32,
         max_steps=steps)
-
-
-@pytest.fixture(scope="module")
-def nccl_group_of_one():
-    """A NCCL process group of one, joined by Trainer.fit (as under `shardwise run --nproc 1`)."""
-    torch.cuda.set_device(0)
-    store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1, timeout=dt.timedelta(minutes=2))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

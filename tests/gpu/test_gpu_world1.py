@@ -9,12 +9,10 @@ is checked by the multi-GPU runs listed in docs/gpu.md.
 """
 from __future__ import annotations
 
-import datetime as dt
 import functools
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import shardwise as sw
 from shardwise.workloads import digits, gpt
@@ -33,18 +31,6 @@ RTOL, ATOL = 1e-9, 1e-12  # tests/conftest.py: FLOAT64_RTOL, FLOAT64_ATOL
 def fit(strategy, work, steps=6, accelerator="cuda", **kw):
     return sw.Trainer(strategy, 1, accelerator=accelerator, progress=False, memory_check="off", **kw).fit(
         work.make_model(), work.train, work.loss_fn, ADAMW, batch_size=32, max_steps=steps)
-
-
-@pytest.fixture(scope="module")
-def nccl_group_of_one():
-    """A NCCL process group of one, joined by Trainer.fit (as under `shardwise run --nproc 1`)."""
-    torch.cuda.set_device(0)
-    store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1, timeout=dt.timedelta(minutes=2))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
