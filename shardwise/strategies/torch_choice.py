@@ -35,8 +35,6 @@ ENGINES = ("shardwise", "torch")
 
 # The tables below are keyed by strategy class (the nearest in a class's MRO decides, so a user's subclass of
 # DDP runs as DDP): the strategy names "dp", "tp" and "pp" are also dimension names, written only in dims.py.
-# Strategies PyTorch has an engine for that engine="torch" does not run yet: torch's engine for each.
-NOT_YET: dict[str, str] = {}
 # Why torch's engines cannot run a sw.Parallel that no row below takes (a pipeline with sequence parallelism).
 SP_IN_PIPELINE = ("torch's sequence-parallel styles for our plan hold the sequence region from the embedding to the "
                   "head within one module (shardwise.parallel.torch_tp), and a pipeline stage holds only part of it")
@@ -62,7 +60,7 @@ TORCH: dict[str, type[TorchEngine]] = {"DDP": TorchDDP, "ZeRO1": TorchZeRO1, "Ze
 
 def _row(strategy: Strategy) -> str | None:
     """The name of the nearest class of ``strategy`` that the tables here know (None: none, a user's own)."""
-    known = {*TORCH, *NOT_YET, *NO_TORCH_ENGINE, "Parallel"}  # a Parallel's row is read from its sizes below
+    known = {*TORCH, *NO_TORCH_ENGINE, "Parallel"}  # a Parallel's row is read from its sizes below
     row = next((c.__name__ for c in type(strategy).__mro__ if c.__name__ in known), None)
     if row == "Parallel" and getattr(strategy, CP) > 1:  # what else it splits, refuse_torch says
         return "CP"
@@ -137,16 +135,12 @@ def refuse_torch(strategy: Strategy, *, sync_batchnorm: bool, cuda: bool = False
     if row == "Parallel":  # what no row takes: a pipeline with sequence parallelism
         raise ValueError(f"engine='torch' cannot run strategy {name!r} with pp > 1 and sequence_parallel=True: "
                          f"{SP_IN_PIPELINE}; engine='shardwise' runs it")
-    if row in NOT_YET:
-        raise ValueError(f"engine='torch' does not cover strategy {name!r} yet (torch's engine for it: "
-                         f"{NOT_YET[row]}); engine='shardwise' runs it")
     if row not in TORCH:
         raise ValueError(f"engine='torch' has no engine for strategy {name!r} (not a built-in strategy); "
                          "engine='shardwise' runs it")
-    for what, refused in _unsupported(strategy, sync_batchnorm).items():
-        if refused:
-            raise ValueError(f"engine='torch' does not support {what} yet (strategy {name!r}); "
-                             "engine='shardwise' does")
+    if sync_batchnorm and not issubclass(TORCH[row], TorchDDP):  # torch's SyncBatchNorm is for its DDP
+        raise ValueError(f"engine='torch' does not support sync_batchnorm outside torch's DDP ('ddp', 'zero1') yet "
+                         f"(strategy {name!r}); engine='shardwise' does")
     why = _option_refusal(strategy, row)
     if why is not None:
         raise ValueError(f"engine='torch' cannot run strategy {name!r} with {why}; engine='shardwise' runs it")
@@ -173,12 +167,6 @@ def refuse_torch_cp(strategy: Strategy) -> None:
                          f"zero=0: torch's DDP over dp x cp, or zero=3: FSDP2 over dp x cp), got {given}"
                          f"{', sequence_parallel=True' if field('sequence_parallel') else ''}; engine='shardwise' "
                          "runs it")
-
-
-def _unsupported(strategy: Strategy, sync_batchnorm: bool) -> dict[str, bool]:
-    """The options engine="torch" does not run yet, and whether this run asks for each."""
-    ddp = issubclass(TORCH.get(_row(strategy) or "", TorchEngine), TorchDDP)
-    return {"sync_batchnorm outside torch's DDP ('ddp', 'zero1')": sync_batchnorm and not ddp}
 
 
 
@@ -218,5 +206,5 @@ def synced_batchnorm(model: nn.Module, strategy: Strategy, topo: Topology) -> nn
     return model
 
 
-__all__ = ["CUDA_ONLY", "ENGINES", "NO_TORCH_ENGINE", "NOT_YET", "TORCH", "engine_for", "refuse_torch",
+__all__ = ["CUDA_ONLY", "ENGINES", "NO_TORCH_ENGINE", "TORCH", "engine_for", "refuse_torch",
            "refuse_torch_cp", "synced_batchnorm"]
