@@ -143,6 +143,15 @@ class TorchEngine(Strategy):
         shard's (FSDP2), or only those of the parameters its ``ZeroRedundancyOptimizer`` partition owns."""
         return _held_named(named_state(unwrap(model)), optimizer)
 
+    def partitioned(self, model: nn.Module, optimizer_fn: OptimizerFactory, base: torch.optim.Optimizer,
+                    topo: Topology) -> torch.optim.Optimizer:
+        """``base`` as ``ZeroRedundancyOptimizer`` over the dp ranks (ZeRO-1 under torch's DDP)."""
+        # It partitions by parameter group once it is built, so the run's groups must be final before: regroup
+        # the factory's optimizer now (the Trainer's second regrouping changes nothing).
+        if isinstance(optimizer_fn, GroupedFactory):
+            optimizer_fn.finish(self.param_names(model))
+        return zero_redundancy(base, topo)
+
 
 def _held_named(named: Iterable[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer) -> list[Held]:
     """:class:`Held` entries of ``named`` tensors (the unsplit model's names) and their optimizer states."""
@@ -204,11 +213,7 @@ class TorchZeRO1(TorchDDP):
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
         ddp, base = super().setup(model, optimizer_fn, topo)
-        # ZeroRedundancyOptimizer partitions by parameter group once it is built, so the run's groups must be
-        # final before: regroup the factory's optimizer now (the Trainer's second regrouping changes nothing).
-        if isinstance(optimizer_fn, GroupedFactory):
-            optimizer_fn.finish(self.param_names(ddp))
-        return ddp, zero_redundancy(base, topo)
+        return ddp, self.partitioned(ddp, optimizer_fn, base, topo)
 
 
 @dataclass
@@ -247,13 +252,17 @@ class TorchFSDP(TorchDTensors):
         fully_shard_units(units, self.mesh(topo), self.reshard_after_forward(), policy)
         if meta:
             init_meta(model, topo.device, getattr(self.of, "param_init_fn", None),
-                      shards_on="cpu" if isinstance(policy, CPUOffloadPolicy) else topo.device)
+                      shards_on="cpu" if self.offloaded() else topo.device)
         return model, optimizer_fn(model.parameters())
 
+    def offloaded(self) -> bool:
+        """Our ``offload="all"``: no shard kept on the device, the optimizer steps on the CPU."""
+        return getattr(self.of, "offload", "none") == "all"
+
     def offload_policy(self, topo: Topology) -> OffloadPolicy:
-        """FSDP2's for our ``offload``: ``"all"`` (no shard kept on the device, the optimizer steps on the CPU) is
-        ``CPUOffloadPolicy``, in pinned memory where there is an accelerator to copy to (pinning needs one)."""
-        if getattr(self.of, "offload", "none") != "all":
+        """FSDP2's for our ``offload``: ``"all"`` is ``CPUOffloadPolicy``, in pinned memory where there is an
+        accelerator to copy to (pinning needs one)."""
+        if not self.offloaded():
             return OffloadPolicy()
         return CPUOffloadPolicy(pin_memory=topo.device.type != "cpu")
 
@@ -261,7 +270,7 @@ class TorchFSDP(TorchDTensors):
         """The shards as :class:`TorchDTensors` counts them; under ``CPUOffloadPolicy`` every one of them (frozen
         parameters' too) lives in host memory, and is counted there, as our offload's are."""
         out = super().state_tensors(model, optimizer)
-        if getattr(self.of, "offload", "none") != "all":
+        if not self.offloaded():
             return out
         return {"params": [], "grads": [], "optimizer": [], "host_params": out["params"],
                 "host_grads": out["grads"], "host_optimizer": out["optimizer"]}
@@ -277,7 +286,7 @@ class TorchFSDP(TorchDTensors):
         return _no_gradient_sync(model)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
-        if not isinstance(self.offload_policy(topo), CPUOffloadPolicy):
+        if not self.offloaded():
             # torch's clip handles DTensor gradients: the norm of the shards is reduced over the mesh.
             return full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
         # Offloaded gradients are on the CPU, which torch's clip would reduce over the mesh's backend (NCCL cannot):
@@ -318,10 +327,7 @@ class TorchTP(TorchDTensors):
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
         self.check_setup(model)
         model = model.to(topo.device)
-        plan = self.plan(model)
-        if plan.check is not None:
-            plan.check(model, topo.size(TP))
-        apply_torch_tp(model, plan, tp_mesh(topo), self.sequence_parallel())
+        _split_tp(model, None, self.of.tensor_parallel_plan(), topo, self.sequence_parallel())  # type: ignore[attr-defined]
         if topo.size(DP) > 1:  # torchtitan's order: tp first, then FSDP2 over dp on the same root mesh
             of: Any = self.of
             units = unit_modules(model, of.wrap)
@@ -409,7 +415,7 @@ class TorchPP(TorchDTensors, SplitsModel):
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
         self.check_setup(model)
         of: Any = self.of
-        split_tp = functools.partial(_stage_tp, plan=of.tensor_parallel_plan(), topo=topo)
+        split_tp = functools.partial(_split_tp, plan=of.tensor_parallel_plan(), topo=topo)
         pm = build_pipeline(model.to(topo.device), topo, of.split_points, of.n_chunks(), of.tied,
                             split_tp if topo.size(TP) > 1 else None, shape=shape_of(of.schedule))
         self.pipe = TorchPipeline(pm, topo, of.schedule, self.stage_data(topo),
@@ -417,9 +423,7 @@ class TorchPP(TorchDTensors, SplitsModel):
         base = optimizer_fn(pm.parameters())
         if of.zero != 1 or topo.size(DP) == 1:
             return pm, base
-        if isinstance(optimizer_fn, GroupedFactory):  # ZeroRedundancyOptimizer partitions the final groups
-            optimizer_fn.finish(self.param_names(pm))
-        return pm, zero_redundancy(base, topo)  # each stage's parameters partitioned over its dp ranks
+        return pm, self.partitioned(pm, optimizer_fn, base, topo)  # each stage's parameters over its dp ranks
 
     def averages_after(self, topo: Topology) -> bool:
         """Whether the gradients are averaged over dp after the schedule rather than by torch's DDP: a zero-bubble
@@ -478,12 +482,15 @@ class TorchPP(TorchDTensors, SplitsModel):
         return self.of.param_names(model)
 
 
-def _stage_tp(model: nn.Module, keep: Callable[[str], bool], plan: Any, topo: Topology) -> nn.Module:
-    """torch's tp on the modules of this rank's stage(s) (:func:`build_pipeline`'s transform, before the cut)."""
+def _split_tp(model: nn.Module, keep: Callable[[str], bool] | None, plan: Any, topo: Topology,
+              sequence_parallel: bool = False) -> nn.Module:
+    """torch's tp with our ``plan`` (checked on the model first) over ``topo``'s tp mesh: on the whole model
+    (``keep`` None), or on the modules of this rank's stage(s) (:func:`build_pipeline`'s transform, before the
+    cut)."""
     resolved = resolve_plan(plan, model)
     if resolved.check is not None:
         resolved.check(model, topo.size(TP))
-    return apply_torch_tp(model, resolved, tp_mesh(topo), False, keep)
+    return apply_torch_tp(model, resolved, tp_mesh(topo), sequence_parallel, keep)
 
 
 @dataclass
