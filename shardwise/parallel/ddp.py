@@ -71,17 +71,21 @@ def broadcast_module(module: nn.Module, comm: Comm, name: str = "ddp.broadcast",
     """Make rank 0's parameters and buffers everyone's (one flat broadcast per dtype and group); expert-parallel
     parameters only over ``expert_comm`` (the ranks holding the same experts)."""
     for group, tensors in by_group(list(module.parameters()) + list(module.buffers()), comm, expert_comm):
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        with torch.no_grad():
-            for ts in by_dtype.values():
-                flat = torch.cat([t.detach().reshape(-1) for t in ts])
-                group.broadcast(flat, src=0, name=name)
-                off = 0
-                for t in ts:
-                    t.copy_(flat[off:off + t.numel()].view_as(t))
-                    off += t.numel()
+        through_flat(tensors, lambda flat: group.broadcast(flat, src=0, name=name))
+
+
+def through_flat(tensors: list[torch.Tensor], op: Callable[[torch.Tensor], object]) -> None:
+    """Run ``op`` in place on one flat copy of ``tensors`` per dtype, then copy it back into them: one collective
+    per dtype instead of one per tensor."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for ts in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in ts])
+            op(flat)
+            for t, piece in zip(ts, flat.split([t.numel() for t in ts])):
+                t.copy_(piece.view_as(t))
 
 
 def group_of(t: torch.Tensor, comm: Comm, expert_comm: Comm | None) -> Comm:

@@ -35,13 +35,15 @@ from shardwise.dims import DP, DP_REPLICATE, DP_SHARD, TP
 
 
 def torch_ddp(model: nn.Module, topo: Topology, bucket_cap_mb: float | None = None,
-              find_unused_parameters: bool = False, dim: str = DP) -> DistributedDataParallel:
+              find_unused_parameters: bool = False, dim: str = DP,
+              cls: type[DistributedDataParallel] = DistributedDataParallel) -> DistributedDataParallel:
     """torch's DDP over ``topo``'s data-parallel group (``bucket_cap_mb`` None: torch's default); ``dim`` names
-    another group that averages gradients (``dp_cp`` under context parallelism)."""
+    another group that averages gradients (``dp_cp`` under context parallelism); ``cls`` a subclass of torch's
+    DDP (a pipeline stage's)."""
     ids = [topo.device.index] if topo.device.type == "cuda" else None
     extra = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
-    return DistributedDataParallel(model, device_ids=ids, process_group=topo.group(dim),
-                                   find_unused_parameters=find_unused_parameters, **extra)
+    return cls(model, device_ids=ids, process_group=topo.group(dim), find_unused_parameters=find_unused_parameters,
+               **extra)
 
 
 def torch_sync_batchnorm(model: nn.Module, topo: Topology) -> nn.Module:

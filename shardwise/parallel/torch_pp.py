@@ -43,11 +43,12 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.comm.topology import Topology
-from shardwise.dims import DP, PP
+from shardwise.dims import PP
+from shardwise.parallel.ddp import through_flat
 from shardwise.parallel.fsdp_units import unit_modules
 from shardwise.parallel.pipeline import PipelineModel
 from shardwise.parallel.pipeline_run import resplit, sync_ties
-from shardwise.parallel.torch_engines import fully_shard_units
+from shardwise.parallel.torch_engines import fully_shard_units, torch_ddp
 from shardwise.step import LossFn
 
 # Our schedule's name -> torch's schedule on the same placement (gpipe, 1f1b, zb-h1: one stage per rank;
@@ -166,32 +167,22 @@ class StageDDP(DistributedDataParallel):
             return super().forward(*args, **kwargs)
 
 
-def stage_ddp(module: nn.Module, topo: Topology, bucket_cap_mb: float | None = None) -> StageDDP:
-    """:class:`StageDDP` over ``topo``'s data-parallel group (``bucket_cap_mb`` None: torch's default)."""
-    ids = [topo.device.index] if topo.device.type == "cuda" else None
-    extra = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
-    return StageDDP(module, device_ids=ids, process_group=topo.group(DP), **extra)
-
-
 def average_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup) -> None:
     """Average the gradients of replicated ``params`` over ``group``: one all-reduce per dtype, once all of a
     step's backwards ran (what torch's DDP does for a stage, but after a zero-bubble schedule's weight
     backwards, which come after the last micro-batch's input backward, where torch's stage starts DDP's)."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
+    n = dist.get_world_size(group)
+
+    def mean(flat: torch.Tensor) -> None:
         dist.all_reduce(flat, group=group)
-        flat /= dist.get_world_size(group)
-        for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(piece.view_as(g))
+        flat /= n
+
+    through_flat([p.grad for p in params if p.grad is not None], mean)
 
 
 def ddp_chunks(pm: PipelineModel, topo: Topology, bucket_cap_mb: float | None = None) -> list[nn.Module]:
     """Each chunk under :class:`StageDDP` (for :class:`TorchPipeline`'s ``data``); the chunks stay pm's."""
-    return [stage_ddp(c, topo, bucket_cap_mb) for c in pm.chunks]
+    return [torch_ddp(c, topo, bucket_cap_mb, cls=StageDDP) for c in pm.chunks]
 
 
 def fsdp_chunks(pm: PipelineModel, mesh: DeviceMesh, wrap: Any = "auto",
