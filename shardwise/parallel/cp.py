@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,16 +128,22 @@ def _hf_cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
-    # The cp attention is causal by construction (it knows each chunk's place); no mask tensor is built.
     return None
 
 
-def _register_hf() -> None:
+def use_hf_attention(modules: list[nn.Module], name: str, fn: Callable[..., Any]) -> None:
+    """Switch Hugging Face attention ``modules`` to ``fn``, registered in transformers' attention registry under
+    ``name``, with a mask function that builds no mask: a context-parallel attention is causal by construction
+    (it knows each chunk's place), where transformers would build a mask for the whole sequence."""
+    if not modules:
+        return
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(HF_ATTENTION, _hf_cp_attention)
-    AttentionMaskInterface.register(HF_ATTENTION, _no_mask)
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, _no_mask)
+    for m in modules:
+        m.config._attn_implementation = name
 
 
 def apply_context_parallel(model: nn.Module, cp: ContextParallel) -> nn.Module:
@@ -145,11 +152,9 @@ def apply_context_parallel(model: nn.Module, cp: ContextParallel) -> nn.Module:
     for m in ours:
         m.attend = cp.attend  # type: ignore[method-assign]
     theirs = hf_attention_modules(model)
-    if theirs:
-        _register_hf()
-        for m in theirs:
-            m.shardwise_cp = cp
-            m.config._attn_implementation = HF_ATTENTION
+    for m in theirs:
+        m.shardwise_cp = cp
+    use_hf_attention(theirs, HF_ATTENTION, _hf_cp_attention)
     if not ours and not theirs:
         raise ValueError(no_attention_message(model))
     for m in position_takers(model):
@@ -226,4 +231,4 @@ def check_context_parallel(model: nn.Module, cp: int, mode: str | None, tp: int,
 
 
 __all__ = ["ContextParallel", "HF_ATTENTION", "apply_context_parallel", "check_context_parallel",
-           "hf_attention_modules", "position_takers", "shard_batch"]
+           "hf_attention_modules", "position_takers", "shard_batch", "use_hf_attention"]

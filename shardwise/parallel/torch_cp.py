@@ -42,7 +42,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from shardwise.comm.topology import Topology
 from shardwise.data import Kwargs
 from shardwise.dims import CP, DP_SHARD_CP
-from shardwise.parallel.cp import hf_attention_modules, position_takers
+from shardwise.parallel.cp import hf_attention_modules, position_takers, use_hf_attention
 
 # The SDPA kernels torch's ring attention has a form of (CUDA's; flash and cuDNN in half precision only).
 RING_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
@@ -145,11 +145,7 @@ def _with_positions(cp: TorchContextParallel, module: nn.Module, args: tuple[Any
 def use_torch_sdpa(model: nn.Module) -> nn.Module:
     """Switch a Hugging Face model's attention to transformers' "sdpa" function without a mask (module
     docstring); a model without such attention modules (shardwise's GPT calls SDPA itself) is left alone."""
-    theirs = hf_attention_modules(model)
-    if theirs:
-        _register_hf()
-        for m in theirs:
-            m.config._attn_implementation = TORCH_HF_ATTENTION
+    use_hf_attention(hf_attention_modules(model), TORCH_HF_ATTENTION, _hf_sdpa)
     return model
 
 
@@ -162,18 +158,6 @@ def _hf_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: t
         groups = query.shape[1] // key.shape[1]
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     return sdpa_attention_forward(module, query, key, value, None, **kwargs)  # type: ignore[no-any-return]
-
-
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
-def _register_hf() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(TORCH_HF_ATTENTION, _hf_sdpa)
-    AttentionMaskInterface.register(TORCH_HF_ATTENTION, _no_mask)
 
 
 __all__ = ["RING_KERNELS", "TORCH_HF_ATTENTION", "TorchContextParallel", "cp_mesh", "dp_shard_cp_mesh", "positions_of",
