@@ -36,6 +36,7 @@ from shardwise.dims import EP, PP, TP
 from shardwise.parallel.ep import is_expert
 from shardwise.parallel.pipeline_layers import pipeline_layers, stage_layers
 from shardwise.parallel.placement import LOOP, Placement
+from shardwise.parallel.torch_engines import local
 from shardwise.parallel.tp import gather_tensor, tp_spec
 
 
@@ -160,7 +161,7 @@ class PipelineModel(nn.Module):
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         # A DTensor's (torch's FSDP2 or tp): its local shard, a view, laid out alike in every stage's copy.
-        return p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        return local(p.grad)
 
     def renew(self, new: dict[int, nn.Parameter]) -> None:
         """Point the claims, ties and copies at the parameters that replaced theirs (``id(old) -> new``): an

@@ -139,10 +139,15 @@ def dim0_run(t: torch.Tensor) -> tuple[int, torch.Tensor]:
     return first * math.prod(shape[1:]), local if world == 1 else local.view(-1)  # one piece: the whole slice
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` (a DTensor's local shard, a view; any other tensor itself)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor (a collective for a DTensor: every rank of its mesh calls it)."""
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-__all__ = ["composed_mesh", "dim0_run", "dp_mesh", "dp_shard_mesh", "full", "fully_shard_units", "hsdp_mesh",
+__all__ = ["composed_mesh", "dim0_run", "dp_mesh", "dp_shard_mesh", "full", "fully_shard_units", "hsdp_mesh", "local",
            "torch_ddp", "torch_sync_batchnorm", "zero_redundancy"]

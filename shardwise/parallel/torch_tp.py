@@ -43,6 +43,7 @@ from torch.distributed.tensor.parallel import (
 from shardwise.comm import Comm
 from shardwise.comm.topology import Topology
 from shardwise.dims import TP
+from shardwise.parallel.torch_engines import full, local
 from shardwise.parallel.tp_plans import Plan, as_style, module_pattern
 
 
@@ -131,7 +132,7 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, elsewhere: Coll
     squares of the stages, and a tied copy whose norm another copy counts (``id`` in ``elsewhere``) is left
     out of the sum, though clipped."""
     grads = [p.grad for p in params if p.grad is not None]
-    squares = [_full(torch.linalg.vector_norm(p.grad)) ** 2 for p in params
+    squares = [full(torch.linalg.vector_norm(p.grad)) ** 2 for p in params
                if p.grad is not None and id(p) not in elsewhere]
     sq = torch.stack(squares).sum() if squares else torch.zeros((), device=grads[0].device if grads else None)
     if across is not None and across.size > 1:
@@ -140,14 +141,8 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, elsewhere: Coll
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
         for g in grads:
-            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
+            local(g).mul_(coef)
     return total
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 
 
 def on_tp_mesh(t: torch.Tensor) -> bool:

@@ -82,6 +82,7 @@ from shardwise.parallel.torch_engines import (
     full,
     fully_shard_units,
     hsdp_mesh,
+    local,
     torch_ddp,
     zero_redundancy,
 )
@@ -568,11 +569,6 @@ class TorchDP(TorchEngine):
         return nn.DataParallel(ours.module, device_ids=ours.devices, output_device=ours.devices[0]), optimizer
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t`` (a DTensor's local shard; any other tensor itself), for byte accounting."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 @contextlib.contextmanager
 def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
     """FSDP2's ``no_sync``: gradients accumulate unsharded and unreduced until the block ends."""
@@ -591,4 +587,4 @@ COMPRESS_HOOKS = {"float16": "fp16_compress_hook", "bfloat16": "bf16_compress_ho
 
 
 __all__ = ["COMPRESS_HOOKS", "TorchCP", "TorchDDP", "TorchDP", "TorchDTensors", "TorchEngine", "TorchFSDP", "TorchHSDP",
-           "TorchPP", "TorchTP", "TorchZeRO1", "TorchZeRO2", "local"]
+           "TorchPP", "TorchTP", "TorchZeRO1", "TorchZeRO2"]
