@@ -28,6 +28,7 @@ from shardwise.plan.memory import STAGING
 from shardwise.plan.states import (
     NotModelled,
     Param,
+    held_elements,
     local_chunks,
     meta_copy,
     optimizer_states,
@@ -46,12 +47,6 @@ def scalar_state_bytes(optimizer: torch.optim.Optimizer | str) -> int:
     scalars = sum(t.element_size() for s in opt.state.values() for t in s.values()
                   if isinstance(t, torch.Tensor) and not t.dim())
     return scalars // max(1, len(params))
-
-
-def held_elements(numel: int, n: int, place: int) -> int:
-    """Real elements of rank ``place``'s piece of a parameter sharded over ``n`` (a padded piece ends short)."""
-    c = -(-numel // n)
-    return max(0, min(c, numel - place * c))
 
 
 def _param_share(q: Param, k: int, scalar: int, stage: int, n: int, place: int) -> int:
@@ -102,5 +97,5 @@ def model_share(chunks: list[list[list[Param]]], layout: RunLayout,
     return per_rank(chunks, layout, group)
 
 
-__all__ = ["STAGING", "buffer_bytes", "held_elements", "model_share", "run_state_bytes", "scalar_state_bytes",
+__all__ = ["STAGING", "buffer_bytes", "model_share", "run_state_bytes", "scalar_state_bytes",
            "staging_bytes"]

@@ -242,6 +242,13 @@ def _ceil(n: int, k: int) -> int:
     return -(-n // k)
 
 
+def held_elements(numel: int, n: int, place: int) -> int:
+    """Real elements of rank ``place``'s piece of ``numel`` split into ``n`` pieces of ``ceil(numel / n)`` (the
+    last ones end short, or hold none)."""
+    c = _ceil(numel, n)
+    return max(0, min(c, numel - place * c))
+
+
 def _frozen(params: Sequence[Param]) -> int:
     return sum(p.storage_bytes for p in params if not p.trainable)
 
@@ -264,7 +271,7 @@ def zero(params: Sequence[Param], k: int, stage: int, n: int, rank: int, offload
     pieces = sum(_ceil(q.numel, n) * q.element_size for q in train)
     whole = sum(q.numel * q.element_size for q in train)
     copies = sum(_ceil(q.numel, n) * q.element_size for q in train
-                 if max(0, min(_ceil(q.numel, n), q.numel - rank * _ceil(q.numel, n))) < _ceil(q.numel, n))
+                 if held_elements(q.numel, n, rank) < _ceil(q.numel, n))
     weights = sum(q.storage_bytes for q in params)
     grads = whole if stage == 1 else pieces
     if offload == "none":
@@ -314,8 +321,7 @@ def fully_sharded(params: Sequence[Param], k: int, n: int, rank: int, offload: s
         return _ceil(q.rows, n) * (q.numel // max(q.rows, 1)) * q.element_size
 
     def own(q: Param) -> int:
-        rows = max(0, min(_ceil(q.rows, n), q.rows - rank * _ceil(q.rows, n)))
-        return rows * (q.numel // max(q.rows, 1)) * q.element_size
+        return held_elements(q.rows, n, rank) * (q.numel // max(q.rows, 1)) * q.element_size
 
     train = [q for q in params if q.trainable]
     held = (sum(map(piece, params)), sum(map(piece, train)), k * sum(map(own, train)))
@@ -435,5 +441,5 @@ def busiest(states: Sequence[RankStates]) -> RankStates:
 
 
 __all__ = ["MODELLED", "NotModelled", "Param", "RankStates", "busiest", "check_modelled", "fsdp", "full_grad_bytes",
-           "fully_sharded", "local_chunks", "meta_copy", "optimizer_states", "per_rank", "rank_states", "replicated",
-           "states_of", "stepped_probe", "zero", "zero_redundancy", "zero_stage"]
+           "fully_sharded", "held_elements", "local_chunks", "meta_copy", "optimizer_states", "per_rank", "rank_states",
+           "replicated", "states_of", "stepped_probe", "zero", "zero_redundancy", "zero_stage"]
