@@ -32,16 +32,15 @@ from torch.utils.data import Dataset
 
 from shardwise.bench.compose import expected_sent
 from shardwise.bench.harness import (
-    NOT_SEEN,
     NOT_SEEN_NOTE,
     PAIRED_NOTE,
     PairResult,
     alternate,
+    contender_cells,
+    formula_cell,
     gather_results,
     merged,
     over_runs,
-    paired,
-    ratio_text,
     runs_note,
     spawn_collect,
     summarize,
@@ -212,17 +211,8 @@ def switch_rows(workload: str, runs: list[list[PairResult]], formula: float | No
     """The two rows (shardwise, torch) of one workload's runs."""
     every = merged(runs)
     s = summarize(every)
-    base_t, base_m = s["torch"]["step_time_s"], max(1, s["torch"]["peak_rss_delta_bytes"])
-    rows = []
-    for c in ENGINES:
-        v = s[c.name]
-        sent = v["sent_per_step"]
-        rows.append([workload, c.engine, f"{1e3 * v['step_time_s']:.2f} ms", f"{base_t / v['step_time_s']:.3f}x",
-                     ratio_text(*paired([r.step_times for r in every], c.name, "torch")),
-                     f"{v['peak_rss_delta_bytes'] / 2**20:.2f} MiB", f"{v['peak_rss_delta_bytes'] / base_m:.3f}x",
-                     NOT_SEEN if sent is None else f"{sent:,.0f} B", "" if formula is None else f"{formula:,.0f} B",
-                     f"{gap:.3g}"])
-    return rows
+    return [[workload, c.engine, *contender_cells(s, every, c.name, "torch", formula_cell(formula)), f"{gap:.3g}"]
+            for c in ENGINES]
 
 
 def switch_table(name: str, sw: Switch, results: dict[str, tuple[list[list[PairResult]], float, float | None]],

@@ -263,6 +263,22 @@ NOT_SEEN = "not seen"  # the sent cell of torch's own engines: their traffic doe
 NOT_SEEN_NOTE = "not seen: torch's own traffic does not pass through our communication layer (not observable)."
 
 
+def formula_cell(formula_bytes: float | None) -> str:
+    return "" if formula_bytes is None else f"{formula_bytes:,.0f} B"
+
+
+def contender_cells(summary: dict, every: list[PairResult], name: str, baseline: str, formula: str) -> list[str]:
+    """One contender's cells of a pair's table, against ``baseline``'s (``summary``: :func:`summarize` of
+    ``every``): median step, throughput ratio, paired ratio, peak RSS increase and its ratio, bytes sent, the
+    formula's bytes."""
+    s, base = summary[name], summary[baseline]
+    sent = s["sent_per_step"]
+    return [f"{1e3 * s['step_time_s']:.2f} ms", f"{base['step_time_s'] / s['step_time_s']:.3f}x",
+            ratio_text(*paired([r.step_times for r in every], name, baseline)), _fmt_mib(s["peak_rss_delta_bytes"]),
+            f"{s['peak_rss_delta_bytes'] / max(1, base['peak_rss_delta_bytes']):.3f}x",
+            NOT_SEEN if sent is None else f"{sent:,.0f} B", formula]
+
+
 def pair_table(title: str, runs: list[list[PairResult]], summary: dict, formula_bytes: float | None,
                formula_label: str, wide: bool = False) -> Table:
     """One row per contender of a :func:`summarize` result of ``runs`` (one list of per-rank results per launch,
@@ -270,17 +286,8 @@ def pair_table(title: str, runs: list[list[PairResult]], summary: dict, formula_
     repetition of every run, and under several runs each run's paired ratio in the caption."""
     ours, theirs = summary["names"]
     every = merged(runs)
-    base_t = summary[theirs]["step_time_s"]
-    base_m = max(1, summary[theirs]["peak_rss_delta_bytes"])
-    formula = "" if formula_bytes is None else f"{formula_bytes:,.0f} B"
-    rows = []
-    for n in (ours, theirs):
-        s = summary[n]
-        sent = s["sent_per_step"]
-        rows.append([n, f"{1e3 * s['step_time_s']:.2f} ms", f"{base_t / s['step_time_s']:.3f}x",
-                     ratio_text(*paired([r.step_times for r in every], n, theirs)),
-                     _fmt_mib(s["peak_rss_delta_bytes"]), f"{s['peak_rss_delta_bytes'] / base_m:.3f}x",
-                     NOT_SEEN if sent is None else f"{sent:,.0f} B", formula])
+    formula = formula_cell(formula_bytes)
+    rows = [[n, *contender_cells(summary, every, n, theirs, formula)] for n in (ours, theirs)]
     caption = " ".join(x for x in (
         "vs torch: torch's median step over this one's (above 1: faster); RSS vs torch: peak RSS increase over "
         "torch's (below 1: less).", PAIRED_NOTE, NOT_SEEN_NOTE, runs_note(runs),
