@@ -17,11 +17,13 @@ _PUBLIC: dict[str, str] = {
     "Prepared": "shardwise.loop:Prepared",
     "Callback": "shardwise.fit.callbacks:Callback",
     "EarlyStopping": "shardwise.fit.callbacks:EarlyStopping",
-    "all_reduce_mean": "shardwise.loop:all_reduce_mean",
+    "all_reduce_mean": "shardwise.loop_data:all_reduce_mean",
     "clip_grad_norm_": "shardwise.loop:clip_grad_norm_",
-    "gather": "shardwise.loop:gather",
+    "clip_grad_value_": "shardwise.loop:clip_grad_value_",
+    "gather": "shardwise.loop_data:gather",
+    "gather_for_metrics": "shardwise.loop_data:gather_for_metrics",
     "no_sync": "shardwise.loop:no_sync",
-    "prepare_dataloader": "shardwise.loop:prepare_dataloader",
+    "prepare_dataloader": "shardwise.loop_data:prepare_dataloader",
     "save": "shardwise.loop:save",
     "load": "shardwise.loop:load",
     "CLASSES": "shardwise.strategies.registry:CLASSES",
@@ -48,16 +50,15 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is i
     from shardwise.fit.trainer import FitResult, Trainer
     from shardwise.loop import (
         Prepared,
-        all_reduce_mean,
         clip_grad_norm_,
-        gather,
+        clip_grad_value_,
         init,
         load,
         no_sync,
-        prepare_dataloader,
         save,
         setup,
     )
+    from shardwise.loop_data import all_reduce_mean, gather, gather_for_metrics, prepare_dataloader
     from shardwise.strategies.base import Strategy
     from shardwise.strategies.ddp import DDP
     from shardwise.strategies.registry import (

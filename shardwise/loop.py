@@ -12,14 +12,17 @@ what a loop does with a plain model keeps its meaning:
 * ``sw.clip_grad_norm_(model, max_norm)``: the global norm over every shard;
   ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` is routed there;
 * ``sw.save`` / ``sw.load``: the Trainer's layout-free checkpoints;
-* ``sw.prepare_dataloader``, ``sw.gather``, ``sw.all_reduce_mean``: data and metrics.
+* ``sw.prepare_dataloader``, ``sw.gather_for_metrics``, ``sw.all_reduce_mean``: data and metrics
+  (:mod:`shardwise.loop_data`).
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import datetime as _dt
 import functools
 import os
+import sys
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -29,14 +32,14 @@ import torch.distributed as dist
 import torch.nn.utils as utils
 import torch.nn.utils.clip_grad as clip_grad
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
 
 from shardwise import launch
 from shardwise import precision as precision_mod
 from shardwise.checkpoint import store as checkpoint
+from shardwise.comm.diagnostics import CollectiveTimeout
 from shardwise.comm.topology import Topology, accelerator_name, backend_for, pick_device, uses_cuda
 from shardwise.data import to_device
-from shardwise.dims import DP, PP
+from shardwise.dims import PP, TP
 from shardwise.init_from import InitFrom, after_setup, before_setup, read_into
 from shardwise.param_groups import (
     GroupedFactory,
@@ -47,11 +50,50 @@ from shardwise.param_groups import (
     splits_parameters,
 )
 from shardwise.parallel.compiling import compile_blocks
+from shardwise.parallel.ddp import GradSync
 from shardwise.precision import ScaledOptimizer
-from shardwise.step import LossFn, OptimizerFactory, StepRun, iter_chunks
+from shardwise.step import LossFn, OptimizerFactory, StepRun, iter_chunks, unwrap
 from shardwise.strategies.base import HasServers, Strategy, compile_backend
 from shardwise.strategies.registry import resolve
 from shardwise.strategies.torch_choice import engine_for, synced_batchnorm
+
+
+# The messages of what a hand-written loop may not do with a model from setup, each with its reason and fix.
+COMPILE_AFTER_SETUP = (
+    "torch.compile(model) on the model sw.setup returned (strategy {strategy!r}): its wrappers communicate from "
+    "hooks and swap parameters in and out around each block, which dynamo would trace into the graph; compile the "
+    "blocks before the strategy wraps them with sw.setup(..., compile=True) (or compile='aot_eager', any backend)")
+FORWARD_IS_COLLECTIVE = (
+    "under {strategy!r} a forward of the model from sw.setup is a collective (the ranks holding its shards or "
+    "slices take part in it): call the model on every rank of its group, e.g. generate samples on every rank and "
+    "print them on rank 0 only")
+BARE_STATE_DICT = (
+    "state_dict() of the model passed to sw.setup: under {strategy!r} this rank holds {holds}, so its state dict "
+    "is not the model's; call state_dict() on the model sw.setup returned (a collective: every rank calls it; "
+    "each gets the full state dict), or save with sw.save(model, optimizer, directory)")
+
+
+def _full_tensors(state_dict: Mapping[str, Any], shapes: dict[str, list[int]], aliases: dict[str, str]
+                  ) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+    """``state_dict``'s tensors under the model's canonical names (a tied weight under any of its names), the
+    canonical names it lacks, and its keys that name nothing of the model; a shape that differs is an error."""
+    full: dict[str, torch.Tensor] = {}
+    for key, value in state_dict.items():
+        name = aliases.get(key, key)
+        if name in shapes:
+            if list(value.shape) != list(shapes[name]):
+                raise RuntimeError(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
+                                   f"the state dict, the shape in the model is {tuple(shapes[name])}")
+            full.setdefault(name, value)
+    unexpected = [k for k in state_dict if aliases.get(k, k) not in shapes]
+    return full, [k for k in shapes if k not in full], unexpected
+
+
+def _load_errors(model: str, missing: list[str], unexpected: list[str]) -> str:
+    """torch's own wording of a strict load's failure."""
+    errors = ([f"Missing key(s) in state_dict: {', '.join(repr(k) for k in missing)}."] if missing else []) + \
+        ([f"Unexpected key(s) in state_dict: {', '.join(repr(k) for k in unexpected)}."] if unexpected else [])
+    return f"Error(s) in loading state_dict for {model}:\n\t" + "\n\t".join(errors)
 
 
 class Prepared(nn.Module):
@@ -68,19 +110,47 @@ class Prepared(nn.Module):
         self.__dict__["shapes"] = shapes
         self.__dict__["aliases"] = aliases
         self.__dict__["scaled"] = None  # the fp16 optimizer (precision="16-mixed"), set by setup
+        self.__dict__["optimizer"] = None  # the optimizer setup returned beside this model, set by setup
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The strategy's forward, the inputs (tensors nested in tuples, lists, dicts, a ``BatchEncoding``) moved to
         this rank's device first, under the run's autocast; under mixed precision the output's half-precision
         tensors come back in float32, so the loss is computed as the Trainer computes it."""
+        if torch.compiler.is_compiling():
+            raise RuntimeError(COMPILE_AFTER_SETUP.format(strategy=self.strategy.name))
         if self.topo.size(PP) > 1:
+            return self._pipeline_forward(*args, **kwargs)
+        device, cast = self.topo.device, functools.partial(precision_mod.cast_batch, self.precision)
+        try:
+            with StepRun(self.precision).forward_context(device):
+                out = self.module(*cast(to_device(args, device)), **cast(to_device(kwargs, device)))
+        except CollectiveTimeout as e:
+            raise CollectiveTimeout(f"{e}\n{FORWARD_IS_COLLECTIVE.format(strategy=self.strategy.name)}") from e
+        return out if self.precision == "32" else precision_mod.widened_output(out)
+
+    def _pipeline_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Under pp, a forward without gradients runs the forward-only schedule and gives every rank the output
+        (sent from the last stage); a forward that would need a backward has to run the schedule's step."""
+        if torch.is_grad_enabled() or kwargs or len(args) != 1:
             raise RuntimeError("under pipeline parallelism a rank holds one stage, so model(x) cannot give the "
                                "model's output; run a step with `loss = model.train_step(x, y, loss_fn)` (forward "
-                               "and backward over the pipeline's schedule), then optimizer.step() as usual")
-        device, cast = self.topo.device, functools.partial(precision_mod.cast_batch, self.precision)
-        with StepRun(self.precision).forward_context(device):
-            out = self.module(*cast(to_device(args, device)), **cast(to_device(kwargs, device)))
-        return out if self.precision == "32" else precision_mod.widened_output(out)
+                               "and backward over the pipeline's schedule), then optimizer.step() as usual "
+                               "(under torch.no_grad(), model(x) of one input runs the forward-only schedule)")
+        x = precision_mod.cast_batch(self.precision, to_device(args[0], self.topo.device))
+        out = self.strategy.eval_step(self.module, x, None, lambda o, _y: o, self.topo, StepRun(self.precision))
+        if out is not None and not isinstance(out, torch.Tensor):
+            raise TypeError("under pipeline parallelism model(x) under torch.no_grad() gives every rank the last "
+                            f"stage's output, which must be one tensor (got {type(out).__name__})")
+        comm = self.topo.comm(PP)
+        # Which pp rank holds the output, and its shape and dtype (JSON), then the tensor itself from there.
+        shapes = comm.all_gather_object(None if out is None else [list(out.shape), str(out.dtype)[len("torch."):]],
+                                        name="loop.pipeline_output_shape")
+        src = next(r for r, s in enumerate(shapes) if s is not None)
+        shape, dtype = shapes[src]
+        t = out.contiguous() if out is not None else torch.empty(shape, dtype=getattr(torch, dtype),
+                                                                 device=self.topo.device)
+        comm.broadcast(t, src, name="loop.pipeline_output")
+        return t
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, the loss scaled first under ``precision="16-mixed"`` (Accelerate's and Fabric's
@@ -123,9 +193,40 @@ class Prepared(nn.Module):
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,  # type: ignore[override]
                         assign: bool = False) -> Any:
-        raise TypeError("load_state_dict() of a model from sw.setup would have to split the full tensors the way "
-                        "this strategy shards them: load them into the bare model before sw.setup, or resume a "
-                        "run with sw.load(model, optimizer, directory) (any layout)")
+        """Copy a full state dict of the bare model (``model.state_dict()``'s, or the bare model's own before
+        ``sw.setup``) into what this rank holds of every tensor, under any strategy; the optimizer is untouched.
+        Every rank calls it with the same tensors (no communication)."""
+        if assign:
+            raise TypeError("load_state_dict(assign=True) of a model from sw.setup: its tensors are this rank's "
+                            "shards or slices, so they cannot be replaced by full ones; call it without assign")
+        full, missing, unexpected = _full_tensors(state_dict, self.shapes, self.aliases)
+        if strict and (missing or unexpected):
+            raise RuntimeError(_load_errors(type(unwrap(self.module)).__name__, missing, unexpected))
+        _, pieces = checkpoint._dcp()
+        held = [h for h in self.strategy.checkpoint_held(self.module, self.optimizer, self.topo)
+                if h.key.startswith("model.") and h.key[len("model."):] in full]
+        state = pieces.build_state(held, self.shapes, self.topo.coord(TP), self.topo.size(TP))
+        with torch.no_grad():
+            for key, got in state.items():
+                src = full[key[len("model."):]]
+                for offsets, view in got.parts:
+                    box = tuple(slice(o, o + n) for o, n in zip(offsets, view.shape))
+                    view.copy_(src[box])
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Every gradient of the model, and the reduced pieces a sharded optimizer steps (ZeRO-2/3, FSDP), cleared:
+        the same as ``optimizer.zero_grad(set_to_none)``."""
+        super().zero_grad(set_to_none)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none)
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp every gradient element to ``[-clip_value, clip_value]``: each rank clamps the (reduced) pieces its
+        optimizer steps, which is torch's element-wise clamp of the averaged gradients (fp16: unscaled first)."""
+        if self.scaled is not None:
+            self.scaled.unscale_()
+        self.strategy.clip_grad_value(self.module, self.optimizer, clip_value, self.topo)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm (every shard, every replica counted once) to ``max_norm`` (fp16: of the
@@ -144,7 +245,7 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
           accelerator: str = "auto", precision: str = "32", sync_batchnorm: bool = False,
           param_groups: ParamGroupsFn | None = None, init_from: str | os.PathLike[str] | None = None,
           init_allow_missing: list[str] | tuple[str, ...] = (),
-          compile: bool | str = False) -> tuple[Prepared, torch.optim.Optimizer]:
+          compile: bool | str = False, timeout_s: float | None = None) -> tuple[Prepared, torch.optim.Optimizer]:
     """Apply ``strategy`` to ``model`` inside the running group (``sw.init()``); returns the prepared model and
     the optimizer ``optimizer_fn`` builds over the parameters this rank holds.
 
@@ -165,6 +266,8 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
     ``compile``; ``True`` is inductor, a string another ``torch.compile`` backend).
     A strategy object's ``engine="torch"`` runs PyTorch's engine for it, as in the Trainer
     (:mod:`shardwise.strategies.torch_choice`); what torch has no engine for is refused with the reason.
+    ``timeout_s``: how long a collective of the model may wait for the other ranks before it fails, naming the
+    collective and the ranks that never joined it (default: ``sw.init``'s).
     """
     precision = precision_mod.check(precision)
     if isinstance(optimizer_fn, torch.optim.Optimizer):
@@ -187,7 +290,8 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
     groups, probe = plan_groups(model, optimizer_fn, param_groups)
     strat.check_optimizer(probe)
     check_whole(probe, strat.name, splits_parameters(layout))
-    topo = Topology.create(device, layout.dims)
+    wait = _dt.timedelta(seconds=timeout_s if timeout_s is not None else _SETTINGS["timeout_s"])
+    topo = Topology.create(device, layout.dims, timeout=wait)
     shapes, aliases = checkpoint.model_shapes(model), checkpoint.tied_aliases(model)
     if sync_batchnorm:
         model = synced_batchnorm(model, strat, topo)
@@ -204,20 +308,53 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
     if precision == "16-mixed":
         world_sum = functools.partial(topo.comm("world").all_reduce, name="loop.overflow")
         opt = prepared.__dict__["scaled"] = ScaledOptimizer(opt, precision_mod.LossScaler(), world_sum)
+    prepared.__dict__["optimizer"] = opt
+    for m in inner.modules():
+        if isinstance(m, GradSync):
+            m.watch_user_clears()  # a loop's `p.grad = None` reaches the pieces the optimizer steps
+    holds = "flat 1-D shards of the parameters (ZeRO-3/FSDP)" if layout.zero >= 3 else \
+        "tensor-parallel slices of the parameters" if layout.tp > 1 else \
+        "one pipeline stage of it" if layout.pp > 1 else None  # ZeRO-1/2 gather every update into the bare model
+    if holds is not None:
+        model.register_state_dict_pre_hook(functools.partial(_refuse_bare_state_dict, strat.name, holds))
     _PREPARED.add(prepared)
     _guard_torch_clip()
     return prepared, opt
 
 
-def init(accelerator: str = "auto") -> torch.device:
+def _refuse_bare_state_dict(strategy: str, holds: str, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    """The bare model's ``state_dict()`` called from a user's code (a callback, a closure) after ``sw.setup``
+    sharded or split it: refused with the fix. Its own calls from shardwise (the full state dict, checkpoints)
+    gather what they need and pass."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("torch."):
+        frame = frame.f_back  # nn.Module.state_dict's own frames (it recurses into submodules)
+    if prefix or (frame is not None and frame.f_globals.get("__name__", "").startswith("shardwise.")):
+        return
+    raise RuntimeError(BARE_STATE_DICT.format(strategy=strategy, holds=holds))
+
+
+# What sw.init sets for the setups that follow it in this process (sw.setup's timeout_s overrides it).
+_SETTINGS: dict[str, float] = {"timeout_s": 300.0}
+
+
+def init(accelerator: str = "auto", timeout_s: float | None = None) -> torch.device:
     """Join the running group (``shardwise run``/torchrun), or, from a plain ``python script.py``, form a group
-    of one on loopback, so that ``torch.distributed`` calls work there too; returns this rank's device."""
+    of one on loopback, so that ``torch.distributed`` calls work there too; returns this rank's device.
+
+    ``timeout_s`` (default 300): how long a collective of a model from :func:`setup` waits for the other ranks.
+    Past it the collective fails on the waiting rank with where every rank is: which collective, and which
+    ranks never joined it (a forward on one rank only, under a strategy whose forward communicates)."""
+    if timeout_s is not None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        _SETTINGS["timeout_s"] = float(timeout_s)
     if not dist.is_initialized() and not launch.under_torchrun():
         device = pick_device(accelerator, 0)
         store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
         dist.init_process_group(backend_for(device), store=store, rank=0, world_size=1)
         return device
-    return launch.init(accelerator)
+    return launch.init(accelerator, _dt.timedelta(seconds=_SETTINGS["timeout_s"]))
 
 
 def _prepared(model: nn.Module) -> Prepared:
@@ -233,108 +370,56 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
 
 
 def _guard_torch_clip() -> None:
-    """Route ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` on a model from :func:`setup`.
+    """Route ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` over a model from :func:`setup`'s
+    parameters.
 
     Under ZeRO-2/3, FSDP and tensor parallelism a rank holds pieces of the gradients (or none, on the full
-    parameters), so torch's function computes the norm of the wrong tensors and silently clips nothing
-    right: 0.0 under zero2 and fsdp. Given exactly a prepared model's parameters, the global clip runs
-    instead; given some of them, it raises with the fix.
+    parameters), so torch's functions would clip the wrong tensors and silently clip nothing right: a norm of
+    0.0 under zero2 and fsdp. Given exactly a prepared model's parameters, the strategy's clip runs instead;
+    given some of them, it raises with the fix.
     """
     if getattr(utils.clip_grad_norm_, "_shardwise_guard", False):
         return
-    original = utils.clip_grad_norm_
+    norm = _routed(utils.clip_grad_norm_, "clip_grad_norm_", lambda m, limit, *a, **k: m.clip_grad_norm_(limit),
+                   lambda *a, **k: float(a[0] if a else k.get("norm_type", 2.0)) == 2.0)
+    value = _routed(utils.clip_grad_value_, "clip_grad_value_", lambda m, limit, *a, **k: m.clip_grad_value_(limit),
+                    lambda *a, **k: True)
+    utils.clip_grad_norm_ = clip_grad.clip_grad_norm_ = norm
+    utils.clip_grad_value_ = clip_grad.clip_grad_value_ = value
 
+
+def _routed(original: Any, name: str, route: Any, supported: Any) -> Any:
+    """``original`` (torch's clip function ``name``), sent to ``route(prepared, limit)`` when given exactly a
+    prepared model's parameters and only options ``supported`` accepts; refused when given some of them."""
     @functools.wraps(original)
-    def guarded(parameters: Any, max_norm: float, norm_type: float = 2.0, *args: Any, **kwargs: Any) -> Any:
+    def guarded(parameters: Any, limit: float, *args: Any, **kwargs: Any) -> Any:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         if _ROUTED.get():  # the strategy's own clip, which may call torch's on the tensors it holds
-            return original(params, max_norm, norm_type, *args, **kwargs)
+            return original(params, limit, *args, **kwargs)
         ids = {id(p) for p in params}
         for m in list(_PREPARED):
             owned = {id(p) for p in m.parameters()}
             if ids & owned:
-                if ids != owned or float(norm_type) != 2.0:
-                    raise RuntimeError("torch.nn.utils.clip_grad_norm_ on some parameters of a model from sw.setup "
-                                       "(or with norm_type != 2): under a sharded strategy each rank holds pieces "
-                                       "of the gradients, so the norm must be taken over all of them; use "
-                                       "sw.clip_grad_norm_(model, max_norm)")
+                if ids != owned or not supported(*args, **kwargs):
+                    raise RuntimeError(f"torch.nn.utils.{name} on some parameters of a model from sw.setup"
+                                       f"{' (or with norm_type != 2)' if 'norm' in name else ''}: under a sharded strategy each rank holds pieces "
+                                       "of the gradients, so the clip must see all of them; use "
+                                       f"sw.{name}(model, {'max_norm' if 'norm' in name else 'clip_value'})")
                 token = _ROUTED.set(True)
                 try:
-                    return m.clip_grad_norm_(max_norm)
+                    return route(m, limit, *args, **kwargs)
                 finally:
                     _ROUTED.reset(token)
-        return original(params, max_norm, norm_type, *args, **kwargs)
+        return original(params, limit, *args, **kwargs)
 
     guarded._shardwise_guard = True  # type: ignore[attr-defined]
-    utils.clip_grad_norm_ = guarded
-    clip_grad.clip_grad_norm_ = guarded
+    return guarded
 
 
-def _group(model: nn.Module | None) -> tuple[Any, int, int]:
-    """(comm or None, size, rank) of the data-parallel group of ``model`` (the world without a model)."""
-    if model is not None:
-        topo = _prepared(model).topo
-        return topo.comm(DP), topo.size(DP), topo.coord(DP)
-    if dist.is_initialized():
-        return None, dist.get_world_size(), dist.get_rank()
-    return None, 1, 0
-
-
-def prepare_dataloader(dataset: Any, batch_size: int, model: nn.Module | None = None, shuffle: bool = True,
-                       seed: int = 0, drop_last: bool = True, device: torch.device | str | None = None,
-                       **loader_kwargs: Any) -> DataLoader:
-    """A DataLoader that gives this rank its part of every GLOBAL batch of ``batch_size`` samples, on its device.
-
-    Each data-parallel replica (of ``model``'s layout; every rank without a model) reads ``batch_size /
-    replicas`` samples per step through torch's DistributedSampler, so the replicas together read one
-    global batch: the same as one device with ``batch_size`` (with ``shuffle``, one seeded permutation per
-    epoch: call ``loader.sampler.set_epoch(epoch)``). Tensor- and pipeline-parallel ranks of one replica read
-    the same samples. Batches come on ``device`` (default: ``model``'s, else the CPU); on CUDA from pinned
-    memory (``pin_memory`` defaults to True there) with non-blocking copies. Other DataLoader options
-    (num_workers, collate_fn, pin_memory) pass through.
-    """
-    _, size, rank = _group(model)
-    if batch_size % size:
-        raise ValueError(f"batch_size={batch_size} (global) does not split over {size} data-parallel replicas; "
-                         f"use a multiple of {size}")
-    where = torch.device(device) if device is not None else \
-        (_prepared(model).topo.device if model is not None else torch.device("cpu"))
-    loader_kwargs.setdefault("pin_memory", where.type == "cuda")
-    sampler = DistributedSampler(dataset, num_replicas=size, rank=rank, shuffle=shuffle, seed=seed,
-                                 drop_last=drop_last)
-    return DeviceLoader(dataset, batch_size=batch_size // size, sampler=sampler, drop_last=drop_last, device=where,
-                        **loader_kwargs)
-
-
-class DeviceLoader(DataLoader):
-    """A DataLoader whose batches come on ``device`` (tensors nested in tuples, lists, dicts)."""
-
-    def __init__(self, *args: Any, device: torch.device, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.device = device
-
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        return (to_device(batch, self.device) for batch in super().__iter__())
-
-
-def gather(tensor: torch.Tensor, model: nn.Module | None = None) -> torch.Tensor:
-    """Every rank's ``tensor`` (same shape everywhere) stacked along a new first dimension, on every rank:
-    over ``model``'s data-parallel group, or the world."""
-    comm, size, _ = _group(model)
-    if size == 1:
-        return tensor.detach().unsqueeze(0).clone()
-    t = tensor.detach().contiguous()
-    out = torch.empty((size, *t.shape), dtype=t.dtype, device=t.device)
-    if comm is not None:
-        comm.all_gather(out.view(-1), t.view(-1), name="loop.gather")
-    else:
-        dist.all_gather_into_tensor(out.view(-1), t.view(-1))
-    return out
-
-
-def all_reduce_mean(tensor: torch.Tensor, model: nn.Module | None = None) -> torch.Tensor:
-    """The mean of ``tensor`` over the ranks (``model``'s data-parallel group, or the world), on every rank."""
-    return precision_mod.widened(gather(tensor, model)).mean(0).to(tensor.dtype)
+def clip_grad_value_(model: nn.Module, clip_value: float) -> None:
+    """Clamp every gradient of a model from :func:`setup` to ``[-clip_value, clip_value]`` under any strategy
+    (each rank clamps the reduced pieces it steps: torch's clamp of the averaged gradients)."""
+    _prepared(model).clip_grad_value_(clip_value)
 
 
 def save(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | os.PathLike[str], step: int,
@@ -377,5 +462,4 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         yield
 
 
-__all__ = ["Prepared", "all_reduce_mean", "clip_grad_norm_", "gather", "init", "load", "no_sync",
-           "prepare_dataloader", "save", "setup"]
+__all__ = ["Prepared", "clip_grad_norm_", "clip_grad_value_", "init", "load", "no_sync", "save", "setup"]

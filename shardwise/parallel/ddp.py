@@ -31,7 +31,7 @@ from shardwise.comm.streams import SideStream
 from shardwise.data import leaves
 from shardwise.parallel.buckets import DDP_BUCKET_MB
 from shardwise.parallel.ep import is_expert
-from shardwise.torch_private import at_backward_end
+from shardwise.torch_private import at_backward_end, in_backward
 
 AllReduceFn = Callable[[torch.Tensor, Comm, str], Handle]
 
@@ -136,6 +136,61 @@ def bucket_params(params: list[nn.Parameter], cap_mb: float) -> list[list[nn.Par
     return out
 
 
+_TENSOR_GRAD = torch.Tensor.grad  # the C attribute the watched parameters' property reads and writes through
+
+
+class WatchedParameter(nn.Parameter):
+    """A full parameter of a sharded wrapper whose ``p.grad = None`` reaches the wrapper.
+
+    Under ZeRO-2, ZeRO-3 and FSDP the optimizer steps this rank's reduced piece of each gradient, kept apart from
+    the full parameter (whose own ``.grad`` is freed once sent). A loop that clears gradients with
+    ``for p in model.parameters(): p.grad = None`` writes the full parameters only, so without this the pieces
+    would carry into the next step. The wrapper is told (:meth:`GradSync.forget_grad`) when a user's loop clears a
+    gradient; the wrapper's own clears, inside backward, are not a user's.
+    """
+
+    @property  # type: ignore[override]
+    def grad(self) -> torch.Tensor | None:
+        return _TENSOR_GRAD.__get__(self)  # type: ignore[no-any-return]
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        _TENSOR_GRAD.__set__(self, value)
+        owner = self.__dict__.get("_shardwise_owner")
+        forget = owner() if owner is not None else None
+        if value is None and forget is not None and not in_backward():
+            forget(self)
+
+
+def drop_grad(p: torch.Tensor) -> None:
+    """``p.grad = None`` by a wrapper itself: not a loop's clear, so a watched parameter's wrapper is not told."""
+    _TENSOR_GRAD.__set__(p, None)
+
+
+def watch_clears(params: Iterable[nn.Parameter], forget: Callable[[nn.Parameter], None]) -> None:
+    """Make ``params`` (plain Parameters) tell ``forget`` when a loop sets their gradient to None (weakly held)."""
+    ref = weakref.WeakMethod(forget)  # type: ignore[arg-type]
+    for p in params:
+        if type(p) is nn.Parameter:
+            p.__class__ = WatchedParameter
+        if type(p) is WatchedParameter:
+            p.__dict__["_shardwise_owner"] = ref
+
+
+def forget_piece(params: list[nn.Parameter], pieces: list[nn.Parameter], cleared: set[int], p: nn.Parameter,
+                 drop_all: Callable[[], None]) -> None:
+    """A loop cleared full parameter ``p``'s gradient: zero its reduced piece (``pieces[i].grad``, a view of its
+    group's shard gradient); once every parameter of the group (a ZeRO bucket, an FSDP unit) is cleared since the
+    last reduction landed, ``drop_all`` sets the whole shard gradient to None, as ``zero_grad()`` would."""
+    i = next(i for i, q in enumerate(params) if q is p)  # by identity: == would compare values
+    cleared.add(i)
+    if len(cleared) == len(params):
+        drop_all()
+        cleared.clear()
+    elif pieces[i].grad is not None:
+        pieces[i].grad.zero_()  # type: ignore[union-attr]
+
+
 class GradSync:
     """``no_sync()`` for a wrapper whose gradient hooks communicate only while ``self._sync`` is set.
 
@@ -153,6 +208,16 @@ class GradSync:
 
     def _on_grad(self, p: torch.Tensor) -> None:
         raise NotImplementedError
+
+    def forget_grad(self, p: nn.Parameter) -> None:
+        """A loop cleared ``p.grad`` (``p.grad = None``) outside backward: drop what this wrapper keeps of it.
+        Nothing for a wrapper whose optimizer steps the full gradients themselves (DDP, ZeRO-1)."""
+
+    def watch_user_clears(self) -> None:
+        """Route a loop's ``p.grad = None`` on the full parameters to :meth:`forget_grad` (``sw.setup``'s model)."""
+        module = getattr(self, "module", None)
+        if type(self).forget_grad is not GradSync.forget_grad and isinstance(module, nn.Module):
+            watch_clears(module.parameters(), self.forget_grad)
 
     def _hook_grads(self, params: Iterable[torch.Tensor]) -> list[RemovableHandle]:
         """Call ``self._on_grad(p)`` after each of ``params``' gradients is accumulated, holding the wrapper

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from shardwise.comm import Comm, Handle
 from shardwise.data import leaves
-from shardwise.parallel.ddp import GradSync, by_group, check_same_parameters
+from shardwise.parallel.ddp import GradSync, by_group, check_same_parameters, drop_grad, forget_piece
 from shardwise.parallel.ep import expert_modules, is_expert
 from shardwise.parallel.fsdp_units import WrapPolicy, _to_device, _Unit, unit_modules
 from shardwise.parallel.sharding import (
@@ -156,6 +156,7 @@ class _Reduction(GradSync):
             u.set_grad_shard(out)
         else:
             u.grad_shard.add_(out)
+        u.cleared.clear()
 
     def _flush(self) -> None:
         while self._rs:
@@ -478,10 +479,16 @@ class FSDPModule(_Reduction, nn.Module):
     def after_step(self) -> None:
         """Nothing to spread: the next forward gathers the updated shards."""
 
+    def forget_grad(self, p: nn.Parameter) -> None:
+        u = self.unit_of.get(p)
+        if u is not None and u.grad_shard is not None:
+            forget_piece(u.params, u.shard_params, u.cleared, p, lambda: u.set_grad_shard(None))
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for u in self.units:
+            u.cleared.clear()
             for p in u.params:
-                p.grad = None
+                drop_grad(p)
             if set_to_none:
                 u.set_grad_shard(None)
             elif u.grad_shard is not None:

@@ -15,6 +15,7 @@ from torch import nn
 
 from shardwise.comm import Comm
 from shardwise.comm.streams import SideStream, pinned_like
+from shardwise.parallel.ddp import drop_grad
 from shardwise.parallel.sharding import (
     FlatLayout,
     Waitable,
@@ -134,6 +135,7 @@ class _Unit:
         self.padded: list[torch.Tensor] = []
         self.shard_params: list[nn.Parameter] = []
         self.grad_shard: torch.Tensor | None = None
+        self.cleared: set[int] = set()  # parameters whose gradient a loop cleared since the last reduction landed
         # ZeRO-Offload: the optimizer's row lives here (None: it is ``shard`` itself).
         self.host: torch.Tensor | None = None
         self.host_version = -1
@@ -280,7 +282,7 @@ class _Unit:
                                self.how)
             work.append((staging, h))  # the input must outlive the collective
         for p in self.params:
-            p.grad = None
+            drop_grad(p)
         return out, work
 
     def gather_full(self, keep: bool = True) -> list[torch.Tensor]:

@@ -21,7 +21,15 @@ from torch import Tensor, nn
 
 from shardwise.comm import Comm
 from shardwise.parallel.buckets import ZERO_BUCKET_MB
-from shardwise.parallel.ddp import GradSync, bucket_params, by_group, check_same_parameters, group_of
+from shardwise.parallel.ddp import (
+    GradSync,
+    bucket_params,
+    by_group,
+    check_same_parameters,
+    drop_grad,
+    forget_piece,
+    group_of,
+)
 from shardwise.parallel.sharding import (
     FlatLayout,
     Waitable,
@@ -72,6 +80,7 @@ class _Bucket:
                 self.shards.append(nn.Parameter(piece))
                 self.copies.append(self.shards[-1])
         self.grad_shard: torch.Tensor | None = None
+        self.cleared: set[int] = set()  # parameters whose gradient a loop cleared since the last reduction landed
         self.pending = len(params)
         self.launched = False
 
@@ -234,12 +243,18 @@ class ZeROModule(GradSync, nn.Module):
                 b.versions = b.param_versions()  # our own write: the master row is already this
         self._reduced = False
 
+    def forget_grad(self, p: nn.Parameter) -> None:
+        b = self._where.get(p)  # type: ignore[union-attr]
+        if self.stage == 2 and b is not None and b.grad_shard is not None:
+            forget_piece(b.params, b.shards, b.cleared, p, lambda: self._set_shard_grads(b, None))
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for b in self.buckets:
+            b.cleared.clear()
             for p in b.params:
                 if p.grad is not None:
                     if set_to_none:
-                        p.grad = None
+                        drop_grad(p)
                     else:
                         p.grad.zero_()
             if set_to_none:
@@ -306,7 +321,7 @@ class ZeROModule(GradSync, nn.Module):
                                     torch.empty(n * b.layout.shard_numel, dtype=p0.dtype, device=p0.device))
         if self.stage == 2:
             for p in b.params:
-                p.grad = None  # the point of stage 2: the full gradient is gone once sent
+                drop_grad(p)  # the point of stage 2: the full gradient is gone once sent
         out = torch.empty(b.layout.shard_numel, dtype=p0.dtype, device=p0.device)
         h = reduce_scatter(b.comm, out, staging, f"zero_reduce_scatter.b{b.index}", self.how)
         b.launched = True
@@ -330,6 +345,7 @@ class ZeROModule(GradSync, nn.Module):
             self._set_shard_grads(b, out)
         else:
             b.grad_shard.add_(out)
+        b.cleared.clear()
 
     def _finish(self) -> None:
         # Buckets whose parameters got no gradient this step still take part

@@ -162,6 +162,18 @@ class Strategy:
     def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
+    def clip_grad_value(self, model: nn.Module, optimizer: torch.optim.Optimizer, clip_value: float,
+                        topo: Topology) -> None:
+        """Clamp every gradient element to ``[-clip_value, clip_value]``. Element-wise, so each rank clamps the
+        gradients its ``optimizer`` steps (whole, slices or reduced pieces), once a sharded optimizer's owner has
+        finished reducing them: the same elements one device would clamp."""
+        inner: Any = optimizer
+        while inner is not None and not hasattr(inner, "owner"):
+            inner = getattr(inner, "optimizer", None)  # through the fp16 and other optimizer wrappers
+        if inner is not None:
+            inner.owner.before_step()  # reduce now: the clamp needs the averaged gradient
+        torch.nn.utils.clip_grad_value_([p for g in optimizer.param_groups for p in g["params"]], clip_value)
+
     def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
         """The unsharded state dict on CPU (a collective for sharded strategies)."""
         return {k: v.detach().cpu().clone() for k, v in unwrap(model).state_dict().items()}
