@@ -73,6 +73,18 @@ BARE_STATE_DICT = (
     "each gets the full state dict), or save with sw.save(model, optimizer, directory)")
 
 
+def _under_torch_compile() -> bool:
+    """Whether this call came through a ``torch.compile`` wrapper (an ``OptimizedModule``, a compiled function):
+    dynamo's frame evaluation is on the stack. Dynamo cannot trace this check, so it runs it eagerly; that is how a
+    refusal from inside a compiled call reaches the caller instead of becoming a graph break."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "torch._dynamo.eval_frame":
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _full_tensors(state_dict: Mapping[str, Any], shapes: dict[str, list[int]], aliases: dict[str, str]
                   ) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
     """``state_dict``'s tensors under the model's canonical names (a tied weight under any of its names), the
@@ -116,7 +128,7 @@ class Prepared(nn.Module):
         """The strategy's forward, the inputs (tensors nested in tuples, lists, dicts, a ``BatchEncoding``) moved to
         this rank's device first, under the run's autocast; under mixed precision the output's half-precision
         tensors come back in float32, so the loss is computed as the Trainer computes it."""
-        if torch.compiler.is_compiling():
+        if self.strategy.forward_communicates(self.topo) and _under_torch_compile():
             raise RuntimeError(COMPILE_AFTER_SETUP.format(strategy=self.strategy.name))
         if self.topo.size(PP) > 1:
             return self._pipeline_forward(*args, **kwargs)
@@ -125,6 +137,8 @@ class Prepared(nn.Module):
             with StepRun(self.precision).forward_context(device):
                 out = self.module(*cast(to_device(args, device)), **cast(to_device(kwargs, device)))
         except CollectiveTimeout as e:
+            if not self.strategy.forward_communicates(self.topo):
+                raise
             raise CollectiveTimeout(f"{e}\n{FORWARD_IS_COLLECTIVE.format(strategy=self.strategy.name)}") from e
         return out if self.precision == "32" else precision_mod.widened_output(out)
 

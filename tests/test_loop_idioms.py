@@ -48,8 +48,9 @@ ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
 class Loop:
     """What a cell's loop code calls: the same names on the prepared model (``dist``) and on the plain one."""
 
-    def __init__(self, model, opt, work, dist: bool):
+    def __init__(self, model, opt, work, dist: bool, call=None):
         self.model, self.opt, self.work, self.dist = model, opt, work, dist
+        self.call = model if call is None else call  # what the forward goes through (a torch.compile wrapper of the model)
         self.pp = dist and model.topo.size(PP) > 1
 
     def forward_backward(self, x, y, scale=1.0):
@@ -57,7 +58,7 @@ class Loop:
         fn = self.work.loss_fn if scale == 1.0 else (lambda out, t: self.work.loss_fn(out, t) * scale)
         if self.pp:
             return self.model.train_step(x, y, fn) / scale
-        loss = fn(self.model(x), y)
+        loss = fn(self.call(x), y)
         loss.backward()
         return (sw.all_reduce_mean(loss.detach(), self.model) if self.dist else loss.detach()) / scale
 
@@ -180,6 +181,8 @@ def _row(rank, device, strategy, out):
         loader = sw.prepare_dataloader(work.train, batch_size=BATCH, model=model, shuffle=False)
         results[name] = run_cell(cell, Loop(model, opt, work, dist=True), batches(work, loader))
     results["bare state_dict"] = _bare_state_dict(work, strategy)
+    if strategy in COMPILED:
+        results["torch.compile"] = _compiled(work, strategy)
     if rank == 0:
         torch.save(results, out)
 
@@ -195,6 +198,21 @@ def _bare_state_dict(work, strategy):
     except RuntimeError as e:
         return str(e)
     return all(torch.equal(own[k], v) for k, v in full.items())
+
+
+COMPILED = ("ddp", "fsdp")  # torch.compile(model) after sw.setup: equal where the forward does not communicate
+
+
+def _compiled(work, strategy):
+    """A loop whose forward goes through torch.compile(model, backend="aot_eager"): its run, or the refusal."""
+    torch.manual_seed(0)
+    model, opt = sw.setup(work.make_model(), ADAMW, strategy=strategy, accelerator="cpu", param_groups=decay_groups)
+    loader = sw.prepare_dataloader(work.train, batch_size=BATCH, model=model, shuffle=False)
+    loop = Loop(model, opt, work, dist=True, call=torch.compile(model, backend="aot_eager"))
+    try:
+        return run_cell(CELLS["opt.zero_grad(set_to_none=True)"], loop, batches(work, loader))
+    except RuntimeError as e:
+        return str(e)
 
 
 @pytest.fixture(scope="module")
@@ -233,3 +251,13 @@ def test_every_idiom_of_a_hand_written_loop_equals_one_plain_process(tmp_path, r
                         "dict), or save with sw.save(model, optimizer, directory)")
     else:
         assert bare is True
+    if strategy == "ddp":
+        losses, state, _ = results["torch.compile"]
+        ref_losses, ref_state, _ = references["opt.zero_grad(set_to_none=True)"]
+        assert_same_run(Run(ref_state, ref_losses), Run(state, losses))
+    elif strategy == "fsdp":
+        assert results["torch.compile"] == (
+            "torch.compile(model) on the model sw.setup returned (strategy 'fsdp'): its wrappers communicate from "
+            "hooks and swap parameters in and out around each block, which dynamo would trace into the graph; "
+            "compile the blocks before the strategy wraps them with sw.setup(..., compile=True) (or "
+            "compile='aot_eager', any backend)")

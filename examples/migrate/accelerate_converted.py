@@ -6,7 +6,8 @@
 What moved where: Accelerator() and prepare() are sw.init() and sw.setup() (the optimizer becomes a factory,
 so a strategy that shards the model can build it over what each rank holds); the DataLoader is
 sw.prepare_dataloader, whose batch_size is GLOBAL (Accelerate's 16 per process x 2 processes x 2
-accumulation steps = 64); accelerator.accumulate is sw.no_sync on all micro-batches but the last.
+accumulation steps = 64); accelerator.accumulate is sw.no_sync on all micro-batches but the last;
+accelerator.gather_for_metrics is sw.gather_for_metrics.
 """
 import contextlib
 import functools
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from sklearn.datasets import load_digits
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import TensorDataset, random_split
+from torch.utils.data import DataLoader, TensorDataset, random_split
 
 import shardwise as sw
 
@@ -38,7 +39,8 @@ def main(epochs: int = 10, strategy: str = "ddp"):
                                 precision="bf16-mixed")
     train, val = datasets()
     train_dl = sw.prepare_dataloader(train, batch_size=64, model=model)  # GLOBAL: 16 x 2 processes x 2
-    val_dl = sw.prepare_dataloader(val, batch_size=40, model=model, shuffle=False)  # 360 = 9 x 40: every sample
+    # The original's evaluation DataLoader, as it was: its batch (here the global one) and order; nothing dropped.
+    val_dl = sw.prepare_dataloader(DataLoader(val, batch_size=32), model=model)  # 360 = 11 x 32 + 8
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs * len(train_dl))
     for epoch in range(epochs):
         train_dl.sampler.set_epoch(epoch)
@@ -57,16 +59,16 @@ def main(epochs: int = 10, strategy: str = "ddp"):
         for x, y in val_dl:
             with torch.no_grad():
                 pred = model(x).argmax(-1)
-            hits = sw.gather(torch.stack([(pred == y).sum(), torch.tensor(y.numel())]), model)  # every rank's
-            correct += int(hits[:, 0].sum())
-            total += int(hits[:, 1].sum())
+            pred, y = sw.gather_for_metrics((pred, y), model)  # every sample once, in order, padding dropped
+            correct += int((pred == y).sum())
+            total += y.numel()
         if dist.get_rank() == 0:
             print(f"epoch {epoch}: val accuracy {correct / total:.3f}")
     sw.save(model, optimizer, "ckpt", step=epochs * len(train_dl))  # any strategy and device count can load it
     state = model.state_dict()  # the full model on every rank (a collective: every rank calls it)
     if dist.get_rank() == 0:
         torch.save(state, "model.pt")
-    return correct / total
+    return correct, total
 
 
 if __name__ == "__main__":

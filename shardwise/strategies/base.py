@@ -23,7 +23,7 @@ from torch import nn
 from shardwise.checkpoint.held import Held, held_state, named_state
 from shardwise.comm.topology import Topology
 from shardwise.data import leaves, to_device
-from shardwise.dims import DP
+from shardwise.dims import CP, DP, EP, PP, TP
 from shardwise.layout import RunLayout
 from shardwise.parallel.accounting import model_state_tensors, with_optimizer_states
 from shardwise.parallel.compiling import backend_of
@@ -134,6 +134,12 @@ class Strategy:
             out = call_model(model, x)
             where = next(iter(leaves(out)), None)  # the output's device (naive model parallelism: the last one)
             return fn(out, to_device(y, where.device) if where is not None else y)
+
+    def forward_communicates(self, topo: Topology) -> bool:
+        """Whether a forward of the set-up model runs collectives: it gathers sharded parameters (ZeRO-3, FSDP) or
+        exchanges activations (tensor, pipeline, context or expert parallelism). Every rank of the group must then
+        run each forward, and no compiler may trace it from outside the strategy's wrappers."""
+        return self.layout(topo.world_size).zero >= 3 or any(topo.size(d) > 1 for d in (TP, PP, CP, EP))
 
     def owns_loss(self, topo: Topology) -> bool:
         """Whether this rank's loss counts in the global mean (one per data-parallel replica)."""
