@@ -25,7 +25,7 @@ _PUBLIC: dict[str, str] = {
     "save": "shardwise.loop:save",
     "load": "shardwise.loop:load",
     "CLASSES": "shardwise.strategies.registry:CLASSES",
-    "DDP": "shardwise.strategies.ddp:DDP",
+    "DDP": "shardwise.strategies.dp.ddp:DDP",
     "REGISTRY": "shardwise.strategies.registry:REGISTRY",
     "Single": "shardwise.strategies.single:Single",
     "Strategy": "shardwise.strategies.base:Strategy",
@@ -37,7 +37,7 @@ _PUBLIC: dict[str, str] = {
     "FitResult": "shardwise.fit.trainer:FitResult",
     "Trainer": "shardwise.fit.trainer:Trainer",
     "setup": "shardwise.loop:setup",
-    "log": "shardwise.scalars:log",
+    "log": "shardwise.fit.scalars:log",
     "loggers": "shardwise.loggers:",  # the module itself: sw.loggers.CSV, sw.loggers.MLflow, ...
 }
 
@@ -59,7 +59,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is i
         setup,
     )
     from shardwise.strategies.base import Strategy
-    from shardwise.strategies.ddp import DDP
+    from shardwise.strategies.dp.ddp import DDP
     from shardwise.strategies.registry import (
         CLASSES,
         REGISTRY,
@@ -67,7 +67,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is i
         register,
         resolve,
     )
-    from shardwise.scalars import log
+    from shardwise.fit.scalars import log
     from shardwise.strategies.single import Single
 
 

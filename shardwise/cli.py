@@ -127,7 +127,7 @@ def _run(argv: list[str]) -> int:
 
 
 def _verify(a: argparse.Namespace) -> int:
-    from shardwise.verify import FLOOR_FACTOR, judge
+    from shardwise.commands.verify import FLOOR_FACTOR, judge
     from shardwise.workloads import load
 
     if a.model == "digits":
@@ -288,7 +288,7 @@ def _verb_main(a: argparse.Namespace) -> int:
         require(f"shardwise {a.cmd} --plot", "plots")
     if a.cmd == "demo":
         require("shardwise demo", "demo")
-        from shardwise.demo import main as demo_main
+        from shardwise.commands.demo import main as demo_main
         return demo_main(steps=a.steps, plot_dir=a.plot_dir)
     if a.cmd == "verify":
         return _verify(a)

@@ -38,7 +38,7 @@ from shardwise.comm.topology import Topology, accelerator_name, backend_for, pic
 from shardwise.data import to_device
 from shardwise.dims import DP, PP
 from shardwise.init_from import InitFrom, after_setup, before_setup, read_into
-from shardwise.param_groups import (
+from shardwise.optim.param_groups import (
     GroupedFactory,
     ParamGroupsFn,
     apply_hyper,
@@ -51,7 +51,7 @@ from shardwise.precision import ScaledOptimizer
 from shardwise.step import LossFn, OptimizerFactory, StepRun, iter_chunks
 from shardwise.strategies.base import HasServers, Strategy, compile_backend
 from shardwise.strategies.registry import resolve
-from shardwise.strategies.torch_choice import engine_for, synced_batchnorm
+from shardwise.strategies.torch_engine.choice import engine_for, synced_batchnorm
 
 
 class Prepared(nn.Module):
@@ -150,7 +150,7 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
 
     The optimizer's parameter groups (those ``optimizer_fn`` makes, or ``param_groups(model)``'s) are decided
     on the unsplit model and carried onto what this rank holds, as in the Trainer
-    (:mod:`shardwise.param_groups`): ``optimizer.param_groups`` has the same groups on every rank, a group this
+    (:mod:`shardwise.optim.param_groups`): ``optimizer.param_groups`` has the same groups on every rank, a group this
     rank holds nothing of empty, so a loop that sets ``g["lr"]`` on each works under every strategy.
 
     ``precision``: ``"32"``, ``"bf16-mixed"`` (autocast in the model's forward; fp32 master weights),
@@ -164,7 +164,7 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
     ``compile``: compile each block in place before the strategy wraps the model (see the Trainer's
     ``compile``; ``True`` is inductor, a string another ``torch.compile`` backend).
     A strategy object's ``engine="torch"`` runs PyTorch's engine for it, as in the Trainer
-    (:mod:`shardwise.strategies.torch_choice`); what torch has no engine for is refused with the reason.
+    (:mod:`shardwise.strategies.torch_engine.choice`); what torch has no engine for is refused with the reason.
     """
     precision = precision_mod.check(precision)
     if isinstance(optimizer_fn, torch.optim.Optimizer):

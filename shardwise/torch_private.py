@@ -3,7 +3,7 @@
 torch promises nothing about a name that starts with an underscore or lives in
 a ``_``-prefixed module: any minor release may move it. So they are written
 only here (callers import from this module), pyproject.toml bounds torch above
-by the next minor version not yet tested, and tests/test_torch_private.py
+by the next minor version not yet tested, and tests/base/test_torch_private.py
 checks each one's existence and the signature or shape relied on, so that an
 upgrade that moves one fails there, by name, instead of deep inside a run.
 This module imports only torch and the standard library.

@@ -46,10 +46,10 @@ from shardwise.bench.tables import wide
 from shardwise.comm.topology import Topology
 from shardwise.dims import DP, PP, TP
 from shardwise.models import GPT, Block, GPTConfig, lm_loss
-from shardwise.parallel.pipeline import build_pipeline, stage_starts
-from shardwise.parallel.pipeline_layers import pipeline_layers
-from shardwise.parallel.pipeline_run import pipeline_step
-from shardwise.parallel.schedules import (
+from shardwise.parallel.pp.build import build_pipeline, stage_starts
+from shardwise.parallel.pp.layers import pipeline_layers
+from shardwise.parallel.pp.run import pipeline_step
+from shardwise.parallel.pp.schedules import (
     Recorder,
     bubble_fraction,
     default_chunks,
@@ -58,8 +58,8 @@ from shardwise.parallel.schedules import (
     schedule_facts,
     simulate,
 )
-from shardwise.parallel.torch_pp import torch_schedule, torch_stage
-from shardwise.parallel.tp import apply_tp
+from shardwise.parallel.pp.torch_pp import torch_schedule, torch_stage
+from shardwise.parallel.tp.apply import apply_tp
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 Step = Callable[[], None]

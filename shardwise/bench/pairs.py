@@ -13,7 +13,7 @@ from rich.table import Table
 from torch import nn
 from torch.nn import functional as F
 
-from shardwise import plots
+from shardwise.commands import plots
 from shardwise.bench.harness import (
     Contender,
     merged,
@@ -27,8 +27,8 @@ from shardwise.bench.tables import WIDTH, wide
 from shardwise.comm.topology import Topology
 from shardwise.console import make_console
 from shardwise.dims import CP, DP, PP, TP
-from shardwise.parallel import torch_engines
-from shardwise.parallel.ddp import DDPModule
+from shardwise.parallel.dp import torch_dp
+from shardwise.parallel.dp.ddp import DDPModule
 from shardwise.workloads import mlp1024
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
@@ -39,7 +39,7 @@ def ours_ddp(model: nn.Module, topo: Topology) -> tuple[nn.Module, torch.optim.O
 
 
 def torch_ddp(model: nn.Module, topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
-    return torch_engines.torch_ddp(model, topo), ADAMW(model.parameters())
+    return torch_dp.torch_ddp(model, topo), ADAMW(model.parameters())
 
 
 def ddp_pair(a: argparse.Namespace) -> Table:

@@ -1,14 +1,14 @@
 """Benchmark pair ``zb``: our ZB-H1 pipeline against torch's zero-bubble schedule, and against both 1F1Bs.
 
 Four contenders train the same model, cut into the same stages (one per rank,
-at the same place: :func:`~shardwise.parallel.pipeline.stage_starts`), on the
+at the same place: :func:`~shardwise.parallel.pp.build.stage_starts`), on the
 same batch cut into the same micro-batches:
 
-* ``shardwise ZB-H1``: :func:`~shardwise.parallel.pipeline_run.pipeline_step` with ``schedule="zb-h1"``;
+* ``shardwise ZB-H1``: :func:`~shardwise.parallel.pp.run.pipeline_step` with ``schedule="zb-h1"``;
 * ``torch ScheduleInterleavedZeroBubble`` (torch 2.13), given a list of one ``PipelineStage`` per rank. It
   accepts one stage per rank, and then runs exactly our ZB-H1's actions (forward F, input gradient I = our B,
   weight gradient W, in the same order on every rank: its schedule IR, read by :func:`torch_order`, is
-  compared with :func:`~shardwise.parallel.schedules.zb_h1`'s in the table's caption and in
+  compared with :func:`~shardwise.parallel.pp.schedules.zb_h1`'s in the table's caption and in
   tests/bench/test_zb_pair.py);
 * ``shardwise 1F1B``: ``schedule="1f1b"`` (the issue asks ZB-H1 against our 1F1B, at 1F1B's memory);
 * ``torch Schedule1F1B``: the common reference, as in the ``pp`` pair (its loop runs our 1F1B's order:
@@ -21,7 +21,7 @@ the largest for memory and bytes). Columns besides those: bytes sent per rank
 per step as our ``Comm`` counts them, against :func:`expected_sent`
 (activations forward, their gradients backward, over the ``m`` micro-batches),
 and each schedule's bubble on the model clock
-(:func:`~shardwise.parallel.schedules.simulate`, ``F = B = W = 1``; torch's
+(:func:`~shardwise.parallel.pp.schedules.simulate`, ``F = B = W = 1``; torch's
 schedules are simulated from their own action lists), and the activation
 bytes autograd held for backward at the peak of one step, per rank
 (:class:`~shardwise.parallel.checkpointing.SavedActivations`). One untimed step per contender from the
@@ -53,12 +53,12 @@ from shardwise.bench.mp import mlp
 from shardwise.comm.topology import Topology
 from shardwise.dims import PP, WORLD
 from shardwise.parallel.checkpointing import SavedActivations
-from shardwise.parallel.pipeline import build_pipeline, stage_starts
-from shardwise.parallel.pipeline_layers import pipeline_layers
-from shardwise.parallel.pipeline_run import pipeline_step
-from shardwise.parallel.placement import Placement
-from shardwise.parallel.schedules import Action, bubble_fraction, get_schedule
-from shardwise.parallel.timeline import replay
+from shardwise.parallel.pp.build import build_pipeline, stage_starts
+from shardwise.parallel.pp.layers import pipeline_layers
+from shardwise.parallel.pp.run import pipeline_step
+from shardwise.parallel.pp.placement import Placement
+from shardwise.parallel.pp.schedules import Action, bubble_fraction, get_schedule
+from shardwise.parallel.pp.timeline import replay
 from shardwise.stats import AllocatedPeak
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
@@ -77,7 +77,7 @@ class Built:
 
     ``run(update)`` returns the step's mean loss on the last stage (None elsewhere); ``params``: this rank's
     stage parameters, in layer order; ``order``: the schedule's actions of every rank (ours from
-    :func:`~shardwise.parallel.schedules.get_schedule`, torch's zero-bubble one from its schedule IR, its 1F1B's
+    :func:`~shardwise.parallel.pp.schedules.get_schedule`, torch's zero-bubble one from its schedule IR, its 1F1B's
     from :func:`torch_1f1b_order`)."""
 
     def __init__(self, run: Callable[[], torch.Tensor | None], opt: torch.optim.Optimizer, params: list[nn.Parameter],

@@ -3,9 +3,9 @@
 
 The same harness as :mod:`shardwise.bench.zb` (same spawned ranks, rotation of which contender goes first,
 medians, an untimed step from the same weights for the loss and gradients), with two model chunks per rank
-placed in a V: the model is cut into ``2p`` virtual stages (:func:`~shardwise.parallel.pipeline.stage_starts`,
+placed in a V: the model is cut into ``2p`` virtual stages (:func:`~shardwise.parallel.pp.build.stage_starts`,
 the same cut for all), and rank ``r`` keeps stages ``r`` and ``2p-1-r`` (torch: two ``PipelineStage`` objects
-with those indices; ours: :func:`~shardwise.parallel.pipeline.build_pipeline` with ``shape="v"``). The loss is
+with those indices; ours: :func:`~shardwise.parallel.pp.build.build_pipeline` with ``shape="v"``). The loss is
 computed on rank 0, which holds the last stage. torch's action lists (its schedule IR: an overlapped F&B pair
 is its F then its full backward, a full backward our B then its W) are compared with ours in the caption.
 """
@@ -43,11 +43,11 @@ from shardwise.bench.zb import (
 )
 from shardwise.comm.topology import Topology
 from shardwise.dims import PP
-from shardwise.parallel.pipeline import stage_starts
-from shardwise.parallel.pipeline_layers import pipeline_layers
-from shardwise.parallel.placement import Placement, V
-from shardwise.parallel.schedules import Action, bubble_fraction, get_schedule
-from shardwise.parallel.timeline import replay
+from shardwise.parallel.pp.build import stage_starts
+from shardwise.parallel.pp.layers import pipeline_layers
+from shardwise.parallel.pp.placement import Placement, V
+from shardwise.parallel.pp.schedules import Action, bubble_fraction, get_schedule
+from shardwise.parallel.pp.timeline import replay
 
 ZBV, DPV, TORCH_ZBV, TORCH_DPV = "zbv", "dualpipev", "torch-zbv", "torch-dualpipev"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from shardwise.parallel.schedules import SCHEDULES
+from shardwise.parallel.pp.schedules import SCHEDULES
 from shardwise.plan.known import SHAPES
 from shardwise.plan.specs import (
     CP_MODES,

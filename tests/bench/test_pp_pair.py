@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from shardwise.bench.mp import mlp, pp_sizes
-from shardwise.parallel.pipeline import stage_starts
-from shardwise.parallel.pipeline_layers import pipeline_layers
+from shardwise.parallel.pp.build import stage_starts
+from shardwise.parallel.pp.layers import pipeline_layers
 
 pytestmark = pytest.mark.timeout(60)
 
