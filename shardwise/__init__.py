@@ -37,7 +37,7 @@ _PUBLIC: dict[str, str] = {
     "FitResult": "shardwise.fit.trainer:FitResult",
     "Trainer": "shardwise.fit.trainer:Trainer",
     "setup": "shardwise.loop:setup",
-    "log": "shardwise.fit.scalars:log",
+    "log": "shardwise.loggers.scalars:log",
     "loggers": "shardwise.loggers:",  # the module itself: sw.loggers.CSV, sw.loggers.MLflow, ...
 }
 
@@ -67,7 +67,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is i
         register,
         resolve,
     )
-    from shardwise.fit.scalars import log
+    from shardwise.loggers.scalars import log
     from shardwise.strategies.single import Single
 
 

@@ -11,7 +11,7 @@ communication layer counted per step (torch's engines' traffic passes outside it
 :data:`SWITCHES` names the pairs that run this way: those whose strategy ``engine="torch"`` runs (ddp, zero1,
 zero2, zero3, fsdp, tp, fsdp-tp). The other pairs (pp, zb, ...) race hand-built torch code until it does; then
 one entry here moves a pair over. ``--hand-built`` still runs the hand-built contenders of the switches
-(:mod:`shardwise.bench.zero`, :mod:`~shardwise.bench.mp`, :mod:`~shardwise.bench.compose`; zero2 has none).
+(:mod:`shardwise.bench.zero`, :mod:`~shardwise.bench.pp.mp`, :mod:`~shardwise.bench.compose`; zero2 has none).
 """
 from __future__ import annotations
 

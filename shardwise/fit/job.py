@@ -41,7 +41,7 @@ from shardwise.init_from import InitFrom, after_setup, before_setup, read_into
 from shardwise.optim.param_groups import GroupedFactory, GroupPlan
 from shardwise.parallel.checkpointing import apply_activation_checkpointing
 from shardwise.parallel.compiling import compile_blocks, compile_report, recompile_warning
-from shardwise.fit.scalars import Reducer, Scalars, recording
+from shardwise.loggers.scalars import Reducer, Scalars, recording
 from shardwise.stats import (
     cuda_peak_bytes,
     peak_rss_bytes,

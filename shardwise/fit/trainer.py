@@ -144,7 +144,7 @@ class Trainer:
             ``engine=`` wins; both given and different is refused.
 
     :func:`shardwise.log` (``sw.log(name, value, reduce=)``) adds your own scalars to the step log, from a loss
-    function, a model's forward or a callback (:mod:`shardwise.fit.scalars`).
+    function, a model's forward or a callback (:mod:`shardwise.loggers.scalars`).
     """
 
     def __init__(self, strategy: str | Strategy = "single", devices: int | str | list[int] = "auto",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise.bench.mp import mlp, pp_sizes
+from shardwise.bench.pp.mp import mlp, pp_sizes
 from shardwise.parallel.pp.build import stage_starts
 from shardwise.parallel.pp.layers import pipeline_layers
 

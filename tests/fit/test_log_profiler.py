@@ -14,7 +14,7 @@ from torch import nn
 import shardwise as sw
 from shardwise.fit.profiler import PARTS, table
 from shardwise.models import GPT, GPTConfig
-from shardwise.fit.scalars import Scalars, recording, union
+from shardwise.loggers.scalars import Scalars, recording, union
 
 pytestmark = pytest.mark.timeout(240)
 

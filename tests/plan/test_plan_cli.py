@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from shardwise.plan.__main__ import main
-from shardwise.plan.cli import (
+from shardwise.plan.command.cli import (
     add_arguments,
     parse_bytes,
     parse_count,

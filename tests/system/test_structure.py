@@ -1,4 +1,4 @@
-"""The package's shape (issues 11 and 24): layers, no import circle, few and deliberate deferred imports.
+"""The package's shape: layers, no import circle, few and deliberate deferred imports, room in every folder.
 
 Every ``import`` statement counts, wherever it is written: at the top of a
 module, inside a function, under ``if TYPE_CHECKING:``. A deferred import still
@@ -8,10 +8,12 @@ drawn with deferred imports is still a circle: it works only as long as
 nobody reorders the calls. So, on the graph of all the imports:
 
 * no circle: two modules never need each other, however indirectly;
-* layers: the mechanisms (``parallel/``, ``comm/``) and the base modules
-  (``dims``, ``layout``, ``step``, ``precision``) know nothing of the strategies,
-  the Trainer (``fit/``), checkpoints or the planner built on top of them, and
-  ``strategies/`` knows nothing of ``fit/`` (see :data:`LAYERS`);
+* layers: every module of the package sits in one layer of :data:`LAYERS` and
+  imports only from its own layer and the ones below: the mechanisms
+  (``parallel/``, ``comm/``) and the base modules (``dims``, ``layout``,
+  ``step``, ``precision``, ...) know nothing of the strategies, the Trainer
+  (``fit/``), checkpoints or the planner built on top of them, and
+  ``strategies/`` knows nothing of ``fit/``;
 * an import inside a function is kept only where it pays at start-up
   (``shardwise --help`` and ``import shardwise`` stay free of torch, an optional
   or heavy library loads when it is used): each one is listed in
@@ -23,7 +25,10 @@ The dimension names ("pp", "dp", "tp", ...) are written once, in
 ``shardwise/dims.py``; every other module names a dimension through its
 constants, so that a typo is a NameError rather than a silent miss. And one
 smell alarm: a module over :data:`MAX_MODULE_LINES` lines probably holds more
-than one concern (a generous bound, not a budget to cut modules by).
+than one concern (a generous bound, not a budget to cut modules by). And one for
+the floor plan: a folder with more than :data:`MAX_FOLDER_MODULES` modules (the
+package root: :data:`MAX_ROOT_MODULES`) has become a hall; give its parts rooms
+(sub-packages by role) before a newcomer has to search it.
 """
 from __future__ import annotations
 
@@ -48,19 +53,25 @@ PKG = pathlib.Path(__file__).resolve().parents[2] / ROOT
 MAX_MODULE_LINES = 600
 MAX_LOCAL_IMPORTS = 80
 
-_UPPER = ("shardwise.strategies", "shardwise.fit", "shardwise.checkpoint", "shardwise.plan")
-_MECHANISMS = ("shardwise.parallel", "shardwise.comm")
-# importer (a module, or a package and everything under it) -> what it must not import. The package root counts
-# as above every layer: its lazy names lead to the Trainer, the strategies and the loop.
-LAYERS: dict[str, tuple[str, ...]] = {
-    "shardwise.parallel": (*_UPPER, ROOT),
-    "shardwise.comm": ("shardwise.parallel", *_UPPER, ROOT),
-    "shardwise.strategies": ("shardwise.fit", ROOT),
-    "shardwise.checkpoint": ("shardwise.strategies", "shardwise.fit", ROOT),
-    **{base: (*_MECHANISMS, *_UPPER, ROOT)
-       for base in ("shardwise.dims", "shardwise.layout", "shardwise.step", "shardwise.precision", "shardwise.moe",
-                    "shardwise.loggers")},
-}
+MAX_FOLDER_MODULES = 15
+MAX_ROOT_MODULES = 24
+
+# The layers, bottom first: a module (or a package and everything under it) imports only from its own layer and
+# the layers below. Every module of the package is in exactly one. The package root is the top: its lazy names
+# lead to the Trainer, the strategies and the loop.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("base", ("shardwise.dims", "shardwise.layout", "shardwise.step", "shardwise.precision", "shardwise.data",
+              "shardwise.models", "shardwise.moe", "shardwise.workloads", "shardwise.stats", "shardwise.console",
+              "shardwise.extras", "shardwise.torch_private", "shardwise.optim")),
+    ("communication", ("shardwise.comm",)),
+    ("the step log", ("shardwise.loggers",)),  # sw.log reduces its scalars over the ranks' groups
+    ("mechanisms", ("shardwise.parallel",)),
+    ("plans and checkpoints", ("shardwise.plan", "shardwise.checkpoint")),
+    ("strategies", ("shardwise.strategies",)),
+    ("processes and weights", ("shardwise.launch", "shardwise.cluster", "shardwise.pool", "shardwise.init_from")),
+    ("the two doors", ("shardwise.fit", "shardwise.loop")),
+    ("commands", ("shardwise.cli", "shardwise.__main__", "shardwise.commands", "shardwise.bench", ROOT)),
+)
 
 # "<module>: <imported module>" -> why that import waits for a function to run. Every import statement inside a
 # function body must be covered here; an entry nothing matches any more is stale and must go.
@@ -80,7 +91,7 @@ LOCAL_IMPORTS: dict[str, str] = {
     "shardwise.cli: shardwise.workloads": _NO_TORCH_FOR_HELP,
     "shardwise.cli: shardwise.checkpoint.tools": _NO_TORCH_FOR_HELP,
     "shardwise.cli: shardwise.commands.demo": _NO_TORCH_FOR_HELP,
-    "shardwise.cli: shardwise.plan.cli": _NO_TORCH_FOR_HELP,
+    "shardwise.cli: shardwise.plan.command.cli": _NO_TORCH_FOR_HELP,
     "shardwise.bench: shardwise.bench.pairs": _NO_TORCH_FOR_HELP,
     "shardwise.bench: rich.table": "`shardwise.bench.Table` stays importable without loading rich for --help",
     # optional or heavy libraries, loaded when used
@@ -284,15 +295,29 @@ def _under(name: str, prefix: str) -> bool:
     return name == prefix or (prefix != ROOT and name.startswith(prefix + "."))
 
 
+def _layer_of(module: str) -> int | None:
+    """The index in :data:`LAYERS` of the longest prefix that holds ``module``."""
+    found = [(len(prefix), i) for i, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
+             if _under(module, prefix)]
+    return max(found)[1] if found else None
+
+
+def test_every_module_has_a_layer():
+    missing = sorted(m for m in _modules() if _layer_of(m) is None)
+    assert not missing, "modules in no layer (add them, or their package, to LAYERS in this file):\n" + \
+        "\n".join(missing)
+
+
 def test_layers():
     violations = []
     for importer, edges in sorted(_graph().items()):
-        for layer, forbidden in LAYERS.items():
-            if not _under(importer, layer):
-                continue
-            violations += [f"{importer} -> {imported} ({_where(importer, imported)})"
-                           for imported in sorted(edges) if any(_under(imported, f) for f in forbidden)]
-    assert not violations, "imports against the layers (LAYERS in this file says who may not import what):\n" + \
+        mine = _layer_of(importer)
+        for imported in sorted(edges):
+            theirs = _layer_of(imported)
+            if mine is not None and theirs is not None and theirs > mine:
+                violations.append(f"{importer} ({LAYERS[mine][0]}) -> {imported} ({LAYERS[theirs][0]}, above) "
+                                  f"({_where(importer, imported)})")
+    assert not violations, "imports against the layers (LAYERS in this file says which layer sits on which):\n" + \
         "\n".join(violations)
 
 
@@ -383,6 +408,22 @@ def test_no_module_is_huge():
     huge = [f"{path.relative_to(PKG.parent)}: {n} lines" for path, _ in _modules().values()
             if (n := path.read_text().count("\n")) > MAX_MODULE_LINES]
     assert not huge, f"modules over {MAX_MODULE_LINES} lines (more than one concern?):\n" + "\n".join(huge)
+
+
+def _folder_modules() -> dict[pathlib.Path, int]:
+    """folder -> modules at its top level (``__init__`` and ``__main__`` are the folder itself, not rooms in it)."""
+    counts: dict[pathlib.Path, int] = {}
+    for path, _ in _modules().values():
+        counts.setdefault(path.parent, 0)
+        counts[path.parent] += path.stem not in ("__init__", "__main__")
+    return counts
+
+
+def test_every_folder_has_room():
+    crowded = [f"{folder.relative_to(PKG.parent)}/: {n} modules (at most {limit})"
+               for folder, n in sorted(_folder_modules().items())
+               if n > (limit := MAX_ROOT_MODULES if folder == PKG else MAX_FOLDER_MODULES)]
+    assert not crowded, "folders grown into halls (split them into sub-packages by role):\n" + "\n".join(crowded)
 
 
 def test_every_module_imports_in_a_fresh_interpreter():

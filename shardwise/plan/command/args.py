@@ -1,6 +1,6 @@
 """The ``shardwise plan`` command line's flags and their parsers, without torch.
 
-Separate from :mod:`shardwise.plan.cli` (which runs the planner, and so
+Separate from :mod:`shardwise.plan.command.cli` (which runs the planner, and so
 imports torch) so that ``shardwise --help`` and ``shardwise plan --help``
 answer at once.
 """

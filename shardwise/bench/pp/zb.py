@@ -49,7 +49,7 @@ from torch.nn import functional as F
 from shardwise.bench.harness import NOT_SEEN, NOT_SEEN_NOTE, PAIRED_NOTE, measure, ratio_text, spawn_collect
 from shardwise.bench.harness import paired as harness_paired
 from shardwise.bench.tables import Column, table, wide
-from shardwise.bench.mp import mlp
+from shardwise.bench.pp.mp import mlp
 from shardwise.comm.topology import Topology
 from shardwise.dims import PP, WORLD
 from shardwise.parallel.checkpointing import SavedActivations
@@ -395,7 +395,7 @@ ZB_COLUMNS = (Column("implementation", left=True), Column("sim. bubble", detail=
 
 def zb_pair(a: argparse.Namespace) -> Table:
     """``--nproc`` stages, :data:`MICROBATCHES` micro-batches of ``--batch`` (``shardwise bench --pairs zb`` shows
-    this table and, under it, the V half: :func:`shardwise.bench.zbv.zb_pairs`)."""
+    this table and, under it, the V half: :func:`shardwise.bench.pp.zbv.zb_pairs`)."""
     model = mlp(WIDTH, DEPTH)
     res = run_zb(model, a.nproc, a.batch, MICROBATCHES, a.reps, steps=a.steps, accelerator=a.accelerator)
     return zb_table(res, CONTENDERS, a.nproc, MICROBATCHES, a.batch, WIDTH, DEPTH, wide_=wide(a))

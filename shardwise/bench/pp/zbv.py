@@ -1,7 +1,7 @@
 """Benchmark pair ``zb``, V half: our ZBV and DualPipeV against torch's ``ScheduleZBVZeroBubble`` and
 ``ScheduleDualPipeV``.
 
-The same harness as :mod:`shardwise.bench.zb` (same spawned ranks, rotation of which contender goes first,
+The same harness as :mod:`shardwise.bench.pp.zb` (same spawned ranks, rotation of which contender goes first,
 medians, an untimed step from the same weights for the loss and gradients), with two model chunks per rank
 placed in a V: the model is cut into ``2p`` virtual stages (:func:`~shardwise.parallel.pp.build.stage_starts`,
 the same cut for all), and rank ``r`` keeps stages ``r`` and ``2p-1-r`` (torch: two ``PipelineStage`` objects
@@ -21,9 +21,9 @@ from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV, Sched
 from torch.nn import functional as F
 
 from shardwise.bench.harness import NOT_SEEN, NOT_SEEN_NOTE
-from shardwise.bench.mp import mlp
+from shardwise.bench.pp.mp import mlp
 from shardwise.bench.tables import Column, table, wide
-from shardwise.bench.zb import (
+from shardwise.bench.pp.zb import (
     ADAMW,
     CPU_NOTE,
     DEPTH,
@@ -179,7 +179,7 @@ def zbv_table(results: list[RankResult], p: int, m: int, batch_size: int, width:
     return table(title, ZBV_COLUMNS, rows, wide_, caption)
 
 
-# As the ZB-H1 table's (:data:`~shardwise.bench.zb.ZB_COLUMNS`), each row against torch's same schedule.
+# As the ZB-H1 table's (:data:`~shardwise.bench.pp.zb.ZB_COLUMNS`), each row against torch's same schedule.
 ZBV_COLUMNS = (Column("implementation", left=True), Column("sim. bubble", detail=True), Column("median step"),
                Column("vs torch"), Column("paired vs torch"), Column("CPU / step", detail=True),
                Column("CPU vs torch", detail=True), Column("peak tensors"), Column("mem. vs torch"),
@@ -196,7 +196,7 @@ def zbv_pair(a: argparse.Namespace) -> Table:
 
 
 def zb_pairs(a: argparse.Namespace) -> Table:
-    """``shardwise bench --pairs zb``: the ZB-H1 table (:func:`shardwise.bench.zb.zb_pair`), then the V one."""
+    """``shardwise bench --pairs zb``: the ZB-H1 table (:func:`shardwise.bench.pp.zb.zb_pair`), then the V one."""
     both = Table.grid(padding=(1, 0))
     both.add_row(zb_pair(a))
     both.add_row(zbv_pair(a))

@@ -14,7 +14,7 @@ from rich.table import Table
 from shardwise.console import make_console
 
 # Re-exported: tests and the lead CLI take the flags from here too.
-from shardwise.plan.args import (  # noqa: F401
+from shardwise.plan.command.args import (  # noqa: F401
     add_arguments,
     parse_bytes,
     parse_count,
