@@ -27,7 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # "The same maths" is claimed in float64 (the ``float64`` marker): float32 rounding, amplified by Adam on
 # weights whose gradient is near zero, moved single elements past 1e-5 on some CPUs and not on others, so
 # the CPU's summation order decided those tests. In float64 the same runs differ by about 1e-13 relative
-# (measured: see the closing note of issue 23), so a tolerance of 1e-9 cannot be crossed by rounding yet
+# (measured), so a tolerance of 1e-9 cannot be crossed by rounding yet
 # catches any real difference (a dropped micro-batch or an unreduced bucket moves weights by 1e-3 or more).
 FLOAT64_RTOL, FLOAT64_ATOL = 1e-9, 1e-12
 
@@ -51,6 +51,29 @@ def assert_same_run(ref, run, rtol: float | None = None, atol: float | None = No
         b = run.state_dict[k]
         scale = float(a.abs().max()) if a.numel() and a.is_floating_point() else 0.0
         torch.testing.assert_close(b, a, rtol=rtol, atol=atol + rtol * scale, msg=lambda m: f"{k}: {m}")
+
+
+# ---- ours beside torch's: one rank function trains both on the same batches, the test compares the weights ---
+def train_beside_torch(rank: int, steps: int, classes: int, path: str, ours: tuple, theirs: tuple) -> None:
+    """Train ``ours`` and ``theirs``, each ``(model as called, its optimizer, the plain module inside)``, on the
+    same seeded batches of this rank (8 rows of 16 features, ``classes`` targets, cross-entropy); rank 0 saves
+    both plain modules' weights to ``path`` for :func:`assert_beside_torch`."""
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, classes, (8,), generator=g)
+        for model, opt, _ in (ours, theirs):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    if rank == 0:
+        torch.save({"ours": ours[2].state_dict(), "torch": theirs[2].state_dict()}, path)
+
+
+def assert_beside_torch(path: str) -> None:
+    """The weights :func:`train_beside_torch` saved: ours equal torch's to float32 rounding."""
+    w = torch.load(path)
+    for k in w["torch"]:
+        torch.testing.assert_close(w["ours"][k], w["torch"][k], rtol=1e-5, atol=1e-6)
 
 
 # Under ``make test``'s two workers (pytest-xdist hands out tests in collection order) the last tests decide when

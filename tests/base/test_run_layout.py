@@ -1,4 +1,4 @@
-"""Issue 41: a RunLayout holds its ParallelDims (no loose sizes beside them); the keyword form and
+"""A RunLayout holds its ParallelDims (no loose sizes beside them); the keyword form and
 ``dataclasses.replace`` keep working, and dp's grouping always follows the data-parallel form."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Layout-free checkpoints: saved under one layout and world size, resumed under another, exactly (issue 13).
+"""Layout-free checkpoints: saved under one layout and world size, resumed under another, exactly.
 
-Context-parallel layouts (issue 25) are sources and targets too: cp ranks hold the
+Context-parallel layouts are sources and targets too: cp ranks hold the
 same tensors, so a cp run's checkpoint is the same as any other layout's.
 
 The matrix runs on the project's GPT with tied embeddings and on Hugging Face

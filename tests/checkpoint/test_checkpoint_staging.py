@@ -1,5 +1,5 @@
 """The host memory a save in the background stages (``checkpoint_async``), planned rank by rank, against what
-the Saver copies (issue 47)."""
+the Saver copies."""
 from __future__ import annotations
 
 import functools

@@ -186,7 +186,7 @@ def test_nonfinite_loss_stops_with_step_and_rank():
 
 
 def test_error_mode_reads_no_flag_before_the_optimizer_step(monkeypatch):
-    # Found on an H200 (issue 28): reading the loss before opt.step() stops the host until backward ends, and the
+    # Found on an H200: reading the loss before opt.step() stops the host until backward ends, and the
     # GPU then idles while the optimizer's kernels are launched. "error" mode checks the loss after the step.
     from shardwise.fit import steps
 

@@ -1,4 +1,4 @@
-"""The command line for first-time users and for pipes (issue 17, item 4): help on every flag, our own
+"""The command line for first-time users and for pipes: help on every flag, our own
 `run --help`, `--version`, help without importing torch."""
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def test_every_verb_says_what_it_does():
         assert p.description, f"`{path} --help` opens with a description"
 
 
-# ---- the demo's pictures (issue 17, item 5) ------------------------------------------------------
+# ---- the demo's pictures ------------------------------------------------------
 
 
 def demo_finished():

@@ -1,10 +1,10 @@
-"""`verify` judges a strategy against the noise floor it measures itself (issue 15, item 7).
+"""`verify` judges a strategy against the noise floor it measures itself.
 
 EQUAL on correct ddp runs of three models not written here; MISMATCH when one
 gradient bucket is not reduced. Before, a fixed 1e-5 tolerance called correct
 runs of real models a mismatch (summation order alone moves weights by 1e-4).
 
-Issue 23, item 1: the floor was a single-device run with twice the micro-batches,
+The floor was once a single-device run with twice the micro-batches,
 which for a BatchNorm model changes the maths, so the floor came out huge and
 ddp without sync_batchnorm passed as EQUAL. The floor is now float32 against
 float64, and a model that mixes the samples of a batch is a MISMATCH, with
@@ -100,7 +100,7 @@ def test_a_bucket_that_is_not_reduced_is_a_mismatch():
 
 
 
-# ---- batch coupling (issue 23, item 1) ---------------------------------------------------------
+# ---- batch coupling ---------------------------------------------------------
 class BatchNormCNN(nn.Module):
     def __init__(self) -> None:
         super().__init__()

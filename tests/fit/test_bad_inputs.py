@@ -1,4 +1,4 @@
-"""Every input the launching process can judge is refused before any rank starts (issue 14, point 5).
+"""Every input the launching process can judge is refused before any rank starts.
 
 Each case runs under the ``no_spawn`` fixture: starting a process is itself a
 failure, so a check that only fires inside the ranks fails the test.

@@ -1,4 +1,4 @@
-"""precision="bf16-true" (issue 42): weights, gradients and optimizer states in bf16 with no fp32 master copy.
+"""precision="bf16-true": weights, gradients and optimizer states in bf16 with no fp32 master copy.
 
 The model-state bytes are counted rank by rank and must be exactly half of fp32's with AdamW (two moments:
 4 + 4 + 8 bytes per parameter against 2 + 2 + 4) and exactly what the planner lays out. The distributed runs

@@ -1,4 +1,4 @@
-"""Callbacks that see a whole run (issue 44, item 4): fit start, step start, before the optimizer step with the
+"""Callbacks that see a whole run: fit start, step start, before the optimizer step with the
 global gradient, the exception that ends a run, and state kept in checkpoints."""
 from __future__ import annotations
 

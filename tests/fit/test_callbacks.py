@@ -1,4 +1,4 @@
-"""Callbacks and early stopping (issue 15, point 6): called on every rank, and every rank stops at the same step."""
+"""Callbacks and early stopping: called on every rank, and every rank stops at the same step."""
 from __future__ import annotations
 
 import functools

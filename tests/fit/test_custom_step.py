@@ -1,4 +1,4 @@
-"""fit(training_step=), and trainer.predict / validate / test after training (issue 45), under every strategy.
+"""fit(training_step=), and trainer.predict / validate / test after training, under every strategy.
 
 Each layout is ONE 2-rank job (the session's worker pool) that trains Hugging Face Mixtral (4 experts, top-2)
 with a training_step returning cross-entropy plus a weighted router z-loss (ST-MoE, Zoph et al. 2022: the

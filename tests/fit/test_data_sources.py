@@ -1,4 +1,4 @@
-"""Data as users have it (issue 15, point 5): iterable datasets, DataLoader workers, dict batches, resume position.
+"""Data as users have it: iterable datasets, DataLoader workers, dict batches, resume position.
 
 Every run is compared with single-device training on the same data: the
 global batches are the same whatever the device count, the number of

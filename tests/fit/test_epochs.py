@@ -1,4 +1,4 @@
-"""Trainer(max_epochs=) beside fit(max_steps=) (issue 42): Lightning's habit, with a defined meaning for the last
+"""Trainer(max_epochs=) beside fit(max_steps=): Lightning's habit, with a defined meaning for the last
 partial global batch (dropped), an iterable dataset (its __len__), both limits (the first reached) and a resume in
 the middle of an epoch (the same order as the uninterrupted run)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The full state dict at the end of a ``fit`` that starts its ranks is gathered once, on rank 0 (issue 46): the
+"""The full state dict at the end of a ``fit`` that starts its ranks is gathered once, on rank 0: the
 other ranks hold no copy of the whole model, counted in bytes, and with ``return_state_dict=False`` no rank does."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A switcher's first day (issue 42, "Messages"): the mistakes of someone coming from a plain torch loop are
+"""A switcher's first day: the mistakes of someone coming from a plain torch loop are
 refused before any process starts, each with a message that says what was passed and what to do.
 
 Every refusal runs under ``no_spawn`` (starting a rank is itself a failure) and is asserted as a whole message.

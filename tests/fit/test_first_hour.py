@@ -1,4 +1,4 @@
-"""What a new user meets first (issue 17, items 2 and 3): one semantics of fit, devices="auto", the
+"""What a new user meets first: one semantics of fit, devices="auto", the
 errors of the spawned launch, and a resume that says what it does."""
 from __future__ import annotations
 

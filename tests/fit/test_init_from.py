@@ -1,4 +1,4 @@
-"""Fine-tuning from pretrained weights (issue 46): ``init_from=`` reads a Hugging Face directory straight into the
+"""Fine-tuning from pretrained weights: ``init_from=`` reads a Hugging Face directory straight into the
 shards of a meta-device model, and the run equals single-device fine-tuning from ``from_pretrained`` (float64)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Your own scalars (``sw.log``) and the profiler (issue 44): what each logs, checked against values computed by
+"""Your own scalars (``sw.log``) and the profiler: what each logs, checked against values computed by
 hand from the global batch, and the profiler's parts and bytes against the step time and the byte counter."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Learning-rate schedules: stepped per optimizer step, equal under every strategy, resumed exactly (issue 15, item 4)."""
+"""Learning-rate schedules: stepped per optimizer step, equal under every strategy, resumed exactly."""
 from __future__ import annotations
 
 import functools

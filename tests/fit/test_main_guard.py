@@ -1,5 +1,5 @@
 """A main script the ranks would run again is refused before any process starts; one they cannot
-re-import (stdin, a notebook) gets forked ranks (issue 17, item 2)."""
+re-import (stdin, a notebook) gets forked ranks."""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,4 @@
-"""The Trainer's memory check plans exactly the run that was asked for (issue 11, point 5).
+"""The Trainer's memory check plans exactly the run that was asked for.
 
 Every check here must fire before any worker process starts: the ``no_spawn``
 fixture makes starting one raise ``Spawned``, so a run the check accepts ends

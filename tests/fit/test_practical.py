@@ -1,4 +1,4 @@
-"""Mixed precision, activation checkpointing, gradient reduction dtype (issue 8)."""
+"""Mixed precision, activation checkpointing, gradient reduction dtype."""
 from __future__ import annotations
 
 import functools

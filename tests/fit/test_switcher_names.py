@@ -1,4 +1,4 @@
-"""The names a switcher from Lightning types (issue 42, part B): each alias and each refusal, asserted exactly.
+"""The names a switcher from Lightning types: each alias and each refusal, asserted exactly.
 
 Pre-start checks only: every test that builds a Trainer runs under ``no_spawn`` (starting a rank is a
 failure), and CUDA is faked where a test needs it (``torch.device("cuda", i)`` is only a name until used).

@@ -1,4 +1,4 @@
-"""Validation under every strategy equals evaluating the same weights on one device (issue 15, point 3).
+"""Validation under every strategy equals evaluating the same weights on one device.
 
 Each run trains and validates twice (after steps 2 and 4) under one layout;
 its training losses and weights must equal the single-device run's, its

@@ -1,4 +1,4 @@
-"""Experiment loggers read back by their own tools (issue 44, item 1): MLflow's client, TensorBoard's event reader,
+"""Experiment loggers read back by their own tools: MLflow's client, TensorBoard's event reader,
 the csv module and a W&B offline run directory.
 
 One launch per layout writes to all four loggers at once. The logged loss must equal ``fit``'s losses, each

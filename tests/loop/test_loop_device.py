@@ -1,4 +1,4 @@
-"""The hand-written loop on any device and in fp16 (issue 42, item 1): inputs follow the model to its device,
+"""The hand-written loop on any device and in fp16: inputs follow the model to its device,
 ``sw.prepare_dataloader`` yields device batches, ``model.backward(loss)`` is the one call that scales an fp16 loss,
 and docs/loop.md's program runs as written. The CUDA side of these is in tests/gpu/test_gpu_loop.py."""
 from __future__ import annotations

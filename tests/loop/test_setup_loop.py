@@ -1,4 +1,4 @@
-"""Hand-written loops on `sw.setup` (issue 17, item 1): the full state dict, global clipping, checkpoints
+"""Hand-written loops on `sw.setup`: the full state dict, global clipping, checkpoints
 across layouts, data and metrics, from plain python and under `shardwise run`."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Parameter groups under every strategy (issue 40): the groups a factory or ``param_groups`` makes on the unsplit
+"""Parameter groups under every strategy: the groups a factory or ``param_groups`` makes on the unsplit
 model are carried onto shards and slices, shape-dependent optimizers and factories that ignore their parameters
 are refused before start, and group settings changed mid-run survive a resume under another layout.
 

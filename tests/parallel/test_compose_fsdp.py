@@ -1,6 +1,6 @@
 """FSDP (zero=3) and HSDP composed with tensor and pipeline parallelism equal training in one process.
 
-Issue 11: ``Parallel(dp=, tp=, pp=, zero=3, replicate=)`` on the project's GPT and on
+``Parallel(dp=, tp=, pp=, zero=3, replicate=)`` on the project's GPT and on
 Hugging Face GPT-2 and Llama built from tiny configs, each run with gradient
 accumulation and global-norm clipping, must give the losses and final weights
 of single-process training.

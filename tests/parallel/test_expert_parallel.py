@@ -1,4 +1,4 @@
-"""Expert parallelism (issue 26): equal to one device, exact token and byte counts, layout-free checkpoints.
+"""Expert parallelism: equal to one device, exact token and byte counts, layout-free checkpoints.
 
 Each layout trains shardwise's MoE GPT (4 experts, top-2) and Hugging Face
 Mixtral (4 experts, top-2, 3-D expert weights) for three steps with two

@@ -1,4 +1,4 @@
-"""The planner's predictions against what our training runs count, rank by rank (issues 6, 11 and 25)."""
+"""The planner's predictions against what our training runs count, rank by rank."""
 from __future__ import annotations
 
 import functools
@@ -51,7 +51,7 @@ def test_predicted_bytes_equal_counted(strategy, devices):
         assert s["comm_bytes_per_step"] == est.comm_bytes_per_step
 
 
-# ---- composed layouts (issue 11): FSDP with tensor and pipeline parallelism -------------
+# ---- composed layouts: FSDP with tensor and pipeline parallelism -------------
 def make_gpt() -> GPT:
     torch.manual_seed(0)
     m = GPT(GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=4, n_embd=32))
@@ -113,7 +113,7 @@ def test_hf_composed_layouts_counted_equal_planned(family, factory):
     _assert_planned(_fit(factory(), 4, make, tiny_hf.logits_loss), factory(), 4, make)
 
 
-# ---- context and sequence parallelism (issue 25): bytes per group label, every rank, one step ----------------
+# ---- context and sequence parallelism: bytes per group label, every rank, one step ----------------
 # Each layout runs for one step and for two: the difference is one training step's bytes per group label,
 # free of what a run does once (rank 0's broadcast of the initial weights, the final gather of the full state
 # dict; both are in both runs). The label "world" is the losses' all-reduce after training ("metrics.losses"),

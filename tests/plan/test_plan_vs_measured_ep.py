@@ -1,4 +1,4 @@
-"""The planner against what expert-parallel runs count (issue 26): model states rank by rank, all-to-all bytes.
+"""The planner against what expert-parallel runs count: model states rank by rank, all-to-all bytes.
 
 Our MoE GPT (2 blocks, 4 experts, top-2, hidden 32, fp32) under ``sw.Parallel(ep=2)`` on 2 devices,
 ``ep=4`` and ``ep=2, zero=1|3`` on 4. Measured and planned, per rank (bytes):

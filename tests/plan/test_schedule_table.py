@@ -1,4 +1,4 @@
-"""Issue 41: one table of pipeline-schedule facts (shardwise.parallel.pp.schedules.SCHEDULES).
+"""One table of pipeline-schedule facts (shardwise.parallel.pp.schedules.SCHEDULES).
 
 The runtime, the planner, the figures and the checks read every fact of a schedule (its order, title,
 placement, chunks per rank, split backward, bubble and activation memory) from that one entry: a new schedule

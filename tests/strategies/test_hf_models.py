@@ -1,6 +1,6 @@
 """Hugging Face models, unchanged and built from configs (no download), under every data-parallel strategy.
 
-Issue 8: "GPT-2, Llama ... train under every data-parallel strategy". Each run
+GPT-2 and Llama train under every data-parallel strategy. Each run
 must equal single-process training (losses and final weights, fp32).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Mixed precision and activation checkpointing under sharded and model-parallel strategies (issue 8).
+"""Mixed precision and activation checkpointing under sharded and model-parallel strategies.
 
 test_practical.py covers single and ddp; here the strategies whose forward is not
 a plain ``model(x)`` on full weights: ZeRO-3/FSDP (parameters gathered per unit),

@@ -1,4 +1,4 @@
-"""Every example under every strategy it accepts exits 0 under `shardwise run --nproc 2` (issue 15).
+"""Every example under every strategy it accepts exits 0 under `shardwise run --nproc 2`.
 
 One launch runs every example under each strategy in turn, in the same ranks
 (tests/scripts/each_strategy.py); a pair an example refuses is launched alone.

@@ -1,4 +1,4 @@
-"""A rank that raises brings the whole job down in seconds, its error first (issue 14, point 1).
+"""A rank that raises brings the whole job down in seconds, its error first.
 
 Before: under `shardwise run` the raising rank waited in the teardown barrier
 until the collective timeout (300 s by default). Both launch modes run here

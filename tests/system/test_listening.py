@@ -1,4 +1,4 @@
-"""On one machine a job listens on loopback only (issue 14, point 3), read from the kernel's socket table."""
+"""On one machine a job listens on loopback only, read from the kernel's socket table."""
 from __future__ import annotations
 
 import os

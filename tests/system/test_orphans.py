@@ -1,4 +1,4 @@
-"""Ranks end with the process that started them (issue 14, point 2).
+"""Ranks end with the process that started them.
 
 The launcher (a plain `python script.py` calling Trainer(devices=2).fit) is
 killed with SIGKILL, which it cannot catch or clean up after: its ranks must

@@ -1,4 +1,4 @@
-"""The package as pip sees it (issue 42, part A): one version, a license, the typed marker, the torch range,
+"""The package as pip sees it: one version, a license, the typed marker, the torch range,
 and extras that match the features that need them (shardwise/extras.py)."""
 from __future__ import annotations
 

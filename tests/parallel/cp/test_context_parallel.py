@@ -1,4 +1,4 @@
-"""Context parallelism (issue 25): equal to one device, exact bytes, refusals before any process starts.
+"""Context parallelism: equal to one device, exact bytes, refusals before any process starts.
 
 Each layout trains shardwise's GPT, Hugging Face Llama (RoPE, 4 heads and 2
 kv heads) and Hugging Face GPT-2 (learned positions) for three steps with two

@@ -1,4 +1,4 @@
-"""BatchNorm under data parallelism (issue 15, item 1).
+"""BatchNorm under data parallelism.
 
 With ``sync_batchnorm=True`` a CNN with BatchNorm trains as on one device
 (running statistics included) under ddp, zero3, fsdp, hsdp and dp x tp;

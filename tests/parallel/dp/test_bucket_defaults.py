@@ -1,4 +1,4 @@
-"""Issue 41: each bucket default is one named constant (shardwise/parallel/dp/buckets.py) that the wrappers, the
+"""Each bucket default is one named constant (shardwise/parallel/dp/buckets.py) that the wrappers, the
 strategies and the planner read, so that ``sw.DDP()``, ``sw.Parallel()`` and the plan cannot disagree."""
 from __future__ import annotations
 

@@ -15,6 +15,8 @@ from shardwise.comm.topology import Topology
 from shardwise.parallel.dp.ddp import DDPModule
 from shardwise.workloads import digits
 
+from conftest import assert_beside_torch, train_beside_torch
+
 pytestmark = [pytest.mark.timeout(180), pytest.mark.float64]
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
@@ -75,24 +77,14 @@ def _ours_vs_torch(rank, device, steps, path):
     theirs.load_state_dict(base.state_dict())
     ours = DDPModule(mine, topo.comm("dp"), bucket_cap_mb=0.001)  # several buckets
     torch_ddp = nn.parallel.DistributedDataParallel(theirs, process_group=topo.group("dp"))
-    o1, o2 = ADAMW(mine.parameters()), ADAMW(theirs.parameters())
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(steps):
-        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
-        for m, o in ((ours, o1), (torch_ddp, o2)):
-            F.cross_entropy(m(x), y).backward()
-            o.step()
-            o.zero_grad()
-    if rank == 0:
-        torch.save({"ours": mine.state_dict(), "torch": theirs.state_dict()}, path)
+    train_beside_torch(rank, steps, 4, path, (ours, ADAMW(mine.parameters()), mine),
+                       (torch_ddp, ADAMW(theirs.parameters()), theirs))
 
 
 def test_weights_equal_torch_ddp(tmp_path):
     path = str(tmp_path / "w.pt")
     launch.spawn(_ours_vs_torch, 2, args=(5, path))
-    w = torch.load(path)
-    for k in w["torch"]:
-        torch.testing.assert_close(w["ours"][k], w["torch"][k], rtol=1e-5, atol=1e-6)
+    assert_beside_torch(path)
 
 
 # ---- errors ----------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Synchronised BatchNorm on gloo: the global batch's statistics, forward and backward (issue 15, item 1)."""
+"""Synchronised BatchNorm on gloo: the global batch's statistics, forward and backward."""
 from __future__ import annotations
 
 import pytest

@@ -2,7 +2,7 @@
 
 Its gradient hooks live in autograd's C++ nodes, out of sight of Python's collector; hooks that held the wrapper
 strongly made a cycle (parameter -> hook -> wrapper -> module -> parameter) that nothing freed: on an H200 each
-finished ddp, fsdp or zero2 fit of GPT-2 small left 8 GB of CUDA memory allocated (issue 28). Run here on CPU,
+finished ddp, fsdp or zero2 fit of GPT-2 small left 8 GB of CUDA memory allocated. Run here on CPU,
 where the same cycle keeps the same tensors alive.
 """
 from __future__ import annotations

@@ -16,6 +16,8 @@ from shardwise.parallel.dp.zero import ShardedOptimizer
 from shardwise.strategies.dp.zero import ZeRO1, ZeRO2
 from shardwise.workloads import digits
 
+from conftest import assert_beside_torch, train_beside_torch
+
 pytestmark = [pytest.mark.timeout(240), pytest.mark.float64]
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
@@ -130,23 +132,13 @@ def _ours_vs_torch_zero(rank, device, steps, path):
     torch_ddp = DistributedDataParallel(theirs, process_group=topo.group("dp"))
     o2 = ZeroRedundancyOptimizer(theirs.parameters(), optimizer_class=torch.optim.AdamW,
                                  process_group=topo.group("dp"), lr=1e-3)
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(steps):
-        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)
-        for m, o in ((ours, o1), (torch_ddp, o2)):
-            F.cross_entropy(m(x), y).backward()
-            o.step()
-            o.zero_grad()
-    if rank == 0:
-        torch.save({"ours": mine.state_dict(), "torch": theirs.state_dict()}, path)
+    train_beside_torch(rank, steps, 5, path, (ours, o1, mine), (torch_ddp, o2, theirs))
 
 
 def test_weights_equal_torch_zero_redundancy_optimizer(tmp_path):
     path = str(tmp_path / "w.pt")
     launch.spawn(_ours_vs_torch_zero, 2, args=(4, path))
-    w = torch.load(path)
-    for k in w["torch"]:
-        torch.testing.assert_close(w["ours"][k], w["torch"][k], rtol=1e-5, atol=1e-6)
+    assert_beside_torch(path)
 
 
 # ---- torch.distributed.checkpoint round trip ------------------------------------

@@ -1,6 +1,6 @@
 """The split backward (B now, W later) gives exactly the plain backward's gradients, and W redoes none of B.
 
-Issue 27, first step: :mod:`shardwise.parallel.pp.split_backward` alone. Each test
+:mod:`shardwise.parallel.pp.split_backward` alone. Each test
 runs a stage once with ``torch.autograd.backward(out, g)`` and once as
 ``backward_input`` then ``backward_weight``, and compares the input gradient and
 every ``p.grad``. The work is measured too: FLOPs (torch's FlopCounterMode: the

@@ -1,4 +1,4 @@
-"""Zero-bubble pipeline schedules (issue 27): the schedules as data, their bubbles against the paper's formulas.
+"""Zero-bubble pipeline schedules: the schedules as data, their bubbles against the paper's formulas.
 
 Qi et al. 2024, "Zero Bubble Pipeline Parallelism": with the backward split into
 B (input gradient) and W (weight gradient), ZB-H1's idle time per stage is

@@ -1,4 +1,4 @@
-"""A hand-written GPT with fused q/k/v under tensor parallelism (issue 15, item 2).
+"""A hand-written GPT with fused q/k/v under tensor parallelism.
 
 Written here the way many people write a GPT (one ``c_attn`` projection that
 holds q|k|v, ``F.scaled_dot_product_attention``, the output head tied to the

@@ -1,4 +1,4 @@
-"""Tensor parallelism on a model with a parameter tied under two names (issue 15, item 2).
+"""Tensor parallelism on a model with a parameter tied under two names.
 
 BertForMaskedLM ties its decoder weight to the word embedding (split by
 vocabulary on every rank) and its decoder bias to ``cls.predictions.bias``.
