@@ -180,7 +180,8 @@ def _ranks_from_the_pool(request, monkeypatch):
 # tests/scripts/each_strategy.py runs each script in turn in the same two ranks (a new group each, as a script with
 # several trainings would), so the launcher's and the ranks' start-up (torch, a few seconds of CPU per process) is
 # paid once for all of them. (script, strategy, its flags); "{out}" is the launch's output folder. A script that
-# fails the job on purpose (tests/system/test_fail_fast.py) or needs restarts (tests/system/test_elastic.py) launches alone.
+# fails the job on purpose (tests/system/test_fail_fast.py) or needs restarts (tests/system/test_elastic.py)
+# launches alone.
 UNDER_RUN = (("examples/digits.py", "ddp", ("--steps", "6", "--out", "{out}/losses.json")),
              ("examples/setup_loop.py", "ddp", ("--epochs", "2")),
              ("tests/scripts/fit_auto.py", "-", ()),

@@ -129,7 +129,8 @@ def shown(strategy: str | Strategy) -> str:
     return f"{type(strategy).__name__}({', '.join(set_)})"
 
 
-# The pairs that run as engine switches: the strategies engine="torch" runs (strategies/torch_engine/wrappers.py's TORCH).
+# The pairs that run as engine switches: the strategies engine="torch" runs
+# (strategies/torch_engine/wrappers.py's TORCH).
 # tp and fsdp-tp need a model with a built-in tensor-parallel plan: the GPT (the MLP is a bare nn.Sequential).
 SWITCHES: dict[str, Switch] = {"ddp": Switch("ddp", (MLP,), 2), "zero1": Switch("zero1", (MLP, GPT_), 2),
                                "zero2": Switch("zero2", (MLP, GPT_), 2), "zero3": Switch("zero3", (MLP, GPT_), 3),

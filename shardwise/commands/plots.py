@@ -405,7 +405,8 @@ __all__ = ["ALL_SCHEDULES", "BAR", "BOX", "BOX_LABEL", "count_boxes", "count_box
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m shardwise.commands.plots DIR``: the PNGs of docs/pictures.md (real runs, plus a simulated timeline)."""
+    """``python -m shardwise.commands.plots DIR``: the PNGs of docs/pictures.md (real runs, plus a simulated
+    timeline)."""
     ap = argparse.ArgumentParser(prog="python -m shardwise.commands.plots",
                                  description="Measure and draw the PNGs of docs/pictures.md (throughput, memory, "
                                              "recorded and simulated pipeline timelines), printing every number.")

@@ -28,8 +28,9 @@ DEFAULT_BACKEND = "inductor"
 # the autograd functions and hooks of the wrappers (a unit's gathered or sharded state, tensor-parallel caches).
 # Inside a graph, dynamo would guard on that state and recompile every time it changes.
 EAGER_MODULES = ["shardwise.comm", "shardwise.parallel.dp.fsdp_module", "shardwise.parallel.dp.fsdp_units",
-                 "shardwise.parallel.tp.layers", "shardwise.parallel.tp.sequence_parallel", "shardwise.parallel.cp.apply",
-                 "shardwise.parallel.cp.attention", "shardwise.parallel.ep", "shardwise.parallel.dp.zero_module"]
+                 "shardwise.parallel.tp.layers", "shardwise.parallel.tp.sequence_parallel",
+                 "shardwise.parallel.cp.apply", "shardwise.parallel.cp.attention", "shardwise.parallel.ep",
+                 "shardwise.parallel.dp.zero_module"]
 
 
 def backend_of(compile: bool | str) -> str | None:

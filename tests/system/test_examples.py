@@ -24,7 +24,8 @@ def first_and_final(stdout: str) -> tuple[float, float]:
 def run_example(name: str, argv: list[str], monkeypatch, capsys) -> str:
     """``python examples/NAME.py ARGV`` as the example's own ``main()`` in this process, its ranks on the session's
     worker pool: what the script does, without paying two fresh interpreters (torch, transformers) per example.
-    The examples as scripts, under `shardwise run` and every strategy, are tests/system/test_examples_everywhere.py's."""
+    The examples as scripts, under `shardwise run` and every strategy, are
+    tests/system/test_examples_everywhere.py's."""
     monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))  # the ranks import the example's module by name
     monkeypatch.setattr(sys, "argv", [f"examples/{name}.py", *argv])
     importlib.import_module(name).main()

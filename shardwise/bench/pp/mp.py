@@ -343,7 +343,8 @@ def ascii_timeline(events: list[Any], unit: float = 1.0) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m shardwise.bench.pp.mp {bubble,memory,tpbytes,pairs,timeline}``: the numbers in docs/model_parallel.md."""
+    """``python -m shardwise.bench.pp.mp {bubble,memory,tpbytes,pairs,timeline}``: the numbers in
+    docs/model_parallel.md."""
     ap = argparse.ArgumentParser(prog="python -m shardwise.bench.pp.mp")
     ap.add_argument("what", choices=["bubble", "memory", "tpbytes", "pairs", "timeline"])
     ap.add_argument("--stages", default="2,4,8")

@@ -54,8 +54,8 @@ from shardwise.step import LossFn
 # Our schedule's name -> torch's schedule on the same placement (gpipe, 1f1b, zb-h1: one stage per rank;
 # interleaved: the loop c * p + r; zbv, dualpipev: the V, rank r holding stages r and 2p-1-r), with the same
 # forwards and backwards in the same order (tests/bench/test_zb_pair.py, tests/parallel/pp/test_zero_bubble.py,
-# tests/strategies/torch_engine/test_torch_engine_zb.py compare them). ScheduleInterleavedZeroBubble is the paper's ZB1P: given one
-# stage per rank it runs ZB-H1's order. torch's DualPipeV and ZBV run DualPipe's and the paper's whole and split
+# tests/strategies/torch_engine/test_torch_engine_zb.py compare them). ScheduleInterleavedZeroBubble is the
+# paper's ZB1P: given one stage per rank it runs ZB-H1's order. torch's DualPipeV and ZBV run DualPipe's and the paper's whole and split
 # backwards where they have them; ours (zbv, dualpipev) run some more of them whole, the same actions.
 TORCH_SCHEDULES: dict[str, type[_PipelineSchedule]] = {
     "gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,

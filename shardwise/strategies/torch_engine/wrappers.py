@@ -560,8 +560,8 @@ class TorchCP(TorchFSDP):
 class TorchDP(TorchEngine):
     """``strategy="dp"`` on CUDA under ``torch.nn.DataParallel``: one process, the batch scattered over the
     strategy's devices (primary first), replicas in threads, gradients summed on the primary device; the same
-    design as ours (:mod:`shardwise.parallel.dp.threaded`), so the devices, the primary-device check and the optimizer are
-    our DP's."""
+    design as ours (:mod:`shardwise.parallel.dp.threaded`), so the devices, the primary-device check and the
+    optimizer are our DP's."""
 
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -41,7 +41,8 @@ def gpt() -> nn.Module:
 
 MODELS = {
     "gpt": (gpt, lm_loss, functools.partial(torch.optim.AdamW, lr=1e-3)),
-    # lr 1e-4 as tests/strategies/test_hf_models.py: Adam turns rounding noise of near-zero gradients into updates of ~lr.
+    # lr 1e-4 as tests/strategies/test_hf_models.py: Adam turns rounding noise of near-zero gradients into updates
+    # of ~lr.
     "llama": (llama, logits_loss, functools.partial(torch.optim.AdamW, lr=1e-4)),
     "gpt2": (gpt2, logits_loss, functools.partial(torch.optim.AdamW, lr=1e-4)),
     "qwen2": (qwen2, logits_loss, functools.partial(torch.optim.AdamW, lr=1e-4)),
