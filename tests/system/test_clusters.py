@@ -300,7 +300,7 @@ def listen():
     dist.all_gather(pids, torch.tensor([os.getpid()]))
     sockets = []
     if dist.get_rank() == 0:
-        sys.path.insert(0, sys.argv[2])
+        sys.path[:0] = sys.argv[2].split(os.pathsep)
         from test_listening import listening
 
         sockets = listening([int(p) for p in pids])
@@ -435,7 +435,8 @@ def srun_job(tmp_path_factory):
     folder = tmp_path_factory.mktemp("srun")
     job_id = _slurm_job_id()
     return folder, _start_ranks(folder, SRUN_MODES, [_slurm_task(r, job_id) for r in (0, 1)], timeout=100,
-                                args=(os.path.dirname(os.path.abspath(__file__)),))
+                                args=(os.pathsep.join([os.path.dirname(os.path.abspath(__file__)),
+                                                    os.path.join(ROOT, "tests")]),))
 
 
 @pytest.mark.fresh_processes
