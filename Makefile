@@ -30,10 +30,10 @@ test: $(STAMP)
 
 # The edit-run loop (under 2 minutes): the planner's unit tests and one equivalence file per
 # paradigm; CI and the README's `make test` run everything.
-FAST := tests/plan tests/test_memory_check.py tests/parallel/test_dp.py tests/parallel/test_naive_mp.py \
-	tests/test_ddp.py tests/parallel/test_zero.py tests/parallel/test_fsdp.py tests/parallel/test_offload.py \
-	tests/parallel/test_tp.py tests/parallel/test_pipeline.py tests/parallel/test_ps.py tests/test_checkpoint.py \
-	tests/test_hf_models.py
+FAST := tests/plan tests/fit/test_memory_check.py tests/parallel/dp/test_dp.py tests/parallel/pp/test_naive_mp.py \
+	tests/parallel/dp/test_ddp.py tests/parallel/dp/test_zero.py tests/parallel/dp/test_fsdp.py \
+	tests/parallel/dp/test_offload.py tests/parallel/tp/test_tp.py tests/parallel/pp/test_pipeline.py \
+	tests/parallel/ps/test_ps.py tests/checkpoint/test_checkpoint.py tests/strategies/test_hf_models.py
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) $(FAST) -k "not dies_or_hangs"

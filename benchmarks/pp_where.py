@@ -18,7 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from shardwise.bench.harness import spawn_collect
-from shardwise.bench.mp import mlp, ours_1f1b, pp_sizes, torch_1f1b
+from shardwise.bench.pp.mp import mlp, ours_1f1b, pp_sizes, torch_1f1b
 from shardwise.comm.topology import Topology
 from shardwise.dims import PP, WORLD
 

@@ -2,7 +2,7 @@
 
 One stage (4 x Linear(1024) with ReLU, micro-batch 32, fp32, one thread): the
 plain backward, our ``backward_input`` + ``WeightGrad.backward_weight``
-(shardwise.parallel.split_backward), and torch's ``stage_backward_input`` +
+(shardwise.parallel.pp.split_backward), and torch's ``stage_backward_input`` +
 ``stage_backward_weight`` (torch.distributed.pipelining._backward, a private
 module: the helpers its zero-bubble schedules call). The three alternate
 every repetition; medians after 5 warm-up repetitions.
@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from shardwise.parallel.split_backward import backward_input
+from shardwise.parallel.pp.split_backward import backward_input
 
 Timed = Callable[[nn.Module, torch.Tensor], tuple[float, float]]
 

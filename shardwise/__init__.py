@@ -13,21 +13,21 @@ __version__ = "0.1.0"
 # Public name -> "module:attribute". Strategy classes (sw.ZeRO3, sw.Parallel, ...) come from
 # strategy.CLASSES, looked up after this table.
 _PUBLIC: dict[str, str] = {
-    "init": "shardwise.loop:init",
-    "Prepared": "shardwise.loop:Prepared",
+    "init": "shardwise.loop.prepared:init",
+    "Prepared": "shardwise.loop.prepared:Prepared",
     "Callback": "shardwise.fit.callbacks:Callback",
     "EarlyStopping": "shardwise.fit.callbacks:EarlyStopping",
-    "all_reduce_mean": "shardwise.loop_data:all_reduce_mean",
-    "clip_grad_norm_": "shardwise.loop:clip_grad_norm_",
-    "clip_grad_value_": "shardwise.loop:clip_grad_value_",
-    "gather": "shardwise.loop_data:gather",
-    "gather_for_metrics": "shardwise.loop_data:gather_for_metrics",
-    "no_sync": "shardwise.loop:no_sync",
-    "prepare_dataloader": "shardwise.loop_data:prepare_dataloader",
-    "save": "shardwise.loop:save",
-    "load": "shardwise.loop:load",
+    "all_reduce_mean": "shardwise.loop.data:all_reduce_mean",
+    "clip_grad_norm_": "shardwise.loop.prepared:clip_grad_norm_",
+    "clip_grad_value_": "shardwise.loop.prepared:clip_grad_value_",
+    "gather": "shardwise.loop.data:gather",
+    "gather_for_metrics": "shardwise.loop.data:gather_for_metrics",
+    "no_sync": "shardwise.loop.prepared:no_sync",
+    "prepare_dataloader": "shardwise.loop.data:prepare_dataloader",
+    "save": "shardwise.loop.prepared:save",
+    "load": "shardwise.loop.prepared:load",
     "CLASSES": "shardwise.strategies.registry:CLASSES",
-    "DDP": "shardwise.strategies.ddp:DDP",
+    "DDP": "shardwise.strategies.dp.ddp:DDP",
     "REGISTRY": "shardwise.strategies.registry:REGISTRY",
     "Single": "shardwise.strategies.single:Single",
     "Strategy": "shardwise.strategies.base:Strategy",
@@ -38,8 +38,8 @@ _PUBLIC: dict[str, str] = {
     "teardown": "shardwise.comm.topology:teardown",
     "FitResult": "shardwise.fit.trainer:FitResult",
     "Trainer": "shardwise.fit.trainer:Trainer",
-    "setup": "shardwise.loop:setup",
-    "log": "shardwise.scalars:log",
+    "setup": "shardwise.loop.prepared:setup",
+    "log": "shardwise.loggers.scalars:log",
     "loggers": "shardwise.loggers:",  # the module itself: sw.loggers.CSV, sw.loggers.MLflow, ...
 }
 
@@ -48,7 +48,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is i
     from shardwise.comm.topology import Topology, teardown
     from shardwise.fit.callbacks import Callback, EarlyStopping
     from shardwise.fit.trainer import FitResult, Trainer
-    from shardwise.loop import (
+    from shardwise.loop.prepared import (
         Prepared,
         clip_grad_norm_,
         clip_grad_value_,
@@ -58,9 +58,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is i
         save,
         setup,
     )
-    from shardwise.loop_data import all_reduce_mean, gather, gather_for_metrics, prepare_dataloader
+    from shardwise.loop.data import all_reduce_mean, gather, gather_for_metrics, prepare_dataloader
     from shardwise.strategies.base import Strategy
-    from shardwise.strategies.ddp import DDP
+    from shardwise.strategies.dp.ddp import DDP
     from shardwise.strategies.registry import (
         CLASSES,
         REGISTRY,
@@ -68,7 +68,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is i
         register,
         resolve,
     )
-    from shardwise.scalars import log
+    from shardwise.loggers.scalars import log
     from shardwise.strategies.single import Single
 
 

@@ -14,7 +14,7 @@ from shardwise import __version__
 from shardwise.bench import add_arguments as bench_args
 from shardwise.bench import run as bench_run
 from shardwise.extras import MissingExtra, require
-from shardwise.plan.args import add_arguments as plan_args
+from shardwise.plan.command.args import add_arguments as plan_args
 
 # What a user's input or installation gets wrong (an unknown strategy, a bad flag value, a missing file, a missing
 # extra): one line on stderr and exit 2, the whole traceback only with --traceback or SHARDWISE_TRACEBACK=1.
@@ -127,7 +127,7 @@ def _run(argv: list[str]) -> int:
 
 
 def _verify(a: argparse.Namespace) -> int:
-    from shardwise.verify import FLOOR_FACTOR, judge
+    from shardwise.commands.verify import FLOOR_FACTOR, judge
     from shardwise.workloads import load
 
     if a.model == "digits":
@@ -288,14 +288,14 @@ def _verb_main(a: argparse.Namespace) -> int:
         require(f"shardwise {a.cmd} --plot", "plots")
     if a.cmd == "demo":
         require("shardwise demo", "demo")
-        from shardwise.demo import main as demo_main
+        from shardwise.commands.demo import main as demo_main
         return demo_main(steps=a.steps, plot_dir=a.plot_dir)
     if a.cmd == "verify":
         return _verify(a)
     if a.cmd == "bench":
         return bench_run(a)
     if a.cmd == "plan":
-        from shardwise.plan.cli import run as plan_run
+        from shardwise.plan.command.cli import run as plan_run
         return plan_run(a)
     if a.cmd == "checkpoint":
         return _checkpoint(a)

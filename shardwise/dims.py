@@ -2,7 +2,7 @@
 
 Every other module names a dimension through the constants below (``topo.comm(TP)``,
 ``dims.size(DP)``); the strings themselves are written here and nowhere else in
-the package (``tests/test_structure.py`` checks it). Adding a dimension starts
+the package (``tests/system/test_structure.py`` checks it). Adding a dimension starts
 here: see docs/architecture.md, "How to add a parallel dimension".
 
 The device mesh has the dimensions of :data:`MESH`, outermost first, in

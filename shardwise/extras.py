@@ -1,7 +1,7 @@
 """The optional features, the package each needs and the extra of ``pip install 'shardwise[...]'`` that adds it.
 
 pyproject.toml's ``[project.optional-dependencies]`` installs these packages
-(``all`` is every extra; tests/test_package.py checks that the two agree).
+(``all`` is every extra; tests/system/test_package.py checks that the two agree).
 A feature checks for its package before it starts, so that a missing one is a
 single line naming the extra, not an ImportError from deep inside a run.
 Standard library only: the command line checks an extra before it imports torch.

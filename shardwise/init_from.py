@@ -34,9 +34,9 @@ from shardwise.checkpoint.held import named_state
 from shardwise.checkpoint.store import Checkpointed, model_shapes, tied_aliases
 from shardwise.comm.topology import Topology
 from shardwise.dims import DP_CP, TP
-from shardwise.strategies.data_parallel import on_meta
-from shardwise.strategies.fsdp import FSDP
-from shardwise.strategies.torch_engine import TorchFSDP
+from shardwise.strategies.dp.family import on_meta
+from shardwise.strategies.dp.fsdp import FSDP
+from shardwise.strategies.torch_engine.wrappers import TorchFSDP
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ class Attention(nn.Module):
 
     The attention itself is the ``attend`` attribute (:func:`causal_attention`):
     context parallelism replaces it on each instance with attention across the
-    cp ranks (:mod:`shardwise.parallel.cp`), which the projections never see.
+    cp ranks (:mod:`shardwise.parallel.cp.apply`), which the projections never see.
     """
 
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = staticmethod(causal_attention)

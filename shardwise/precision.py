@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.optim_wrap import WrappedOptimizer
+from shardwise.optim.wrapped import WrappedOptimizer
 from shardwise.torch_private import UNSCALE_AND_CHECK
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true")

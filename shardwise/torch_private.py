@@ -3,7 +3,7 @@
 torch promises nothing about a name that starts with an underscore or lives in
 a ``_``-prefixed module: any minor release may move it. So they are written
 only here (callers import from this module), pyproject.toml bounds torch above
-by the next minor version not yet tested, and tests/test_torch_private.py
+by the next minor version not yet tested, and tests/base/test_torch_private.py
 checks each one's existence and the signature or shape relied on, so that an
 upgrade that moves one fails there, by name, instead of deep inside a run.
 This module imports only torch and the standard library.
@@ -27,7 +27,7 @@ private API                                                                what 
 ``torch.autograd.Variable._execution_engine.queue_callback(fn)``           DDP's end-of-backward work, run once
                                                                            when autograd's pass ends
                                                                            (:func:`at_backward_end`;
-                                                                           ``parallel.ddp``)
+                                                                           ``parallel.dp.ddp``)
 ``torch._C._current_graph_task_id()``                                      whether a forward runs inside a
                                                                            backward pass: activation
                                                                            checkpointing's recompute
@@ -40,11 +40,12 @@ private API                                                                what 
 ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` and         one attention block with its
 ``..._backward``                                                           log-sum-exp, for ring attention on
                                                                            CPU (:data:`FLASH_ATTENTION_CPU`;
-                                                                           ``parallel.cp_attention``)
+                                                                           ``parallel.cp.attention``)
 ``torch.nn.modules.batchnorm._BatchNorm``                                  the base of every BatchNorm
                                                                            (BatchNorm1d/2d/3d, lazy, torch's
                                                                            SyncBatchNorm): :data:`BatchNormBase`
-                                                                           (``verify``, ``parallel.sync_bn``,
+                                                                           (``commands.verify``,
+                                                                           ``parallel.dp.sync_bn``,
                                                                            ``fit.steps``)
 ``torch._amp_foreach_non_finite_check_and_unscale_``                       torch.amp.GradScaler's fused unscale
                                                                            and inf/NaN check, one pass per device
@@ -63,7 +64,8 @@ private API                                                                what 
 (``cache_clear()``), ``torch.distributed.tensor.debug``'s                  a process that ran DTensors in an
 ``_clear_python_sharding_prop_cache()`` and                                earlier process group
 ``_clear_fast_path_sharding_prop_cache()``                                 (:func:`forget_dtensor_plans`;
-                                                                           ``strategies.torch_engine``)
+                                                                           ``strategies.torch_engine``'s
+                                                                           ``wrappers``)
 =========================================================================  =====================================
 
 Also relied on, and checked by the tests, though not routed through here: the

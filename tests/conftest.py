@@ -27,7 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # "The same maths" is claimed in float64 (the ``float64`` marker): float32 rounding, amplified by Adam on
 # weights whose gradient is near zero, moved single elements past 1e-5 on some CPUs and not on others, so
 # the CPU's summation order decided those tests. In float64 the same runs differ by about 1e-13 relative
-# (measured: see the closing note of issue 23), so a tolerance of 1e-9 cannot be crossed by rounding yet
+# (measured), so a tolerance of 1e-9 cannot be crossed by rounding yet
 # catches any real difference (a dropped micro-batch or an unreduced bucket moves weights by 1e-3 or more).
 FLOAT64_RTOL, FLOAT64_ATOL = 1e-9, 1e-12
 
@@ -36,7 +36,7 @@ def assert_same_run(ref, run, rtol: float | None = None, atol: float | None = No
     """Losses of every step equal within rtol; every final weight within rtol of its tensor's scale.
 
     Weights are compared with an absolute tolerance of ``rtol * max|w|`` per
-    tensor (see shardwise.verify.compare for why element-wise relative error
+    tensor (see shardwise.commands.verify.compare for why element-wise relative error
     is meaningless for near-zero weights under Adam). The default tolerance
     follows the reference's dtype: 1e-5 in float32, ``FLOAT64_RTOL`` in float64.
     """
@@ -53,14 +53,48 @@ def assert_same_run(ref, run, rtol: float | None = None, atol: float | None = No
         torch.testing.assert_close(b, a, rtol=rtol, atol=atol + rtol * scale, msg=lambda m: f"{k}: {m}")
 
 
+# ---- ours beside torch's: one rank function trains both on the same batches, the test compares the weights ---
+def train_beside_torch(rank: int, steps: int, classes: int, path: str, ours: tuple, theirs: tuple) -> None:
+    """Train ``ours`` and ``theirs``, each ``(model as called, its optimizer, the plain module inside)``, on the
+    same seeded batches of this rank (8 rows of 16 features, ``classes`` targets, cross-entropy); rank 0 saves
+    both plain modules' weights to ``path`` for :func:`assert_beside_torch`."""
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, classes, (8,), generator=g)
+        for model, opt, _ in (ours, theirs):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    if rank == 0:
+        torch.save({"ours": ours[2].state_dict(), "torch": theirs[2].state_dict()}, path)
+
+
+def assert_beside_torch(path: str) -> None:
+    """The weights :func:`train_beside_torch` saved: ours equal torch's to float32 rounding."""
+    w = torch.load(path)
+    for k in w["torch"]:
+        torch.testing.assert_close(w["ours"][k], w["torch"][k], rtol=1e-5, atol=1e-6)
+
+
 # Under ``make test``'s two workers (pytest-xdist hands out tests in collection order) the last tests decide when
 # the run ends: the modules that take longest (``make test-budget`` names them) run first, so that the end is made
 # of short tests that even the workers out. Their own order, and every other module's, is unchanged.
-SLOW_FIRST = ("tests/parallel/test_zero_bubble.py", "tests/test_elastic.py", "tests/test_checkpoint_layouts.py",
-              "tests/test_examples_everywhere.py", "tests/test_fail_fast.py", "tests/test_context_parallel.py",
-              "tests/parallel/test_ps.py", "tests/test_faults.py", "tests/test_compile.py", "tests/test_setup_loop.py",
-              "tests/test_main_guard.py", "tests/test_expert_parallel.py", "tests/test_torch_engine_pp_compose.py",
-              "tests/test_torch_engine.py")
+SLOW_FIRST = (
+    "tests/parallel/pp/test_zero_bubble.py",
+    "tests/system/test_elastic.py",
+    "tests/checkpoint/test_checkpoint_layouts.py",
+    "tests/system/test_examples_everywhere.py",
+    "tests/system/test_fail_fast.py",
+    "tests/parallel/cp/test_context_parallel.py",
+    "tests/parallel/ps/test_ps.py",
+    "tests/comm/test_faults.py",
+    "tests/parallel/test_compile.py",
+    "tests/loop/test_setup_loop.py",
+    "tests/fit/test_main_guard.py",
+    "tests/parallel/test_expert_parallel.py",
+    "tests/strategies/torch_engine/test_torch_engine_pp_compose.py",
+    "tests/strategies/torch_engine/test_torch_engine.py",
+)
 
 
 def pytest_collection_modifyitems(items):
@@ -146,7 +180,8 @@ def _ranks_from_the_pool(request, monkeypatch):
 # tests/scripts/each_strategy.py runs each script in turn in the same two ranks (a new group each, as a script with
 # several trainings would), so the launcher's and the ranks' start-up (torch, a few seconds of CPU per process) is
 # paid once for all of them. (script, strategy, its flags); "{out}" is the launch's output folder. A script that
-# fails the job on purpose (tests/test_fail_fast.py) or needs restarts (tests/test_elastic.py) launches alone.
+# fails the job on purpose (tests/system/test_fail_fast.py) or needs restarts (tests/system/test_elastic.py)
+# launches alone.
 UNDER_RUN = (("examples/digits.py", "ddp", ("--steps", "6", "--out", "{out}/losses.json")),
              ("examples/setup_loop.py", "ddp", ("--epochs", "2")),
              ("tests/scripts/fit_auto.py", "-", ()),

@@ -11,9 +11,9 @@ Two other markers:
   program without PREV's closing ``if __name__ == "__main__":`` lines, then this block, which ends with its own
   (so it may use PREV's imports, classes and functions, and its ``main()`` is the one that runs).
 * ``<!-- not run: REASON -->``: a block that cannot run on this machine (a GPU, a cluster, a scheduler);
-  the reason is reported by tests/test_docs_blocks.py.
+  the reason is reported by tests/system/test_docs_blocks.py.
 
-A Python block with neither marker fails tests/test_docs_blocks.py. Pages: ``docs/*.md`` by name
+A Python block with neither marker fails tests/system/test_docs_blocks.py. Pages: ``docs/*.md`` by name
 (``"practical.md"``) and ``README.md``.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A hand-written loop on `sw.setup`, shared by tests/test_setup_loop.py: run under `shardwise run`
+"""A hand-written loop on `sw.setup`, shared by tests/loop/test_setup_loop.py: run under `shardwise run`
 (``python loop_script.py --strategy zero2 --steps 4 --out f.pt``) or called in the test's ranks."""
 from __future__ import annotations
 

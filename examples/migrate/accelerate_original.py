@@ -1,7 +1,7 @@
 """An Accelerate training loop, written as an Accelerate user writes it: the "before" of docs/migrate/accelerate.md.
 
 This project does not install Accelerate, so its tests do not run this file unless ``accelerate`` happens to be
-importable (tests/test_docs_site.py); accelerate_converted.py is the same loop in shardwise, and the tests run
+importable (tests/system/test_docs_site.py); accelerate_converted.py is the same loop in shardwise, and the tests run
 that one. Run it with Accelerate installed:
 
     accelerate launch --num_processes 2 accelerate_original.py

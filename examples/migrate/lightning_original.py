@@ -1,7 +1,7 @@
 """A Lightning training script, written as a Lightning user writes it: the "before" of docs/migrate/lightning.md.
 
 This project does not install Lightning, so its tests do not run this file unless ``lightning`` happens to be
-importable (tests/test_docs_site.py); lightning_converted.py is the same training in shardwise, and the tests
+importable (tests/system/test_docs_site.py); lightning_converted.py is the same training in shardwise, and the tests
 run that one. Run it with Lightning installed:
 
     python lightning_original.py      # Lightning starts the 2 processes itself (strategy="ddp", devices=2)

@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import shardwise.dims as dims  # as a module: dims.DP is the dimension, DP the strategy
-from shardwise import plots
+from shardwise.commands import plots
 from shardwise.bench import add_arguments
 from shardwise.bench.harness import optimizer_step, spawn_collect, timed_steps
 from shardwise.bench.tables import Column, table, wide
@@ -39,9 +39,9 @@ from shardwise.comm.algorithms import (
 from shardwise.comm.topology import Topology
 from shardwise.console import make_console
 from shardwise.fit.trainer import Trainer
-from shardwise.parallel.ddp import DDPModule
-from shardwise.strategies.ddp import DDP
-from shardwise.strategies.dp import DP
+from shardwise.parallel.dp.ddp import DDPModule
+from shardwise.strategies.dp.ddp import DDP
+from shardwise.strategies.dp.threaded import DP
 from shardwise.strategies.ps import ParameterServer
 from shardwise.workloads import mlp1024
 

@@ -7,7 +7,7 @@ first (the attention modules told their per-rank head count), then
 sides get the same GPT weights and the same global batch of token ids, sharded
 over dp (every tp rank of a replica reads the same shard). The timing loop,
 alternation, medians and heap trimming are those of
-:mod:`shardwise.bench.harness` / :mod:`shardwise.bench.mp`.
+:mod:`shardwise.bench.harness` / :mod:`shardwise.bench.pp.mp`.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from shardwise.bench.harness import (
     pair_table,
     spawn_collect,
 )
-from shardwise.bench.mp import StepContender, _summary_worst, _time
+from shardwise.bench.pp.mp import StepContender, _summary_worst, _time
 from shardwise.bench.tables import wide
 from shardwise.comm.topology import Topology
 from shardwise.dims import DP, TP

@@ -8,7 +8,7 @@ baseline is the same model trained on the same tokens per step by data
 parallelism, ``Parallel(dp=N)`` (DDP): each rank holds its share of the
 global batch as whole sequences, where ``Parallel(cp=N)`` holds every sequence
 and ``S / N`` of its tokens (the head-tail chunks of
-:mod:`shardwise.parallel.cp_attention`). Tokens per rank are equal, so the
+:mod:`shardwise.parallel.cp.attention`). Tokens per rank are equal, so the
 step times compare the cost of splitting the sequence (attention across the
 ranks, its traffic) against not splitting it.
 
@@ -47,8 +47,8 @@ from shardwise.bench.tables import Column, table, wide
 from shardwise.comm.topology import Topology
 from shardwise.dims import CP, DP, WORLD
 from shardwise.models import GPT, GPTConfig, lm_loss
-from shardwise.parallel.cp_attention import RING, ULYSSES
-from shardwise.parallel.schedules import Recorder
+from shardwise.parallel.cp.attention import RING, ULYSSES
+from shardwise.parallel.pp.schedules import Recorder
 from shardwise.strategies.parallel import Parallel
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
@@ -180,7 +180,7 @@ def grad_bytes(model: nn.Module) -> int:
 
 
 def expected_sent(cfg: GPTConfig, mode: str | None, n: int, sequences: int, grads: int, e: int = 4) -> int:
-    """Bytes one rank sends per step (module docstring of :mod:`shardwise.parallel.cp_attention`), ``C = N``:
+    """Bytes one rank sends per step (module docstring of :mod:`shardwise.parallel.cp.attention`), ``C = N``:
     ring ``2(S/C)·h_kv·d·B·(C-1)·e`` forward, as much again backward plus ``2(S/C)·h_kv·d·B·C·e``; ulysses
     ``4(S/C)·H·d·B·(C-1)/C·e`` forward and as much backward; per layer; and for everyone the gradient
     all-reduce over dp x cp, ``2(N-1)/N`` x gradient bytes (``grads``)."""

@@ -11,7 +11,7 @@ communication layer counted per step (torch's engines' traffic passes outside it
 :data:`SWITCHES` names the pairs that run this way: those whose strategy ``engine="torch"`` runs (ddp, zero1,
 zero2, zero3, fsdp, tp, fsdp-tp). The other pairs (pp, zb, ...) race hand-built torch code until it does; then
 one entry here moves a pair over. ``--hand-built`` still runs the hand-built contenders of the switches
-(:mod:`shardwise.bench.zero`, :mod:`~shardwise.bench.mp`, :mod:`~shardwise.bench.compose`; zero2 has none).
+(:mod:`shardwise.bench.zero`, :mod:`~shardwise.bench.pp.mp`, :mod:`~shardwise.bench.compose`; zero2 has none).
 """
 from __future__ import annotations
 
@@ -129,7 +129,8 @@ def shown(strategy: str | Strategy) -> str:
     return f"{type(strategy).__name__}({', '.join(set_)})"
 
 
-# The pairs that run as engine switches: the strategies engine="torch" runs (strategies/torch_engine.py's TORCH).
+# The pairs that run as engine switches: the strategies engine="torch" runs
+# (strategies/torch_engine/wrappers.py's TORCH).
 # tp and fsdp-tp need a model with a built-in tensor-parallel plan: the GPT (the MLP is a bare nn.Sequential).
 SWITCHES: dict[str, Switch] = {"ddp": Switch("ddp", (MLP,), 2), "zero1": Switch("zero1", (MLP, GPT_), 2),
                                "zero2": Switch("zero2", (MLP, GPT_), 2), "zero3": Switch("zero3", (MLP, GPT_), 3),

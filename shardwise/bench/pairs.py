@@ -13,7 +13,7 @@ from rich.table import Table
 from torch import nn
 from torch.nn import functional as F
 
-from shardwise import plots
+from shardwise.commands import plots
 from shardwise.bench.harness import (
     Contender,
     merged,
@@ -27,8 +27,8 @@ from shardwise.bench.tables import WIDTH, wide
 from shardwise.comm.topology import Topology
 from shardwise.console import make_console
 from shardwise.dims import CP, DP, PP, TP
-from shardwise.parallel import torch_engines
-from shardwise.parallel.ddp import DDPModule
+from shardwise.parallel.dp import torch_dp
+from shardwise.parallel.dp.ddp import DDPModule
 from shardwise.workloads import mlp1024
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
@@ -39,7 +39,7 @@ def ours_ddp(model: nn.Module, topo: Topology) -> tuple[nn.Module, torch.optim.O
 
 
 def torch_ddp(model: nn.Module, topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
-    return torch_engines.torch_ddp(model, topo), ADAMW(model.parameters())
+    return torch_dp.torch_ddp(model, topo), ADAMW(model.parameters())
 
 
 def ddp_pair(a: argparse.Namespace) -> Table:
@@ -90,14 +90,14 @@ PAIRS: dict[str, Callable[[argparse.Namespace], Table]] = {
     "zero2": _switch_or("zero2", no_hand_built("zero2")),
     "zero3": _switch_or("zero3", _lazy("shardwise.bench.zero:zero3_pair")),
     "fsdp": _switch_or("fsdp", _lazy("shardwise.bench.zero:fsdp_pair")),
-    PP: _switch_or(PP, _lazy("shardwise.bench.mp:pp_pair")),
-    TP: _switch_or(TP, _lazy("shardwise.bench.mp:tp_pair")),
+    PP: _switch_or(PP, _lazy("shardwise.bench.pp.mp:pp_pair")),
+    TP: _switch_or(TP, _lazy("shardwise.bench.pp.mp:tp_pair")),
     "fsdp-tp": _switch_or("fsdp-tp", _lazy("shardwise.bench.compose:fsdp_tp_pair")),
     "dp-vs-ddp": _lazy("shardwise.bench.classic:dp_vs_ddp"),
     "ps-vs-ddp": _lazy("shardwise.bench.classic:ps_vs_ddp"),
     "allreduce": _lazy("shardwise.bench.classic:allreduce_algorithms"),
     CP: _lazy("shardwise.bench.cp:cp_pair"),
-    "zb": _lazy("shardwise.bench.zbv:zb_pairs"),  # ZB-H1, then ZBV and DualPipeV
+    "zb": _lazy("shardwise.bench.pp.zbv:zb_pairs"),  # ZB-H1, then ZBV and DualPipeV
     "moe": _lazy("shardwise.bench.moe:moe_pair"),
     "compile": _lazy("shardwise.bench.compiled:compile_pair"),  # eager against compiled blocks, one rank
 }

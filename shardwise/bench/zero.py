@@ -52,12 +52,12 @@ from shardwise.comm.topology import Topology
 from shardwise.dims import DP
 from shardwise.fit.trainer import Trainer
 from shardwise.models import GPT, GPTConfig, lm_loss
-from shardwise.parallel import torch_engines
-from shardwise.parallel.fsdp_units import unit_modules
-from shardwise.parallel.sharding import all_gather, reduce_scatter
-from shardwise.strategies.fsdp import FSDP
+from shardwise.parallel.dp import torch_dp
+from shardwise.parallel.dp.fsdp_units import unit_modules
+from shardwise.parallel.dp.sharding import all_gather, reduce_scatter
+from shardwise.strategies.dp.fsdp import FSDP
 from shardwise.strategies.registry import resolve
-from shardwise.strategies.zero import ZeRO1, ZeRO2
+from shardwise.strategies.dp.zero import ZeRO1, ZeRO2
 from shardwise.workloads import digits, mlp1024
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
@@ -87,7 +87,7 @@ def ours_zero1(model: nn.Module, topo: Topology) -> tuple[nn.Module, torch.optim
 
 
 def torch_zero1(model: nn.Module, topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
-    ddp = torch_engines.torch_ddp(model, topo)
+    ddp = torch_dp.torch_ddp(model, topo)
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
                                   process_group=topo.group(DP), lr=1e-3)
     return ddp, opt
@@ -101,7 +101,7 @@ def ours_sharded(strategy: str, model: nn.Module, topo: Topology) -> tuple[nn.Mo
 def torch_fully_shard(strategy: str, model: nn.Module, topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
     """FSDP2 on the same units our ``strategy`` picks, every unit resharded after forward (as ours)."""
     units = unit_modules(model, resolve(strategy).wrap)  # type: ignore[attr-defined]
-    torch_engines.fully_shard_units(units, torch_engines.dp_mesh(topo), reshard_after_forward=True)
+    torch_dp.fully_shard_units(units, torch_dp.dp_mesh(topo), reshard_after_forward=True)
     return model, ADAMW(model.parameters())
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from shardwise.parallel.ep import expert_spec
-from shardwise.parallel.tp import tp_spec
+from shardwise.parallel.tp.apply import tp_spec
 from shardwise.step import first_named
 
 

@@ -6,7 +6,7 @@ describes what it holds of a tensor as a :class:`Held`: which elements of the
 tensor-parallel slice it has (a contiguous run ``[start, start + n)`` of the
 slice flattened, the form every ZeRO / FSDP / parameter-server shard takes) and
 where that slice sits in the global tensor (``tp_spec``: the dimension and the
-number of fused parts, :func:`shardwise.parallel.tp.tp_spec`).
+number of fused parts, :func:`shardwise.parallel.tp.apply.tp_spec`).
 
 :func:`boxes` turns that into rectangles of the global tensor (a contiguous
 run of a row-major tensor is at most ``2 * ndim - 1`` rectangles; a fused

@@ -46,7 +46,7 @@ from shardwise.checkpoint.held import Held, named_state
 from shardwise.comm.collectives import Comm
 from shardwise.comm.topology import Topology
 from shardwise.dims import CP, EP, SIZES, SPLIT_BY, TP
-from shardwise.param_groups import json_hyper
+from shardwise.optim.param_groups import json_hyper
 from shardwise.step import unwrap
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -182,7 +182,7 @@ def run_info(model: nn.Module, optimizer: torch.optim.Optimizer, batch_size: int
 
     ``optimizer`` is a probe built from the run's optimizer factory (its class
     and hyperparameters), ``groups`` its parameter groups as they start
-    (:meth:`shardwise.param_groups.GroupPlan.record`); for a Hugging Face model, its class and config, so
+    (:meth:`shardwise.optim.param_groups.GroupPlan.record`); for a Hugging Face model, its class and config, so
     ``shardwise checkpoint export`` can write a directory ``from_pretrained`` loads.
     """
     m = unwrap(model)

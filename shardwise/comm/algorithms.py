@@ -31,7 +31,7 @@ all-gather, and receives what rank r-1 sends::
 which is exactly 2(N-1)/N x S when N divides n (:func:`ring_bytes`).
 
 Both functions match the ``fn(tensor, comm, name) -> Handle`` signature that
-:class:`~shardwise.parallel.ddp.DDPModule` calls per bucket. They run
+:class:`~shardwise.parallel.dp.ddp.DDPModule` calls per bucket. They run
 synchronously and return a completed handle: DDP then waits on nothing, at
 the price of no overlap between these all-reduces and the rest of backward.
 :data:`ALGORITHMS` names them ``"naive"`` and ``"ring"`` for ``sw.DDP(allreduce=...)``.

@@ -19,7 +19,7 @@ model on one rank), from the model given or from a checkpoint directory
 
 ``predict`` returns every sample's output once, in dataset order: the owners
 send theirs to rank 0, which puts context-parallel chunks back in sequence
-order (:func:`~shardwise.parallel.cp_attention.join_sequence`) and each sample
+order (:func:`~shardwise.parallel.cp.attention.join_sequence`) and each sample
 at its position. ``validate``/``test`` return global metrics: ``loss_fn`` and
 plain ``fn(output, target)`` metrics are batch means weighted by the batch's
 samples (as fit's validation, :mod:`shardwise.fit.evaluate`); a metric object
@@ -47,7 +47,7 @@ from shardwise.dims import CP, DP_CP
 from shardwise.fit.evaluate import eval_mode
 from shardwise.fit.job import hf_output_capture
 from shardwise.fit.options import FitOptions
-from shardwise.parallel.cp_attention import join_sequence
+from shardwise.parallel.cp.attention import join_sequence
 from shardwise.step import LossFn, StepRun
 from shardwise.strategies.base import HasServers, Strategy
 

@@ -29,8 +29,8 @@ from shardwise.fit.profiler import PROFILERS
 from shardwise.layout import RunLayout
 from shardwise.strategies.base import Strategy, compile_backend
 from shardwise.strategies.registry import resolve
-from shardwise.strategies.torch_choice import engine_for
-from shardwise.strategies.torch_engine import TorchEngine
+from shardwise.strategies.torch_engine.choice import engine_for
+from shardwise.strategies.torch_engine.wrappers import TorchEngine
 
 # Builds the run's learning-rate schedule from its optimizer, e.g. partial(lr_scheduler.OneCycleLR, ...).
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]

@@ -18,8 +18,8 @@ from torch import nn
 
 from shardwise.dims import TP
 from shardwise.fit.preflight import _to_meta
-from shardwise.parallel.tp import apply_tp
-from shardwise.parallel.tp_plans import Plan, Style
+from shardwise.parallel.tp.apply import apply_tp
+from shardwise.parallel.tp.plans import Plan, Style
 from shardwise.plan.trace import meta_copy
 
 DOC = "docs/model_parallel.md, 'Your own model under tp'"

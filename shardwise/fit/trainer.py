@@ -103,7 +103,7 @@ class Trainer:
         max_processes_per_core: on CPU, refuse to start more than this many rank processes per core
             (each is a whole interpreter with its own model copy); None removes the bound.
         sync_batchnorm: BatchNorm layers normalise with the statistics of the whole global batch
-            (:class:`~shardwise.parallel.sync_bn.SyncBatchNorm`, over the data-parallel group), which
+            (:class:`~shardwise.parallel.dp.sync_bn.SyncBatchNorm`, over the data-parallel group), which
             equals single-device training. Without it each rank normalises with its own part of the
             batch, and the running statistics of data-parallel rank 0 are every rank's (broadcast after
             each step, as torch DDP's ``broadcast_buffers``); a warning says so once.
@@ -140,11 +140,11 @@ class Trainer:
         engine: ``"shardwise"`` (our mechanisms; the default) or ``"torch"``: PyTorch's own engines under the
             same Trainer (``ddp``: DistributedDataParallel, with ZeroRedundancyOptimizer for ``zero1``;
             ``zero2``/``zero3``/``fsdp``/``hsdp``: FSDP2 ``fully_shard``; ``tp``: ``parallelize_module``), see
-            ``shardwise.strategies.torch_engine`` and docs/how-to/engines.md. A strategy object's own
+            ``shardwise.strategies.torch_engine.wrappers`` and docs/how-to/engines.md. A strategy object's own
             ``engine=`` wins; both given and different is refused.
 
     :func:`shardwise.log` (``sw.log(name, value, reduce=)``) adds your own scalars to the step log, from a loss
-    function, a model's forward or a callback (:mod:`shardwise.scalars`).
+    function, a model's forward or a callback (:mod:`shardwise.loggers.scalars`).
     """
 
     def __init__(self, strategy: str | Strategy = "single", devices: int | str | list[int] = "auto",
@@ -205,7 +205,7 @@ class Trainer:
         ``optimizer``: a factory called with the parameters each rank holds, e.g.
         ``functools.partial(torch.optim.AdamW, lr=1e-3)``. The groups it builds (by ``p.dim()``, shape or
         identity), or those of ``param_groups``, are decided on the unsplit model and carried onto the shards
-        and slices of every strategy (:mod:`shardwise.param_groups`). ``param_groups``: ``fn(model)`` returns
+        and slices of every strategy (:mod:`shardwise.optim.param_groups`). ``param_groups``: ``fn(model)`` returns
         torch's list of group dicts over the model's parameters (or their names), e.g. no weight decay for
         biases and norms; the factory builds over them.
 

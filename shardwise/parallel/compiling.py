@@ -27,9 +27,10 @@ DEFAULT_BACKEND = "inductor"
 # What a compiled block calls but must run eagerly, between its graphs: communication (byte counts, handles),
 # the autograd functions and hooks of the wrappers (a unit's gathered or sharded state, tensor-parallel caches).
 # Inside a graph, dynamo would guard on that state and recompile every time it changes.
-EAGER_MODULES = ["shardwise.comm", "shardwise.parallel.fsdp_module", "shardwise.parallel.fsdp_units",
-                 "shardwise.parallel.tp_layers", "shardwise.parallel.sequence_parallel", "shardwise.parallel.cp",
-                 "shardwise.parallel.cp_attention", "shardwise.parallel.ep", "shardwise.parallel.zero_module"]
+EAGER_MODULES = ["shardwise.comm", "shardwise.parallel.dp.fsdp_module", "shardwise.parallel.dp.fsdp_units",
+                 "shardwise.parallel.tp.layers", "shardwise.parallel.tp.sequence_parallel",
+                 "shardwise.parallel.cp.apply", "shardwise.parallel.cp.attention", "shardwise.parallel.ep",
+                 "shardwise.parallel.dp.zero_module"]
 
 
 def backend_of(compile: bool | str) -> str | None:

@@ -5,15 +5,15 @@ Every layout is built by :func:`parallelize`, in this order (torchtitan's
 Language Model Training on GPU Clusters Using Megatron-LM", section 3):
 
 1. **pipeline split** (pp > 1, or interleaved chunks): each pipeline rank keeps
-   its stage's layers (:func:`shardwise.parallel.pipeline.build_pipeline`).
+   its stage's layers (:func:`shardwise.parallel.pp.build.build_pipeline`).
    First, because everything after it should only touch this rank's layers.
 2. **tensor parallel** (tp > 1) on the modules of that stage only
-   (:func:`shardwise.parallel.tp.parallelize` on the tp group). Before data
+   (:func:`shardwise.parallel.tp.apply.parallelize` on the tp group). Before data
    parallelism, because the data-parallel wrappers shard, bucket and reduce
    the parameters as they are *after* the tp split (a rank's tp slice).
 3. **context parallel** (cp > 1): each chunk's attention switched to
    attention across the cp group, and its tokens given their real positions
-   (:func:`shardwise.parallel.cp.apply_context_parallel`). After tp, because
+   (:func:`shardwise.parallel.cp.apply.apply_context_parallel`). After tp, because
    tp splits attention by heads and cp by tokens (the cp exchange carries
    only this rank's heads); before the data-parallel wrappers, which must see
    the final modules. It adds and splits no parameter.
@@ -56,16 +56,16 @@ from shardwise.comm import Comm
 from shardwise.comm.topology import Topology
 from shardwise.dims import CP, DP, DP_CP, DP_REPLICATE, DP_SHARD_CP, EDP, EP, TP
 from shardwise.layout import check_data_parallel
-from shardwise.parallel.buckets import DDP_BUCKET_MB, ZERO_BUCKET_MB
-from shardwise.parallel.cp import ContextParallel, apply_context_parallel
-from shardwise.parallel.cp_attention import RING
-from shardwise.parallel.ddp import DDPModule, native_allreduce
+from shardwise.parallel.dp.buckets import DDP_BUCKET_MB, ZERO_BUCKET_MB
+from shardwise.parallel.cp.apply import ContextParallel, apply_context_parallel
+from shardwise.parallel.cp.attention import RING
+from shardwise.parallel.dp.ddp import DDPModule, native_allreduce
 from shardwise.parallel.ep import ExpertParallel, apply_expert_parallel, set_token_group
-from shardwise.parallel.fsdp_module import FSDPModule
-from shardwise.parallel.pipeline import build_pipeline
-from shardwise.parallel.tp import apply_tp
-from shardwise.parallel.zero import ShardedOptimizer
-from shardwise.parallel.zero_module import ZeROModule
+from shardwise.parallel.dp.fsdp_module import FSDPModule
+from shardwise.parallel.pp.build import build_pipeline
+from shardwise.parallel.tp.apply import apply_tp
+from shardwise.parallel.dp.zero import ShardedOptimizer
+from shardwise.parallel.dp.zero_module import ZeROModule
 from shardwise.step import OptimizerFactory, on_device
 
 
@@ -79,7 +79,7 @@ class DataParallelOptions:
 
     zero: int = 0
     replicate: int = 1
-    bucket_cap_mb: float | None = None   # None: each wrapper's default (parallel/buckets.py)
+    bucket_cap_mb: float | None = None   # None: each wrapper's default (parallel/dp/buckets.py)
     collectives: str = "auto"            # ZeRO/FSDP: "native", "p2p" or "auto"
     offload: str = "none"
     offload_device: str = "cpu"
@@ -175,7 +175,7 @@ def data_parallel(chunks: nn.ModuleList, optimizer_fn: OptimizerFactory, topo: T
     """Wrap each chunk in place (``chunks[c]`` becomes its wrapper); returns (owner, optimizer).
 
     The owner is None for DDP (the optimizer steps the chunks' own parameters),
-    else the :class:`Owners` a :class:`~shardwise.parallel.zero.ShardedOptimizer` drives.
+    else the :class:`Owners` a :class:`~shardwise.parallel.dp.zero.ShardedOptimizer` drives.
     ZeRO-1 reduces at the optimizer step, so one wrapper owns every chunk;
     ZeRO-2 and FSDP reduce inside each chunk's backward, so each chunk gets its own.
     """
@@ -203,7 +203,7 @@ def parallelize(model: nn.Module, optimizer_fn: OptimizerFactory, topo: Topology
                 sequence_parallel: bool = False, cp_mode: str = RING,
                 capacity_factor: float | None = None, shape: str = "loop") -> tuple[Any, torch.optim.Optimizer]:
     """``model`` split, tensor-parallelized and data-parallel-wrapped for ``topo``, in the order of the module
-    docstring; returns (this rank's :class:`~shardwise.parallel.pipeline.PipelineModel`, its optimizer).
+    docstring; returns (this rank's :class:`~shardwise.parallel.pp.build.PipelineModel`, its optimizer).
 
     Every size-1 dimension is a no-op, so the same function builds pp-only,
     tp x pp, dp x pp, dp x tp and dp x tp x pp layouts.

@@ -11,7 +11,7 @@ plus the pipeline bubble plus the communication nothing hides. Layouts
 split the sequence too: context parallelism (ring attention, Liu et al. 2023;
 DeepSpeed-Ulysses, Jacobs et al. 2023) and Megatron sequence parallelism
 (Korthikanti et al. 2022). The command
-line is ``shardwise plan`` (see :mod:`shardwise.plan.cli`). For a real module
+line is ``shardwise plan`` (see :mod:`shardwise.plan.command.cli`). For a real module
 under the layout of one run (:class:`shardwise.layout.RunLayout`),
 :func:`plan_run` lays out the model states exactly, rank by rank
 (:mod:`shardwise.plan.states`): the Trainer's memory check.
@@ -24,7 +24,7 @@ import types
 from typing import Any
 
 # Public name -> module, imported on first use: ``shardwise plan --help`` and the command line's argument
-# definitions (:mod:`shardwise.plan.args`) must not pay for importing torch.
+# definitions (:mod:`shardwise.plan.command.args`) must not pay for importing torch.
 _PUBLIC: dict[str, str] = {
     "BytesPerParam": "shardwise.plan.memory",
     "ClusterSpec": "shardwise.plan.specs",

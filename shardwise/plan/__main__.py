@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardwise.plan.cli import add_arguments, run
+from shardwise.plan.command.cli import add_arguments, run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -234,7 +234,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, lay
     s = _seq_len(model, training)
     if layout.pp > 1 and layout.zero_stage >= 2:
         # A pipeline runs a step's micro-batches with each chunk's gradient sync off until the last one
-        # (shardwise.parallel.pipeline_run, as torchtitan does with FSDP2): whole gradients are held, reduced once.
+        # (shardwise.parallel.pp.run, as torchtitan does with FSDP2): whole gradients are held, reduced once.
         training = training.replace(no_sync=True)
     bpp = bytes_per_param(training.states_precision, training.optimizer, training.fp32_grads)
     local = model.stage_params(layout.tp, layout.pp)

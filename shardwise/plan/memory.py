@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shardwise.parallel.schedules import default_chunks, schedule_facts
+from shardwise.parallel.pp.schedules import default_chunks, schedule_facts
 from shardwise.plan.model import ModelSpec
 from shardwise.plan.specs import Layout, TrainingSpec, uses_sequence_parallel
 
@@ -32,7 +32,7 @@ Numels = int | Sequence[int]
 def sharded_numel(numels: Numels, n: int) -> int:
     """Elements per rank when one buffer (an int) or each parameter (a sequence) is padded to a multiple of n.
 
-    Our ZeRO and FSDP pad every parameter separately (shardwise.parallel.sharding),
+    Our ZeRO and FSDP pad every parameter separately (shardwise.parallel.dp.sharding),
     so given the model's parameter sizes the prediction is exact to the element.
     """
     if isinstance(numels, int):
@@ -46,7 +46,7 @@ def padded_copy_numel(numels: Numels, n: int) -> int:
     ZeRO-1/2 hand the optimizer a view of the full parameter wherever a rank's
     piece is whole; a piece cut short by the parameter's end (``numel`` not a
     multiple of the piece size ``c = ceil(numel/n)``, or past the end) is a
-    ``c``-element copy (shardwise.parallel.zero). Which rank holds it depends
+    ``c``-element copy (shardwise.parallel.dp.zero). Which rank holds it depends
     on the parameter, so this is the maximum over ranks of the copies' sizes.
     Zero for one flat buffer (an int): a single padded buffer has no pieces.
     """
@@ -214,7 +214,7 @@ def layer_activation_bytes(model: ModelSpec, s: int, b: int, tp: int = 1, sequen
     if sp:
         # shardwise's sequence parallelism keeps the all-gathered inputs of q/k/v and of fc1 whole (2 bytes x
         # s*b*h each), so each layer moves exactly plain tp's bytes; Megatron keeps 1/t of them and gathers them
-        # again in backward (Table 2's 34/t). Ours: 4 + (34 - 4)/t (shardwise/parallel/sequence_parallel.py).
+        # again in backward (Table 2's 34/t). Ours: 4 + (34 - 4)/t (shardwise/parallel/tp/sequence_parallel.py).
         return sbh * (4 + x + (c - 4 - x) / tp + scores / tp) + 2 * (residual - 2) * sbh / tp
     return sbh * (10 + x + (c - 10 - x) / tp + scores / tp) + 2 * (residual - 2) * sbh
 
@@ -247,7 +247,7 @@ def cp_block_bytes(model: ModelSpec, s: int, b: int, tp: int, cp: int, element_b
 
 def in_flight_microbatches(schedule: str, pp: int, microbatches: int, chunks: int = 1) -> float:
     """Micro-batches (of a whole stage) whose activations the busiest rank holds at its peak: the schedule's
-    ``held`` in the runtime's table (:data:`shardwise.parallel.schedules.SCHEDULES`), e.g. 1F1B's p (Narayanan
+    ``held`` in the runtime's table (:data:`shardwise.parallel.pp.schedules.SCHEDULES`), e.g. 1F1B's p (Narayanan
     et al. 2021, PipeDream-Flush: the first backward starts after p forwards), GPipe's m. ``chunks``: per rank
     (1: the schedule's own). Without a pipeline a rank holds one micro-batch at a time."""
     if pp == 1:

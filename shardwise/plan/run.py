@@ -21,7 +21,7 @@ from torch import nn
 
 from shardwise.dims import CP, EP, PP
 from shardwise.layout import RunLayout
-from shardwise.parallel.schedules import SCHEDULES
+from shardwise.parallel.pp.schedules import SCHEDULES
 from shardwise.plan.estimate import check_layout, estimate
 from shardwise.plan.fit import fmt_bytes
 from shardwise.plan.model import ModelSpec

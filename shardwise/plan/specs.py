@@ -9,8 +9,8 @@ import math
 from dataclasses import dataclass, replace
 
 from shardwise.dims import CP, DP, DP_SHARD_CP, EDP, EP, PP, TP, ParallelDims
-from shardwise.parallel.buckets import DDP_BUCKET_MB
-from shardwise.parallel.schedules import SCHEDULES, default_chunks
+from shardwise.parallel.dp.buckets import DDP_BUCKET_MB
+from shardwise.parallel.pp.schedules import SCHEDULES, default_chunks
 
 PRECISIONS = ("fp32", "bf16-mixed")
 OPTIMIZERS = ("adamw", "sgd", "sgd-momentum")
@@ -120,7 +120,7 @@ class TrainingSpec:
     16-bit. Without it ``bf16-mixed`` means Megatron/DeepSpeed's 16-bit weights
     and gradients next to an fp32 master copy (the ZeRO paper's 2 + 2 + K).
     ``schedule`` is a pipeline schedule of the runtime's table
-    (:data:`shardwise.parallel.schedules.SCHEDULES`), whose bubble and memory the
+    (:data:`shardwise.parallel.pp.schedules.SCHEDULES`), whose bubble and memory the
     planner reads; ``chunks`` its model chunks per rank (1: the schedule's own,
     2 for interleaved and the V schedules), as ``sw.Parallel(chunks=)``.
     """

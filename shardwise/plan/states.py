@@ -6,19 +6,19 @@ instead, on a copy of the model that holds no data (every tensor on the meta
 device), so the prediction cannot drift from what the strategies build:
 
 1. the pipeline split of :func:`shardwise.parallel.parallelize.parallelize`: the same
-   pipeline layers (:func:`~shardwise.parallel.pipeline.pipeline_layers`), the
-   same stage boundaries (:func:`~shardwise.parallel.pipeline.stage_starts`,
+   pipeline layers (:func:`~shardwise.parallel.pp.build.pipeline_layers`), the
+   same stage boundaries (:func:`~shardwise.parallel.pp.build.stage_starts`,
    balanced by parameter count before any split), chunk ``r + c * pp`` on
    pipeline rank ``r``;
 2. the tensor-parallel split of that rank's modules with the model's plan
-   (:func:`shardwise.parallel.tp.apply_tp` on a stand-in tp group), which
+   (:func:`shardwise.parallel.tp.apply.apply_tp` on a stand-in tp group), which
    gives every local parameter its shape and the size of the storage behind it;
 3. the byte conventions of the data-parallel family over dp (one ZeRO-1
    wrapper over all chunks, one ZeRO-2/FSDP/DDP wrapper per chunk), whose
    sharding group under context parallelism is dp_shard x cp (the cp ranks of
    a replica hold the same parameters): each
    sharded parameter is padded on its own to ``N * ceil(numel / N)``
-   (:mod:`shardwise.parallel.sharding`), FSDP keeps one row of
+   (:mod:`shardwise.parallel.dp.sharding`), FSDP keeps one row of
    ``ceil(numel / N)`` elements per parameter for weights, gradients and each
    optimizer state, frozen parameters stay whole on every rank;
 4. expert parallelism (``layout.ep`` > 1): every experts module keeps E / ep
@@ -47,9 +47,9 @@ from torch import nn
 from shardwise.dims import DP, PP, TP
 from shardwise.layout import RunLayout
 from shardwise.parallel.ep import EXPERT_WEIGHTS, expert_modules
-from shardwise.parallel.pipeline import stage_starts
-from shardwise.parallel.pipeline_layers import stage_layers
-from shardwise.parallel.tp import apply_tp
+from shardwise.parallel.pp.build import stage_starts
+from shardwise.parallel.pp.layers import stage_layers
+from shardwise.parallel.tp.apply import apply_tp
 from shardwise.plan.trace import meta_copy as copy_to_meta
 from shardwise.precision import TRUE_DTYPES
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shardwise.parallel.schedules import schedule_facts
+from shardwise.parallel.pp.schedules import schedule_facts
 from shardwise.plan.comm import Collective
 from shardwise.plan.memory import BytesPerParam, Numels, sharded_numel, total_numel
 from shardwise.plan.model import ModelSpec

@@ -27,8 +27,8 @@ from shardwise.dims import CP, DP, EP, PP, TP
 from shardwise.layout import RunLayout
 from shardwise.parallel.accounting import model_state_tensors, with_optimizer_states
 from shardwise.parallel.compiling import backend_of
-from shardwise.param_groups import named_params
-from shardwise.parallel.ddp import GradSync
+from shardwise.optim.param_groups import named_params
+from shardwise.parallel.dp.ddp import GradSync
 from shardwise.precision import widened
 from shardwise.step import (
     LossFn,
@@ -50,7 +50,7 @@ class Strategy:
     the loss scale) reaches :meth:`train_step` as a :class:`StepRun`.
 
     ``engine``: whose mechanism runs it, ``"shardwise"`` or ``"torch"`` (PyTorch's own: DDP, FSDP2; see
-    ``shardwise.strategies.torch_engine``); None takes the Trainer's ``engine=``, and a strategy's own
+    ``shardwise.strategies.torch_engine.wrappers``); None takes the Trainer's ``engine=``, and a strategy's own
     engine that differs from the Trainer's is refused. Keyword-only, so every strategy's positional
     arguments stay as they were.
     """
@@ -233,7 +233,7 @@ class OwnDevices:
 
 class HasTPPlan:
     """Splits layers over a tensor-parallel group by a plan: ``tp_plan`` is a module-pattern -> style dict,
-    a :class:`~shardwise.parallel.tp_plans.Plan`, a built-in name, or None (the plan for the model type)."""
+    a :class:`~shardwise.parallel.tp.plans.Plan`, a built-in name, or None (the plan for the model type)."""
 
     def tensor_parallel_plan(self) -> Any:
         raise NotImplementedError

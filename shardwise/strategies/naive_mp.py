@@ -1,6 +1,6 @@
 """Naive model parallelism as a strategy (``strategy="naive_mp"``): one process, the layers spread over devices.
 
-The mechanism is :class:`~shardwise.parallel.naive_mp.NaiveModelParallel`.
+The mechanism is :class:`~shardwise.parallel.pp.naive_mp.NaiveModelParallel`.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from torch import nn
 from shardwise.checkpoint.held import Held, held_state
 from shardwise.comm.topology import Topology
 from shardwise.layout import RunLayout
-from shardwise.param_groups import named_params
-from shardwise.parallel.naive_mp import NaiveModelParallel, _move
+from shardwise.optim.param_groups import named_params
+from shardwise.parallel.pp.naive_mp import NaiveModelParallel, _move
 from shardwise.precision import widened
 from shardwise.step import LossFn, OptimizerFactory, StepRun
 from shardwise.strategies.base import OwnDevices, SplitsModel, Strategy

@@ -30,17 +30,17 @@ from shardwise.checkpoint.held import Held, held_state
 from shardwise.comm.topology import Topology
 from shardwise.dims import CP, EP, PP, TP, ParallelDims
 from shardwise.layout import RunLayout
-from shardwise.param_groups import named_params
+from shardwise.optim.param_groups import named_params
 from shardwise.parallel.accounting import model_state_tensors, with_optimizer_states
-from shardwise.parallel.cp import shard_batch
-from shardwise.parallel.cp_attention import MODES
+from shardwise.parallel.cp.apply import shard_batch
+from shardwise.parallel.cp.attention import MODES
 from shardwise.parallel.ep import check_experts, experts_squares, is_expert
 from shardwise.parallel.parallelize import DataParallelOptions, Owners, parallelize
-from shardwise.parallel.pipeline import PipelineModel, find_ties, gather_full_state, stage_starts
-from shardwise.parallel.pipeline_layers import stage_layers
-from shardwise.parallel.pipeline_run import pipeline_eval, pipeline_step
-from shardwise.parallel.placement import V
-from shardwise.parallel.schedules import (
+from shardwise.parallel.pp.build import PipelineModel, find_ties, gather_full_state, stage_starts
+from shardwise.parallel.pp.layers import stage_layers
+from shardwise.parallel.pp.run import pipeline_eval, pipeline_step
+from shardwise.parallel.pp.placement import V
+from shardwise.parallel.pp.schedules import (
     Recorder,
     check_message_order,
     default_chunks,
@@ -49,9 +49,9 @@ from shardwise.parallel.schedules import (
     schedule_facts,
     shape_of,
 )
-from shardwise.parallel.sharding import clip_global_norm
-from shardwise.parallel.tp import Plan, Style, counts_in_norm
-from shardwise.parallel.zero import check_offload
+from shardwise.parallel.dp.sharding import clip_global_norm
+from shardwise.parallel.tp.apply import Plan, Style, counts_in_norm
+from shardwise.parallel.dp.zero import check_offload
 from shardwise.step import LossFn, OptimizerFactory, StepRun, first_named
 from shardwise.strategies.base import HasTPPlan, SplitsModel, Strategy
 
@@ -66,10 +66,10 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
             uses the trainer's ``accumulate_grad_batches`` chunks, or one micro-batch
             per stage when the trainer gives a single chunk.
         split_points: names of the layers where stages 1.. begin (see
-            :func:`~shardwise.parallel.pipeline.pipeline_layers`); None balances parameter counts.
+            :func:`~shardwise.parallel.pp.build.pipeline_layers`); None balances parameter counts.
         chunks: model chunks per rank (interleaved schedule; 2 when ``schedule="interleaved"`` and unset).
         tied: ``"sync"`` keeps weights tied across stages in sync; ``"error"`` rejects them.
-        recorder: collects an :class:`~shardwise.parallel.schedules.Event` per action.
+        recorder: collects an :class:`~shardwise.parallel.pp.schedules.Event` per action.
         dp, tp, pp: mesh sizes (``dp=-1``: the devices left over).
         zero: 0 = DDP over dp, 1 = ZeRO-1, 2 = ZeRO-2, 3 = FSDP (ZeRO-3 in units).
         replicate: with ``zero=3``, HSDP: ``replicate`` replicas of ``dp/replicate`` shards.
@@ -84,7 +84,7 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
         tp_plan: tensor-parallel plan (None: the built-in plan for the model type).
         bucket_cap_mb: DDP/ZeRO bucket size (None: each one's default).
         collectives, offload, offload_device, wrap, reshard_after_forward: as in
-            :class:`~shardwise.strategies.fsdp.FSDP` (offload and collectives for ZeRO-1/2 too).
+            :class:`~shardwise.strategies.dp.fsdp.FSDP` (offload and collectives for ZeRO-1/2 too).
     """
 
     schedule: str = "1f1b"
@@ -130,7 +130,7 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
         if not schedule_facts(self.schedule).split_backward:
             return None
         return (f"schedule={self.schedule!r} splits each backward into the input's gradient and the weights' "
-                "(shardwise.parallel.split_backward walks a block's autograd graph), and a compiled block has one "
+                "(shardwise.parallel.pp.split_backward walks a block's autograd graph), and a compiled block has one "
                 "fused backward with no such split (torch's zero-bubble schedules refuse compiled stages too); use "
                 "schedule='1f1b' or 'interleaved' with compile, or compile=False")
 

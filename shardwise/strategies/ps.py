@@ -1,7 +1,7 @@
 """The parameter server as a strategy (``strategy="ps"``): server ranks hold the parameters, workers train.
 
 The roles (servers, workers, the staleness gate) are the mechanism in
-:mod:`shardwise.parallel.ps_roles` and :mod:`shardwise.parallel.ps`; this
+:mod:`shardwise.parallel.ps.roles` and :mod:`shardwise.parallel.ps.module`; this
 strategy lays them out on the dp group (servers first; only workers read
 data), and saves and loads the servers' shards in the layout-free checkpoint.
 """
@@ -19,9 +19,9 @@ from shardwise.comm.topology import Topology
 from shardwise.dims import DP
 from shardwise.layout import RunLayout
 from shardwise.parallel.accounting import with_optimizer_states
-from shardwise.parallel.ddp import check_same_parameters
-from shardwise.parallel.ps import PSModule
-from shardwise.parallel.ps_roles import _Layout, _PushOptimizer, _Server, _Worker
+from shardwise.parallel.dp.ddp import check_same_parameters
+from shardwise.parallel.ps.module import PSModule
+from shardwise.parallel.ps.roles import _Layout, _PushOptimizer, _Server, _Worker
 from shardwise.step import LossFn, OptimizerFactory, StepRun, unwrap
 from shardwise.strategies.base import HasServers
 

@@ -16,14 +16,14 @@ from shardwise.strategies.base import Strategy
 # imported only when named, so that the core never imports every paradigm.
 BUILTIN: dict[str, str] = {
     "single": "shardwise.strategies.single:Single",
-    "ddp": "shardwise.strategies.ddp:DDP",
-    "dp": "shardwise.strategies.dp:DP",
+    "ddp": "shardwise.strategies.dp.ddp:DDP",
+    "dp": "shardwise.strategies.dp.threaded:DP",
     "ps": "shardwise.strategies.ps:ParameterServer",
-    "zero1": "shardwise.strategies.zero:ZeRO1",
-    "zero2": "shardwise.strategies.zero:ZeRO2",
-    "zero3": "shardwise.strategies.fsdp:ZeRO3",
-    "fsdp": "shardwise.strategies.fsdp:FSDP",
-    "hsdp": "shardwise.strategies.fsdp:HSDP",
+    "zero1": "shardwise.strategies.dp.zero:ZeRO1",
+    "zero2": "shardwise.strategies.dp.zero:ZeRO2",
+    "zero3": "shardwise.strategies.dp.fsdp:ZeRO3",
+    "fsdp": "shardwise.strategies.dp.fsdp:FSDP",
+    "hsdp": "shardwise.strategies.dp.fsdp:HSDP",
     "tp": "shardwise.strategies.tp:TP",
     "pp": "shardwise.strategies.pp:PP",
     "parallel": "shardwise.strategies.parallel:Parallel",
@@ -34,7 +34,7 @@ BUILTIN: dict[str, str] = {
 CLASSES: dict[str, str] = {
     **{target.partition(":")[2]: target for target in BUILTIN.values()},
     "NaiveMP": "shardwise.strategies.naive_mp:NaiveMP",
-    "NaiveModelParallel": "shardwise.parallel.naive_mp:NaiveModelParallel",
+    "NaiveModelParallel": "shardwise.parallel.pp.naive_mp:NaiveModelParallel",
 }
 
 

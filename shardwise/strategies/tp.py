@@ -1,7 +1,7 @@
 """Tensor parallelism over all devices (``strategy="tp"``, ``tp = devices``).
 
-The mechanism is :mod:`shardwise.parallel.tp` (a plan applied with the
-layers of :mod:`shardwise.parallel.tp_layers`); this strategy picks the plan,
+The mechanism is :mod:`shardwise.parallel.tp.apply` (a plan applied with the
+layers of :mod:`shardwise.parallel.tp.layers`); this strategy picks the plan,
 counts the loss once per tp group, clips by the norm of the unsplit model and
 gathers the slices for a full state dict.
 """
@@ -16,8 +16,8 @@ from torch import nn
 from shardwise import dims
 from shardwise.comm.topology import Topology
 from shardwise.layout import RunLayout
-from shardwise.parallel.tp import apply_tp, clip_grad_norm_, gather_state
-from shardwise.parallel.tp_plans import Plan, Style
+from shardwise.parallel.tp.apply import apply_tp, clip_grad_norm_, gather_state
+from shardwise.parallel.tp.plans import Plan, Style
 from shardwise.step import OptimizerFactory, on_device, unwrap
 from shardwise.strategies.base import HasTPPlan, Strategy
 

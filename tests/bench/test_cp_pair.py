@@ -21,7 +21,7 @@ import pytest
 
 from shardwise.bench.cp import BASELINE, cp_table, expected_sent, gpt, grad_bytes, run_cp, summarize
 from shardwise.models import GPTConfig
-from shardwise.parallel.cp_attention import RING, ULYSSES
+from shardwise.parallel.cp.attention import RING, ULYSSES
 
 TINY = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=32)
 SEQUENCES = 4

@@ -74,7 +74,7 @@ def test_a_fit_joining_the_ranks_keeps_their_threads(tmp_path):
 
 def test_hand_built_still_races_the_hand_built_pairs(monkeypatch):
     monkeypatch.setattr(engines, "switch_pair", lambda name, a: f"switch {name}")
-    for name, (module, fn) in {"zero1": ("zero", "zero1_pair"), "tp": ("mp", "tp_pair"),
+    for name, (module, fn) in {"zero1": ("zero", "zero1_pair"), "tp": ("pp.mp", "tp_pair"),
                                "fsdp-tp": ("compose", "fsdp_tp_pair")}.items():
         monkeypatch.setattr(importlib.import_module(f"shardwise.bench.{module}"), fn, lambda a: f"hand-built {a.n}")
         assert PAIRS[name](argparse.Namespace(hand_built=False, n=name)) == f"switch {name}"

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise.bench.mp import mlp, pp_sizes
-from shardwise.parallel.pipeline import stage_starts
-from shardwise.parallel.pipeline_layers import pipeline_layers
+from shardwise.bench.pp.mp import mlp, pp_sizes
+from shardwise.parallel.pp.build import stage_starts
+from shardwise.parallel.pp.layers import pipeline_layers
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.mark.parametrize("stages", [2, 4, 8, 16])
 def test_pp_pair_model_fills_every_stage(stages):
     # The 16-core machine's run at 8 ranks stopped at "the model has 7 pipeline layers ..., fewer than the 8
-    # stages asked for" (issue 28): the pair's model is sized to the stage count now.
+    # stages asked for": the pair's model is sized to the stage count now.
     depth, micro = pp_sizes(stages)
     layers = pipeline_layers(mlp(64, depth))
     starts = stage_starts(layers, stages) + [len(layers)]

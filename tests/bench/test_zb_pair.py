@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.bench.mp import mlp
-from shardwise.bench.zb import (
+from shardwise.bench.pp.mp import mlp
+from shardwise.bench.pp.zb import (
     CONTENDERS,
     F1B,
     TORCH_1F1B,

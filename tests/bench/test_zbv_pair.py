@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.bench.mp import mlp
-from shardwise.bench.zb import loss_gap, run_zb, summarize
-from shardwise.bench.zbv import (
+from shardwise.bench.pp.mp import mlp
+from shardwise.bench.pp.zb import loss_gap, run_zb, summarize
+from shardwise.bench.pp.zbv import (
     DPV,
     TORCH_DPV,
     TORCH_ZBV,

@@ -16,7 +16,7 @@ from shardwise.comm.algorithms import (
     ring_bytes,
 )
 from shardwise.comm.topology import Topology
-from shardwise.strategies.ddp import allreduce_fn
+from shardwise.strategies.dp.ddp import allreduce_fn
 from shardwise.workloads import digits
 
 pytestmark = pytest.mark.timeout(240)

@@ -1,6 +1,6 @@
 """``compile=True`` with inductor, on CUDA and in float32: compiled blocks train as eager does, with the fp16
 scaler too. Skipped without CUDA (tests/gpu/conftest.py). On CPU the suite runs every strategy's capture with
-``aot_eager`` (tests/test_compile.py): inductor's code generation costs 15-35 s per process there."""
+``aot_eager`` (tests/parallel/test_compile.py): inductor's code generation costs 15-35 s per process there."""
 from __future__ import annotations
 
 import functools

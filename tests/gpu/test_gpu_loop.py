@@ -1,6 +1,6 @@
-"""The hand-written loop on a CUDA device (issue 42): CPU batches reach a model on the GPU, fp16 through
+"""The hand-written loop on a CUDA device: CPU batches reach a model on the GPU, fp16 through
 ``model.backward``, parameter groups carried onto FSDP shards, all in a group of one (``sw.init`` from plain
-python). Skipped without CUDA (tests/gpu/conftest.py); the CPU side is tests/test_loop_device.py."""
+python). Skipped without CUDA (tests/gpu/conftest.py); the CPU side is tests/loop/test_loop_device.py."""
 from __future__ import annotations
 
 import functools

@@ -1,6 +1,7 @@
 """engine="torch"'s CUDA-only engines at world size 1 in a NCCL group of one: torch's context_parallel (a cp mesh
 of one rank), torch.nn.DataParallel (over cuda:0) and nn.SyncBatchNorm (under torch's DDP), each equal to the
-single-device CUDA run. On CPU each is refused before start (tests/test_torch_engine_cuda_only.py).
+single-device CUDA run. On CPU each is refused before start
+(tests/strategies/torch_engine/test_torch_engine_cuda_only.py).
 
 Context parallelism at world size 1: the Trainer gives ``sw.Parallel(cp=N)`` N ranks, so the engine is built on
 ``sw.Parallel()`` directly (what the Trainer runs for cp=N, with N=1): context_parallel's block, its buffers cut
@@ -20,8 +21,8 @@ from torch.nn import functional as F
 
 import shardwise as sw
 from shardwise.comm.topology import Topology
-from shardwise.parallel.torch_engines import torch_sync_batchnorm
-from shardwise.strategies.torch_engine import TorchCP
+from shardwise.parallel.dp.torch_dp import torch_sync_batchnorm
+from shardwise.strategies.torch_engine.wrappers import TorchCP
 from shardwise.workloads import CharText, Workload, digits, gpt, stdlib_text
 
 from .test_gpu_world1 import ATOL, RTOL

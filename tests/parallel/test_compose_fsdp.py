@@ -1,6 +1,6 @@
 """FSDP (zero=3) and HSDP composed with tensor and pipeline parallelism equal training in one process.
 
-Issue 11: ``Parallel(dp=, tp=, pp=, zero=3, replicate=)`` on the project's GPT and on
+``Parallel(dp=, tp=, pp=, zero=3, replicate=)`` on the project's GPT and on
 Hugging Face GPT-2 and Llama built from tiny configs, each run with gradient
 accumulation and global-norm clipping, must give the losses and final weights
 of single-process training.
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
-# Hugging Face models: lr 1e-4, as in tests/test_hf_models.py (near-zero gradients under Adam).
+# Hugging Face models: lr 1e-4, as in tests/strategies/test_hf_models.py (near-zero gradients under Adam).
 ADAMW_HF = functools.partial(torch.optim.AdamW, lr=1e-4)
 CLIP = 0.05  # small enough that every step clips: the global norm must be right on every rank
 

@@ -1,4 +1,4 @@
-"""Issue 41: the planner's Layout reads its size rules from shardwise/dims.py instead of restating them."""
+"""The planner's Layout reads its size rules from shardwise/dims.py instead of restating them."""
 from __future__ import annotations
 
 import pytest

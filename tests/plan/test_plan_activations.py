@@ -23,8 +23,8 @@ pytestmark = pytest.mark.timeout(60)
 #   full recomputation        2 s b h
 # shardwise's sequence parallelism keeps the all-gathered inputs of q/k/v and fc1 whole (so a layer moves
 # exactly plain tp's bytes; Megatron keeps 1/t of them and gathers them again in backward): 4 + 30/t
-# instead of 34/t (shardwise/parallel/sequence_parallel.py; the runtime's own exact formula is checked in
-# tests/parallel/test_sequence_parallel.py).
+# instead of 34/t (shardwise/parallel/tp/sequence_parallel.py; the runtime's own exact formula is checked in
+# tests/parallel/tp/test_sequence_parallel.py).
 # Their model configurations (Table 3), all with s = 2048 and t = 8.
 PAPER_MODELS = {"22B": (64, 6144, 48), "175B": (96, 12288, 96), "530B": (128, 20480, 105),
                 "1T": (160, 25600, 128)}

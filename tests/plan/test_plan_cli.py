@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from shardwise.plan.__main__ import main
-from shardwise.plan.cli import (
+from shardwise.plan.command.cli import (
     add_arguments,
     parse_bytes,
     parse_count,
@@ -121,7 +121,7 @@ def test_python_dash_m():
 
 
 def test_ranks_fsdp_with_tensor_and_pipeline_parallelism(capsys):
-    """Issue 11: a 70B model on 64 devices of 80 GB: which FSDP x TP x PP layouts fit, and why."""
+    """A 70B model on 64 devices of 80 GB: which FSDP x TP x PP layouts fit, and why."""
     rows = _json(capsys, ["--params", "70e9", "--devices", "64", "--format", "json"])
     fsdp3d = [r for r in rows if r["zero"] == 3 and r["tp"] > 1 and r["pp"] > 1]
     assert fsdp3d and {r["strategy"] for r in fsdp3d} <= {"fsdp", "hsdp"}

@@ -76,7 +76,7 @@ def test_no_sync_reduces_once_but_holds_full_gradients():
 
 
 def test_shards_are_padded_per_parameter_for_real_modules():
-    """Our ZeRO/FSDP pad every parameter to a multiple of N (shardwise.parallel.sharding)."""
+    """Our ZeRO/FSDP pad every parameter to a multiple of N (shardwise.parallel.dp.sharding)."""
     sizes = (10, 3, 7)
     model = ModelSpec(name="m", params=sum(sizes), param_numels=sizes)
     e = estimate(model, ClusterSpec.with_devices(4), TrainingSpec(precision="fp32"), Layout("zero3", 4))

@@ -1,4 +1,4 @@
-"""The planner's expert parallelism, by formula (issue 26): the Mixtral shape, layouts, memory and all-to-alls."""
+"""The planner's expert parallelism, by formula: the Mixtral shape, layouts, memory and all-to-alls."""
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,6 @@
 """Exact model-state layout of a real module under a RunLayout (no process is started here).
 
-tests/test_plan_vs_measured.py checks the same functions against what real
+tests/plan/test_plan_vs_measured.py checks the same functions against what real
 runs count; these pin down the rules on models small enough to count by hand.
 """
 from __future__ import annotations

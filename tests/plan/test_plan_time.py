@@ -115,7 +115,7 @@ def test_ddp_gradient_traffic_hides_behind_backward_until_it_cannot(inter_bw):
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
 def test_v_schedules_bubble_is_the_simulators(schedule):
     """A V (two chunks per rank) idles p - 1 chunk-forwards: with B = 2F and no traffic the bubble's share of
-    the step is (p - 1) / (6m + p - 1), the simulator's unit-cost fraction (tests/parallel/test_zero_bubble.py).
+    the step is (p - 1) / (6m + p - 1), the simulator's unit-cost fraction (tests/parallel/pp/test_zero_bubble.py).
     ZBV with fewer than 2p micro-batches idles max(p - 1, 4p - 2 - 2m) chunk-forwards."""
     model = KNOWN_MODELS["gpt2-xl"]
     cluster = ClusterSpec.with_devices(4)

@@ -2,7 +2,7 @@
 
 Both compute attention with torch's scaled_dot_product_attention, which keeps no score matrix: the planner
 counted one (5 a s / h per token and width) and over-predicted up to 2.25x; on an H200 the GPT-2 small step kept
-5.82 GB where it counted 10.28 GB (issue 28, benchmarks/results/gpu/NOTES.md). The bounds are the measured floor:
+5.82 GB where it counted 10.28 GB. The bounds are the measured floor:
 planned over saved was 0.88-1.06 for the GPT and 0.99 for Llama when this was written.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 41: one table of pipeline-schedule facts (shardwise.parallel.schedules.SCHEDULES).
+"""One table of pipeline-schedule facts (shardwise.parallel.pp.schedules.SCHEDULES).
 
 The runtime, the planner, the figures and the checks read every fact of a schedule (its order, title,
 placement, chunks per rank, split backward, bubble and activation memory) from that one entry: a new schedule
@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 
 import shardwise as sw
-from shardwise import plots
-from shardwise.parallel import schedules
-from shardwise.parallel.placement import LOOP
-from shardwise.parallel.schedules import SCHEDULES, ScheduleFacts, bubble_fraction, peak_in_flight, simulate
+from shardwise.commands import plots
+from shardwise.parallel.pp import schedules
+from shardwise.parallel.pp.placement import LOOP
+from shardwise.parallel.pp.schedules import SCHEDULES, ScheduleFacts, bubble_fraction, peak_in_flight, simulate
 from shardwise.plan import KNOWN_MODELS, ClusterSpec, Layout, TrainingSpec, estimate
 from shardwise.plan.memory import in_flight_microbatches
 from shardwise.plan.run import training_spec

@@ -1,5 +1,5 @@
 """Under `shardwise run`: two fits in one script with ``devices="auto"``; each rank prints whether the model it
-passed in ends trained (tests/test_first_hour.py reads the lines)."""
+passed in ends trained (tests/fit/test_first_hour.py reads the lines)."""
 from __future__ import annotations
 
 import functools

@@ -45,7 +45,7 @@ class KillOnce:
 
 def build(name: str) -> tuple:
     """(strategy, model, data, loss_fn, batch) of a run named ``name``: only shardwise's own objects, so that
-    tests/test_elastic.py can run the same training through the worker pool as its uninterrupted reference."""
+    tests/system/test_elastic.py can run the same training through the worker pool as its uninterrupted reference."""
     if name in ("pp", "3d"):
         strategy = PP() if name == "pp" else Parallel(dp=2, tp=2, pp=2, zero=1)
         torch.manual_seed(0)

@@ -1,0 +1,1 @@
+"""What the ``shardwise`` command runs besides training: ``demo``, ``verify`` and the pictures (``plots``)."""

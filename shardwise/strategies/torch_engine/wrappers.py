@@ -1,0 +1,592 @@
+"""``engine="torch"``: the same strategy names and the same Trainer, run by PyTorch's own engines.
+
+:func:`~shardwise.strategies.torch_engine.choice.engine_for` turns a strategy object into the one that runs
+(the strategy itself under ``engine="shardwise"``); under ``"torch"``, the class here of its row:
+
+====================  =====================================================================
+``ddp``               ``torch.nn.parallel.DistributedDataParallel`` (:class:`TorchDDP`)
+``zero1``             ``torch.distributed.optim.ZeroRedundancyOptimizer`` under DDP (:class:`TorchZeRO1`)
+``zero2``             FSDP2 with ``reshard_after_forward=False`` (:class:`TorchZeRO2`): parameters
+                      are sharded between steps too, which our ZeRO-2 does not do
+``zero3``, ``fsdp``   FSDP2 ``fully_shard`` on each of our FSDP's units, then the root, on a 1-D
+                      mesh over the data-parallel ranks (:class:`TorchFSDP`)
+``hsdp``              FSDP2 on the 2-D (replicate, shard) mesh (:class:`TorchHSDP`)
+``tp``                DTensor ``parallelize_module`` with torch's styles for our plan, also
+                      ``sw.Parallel`` split by tp alone, ``sequence_parallel`` included (:class:`TorchTP`)
+``Parallel(tp, dp)``  tp, then FSDP2 over dp on the same root mesh (torchtitan's order): ``zero=3``,
+                      ``zero=2`` (no resharding after the forward), HSDP with ``replicate``; dp over
+                      tp with ``zero`` 0 or 1 refused (torch's DDP and DTensor parameters)
+``pp``                ``torch.distributed.pipelining``: our stages (same cut, same tied weights kept
+                      in sync) as ``PipelineStage`` objects, run by torch's schedule for ours, on the
+                      same placement and in the same order: gpipe ``ScheduleGPipe``, 1f1b
+                      ``Schedule1F1B``, interleaved ``ScheduleInterleaved1F1B``, zb-h1
+                      ``ScheduleInterleavedZeroBubble`` given one stage per rank (the paper's ZB1P,
+                      there ZB-H1), zbv ``ScheduleZBVZeroBubble``, dualpipev ``ScheduleDualPipeV``
+                      (the V's: the same actions, ours run a few more backwards whole) (:class:`TorchPP`)
+``Parallel(pp, ..)``  torchtitan's order on each rank's stage chunks: the pipeline's split, tp
+                      (``parallelize_module`` on the stage's modules), then over dp FSDP2 (``zero=3``,
+                      ``zero=2`` unresharded, HSDP with ``replicate``) or torch's DDP (``zero=0``,
+                      ``ZeroRedundancyOptimizer`` per stage with ``zero=1``; under zbv, gradients
+                      averaged over dp after the schedule instead); sequence parallelism refused
+``Parallel(dp, ..)``  split by dp alone: the row of its ``zero`` (ddp, zero1, zero2, fsdp; hsdp with
+                      ``replicate``)
+``Parallel(cp)``      on CUDA: ``context_parallel`` around each step's micro-batches, attention through SDPA
+                      (:mod:`shardwise.parallel.cp.torch_cp`), with ``dp``: torch's DDP over dp x cp
+                      (``zero=0``) or FSDP2 over dp_shard x cp (``zero=3``) (:class:`TorchCP`)
+``dp``                on CUDA: ``torch.nn.DataParallel`` over the strategy's devices (:class:`TorchDP`)
+``sync_batchnorm``    on CUDA, under torch's DDP (``ddp``, ``zero1``): ``nn.SyncBatchNorm`` over dp
+====================  =====================================================================
+
+The options around the engine map to torch's where they mean the same: ``offload="all"`` is FSDP2's
+``CPUOffloadPolicy`` (:meth:`TorchFSDP.offload_policy`), a meta-device model is initialised into FSDP2's shards
+or DDP's whole tensors (:mod:`shardwise.parallel.dp.torch_meta`), and DDP's ``reduce_dtype`` is torch's compress
+hook of that dtype (:data:`COMPRESS_HOOKS`).
+
+Everything else is refused before any process starts, naming what runs it, by
+:mod:`shardwise.strategies.torch_engine.choice`; so are the three CUDA-only engines on CPU, with the reason. The
+engines keep the model's own parameter names, so parameter groups, the final state
+dict and the layout-free checkpoint (:mod:`shardwise.checkpoint`) are the same as
+under our engines: a run saved under one engine resumes under the other. The one
+key mapping is :meth:`TorchEngine.checkpoint_held` (DDP's ``module.`` prefix is
+dropped by :func:`~shardwise.step.unwrap`; FSDP2's DTensor shards become flat runs;
+``ZeroRedundancyOptimizer``'s states are those of its partition, each saved by the rank that owns it).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+from shardwise.checkpoint.held import Held, named_state
+from shardwise.comm.topology import Topology
+from shardwise.dims import DP, DP_CP, DP_SHARD, PP, TP
+from shardwise.layout import RunLayout
+from shardwise.parallel.accounting import with_optimizer_states
+from shardwise.parallel.dp.threaded import DataParallelModule
+from shardwise.parallel.dp.fsdp_units import unit_modules
+from shardwise.optim.param_groups import GroupedFactory
+from shardwise.parallel.cp.torch_cp import TorchContextParallel, cp_mesh, dp_shard_cp_mesh
+from shardwise.parallel.dp.torch_dp import (
+    composed_mesh,
+    dp_mesh,
+    fully_shard_units,
+    hsdp_mesh,
+    torch_ddp,
+    zero_redundancy,
+)
+from shardwise.parallel.dtensor import (
+    dim0_run,
+    full,
+    local,
+)
+from shardwise.parallel.pp.build import PipelineModel, build_pipeline, exchange_stages
+from shardwise.parallel.pp.schedules import schedule_facts, shape_of
+from shardwise.parallel.dp.sharding import clip_global_norm
+from shardwise.parallel.dp.torch_meta import init_meta
+from shardwise.parallel.pp.torch_pp import TorchPipeline, ddp_chunks, fsdp_chunks, torch_schedule_refusal
+from shardwise.parallel.tp.torch_tp import (
+    apply_torch_tp,
+    clip_grad_norm_,
+    on_tp_mesh,
+    torch_plan_refusal,
+    tp_mesh,
+    tp_slice,
+)
+from shardwise.parallel.tp.plans import Plan, resolve_plan
+from shardwise.step import LossFn, OptimizerFactory, StepRun, unwrap
+from shardwise.strategies.base import SplitsModel, Strategy
+from shardwise.strategies.dp.family import on_meta
+from shardwise.strategies.parallel import unsplit_named
+from shardwise.torch_private import forget_dtensor_plans
+
+@dataclass
+class TorchEngine(Strategy):
+    """A shardwise strategy (``of``: its layout, its options) run by a PyTorch engine."""
+
+    of: Strategy
+    comm_counted: ClassVar[bool] = False  # torch's DDP, FSDP2, DTensor and pipelining send outside our Comm
+    inits_meta: ClassVar[bool] = False  # whether setup gives a meta-device model memory (torch_meta.init_meta)
+
+    def __post_init__(self) -> None:
+        self.name = self.of.name  # type: ignore[misc]  # checkpoints, messages and the planner see the same name
+
+    def layout(self, devices: int) -> RunLayout:
+        return replace(self.of.layout(devices), engine="torch")  # the planner lays out torch's partitions
+
+    def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int,
+                    backend: str = "gloo") -> None:
+        self.of.check_model(model, devices, batch_size, accumulate_grad_batches, backend)
+
+    def owns_loss(self, topo: Topology) -> bool:
+        return self.of.owns_loss(topo)  # one loss per tp group, as under our engine
+
+    def check_setup(self, model: nn.Module) -> None:
+        if not dist.is_initialized():  # one process started without a group: torch's engines need one
+            raise ValueError(f"engine='torch' runs torch's engine for strategy {self.name!r} in a process group, "
+                             "and this one-process run has none: launch it with `shardwise run --nproc 1`, or "
+                             "drop engine='torch' (one device splits nothing)")
+        forget_dtensor_plans()  # an earlier group's meshes, equal to this one's, may be in torch's caches
+        if on_meta(model) and not self.inits_meta:
+            raise ValueError(f"engine='torch' does not set up a model on the meta device under strategy "
+                             f"{self.name!r} yet (ddp, zero1, zero2, zero3, fsdp and hsdp do); build it on the "
+                             "CPU, or use engine='shardwise', which materialises it shard by shard")
+
+    def checkpoint_held(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology) -> list[Held]:
+        """The layout-free checkpoint's keys for torch's engines: the model's own names (the one key mapping).
+        A parameter's optimizer states are where this rank's optimizer keeps them: all of them (DDP), its
+        shard's (FSDP2), or only those of the parameters its ``ZeroRedundancyOptimizer`` partition owns."""
+        return _held_named(named_state(unwrap(model)), optimizer)
+
+    def partitioned(self, model: nn.Module, optimizer_fn: OptimizerFactory, base: torch.optim.Optimizer,
+                    topo: Topology) -> torch.optim.Optimizer:
+        """``base`` as ``ZeroRedundancyOptimizer`` over the dp ranks (ZeRO-1 under torch's DDP)."""
+        # It partitions by parameter group once it is built, so the run's groups must be final before: regroup
+        # the factory's optimizer now (the Trainer's second regrouping changes nothing).
+        if isinstance(optimizer_fn, GroupedFactory):
+            optimizer_fn.finish(self.param_names(model))
+        return zero_redundancy(base, topo)
+
+
+def _held_named(named: Iterable[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer) -> list[Held]:
+    """:class:`Held` entries of ``named`` tensors (the unsplit model's names) and their optimizer states."""
+    out: list[Held] = []
+    for name, t in named:
+        out.append(_held(f"model.{name}", t.detach()))
+        for k, v in optimizer.state.get(t, {}).items():
+            if isinstance(v, torch.Tensor):
+                out.append(_held(f"optim.{name}.{k}", v))
+    return out
+
+
+def _held(key: str, t: torch.Tensor) -> Held:
+    if on_tp_mesh(t):  # our tp layout's slice (torch.chunk's equals ours: every split is even), or a replica
+        return Held(key, local(t), 0, tp_slice(t))
+    start, data = dim0_run(t)  # an FSDP2 shard: a run of this rank's tp slice (the whole tensor without tp)
+    return Held(key, data, start, tp_slice(t))
+
+
+@dataclass
+class TorchDDP(TorchEngine):
+    """``strategy="ddp"`` under torch's ``DistributedDataParallel`` (DDP's ``bucket_cap_mb`` and
+    ``find_unused_parameters`` carry over; ``reduce_dtype`` float16 or bfloat16 becomes torch's compress hook
+    of that dtype). A meta-device model gets whole memory first, initialised module by module."""
+
+    inits_meta: ClassVar[bool] = True
+
+    def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int,
+                    backend: str = "gloo") -> None:
+        super().check_model(model, devices, batch_size, accumulate_grad_batches, backend)
+        if getattr(self.of, "reduce_dtype", None) == "bfloat16" and backend != "nccl":
+            raise ValueError(f"engine='torch' cannot run DDP(reduce_dtype='bfloat16') on {backend}: torch's "
+                             "bf16_compress_hook runs only with NCCL 2.10+ on CUDA (or XCCL); use "
+                             "reduce_dtype='float16', or engine='shardwise'")
+
+    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
+              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+        self.check_setup(model)
+        if on_meta(model):  # DDP wraps whole tensors
+            init_meta(model, topo.device)
+        model = model.to(topo.device)
+        ddp = torch_ddp(model, topo, getattr(self.of, "bucket_cap_mb", None),
+                        getattr(self.of, "find_unused_parameters", False))
+        hook = COMPRESS_HOOKS.get(getattr(self.of, "reduce_dtype", None) or "")
+        if hook is not None:
+            ddp.register_comm_hook(topo.group(DP), getattr(default_hooks, hook))
+        return ddp, optimizer_fn(model.parameters())
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        return model.no_sync()  # type: ignore[operator,no-any-return]
+
+
+@dataclass
+class TorchZeRO1(TorchDDP):
+    """``strategy="zero1"`` under torch's DDP with ``ZeroRedundancyOptimizer``: full gradients all-reduced by
+    DDP, each rank steps the parameters its partition owns (whole tensors, greedily balanced by size) and
+    broadcasts them."""
+
+    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
+              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+        ddp, base = super().setup(model, optimizer_fn, topo)
+        return ddp, self.partitioned(ddp, optimizer_fn, base, topo)
+
+
+@dataclass
+class TorchDTensors(TorchEngine):
+    """An engine that keeps the model's parameters, some or all of them as DTensors (FSDP2, tp)."""
+
+    def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
+        return {k: full(v.detach()).cpu().clone() for k, v in model.state_dict().items()}
+
+    def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
+        params = [local(p) for p in model.parameters()]
+        grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
+        out = with_optimizer_states({"params": params, "grads": grads}, optimizer)
+        out["optimizer"] = [local(v) for v in out["optimizer"]]
+        return out
+
+
+@dataclass
+class TorchFSDP(TorchDTensors):
+    """``strategy="fsdp"``/``"zero3"`` under FSDP2: ``fully_shard`` on the units our FSDP picks (its ``wrap``),
+    then the root; ``reshard_after_forward`` carries over, and ``offload="all"`` is FSDP2's ``CPUOffloadPolicy``.
+    Parameters stay the model's, as DTensors. A meta-device model is sharded on meta, then only the shards get
+    memory, initialised module by module (``param_init_fn``, else each module's ``reset_parameters()``)."""
+
+    inits_meta: ClassVar[bool] = True
+    shard_dim: ClassVar[str] = DP  # the ranks whose shards together hold each parameter once
+
+    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
+              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+        self.check_setup(model)
+        meta = on_meta(model)
+        if not meta:
+            model = model.to(topo.device)
+        units = unit_modules(model, getattr(self.of, "wrap", "auto"))
+        policy = self.offload_policy(topo)
+        fully_shard_units(units, self.mesh(topo), self.reshard_after_forward(), policy)
+        if meta:
+            init_meta(model, topo.device, getattr(self.of, "param_init_fn", None),
+                      shards_on="cpu" if self.offloaded() else topo.device)
+        return model, optimizer_fn(model.parameters())
+
+    def offloaded(self) -> bool:
+        """Our ``offload="all"``: no shard kept on the device, the optimizer steps on the CPU."""
+        return getattr(self.of, "offload", "none") == "all"
+
+    def offload_policy(self, topo: Topology) -> OffloadPolicy:
+        """FSDP2's for our ``offload``: ``"all"`` is ``CPUOffloadPolicy``, in pinned memory where there is an
+        accelerator to copy to (pinning needs one)."""
+        if not self.offloaded():
+            return OffloadPolicy()
+        return CPUOffloadPolicy(pin_memory=topo.device.type != "cpu")
+
+    def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
+        """The shards as :class:`TorchDTensors` counts them; under ``CPUOffloadPolicy`` every one of them (frozen
+        parameters' too) lives in host memory, and is counted there, as our offload's are."""
+        out = super().state_tensors(model, optimizer)
+        if not self.offloaded():
+            return out
+        return {"params": [], "grads": [], "optimizer": [], "host_params": out["params"],
+                "host_grads": out["grads"], "host_optimizer": out["optimizer"]}
+
+    def mesh(self, topo: Topology) -> DeviceMesh:
+        """The mesh FSDP2 shards over: the data-parallel ranks."""
+        return dp_mesh(topo)
+
+    def reshard_after_forward(self) -> bool:
+        return bool(self.of.reshard_after_forward)  # type: ignore[attr-defined]
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        return _no_gradient_sync(model)
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
+        if not self.offloaded():
+            # torch's clip handles DTensor gradients: the norm of the shards is reduced over the mesh.
+            return full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+        # Offloaded gradients are on the CPU, which torch's clip would reduce over the mesh's backend (NCCL cannot):
+        # this rank's squares are summed on the host, and the scalar all-reduced on the device over the shards.
+        grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
+        return clip_global_norm(grads, grads, max_norm, [(topo.comm(self.shard_dim), "torch_fsdp_clip")],
+                                topo.device)
+
+
+@dataclass
+class TorchZeRO2(TorchFSDP):
+    """``strategy="zero2"`` under FSDP2 with ``reshard_after_forward=False`` (torch's answer to ZeRO-2, FSDP1's
+    SHARD_GRAD_OP): gradients and optimizer states sharded, parameters gathered from a unit's forward to its
+    backward; unlike our ZeRO-2 they are sharded between steps too. Units as our FSDP's default ``wrap``."""
+
+    def reshard_after_forward(self) -> bool:
+        return False
+
+
+@dataclass
+class TorchHSDP(TorchFSDP):
+    """``strategy="hsdp"`` under FSDP2 on the 2-D (replicate, shard) mesh of the run's replicas of shards:
+    each parameter a DTensor replicated over the first dimension and sharded on dim 0 over the second."""
+
+    shard_dim: ClassVar[str] = DP_SHARD
+
+    def mesh(self, topo: Topology) -> DeviceMesh:
+        return hsdp_mesh(topo)
+
+
+@dataclass
+class TorchTP(TorchDTensors):
+    """``strategy="tp"`` (and ``sw.Parallel`` split by tp, ``sequence_parallel`` included) under DTensor's
+    ``parallelize_module``, with torch's styles for our plan (:mod:`shardwise.parallel.tp.torch_tp`); with
+    ``Parallel(dp=N, zero=3)``, then FSDP2 ``fully_shard`` on our units over dp (torchtitan's order)."""
+
+    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
+              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+        self.check_setup(model)
+        model = model.to(topo.device)
+        _split_tp(model, None, self.of.tensor_parallel_plan(), topo, self.sequence_parallel())  # type: ignore[attr-defined]
+        if topo.size(DP) > 1:  # torchtitan's order: tp first, then FSDP2 over dp on the same root mesh
+            of: Any = self.of
+            units = unit_modules(model, of.wrap)
+            # zero=2: FSDP2 without resharding after the forward, as TorchZeRO2.
+            fully_shard_units(units, composed_mesh(topo, of.replicate), of.reshard_after_forward and of.zero == 3)
+        return model, optimizer_fn(model.parameters())
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        # FSDP2 over dp: its own switch; tp alone reduces no gradients over ranks.
+        return _no_gradient_sync(model) if hasattr(model, "set_requires_gradient_sync") else contextlib.nullcontext()
+
+    def plan(self, model: nn.Module) -> Plan:
+        return resolve_plan(self.of.tensor_parallel_plan(), model)  # type: ignore[attr-defined]
+
+    def sequence_parallel(self) -> bool:
+        return bool(getattr(self.of, "sequence_parallel", False))
+
+    def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int,
+                    backend: str = "gloo") -> None:
+        super().check_model(model, devices, batch_size, accumulate_grad_batches, backend)
+        _refuse_ddp_over_tp(self.name, self.layout(devices), getattr(self.of, "zero", 0))
+        _refuse_plan(self.name, self.plan(model), model, self.sequence_parallel())
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
+        return clip_grad_norm_(list(model.parameters()), max_norm)
+
+
+def _refuse_ddp_over_tp(name: str, layout: RunLayout, zero: int, runs: str = "zero=2 or 3") -> None:
+    """Refuse dp > 1 over tp > 1 with torch's DDP (zero=0) or ZeroRedundancyOptimizer under it (zero=1), naming
+    the ``zero`` that ``runs``; Parallel's dp=-1 can leave ranks over for dp, which only the devices tell."""
+    if layout.dp > 1 and layout.tp > 1 and zero in (0, 1):
+        raise ValueError(f"engine='torch' runs strategy {name!r} with dp > 1 over tp > 1 only with {runs} (tp, "
+                         f"then FSDP2 over dp), not zero={zero}: torch's DDP refuses tp's DTensor parameters over a "
+                         "process group (c10d.broadcast_ has no DTensor sharding strategy), and over a device mesh "
+                         "turns them into plain local tensors (torch's interim DDP + tp transform), which hides "
+                         "their tp layout from the checkpoint and the clip; engine='shardwise' runs it")
+
+
+def _refuse_plan(name: str, plan: Plan, model: nn.Module, sequence_parallel: bool) -> None:
+    why = torch_plan_refusal(plan, sequence_parallel)
+    if why is not None:
+        raise ValueError(f"engine='torch' cannot run strategy {name!r} on {type(model).__name__}: {why}; "
+                         "engine='shardwise' runs it")
+
+
+@dataclass
+class TorchPP(TorchDTensors, SplitsModel):
+    """``strategy="pp"`` and ``sw.Parallel(pp=N, ...)`` under ``torch.distributed.pipelining``
+    (:mod:`shardwise.parallel.pp.torch_pp`): our pipeline's split (:func:`~shardwise.parallel.pp.build.build_pipeline`:
+    the same stages, names and tied copies), each chunk a torch ``PipelineStage`` run by torch's schedule for
+    ours. torchtitan's order within a stage: tp (``parallelize_module`` on the stage's modules), then over dp
+    torch's DDP (``zero=0``; ``zero=1``: ``ZeroRedundancyOptimizer`` over each stage's dp ranks) or FSDP2
+    (``zero=3``; ``zero=2`` without resharding after the forward). What reads the split model (parameter groups, evaluation's
+    forward) is our PP's, on the same model; the full state, the checkpoint's keys and clipping by the global
+    norm read its DTensors."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.pipe: TorchPipeline | None = None  # built in the rank, by setup
+
+    @property
+    def split_points(self) -> list[str] | None:  # type: ignore[override]
+        return self.of.split_points  # type: ignore[attr-defined,no-any-return]
+
+    def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int,
+                    backend: str = "gloo") -> None:
+        super().check_model(model, devices, batch_size, accumulate_grad_batches, backend)
+        of: Any = self.of
+        if self.layout(devices).tp > 1:
+            _refuse_ddp_over_tp(self.name, self.layout(devices), of.zero)
+            _refuse_plan(self.name, resolve_plan(of.tensor_parallel_plan(), model), model, False)
+        self._check_torch_schedule(devices, batch_size, accumulate_grad_batches)
+
+    def _check_torch_schedule(self, devices: int, batch_size: int, accumulate_grad_batches: int) -> None:
+        """torch's schedule's own rules on the micro-batch count, where they are stricter than ours."""
+        of: Any = self.of
+        p = self.layout(devices).pp
+        m = of.effective_microbatches(batch_size // of.batch_shards(devices), p, accumulate_grad_batches)
+        why = torch_schedule_refusal(of.schedule, p, m)
+        if why is not None:
+            raise ValueError(f"engine='torch' cannot run strategy {self.name!r} with schedule={of.schedule!r}: "
+                             f"{why}; engine='shardwise' runs it")
+
+    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
+              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+        self.check_setup(model)
+        of: Any = self.of
+        split_tp = functools.partial(_split_tp, plan=of.tensor_parallel_plan(), topo=topo)
+        pm = build_pipeline(model.to(topo.device), topo, of.split_points, of.n_chunks(), of.tied,
+                            split_tp if topo.size(TP) > 1 else None, shape=shape_of(of.schedule))
+        self.pipe = TorchPipeline(pm, topo, of.schedule, self.stage_data(topo),
+                                  topo.group(DP) if self.averages_after(topo) else None)
+        base = optimizer_fn(pm.parameters())
+        if of.zero != 1 or topo.size(DP) == 1:
+            return pm, base
+        return pm, self.partitioned(pm, optimizer_fn, base, topo)  # each stage's parameters over its dp ranks
+
+    def averages_after(self, topo: Topology) -> bool:
+        """Whether the gradients are averaged over dp after the schedule rather than by torch's DDP: a zero-bubble
+        schedule's weight backwards come after the last micro-batch's input backward, where torch's stage
+        starts DDP's reduction, whose buckets they would miss (FSDP2, ``zero=3``, reduces after all of them)."""
+        of: Any = self.of
+        return topo.size(DP) > 1 and of.zero <= 1 and schedule_facts(of.schedule).split_backward
+
+    def stage_data(self, topo: Topology) -> Callable[[PipelineModel], list[nn.Module]] | None:
+        """How :class:`TorchPipeline` puts the chunks under dp: FSDP2 (``zero`` 2 or 3, on the mesh of
+        :class:`TorchTP`'s, HSDP's with replicas), torch's DDP (``zero`` 0 or 1), or nothing (dp = 1, or averaged
+        after the schedule)."""
+        of: Any = self.of
+        if topo.size(DP) == 1 or self.averages_after(topo):
+            return None
+        if of.zero >= 2:  # zero=2: FSDP2 without resharding after the forward, as TorchZeRO2
+            # A split backward's weight half needs the unsharded parameters its input half saw: resharded after
+            # the forward, zbv's gradients came out wrong (2 steps of our GPT: the second loss 3e-3 off one
+            # device's). torchtitan's default keeps them unsharded under any pipeline (reshard_after_forward =
+            # not pp_enabled), to spare an all-gather per micro-batch; here the Parallel's option decides elsewhere.
+            keep = schedule_facts(of.schedule).split_backward or of.zero == 2
+            return functools.partial(fsdp_chunks, mesh=composed_mesh(topo, of.replicate), wrap=of.wrap,
+                                     reshard_after_forward=of.reshard_after_forward and not keep)
+        return functools.partial(ddp_chunks, topo=topo, bucket_cap_mb=of.bucket_cap_mb)
+
+    def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
+                   topo: Topology, run: StepRun = StepRun()) -> torch.Tensor | None:
+        assert self.pipe is not None, "setup builds the pipeline"
+        return self.pipe.step(micro_batches, loss_fn, self.of._micro(micro_batches, topo),  # type: ignore[attr-defined]
+                              lambda: run.forward_context(topo.device), run.loss_scale)
+
+    def compile_refusal(self) -> str | None:
+        return self.of.compile_refusal()  # a zero-bubble schedule splits each backward, as torch's needs too
+
+    def eval_step(self, model: nn.Module, x: Any, y: Any, fn: LossFn, topo: Topology,
+                  run: StepRun = StepRun()) -> torch.Tensor | None:
+        return self.of.eval_step(model, x, y, fn, topo, run)  # our forward-only pass over the same stages
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
+        # Each stage's squares (a DTensor's over its dp and tp mesh), summed over pp; a tied weight counted once.
+        pm: PipelineModel = model  # type: ignore[assignment]
+        return clip_grad_norm_(list(pm.parameters()), max_norm, pm.elsewhere(), topo.comm(PP))
+
+    def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
+        pm: PipelineModel = model  # type: ignore[assignment]
+        mine = {k: full(t.detach()).contiguous() for k, t in pm.claimed.items()}  # each stage's, whole
+        return exchange_stages(pm, mine, topo)
+
+    def checkpoint_held(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology) -> list[Held]:
+        """Our PP's keys: the stage modules' tensors under the unsplit model's names (a tied weight under its
+        first name), each as tp slice and FSDP2 shard, so the checkpoint crosses to any layout under either
+        engine."""
+        return _held_named(unsplit_named(model), optimizer)  # type: ignore[arg-type]
+
+    def param_names(self, model: nn.Module) -> dict[int, str]:
+        return self.of.param_names(model)
+
+
+def _split_tp(model: nn.Module, keep: Callable[[str], bool] | None, plan: Any, topo: Topology,
+              sequence_parallel: bool = False) -> nn.Module:
+    """torch's tp with our ``plan`` (checked on the model first) over ``topo``'s tp mesh: on the whole model
+    (``keep`` None), or on the modules of this rank's stage(s) (:func:`build_pipeline`'s transform, before the
+    cut)."""
+    resolved = resolve_plan(plan, model)
+    if resolved.check is not None:
+        resolved.check(model, topo.size(TP))
+    return apply_torch_tp(model, resolved, tp_mesh(topo), sequence_parallel, keep)
+
+
+@dataclass
+class TorchCP(TorchFSDP):
+    """``sw.Parallel(cp=N)`` on CUDA under torch's ``context_parallel`` (:mod:`shardwise.parallel.cp.torch_cp`): each
+    step's micro-batches cut along the sequence with their positions, forward and backward inside one block, the
+    attention through SDPA; gradients averaged over dp x cp by torch's DDP (``zero=0``), or reduce-scattered by
+    FSDP2 over dp_shard x cp (``zero=3``, on our units; torchtitan's layout)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.context: TorchContextParallel | None = None  # built in the rank, by setup
+
+    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
+              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+        self.check_setup(model)
+        # On the model's own modules, before a wrapper: the position hooks and a Hugging Face model's SDPA.
+        self.context = TorchContextParallel(cp_mesh(topo))
+        self.context.prepare(model)
+        if self.sharded():
+            return super().setup(model, optimizer_fn, topo)
+        model = model.to(topo.device)
+        return torch_ddp(model, topo, getattr(self.of, "bucket_cap_mb", None), dim=DP_CP), \
+            optimizer_fn(model.parameters())
+
+    def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int,
+                    backend: str = "gloo") -> None:
+        super().check_model(model, devices, batch_size, accumulate_grad_batches, backend)
+        if any(p.dtype == torch.float64 for p in model.parameters()):
+            raise ValueError(f"engine='torch' cannot run strategy {self.name!r} on a float64 model: torch's ring "
+                             "attention has forms of SDPA's flash, efficient and cuDNN kernels only, and none takes "
+                             "float64 (efficient: float32 and half; flash, cuDNN: half); use float32 or half "
+                             "precision, or engine='shardwise'")
+
+    def sharded(self) -> bool:
+        """FSDP2 over dp_shard x cp (``zero=3``), else torch's DDP over dp x cp."""
+        return getattr(self.of, "zero", 0) == 3
+
+    def mesh(self, topo: Topology) -> DeviceMesh:
+        return dp_shard_cp_mesh(topo)
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        return super().no_sync(model) if self.sharded() else model.no_sync()  # type: ignore[operator]
+
+    def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
+                   topo: Topology, run: StepRun = StepRun()) -> torch.Tensor | None:
+        with self._context().sharded(micro_batches) as local:
+            return super().train_step(model, local, loss_fn, topo, run)
+
+    def eval_step(self, model: nn.Module, x: Any, y: Any, fn: LossFn, topo: Topology,
+                  run: StepRun = StepRun()) -> torch.Tensor | None:
+        with self._context().sharded([(x, y)]) as [(x, y)]:  # this rank's tokens, as evaluation joins them
+            return super().eval_step(model, x, y, fn, topo, run)
+
+    def _context(self) -> TorchContextParallel:
+        assert self.context is not None, "setup builds the context"
+        return self.context
+
+    def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
+        return super().full_state_dict(unwrap(model), topo)  # DDP's module. prefix dropped
+
+
+@dataclass
+class TorchDP(TorchEngine):
+    """``strategy="dp"`` on CUDA under ``torch.nn.DataParallel``: one process, the batch scattered over the
+    strategy's devices (primary first), replicas in threads, gradients summed on the primary device; the same
+    design as ours (:mod:`shardwise.parallel.dp.threaded`), so the devices, the primary-device check and the
+    optimizer are our DP's."""
+
+    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
+              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+        # One process drives every device: DataParallel needs no process group (no check_setup).
+        ours, optimizer = self.of.setup(model, optimizer_fn, topo)
+        assert isinstance(ours, DataParallelModule)
+        return nn.DataParallel(ours.module, device_ids=ours.devices, output_device=ours.devices[0]), optimizer
+
+
+@contextlib.contextmanager
+def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """FSDP2's ``no_sync``: gradients accumulate unsharded and unreduced until the block ends."""
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+# DDP(reduce_dtype=...) -> torch's DDP communication hook (torch.distributed.algorithms.ddp_comm_hooks
+# .default_hooks) that sends gradients in that dtype: the bucket cast, divided by the world size, summed, widened
+# back. Ours divides before the cast: the same numbers wherever the division is exact (a power-of-two world,
+# outside float16's subnormals).
+COMPRESS_HOOKS = {"float16": "fp16_compress_hook", "bfloat16": "bf16_compress_hook"}
+
+
+__all__ = ["COMPRESS_HOOKS", "TorchCP", "TorchDDP", "TorchDP", "TorchDTensors", "TorchEngine", "TorchFSDP", "TorchHSDP",
+           "TorchPP", "TorchTP", "TorchZeRO1", "TorchZeRO2"]

@@ -1,0 +1,252 @@
+"""The names a switcher from Lightning types: each alias and each refusal, asserted exactly.
+
+Pre-start checks only: every test that builds a Trainer runs under ``no_spawn`` (starting a rank is a
+failure), and CUDA is faked where a test needs it (``torch.device("cuda", i)`` is only a name until used).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise import cli
+from shardwise import precision as precision_mod
+from shardwise.comm.topology import pick_device
+from shardwise.extras import EXTRAS, MissingExtra, require
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VALID = "valid strategies: single, ddp, dp, ps, zero1, zero2, zero3, fsdp, hsdp, tp, pp, parallel"
+
+
+def trainer(strategy="ddp", devices=2, **kw):
+    return sw.Trainer(strategy, devices, progress=False, **kw)
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """Four fake GPUs: torch.cuda says they exist (nothing here touches one)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+# ---- strategy names ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(("typed", "name"), [("DDP", "ddp"), ("Zero3", "zero3"), ("FSDP", "fsdp"), ("HSDP", "hsdp"),
+                                             ("Parallel", "parallel"), ("ddp", "ddp")])
+def test_a_strategy_name_in_any_case(typed, name, no_spawn):
+    assert sw.resolve(typed).name == name
+    assert trainer(typed, accelerator="cpu").strategy.name == name
+
+
+@pytest.mark.parametrize(("typed", "near"), [
+    ("zero4", "; did you mean 'zero3', 'zero2' or 'zero1'?"),
+    ("hdsp", "; did you mean 'hsdp' or 'dp'?"),
+    ("Zerro3", "; did you mean 'zero3', 'zero2' or 'zero1'?"),
+    ("nosuch", ""),
+])
+def test_a_near_miss_is_told_the_nearest_names(typed, near, no_spawn):
+    with pytest.raises(ValueError) as e:
+        trainer(typed, accelerator="cpu")
+    assert str(e.value) == f"unknown strategy {typed!r}; {VALID}{near}"
+
+
+# ---- accelerator="gpu" ------------------------------------------------------------------------------
+@pytest.mark.parametrize("typed", ["gpu", "GPU", "cuda", "Cuda"])
+def test_gpu_is_cuda(typed, no_spawn):
+    assert trainer(accelerator=typed).accelerator == "cuda"
+
+
+def test_gpu_is_refused_like_cuda_where_there_is_none(no_gpu, no_spawn):
+    with pytest.raises(ValueError) as e:
+        trainer(accelerator="gpu").fit(torch.nn.Linear(4, 2), [(torch.zeros(4), 0)] * 8,
+                                       torch.nn.functional.cross_entropy, torch.optim.SGD, batch_size=4, max_steps=1)
+    assert str(e.value) == ("accelerator='cuda' but no CUDA device is available; use accelerator='cpu' "
+                            "(or 'auto', which picks CUDA only when present)")
+
+
+def test_each_rank_picks_its_gpu(gpus):
+    assert [pick_device("gpu", r) for r in range(2)] == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert [pick_device("cuda:1,3", r) for r in range(2)] == [torch.device("cuda", 1), torch.device("cuda", 3)]
+
+
+# ---- devices=-1 and devices=[...] -------------------------------------------------------------------
+def test_devices_minus_one_is_every_gpu(gpus, no_spawn):
+    t = trainer(devices=-1)
+    assert (t.devices, t.device_ids, t.options.rank_accelerator) == (4, None, "auto")
+
+
+def test_a_list_of_gpus_is_those_gpus(gpus, no_spawn):
+    t = trainer(devices=[1, 3], accelerator="gpu")
+    assert (t.devices, t.device_ids, t.options.rank_accelerator) == (2, (1, 3), "cuda:1,3")
+
+
+@pytest.mark.parametrize("devices", [[0, 4], [1, 1], [-1]])
+def test_a_list_of_gpus_that_are_not_there(devices, gpus, no_spawn):
+    with pytest.raises(ValueError) as e:
+        trainer(devices=devices)
+    assert str(e.value) == (f"devices={devices!r} lists GPU indices: they must be distinct, from 0 to 3 "
+                            "(this machine has 4 GPUs)")
+
+
+@pytest.mark.parametrize(("devices", "accelerator", "message"), [
+    (-1, "cpu", "devices=-1 means every GPU, but this run is on CPU (accelerator='cpu'): pass the number of "
+                "processes, e.g. devices=2"),
+    (-1, "auto", "devices=-1 means every GPU, but this run is on CPU (no CUDA device is available): pass the "
+                 "number of processes, e.g. devices=2"),
+    ([0, 1], "cpu", "devices=[0, 1] lists GPU indices, but this run is on CPU (accelerator='cpu'): pass the "
+                    "number of processes, devices=2"),
+    ([0, 1], "gpu", "devices=[0, 1] lists GPU indices, but this run is on CPU (no CUDA device is available): "
+                    "pass the number of processes, devices=2"),
+])
+def test_gpu_devices_are_refused_on_cpu(devices, accelerator, message, no_gpu, no_spawn):
+    with pytest.raises(ValueError) as e:
+        trainer(devices=devices, accelerator=accelerator)
+    assert str(e.value) == message
+
+
+def test_other_devices_values_are_refused(no_spawn):
+    with pytest.raises(ValueError) as e:
+        trainer(devices=0, accelerator="cpu")
+    assert str(e.value) == "devices must be a positive integer, 'auto', -1 (every GPU) or a list of GPU indices, got 0"
+
+
+# ---- precision ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("typed", "name"), [(16, "16-mixed"), ("16", "16-mixed"), ("bf16", "bf16-mixed"),
+                                             (32, "32"), ("32", "32"), ("32-true", "32"),
+                                             ("16-mixed", "16-mixed"), ("bf16-mixed", "bf16-mixed")])
+def test_precision_aliases(typed, name, no_spawn):
+    assert precision_mod.check(typed) == name
+    assert trainer(accelerator="cpu", precision=typed).precision == name
+
+
+@pytest.mark.parametrize("typed", [64, "fp16", True])
+def test_other_precisions_are_refused(typed):
+    with pytest.raises(ValueError) as e:
+        precision_mod.check(typed)
+    valid = ", ".join(repr(p) for p in precision_mod.PRECISIONS)  # '32', 'bf16-mixed', '16-mixed', ...
+    assert str(e.value) == f"precision must be one of {valid}, got {typed!r}"
+
+
+# ---- the command line: one line per user error -------------------------------------------------------
+def test_verify_with_an_unknown_strategy_is_one_line(no_spawn, capsys):
+    assert cli.main(["verify", "--strategy", "nosuch"]) == 2
+    assert capsys.readouterr().err == f"shardwise: error: unknown strategy 'nosuch'; {VALID}\n"
+    assert cli.main(["verify", "--strategy", "zero4", "--devices", "4"]) == 2
+    assert capsys.readouterr().err == (f"shardwise: error: unknown strategy 'zero4'; {VALID}; did you mean 'zero3', "
+                                       "'zero2' or 'zero1'?\n")
+
+
+def test_a_missing_model_file_is_one_line(tmp_path, no_spawn, capsys):
+    missing = tmp_path / "model.py"
+    assert cli.main(["verify", "--model", f"{missing}:make"]) == 2
+    assert capsys.readouterr().err == f"shardwise: error: model file '{missing}' does not exist\n"
+    (tmp_path / "model.py").write_text("x = 1\n")
+    assert cli.main(["verify", "--model", f"{missing}:make"]) == 2
+    assert capsys.readouterr().err == f"shardwise: error: {missing} has no function 'make'\n"
+
+
+def _argparse_says(choices, value):
+    """argparse's own words for a value outside ``choices`` (they differ between Python versions)."""
+    p = argparse.ArgumentParser(exit_on_error=False)
+    p.add_argument("x", choices=choices)
+    with pytest.raises(argparse.ArgumentError) as e:
+        p.parse_args([value])
+    return str(e.value).removeprefix("argument x: ")
+
+
+VERBS = ["run", "demo", "verify", "bench", "plan", "checkpoint"]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["verify", "--devices", "two"], "argument --devices: invalid int value: 'two' (see shardwise verify --help)"),
+    (["checkpoint", "export", "d", "o", "--format", "onnx"],
+     f"argument --format: {_argparse_says(['pt', 'hf'], 'onnx')} (see shardwise checkpoint export --help)"),
+    (["verb"], f"argument {{{','.join(VERBS)}}}: {_argparse_says(VERBS, 'verb')} (see shardwise --help)"),
+])
+def test_a_bad_flag_value_is_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == f"shardwise: error: {message}\n"
+
+
+@pytest.mark.parametrize("how", ["flag", "flag after the verb", "env"])
+def test_the_whole_traceback_on_request(how, monkeypatch, no_spawn):
+    argv = ["verify", "--strategy", "nosuch"]
+    if how == "env":
+        monkeypatch.setenv("SHARDWISE_TRACEBACK", "1")
+    argv = ["--traceback", *argv] if how == "flag" else [*argv, "--traceback"] if how != "env" else argv
+    with pytest.raises(ValueError, match="^unknown strategy 'nosuch'"):
+        cli.main(argv)
+
+
+def test_the_command_itself_prints_one_line_and_exits_2():
+    r = subprocess.run([sys.executable, "-m", "shardwise", "verify", "--strategy", "nosuch"], cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout, r.stderr) == (2, "", f"shardwise: error: unknown strategy 'nosuch'; {VALID}\n")
+
+
+# ---- extras: a missing optional package names the extra --------------------------------------------
+@pytest.mark.parametrize(("argv", "extra", "line"), [
+    (["demo"], "demo", "shardwise demo needs scikit-learn: pip install 'shardwise[demo]'"),
+    (["demo", "--plot", "pics"], "plots", "shardwise demo --plot needs matplotlib: pip install 'shardwise[plots]'"),
+    (["bench", "--plot", "pics"], "plots", "shardwise bench --plot needs matplotlib: pip install 'shardwise[plots]'"),
+    (["verify"], "demo", "shardwise verify --model digits needs scikit-learn: pip install 'shardwise[demo]'"),
+])
+def test_a_verb_without_its_extra_is_one_line(argv, extra, line, monkeypatch, no_spawn, capsys):
+    monkeypatch.setitem(sys.modules, EXTRAS[extra][0], None)  # importlib.util.find_spec then finds nothing
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == line + "\n"
+
+
+@pytest.mark.parametrize(("feature", "extra", "line"), [
+    ("the digits workload (scikit-learn's bundled digits)", "demo",
+     "the digits workload (scikit-learn's bundled digits) needs scikit-learn: pip install 'shardwise[demo]'"),
+    ("a Hugging Face export (--format hf)", "hf",
+     "a Hugging Face export (--format hf) needs transformers: pip install 'shardwise[hf]'"),
+])
+def test_library_features_without_their_extra(feature, extra, line, monkeypatch):
+    monkeypatch.setitem(sys.modules, EXTRAS[extra][0], None)
+    with pytest.raises(MissingExtra) as e:
+        require(feature, extra)
+    assert str(e.value) == line
+    if extra == "demo":
+        from shardwise.workloads import digits
+        with pytest.raises(MissingExtra) as e:
+            digits()
+        assert str(e.value) == line
+
+
+def test_tensorboard_dir_without_tensorboard_warns_with_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # not found, as when it is not installed
+    with pytest.warns(UserWarning) as w:
+        trainer = sw.Trainer("single", accelerator="cpu", tensorboard_dir=tmp_path, metrics_path=tmp_path / "m.jsonl")
+    assert [str(x.message) for x in w] == ["Trainer(tensorboard_dir=) needs tensorboard: pip install "
+                                           "'shardwise[tensorboard]'; logging without TensorBoard"]
+    assert [type(lg).__name__ for lg in trainer.loggers] == ["JSONL"]
+
+
+@pytest.mark.parametrize(("make", "line"), [
+    (lambda: sw.loggers.MLflow(), "sw.loggers.MLflow needs mlflow-skinny: pip install 'shardwise[mlflow]'"),
+    (lambda: sw.Trainer("single", logger="wandb"), "sw.loggers.WandB needs wandb: pip install 'shardwise[wandb]'"),
+    (lambda: sw.loggers.TensorBoard(), "sw.loggers.TensorBoard needs tensorboard: pip install "
+                                       "'shardwise[tensorboard]'"),
+])
+def test_a_logger_without_its_extra_names_it(make, line, monkeypatch):
+    for module in ("mlflow", "wandb", "tensorboard"):
+        monkeypatch.setitem(sys.modules, module, None)
+    with pytest.raises(MissingExtra) as e:
+        make()
+    assert str(e.value) == line
