@@ -27,7 +27,7 @@ from shardwise.scalars import log as log_scalar
 
 OuterFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 SYNC = "diloco.sync"  # the name of the pseudo-gradients' all-reduce in the byte counts
-START = "diloco.start"  # the broadcast that gives every replica replica 0's weights at the start
+START = "diloco_start"  # the broadcast that gives every replica replica 0's weights at the start
 
 
 def default_outer(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
