@@ -40,6 +40,9 @@ DP_CP = "dp_cp"  # dp x cp: the ranks that hold one replica's parameters and see
 DP_SHARD_CP = "dp_shard_cp"  # dp_shard x cp: where ZeRO/FSDP shard parameters and reduce-scatter gradients
 EDP = "edp"  # expert data parallel: the ranks of dp_cp that hold the same experts (dp_cp / ep of them)
 WORLD = "world"  # every rank: not a dimension, the name of the whole group
+# DiLoCo's outer group: the ranks at the same place of each replica (a block of consecutive ranks), which average
+# the pseudo-gradients. Not a dimension of the mesh above: a replica's own mesh is laid out inside its block.
+DILOCO = "diloco"
 
 MESH: tuple[str, ...] = (PP, DP_REPLICATE, DP_SHARD, CP, TP)  # the device mesh, outermost first
 DERIVED: tuple[str, ...] = (DP, DP_CP, DP_SHARD_CP, EP, EDP)
@@ -167,5 +170,5 @@ class ParallelDims:
         return self.with_replicas(self.dp // shard)
 
 
-__all__ = ["CP", "DERIVED", "DP", "DP_CP", "DP_REPLICATE", "DP_SHARD", "DP_SHARD_CP", "EDP", "EP", "MESH", "NAMES", "PP", "ParallelDims", "SIZES",
+__all__ = ["CP", "DERIVED", "DILOCO", "DP", "DP_CP", "DP_REPLICATE", "DP_SHARD", "DP_SHARD_CP", "EDP", "EP", "MESH", "NAMES", "PP", "ParallelDims", "SIZES",
            "SPLIT_BY", "TP", "WORLD"]

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 # The pairs' names, for the command line's help without importing torch (shardwise.bench.pairs does);
 # tests/commands/test_cli_output.py checks that they are PAIRS' keys.
 PAIR_NAMES = ("ddp", "zero1", "zero2", "zero3", "fsdp", PP, TP, "fsdp-tp", "dp-vs-ddp", "ps-vs-ddp", "allreduce", CP,
-              "zb", "moe", "compile")
+              "zb", "moe", "compile", "diloco")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

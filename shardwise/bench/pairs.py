@@ -100,6 +100,7 @@ PAIRS: dict[str, Callable[[argparse.Namespace], Table]] = {
     "zb": _lazy("shardwise.bench.pp.zbv:zb_pairs"),  # ZB-H1, then ZBV and DualPipeV
     "moe": _lazy("shardwise.bench.moe:moe_pair"),
     "compile": _lazy("shardwise.bench.compiled:compile_pair"),  # eager against compiled blocks, one rank
+    "diloco": _lazy("shardwise.bench.diloco:diloco_pair"),  # DiLoCo against DDP (the baseline there)
 }
 
 

@@ -40,6 +40,22 @@ class Held:
     ep: tuple[int, int] | None = None
 
 
+def scoped(scope: str, key: str) -> str:
+    """``key`` under ``scope``: ``"<scope>/<key>"`` (a DiLoCo replica's own weights and states, ``replica1/model.w``,
+    beside the global ``model.w``); the empty scope is the key itself. No module name holds a ``/``."""
+    return f"{scope}/{key}" if scope else key
+
+
+def scope_of(key: str) -> str:
+    """The scope of a checkpoint key (:func:`scoped`): ``""`` for a plain ``model.`` or ``optim.`` key."""
+    return key.partition("/")[0] if "/" in key else ""
+
+
+def unscoped(key: str) -> str:
+    """The key without its scope: ``replica1/optim.w.exp_avg`` -> ``optim.w.exp_avg``."""
+    return key.partition("/")[2] if "/" in key else key
+
+
 def named_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """``module``'s state-dict tensors (parameters, persistent buffers) once each, under their first name
     (a tied weight is saved once; its other names are aliases, see :func:`shardwise.checkpoint.model_shapes`)."""

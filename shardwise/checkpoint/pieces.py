@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from shardwise.checkpoint.held import Held
+from shardwise.checkpoint.held import Held, unscoped
 
 Box = tuple[tuple[int, ...], tuple[int, ...], int]  # (offsets, sizes, flat start) in one tensor
 
@@ -209,11 +209,12 @@ def build_state(held: Sequence[Held], shapes: dict[str, list[int]], tp_rank: int
 
 
 def _shape_of(h: Held, shapes: dict[str, list[int]]) -> tuple[int, ...]:
-    if h.key.startswith("model."):
-        return tuple(shapes[h.key[len("model."):]])
+    key = unscoped(h.key)
+    if key.startswith("model."):
+        return tuple(shapes[key[len("model."):]])
     if h.data.dim() == 0 and h.start == 0:
         return ()
-    name = h.key[len("optim."):].rpartition(".")[0]
+    name = key[len("optim."):].rpartition(".")[0]
     return tuple(shapes[name])
 
 

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.checkpoint.held import Held, named_state
+from shardwise.checkpoint.held import Held, named_state, scope_of, unscoped
 from shardwise.comm.collectives import Comm
 from shardwise.comm.topology import Topology
 from shardwise.dims import CP, EP, SIZES, SPLIT_BY, TP
@@ -70,9 +70,12 @@ class Restored:
 # 2: every tensor under its global shape. 3: format 2, and the manifest keeps each parameter group's
 # hyperparameters at the save ("param_groups"), the groups' members in the run record, and each callback's
 # state_dict() ("callbacks"). 4: format 3, and the manifest keeps where each logger's run is ("loggers": its
-# run_ref(), e.g. the MLflow run id), so that a resumed run logs into the same tracker run (read: 2, 3 and 4).
-FORMAT = 4
-READS = (2, 3, 4)
+# run_ref(), e.g. the MLflow run id), so that a resumed run logs into the same tracker run. 5: format 4, and keys
+# may have a scope ("<scope>/<key>": a DiLoCo run's global weights are model.<fqn>, each replica's own weights and
+# inner states replica<r>/model.<fqn> and replica<r>/optim.<fqn>.<state>, the outer optimizer's states
+# outer/optim.<fqn>.<state>, its inner step count outer/steps) (read: 2 to 5).
+FORMAT = 5
+READS = (2, 3, 4, 5)
 # The manifest's "sizes": dims.SIZES and cp, in the order messages name them (dp, cp, tp, pp), then ep. A manifest
 # written before cp or ep existed has no such key (shown as "?" by `shardwise checkpoint ls`).
 MANIFEST_SIZES: tuple[str, ...] = tuple(d for d in SPLIT_BY if d in SIZES or d == CP) + (EP,)
@@ -144,6 +147,14 @@ def _checksums(path: str, comm: Comm) -> dict[str, str]:
     if comm.rank != 0:
         return {}
     return {f: mine[f] if f in mine else _sha256(os.path.join(path, f)) for f in names}
+
+
+def scoped_optimizers(optimizer: torch.optim.Optimizer) -> dict[str, torch.optim.Optimizer]:
+    """The optimizers whose states the checkpoint keys of ``optimizer``'s run hold, by the scope of their keys
+    (:func:`~shardwise.checkpoint.held.scoped`): the optimizer itself, unscoped, unless it lists its own
+    (a DiLoCo replica's inner optimizer and the outer one)."""
+    own = getattr(optimizer, "scoped_optimizers", None)
+    return own() if own is not None else {"": optimizer}
 
 
 def materialize(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -458,13 +469,14 @@ def load(path: str, strat: Checkpointed, model: nn.Module, optimizer: torch.opti
     extra = {k: torch.zeros(shape, dtype=getattr(torch, dt)) for k, (shape, dt) in manifest.get("extra", {}).items()}
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     # A checkpoint written before the optimizer's first step (fp16 skipping overflowed steps)
-    # holds no optimizer states: the optimizer must then start without any, as that run did.
-    has_states = any(k.startswith("optim.") for k in stored)
-    if has_states:
-        materialize(model, optimizer)
+    # holds no optimizer states: the optimizer must then start without any, as that run did. Each scope's
+    # optimizer is judged alone (a DiLoCo run's outer optimizer has none before the first sync).
+    scopes = {scope_of(k) for k in stored if unscoped(k).startswith("optim.")}
+    for scope, opt in scoped_optimizers(optimizer).items():
+        if scope in scopes:
+            materialize(model, opt)
     state = _state(strat, model, optimizer, topo, shapes, 0, [0.0] * step, extra)
-    if not has_states:
-        state = {k: v for k, v in state.items() if not k.startswith("optim.")}
+    state = {k: v for k, v in state.items() if not unscoped(k).startswith("optim.") or scope_of(k) in scopes}
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=path, planner=pieces.LoadPlanner())
     torch.set_rng_state(state["trainer.rng"])

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardwise.comm import Comm, CommStats, Diagnostics
 from shardwise.comm.diagnostics import default_store
-from shardwise.dims import CP, DP, DP_CP, DP_REPLICATE, DP_SHARD, DP_SHARD_CP, EDP, EP, MESH, WORLD, ParallelDims
+from shardwise.dims import CP, DILOCO, DP, DP_CP, DP_REPLICATE, DP_SHARD, DP_SHARD_CP, EDP, EP, MESH, WORLD, ParallelDims
 
 
 ACCELERATORS = ("auto", "cpu", "cuda")
@@ -80,6 +80,7 @@ class Topology:
     diag: Diagnostics | None = None
     _groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
     _regrouped: dict[int, tuple[Comm, Comm]] = field(default_factory=dict)
+    _blocks: dict[int, tuple[Topology, Comm]] = field(default_factory=dict)
 
     @staticmethod
     def validate(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1) -> dict[str, int]:
@@ -104,20 +105,49 @@ class Topology:
         if world > 1:
             # DeviceMesh builds one group per dimension for us; size-1 dims keep
             # every strategy's code path identical whatever the layout.
-            topo.mesh = init_device_mesh(device.type, dims.mesh_shape(), mesh_dim_names=MESH)
-            for d in MESH:
-                topo._groups[d] = topo.mesh.get_group(d)
-            topo._groups[DP] = topo.mesh[DP_REPLICATE, DP_SHARD]._flatten(DP).get_group()
-            if dims.cp > 1:
-                # Gradients of a replica's parameters come from every cp rank's tokens: averaged over
-                # dp x cp, sharded over dp_shard x cp (torchtitan's flattened dp_cp and dp_shard_cp).
-                topo._groups[DP_CP] = topo.mesh[DP_REPLICATE, DP_SHARD, CP]._flatten(DP_CP).get_group()
-                topo._groups[DP_SHARD_CP] = topo.mesh[DP_SHARD, CP]._flatten(DP_SHARD_CP).get_group()
+            topo._take_groups(init_device_mesh(device.type, dims.mesh_shape(), mesh_dim_names=MESH))
             if dims.ep > 1:
-                topo._groups[EP], topo._groups[EDP] = _expert_groups(topo.mesh, dims)
+                topo._groups[EP], topo._groups[EDP] = _expert_groups(topo.mesh, dims)  # type: ignore[arg-type]
             topo._groups[WORLD] = None
             topo.diag = Diagnostics(rank, default_store(), debug=debug)
         return topo
+
+    def _take_groups(self, mesh: DeviceMesh) -> None:
+        """The groups of :data:`MESH` and the flattened data-parallel ones, from ``mesh`` (whose dimensions
+        include those of MESH; it may have an outer one: :meth:`blocks`)."""
+        self.mesh = mesh[MESH] if mesh.mesh_dim_names != MESH else mesh
+        for d in MESH:
+            self._groups[d] = mesh.get_group(d)
+        self._groups[DP] = mesh[DP_REPLICATE, DP_SHARD]._flatten(DP).get_group()
+        if self.dims.cp > 1:
+            # Gradients of a replica's parameters come from every cp rank's tokens: averaged over
+            # dp x cp, sharded over dp_shard x cp (torchtitan's flattened dp_cp and dp_shard_cp).
+            self._groups[DP_CP] = mesh[DP_REPLICATE, DP_SHARD, CP]._flatten(DP_CP).get_group()
+            self._groups[DP_SHARD_CP] = mesh[DP_SHARD, CP]._flatten(DP_SHARD_CP).get_group()
+
+    def blocks(self, count: int, inner: ParallelDims) -> tuple[Topology, Comm]:
+        """The world cut into ``count`` blocks of consecutive ranks (DiLoCo's replicas), each laid out as
+        ``inner``: (this rank's block as a topology of its own, the communicator across the blocks: the ranks
+        at the same place of each). Its bytes count into this topology's stats, the group across under the
+        label :data:`~shardwise.dims.DILOCO`. Created on first use (a collective: every rank calls it first
+        at the same point), then kept."""
+        if count not in self._blocks:
+            self._blocks[count] = self._cut(count, inner)
+        return self._blocks[count]
+
+    def _cut(self, count: int, inner: ParallelDims) -> tuple[Topology, Comm]:
+        size = self.world_size // count
+        if inner.world != size or inner.ep > 1:
+            raise ValueError(f"{count} blocks of {inner.label() or 'one rank'} ({inner.world} ranks, ep = 1) "
+                             f"do not make the world of {self.world_size}")
+        block = Topology(dims=inner, device=self.device, rank=self.rank % size, world_size=size, stats=self.stats,
+                         timeout=self.timeout, diag=self.diag)
+        if self.world_size == 1:
+            return block, self._comm(None, DILOCO)
+        mesh = init_device_mesh(self.device.type, (count, *inner.mesh_shape()), mesh_dim_names=(DILOCO, *MESH))
+        block._take_groups(mesh)
+        block._groups[WORLD] = mesh[MESH]._flatten(f"{DILOCO}_{WORLD}").get_group()  # the block is its world
+        return block, self._comm(mesh.get_group(DILOCO), DILOCO)
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -137,7 +167,7 @@ class Topology:
 
     def comm(self, dim: str = WORLD) -> Comm:
         """A communicator on the group of ``dim`` (a name of :data:`shardwise.dims.NAMES`, or ``"world"``)."""
-        if self.world_size == 1:
+        if not self._groups:  # one process (a block of one rank has groups of one: group None is the world)
             return Comm(None, self.stats, self.timeout)
         dim = self.dims.same_group(dim)
         return self._comm(self._groups[dim], dim)

@@ -27,6 +27,7 @@ BUILTIN: dict[str, str] = {
     "tp": "shardwise.strategies.tp:TP",
     "pp": "shardwise.strategies.pp:PP",
     "parallel": "shardwise.strategies.parallel:Parallel",
+    "diloco": "shardwise.strategies.diloco:DiLoCo",
 }
 
 

@@ -129,6 +129,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "any that divides dp x cp and the experts; 1: no expert parallelism)")
     o.add_argument("--cp-modes", default=",".join(CP_MODES),
                    help=f"comma-separated context-parallel attention: {', '.join(CP_MODES)} (default both)")
+    o.add_argument("--diloco", type=int, metavar="H", help="also plan DiLoCo: one replica per node (ddp inside "
+                   "it), syncing every H inner steps, beside ddp over every device")
     o.add_argument("--top", type=int, default=25, help="rows of the table (0: all)")
     o.add_argument("--width", type=int, help="table width in characters")
     o.add_argument("--explain", type=int, default=3,

@@ -23,6 +23,7 @@ from shardwise.plan.command.args import (  # noqa: F401
     parse_seconds,
     parse_shape,
 )
+from shardwise.plan.diloco import DiLoCoEstimate, estimate_diloco
 from shardwise.plan.estimate import Estimate, plan, recommend
 from shardwise.plan.fit import fmt_bytes
 from shardwise.plan.memory import no_stored_scores
@@ -85,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
             if value is not None and value < 1:
                 raise ValueError(f"{flag} {value}: must be at least 1")
         ests = plan(model, cluster, training, strategies, args.max_tp, args.max_cp, modes, args.max_ep)
+        if args.diloco is not None and args.diloco < 1:
+            raise ValueError(f"--diloco {args.diloco}: the inner steps between two syncs, at least 1")
+        diloco = estimate_diloco(model, cluster, training, args.diloco) if args.diloco else None
     except (ValueError, KeyError, FileNotFoundError, AttributeError, argparse.ArgumentTypeError) as e:
         print(f"shardwise plan: error: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
@@ -94,7 +98,28 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
     else:
         print_table(ests, best, model, cluster, training, args.top, args.width, args.explain)
+        if args.diloco:
+            print_diloco(diloco, ests, cluster, args.width)
     return 0 if best is not None else 1
+
+
+def print_diloco(d: DiLoCoEstimate | None, ests: list[Estimate], cluster: ClusterSpec, width: int | None) -> None:
+    """DiLoCo's bytes and step time beside ddp's over every device (the same global batch per step)."""
+    con = make_console(width, highlight=False)
+    ddp = next((e for e in ests if e.layout.strategy == "ddp" and e.layout.dp == cluster.devices), None)
+    if d is None or ddp is None:
+        con.print("DiLoCo: no ddp layout over one node, or over every device, to compare (see the table)")
+        return
+    table = Table(caption=f"per device and inner step; DiLoCo: {d.replicas} replicas (one per node) of ddp on "
+                          f"{cluster.devices_per_node}, a sync every {d.sync_every} steps", header_style="bold")
+    for col in ("run", "comm bytes/step", "across nodes", "step s"):
+        table.add_column(col, justify="left" if col == "run" else "right")
+    across = sum(c.bytes_sent for c in ddp.collectives if c.kind != "host_copy") if cluster.nodes > 1 else 0
+    table.add_row(f"ddp over {cluster.devices}", fmt_bytes(ddp.comm_bytes_per_step), fmt_bytes(across),
+                  f"{ddp.step_time_s:.3g}")
+    table.add_row(f"diloco H={d.sync_every}", fmt_bytes(d.comm_bytes_per_step),
+                  fmt_bytes(d.cross_replica_bytes_per_step), f"{d.step_time_s:.3g}")
+    con.print(table)
 
 
 def print_table(ests: list[Estimate], best: Estimate | None, model: ModelSpec, cluster: ClusterSpec,
