@@ -5,7 +5,7 @@ The ranks form R blocks of G = devices / R consecutive ranks; replica r is block
 :class:`~shardwise.comm.topology.Topology` (``Topology.blocks``), as it would on G devices alone. The replicas
 are the job's outermost data-parallel dimension: with D data-parallel ranks inside each, replica r reads the
 shares of data-parallel ranks r·D … r·D + D − 1 of every global batch. The outer loop itself (global weights,
-outer optimizer, the sync) is :mod:`shardwise.parallel.diloco`.
+outer optimizer, the sync) is :mod:`shardwise.parallel.dp.diloco`.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from shardwise.comm.collectives import Comm
 from shardwise.comm.topology import Topology
 from shardwise.dims import DP
 from shardwise.layout import RunLayout
-from shardwise.parallel.diloco import (
+from shardwise.parallel.dp.diloco import (
     OUTER_SCOPE,
     DiLoCoOptimizer,
     OuterFactory,

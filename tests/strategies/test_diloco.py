@@ -19,7 +19,7 @@ import shardwise as sw
 from shardwise import launch
 from shardwise.data import as_source
 from shardwise.plan.comm import bytes_sent
-from shardwise.plan.diloco import sync_collective
+from shardwise.plan.estimate import sync_collective
 from shardwise.plan.specs import ClusterSpec
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.float64]

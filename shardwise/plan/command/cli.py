@@ -23,7 +23,7 @@ from shardwise.plan.command.args import (  # noqa: F401
     parse_seconds,
     parse_shape,
 )
-from shardwise.plan.diloco import DiLoCoEstimate, estimate_diloco
+from shardwise.plan.estimate import DiLoCoEstimate, estimate_diloco
 from shardwise.plan.estimate import Estimate, plan, recommend
 from shardwise.plan.fit import fmt_bytes
 from shardwise.plan.memory import no_stored_scores
