@@ -48,15 +48,17 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / ROOT
 MAX_MODULE_LINES = 600
 MAX_LOCAL_IMPORTS = 80
 
-_UPPER = ("shardwise.strategies", "shardwise.fit", "shardwise.checkpoint", "shardwise.plan")
+_UPPER = ("shardwise.strategies", "shardwise.ft", "shardwise.fit", "shardwise.checkpoint", "shardwise.plan")
 _MECHANISMS = ("shardwise.parallel", "shardwise.comm")
 # importer (a module, or a package and everything under it) -> what it must not import. The package root counts
 # as above every layer: its lazy names lead to the Trainer, the strategies and the loop.
 LAYERS: dict[str, tuple[str, ...]] = {
     "shardwise.parallel": (*_UPPER, ROOT),
     "shardwise.comm": ("shardwise.parallel", *_UPPER, ROOT),
-    "shardwise.strategies": ("shardwise.fit", ROOT),
-    "shardwise.checkpoint": ("shardwise.strategies", "shardwise.fit", ROOT),
+    "shardwise.strategies": ("shardwise.ft", "shardwise.fit", ROOT),
+    "shardwise.checkpoint": ("shardwise.strategies", "shardwise.ft", "shardwise.fit", ROOT),
+    # fault tolerance: above the strategies (its replica's step is one), below the Trainer that starts it
+    "shardwise.ft": ("shardwise.fit", ROOT),
     **{base: (*_MECHANISMS, *_UPPER, ROOT)
        for base in ("shardwise.dims", "shardwise.layout", "shardwise.step", "shardwise.precision", "shardwise.moe",
                     "shardwise.loggers")},

@@ -112,6 +112,7 @@ class Watch:
         self.killed: dict[int, str] = {}  # rank -> why the launcher killed it (no heartbeat)
         self.beats: dict[int, tuple[int, float]] = {}  # rank -> (last count seen, when it changed)
         self.next_line = 0
+        self.looked = time.monotonic()  # when the heartbeats were last looked at
 
     def run(self) -> list[int]:
         while True:
@@ -156,6 +157,11 @@ class Watch:
         """Kill a rank of a live group whose heartbeat stopped for ``timeout_s`` (its exit then takes the group
         out). A rank is judged only once it has beaten: start-up is the collective timeout's."""
         now = time.monotonic()
+        if now - self.looked > self.plan.ft.timeout_s / 2:
+            # This loop itself was held up (a loaded machine): a gap in every rank's beats is then the launcher's
+            # own, so each rank's silence counts from now.
+            self.beats = {r: (seen, now) for r, (seen, _) in self.beats.items()}
+        self.looked = now
         for r, p in enumerate(self.procs):
             if p.exitcode is not None or self.plan.group_of(r) in self.dead or r in self.killed:
                 continue
