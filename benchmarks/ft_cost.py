@@ -62,7 +62,7 @@ def run(groups: int, steps: int, ft: bool, callbacks: list[sw.Callback] | None =
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--groups", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--groups", type=int, nargs="*", default=[2, 4])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--kill-after", type=int, default=4)
@@ -80,10 +80,10 @@ def main() -> None:
               f"paired ratio {statistics.median(ratios):.4f} (each: {', '.join(f'{r:.3f}' for r in ratios)})", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "t")
-        run(3, args.kill_after + 4, True, [Clock(path, 1, args.kill_after)])
+        run(4, args.kill_after + 4, True, [Clock(path, 1, args.kill_after)])
         killed = float(open(f"{path}.kill").read())
-        after = [float(t) for line in open(f"{path}.0") for s, t in [line.split()] if float(t) > killed]
-        print(f"SIGKILL of rank 1 of 3 after step {args.kill_after}: next committed step {min(after) - killed:.3f} s "
+        after = [float(t) for line in open(f"{path}.0") for s, t in [line.split()] if int(s) > args.kill_after]
+        print(f"SIGKILL of rank 1 of 4 after step {args.kill_after}: next committed step {min(after) - killed:.3f} s "
               "later", flush=True)
 
 
