@@ -36,6 +36,7 @@ _PUBLIC: dict[str, str] = {
     "resolve": "shardwise.strategies.registry:resolve",
     "Topology": "shardwise.comm.topology:Topology",
     "teardown": "shardwise.comm.topology:teardown",
+    "FaultTolerance": "shardwise.ft.options:FaultTolerance",
     "FitResult": "shardwise.fit.trainer:FitResult",
     "Trainer": "shardwise.fit.trainer:Trainer",
     "setup": "shardwise.loop.prepared:setup",
@@ -48,6 +49,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is i
     from shardwise.comm.topology import Topology, teardown
     from shardwise.fit.callbacks import Callback, EarlyStopping
     from shardwise.fit.trainer import FitResult, Trainer
+    from shardwise.ft.options import FaultTolerance
     from shardwise.loop.prepared import (
         Prepared,
         clip_grad_norm_,
@@ -93,7 +95,7 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_PUBLIC, *CLASSES})
 
 
-__all__ = ["Callback", "DDP", "EarlyStopping", "FitResult", "Prepared", "REGISTRY", "Single", "Strategy", "Topology", "Trainer",
+__all__ = ["Callback", "DDP", "EarlyStopping", "FaultTolerance", "FitResult", "Prepared", "REGISTRY", "Single", "Strategy", "Topology", "Trainer",
            "all_reduce_mean", "available_strategies", "clip_grad_norm_", "gather", "init", "load", "log", "no_sync",
            "prepare_dataloader", "register", "resolve", "save", "setup", "teardown", "NaiveMP", "NaiveModelParallel", "ZeRO1", "ZeRO2",
            "ZeRO3", "FSDP", "HSDP", "TP", "PP", "Parallel", "DP", "ParameterServer", "DiLoCo", "loggers"]

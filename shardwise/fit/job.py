@@ -108,11 +108,16 @@ class Job:
     # The ranks were started for this fit and only rank 0's result goes back (spawned_fit): only it gathers the
     # full state dict. Where every rank called fit (shardwise run), each one's model ends trained: each gathers.
     result_from_rank0: bool = False
+    # Under fault tolerance a rank's topology is its replica group's alone (shardwise.fit.replicas): its rank is
+    # still its launch rank, for callbacks and so that rank 0 alone prints and logs.
+    launch_rank: int | None = None
 
     def run(self, device: torch.device) -> FitResult:
         t = self.options
         hf_output_capture(self.model)
         topo = Topology.create(device, t.layout.dims, timeout=t.timeout, debug=t.debug)
+        if self.launch_rank is not None:
+            topo.rank = self.launch_rank
         self.steps_done = 0
         self.saver: Saver | None = None
         try:
@@ -210,7 +215,7 @@ class Job:
             # The sum of every buffer this rank holds (running statistics...): equal on replicas.
             "buffers_sum": float(sum(float(b.double().sum()) for b in model.buffers()
                                      if b.is_floating_point() and b.device.type != "meta")),  # (ps servers: meta)
-            **(strat.rank_stats(model, topo) if isinstance(strat, HasServers) else {}),
+            **strat.rank_stats(model, topo),
             "profile": self.profile,  # (gathered with the stats, then kept apart in FitResult.profile)
             **(self.saver.stats() if self.saver is not None else {}),
             **(compile_report() if backend is not None else {}),

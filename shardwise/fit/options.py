@@ -26,6 +26,7 @@ from shardwise.data import loader_options
 from shardwise.extras import installed, message
 from shardwise.fit.callbacks import check_callbacks
 from shardwise.fit.profiler import PROFILERS
+from shardwise.ft.options import FaultTolerance, ReplicaPlan, plan_replicas
 from shardwise.layout import RunLayout
 from shardwise.strategies.base import Strategy, compile_backend
 from shardwise.strategies.registry import resolve
@@ -77,6 +78,9 @@ class FitOptions:
     engine: str = "shardwise"  # whose mechanism runs the strategy: "shardwise" or "torch" (strategies/torch_engine)
     checkpoint_async: bool = False
     compile: bool | str = False
+    fault_tolerance: FaultTolerance | None = None
+    replicas: ReplicaPlan | None = None  # the replica groups fault tolerance keeps (shardwise.ft.options)
+    sample_ledger: str | None = None  # where the launcher writes which group computed which samples, per step
 
     @property
     def on_cuda(self) -> bool:
@@ -149,10 +153,30 @@ class FitOptions:
             raise ValueError(f"log_every_n_steps must be a positive integer, got {n!r}")
         loggers = run_loggers(given.pop("logger"), given["metrics_path"], given["tensorboard_dir"],
                               given["checkpoint_dir"])
-        return cls(strategy=strat, devices=devices, layout=strat.layout(devices), accelerator=accelerator,
+        layout = strat.layout(devices)
+        given.update(fault_tolerant(strat, layout, timeout, given.pop("fault_tolerance"), given.pop("sample_ledger"),
+                                    directory))
+        return cls(strategy=strat, devices=devices, layout=layout, accelerator=accelerator,
                    device_ids=device_ids, timeout=timeout, callbacks=tuple(callbacks), dataloader_kwargs=loaders,
                    loggers=tuple(loggers), engine="torch" if isinstance(strat, TorchEngine) else "shardwise",
                    **given)
+
+
+def fault_tolerant(strategy: Strategy, layout: RunLayout, timeout: _dt.timedelta, value: Any, ledger: Any,
+                   checkpoint_dir: str | None) -> dict[str, Any]:
+    """``fault_tolerance``, its replica groups and ``sample_ledger``, checked (:func:`shardwise.ft.options.plan_replicas`
+    says what a layout can survive)."""
+    ft = FaultTolerance.of(value)
+    if ft is None:
+        if ledger is not None:
+            raise ValueError("sample_ledger= records which replica group computed which samples of each step: it "
+                             "needs fault_tolerance=True (or sw.FaultTolerance(...))")
+        return {}
+    if checkpoint_dir is not None:
+        raise ValueError("fault_tolerance does not write checkpoints yet (checkpoint_dir=): a dead replica group "
+                         "no longer stops the run; drop checkpoint_dir, or fault_tolerance")
+    return {"fault_tolerance": ft, "replicas": plan_replicas(strategy, layout, ft, timeout),
+            "sample_ledger": os.fspath(ledger) if ledger is not None else None}
 
 
 def run_loggers(logger: Any, metrics_path: str | None, tensorboard_dir: str | None,

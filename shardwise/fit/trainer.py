@@ -34,6 +34,8 @@ from shardwise.fit.job import (
 )
 from shardwise.fit.infer import Inference, check_inference, resolve_checkpoint, spawned_inference
 from shardwise.fit.options import FitOptions
+from shardwise.fit.replicas import fit_replicas
+from shardwise.ft.options import FaultTolerance
 from shardwise.init_from import InitFrom, OwnInit, materialize
 from shardwise.loggers import Logger
 from shardwise.step import LossFn, OptimizerFactory, StepFn
@@ -142,6 +144,14 @@ class Trainer:
             ``zero2``/``zero3``/``fsdp``/``hsdp``: FSDP2 ``fully_shard``; ``tp``: ``parallelize_module``), see
             ``shardwise.strategies.torch_engine.wrappers`` and docs/how-to/engines.md. A strategy object's own
             ``engine=`` wins; both given and different is refused.
+        fault_tolerance: ``True`` or ``sw.FaultTolerance(min_replicas=, timeout_s=)``: a replica group (a rank
+            under ``ddp``) that dies or stops answering leaves the run, and the live groups compute its share of
+            every later step, so the model ends as an uninterrupted run's; a step is applied only when every live
+            group completed its reduction (:mod:`shardwise.ft`, docs/concepts/fault-tolerance.md). The ranks are
+            started here, from a plain ``python script.py``. ``FitResult.stats`` gains ``failures``,
+            ``steps_recomputed`` and ``seconds_lost``.
+        sample_ledger: with ``fault_tolerance``, a JSON-lines file where the launcher writes, per committed step,
+            which replica group computed which sample indices.
 
     :func:`shardwise.log` (``sw.log(name, value, reduce=)``) adds your own scalars to the step log, from a loss
     function, a model's forward or a callback (:mod:`shardwise.loggers.scalars`).
@@ -163,7 +173,9 @@ class Trainer:
                  log_every_n_steps: int = 1, profiler: str | None = None,
                  profile_steps: range | tuple[int, int] | None = None,
                  profiler_dir: str | os.PathLike[str] | None = None, engine: str | None = None,
-                 checkpoint_async: bool = False, compile: bool | str = False) -> None:
+                 checkpoint_async: bool = False, compile: bool | str = False,
+                 fault_tolerance: bool | FaultTolerance | None = None,
+                 sample_ledger: str | os.PathLike[str] | None = None) -> None:
         given = dict(locals())  # every argument of this signature, defaults included: the options' one source
         for positional in ("self", "strategy", "devices", "accelerator"):
             del given[positional]
@@ -300,6 +312,8 @@ class Trainer:
 
     def _launch(self, job: Job) -> FitResult:
         """Run ``job`` in this process, in the running group, or in rank processes started here."""
+        if self.options.replicas is not None:
+            return fit_replicas(job)
         here = self._run_here(job)
         if here is not _SPAWN:
             return here  # type: ignore[no-any-return]

@@ -209,6 +209,11 @@ class Strategy:
         """
         return held_state(named_state(unwrap(model)), [model], optimizer)
 
+    def rank_stats(self, model: nn.Module, topo: Topology) -> dict[str, Any]:
+        """Extra per-rank entries for ``FitResult.stats`` (a parameter server's staleness record, a replica's
+        failures under fault tolerance)."""
+        return {}
+
     def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
         """Tensors this rank holds for the model state, by kind, for exact byte accounting.
 
@@ -254,9 +259,6 @@ class HasServers(Strategy):
         """The loop of a server rank for ``steps`` optimizer steps; returns per-step times (seconds)."""
         raise NotImplementedError
 
-    def rank_stats(self, model: nn.Module, topo: Topology) -> dict[str, Any]:
-        """Extra per-rank entries for ``FitResult.stats`` (e.g. a parameter server's staleness record)."""
-        return {}
 
 
 def compile_backend(strategy: Strategy, compile: bool | str) -> str | None:

@@ -1,0 +1,63 @@
+"""A fit with ``fault_tolerance``: its ranks started by :func:`shardwise.ft.supervise.run_replicas`.
+
+Each rank runs the usual :class:`~shardwise.fit.job.Job` as a one-process job
+(its topology is its replica group's, whose rank is its launch rank), with the
+strategy :class:`~shardwise.ft.replica.ReplicaStep`, whose step sums the
+gradients over the live groups and applies only agreed steps. Every rank that
+finishes writes its result; the first survivor's is the fit's, with every
+survivor's stats.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import sys
+
+import torch
+
+from shardwise import launch
+from shardwise.fit.job import FitResult, Job, pickled
+from shardwise.ft.quorum import Quorum
+from shardwise.ft.replica import Replica, ReplicaStep
+from shardwise.ft.supervise import run_replicas
+from shardwise.layout import RunLayout
+
+
+def fit_replicas(job: Job) -> FitResult:
+    """Run ``job`` on fault-tolerant replica groups started here; the result of the first rank that finished."""
+    t = job.options
+    plan = t.replicas
+    assert plan is not None
+    if launch.under_launcher():
+        raise RuntimeError("fault_tolerance runs from a plain `python script.py`, whose launcher keeps the "
+                           "survivors alive; under `shardwise run`, torchrun or srun, the launcher ends every "
+                           "rank when one dies: run the script without it")
+    payload = pickled(job)
+    with launch.result_dir() as tmp:
+        path = os.path.join(tmp, "result")
+        try:
+            done = run_replicas(spawned_replica_fit, plan, args=(payload, path), accelerator=t.rank_accelerator,
+                                timeout=t.timeout, ledger=t.sample_ledger)
+        except launch.WorkerFailed as e:
+            print(f"shardwise: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+            raise
+        results = [torch.load(f"{path}.{r}", weights_only=True) for r in done]
+    first = dict(results[0])
+    first["stats"] = [s for r in results for s in r["stats"]]
+    return FitResult(**first)
+
+
+def spawned_replica_fit(rank: int, device: torch.device, quorum: Quorum, payload: bytes, path: str) -> None:
+    """One rank of a fault-tolerant fit: its replica group's job, its result to ``path.<rank>``."""
+    job: Job = pickle.loads(payload)
+    t = job.options
+    assert t.replicas is not None
+    replica = Replica(quorum, t.replicas, rank, job.batch_size, job.dataset.dataset, seed=t.seed,
+                      ledger=t.sample_ledger is not None)
+    job.options = dataclasses.replace(t, strategy=ReplicaStep(replica=replica), devices=1,
+                                      layout=RunLayout(ReplicaStep.name))
+    job.launch_rank = rank
+    job.result_from_rank0 = False  # any survivor's result is the fit's: each copies its replica
+    result = job.run(device)
+    torch.save({f.name: getattr(result, f.name) for f in dataclasses.fields(result)}, f"{path}.{rank}")

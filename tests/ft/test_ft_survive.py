@@ -1,0 +1,162 @@
+"""A dead replica group changes the run's time, not its model: real processes, real kills, float64 equality.
+
+One launch of ``ddp`` on 4 ranks survives three faults, at steps and on ranks
+drawn from a seeded generator: a SIGKILL between steps, a SIGKILL from a
+backward hook (its peers are then inside the step's reduction: the half-applied
+case), and a SIGSTOP found by the missed heartbeats. The last group finishes
+alone, equal to single-device training, and the ledger shows every sample of
+every step used once. A second launch loses groups below ``min_replicas``; a
+third raises in a callback, which is a bug and ends the job as without fault
+tolerance.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+import signal
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise as sw
+from shardwise import launch
+from shardwise.data import GlobalBatches
+from shardwise.ft.supervise import ReplicasLost
+
+from conftest import assert_same_run
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.float64, pytest.mark.fresh_processes]
+
+BATCH, STEPS, SAMPLES = 24, 10, 96
+OPT = functools.partial(torch.optim.AdamW, lr=1e-2)
+
+
+def dataset() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(torch.randn(SAMPLES, 8, generator=g), torch.randn(SAMPLES, 1, generator=g))
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+class Fault(sw.Callback):
+    """On rank ``rank``, once ``step`` steps are committed (``when="end"``) or inside the backward of step index
+    ``step`` (``"backward"``: from a gradient hook on the first layer's weight, whose gradient comes last), send
+    this process ``sig``."""
+
+    def __init__(self, rank: int, step: int, sig: int = signal.SIGKILL, when: str = "end") -> None:
+        self.rank, self.step, self.sig, self.when = rank, step, sig, when
+        self.current = -1
+
+    def on_fit_start(self, info: sw.callbacks.CallbackInfo) -> None:
+        if self.when == "backward" and info.rank == self.rank:
+            first = info.optimizer.param_groups[0]["params"][0]
+            first.register_post_accumulate_grad_hook(lambda p: self._fire(self.current == self.step))
+
+    def on_step_start(self, info: sw.callbacks.CallbackInfo) -> None:
+        self.current = info.step
+
+    def on_step_end(self, info: sw.callbacks.CallbackInfo) -> None:
+        self._fire(self.when == "end" and info.rank == self.rank and info.step == self.step)
+
+    def _fire(self, now: bool) -> None:
+        if now:
+            os.kill(os.getpid(), self.sig)
+
+
+class Bug(sw.Callback):
+    def on_step_end(self, info: sw.callbacks.CallbackInfo) -> None:
+        if info.rank == 1 and info.step == 2:
+            raise ValueError("a bug in a callback")
+
+
+def train(strategy: str = "single", devices: int = 1, **options) -> sw.FitResult:
+    trainer = sw.Trainer(strategy, devices, progress=False, accumulate_grad_batches=2, gradient_clip_val=1.0,
+                         max_processes_per_core=None, **options)
+    return trainer.fit(mlp(), dataset(), nn.functional.mse_loss, OPT, batch_size=BATCH, max_steps=STEPS)
+
+
+def faults(seed: int) -> list[Fault]:
+    """Three faults on three of the four ranks, one after the other, at seeded steps."""
+    rng = random.Random(seed)
+    victims = rng.sample(range(4), 3)
+    first = rng.randrange(1, 4)  # after `first` committed steps
+    second = rng.randrange(first + 1, 7)  # inside step index `second`
+    third = rng.randrange(second + 1, STEPS)  # after `third` committed steps
+    return [Fault(victims[0], first), Fault(victims[1], second, when="backward"),
+            Fault(victims[2], third, sig=signal.SIGSTOP)]
+
+
+def global_batch(step: int) -> list[int]:
+    return sorted(GlobalBatches(dataset(), BATCH, 1, 0, seed=0).indices(step))
+
+
+def test_three_faults_end_equal_to_single_device_with_every_sample_once(tmp_path, capfd):
+    ref = train()
+    kill, hook_kill, stop = faults(seed=58)
+    ledger = tmp_path / "ledger.jsonl"
+    run = train("ddp", 4, fault_tolerance=sw.FaultTolerance(timeout_s=2.5), timeout_s=60, sample_ledger=ledger,
+                callbacks=[kill, hook_kill, stop])
+    assert_same_run(ref, run)
+    err = capfd.readouterr().err
+    [survivor] = {0, 1, 2, 3} - {kill.rank, hook_kill.rank, stop.rank}
+    assert f"shardwise: replica group {kill.rank} left: rank {kill.rank} killed by signal SIGKILL; 3 of 4 groups " \
+           "continue" in err
+    assert f"shardwise: replica group {hook_kill.rank} left: rank {hook_kill.rank} killed by signal SIGKILL; " \
+           "2 of 4 groups continue" in err
+    assert f"shardwise: replica group {stop.rank} left: rank {stop.rank} sent no heartbeat for 2.5 s (stopped or " \
+           "hung) and was killed; 1 of 4 groups continue" in err
+    [stats] = run.stats
+    assert (stats["rank"], stats["failures"], stats["live_groups"]) == (survivor, 3, [survivor])
+    assert stats["steps_recomputed"] >= 3 and stats["seconds_lost"] > 0
+
+    lines = [json.loads(line) for line in ledger.read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(STEPS))
+    for line in lines:
+        used = [i for samples in line["samples"].values() for i in samples]
+        assert sorted(used) == global_batch(line["step"]), line  # every sample of the step, each once
+        assert sorted(s for shards in line["shards"].values() for s in shards) == [0, 1, 2, 3], line
+    # Who computed: the live groups of each step. The between-steps kill leaves after its step's commit; the
+    # backward kill's step is computed again without it; the stopped rank had committed its step.
+    gone = {kill.rank: kill.step, hook_kill.rank: hook_kill.step, stop.rank: stop.step}
+    for line in lines:
+        assert sorted(line["members"]) == sorted(g for g in range(4) if gone.get(g, STEPS) > line["step"]), line
+
+
+def test_below_min_replicas_one_error_names_the_dead_and_leaves_no_process(capfd):
+    before = set(_children())
+    with pytest.raises(ReplicasLost) as e:
+        train("ddp", 3, fault_tolerance=sw.FaultTolerance(min_replicas=2, timeout_s=1.0), timeout_s=60,
+              callbacks=[Fault(1, 1), Fault(2, 3)])
+    assert str(e.value) == ("fault tolerance: 1 replica group left, fewer than min_replicas=2; dead: group 1 (rank 1 "
+                            "killed by signal SIGKILL); group 2 (rank 2 killed by signal SIGKILL)")
+    assert set(_children()) - before == set()
+    assert capfd.readouterr().err.count("shardwise: fault tolerance: 1 replica group left") == 1
+
+
+def test_an_exception_in_the_step_is_a_bug_and_ends_the_job():
+    with pytest.raises(launch.WorkerFailed) as e:
+        train("ddp", 2, fault_tolerance=True, callbacks=[Bug()])
+    assert str(e.value).startswith("rank 1 raised ValueError: a bug in a callback\n")
+    assert not isinstance(e.value, ReplicasLost)
+
+
+def _children() -> list[int]:
+    """This process's children started by multiprocessing's spawn (ranks; the worker pool's too)."""
+    out = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                spawned = b"spawn_main" in f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and spawned:
+            out.append(int(d))
+    return out
