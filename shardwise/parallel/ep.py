@@ -44,7 +44,7 @@ from torch import nn
 from shardwise.comm import Comm, CommStats
 from shardwise.comm.autograd import all_to_all_v
 from shardwise.moe import expert_mlp
-from shardwise.parallel.dp.sharding import sum_of_squares
+from shardwise.parallel.clip import sum_of_squares
 
 EXPERT_ATTR = "_shardwise_ep"  # (ep rank, ep size) on a parameter that holds rows [rank*L, (rank+1)*L) of dim 0
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
@@ -202,7 +202,7 @@ def warn_local_aux(model: nn.Module, ranks: int) -> None:
 
 def experts_squares(grads: list[torch.Tensor], comm: Comm, device: torch.device) -> torch.Tensor:
     """The sum over ``comm`` (the ep group: each rank holds other experts) of ``grads``' squares, for the global
-    clipping norm's ``reduced`` terms (:func:`shardwise.parallel.dp.sharding.clip_global_norm`)."""
+    clipping norm's ``reduced`` terms (:func:`shardwise.parallel.clip.clip_global_norm`)."""
     sq = sum_of_squares(grads, device)
     comm.all_reduce(sq, name="ep.clip")
     return sq

@@ -49,7 +49,7 @@ from shardwise.parallel.pp.schedules import (
     schedule_facts,
     shape_of,
 )
-from shardwise.parallel.dp.sharding import clip_global_norm
+from shardwise.parallel.clip import clip_global_norm
 from shardwise.parallel.tp.apply import Plan, Style, counts_in_norm
 from shardwise.parallel.dp.zero import check_offload
 from shardwise.step import LossFn, OptimizerFactory, StepRun, first_named

@@ -131,7 +131,7 @@ CP_LAYOUTS: dict[str, tuple[Callable[[], sw.Strategy], int]] = {
     "cp2-tp2": (lambda: sw.Parallel(cp=2, tp=2), 4),
     "tp2-sp": (lambda: sw.Parallel(tp=2, sequence_parallel=True), 2),
 }
-CLIP_SCALAR = 8  # the clipper's squared norm, one float64 (shardwise.parallel.dp.sharding.clip_global_norm)
+CLIP_SCALAR = 8  # the clipper's squared norm, one float64 (shardwise.parallel.clip.clip_global_norm)
 
 
 def make_trainable_gpt() -> GPT:

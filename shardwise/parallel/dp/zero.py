@@ -33,7 +33,7 @@ import torch
 
 from shardwise.comm import Comm
 from shardwise.optim.wrapped import WrappedOptimizer
-from shardwise.parallel.dp.sharding import clip_global_norm
+from shardwise.parallel.clip import clip_global_norm
 
 
 class ShardedOptimizer(WrappedOptimizer):

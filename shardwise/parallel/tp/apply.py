@@ -33,7 +33,7 @@ from torch import nn
 
 from shardwise.comm import Comm
 from shardwise.parallel.tp.sequence_parallel import apply_sequence_parallel, sequence_layout
-from shardwise.parallel.dp.sharding import clip_global_norm
+from shardwise.parallel.clip import clip_global_norm
 from shardwise.parallel.tp.layers import (
     ColumnParallelLinear,
     RowParallelLinear,

@@ -43,6 +43,7 @@ from torch.distributed.tensor.parallel import (
 from shardwise.comm import Comm
 from shardwise.comm.topology import Topology
 from shardwise.dims import TP
+from shardwise.parallel.clip import clip_coefficient
 from shardwise.parallel.dtensor import full, local
 from shardwise.parallel.tp.plans import Plan, as_style, module_pattern
 
@@ -138,7 +139,7 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, elsewhere: Coll
     if across is not None and across.size > 1:
         across.all_reduce(sq, name="pp.clip")
     total = sq.sqrt()
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    coef = clip_coefficient(total, max_norm)
     with torch.no_grad():
         for g in grads:
             local(g).mul_(coef)

@@ -90,7 +90,7 @@ from shardwise.parallel.dtensor import (
 )
 from shardwise.parallel.pp.build import PipelineModel, build_pipeline, exchange_stages
 from shardwise.parallel.pp.schedules import schedule_facts, shape_of
-from shardwise.parallel.dp.sharding import clip_global_norm
+from shardwise.parallel.clip import clip_global_norm
 from shardwise.parallel.dp.torch_meta import init_meta
 from shardwise.parallel.pp.torch_pp import TorchPipeline, ddp_chunks, fsdp_chunks, torch_schedule_refusal
 from shardwise.parallel.tp.torch_tp import (
