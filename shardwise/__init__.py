@@ -26,6 +26,11 @@ _PUBLIC: dict[str, str] = {
     "prepare_dataloader": "shardwise.loop_data:prepare_dataloader",
     "save": "shardwise.loop:save",
     "load": "shardwise.loop:load",
+    "register_for_checkpointing": "shardwise.loop:register_for_checkpointing",
+    "end_training": "shardwise.loop:end_training",
+    "is_main_process": "shardwise.loop_output:is_main_process",
+    "print": "shardwise.loop_output:print",  # not in __all__: `from shardwise import *` keeps the built-in
+    "main_process_first": "shardwise.loop_output:main_process_first",
     "CLASSES": "shardwise.strategies.registry:CLASSES",
     "DDP": "shardwise.strategies.ddp:DDP",
     "REGISTRY": "shardwise.strategies.registry:REGISTRY",
@@ -52,12 +57,15 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is i
         Prepared,
         clip_grad_norm_,
         clip_grad_value_,
+        end_training,
         init,
         load,
         no_sync,
+        register_for_checkpointing,
         save,
         setup,
     )
+    from shardwise.loop_output import is_main_process, main_process_first, print
     from shardwise.loop_data import all_reduce_mean, gather, gather_for_metrics, prepare_dataloader
     from shardwise.strategies.base import Strategy
     from shardwise.strategies.ddp import DDP
@@ -94,6 +102,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = ["Callback", "DDP", "EarlyStopping", "FitResult", "Prepared", "REGISTRY", "Single", "Strategy", "Topology", "Trainer",
-           "all_reduce_mean", "available_strategies", "clip_grad_norm_", "gather", "init", "load", "log", "no_sync",
+           "all_reduce_mean", "available_strategies", "clip_grad_norm_", "end_training", "gather", "init",
+           "is_main_process", "load", "log", "main_process_first", "no_sync", "register_for_checkpointing",
            "prepare_dataloader", "register", "resolve", "save", "setup", "teardown", "NaiveMP", "NaiveModelParallel", "ZeRO1", "ZeRO2",
            "ZeRO3", "FSDP", "HSDP", "TP", "PP", "Parallel", "DP", "ParameterServer", "loggers"]
