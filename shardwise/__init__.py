@@ -17,6 +17,7 @@ _PUBLIC: dict[str, str] = {
     "Prepared": "shardwise.loop.prepared:Prepared",
     "Callback": "shardwise.fit.callbacks:Callback",
     "EarlyStopping": "shardwise.fit.callbacks:EarlyStopping",
+
     "all_reduce_mean": "shardwise.loop.data:all_reduce_mean",
     "clip_grad_norm_": "shardwise.loop.prepared:clip_grad_norm_",
     "clip_grad_value_": "shardwise.loop.prepared:clip_grad_value_",
@@ -26,6 +27,11 @@ _PUBLIC: dict[str, str] = {
     "prepare_dataloader": "shardwise.loop.data:prepare_dataloader",
     "save": "shardwise.loop.prepared:save",
     "load": "shardwise.loop.prepared:load",
+    "register_for_checkpointing": "shardwise.loop.prepared:register_for_checkpointing",
+    "end_training": "shardwise.loop.prepared:end_training",
+    "is_main_process": "shardwise.loop.output:is_main_process",
+    "print": "shardwise.loop.output:print",  # not in __all__: `from shardwise import *` keeps the built-in
+    "main_process_first": "shardwise.loop.output:main_process_first",
     "CLASSES": "shardwise.strategies.registry:CLASSES",
     "DDP": "shardwise.strategies.dp.ddp:DDP",
     "REGISTRY": "shardwise.strategies.registry:REGISTRY",
@@ -54,13 +60,16 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is i
         Prepared,
         clip_grad_norm_,
         clip_grad_value_,
+        end_training,
         init,
         load,
         no_sync,
+        register_for_checkpointing,
         save,
         setup,
     )
     from shardwise.loop.data import all_reduce_mean, gather, gather_for_metrics, prepare_dataloader
+    from shardwise.loop.output import is_main_process, main_process_first, print
     from shardwise.strategies.base import Strategy
     from shardwise.strategies.dp.ddp import DDP
     from shardwise.strategies.registry import (
@@ -95,7 +104,9 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_PUBLIC, *CLASSES})
 
 
-__all__ = ["Callback", "DDP", "EarlyStopping", "FaultTolerance", "FitResult", "Prepared", "REGISTRY", "Single", "Strategy", "Topology", "Trainer",
-           "all_reduce_mean", "available_strategies", "clip_grad_norm_", "gather", "init", "load", "log", "no_sync",
-           "prepare_dataloader", "register", "resolve", "save", "setup", "teardown", "NaiveMP", "NaiveModelParallel", "ZeRO1", "ZeRO2",
-           "ZeRO3", "FSDP", "HSDP", "TP", "PP", "Parallel", "DP", "ParameterServer", "DiLoCo", "loggers"]
+__all__ = ["Callback", "DDP", "EarlyStopping", "FaultTolerance", "FitResult", "Prepared", "REGISTRY", "Single",
+           "Strategy", "Topology", "Trainer", "all_reduce_mean", "available_strategies", "clip_grad_norm_",
+           "clip_grad_value_", "end_training", "gather", "gather_for_metrics", "init", "is_main_process", "load", "log",
+           "main_process_first", "no_sync", "prepare_dataloader", "register", "register_for_checkpointing", "resolve",
+           "save", "setup", "teardown", "NaiveMP", "NaiveModelParallel", "ZeRO1", "ZeRO2", "ZeRO3", "FSDP", "HSDP",
+           "TP", "PP", "Parallel", "DP", "ParameterServer", "DiLoCo", "loggers"]

@@ -36,10 +36,8 @@ def train(strategy: str, steps: int, out: str | None = None, start_dir: str | No
     # The engine asked for is the one that runs: torch's engines are the Torch* strategies.
     assert type(model.strategy).__name__.startswith("Torch") == (engine == "torch"), type(model.strategy)
     loader = sw.prepare_dataloader(work.train, batch_size=BATCH, model=model, shuffle=False)
-    start = sw.load(model, opt, start_dir) if start_dir else 0
+    start = sw.load(model, opt, start_dir) if start_dir else 0  # the loader's position too: the next batch
     data = batches(loader)
-    for _ in range(start):
-        next(data)  # the data position of the checkpoint's step
     losses = []
     for _ in range(start, steps):
         x, y = next(data)

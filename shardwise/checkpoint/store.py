@@ -64,6 +64,8 @@ class Restored:
     groups: list[dict[str, Any]] | None = None
     callbacks: dict[str, Any] = field(default_factory=dict)  # each callback's state_dict() (format 3)
     loggers: dict[str, Any] = field(default_factory=dict)  # each logger's run_ref() (format 4)
+    loop: dict[str, Any] = field(default_factory=dict)  # a hand-written loop's state, JSON (format 6)
+    own: dict[str, torch.Tensor] = field(default_factory=dict)  # this rank's own tensors (format 6; RNGs)
 
 
 # 1: shardwise < issue 13, every tensor flattened to 1-D (not readable by this version).
@@ -73,9 +75,12 @@ class Restored:
 # run_ref(), e.g. the MLflow run id), so that a resumed run logs into the same tracker run. 5: format 4, and keys
 # may have a scope ("<scope>/<key>": a DiLoCo run's global weights are model.<fqn>, each replica's own weights and
 # inner states replica<r>/model.<fqn> and replica<r>/optim.<fqn>.<state>, the outer optimizer's states
-# outer/optim.<fqn>.<state>, its inner step count outer/steps) (read: 2 to 5).
-FORMAT = 5
-READS = (2, 3, 4, 5)
+# outer/optim.<fqn>.<state>, its inner step count outer/steps). 6: format 5, and a hand-written loop's state
+# (sw.save): the manifest's "loop" (schedulers, registered objects and the prepared loaders' positions, as JSON)
+# and tensors of each rank's own under "trainer.rank<r>.<name>" (its RNGs: each rank draws its own dropout masks
+# and noise) (read: 2 to 6).
+FORMAT = 6
+READS = (2, 3, 4, 5, 6)
 # The manifest's "sizes": dims.SIZES and cp, in the order messages name them (dp, cp, tp, pp), then ep. A manifest
 # written before cp or ep existed has no such key (shown as "?" by `shardwise checkpoint ls`).
 MANIFEST_SIZES: tuple[str, ...] = tuple(d for d in SPLIT_BY if d in SIZES or d == CP) + (EP,)
@@ -313,7 +318,8 @@ def _check_groups(path: str, was: list[dict[str, Any]], now: list[dict[str, Any]
 
 def _state(strat: Checkpointed, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology,
            shapes: dict[str, list[int]], step: int, losses: list[float],
-           extra: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+           extra: dict[str, torch.Tensor] | None = None, own: dict[str, torch.Tensor] | None = None
+           ) -> dict[str, Any]:
     _, pieces = _dcp()
     held = strat.checkpoint_held(model, optimizer, topo)
     state: dict[str, Any] = dict(pieces.build_state(held, shapes, topo.coord(TP), topo.size(TP)))
@@ -322,7 +328,13 @@ def _state(strat: Checkpointed, model: nn.Module, optimizer: torch.optim.Optimiz
     state["trainer.rng"] = torch.get_rng_state()
     for k, v in (extra or {}).items():
         state[f"trainer.{k}"] = v
+    for k, v in (own or {}).items():  # a key of each rank's own: every rank writes its tensors
+        state[f"{_own_prefix(topo.rank)}{k}"] = v
     return state
+
+
+def _own_prefix(rank: int) -> str:
+    return f"trainer.rank{rank}."
 
 
 @dataclass
@@ -345,17 +357,18 @@ def prepare(directory: str, step: int, losses: list[float], strat: Checkpointed,
             optimizer: torch.optim.Optimizer, topo: Topology, shapes: dict[str, list[int]],
             keep: int | None = None, aliases: dict[str, str] | None = None,
             run: dict[str, Any] | None = None, extra: dict[str, torch.Tensor] | None = None,
-            callbacks: dict[str, Any] | None = None, loggers: dict[str, Any] | None = None) -> Pending:
+            callbacks: dict[str, Any] | None = None, loggers: dict[str, Any] | None = None,
+            loop: dict[str, Any] | None = None, own: dict[str, torch.Tensor] | None = None) -> Pending:
     """Checkpoint ``step`` (after ``step`` optimizer steps) as :func:`write` takes it; nothing is written yet.
     The arguments are :func:`save`'s."""
     manifest = {"format": FORMAT, "step": step, "param_groups": [json_hyper(g) for g in optimizer.param_groups],
                 "callbacks": callbacks or {}, "loggers": loggers or {}, "world_size": topo.world_size,
                 "strategy": strat.name,
                 "sizes": {d: topo.size(d) for d in MANIFEST_SIZES}, "shapes": shapes,
-                "aliases": aliases or {}, "run": run or {},
+                "aliases": aliases or {}, "run": run or {}, "loop": loop or {},
                 "extra": {k: [list(v.shape), str(v.dtype).replace("torch.", "")] for k, v in (extra or {}).items()}}
-    return Pending(directory, step, _state(strat, model, optimizer, topo, shapes, step, losses, extra), manifest,
-                   keep)
+    return Pending(directory, step, _state(strat, model, optimizer, topo, shapes, step, losses, extra, own),
+                   manifest, keep)
 
 
 def write(pending: Pending, comm: Comm) -> str:
@@ -394,15 +407,17 @@ def save(directory: str, step: int, losses: list[float], strat: Checkpointed, mo
          optimizer: torch.optim.Optimizer, topo: Topology, shapes: dict[str, list[int]],
          keep: int | None = None, aliases: dict[str, str] | None = None,
          run: dict[str, Any] | None = None, extra: dict[str, torch.Tensor] | None = None,
-         callbacks: dict[str, Any] | None = None, loggers: dict[str, Any] | None = None) -> str:
+         callbacks: dict[str, Any] | None = None, loggers: dict[str, Any] | None = None,
+         loop: dict[str, Any] | None = None, own: dict[str, torch.Tensor] | None = None) -> str:
     """Write checkpoint ``step`` (after ``step`` optimizer steps) collectively; returns its path.
 
     With ``keep``, older checkpoints beyond the newest ``keep`` are deleted once
     the new one is complete. ``extra``: small replicated tensors of run state (the
-    fp16 loss scaler), restored by :func:`load` as :attr:`Restored.extra`.
+    fp16 loss scaler), restored by :func:`load` as :attr:`Restored.extra`. ``loop``: a hand-written loop's state
+    (JSON, rank 0's), ``own``: this rank's own small tensors; :attr:`Restored.loop` and :attr:`Restored.own`.
     """
     return write(prepare(directory, step, losses, strat, model, optimizer, topo, shapes, keep, aliases, run, extra,
-                         callbacks, loggers), topo.comm("world"))
+                         callbacks, loggers, loop, own), topo.comm("world"))
 
 
 def verify(path: str) -> str | None:
@@ -475,14 +490,17 @@ def load(path: str, strat: Checkpointed, model: nn.Module, optimizer: torch.opti
     for scope, opt in scoped_optimizers(optimizer).items():
         if scope in scopes:
             materialize(model, opt)
-    state = _state(strat, model, optimizer, topo, shapes, 0, [0.0] * step, extra)
+    mine = _own_prefix(topo.rank)  # this rank's own tensors, where the saving run had this rank
+    own = {k[len(mine):]: torch.empty(md.size, dtype=md.properties.dtype)  # type: ignore[union-attr]
+           for k, md in stored.items() if k.startswith(mine)}
+    state = _state(strat, model, optimizer, topo, shapes, 0, [0.0] * step, extra, own)
     state = {k: v for k, v in state.items() if not unscoped(k).startswith("optim.") or scope_of(k) in scopes}
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=path, planner=pieces.LoadPlanner())
     torch.set_rng_state(state["trainer.rng"])
     return Restored(step=int(state["trainer.step"]), losses=[float(v) for v in state["trainer.losses"]], path=path,
                     extra=extra, groups=resumed_hyper(manifest, run), callbacks=manifest.get("callbacks", {}),
-                    loggers=manifest.get("loggers", {}))
+                    loggers=manifest.get("loggers", {}), loop=manifest.get("loop", {}), own=own)
 
 
 def load_model(path: str, strat: Checkpointed, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology,

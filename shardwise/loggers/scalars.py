@@ -18,6 +18,8 @@ rules, each chosen so that the number means the same under every layout:
   backward does not log again (:func:`shardwise.torch_private.recomputing`).
 * **Validation.** Values logged while validation runs go to the validation row
   as ``val/<name>``, reduced over the whole validation pass.
+* **A hand-written loop** set up with a logger (``sw.setup(..., logger=)``) records every value until its
+  optimizer's step ends the row (:mod:`shardwise.loop.output`).
 * **Outside a fit** (no run records this process's steps) :func:`log` does
   nothing, so a loss function that logs can be called on its own; the name
   and ``reduce`` are checked all the same.
@@ -49,10 +51,12 @@ RESERVED = ("step", "loss", "step_time_s", "rss_bytes", "tokens_per_s", "mfu", "
 
 
 class Scalars:
-    """The values :func:`log` recorded on this rank during one step (or one validation): name -> reduce, values."""
+    """The values :func:`log` recorded on this rank during one step (or one validation): name -> reduce, values.
+    ``reserved``: the names its row already holds (a hand-written loop's row holds only the logged ones)."""
 
-    def __init__(self) -> None:
+    def __init__(self, reserved: tuple[str, ...] = RESERVED) -> None:
         self.values: dict[str, tuple[str, list[torch.Tensor]]] = {}
+        self.reserved = reserved
 
     def add(self, name: str, value: torch.Tensor, reduce: str) -> None:
         kept = self.values.setdefault(name, (reduce, []))
@@ -96,9 +100,10 @@ def log(name: str, value: float | torch.Tensor, reduce: str = "mean") -> None:
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"sw.log: the name must be a non-empty string, got {name!r}")
-    if any(name == r or (r.endswith("/") and name.startswith(r)) for r in RESERVED):
+    reserved = _recorders[-1].reserved if _recorders else RESERVED
+    if any(name == r or (r.endswith("/") and name.startswith(r)) for r in reserved):
         raise ValueError(f"sw.log({name!r}): the step row already has {name!r} (it holds "
-                         f"{', '.join(RESERVED)}); choose another name")
+                         f"{', '.join(reserved)}); choose another name")
     if reduce not in REDUCES:
         raise ValueError(f"sw.log({name!r}): reduce must be one of {', '.join(map(repr, REDUCES))}, got {reduce!r}")
     scalar = _scalar(name, value)

@@ -16,6 +16,7 @@ yielded last; :func:`gather_for_metrics` interleaves the ranks' rows back into t
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,7 @@ from shardwise import precision as precision_mod
 from shardwise.comm import Comm
 from shardwise.data import leaves, to_device
 from shardwise.dims import DP
-from shardwise.loop.prepared import Prepared
+from shardwise.loop.prepared import Prepared, kept_by
 
 # A DataLoader's options that prepare_dataloader carries over when given a DataLoader (the rest it decides).
 _CARRIED = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
@@ -85,10 +86,17 @@ def prepare_dataloader(dataset: Any, batch_size: int | None = None, model: nn.Mo
     where = torch.device(device) if device is not None else \
         (model.topo.device if isinstance(model, Prepared) else torch.device("cpu"))
     loader_kwargs.setdefault("pin_memory", where.type == "cuda")
-    sampler = DistributedSampler(dataset, num_replicas=size, rank=rank, shuffle=shuffle, seed=seed,
-                                 drop_last=drop_last)
-    return DeviceLoader(dataset, batch_size=batch_size // size, sampler=sampler, drop_last=drop_last, device=where,
-                        **loader_kwargs)
+    # The workers' seeds come from a generator of the loader's own, not from torch's global one: a pass that a
+    # resume starts mid-epoch then draws nothing the uninterrupted pass did not (sw.save keeps its state).
+    if loader_kwargs.get("generator") is None:
+        loader_kwargs["generator"] = torch.Generator().manual_seed(seed + rank)
+    sampler = _Sampler(dataset, num_replicas=size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    loader = DeviceLoader(dataset, batch_size=batch_size // size, sampler=sampler, drop_last=drop_last, device=where,
+                          **loader_kwargs)
+    kept = kept_by(model)
+    if kept is not None:  # sw.save keeps its position
+        kept.loaders.append(weakref.ref(loader))
+    return loader
 
 
 _ITERABLE = ("prepare_dataloader() of an IterableDataset: its samples come as a stream, which a "
@@ -134,21 +142,49 @@ class _Batch:
 _LAST: dict[str, _Batch] = {}  # "batch": the batch any prepared loader yielded last in this process
 
 
+class _Sampler(DistributedSampler):  # type: ignore[type-arg]
+    """torch's DistributedSampler, whose next pass may start ``skip`` samples in (a resumed epoch)."""
+
+    skip = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        skip, self.skip = self.skip, 0
+        return iter(list(super().__iter__())[skip:])
+
+
 class DeviceLoader(DataLoader):
     """A DataLoader whose batches come on ``device`` (tensors nested in tuples, lists, dicts); it records where
-    in the epoch each batch lies, for :func:`gather_for_metrics`."""
+    in the epoch each batch lies, for :func:`gather_for_metrics`, and how many batches of its sampler's epoch it
+    gave, for ``sw.save``: after ``sw.load``, the next pass of the saved epoch starts with the batch after the
+    checkpoint's (a pass of another epoch, set with ``loader.sampler.set_epoch``, starts at its beginning)."""
 
     def __init__(self, *args: Any, device: torch.device, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.device = device
+        self._given = 0  # batches given in the sampler's epoch
+        self._resume: dict[str, int] | None = None  # the position sw.load restored, for the next pass
+
+    def position(self) -> dict[str, int]:
+        """The sampler's epoch and the batches given in it (what ``sw.save`` keeps)."""
+        return {"epoch": int(self.sampler.epoch), "batches": self._given}  # type: ignore[attr-defined]
+
+    def resume_at(self, position: dict[str, int]) -> None:
+        """The next pass of ``position``'s epoch starts after its batches (the sampler set to that epoch)."""
+        self.sampler.set_epoch(position["epoch"])  # type: ignore[attr-defined]
+        self._resume = dict(position)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        sampler: DistributedSampler[Any] = self.sampler  # type: ignore[assignment]
-        n, ranks, start = len(self.dataset), sampler.num_replicas, 0  # type: ignore[arg-type]
+        sampler: _Sampler = self.sampler  # type: ignore[assignment]
+        skip = self._resume["batches"] if self._resume and self._resume["epoch"] == sampler.epoch else 0
+        self._resume = None
+        sampler.skip = min(skip * self.batch_size, sampler.num_samples)  # type: ignore[operator]
+        n, ranks = len(self.dataset), sampler.num_replicas  # type: ignore[arg-type]
+        start, self._given = skip * self.batch_size * ranks, skip  # type: ignore[operator]
         for batch in super().__iter__():
             rows = _rows(batch)
             _LAST["batch"] = _Batch(rows, max(0, min(rows * ranks, n - start)))
             start += rows * ranks
+            self._given += 1
             yield to_device(batch, self.device)
 
 

@@ -11,7 +11,10 @@ what a loop does with a plain model keeps its meaning:
   a strict ``load_state_dict`` (a collective: every rank calls it);
 * ``sw.clip_grad_norm_(model, max_norm)``: the global norm over every shard;
   ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` is routed there;
-* ``sw.save`` / ``sw.load``: the Trainer's layout-free checkpoints;
+* ``sw.save`` / ``sw.load``: the Trainer's layout-free checkpoints, with what a resume needs beside the model
+  and optimizer (the registered schedulers and objects, each prepared loader's position, every RNG:
+  :mod:`shardwise.loop.state`);
+* ``sw.setup(..., logger=)`` and ``sw.log``: rows through the loggers (:mod:`shardwise.loop.output`);
 * ``sw.prepare_dataloader``, ``sw.gather_for_metrics``, ``sw.all_reduce_mean``: data and metrics
   (:mod:`shardwise.loop.data`).
 """
@@ -23,6 +26,7 @@ import datetime as _dt
 import functools
 import os
 import sys
+import types
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -34,6 +38,7 @@ import torch.nn.utils.clip_grad as clip_grad
 from torch import nn
 
 from shardwise import launch
+from shardwise import loggers as loggers_mod
 from shardwise import precision as precision_mod
 from shardwise.checkpoint import store as checkpoint
 from shardwise.comm.diagnostics import CollectiveTimeout
@@ -41,11 +46,15 @@ from shardwise.comm.topology import Topology, accelerator_name, backend_for, pic
 from shardwise.data import to_device
 from shardwise.dims import PP, TP
 from shardwise.init_from import InitFrom, after_setup, before_setup, read_into
+from shardwise.loop.names import translate
+from shardwise.loop.output import LoopLog
+from shardwise.loop.state import Kept
 from shardwise.optim.param_groups import (
     GroupedFactory,
     ParamGroupsFn,
     apply_hyper,
     check_whole,
+    json_hyper,
     plan_groups,
     splits_parameters,
 )
@@ -123,6 +132,8 @@ class Prepared(nn.Module):
         self.__dict__["aliases"] = aliases
         self.__dict__["scaled"] = None  # the fp16 optimizer (precision="16-mixed"), set by setup
         self.__dict__["optimizer"] = None  # the optimizer setup returned beside this model, set by setup
+        self.__dict__["kept"] = Kept()  # what sw.save keeps beside model and optimizer (shardwise.loop.state)
+        self.__dict__["log"] = None  # its LoopLog, under sw.setup(logger=)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The strategy's forward, the inputs (tensors nested in tuples, lists, dicts, a ``BatchEncoding``) moved to
@@ -253,13 +264,16 @@ class Prepared(nn.Module):
 _ROUTED: contextvars.ContextVar[bool] = contextvars.ContextVar("shardwise_clip_routed", default=False)
 # Parameters of every live Prepared model, so torch.nn.utils.clip_grad_norm_ on them can be routed (see _guard).
 _PREPARED: weakref.WeakSet[Prepared] = weakref.WeakSet()
+# The model this process set up last: where a loader prepared without model= and a registered object belong.
+_NEWEST: list[weakref.ref[Prepared]] = []
 
 
 def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Strategy = "ddp",
           accelerator: str = "auto", precision: str = "32", sync_batchnorm: bool = False,
           param_groups: ParamGroupsFn | None = None, init_from: str | os.PathLike[str] | None = None,
           init_allow_missing: list[str] | tuple[str, ...] = (),
-          compile: bool | str = False, timeout_s: float | None = None) -> tuple[Prepared, torch.optim.Optimizer]:
+          compile: bool | str = False, timeout_s: float | None = None, logger: Any = None,
+          **accelerate: Any) -> tuple[Prepared, torch.optim.Optimizer]:
     """Apply ``strategy`` to ``model`` inside the running group (``sw.init()``); returns the prepared model and
     the optimizer ``optimizer_fn`` builds over the parameters this rank holds.
 
@@ -282,8 +296,14 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
     (:mod:`shardwise.strategies.torch_engine.choice`); what torch has no engine for is refused with the reason.
     ``timeout_s``: how long a collective of the model may wait for the other ranks before it fails, naming the
     collective and the ranks that never joined it (default: ``sw.init``'s).
+    ``logger``: where ``sw.log``'s values go, a row per ``optimizer.step()`` (the Trainer's ``logger=``:
+    ``"csv"``, ``"mlflow"``, a logger object, a list; :mod:`shardwise.loop.output`).
+    Accelerate's ``Accelerator`` options (``mixed_precision=``, ``log_with=``, ``cpu=``, ``split_batches=``,
+    ...) are taken with their meaning or refused with what to write instead (:mod:`shardwise.loop.names`).
     """
+    precision, accelerator, logger = translate(accelerate, precision, accelerator, logger)
     precision = precision_mod.check(precision)
+    loggers = loggers_mod.resolve(logger)
     if isinstance(optimizer_fn, torch.optim.Optimizer):
         raise TypeError("optimizer_fn must be a factory that builds the optimizer from parameters (each rank builds "
                         "its own, over the parameters it holds), e.g. functools.partial(torch.optim.AdamW, lr=1e-3)")
@@ -323,6 +343,10 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
         world_sum = functools.partial(topo.comm("world").all_reduce, name="loop.overflow")
         opt = prepared.__dict__["scaled"] = ScaledOptimizer(opt, precision_mod.LossScaler(), world_sum)
     prepared.__dict__["optimizer"] = opt
+    _log_rows(prepared, opt, LoopLog(loggers, topo, {
+        "strategy": strat.name, "world_size": topo.world_size, "precision": precision,
+        "optimizer": {"class": type(probe).__name__, "groups": [json_hyper(g) for g in opt.param_groups]}}))
+    _NEWEST[:] = [weakref.ref(prepared)]
     for m in inner.modules():
         if isinstance(m, GradSync):
             m.watch_user_clears()  # a loop's `p.grad = None` reaches the pieces the optimizer steps
@@ -334,6 +358,55 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
     _PREPARED.add(prepared)
     _guard_torch_clip()
     return prepared, opt
+
+
+def _log_rows(model: Prepared, opt: torch.optim.Optimizer, log: LoopLog) -> None:
+    """Each ``opt.step()`` ends a row of ``log``. The step is replaced on the instance by a bound method, as
+    torch's learning-rate schedulers patch it, so a scheduler built on ``opt`` later wraps this one in turn."""
+    stepped = opt.step
+
+    def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        out = stepped(*args, **kwargs)
+        log.row()
+        return out
+
+    opt.step = types.MethodType(step, opt)  # type: ignore[method-assign]
+    model.__dict__["log"] = log
+    weakref.finalize(model, log.close)  # a loop that never calls sw.end_training still closes its runs
+
+
+def _newest() -> Prepared | None:
+    return _NEWEST[0]() if _NEWEST else None
+
+
+def kept_by(model: nn.Module | None) -> Kept | None:
+    """What a checkpoint of ``model`` keeps (of the model this process set up last, without one; None before
+    any setup)."""
+    owner = _prepared(model) if model is not None else _newest()
+    return owner.kept if owner is not None else None
+
+
+def register_for_checkpointing(*objects: Any, model: nn.Module | None = None) -> None:
+    """Keep each object's state in every :func:`save` of ``model`` (default: the model this process set up
+    last) and give it back on :func:`load`: a learning-rate scheduler, or any object with ``state_dict()`` and
+    ``load_state_dict(state)`` (its state as tensors and JSON, rank 0's; never pickled). A resumed loop registers
+    the same objects in the same order before ``sw.load``."""
+    kept = kept_by(model)
+    if kept is None:
+        raise RuntimeError("sw.register_for_checkpointing() before sw.setup: the objects are kept in the "
+                           "checkpoints of a model; set the model up first")
+    for obj in objects:
+        kept.register(obj)
+
+
+def end_training(model: nn.Module | None = None) -> None:
+    """Write what ``sw.log`` recorded since the last optimizer step (a collective, with loggers) and finish the
+    runs of the loggers of ``model`` (default: the model this process set up last), as Accelerate's
+    ``end_training``."""
+    owner = _prepared(model) if model is not None else _newest()
+    if owner is not None and owner.log is not None:
+        owner.log.row()
+        owner.log.close()
 
 
 def _refuse_bare_state_dict(strategy: str, holds: str, module: nn.Module, prefix: str, keep_vars: bool) -> None:
@@ -440,19 +513,28 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | os
          losses: list[float] | None = None, keep: int | None = None) -> str:
     """Write the layout-free checkpoint of step ``step`` under ``directory`` (``step_<N>``; a collective), the
     format the Trainer writes: any strategy and device count can :func:`load` it, and a Trainer can resume from
-    it. ``losses``: the loss of each step so far, if the loop kept them (NaN otherwise). Returns its path."""
+    it. ``losses``: the loss of each step so far, if the loop kept them (NaN otherwise). Returns its path.
+
+    Beside the model and optimizer it keeps what a resume needs (:mod:`shardwise.loop.state`): the objects
+    :func:`register_for_checkpointing` names (schedulers, your own), the position of each loader
+    ``sw.prepare_dataloader`` made for this model, every rank's RNGs, the fp16 loss scaler, and where each
+    logger's run is."""
     m = _prepared(model)
     history = list(losses) if losses is not None else [float("nan")] * step
     if len(history) != step:
         raise ValueError(f"losses has {len(history)} entries for step={step}: one per step taken")
-    extra = {"scaler": m.scaled.scaler.as_tensor()} if m.scaled is not None else None
+    state, shared, own = m.kept.capture(m.topo.rank)
+    extra = {**({"scaler": m.scaled.scaler.as_tensor()} if m.scaled is not None else {}), **shared}
+    refs = m.log.refs() if m.log is not None else None
     return checkpoint.save(os.fspath(directory), step, history, m.strategy, m.module, optimizer, m.topo,
-                           m.shapes, keep=keep, aliases=m.aliases, extra=extra)
+                           m.shapes, keep=keep, aliases=m.aliases, extra=extra, loggers=refs, loop=state, own=own)
 
 
 def load(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike[str]) -> int:
     """Restore model and optimizer in place from a checkpoint (a ``step_<N>`` directory, or the newest intact
-    one under a checkpoint directory), written under any layout; returns its step (a collective)."""
+    one under a checkpoint directory), written under any layout; returns its step (a collective). What
+    :func:`save` kept beside them comes back too: the registered objects, the prepared loaders' positions,
+    every rank's RNGs, the loss scaler, and the loggers' runs (continued after the checkpoint's step)."""
     m = _prepared(model)
     p = os.fspath(path)
     if not os.path.exists(os.path.join(p, checkpoint.MANIFEST)):
@@ -465,6 +547,9 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.Path
         apply_hyper(optimizer, restored.groups)
     if m.scaled is not None and "scaler" in restored.extra:
         m.scaled.scaler.load_tensor(restored.extra["scaler"])
+    m.kept.restore(p, restored.loop, restored.extra, restored.own, m.topo.rank)
+    if m.log is not None:
+        m.log.resume(restored.step, restored.loggers)
     return restored.step
 
 
@@ -476,4 +561,5 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         yield
 
 
-__all__ = ["Prepared", "clip_grad_norm_", "clip_grad_value_", "init", "load", "no_sync", "save", "setup"]
+__all__ = ["Prepared", "clip_grad_norm_", "clip_grad_value_", "end_training", "init", "kept_by", "load", "no_sync",
+           "register_for_checkpointing", "save", "setup"]
