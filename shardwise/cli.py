@@ -138,7 +138,7 @@ def _verify(a: argparse.Namespace) -> int:
     r, f = v.run, v.floor
     under = "" if a.engine == "shardwise" else f" under engine={a.engine}"
     print(f"verify {a.strategy}{under} on {a.devices} devices, workload {work.name}, {a.steps} steps")
-    print(f"  noise floor (single device, float32 against float64): losses {f.max_loss_rel:.2e}, "
+    print(f"  noise floor (single device, float32 against {v.floor_source}): losses {f.max_loss_rel:.2e}, "
           f"weights {f.max_param_rel:.2e} relative (worst tensor); tolerance {FLOOR_FACTOR:g}x the floor, per weight "
           f"tensor, at least {a.rtol:g}")
     print(f"  losses:  largest difference {r.max_loss_diff:.3e} (relative {r.max_loss_rel:.3e}, tolerance "
@@ -206,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write throughput, memory and pipeline-timeline PNGs under DIR")
     v = _verb(sub, "verify", "check a strategy against single-device training",
               "Train the same model under STRATEGY and on one device, measure the noise floor (the one-device "
-              "run in float32 against the same run in float64) and report EQUAL (exit 0) or MISMATCH (exit 1) "
+              "run in float32 against the same run in float64 and with its samples in other orders) and report "
+              "EQUAL (exit 0) or MISMATCH (exit 1) "
               "for the losses and every weight tensor; a model that mixes the samples of a batch (BatchNorm) "
               "under a strategy that splits the batch is a MISMATCH with the reason (docs/verify.md).")
     v.add_argument("--strategy", default="ddp", metavar="NAME",

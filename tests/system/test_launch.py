@@ -71,7 +71,8 @@ def test_verify_on_a_user_factory(tmp_path, monkeypatch, capsys):
     assert code == 0, r.out + r.err[-3000:]
     lines = r.out.splitlines()
     assert lines[0].startswith("verify ddp on 2 devices, workload ") and lines[0].endswith(", 4 steps")
-    assert lines[1].startswith("  noise floor (single device, float32 against float64): losses ")
+    assert lines[1].startswith("  noise floor (single device, float32 against float64 and itself in 2 other sample "
+                               "orders): losses ")
     assert lines[2].startswith("  losses:  largest difference ") and lines[2].endswith(" equal")
     assert lines[3].startswith("  weights: largest difference ") and lines[3].endswith(" equal")
     assert lines[4] == "  EQUAL"
