@@ -127,6 +127,26 @@ def test_three_faults_end_equal_to_single_device_with_every_sample_once(tmp_path
         assert sorted(line["members"]) == sorted(g for g in range(4) if gone.get(g, STEPS) > line["step"]), line
 
 
+def test_groups_of_two_fsdp_shards_one_killed_whole_group_leaves_and_the_model_equals_single_device(tmp_path, capfd):
+    """sw.Parallel(dp=4, replicate=2, zero=3) on 4 ranks: 2 replica groups of 2 shards. A SIGKILL of one rank takes
+    its whole group out; the other group computes both sample shards from then on."""
+    ref = train()
+    victim, after = random.Random(5).choice([(1, 2), (3, 4), (2, 3)])
+    ledger = tmp_path / "ledger.jsonl"
+    run = train(sw.Parallel(dp=4, replicate=2, zero=3), 4, fault_tolerance=sw.FaultTolerance(timeout_s=20.0),
+                timeout_s=60, sample_ledger=ledger, callbacks=[Fault(victim, after)])
+    assert_same_run(ref, run)
+    group = victim // 2
+    assert f"shardwise: replica group {group} left: rank {victim} killed by signal SIGKILL; 1 of 2 groups " \
+           "continue" in capfd.readouterr().err
+    assert sorted(s["rank"] for s in run.stats) == [r for r in range(4) if r // 2 != group]
+    assert all((s["failures"], s["live_groups"]) == (1, [1 - group]) for s in run.stats)
+    lines = [json.loads(line) for line in ledger.read_text().splitlines()]
+    assert [line["members"] for line in lines] == [[0, 1]] * after + [[1 - group]] * (STEPS - after)
+    for line in lines:
+        assert sorted(i for samples in line["samples"].values() for i in samples) == global_batch(line["step"])
+
+
 def test_the_docs_program_survives_a_kill_and_its_ledger_uses_every_sample_once(tmp_path, monkeypatch, capfd):
     """docs/how-to/fault-tolerance.md's program (ddp x 3, rank 1 killed after step 3): it checks the model itself."""
     docs_snippet.run("how-to/fault-tolerance.md", "fault-tolerance", tmp_path, monkeypatch)
