@@ -1,7 +1,8 @@
 """What a fault-tolerant run is asked for (:class:`FaultTolerance`) and what it can survive (:func:`plan_replicas`).
 
 The unit of failure is a replica group: the ranks that hold one whole copy of
-the model state, optimizer state included. Under ``ddp`` a group is one rank.
+the model state, optimizer state included. Under ``ddp`` a group is one rank;
+with ``replicate=R`` and ``zero=3`` (HSDP) it is one replica's FSDP shards.
 A layout without such copies (ZeRO or FSDP over every rank, tp or pp alone, a
 parameter server, one process driving every device) is refused here, before
 any process starts, with the reason: what a dead rank held exists nowhere else.

@@ -14,8 +14,9 @@ A step of :class:`Replica`:
    dropped, the RNG is put back, and the step is computed again, from the same
    state, by the launcher's next membership.
 
-:class:`ReplicaStep` is the strategy a replica group's rank runs: one device,
-the whole model (``ddp``'s replica), with this step.
+:class:`ReplicaStep` is the strategy a replica group of one rank runs: one
+device, the whole model (``ddp``'s replica), with this step;
+:class:`ReplicaShards` that of a group of several ranks holding FSDP shards.
 """
 from __future__ import annotations
 
@@ -32,17 +33,23 @@ from torch import nn
 from shardwise.comm.collectives import Comm
 from shardwise.comm.topology import Topology
 from shardwise.data import GlobalBatches, is_stream
+from shardwise.dims import DP
 from shardwise.ft import keys
 from shardwise.ft.options import ReplicaPlan
 from shardwise.ft.quorum import Quorum
 from shardwise.ft.shards import assignment, pieces, rows
-from shardwise.precision import widened
 from shardwise.loggers.scalars import log
-from shardwise.step import LossFn, OptimizerFactory, StepRun, forward_loss, set_aux_grad_scale
+from shardwise.parallel.dp.fsdp_module import FSDPModule
+from shardwise.precision import widened
+from shardwise.step import (
+    LossFn,
+    OptimizerFactory,
+    StepRun,
+    forward_loss,
+    set_aux_grad_scale,
+)
 from shardwise.strategies.parallel import Parallel
 from shardwise.strategies.single import Single
-from shardwise.parallel.dp.fsdp_module import FSDPModule
-from shardwise.dims import DP
 
 
 @dataclass

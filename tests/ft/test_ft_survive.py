@@ -12,15 +12,18 @@ tolerance.
 """
 from __future__ import annotations
 
+import datetime as _dt
 import functools
 import json
 import os
 import random
 import signal
-import datetime as _dt
 
+import docs_snippet
 import pytest
 import torch
+from conftest import assert_same_run
+from ft_ranks import die_or_raise
 from torch import nn
 
 import shardwise as sw
@@ -28,10 +31,6 @@ from shardwise import launch
 from shardwise.data import GlobalBatches
 from shardwise.ft.options import ReplicaPlan
 from shardwise.ft.supervise import ReplicasLost, run_replicas
-
-import docs_snippet
-from ft_ranks import die_or_raise
-from conftest import assert_same_run
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.float64, pytest.mark.fresh_processes]
 
