@@ -19,7 +19,7 @@ import torch
 from shardwise import launch
 from shardwise.fit.job import FitResult, Job, pickled
 from shardwise.ft.quorum import Quorum
-from shardwise.ft.replica import Replica, ReplicaStep
+from shardwise.ft.replica import Replica, ReplicaShards, ReplicaStep
 from shardwise.ft.supervise import run_replicas
 from shardwise.layout import RunLayout
 
@@ -44,7 +44,8 @@ def fit_replicas(job: Job) -> FitResult:
             raise
         results = [torch.load(f"{path}.{r}", weights_only=True) for r in done]
     first = dict(results[0])
-    first["stats"] = [s for r in results for s in r["stats"]]
+    # Each rank's result holds its group's stats (a group of several ranks gathers them): one entry per rank.
+    first["stats"] = sorted({s["rank"]: s for r in results for s in r["stats"]}.values(), key=lambda s: s["rank"])
     return FitResult(**first)
 
 
@@ -55,8 +56,10 @@ def spawned_replica_fit(rank: int, device: torch.device, quorum: Quorum, payload
     assert t.replicas is not None
     replica = Replica(quorum, t.replicas, rank, job.batch_size, job.dataset.dataset, seed=t.seed,
                       ledger=t.sample_ledger is not None)
-    job.options = dataclasses.replace(t, strategy=ReplicaStep(replica=replica), devices=1,
-                                      layout=RunLayout(ReplicaStep.name))
+    size = t.replicas.group_size
+    strategy = ReplicaStep(replica=replica) if size == 1 else ReplicaShards(dp=size, zero=3, replica=replica)
+    layout = RunLayout(ReplicaStep.name) if size == 1 else strategy.layout(size)
+    job.options = dataclasses.replace(t, strategy=strategy, devices=size, layout=layout)
     job.launch_rank = rank
     job.result_from_rank0 = False  # any survivor's result is the fit's: each copies its replica
     result = job.run(device)

@@ -17,13 +17,19 @@ def members(epoch: int) -> str:
     return f"{PREFIX}members/{epoch}"
 
 
-def reduction_group(epoch: int) -> str:
-    """The prefix under which epoch ``epoch``'s reduction group meets (gloo's address exchange)."""
-    return f"{PREFIX}q{epoch}/"
+def reduction_group(epoch: int, place: int) -> str:
+    """The prefix under which epoch ``epoch``'s reduction group of the ranks at ``place`` in their replica group
+    meets (gloo's address exchange)."""
+    return f"{PREFIX}q{epoch}/{place}/"
 
 
-def vote(step: int, epoch: int, group: int) -> str:
-    return f"{PREFIX}vote/{step}/{epoch}/{group}"
+def replica_group(group: int) -> str:
+    """The prefix under which replica group ``group``'s own process group meets (a group of several ranks)."""
+    return f"{PREFIX}group{group}/"
+
+
+def vote(step: int, epoch: int, rank: int) -> str:
+    return f"{PREFIX}vote/{step}/{epoch}/{rank}"
 
 
 def heartbeat(rank: int) -> str:

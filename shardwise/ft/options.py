@@ -1,7 +1,8 @@
 """What a fault-tolerant run is asked for (:class:`FaultTolerance`) and what it can survive (:func:`plan_replicas`).
 
 The unit of failure is a replica group: the ranks that hold one whole copy of
-the model state, optimizer state included. Under ``ddp`` a group is one rank.
+the model state, optimizer state included. Under ``ddp`` a group is one rank;
+with ``replicate=R`` and ``zero=3`` (HSDP) it is one replica's FSDP shards.
 A layout without such copies (ZeRO or FSDP over every rank, tp or pp alone, a
 parameter server, one process driving every device) is refused here, before
 any process starts, with the reason: what a dead rank held exists nowhere else.
@@ -97,9 +98,10 @@ def plan_replicas(strategy: Strategy, layout: RunLayout, ft: FaultTolerance,
                                    "rank's shard of the optimizer state exists nowhere else; keep replicas: "
                                    "strategy='ddp', 'hsdp', or sw.Parallel(dp=, replicate=R, zero=3)")
     group_size = layout.processes // replicas
-    if group_size > 1:
-        raise ValueError(refused + f"its replica groups have {group_size} ranks each; fault tolerance runs "
-                                   "replica groups of one rank (strategy='ddp', or sw.Parallel(dp=N) alone)")
+    if group_size > 1 and (layout.zero != 3 or dims.tp > 1 or dims.pp > 1 or dims.cp > 1 or dims.ep > 1):
+        raise ValueError(refused + f"its replica groups of {group_size} ranks split the model by tp, pp, cp or ep; "
+                                   "fault tolerance runs replica groups of FSDP shards (sw.Parallel(dp=, "
+                                   "replicate=R, zero=3) or 'hsdp') or of one rank ('ddp')")
     if ft.min_replicas > replicas:
         raise ValueError(f"FaultTolerance(min_replicas={ft.min_replicas}) is above the {replicas} replica "
                          f"group{'s' if replicas > 1 else ''} of strategy {name!r} on {layout.processes} "

@@ -31,8 +31,12 @@ class QuorumLost(RuntimeError):
 class Quorum:
     """This rank's view of the live replica groups (``members``, in ``epoch``) and its reduction among them."""
 
-    def __init__(self, store: dist.Store, group: int, timeout: _dt.timedelta) -> None:
+    def __init__(self, store: dist.Store, group: int, timeout: _dt.timedelta, place: int = 0,
+                 group_size: int = 1) -> None:
+        # place: this rank's index inside its group. The reduction among groups is one per place: rank i of each
+        # live group (its shard of the state, when the group shards it) sums with rank i of the others.
         self.store, self.group, self.timeout = store, group, timeout
+        self.place, self.group_size = place, group_size
         self.epoch = 0
         self.members = keys.decode(store.get(keys.members(0)))
         self._pg: dist.ProcessGroup | None = None
@@ -42,7 +46,7 @@ class Quorum:
         """The epoch's reduction group, built on first use (every member builds it: gloo's address exchange)."""
         if self._pg_epoch != self.epoch:
             self._pg = None  # the previous epoch's sockets go first
-            prefixed = dist.PrefixStore(keys.reduction_group(self.epoch), self.store)
+            prefixed = dist.PrefixStore(keys.reduction_group(self.epoch, self.place), self.store)
             self._pg = dist.ProcessGroupGloo(prefixed, self.members.index(self.group), len(self.members),
                                              self.timeout)
             self._pg_epoch = self.epoch
@@ -72,13 +76,16 @@ class Quorum:
         self._pg, self._pg_epoch = None, -1
 
     def agree(self, step: int, done: bool) -> bool:
-        """The commit vote of ``step``: True when every member of this epoch completed the reduction."""
-        self.store.set(keys.vote(step, self.epoch, self.group), b"ok" if done else b"fail")
-        names = [keys.vote(step, self.epoch, g) for g in self.members]
+        """The commit vote of ``step``: True when every rank of every member of this epoch completed the
+        reduction."""
+        mine = self.group * self.group_size + self.place
+        self.store.set(keys.vote(step, self.epoch, mine), b"ok" if done else b"fail")
+        voters = [g * self.group_size + i for g in self.members for i in range(self.group_size)]
+        names = [keys.vote(step, self.epoch, r) for r in voters]
         pause = 1e-4
         while not self.store.check(names):
-            missing = [g for g, n in zip(self.members, names) if not self.store.check([n])]
-            if missing and set(missing) <= self.gone():
+            missing = {r // self.group_size for r, n in zip(voters, names) if not self.store.check([n])}
+            if missing and missing <= self.gone():
                 return False  # a member died before voting: it counts as a failed reduction
             time.sleep(pause)
             pause = min(2 * pause, 0.01)

@@ -14,30 +14,41 @@ A step of :class:`Replica`:
    dropped, the RNG is put back, and the step is computed again, from the same
    state, by the launcher's next membership.
 
-:class:`ReplicaStep` is the strategy a replica group's rank runs: one device,
-the whole model (``ddp``'s replica), with this step.
+:class:`ReplicaStep` is the strategy a replica group of one rank runs: one
+device, the whole model (``ddp``'s replica), with this step;
+:class:`ReplicaShards` that of a group of several ranks holding FSDP shards.
 """
 from __future__ import annotations
 
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from shardwise.comm.collectives import Comm
 from shardwise.comm.topology import Topology
 from shardwise.data import GlobalBatches, is_stream
+from shardwise.dims import DP
 from shardwise.ft import keys
 from shardwise.ft.options import ReplicaPlan
 from shardwise.ft.quorum import Quorum
-from shardwise.ft.shards import assignment, pieces
-from shardwise.precision import widened
+from shardwise.ft.shards import assignment, pieces, rows
 from shardwise.loggers.scalars import log
-from shardwise.step import LossFn, StepRun, forward_loss, set_aux_grad_scale
+from shardwise.parallel.dp.fsdp_module import FSDPModule
+from shardwise.precision import widened
+from shardwise.step import (
+    LossFn,
+    OptimizerFactory,
+    StepRun,
+    forward_loss,
+    set_aux_grad_scale,
+)
+from shardwise.strategies.parallel import Parallel
 from shardwise.strategies.single import Single
 
 
@@ -56,6 +67,9 @@ class Replica:
     failures: int = 0
     recomputed: int = 0
     seconds_lost: float = 0.0
+    # A group of several ranks: its reduced gradient shards (the strategy's), and its own communicator.
+    shard_grads: Callable[[nn.Module], list[torch.Tensor]] | None = None
+    group_comm: Comm | None = None
     _shards: dict[int, GlobalBatches] = field(default_factory=dict)
 
     def step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn, topo: Topology,
@@ -68,37 +82,63 @@ class Replica:
         left: list[int] = []
         while True:
             attempt = time.perf_counter()
-            mine = assignment(self.quorum.members, self.plan.replicas)[self.quorum.group]
-            loss = self._backward(model, pieces(micro_batches, mine, self.plan.replicas), loss_fn, topo, run)
-            flat = _flat(params, loss)
+            loss = self._backward(model, self._parts(micro_batches), loss_fn, topo, run)
+            if self.group_comm is not None:
+                self.group_comm.all_reduce(loss, name="ft.group_loss")  # the group's ranks computed its rows
+            grads = self._grads(model, params)
+            flat = _flat(grads, loss)
             if self.quorum.agree(self.done, self.quorum.all_reduce(flat)):
                 break
             self.recomputed += 1
-            for p in params:
-                p.grad = None
+            _drop_grads(model)
             torch.set_rng_state(rng)  # the step again, with the random numbers it drew the first time
             left += self.quorum.advance()
-        _unflat(params, flat)
+        _unflat(grads, flat, params if self.shard_grads is None else None)
         if self.ledger:
             self._record()
         if left:
             self._report(left, attempt - first)
         self.done += 1
-        return flat[0][-1].detach().to(widened(loss).dtype)
+        # Each rank of a group holds the global loss; the Trainer sums a step's loss over the group's ranks.
+        return flat[0][-1].detach().to(widened(loss).dtype) / self.quorum.group_size
 
     def _backward(self, model: nn.Module, parts: list[tuple[Any, Any, int]], loss_fn: LossFn, topo: Topology,
                   run: StepRun) -> torch.Tensor:
         """Forward and backward of each part, its loss weighted by its share of the global batch (the loss is
         a mean over its rows, so the weighted sum is the global batch's mean); returns that partial sum."""
         total = torch.zeros((), dtype=torch.float64, device=topo.device)
+        # A group of several ranks averages its ranks' gradients (FSDP's reduce-scatter divides by their number):
+        # each rank's part is weighted that many times over, so the group's gradient is the sum of its rows'.
+        size = self.quorum.group_size
         for x, y, n in parts:
             share = n / self.batch_size
-            set_aux_grad_scale(model, run.loss_scale * share)
+            set_aux_grad_scale(model, run.loss_scale * share * size)
             with run.forward_context(topo.device):
                 loss = forward_loss(model, x, y, loss_fn)
-            (widened(loss) * (run.loss_scale * share)).backward()
+            (widened(loss) * (run.loss_scale * share * size)).backward()
             total = total + widened(loss.detach()).to(total.dtype) * share
         return total
+
+    def _parts(self, micro_batches: Sequence[tuple[Any, Any]]) -> list[tuple[Any, Any, int]]:
+        """This rank's rows of its group's shards: all of them, or in a group of several ranks, every
+        ``group_size``-th row of each piece from the rank's place on."""
+        mine = assignment(self.quorum.members, self.plan.replicas)[self.quorum.group]
+        parts = pieces(micro_batches, mine, self.plan.replicas)
+        size, place = self.quorum.group_size, self.quorum.place
+        if size == 1:
+            return parts
+        if any(n < size for _, _, n in parts):
+            raise ValueError(f"a sample shard's piece of a micro-batch has fewer rows than the {size} ranks of a "
+                             f"replica group: raise batch_size (now {self.batch_size}) or lower "
+                             "accumulate_grad_batches")
+        return [(rows(x, place, size), rows(y, place, size), len(range(place, n, size))) for x, y, n in parts]
+
+    def _grads(self, model: nn.Module, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradients summed over the groups: the group's shards of them, or each parameter's (zeros where a
+        parameter got none, so that every group sends the same sizes)."""
+        if self.shard_grads is not None:
+            return self.shard_grads(model)
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
 
     def _record(self) -> None:
         """The committed step's sample indices by group, for the launcher's ledger (every member writes the
@@ -136,26 +176,31 @@ class Replica:
                 "live_groups": list(self.quorum.members)}
 
 
-def _flat(params: list[torch.Tensor], loss: torch.Tensor) -> list[torch.Tensor]:
-    """One buffer per gradient dtype (a missing gradient as zeros), the loss as the first buffer's last element."""
-    dtypes = list(dict.fromkeys(p.dtype for p in params)) or [loss.dtype]
+def _flat(grads: list[torch.Tensor], loss: torch.Tensor) -> list[torch.Tensor]:
+    """One buffer per gradient dtype, the loss as the first buffer's last element."""
+    dtypes = list(dict.fromkeys(g.dtype for g in grads)) or [loss.dtype]
     out = []
     for i, dt in enumerate(dtypes):
-        parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params if p.dtype == dt]
+        parts = [g.reshape(-1) for g in grads if g.dtype == dt]
         if i == 0:
             parts.append(loss.reshape(1).to(dt))
         out.append(torch.cat(parts))
     return out
 
 
-def _unflat(params: list[torch.Tensor], flat: list[torch.Tensor]) -> None:
-    """The summed gradients back into each parameter's ``grad``."""
-    dtypes = list(dict.fromkeys(p.dtype for p in params))
+def _unflat(grads: list[torch.Tensor], flat: list[torch.Tensor], params: list[torch.Tensor] | None) -> None:
+    """The summed gradients back: as each parameter's ``grad`` (a view of the buffer), or into ``grads`` in
+    place (a sharded group's gradient shards, which its optimizer reads where they are)."""
+    dtypes = list(dict.fromkeys(g.dtype for g in grads))
     for dt, buf in zip(dtypes, flat):
         at = 0
-        for p in (p for p in params if p.dtype == dt):
-            p.grad = buf[at:at + p.numel()].view_as(p)
-            at += p.numel()
+        for i in (i for i, g in enumerate(grads) if g.dtype == dt):
+            piece = buf[at:at + grads[i].numel()].view_as(grads[i])
+            if params is not None:
+                params[i].grad = piece
+            else:
+                grads[i].copy_(piece)
+            at += grads[i].numel()
 
 
 @dataclass
@@ -176,3 +221,45 @@ class ReplicaStep(Single):
 
     def rank_stats(self, model: nn.Module, topo: Topology) -> dict[str, Any]:
         return self.replica.stats() if self.replica is not None else {}
+
+
+@dataclass
+class ReplicaShards(Parallel):
+    """A replica group of several ranks holding FSDP shards of one copy of the state (``sw.Parallel(dp=G,
+    zero=3)`` on the group's own process group), whose step is :meth:`Replica.step`: the ranks of the group
+    reduce-scatter as usual, then rank ``i`` of each live group sums its gradient shard with rank ``i`` of the
+    others. Every rank reads the whole global batch; the step picks its rows."""
+
+    replica: Replica | None = field(default=None, repr=False, compare=False)
+
+    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
+              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
+        assert self.replica is not None
+        self.replica.shard_grads = _fsdp_grad_shards
+        self.replica.group_comm = topo.comm(DP)
+        return super().setup(model, optimizer_fn, topo)
+
+    def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
+                   topo: Topology, run: StepRun = StepRun()) -> torch.Tensor | None:
+        assert self.replica is not None
+        return self.replica.step(model, micro_batches, loss_fn, topo, run)
+
+    def data_parallel(self, topo: Topology) -> tuple[int, int]:
+        return 1, 0
+
+    def rank_stats(self, model: nn.Module, topo: Topology) -> dict[str, Any]:
+        return {**super().rank_stats(model, topo), **(self.replica.stats() if self.replica is not None else {})}
+
+
+def _drop_grads(model: nn.Module) -> None:
+    """A failed attempt's gradients gone: each parameter's, and each FSDP unit's reduced shard (which a wrapper's
+    ``zero_grad`` does not reach: the unit keeps it apart from its parameters)."""
+    model.zero_grad(set_to_none=True)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.zero_grad(set_to_none=True)
+
+
+def _fsdp_grad_shards(model: nn.Module) -> list[torch.Tensor]:
+    """Every FSDP unit's reduced gradient shard on this rank, in unit order (alike on every group)."""
+    return [g for m in model.modules() if isinstance(m, FSDPModule) for g in m.shard_grads()]

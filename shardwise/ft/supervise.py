@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shardwise import launch
-from shardwise.comm.topology import pick_device, threads_per_rank
+from shardwise.comm.topology import backend_for, pick_device, threads_per_rank
 from shardwise.ft import keys
 from shardwise.ft.options import ReplicaPlan
 from shardwise.ft.quorum import Heartbeat, Quorum
@@ -88,7 +88,11 @@ def _rank(rank: int, fn: RankFn, plan: ReplicaPlan, world: int, port: int, accel
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
     beat = Heartbeat("127.0.0.1", port, rank, timeout)
     try:
-        fn(rank, pick_device(accelerator, rank), Quorum(store, plan.group_of(rank), timeout), *args)
+        device = pick_device(accelerator, rank)
+        if plan.group_size > 1:
+            _join_group(store, plan, rank, device, timeout)
+        quorum = Quorum(store, plan.group_of(rank), timeout, rank % plan.group_size, plan.group_size)
+        fn(rank, device, quorum, *args)
     except BaseException:
         store.set(f"shardwise/error/{rank}", traceback.format_exc())
         beat.close()
@@ -98,6 +102,15 @@ def _rank(rank: int, fn: RankFn, plan: ReplicaPlan, world: int, port: int, accel
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _join_group(store: dist.Store, plan: ReplicaPlan, rank: int, device: torch.device,
+                timeout: _dt.timedelta) -> None:
+    """This rank's replica group as the default process group: the group's strategy (its shards) runs on it as
+    on a job of its own, and a dead group's sockets are no other group's."""
+    group = plan.group_of(rank)
+    dist.init_process_group(backend_for(device), store=dist.PrefixStore(keys.replica_group(group), store),
+                            rank=rank % plan.group_size, world_size=plan.group_size, timeout=timeout)
 
 
 class Watch:

@@ -52,12 +52,12 @@ def test_refused_before_start(strategy, devices, kw, message):
     assert str(e.value) == message
 
 
-def test_groups_of_several_ranks_are_refused_with_the_reason():
+def test_groups_of_several_ranks_that_split_the_model_are_refused_with_the_reason():
     with pytest.raises(ValueError) as e:
-        sw.Trainer(sw.Parallel(dp=4, replicate=2, zero=3), 4, accelerator="cpu", fault_tolerance=True)
-    assert str(e.value) == ("fault_tolerance cannot run strategy 'parallel': its replica groups have 2 ranks each; "
-                            "fault tolerance runs replica groups of one rank (strategy='ddp', or sw.Parallel(dp=N) "
-                            "alone)")
+        sw.Trainer(sw.Parallel(dp=2, tp=2), 4, accelerator="cpu", fault_tolerance=True)
+    assert str(e.value) == ("fault_tolerance cannot run strategy 'parallel': its replica groups of 2 ranks split the "
+                            "model by tp, pp, cp or ep; fault tolerance runs replica groups of FSDP shards "
+                            "(sw.Parallel(dp=, replicate=R, zero=3) or 'hsdp') or of one rank ('ddp')")
 
 
 @pytest.mark.parametrize("value, message", [

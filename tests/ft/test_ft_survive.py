@@ -5,28 +5,32 @@ drawn from a seeded generator: a SIGKILL between steps, a SIGKILL from a
 backward hook (its peers are then inside the step's reduction: the half-applied
 case), and a SIGSTOP found by the missed heartbeats. The last group finishes
 alone, equal to single-device training, and the ledger shows every sample of
-every step used once. A second launch loses groups below ``min_replicas``; a
-third raises in a callback, which is a bug and ends the job as without fault
+every step used once. The docs' program loses one rank of three. Two launches
+of two ranks take the launcher to its ends: a group lost below ``min_replicas``,
+and a raised exception, which is a bug and ends the job as without fault
 tolerance.
 """
 from __future__ import annotations
 
+import datetime as _dt
 import functools
 import json
 import os
 import random
 import signal
 
+import docs_snippet
 import pytest
 import torch
+from conftest import assert_same_run
+from ft_ranks import die_or_raise
 from torch import nn
 
 import shardwise as sw
 from shardwise import launch
 from shardwise.data import GlobalBatches
-from shardwise.ft.supervise import ReplicasLost
-
-from conftest import assert_same_run
+from shardwise.ft.options import ReplicaPlan
+from shardwise.ft.supervise import ReplicasLost, run_replicas
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.float64, pytest.mark.fresh_processes]
 
@@ -67,12 +71,6 @@ class Fault(sw.Callback):
     def _fire(self, now: bool) -> None:
         if now:
             os.kill(os.getpid(), self.sig)
-
-
-class Bug(sw.Callback):
-    def on_step_end(self, info: sw.callbacks.CallbackInfo) -> None:
-        if info.rank == 1 and info.step == 2:
-            raise ValueError("a bug in a callback")
 
 
 def train(strategy: str = "single", devices: int = 1, **options) -> sw.FitResult:
@@ -128,22 +126,60 @@ def test_three_faults_end_equal_to_single_device_with_every_sample_once(tmp_path
         assert sorted(line["members"]) == sorted(g for g in range(4) if gone.get(g, STEPS) > line["step"]), line
 
 
-def test_below_min_replicas_one_error_names_the_dead_and_leaves_no_process(capfd):
+def test_groups_of_two_fsdp_shards_one_killed_whole_group_leaves_and_the_model_equals_single_device(tmp_path, capfd):
+    """sw.Parallel(dp=4, replicate=2, zero=3) on 4 ranks: 2 replica groups of 2 shards. A SIGKILL of one rank takes
+    its whole group out; the other group computes both sample shards from then on."""
+    ref = train()
+    victim, after = random.Random(5).choice([(1, 2), (3, 4), (2, 3)])
+    ledger = tmp_path / "ledger.jsonl"
+    run = train(sw.Parallel(dp=4, replicate=2, zero=3), 4, fault_tolerance=sw.FaultTolerance(timeout_s=20.0),
+                timeout_s=60, sample_ledger=ledger, callbacks=[Fault(victim, after)])
+    assert_same_run(ref, run)
+    group = victim // 2
+    assert f"shardwise: replica group {group} left: rank {victim} killed by signal SIGKILL; 1 of 2 groups " \
+           "continue" in capfd.readouterr().err
+    assert sorted(s["rank"] for s in run.stats) == [r for r in range(4) if r // 2 != group]
+    assert all((s["failures"], s["live_groups"]) == (1, [1 - group]) for s in run.stats)
+    lines = [json.loads(line) for line in ledger.read_text().splitlines()]
+    assert [line["members"] for line in lines] == [[0, 1]] * after + [[1 - group]] * (STEPS - after)
+    for line in lines:
+        assert sorted(i for samples in line["samples"].values() for i in samples) == global_batch(line["step"])
+
+
+def test_the_docs_program_survives_a_kill_and_its_ledger_uses_every_sample_once(tmp_path, monkeypatch, capfd):
+    """docs/how-to/fault-tolerance.md's program (ddp x 3, rank 1 killed after step 3): it checks the model itself."""
+    docs_snippet.run("how-to/fault-tolerance.md", "fault-tolerance", tmp_path, monkeypatch)
+    out, err = capfd.readouterr()
+    assert out.startswith("8 steps; 1 failure, 1 step computed again, ") and out.endswith(
+        " s lost; the model equals single-device training\n")
+    assert "shardwise: replica group 1 left: rank 1 killed by signal SIGKILL; 2 of 3 groups continue" in err
+    lines = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert [line["members"] for line in lines] == [[0, 1, 2]] * 3 + [[0, 2]] * 5
+    for line in lines:
+        used = sorted(i for samples in line["samples"].values() for i in samples)
+        assert used == sorted(GlobalBatches(docs_data(), 24, 1, 0, seed=0).indices(line["step"])), line
+
+
+def docs_data() -> torch.utils.data.TensorDataset:
+    torch.manual_seed(0)
+    return torch.utils.data.TensorDataset(torch.randn(96, 8, dtype=torch.float64), torch.randn(96, 1, dtype=torch.float64))
+
+
+def test_below_min_replicas_one_error_and_no_process_left_and_an_exception_is_a_bug(capfd):
+    """The launcher's two ends of a job: a dead group below ``min_replicas`` (one error naming it, no rank left
+    running), and a raised exception, which is a bug, not a fault (the job ends with its traceback)."""
+    plan = ReplicaPlan(replicas=2, group_size=1, ft=sw.FaultTolerance(min_replicas=2, timeout_s=20.0))
     before = set(_children())
     with pytest.raises(ReplicasLost) as e:
-        train("ddp", 3, fault_tolerance=sw.FaultTolerance(min_replicas=2, timeout_s=1.0), timeout_s=60,
-              callbacks=[Fault(1, 1), Fault(2, 3)])
+        run_replicas(die_or_raise, plan, args=("kill",), timeout=_dt.timedelta(seconds=30))
     assert str(e.value) == ("fault tolerance: 1 replica group left, fewer than min_replicas=2; dead: group 1 (rank 1 "
-                            "killed by signal SIGKILL); group 2 (rank 2 killed by signal SIGKILL)")
+                            "killed by signal SIGKILL)")
     assert set(_children()) - before == set()
-    assert capfd.readouterr().err.count("shardwise: fault tolerance: 1 replica group left") == 1
-
-
-def test_an_exception_in_the_step_is_a_bug_and_ends_the_job():
     with pytest.raises(launch.WorkerFailed) as e:
-        train("ddp", 2, fault_tolerance=True, callbacks=[Bug()])
-    assert str(e.value).startswith("rank 1 raised ValueError: a bug in a callback\n")
+        run_replicas(die_or_raise, plan, args=("raise",), timeout=_dt.timedelta(seconds=30))
+    assert str(e.value).startswith("rank 1 raised ValueError: a bug in the step\n")
     assert not isinstance(e.value, ReplicasLost)
+    assert set(_children()) - before == set()
 
 
 def _children() -> list[int]:

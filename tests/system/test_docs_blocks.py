@@ -18,6 +18,7 @@ TESTED_ELSEWHERE = {
     ("practical.md", "precision"),      # tests/fit/test_bf16_true.py
     ("practical.md", "param-groups"),   # tests/optim/test_param_groups.py
     ("loop.md", "loop"),                # tests/loop/test_loop_device.py
+    ("how-to/fault-tolerance.md", "fault-tolerance"),  # tests/ft/test_ft_survive.py, with its ledger
     ("index.md", "home"),               # tests/system/test_docs_site.py (the site's pages)
     *(("getting-started/tutorial.md", n)  # tests/system/test_docs_site.py, with their steps shortened
       for n in ("first-model", "two-processes", "three-strategies", "verify", "huggingface")),
