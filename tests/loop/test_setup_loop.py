@@ -19,7 +19,6 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.float64]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 4
-STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp", "tp", "pp"]
 
 
 class Run:
@@ -103,7 +102,9 @@ def close_to(state, ref):
         torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6 + 1e-5 * float(v.abs().max()), msg=k)
 
 
-UNDER_RUN = [s for s in STRATEGIES if s != "ddp"]
+# Each strategy's loop equal to one device is tests/loop/test_loop_idioms.py's table; here the launcher's path: a
+# strategy whose ranks once aborted at exit (zero2), and one whose ranks hold different stages (pp).
+UNDER_RUN = ["zero2", "pp"]
 
 
 @pytest.fixture(scope="module")
