@@ -21,7 +21,6 @@ tables), which it computes as the model's code does: each module's
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,10 +32,9 @@ from shardwise.checkpoint import pretrained
 from shardwise.checkpoint.held import named_state
 from shardwise.checkpoint.store import Checkpointed, model_shapes, tied_aliases
 from shardwise.comm.topology import Topology
-from shardwise.dims import DP_CP, TP
+from shardwise.dims import TP
+from shardwise.strategies.base import Strategy
 from shardwise.strategies.dp.family import on_meta
-from shardwise.strategies.dp.fsdp import FSDP
-from shardwise.strategies.torch_engine.wrappers import TorchFSDP
 
 
 @dataclass(frozen=True)
@@ -53,6 +51,16 @@ class InitFrom:
                 raise ValueError("init_allow_missing was given without init_from: there is nothing to load")
             return None
         return cls(os.fspath(path), tuple(allow_missing))
+
+    @classmethod
+    def checked(cls, path: str | os.PathLike[str] | None, allow_missing: Sequence[str],
+                model: nn.Module) -> InitFrom | None:
+        """:meth:`of`, then :meth:`check` against ``model``: before any process starts, the weights fit the model,
+        or the message names those that differ."""
+        init = cls.of(path, allow_missing)
+        if init is not None:
+            init.check(model)
+        return init
 
     def check(self, model: nn.Module) -> None:
         """Refuse, before any process starts, weights that do not fit ``model`` (reads headers only)."""
@@ -108,22 +116,20 @@ def materialize(model: nn.Module, device: torch.device | str, init: Callable[[nn
             init(m)
 
 
-def before_setup(init: InitFrom | None, model: nn.Module, strategy: Checkpointed, topo: Topology) -> Checkpointed:
+def before_setup(init: InitFrom | None, model: nn.Module, strategy: Strategy, topo: Topology) -> Strategy:
     """Prepare a meta-device ``model`` for ``strategy``'s setup; returns the strategy to set it up with.
 
-    FSDP (ours, or FSDP2 under ``engine="torch"``) materialises it module by module into its shards. Without a
-    data-parallel wrapper (tp, pp and their composition with dp = 1), the model stays on meta through the setup, which splits it, and
+    A strategy that materialises it module by module into its shards (FSDP: ours, or FSDP2 under
+    ``engine="torch"``) gets the model's own initialisation for it. One that takes it as it is and splits it
+    (tp, pp and their composition with no data-parallel wrapper) keeps it on meta through the setup, and
     :func:`after_setup` gives memory only to what this rank kept. A data-parallel wrapper (DDP, ZeRO-1/2, or
     FSDP inside ``sw.Parallel``) starts from real tensors: the whole model gets memory here.
     """
     if init is None or not on_meta(model):
         return strategy
-    if isinstance(strategy, FSDP):  # materialises module by module into its shards
-        return dataclasses.replace(strategy, param_init_fn=strategy.param_init_fn
-                                   or OwnInit(model, _loaded(init, model)))
-    if isinstance(strategy, TorchFSDP) and isinstance(strategy.of, FSDP):  # FSDP2 too, sharded on meta first
-        return dataclasses.replace(strategy, of=before_setup(init, model, strategy.of, topo))
-    if topo.size(DP_CP) > 1 or getattr(strategy, "zero", 0) == 3:  # (sw.Parallel's FSDP splits real tensors)
+    if strategy.materialises_meta():
+        return strategy.with_param_init(OwnInit(model, _loaded(init, model)))
+    if not strategy.splits_meta(topo):
         materialize(model, topo.device, OwnInit(model))
     return strategy
 

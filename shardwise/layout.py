@@ -18,6 +18,10 @@ from typing import Any
 
 from shardwise.dims import CP, DP, EP, PP, TP, ParallelDims
 
+# Whose mechanisms run a strategy (``engine=``): ours, or PyTorch's own (shardwise.strategies.torch_engine).
+SHARDWISE, TORCH = "shardwise", "torch"
+ENGINES = (SHARDWISE, TORCH)
+
 
 def check_data_parallel(zero: int, replicate: int) -> None:
     """The data-parallel form over dp: a ZeRO stage 0-3, and HSDP replicas only of sharded parameters."""
@@ -91,7 +95,7 @@ class RunLayout:
                  precision: str = "32", activation_checkpointing: bool = False, servers: int = 0,
                  cp: int | None = None, ep: int | None = None, devices_per_process: int = 1,
                  cp_mode: str | None = None, sequence_parallel: bool = False, *,
-                 dims: ParallelDims | None = None, engine: str = "shardwise") -> None:
+                 dims: ParallelDims | None = None, engine: str = SHARDWISE) -> None:
         for name, v in (("chunks", chunks), ("devices_per_process", devices_per_process)):
             if v < 1:
                 raise ValueError(f"{name}={v}: must be >= 1")
@@ -171,7 +175,7 @@ class RunLayout:
             parts.append(f"cp_mode={self.cp_mode}")
         if self.sequence_parallel:
             parts.append("sequence_parallel")
-        if self.engine != "shardwise":
+        if self.engine != SHARDWISE:
             parts.append(f"engine={self.engine}")
         return f"{self.strategy}({', '.join(parts)})"
 
@@ -183,4 +187,4 @@ def _with_sizes(dims: ParallelDims, sizes: dict[str, int | None]) -> ParallelDim
     return ParallelDims(pp=own[PP], dp_shard=own[DP], cp=own[CP], tp=own[TP], ep=own[EP])
 
 
-__all__ = ["RunLayout", "check_data_parallel"]
+__all__ = ["ENGINES", "RunLayout", "SHARDWISE", "TORCH", "check_data_parallel"]

@@ -48,6 +48,7 @@ from shardwise.fit.evaluate import eval_mode
 from shardwise.fit.job import hf_output_capture
 from shardwise.fit.options import FitOptions
 from shardwise.parallel.cp.attention import join_sequence
+from shardwise.recipe import Built, Recipe, prepare_rank
 from shardwise.step import LossFn, StepRun
 from shardwise.strategies.base import HasServers, Strategy
 
@@ -65,11 +66,6 @@ def output_tensor(out: Any) -> torch.Tensor:
     if first is None:
         raise TypeError(f"the model returned {type(out).__name__}, which holds no tensor to predict or measure")
     return first
-
-
-def _frozen_optimizer(params: Any) -> torch.optim.Optimizer:
-    # The strategies build the model with an optimizer; evaluation never steps it (lr 0, no state).
-    return torch.optim.SGD(params, lr=0.0)
 
 
 def resolve_checkpoint(path: str | os.PathLike[str]) -> str:
@@ -102,23 +98,23 @@ class Inference:
         hf_output_capture(self.model)
         topo = Topology.create(device, t.layout.dims, timeout=t.timeout, debug=t.debug)
         try:
-            model = self._build(topo)
+            model = self.build(topo).model
             tally = Tally(self, topo)
             self._pass(model, topo, tally)
             return tally.predictions() if self.kind == "predict" else tally.metrics()
         finally:
             topo.close()
 
-    def _build(self, topo: Topology) -> nn.Module:
-        """The model as the strategy holds it on this rank, with the checkpoint's weights when one is given."""
+    def build(self, topo: Topology) -> Built:
+        """The model as the strategy holds it on this rank (by the one recipe, :func:`shardwise.recipe.prepare_rank`),
+        with the checkpoint's weights when one is given."""
         t, strat = self.options, self.options.strategy
         torch.manual_seed(t.seed)
-        shapes = checkpoint.model_shapes(self.model)
-        precision_mod.cast_model(t.precision, self.model)
-        model, opt = strat.setup(self.model, _frozen_optimizer, topo)
+        # Forward only, in eval mode: the precision is the recipe's one option that changes what it computes.
+        built = prepare_rank(self.model, strat, topo, Recipe(precision=t.precision))
         if self.ckpt_path is not None:
-            checkpoint.load_model(self.ckpt_path, strat, model, opt, topo, shapes)
-        return model
+            checkpoint.load_model(self.ckpt_path, strat, built.model, built.optimizer, topo, built.shapes)
+        return built
 
     def _pass(self, model: nn.Module, topo: Topology, tally: Tally) -> None:
         t, strat = self.options, self.options.strategy

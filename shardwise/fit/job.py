@@ -37,10 +37,9 @@ from shardwise.fit.evaluate import (
 from shardwise.fit.options import FitOptions, SchedulerFactory
 from shardwise.fit.progress import StepLog, want_progress
 from shardwise.fit.steps import count_state, global_losses, train_loop
-from shardwise.init_from import InitFrom, after_setup, before_setup, read_into
-from shardwise.optim.param_groups import GroupedFactory, GroupPlan
-from shardwise.parallel.checkpointing import apply_activation_checkpointing
-from shardwise.parallel.compiling import compile_blocks, compile_report, recompile_warning
+from shardwise.init_from import InitFrom, read_into
+from shardwise.optim.param_groups import GroupPlan
+from shardwise.parallel.compiling import compile_report, recompile_warning
 from shardwise.loggers.scalars import Reducer, Scalars, recording
 from shardwise.stats import (
     cuda_peak_bytes,
@@ -49,9 +48,9 @@ from shardwise.stats import (
     reset_cuda_peak,
     reset_peak_rss,
 )
+from shardwise.recipe import Built, Recipe, prepare_rank
 from shardwise.step import LossFn, OptimizerFactory, StepRun, TrainingStep
 from shardwise.strategies.base import HasServers, compile_backend
-from shardwise.strategies.torch_engine.choice import synced_batchnorm
 
 
 @dataclass
@@ -134,66 +133,98 @@ class Job:
         t, strat = self.options, self.options.strategy
         torch.manual_seed(t.seed)
         reset_cuda_peak(topo.device)  # cuda_peak_*_bytes are this run's (a no-op on CPU)
-        shapes = checkpoint.model_shapes(self.model)
-        self.aliases = checkpoint.tied_aliases(self.model)
-        if t.activation_checkpointing:
-            classes = None if t.activation_checkpointing is True else t.activation_checkpointing
-            apply_activation_checkpointing(self.model, classes)  # type: ignore[arg-type]
-        if t.sync_batchnorm:
-            self.model = synced_batchnorm(self.model, strat, topo)
-        precision_mod.cast_model(t.precision, self.model)  # "bf16-true": weights, and so grads and states, in bf16
-        backend = compile_backend(strat, t.compile)
-        if backend is not None:  # before the strategy's wrappers; traced at the first step, with its layers in
-            compile_blocks(self.model, backend, fresh=True)
-        grouped = GroupedFactory(self.optimizer_fn, self.groups)
-        model, opt = before_setup(self.init, self.model, strat, topo).setup(self.model, grouped, topo)
-        after_setup(self.init, model, topo, self.model)
-        grouped.finish(strat.param_names(model))
+        built = self.build(topo)
+        model, opt, shapes = built.model, built.optimizer, built.shapes
         # Built on every rank at this point: a save in the background creates its own group here (a collective).
         self.saver = Saver(topo, t.checkpoint_async) if t.checkpoint_dir is not None else None
-        self.restored_groups: list[dict[str, Any]] | None = None
-        self.restored_loggers: dict[str, dict[str, Any]] = {}  # the checkpoint's logger runs, reopened on resume
-        self.logger_refs: dict[str, dict[str, Any]] = {}  # this run's, set by the step log on rank 0
-        prev: list[float] = []
-        extra: dict[str, torch.Tensor] = {}
-        self.control, self.stop_reason = Control(), None
-        path = None
-        if t.checkpoint_dir is not None and t.resume:
-            path = checkpoint.resume_point(t.checkpoint_dir, topo)
-            if path is not None:
-                restored = checkpoint.load(path, strat, model, opt, topo, shapes, self.info)
-                prev, extra = restored.losses[:self.max_steps], restored.extra
-                self.restored_groups, self.restored_loggers = restored.groups, restored.loggers
-                load_states(t.callbacks, restored.callbacks)
-            if "stopped" in extra:  # a run that stopped early is complete: rerunning it returns its result
-                self.stop_reason = f"stopped early at step {len(prev)} (by a callback; the checkpoint's run)"
-            if topo.rank == 0:  # resuming is the default: say what it does, also when there is nothing to do
-                line = resume_line(path, len(prev), self.max_steps) if self.stop_reason is None else \
-                    f"shardwise: already complete: {path} {self.stop_reason.partition(' (')[0]}, 0 steps to run"
-                print(line, file=sys.stderr, flush=True)
+        prev, extra, path = self._resume(model, opt, topo, shapes)
         self._read_pretrained(path, model, opt, topo, shapes)
         self.history = history_from(extra)  # validations of the run so far (a resumed run's included)
         self.steps_done = len(prev)
         self.profile: dict[str, Any] | None = None  # set by the loop; a server's part is not profiled
         self.hook("on_fit_start", len(prev), topo, optimizer=opt)
-        sent_after_setup = topo.stats.sent
-        received_after_setup = topo.stats.received
-        server = isinstance(strat, HasServers) and strat.is_server(topo)
-        if server:
-            times = self._serve(model, opt, topo, prev, shapes)
-            losses = [0.0] * (self.max_steps - len(prev))  # a server owns no loss: zeros in the all-reduce
-            state_bytes = count_state(strat, model, opt)
-        else:
-            losses, times, state_bytes = train_loop(self, model, opt, topo, prev, shapes, extra)
+        sent, received = topo.stats.sent, topo.stats.received  # after the setup: the steps' traffic follows
+        losses, times, state_bytes = self._steps(model, opt, topo, prev, shapes, extra)
         self._saves_finished(topo)  # the end of the fit waits for a save in flight
         steps_run = max(1, len(losses))
-        train_sent = topo.stats.sent - sent_after_setup
-        train_received = topo.stats.received - received_after_setup
+        traffic = ((topo.stats.sent - sent) / steps_run, (topo.stats.received - received) / steps_run)
         all_losses = prev + global_losses(losses, strat, topo)
         state_dict = {} if not self.return_state_dict else strat.final_state_dict(model, topo) \
             if self.result_from_rank0 else strat.full_state_dict(model, topo)
         release_free_heap()  # what the steps (and a gather) freed goes back to the system: the rank holds its shards
-        mine = {
+        mine = self._rank_stats(model, topo, state_bytes, state_dict, times, traffic)
+        if self.compiled and topo.rank == 0 and (storm := recompile_warning(mine)):
+            print(storm, file=sys.stderr, flush=True)
+        stats = topo.comm("world").all_gather_object(mine, name="stats")
+        profile = [s.pop("profile") for s in stats]
+        if topo.rank == 0 and t.profiler == "simple" and any(profile):
+            print(profiler.table(profile), file=sys.stderr, flush=True)
+        result = FitResult(losses=all_losses, state_dict=state_dict, stats=stats, val_metrics=list(self.history),
+                           profile=profile if any(profile) else [], loggers=dict(self.logger_refs))
+        call(t.callbacks, "on_fit_end", CallbackInfo(len(all_losses), self.max_steps, topo.rank, topo.world_size,
+                                                     history=list(self.history), losses=list(all_losses),
+                                                     stop_reason=self.stop_reason, control=self.control))
+        return result
+
+    def build(self, topo: Topology) -> Built:
+        """This rank's model and optimizer, by the one recipe (:func:`shardwise.recipe.prepare_rank`) with the
+        run's options; the model given is replaced by its unsplit root (sync BatchNorm may replace it)."""
+        t = self.options
+        backend = compile_backend(t.strategy, t.compile)
+        self.compiled = backend is not None
+        recipe = Recipe(precision=t.precision, sync_batchnorm=t.sync_batchnorm,
+                        activation_checkpointing=t.activation_checkpointing, compile=backend, fresh_compile=True,
+                        init=self.init)
+        built = prepare_rank(self.model, t.strategy, topo, recipe, self.optimizer_fn, self.groups)
+        self.model, self.aliases = built.bare, built.aliases
+        return built
+
+    def _resume(self, model: nn.Module, opt: torch.optim.Optimizer, topo: Topology, shapes: dict[str, list[int]]
+                ) -> tuple[list[float], dict[str, torch.Tensor], str | None]:
+        """With ``checkpoint_dir`` and ``resume``: the newest intact checkpoint restored into ``model`` and
+        ``opt`` (and the callbacks), and said on rank 0. Returns its losses, the run state it kept beside the
+        model, and its path (None: nothing resumed)."""
+        t = self.options
+        self.restored_groups: list[dict[str, Any]] | None = None
+        self.restored_loggers: dict[str, dict[str, Any]] = {}  # the checkpoint's logger runs, reopened on resume
+        self.logger_refs: dict[str, dict[str, Any]] = {}  # this run's, set by the step log on rank 0
+        self.control, self.stop_reason = Control(), None
+        prev: list[float] = []
+        extra: dict[str, torch.Tensor] = {}
+        if t.checkpoint_dir is None or not t.resume:
+            return prev, extra, None
+        path = checkpoint.resume_point(t.checkpoint_dir, topo)
+        if path is not None:
+            restored = checkpoint.load(path, t.strategy, model, opt, topo, shapes, self.info)
+            prev, extra = restored.losses[:self.max_steps], restored.extra
+            self.restored_groups, self.restored_loggers = restored.groups, restored.loggers
+            load_states(t.callbacks, restored.callbacks)
+        if "stopped" in extra:  # a run that stopped early is complete: rerunning it returns its result
+            self.stop_reason = f"stopped early at step {len(prev)} (by a callback; the checkpoint's run)"
+        if topo.rank == 0:  # resuming is the default: say what it does, also when there is nothing to do
+            line = resume_line(path, len(prev), self.max_steps) if self.stop_reason is None else \
+                f"shardwise: already complete: {path} {self.stop_reason.partition(' (')[0]}, 0 steps to run"
+            print(line, file=sys.stderr, flush=True)
+        return prev, extra, path
+
+    def _steps(self, model: nn.Module, opt: torch.optim.Optimizer, topo: Topology, prev: list[float],
+               shapes: dict[str, list[int]], extra: dict[str, torch.Tensor]
+               ) -> tuple[list[float], list[float], dict[str, int]]:
+        """This rank's part of the steps: the step loop, or a parameter server's serving loop. Returns the
+        losses of the steps run, their times and the bytes of the model state this rank holds."""
+        strat = self.options.strategy
+        if not (isinstance(strat, HasServers) and strat.is_server(topo)):
+            return train_loop(self, model, opt, topo, prev, shapes, extra)
+        times = self._serve(strat, model, opt, topo, prev, shapes)
+        losses = [0.0] * (self.max_steps - len(prev))  # a server owns no loss: zeros in the all-reduce
+        return losses, times, count_state(strat, model, opt)
+
+    def _rank_stats(self, model: nn.Module, topo: Topology, state_bytes: dict[str, int],
+                    state_dict: dict[str, torch.Tensor], times: list[float],
+                    traffic: tuple[float, float]) -> dict[str, Any]:
+        """This rank's entry of ``FitResult.stats`` (``traffic``: bytes sent and received per step run)."""
+        strat = self.options.strategy
+        return {
             "rank": topo.rank,
             "peak_rss_bytes": peak_rss_bytes(),
             **cuda_peak_bytes(topo.device),  # cuda_peak_allocated_bytes, cuda_peak_reserved_bytes (CUDA only)
@@ -204,8 +235,8 @@ class Job:
             "comm_bytes": topo.stats.sent,
             # False under engine="torch": the comm_* figures then count only the Trainer's own collectives.
             "comm_counted": strat.comm_counted,
-            "comm_bytes_per_step": train_sent / steps_run,
-            "comm_received_bytes_per_step": train_received / steps_run,
+            "comm_bytes_per_step": traffic[0],
+            "comm_received_bytes_per_step": traffic[1],
             "comm_by_name": dict(topo.stats.by_name),
             "comm_by_group": dict(topo.stats.by_group),
             "counters": dict(topo.stats.counters),  # e.g. tokens an expert layer dispatched and dropped
@@ -218,20 +249,8 @@ class Job:
             **strat.rank_stats(model, topo),
             "profile": self.profile,  # (gathered with the stats, then kept apart in FitResult.profile)
             **(self.saver.stats() if self.saver is not None else {}),
-            **(compile_report() if backend is not None else {}),
+            **(compile_report() if self.compiled else {}),
         }
-        if backend is not None and topo.rank == 0 and (storm := recompile_warning(mine)):
-            print(storm, file=sys.stderr, flush=True)
-        stats = topo.comm("world").all_gather_object(mine, name="stats")
-        profile = [s.pop("profile") for s in stats]
-        if topo.rank == 0 and t.profiler == "simple" and any(profile):
-            print(profiler.table(profile), file=sys.stderr, flush=True)
-        result = FitResult(losses=all_losses, state_dict=state_dict, stats=stats, val_metrics=list(self.history),
-                           profile=profile if any(profile) else [], loggers=dict(self.logger_refs))
-        call(t.callbacks, "on_fit_end", CallbackInfo(len(all_losses), self.max_steps, topo.rank, topo.world_size,
-                                                     history=list(self.history), losses=list(all_losses),
-                                                     stop_reason=self.stop_reason, control=self.control))
-        return result
 
     def _read_pretrained(self, resumed: str | None, model: nn.Module, opt: torch.optim.Optimizer, topo: Topology,
                       shapes: dict[str, list[int]]) -> None:
@@ -245,8 +264,8 @@ class Job:
             print(f"shardwise: init_from={self.init.path} is not read: the run resumes from {resumed}, whose "
                   "weights are this run's own", file=sys.stderr, flush=True)
 
-    def _serve(self, model: nn.Module, opt: torch.optim.Optimizer, topo: Topology, prev: list[float],
-               shapes: dict[str, list[int]]) -> list[float]:
+    def _serve(self, strat: HasServers, model: nn.Module, opt: torch.optim.Optimizer, topo: Topology,
+               prev: list[float], shapes: dict[str, list[int]]) -> list[float]:
         """A server rank's part from step ``len(prev)`` (a resumed run starts at its checkpoint's step).
 
         It serves up to each step at which the workers save (every
@@ -254,14 +273,14 @@ class Job:
         the same :func:`checkpoint.save` call and, before it, the same loss
         all-reduce, to which a server contributes zeros. Returns the per-step times.
         """
-        t, strat = self.options, self.options.strategy
+        t = self.options
         times: list[float] = []
         done = len(prev)
         while done < self.max_steps:
             stop = self.max_steps
             if t.checkpoint_dir is not None and t.checkpoint_every is not None:
                 stop = min(stop, (done // t.checkpoint_every + 1) * t.checkpoint_every)
-            times += strat.serve(model, opt, topo, stop - done)  # type: ignore[attr-defined]
+            times += strat.serve(model, opt, topo, stop - done)
             done = stop
             if t.checkpoint_dir is not None:
                 self._periodic(done, prev, [0.0] * (done - len(prev)), model, opt, topo, shapes, None, "periodic")

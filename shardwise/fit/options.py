@@ -31,7 +31,6 @@ from shardwise.layout import RunLayout
 from shardwise.strategies.base import Strategy, compile_backend
 from shardwise.strategies.registry import resolve
 from shardwise.strategies.torch_engine.choice import engine_for
-from shardwise.strategies.torch_engine.wrappers import TorchEngine
 
 # Builds the run's learning-rate schedule from its optimizer, e.g. partial(lr_scheduler.OneCycleLR, ...).
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -75,7 +74,6 @@ class FitOptions:
     # Every logger rank 0 writes to: Trainer(logger=)'s, then metrics_path's JSONL and tensorboard_dir's TensorBoard.
     loggers: tuple[Any, ...] = ()
     log_every_n_steps: int = 1
-    engine: str = "shardwise"  # whose mechanism runs the strategy: "shardwise" or "torch" (strategies/torch_engine)
     checkpoint_async: bool = False
     compile: bool | str = False
     fault_tolerance: FaultTolerance | None = None
@@ -100,66 +98,107 @@ class FitOptions:
         return f"cuda:{','.join(map(str, self.device_ids))}" if self.device_ids else self.accelerator
 
     @property
+    def engine(self) -> str:
+        """Whose mechanisms run the strategy, ``"shardwise"`` or ``"torch"``: its layout's (the one source)."""
+        return self.layout.engine
+
+    @property
     def sizes(self) -> dict[str, int]:
         """``{"pp", "dp", "tp"}`` of the run (see :meth:`shardwise.dims.ParallelDims.sizes`)."""
         return self.layout.dims.sizes()
 
     @classmethod
-    def build(cls, strategy: str | Strategy, devices: int | str | list[int], accelerator: str,
-              **given: Any) -> FitOptions:
-        """The Trainer's arguments (``given``: its keyword arguments, with the defaults of its signature),
-        checked: a ValueError names the first one that is wrong."""
-        strat = engine_for(resolve(strategy), given.pop("engine", None), sync_batchnorm=given["sync_batchnorm"],
+    def build(cls, strategy: str | Strategy, devices: int | str | list[int], accelerator: str, *,
+              accumulate_grad_batches: int, gradient_clip_val: float | None, seed: int, progress: bool | str,
+              metrics_path: str | os.PathLike[str] | None, timeout_s: float,
+              checkpoint_dir: str | os.PathLike[str] | None, checkpoint_every: int | None, resume: bool,
+              debug: bool, on_nonfinite: str, checkpoint_keep: int | None, memory_check: str,
+              device_memory: int | None, precision: str | int,
+              activation_checkpointing: bool | tuple[type[nn.Module], ...],
+              tensorboard_dir: str | os.PathLike[str] | None, peak_flops: float | None,
+              max_processes_per_core: int | None, sync_batchnorm: bool, callbacks: list[Any] | None,
+              dataloader_kwargs: dict[str, Any] | None, max_epochs: int | None, logger: Any,
+              log_every_n_steps: int, profiler: str | None, profile_steps: range | tuple[int, int] | None,
+              profiler_dir: str | os.PathLike[str] | None, engine: str | None, checkpoint_async: bool,
+              compile: bool | str, fault_tolerance: bool | FaultTolerance | None = None,
+              sample_ledger: str | os.PathLike[str] | None = None) -> FitOptions:
+        """The Trainer's arguments, each by its name, checked: a ValueError names the first one that is wrong."""
+        strat = engine_for(resolve(strategy), engine, sync_batchnorm=sync_batchnorm,
                            cuda=uses_cuda(accelerator_name(accelerator)))
-        callbacks = check_callbacks(given.pop("callbacks"))
-        loaders = dict(given.pop("dataloader_kwargs") or {})
+        checked_callbacks = check_callbacks(callbacks)
+        loaders = dict(dataloader_kwargs or {})
         loader_options(loaders)  # an unknown or refused option fails here
         accelerator = accelerator_name(accelerator)
-        bound = given["max_processes_per_core"]
-        if bound is not None and bound < 1:
-            raise ValueError(f"max_processes_per_core must be >= 1 (or None for no bound), got {bound}")
-        every, directory, keep = given["checkpoint_every"], given["checkpoint_dir"], given["checkpoint_keep"]
-        if every is not None and every < 1:
-            raise ValueError(f"checkpoint_every must be >= 1, got {every}")
-        if every is not None and directory is None:
-            raise ValueError("checkpoint_every was given without checkpoint_dir: say where checkpoints go")
-        compile_backend(strat, given["compile"])  # a wrong value, or a schedule that cannot run compiled blocks
-        if given["checkpoint_async"] and directory is None:
-            raise ValueError("checkpoint_async=True was given without checkpoint_dir: say where checkpoints go")
-        if keep is not None and keep < 1:
-            raise ValueError(f"checkpoint_keep must be >= 1 (or None to keep all), got {keep}")
-        if given["memory_check"] not in ("error", "warn", "off"):
-            raise ValueError(f"memory_check must be 'error', 'warn' or 'off', got {given['memory_check']!r}")
-        given["precision"] = precision_mod.check(given["precision"])
-        if given["on_nonfinite"] not in ("error", "skip"):
-            raise ValueError(f"on_nonfinite must be 'error' or 'skip', got {given['on_nonfinite']!r}")
-        devices, device_ids = gpus_given(devices, accelerator)
-        if devices == "auto":
-            devices = auto_devices(strat, accelerator)
-        elif not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
-            raise ValueError(f"devices must be a positive integer, 'auto', -1 (every GPU) or a list of GPU "
-                             f"indices, got {devices!r}")
-        epochs = given["max_epochs"]
-        if epochs is not None and (not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1):
-            raise ValueError(f"max_epochs must be a positive integer (or None), got {epochs!r}")
-        if given["accumulate_grad_batches"] < 1:
-            raise ValueError(f"accumulate_grad_batches must be >= 1, got {given['accumulate_grad_batches']}")
-        for path in ("checkpoint_dir", "tensorboard_dir", "metrics_path"):
-            given[path] = os.fspath(given[path]) if given[path] is not None else None
-        given.update(profiling(given["profiler"], given["profile_steps"], given["profiler_dir"], directory))
-        timeout = _dt.timedelta(seconds=given.pop("timeout_s"))
-        n = given["log_every_n_steps"]
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"log_every_n_steps must be a positive integer, got {n!r}")
-        loggers = run_loggers(given.pop("logger"), given["metrics_path"], given["tensorboard_dir"],
-                              given["checkpoint_dir"])
-        layout = strat.layout(devices)
-        given.update(fault_tolerant(strat, layout, timeout, given.pop("fault_tolerance"), given.pop("sample_ledger"),
-                                    directory))
-        return cls(strategy=strat, devices=devices, layout=layout, accelerator=accelerator,
-                   device_ids=device_ids, timeout=timeout, callbacks=tuple(callbacks), dataloader_kwargs=loaders,
-                   loggers=tuple(loggers), engine="torch" if isinstance(strat, TorchEngine) else "shardwise",
-                   **given)
+        # Checked in this order: the first wrong option is the one named.
+        if max_processes_per_core is not None and max_processes_per_core < 1:
+            raise ValueError(f"max_processes_per_core must be >= 1 (or None for no bound), got "
+                             f"{max_processes_per_core}")
+        check_checkpointing(checkpoint_every, checkpoint_dir, None, None)
+        compile_backend(strat, compile)  # a wrong value, or a schedule that cannot run compiled blocks
+        check_checkpointing(None, checkpoint_dir, checkpoint_async, checkpoint_keep)
+        if memory_check not in ("error", "warn", "off"):
+            raise ValueError(f"memory_check must be 'error', 'warn' or 'off', got {memory_check!r}")
+        checked_precision = precision_mod.check(precision)
+        if on_nonfinite not in ("error", "skip"):
+            raise ValueError(f"on_nonfinite must be 'error' or 'skip', got {on_nonfinite!r}")
+        count, device_ids = device_count(strat, devices, accelerator)
+        check_positive("max_epochs", max_epochs, "a positive integer (or None)")
+        if accumulate_grad_batches < 1:
+            raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}")
+        paths = {k: os.fspath(v) if v is not None else None
+                 for k, v in (("checkpoint_dir", checkpoint_dir), ("tensorboard_dir", tensorboard_dir),
+                              ("metrics_path", metrics_path))}
+        profiled = profiling(profiler, profile_steps, profiler_dir, checkpoint_dir)
+        check_positive("log_every_n_steps", log_every_n_steps, "a positive integer", optional=False)
+        loggers = run_loggers(logger, paths["metrics_path"], paths["tensorboard_dir"], paths["checkpoint_dir"])
+        layout, timeout = strat.layout(count), _dt.timedelta(seconds=timeout_s)
+        replicas = fault_tolerant(strat, layout, timeout, fault_tolerance, sample_ledger, paths["checkpoint_dir"])
+        return cls(strategy=strat, devices=count, layout=layout, accelerator=accelerator,
+                   device_ids=device_ids, accumulate_grad_batches=accumulate_grad_batches,
+                   gradient_clip_val=gradient_clip_val, seed=seed, progress=progress,
+                   metrics_path=paths["metrics_path"], timeout=timeout,
+                   checkpoint_dir=paths["checkpoint_dir"], checkpoint_every=checkpoint_every,
+                   checkpoint_keep=checkpoint_keep, resume=resume, debug=debug, on_nonfinite=on_nonfinite,
+                   memory_check=memory_check, device_memory=device_memory, precision=checked_precision,
+                   activation_checkpointing=activation_checkpointing, tensorboard_dir=paths["tensorboard_dir"],
+                   peak_flops=peak_flops, max_processes_per_core=max_processes_per_core,
+                   sync_batchnorm=sync_batchnorm, callbacks=tuple(checked_callbacks), dataloader_kwargs=loaders,
+                   max_epochs=max_epochs, profiler=profiler, profile_steps=profiled["profile_steps"],
+                   profiler_dir=profiled["profiler_dir"], loggers=tuple(loggers),
+                   log_every_n_steps=log_every_n_steps, checkpoint_async=checkpoint_async, compile=compile,
+                   **replicas)
+
+
+def check_checkpointing(every: int | None, directory: Any, in_background: bool | None, keep: int | None) -> None:
+    """``checkpoint_every``, ``checkpoint_async`` and ``checkpoint_keep`` (each None: not checked here), beside
+    ``checkpoint_dir``."""
+    if every is not None and every < 1:
+        raise ValueError(f"checkpoint_every must be >= 1, got {every}")
+    if every is not None and directory is None:
+        raise ValueError("checkpoint_every was given without checkpoint_dir: say where checkpoints go")
+    if in_background and directory is None:
+        raise ValueError("checkpoint_async=True was given without checkpoint_dir: say where checkpoints go")
+    if keep is not None and keep < 1:
+        raise ValueError(f"checkpoint_keep must be >= 1 (or None to keep all), got {keep}")
+
+
+def check_positive(name: str, value: Any, what: str, optional: bool = True) -> None:
+    """Refuse ``value`` unless it is a positive integer (or None where ``optional``): "``name`` must be ``what``"."""
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+
+
+def device_count(strategy: Strategy, devices: Any, accelerator: str) -> tuple[int, tuple[int, ...] | None]:
+    """``devices`` as a count of devices (``"auto"`` resolved for ``strategy``), and the GPUs a list named."""
+    devices, device_ids = gpus_given(devices, accelerator)
+    if devices == "auto":
+        devices = auto_devices(strategy, accelerator)
+    elif not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        raise ValueError(f"devices must be a positive integer, 'auto', -1 (every GPU) or a list of GPU "
+                         f"indices, got {devices!r}")
+    return devices, device_ids
 
 
 def fault_tolerant(strategy: Strategy, layout: RunLayout, timeout: _dt.timedelta, value: Any, ledger: Any,

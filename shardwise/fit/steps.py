@@ -79,8 +79,6 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
     source = as_source(job.dataset)
     end = len(prev) if job.stop_reason is not None else job.max_steps  # a stopped run stays stopped
     data = source.train_batches(job.batch_size, shards, shard, seed=t.seed, start=len(prev), stop=end)
-    k = t.accumulate_grad_batches
-    rank0 = topo.rank == 0
     losses: list[float] = []  # floats, not tensors: a long run must not accumulate tensor objects
     times: list[float] = []
     state_bytes: dict[str, int] = {}
@@ -92,16 +90,12 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
     scaler = precision_mod.LossScaler() if t.precision == "16-mixed" else None
     bn_buffers = unsynced_batchnorm_buffers(model) if topo.size(DP) > 1 else []
     sched = scheduler(job.lr_scheduler, opt, len(prev)) if job.lr_scheduler is not None else None
-    # One scalar all-reduce per step where a loss is shown (the same decision on every rank: the options).
-    # A parameter server's servers run their own loop and join no per-step collective: workers show their own.
+    # One all-reduce per step where a loss is shown (the options decide: every rank alike); servers join none.
     shows = bool(t.progress or t.loggers) and not isinstance(strat, HasServers)
     sent = dict(topo.stats.by_group)  # bytes sent so far, by group: the step log's comm_bytes are differences
-    if job.restored_groups:  # after the schedule's replay: an lr a callback changed too is the saved run's
-        apply_hyper(opt, job.restored_groups)
-    if scaler is not None and "scaler" in restored:
-        scaler.load_tensor(restored["scaler"])  # the scale and clean-step count the checkpoint's run had
+    restore_run_state(job, opt, scaler, restored)
     with opened_log(job, topo, shapes, len(prev)) as log, \
-            progress_bar(rank0 and want_progress(t.progress), job.max_steps) as advance, \
+            progress_bar(topo.rank == 0 and want_progress(t.progress), job.max_steps) as advance, \
             recording(Scalars()) as logged, prof:
         advance.skip(len(prev))  # type: ignore[attr-defined]
         for step in range(len(prev), end):
@@ -114,55 +108,27 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
             batch = data.batch(step, device)
             # A training_step takes the whole batch: it comes as the target, beside itself as the input.
             x, y = precision_mod.cast_batch(t.precision, (batch, batch) if job.training_step else source.split(batch))
-            micro = list(zip(iter_chunks(x, k), iter_chunks(y, k)))
             run = StepRun(t.precision, scaler.scale if scaler is not None else 1.0)
             prof.mark("data")
-            if step == len(prev):
-                # Once, on the first step: the peak bytes autograd holds for backward
-                # (activations; parameters and the batch excluded), FitResult.stats["activation_bytes"].
-
-                with track_saved_activations(model.parameters(), leaves(x) + leaves(y)) as saved:
-                    loss = strat.train_step(model, micro, loss_fn, topo, run)
-                job.activation_bytes = saved.peak
-            else:
-                loss = strat.train_step(model, micro, loss_fn, topo, run)
+            loss = forward_backward(job, model, (x, y), t.accumulate_grad_batches, loss_fn, topo, run,
+                                    first=step == len(prev))
             prof.compute()
             if job.training_step is not None:  # its dict's other scalars, each its micro-batches' mean: as sw.log's
-                for name, value in job.training_step.take().items():
-                    log_scalar(name, value)
-            # Both checks agree across ranks, so every rank skips the same steps. In "error" mode the loss is
-            # checked after the step instead (raise_if_nonfinite): reading it here would stop the host until
-            # the backward ends, and the GPU would then idle while the optimizer's kernels are launched.
-            skip = (scaler is not None and overflow(scaler, opt, topo)) or \
-                (t.on_nonfinite == "skip" and not finite(loss, topo))
+                log_scalars(job.training_step)
+            skip = skipped(t.on_nonfinite, scaler, opt, loss, topo)
             prof.mark("other")
-            norm = None
-            if not skip:
-                if t.callbacks:  # the gradients a callback reads are the global ones: reduce what is pending
-                    finish_gradients(opt)
-                    job.hook("on_before_optimizer_step", step, topo, optimizer=opt)
-                if t.gradient_clip_val is not None:
-                    norm = float(strat.clip_grad_norm(model, t.gradient_clip_val, topo))  # before clipping
-                opt.step()
-                after_optimizer_step(model)  # e.g. MoE routers' bias update, with the step's global loads
-                if step == job.max_steps - 1:
-                    # Counted at the high point of a step: gradients and optimizer states both live.
-                    state_bytes = count_state(strat, model, opt)
+            norm = None if skip else optimizer_step(job, model, opt, topo, step)
+            if not skip and step == job.max_steps - 1:
+                # Counted at the high point of a step: gradients and optimizer states both live.
+                state_bytes = count_state(strat, model, opt)
             opt.zero_grad(set_to_none=True)
             prof.mark("optimizer")
-            for b in bn_buffers:  # rank 0's running statistics are every replica's, as torch DDP's
-                topo.comm(DP).broadcast(b, src=0, name="batchnorm.buffers")
-            lrs = learning_rates(opt)  # the step's own, before the schedule sets the next step's
-            if sched is not None:
-                step_schedule(sched, 1)
+            lrs = after_update(opt, topo, bn_buffers, sched)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
-            local = float(loss) if loss is not None else None
-            if t.on_nonfinite == "error":
-                raise_if_nonfinite(local, step, topo)
+            local = checked_loss(loss, t.on_nonfinite, step, topo)
             losses.append(0.0 if local is None else local)
-            tokens = batch_tokens(token_ids(x, job.training_step is not None)) * shards
             # The step row's values cost collectives: only a logged step's are reduced (on every rank alike).
             due = logged_step(step, end - 1, t.log_every_n_steps)
             # What the progress line and the step log show: the global loss fit returns, not rank 0's share.
@@ -171,6 +137,7 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
             job.hook("on_step_end", step + 1, topo, loss=local, optimizer=opt)  # before the row: its sw.log joins it
             mine = reducer.reduce(logged) if reducer is not None and due else {}
             if log is not None and due:
+                tokens = batch_tokens(token_ids(x, job.training_step is not None)) * shards
                 log.write(step, shown, times[-1], tokens,
                           {**step_scalars(lrs, norm, t.gradient_clip_val, topo, sent), **mine})
             sent = dict(topo.stats.by_group)
@@ -182,6 +149,82 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
     job.profile = prof.figures
     data.close()
     return losses, times, state_bytes
+
+
+def log_scalars(training_step: TrainingStep) -> None:
+    """A training_step's other scalars of this step (its dict's, each its micro-batches' mean), as ``sw.log``'s."""
+    for name, value in training_step.take().items():
+        log_scalar(name, value)
+
+
+def skipped(on_nonfinite: str, scaler: precision_mod.LossScaler | None, opt: torch.optim.Optimizer,
+            loss: torch.Tensor | None, topo: Topology) -> bool:
+    """Whether every rank skips this step's update: an fp16 overflow, or a non-finite loss with
+    ``on_nonfinite="skip"``. Both checks agree across ranks, so every rank skips the same steps. In "error" mode
+    the loss is checked after the step instead (:func:`checked_loss`): reading it here would stop the host until
+    the backward ends, and the GPU would then idle while the optimizer's kernels are launched."""
+    return (scaler is not None and overflow(scaler, opt, topo)) or \
+        (on_nonfinite == "skip" and not finite(loss, topo))
+
+
+def after_update(opt: torch.optim.Optimizer, topo: Topology, bn_buffers: list[torch.Tensor],
+                 sched: Any) -> dict[int, float]:
+    """After the optimizer's step: rank 0's BatchNorm running statistics are every replica's (as torch DDP's),
+    and the schedule sets the next step's lrs. Returns the lrs this step used."""
+    for b in bn_buffers:
+        topo.comm(DP).broadcast(b, src=0, name="batchnorm.buffers")
+    lrs = learning_rates(opt)  # the step's own, before the schedule sets the next step's
+    if sched is not None:
+        step_schedule(sched, 1)
+    return lrs
+
+
+def checked_loss(loss: torch.Tensor | None, on_nonfinite: str, step: int, topo: Topology) -> float | None:
+    """This rank's loss of the step as a float (None where it owns none); with ``on_nonfinite="error"`` a NaN or
+    inf stops the run (:func:`raise_if_nonfinite`)."""
+    local = float(loss) if loss is not None else None
+    if on_nonfinite == "error":
+        raise_if_nonfinite(local, step, topo)
+    return local
+
+
+def restore_run_state(job: StepHost, opt: torch.optim.Optimizer, scaler: precision_mod.LossScaler | None,
+                      restored: dict[str, torch.Tensor]) -> None:
+    """A resumed run's optimizer groups and fp16 scaler as its checkpoint kept them."""
+    if job.restored_groups:  # after the schedule's replay: an lr a callback changed too is the saved run's
+        apply_hyper(opt, job.restored_groups)
+    if scaler is not None and "scaler" in restored:
+        scaler.load_tensor(restored["scaler"])  # the scale and clean-step count the checkpoint's run had
+
+
+def forward_backward(job: StepHost, model: nn.Module, batch: tuple[Any, Any], k: int, loss_fn: LossFn,
+                     topo: Topology, run: StepRun, first: bool) -> torch.Tensor | None:
+    """The strategy's forward and backward of this rank's ``batch`` in ``k`` micro-batches; returns this rank's
+    loss. On the ``first`` step of the run it also measures the peak bytes autograd holds for backward
+    (activations; the parameters and the batch excluded): ``FitResult.stats["activation_bytes"]``."""
+    strat, (x, y) = job.options.strategy, batch
+    micro = list(zip(iter_chunks(x, k), iter_chunks(y, k)))
+    if not first:
+        return strat.train_step(model, micro, loss_fn, topo, run)
+    with track_saved_activations(model.parameters(), leaves(x) + leaves(y)) as saved:
+        loss = strat.train_step(model, micro, loss_fn, topo, run)
+    job.activation_bytes = saved.peak
+    return loss
+
+
+def optimizer_step(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo: Topology,
+                   step: int) -> float | None:
+    """The callbacks' look at the global gradients (with callbacks), the clip, and the optimizer's step;
+    returns the global gradient norm before clipping (None without ``gradient_clip_val``)."""
+    t, norm = job.options, None
+    if t.callbacks:  # the gradients a callback reads are the global ones: reduce what is pending
+        finish_gradients(opt)
+        job.hook("on_before_optimizer_step", step, topo, optimizer=opt)
+    if t.gradient_clip_val is not None:
+        norm = float(t.strategy.clip_grad_norm(model, t.gradient_clip_val, topo))  # before clipping
+    opt.step()
+    after_optimizer_step(model)  # e.g. MoE routers' bias update, with the step's global loads
+    return norm
 
 
 @contextlib.contextmanager

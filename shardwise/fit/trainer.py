@@ -38,6 +38,7 @@ from shardwise.fit.replicas import fit_replicas
 from shardwise.ft.options import FaultTolerance
 from shardwise.init_from import InitFrom, OwnInit, materialize
 from shardwise.loggers import Logger
+from shardwise.optim.param_groups import ParamGroupsFn
 from shardwise.step import LossFn, OptimizerFactory, StepFn
 from shardwise.strategies.base import OwnDevices, Strategy
 from shardwise.strategies.single import Single
@@ -176,10 +177,17 @@ class Trainer:
                  checkpoint_async: bool = False, compile: bool | str = False,
                  fault_tolerance: bool | FaultTolerance | None = None,
                  sample_ledger: str | os.PathLike[str] | None = None) -> None:
-        given = dict(locals())  # every argument of this signature, defaults included: the options' one source
-        for positional in ("self", "strategy", "devices", "accelerator"):
-            del given[positional]
-        self.options = FitOptions.build(strategy, devices, accelerator, **given)
+        self.options = FitOptions.build(
+            strategy, devices, accelerator, accumulate_grad_batches=accumulate_grad_batches,
+            gradient_clip_val=gradient_clip_val, seed=seed, progress=progress, metrics_path=metrics_path,
+            timeout_s=timeout_s, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
+            debug=debug, on_nonfinite=on_nonfinite, checkpoint_keep=checkpoint_keep, memory_check=memory_check,
+            device_memory=device_memory, precision=precision, activation_checkpointing=activation_checkpointing,
+            tensorboard_dir=tensorboard_dir, peak_flops=peak_flops, max_processes_per_core=max_processes_per_core,
+            sync_batchnorm=sync_batchnorm, callbacks=callbacks, dataloader_kwargs=dataloader_kwargs,
+            max_epochs=max_epochs, logger=logger, log_every_n_steps=log_every_n_steps, profiler=profiler,
+            profile_steps=profile_steps, profiler_dir=profiler_dir, engine=engine, checkpoint_async=checkpoint_async,
+            compile=compile, fault_tolerance=fault_tolerance, sample_ledger=sample_ledger)
         o = self.options
         if o.devices == 1 and not isinstance(o.strategy, (Single, OwnDevices)):
             # Trainer("ddp") alone used to run one process without a word: nothing is split then.
@@ -189,7 +197,8 @@ class Trainer:
 
     def __getattr__(self, name: str) -> Any:
         # trainer.devices, trainer.strategy, trainer.sizes, ...: read-only views of the options.
-        if name == "options" or name not in FitOptions.__dataclass_fields__ and name != "sizes":
+        view = name in FitOptions.__dataclass_fields__ or isinstance(getattr(FitOptions, name, None), property)
+        if name == "options" or not view:
             # "options" not set yet (unpickling, copying): no recursion; a typo names the Trainer, not FitOptions
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(self.options, name)
@@ -264,22 +273,29 @@ class Trainer:
         default ``True``, a meta-device ``model`` is given CPU memory and ends trained, as any other.
         """
         step = check_step(self.options, loss_fn, training_step, optimizer, batch_size, val_dataset)
-        data = DataSource(dataset, loader_options(self.dataloader_kwargs, num_workers=num_workers,
-                                                  collate_fn=collate_fn, pin_memory=pin_memory), parse_inputs(inputs))
+        data = self._source(dataset, inputs, num_workers, collate_fn, pin_memory)
         max_steps = run_steps(max_steps, self.options.max_epochs, dataset, batch_size)
         info, groups = validate(self.options, model, data, batch_size, max_steps, optimizer, loss_fn, lr_scheduler,
                                 param_groups)
-        init = InitFrom.of(init_from, init_allow_missing)
-        if init is not None:
-            init.check(model)  # before any process starts: the weights fit the model, or the names that differ
+        init = InitFrom.checked(init_from, init_allow_missing, model)
         val = check_fit_options(self.options, model, loss_fn, data, batch_size, val_dataset, val_every, val_metrics,
                                 val_batch_size, checkpoint_best, step)
         job = Job(self.options, model, data, loss_fn, optimizer, batch_size, max_steps, info, lr_scheduler, val,
                   groups, step, init, return_state_dict)
+        return self._trained(job, model)
+
+    def _source(self, dataset: Any, inputs: Any, num_workers: int | None,
+                collate_fn: Callable[[list[Any]], Any] | None, pin_memory: bool | None = None) -> DataSource:
+        """``dataset`` as the ranks read it: the Trainer's loader options, those given here winning."""
+        return DataSource(dataset, loader_options(self.dataloader_kwargs, num_workers=num_workers,
+                                                  collate_fn=collate_fn, pin_memory=pin_memory), parse_inputs(inputs))
+
+    def _trained(self, job: Job, model: nn.Module) -> FitResult:
+        """Run ``job``, then load its final weights into ``model``, the one the user passed. One semantics
+        whatever the launch: the run itself trains a copy (strategies shard, wrap and split the model they are
+        given), and the model passed in ends trained (unless ``return_state_dict=False``)."""
         result = self._launch(job)
-        # One semantics whatever the launch: the model passed in ends trained. The run itself trains a copy
-        # (strategies shard, wrap and split the model they are given), then the final weights go back here.
-        if return_state_dict:
+        if job.return_state_dict:
             trained_into(model, result.state_dict)
         return result
 
@@ -373,8 +389,7 @@ class Trainer:
                num_workers: int | None, collate_fn: Callable[[list[Any]], Any] | None) -> Any:
         """One pass of ``kind`` (:class:`shardwise.fit.infer.Inference`), checked here, run on the ranks."""
         checked = check_inference(self.options, kind, batch_size, loss_fn, metrics)
-        data = DataSource(dataset, loader_options(self.dataloader_kwargs, num_workers=num_workers,
-                                                  collate_fn=collate_fn), parse_inputs(inputs))
+        data = self._source(dataset, inputs, num_workers, collate_fn)
         preflight.check_source(data, 1, what="dataset")
         path = resolve_checkpoint(ckpt_path) if ckpt_path is not None else None
         if path is not None:

@@ -45,12 +45,11 @@ from shardwise.comm.diagnostics import CollectiveTimeout
 from shardwise.comm.topology import Topology, accelerator_name, backend_for, pick_device, uses_cuda
 from shardwise.data import to_device
 from shardwise.dims import PP, TP
-from shardwise.init_from import InitFrom, after_setup, before_setup, read_into
+from shardwise.init_from import InitFrom, read_into
 from shardwise.loop.names import translate
 from shardwise.loop.output import LoopLog
 from shardwise.loop.state import Kept
 from shardwise.optim.param_groups import (
-    GroupedFactory,
     ParamGroupsFn,
     apply_hyper,
     check_whole,
@@ -58,13 +57,13 @@ from shardwise.optim.param_groups import (
     plan_groups,
     splits_parameters,
 )
-from shardwise.parallel.compiling import compile_blocks
 from shardwise.parallel.dp.ddp import GradSync
 from shardwise.precision import ScaledOptimizer
+from shardwise.recipe import Recipe, prepare_rank
 from shardwise.step import LossFn, OptimizerFactory, StepRun, iter_chunks, unwrap
 from shardwise.strategies.base import HasServers, Strategy, compile_backend
 from shardwise.strategies.registry import resolve
-from shardwise.strategies.torch_engine.choice import engine_for, synced_batchnorm
+from shardwise.strategies.torch_engine.choice import engine_for
 
 
 # The messages of what a hand-written loop may not do with a model from setup, each with its reason and fix.
@@ -326,19 +325,13 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
     check_whole(probe, strat.name, splits_parameters(layout))
     wait = _dt.timedelta(seconds=timeout_s if timeout_s is not None else _SETTINGS["timeout_s"])
     topo = Topology.create(device, layout.dims, timeout=wait)
-    shapes, aliases = checkpoint.model_shapes(model), checkpoint.tied_aliases(model)
-    if sync_batchnorm:
-        model = synced_batchnorm(model, strat, topo)
-    precision_mod.cast_model(precision, model)  # "bf16-true": the weights themselves in bf16
-    if backend is not None:
-        compile_blocks(model, backend)  # before the strategy's wrappers, names unchanged
-    grouped = GroupedFactory(optimizer_fn, groups)
-    inner, opt = before_setup(weights, model, strat, topo).setup(model, grouped, topo)
-    grouped.finish(strat.param_names(inner))
-    after_setup(weights, inner, topo, model)
+    # A user's process keeps the code it compiled elsewhere (no fresh_compile).
+    recipe = Recipe(precision=precision, sync_batchnorm=sync_batchnorm, compile=backend, init=weights)
+    built = prepare_rank(model, strat, topo, recipe, optimizer_fn, groups)
+    inner, opt, model = built.model, built.optimizer, built.bare
     if weights is not None:
-        read_into(weights, strat, inner, opt, topo, shapes, aliases)
-    prepared = Prepared(inner, strat, topo, precision, shapes, aliases)
+        read_into(weights, strat, inner, opt, topo, built.shapes, built.aliases)
+    prepared = Prepared(inner, strat, topo, precision, built.shapes, built.aliases)
     if precision == "16-mixed":
         world_sum = functools.partial(topo.comm("world").all_reduce, name="loop.overflow")
         opt = prepared.__dict__["scaled"] = ScaledOptimizer(opt, precision_mod.LossScaler(), world_sum)

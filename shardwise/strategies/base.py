@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from torch import nn
 from shardwise.checkpoint.held import Held, held_state, named_state
 from shardwise.comm.topology import Topology
 from shardwise.data import leaves, to_device
-from shardwise.dims import CP, DP, EP, PP, TP
+from shardwise.dims import CP, DP, DP_CP, EP, PP, TP
 from shardwise.layout import RunLayout
 from shardwise.parallel.accounting import model_state_tensors, with_optimizer_states
 from shardwise.parallel.compiling import backend_of
@@ -40,6 +40,8 @@ from shardwise.step import (
     set_aux_grad_scale,
     unwrap,
 )
+
+AnyStrategy = TypeVar("AnyStrategy", bound="Strategy")  # a method that returns its own strategy's class
 
 
 @dataclass
@@ -149,6 +151,23 @@ class Strategy:
         """(number of data shards, this rank's shard): which part of each global batch this rank reads."""
         return topo.size(DP), topo.coord(DP)
 
+
+    # ---- a model built on the meta device (init_from) ----
+    def materialises_meta(self) -> bool:
+        """Whether :meth:`setup` gives a meta-device model memory itself, module by module into this rank's shards
+        (FSDP), so that no rank ever holds the whole model."""
+        return False
+
+    def with_param_init(self: AnyStrategy, init: Callable[[nn.Module], None]) -> AnyStrategy:
+        """This strategy, initialising with ``init`` each module of a meta-device model it materialises (where
+        :meth:`materialises_meta`), unless it was given an initialiser of its own."""
+        return self
+
+    def splits_meta(self, topo: Topology) -> bool:
+        """Whether :meth:`setup` takes a meta-device model as it is and splits it (tensor and pipeline parallelism
+        with no data-parallel wrapper), so that only what this rank keeps gets memory afterwards; otherwise a
+        wrapper needs real tensors, and the whole model gets memory first."""
+        return topo.size(DP_CP) == 1
 
     def compile_refusal(self) -> str | None:
         """Why this strategy's steps cannot run compiled blocks (``compile=True``), or None where they can."""

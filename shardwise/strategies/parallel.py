@@ -126,6 +126,9 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
             raise ValueError(f"offload={self.offload!r} needs zero >= 1 (sharded optimizer states); "
                              "DDP keeps the optimizer on every rank")
 
+    def splits_meta(self, topo: Topology) -> bool:
+        return self.zero != 3 and super().splits_meta(topo)  # FSDP over each chunk wraps real tensors, even dp = 1
+
     def compile_refusal(self) -> str | None:
         if not schedule_facts(self.schedule).split_backward:
             return None

@@ -22,7 +22,7 @@ from shardwise.extras import EXTRAS, MissingExtra, require
 pytestmark = pytest.mark.timeout(60)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-VALID = "valid strategies: single, ddp, dp, ps, zero1, zero2, zero3, fsdp, hsdp, tp, pp, parallel"
+VALID = "valid strategies: single, ddp, dp, ps, zero1, zero2, zero3, fsdp, hsdp, tp, pp, parallel, diloco"
 
 
 def trainer(strategy="ddp", devices=2, **kw):

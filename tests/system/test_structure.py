@@ -68,7 +68,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("mechanisms", ("shardwise.parallel",)),
     ("plans and checkpoints", ("shardwise.plan", "shardwise.checkpoint")),
     ("strategies", ("shardwise.strategies",)),
-    ("processes and weights", ("shardwise.launch", "shardwise.cluster", "shardwise.pool", "shardwise.init_from")),
+    ("processes and weights", ("shardwise.launch", "shardwise.cluster", "shardwise.pool", "shardwise.init_from",
+                                "shardwise.recipe")),
     ("fault tolerance", ("shardwise.ft",)),  # a replica's step is a strategy; the Trainer starts the replicas
     ("the two doors", ("shardwise.fit", "shardwise.loop")),
     ("commands", ("shardwise.cli", "shardwise.__main__", "shardwise.commands", "shardwise.bench", ROOT)),

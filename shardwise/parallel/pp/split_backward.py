@@ -168,28 +168,45 @@ def backward_input(outputs: torch.Tensor | Sequence[torch.Tensor],
     the caller may drop ``outputs``. The returned input gradients can share storage with what W keeps: do not
     change them in place before W. The graph is walked from ``outputs`` down to ``inputs``, not past them.
     """
+    pairs = _output_pairs(outputs, grads)
+    xs = list(_tensors(inputs, 1))
+    wanted = [i for i, x in enumerate(xs) if x is not None and x.requires_grad]
+    ps = list({id(p): p for p in params if p.requires_grad}.values())
+    out_edges = [get_gradient_edge(o) for o, _ in pairs]
+    in_nodes = {get_gradient_edge(xs[i]).node for i in wanted}
+    parents = _parents((e.node for e in out_edges), in_nodes)
+    in_i = _reaching(parents, in_nodes)
+    groups, boundary = _weight_groups(parents, in_i, ps, out_edges, pairs)
+    calls = _calls(groups, _levels(parents, in_i, set(boundary)))
+    dx, kept = _input_pass(pairs, xs, wanted, boundary)
+    return dx, WeightGrad(list(calls.values()), kept)
+
+
+Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # each output with its gradient
+
+
+def _output_pairs(outputs: torch.Tensor | Sequence[torch.Tensor],
+                  grads: torch.Tensor | Sequence[torch.Tensor | None] | None) -> Pairs:
+    """Each output that has a graph, with its gradient (ones for a scalar given none), as a plain backward
+    takes them: an output without a graph contributes nothing."""
     outs = [o for o in _tensors(outputs, 1) if o is not None]
     gs = _tensors(grads, len(outs))
     if len(gs) != len(outs):
         raise ValueError(f"{len(outs)} outputs but {len(gs)} output gradients")
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    pairs: Pairs = []
     for o, g in zip(outs, gs):
         if not o.requires_grad:
-            continue  # as a plain backward: an output without a graph contributes nothing
+            continue
         if g is None:
             if o.numel() != 1:
                 raise RuntimeError("grad can be implicitly created only for scalar outputs")
             g = torch.ones_like(o)
         pairs.append((o, g))
-    xs = list(_tensors(inputs, 1))
-    wanted = [i for i, x in enumerate(xs) if x is not None and x.requires_grad]
-    ps = list({id(p): p for p in params if p.requires_grad}.values())
+    return pairs
 
-    out_edges = [get_gradient_edge(o) for o, _ in pairs]
-    in_nodes = {get_gradient_edge(xs[i]).node for i in wanted}
-    parents = _parents((e.node for e in out_edges), in_nodes)
 
-    # I: nodes with a path to an input (what the input-only pass runs).
+def _reaching(parents: dict[Node, list[Node]], in_nodes: set[Node]) -> set[Node]:
+    """I: the nodes with a path to an input (what the input-only pass runs)."""
     in_i: set[Node] = set()
     todo = deque(n for n in in_nodes if n in parents)
     while todo:
@@ -197,8 +214,13 @@ def backward_input(outputs: torch.Tensor | Sequence[torch.Tensor],
             if u not in in_i:
                 in_i.add(u)
                 todo.append(u)
+    return in_i
 
-    # R: the other nodes with a path to a parameter, and the edges into it, joined into groups.
+
+def _weight_groups(parents: dict[Node, list[Node]], in_i: set[Node], ps: list[torch.Tensor],
+                   out_edges: list[GradientEdge], pairs: Pairs) -> tuple[dict[Node, _Group], list[Node]]:
+    """R: the other nodes with a path to a parameter, and the edges into it, joined into groups (by their
+    root); returns the groups and the boundary nodes (in I, feeding R), in a fixed order."""
     # A parameter's node is the AccumulateGrad leaf the walk found that holds it: asking each parameter for its
     # gradient edge instead (get_gradient_edge) builds a view of it per call, most of this function's time.
     by_id = {id(p): p for p in ps}
@@ -223,16 +245,18 @@ def backward_input(outputs: torch.Tensor | Sequence[torch.Tensor],
         if n in region:
             group(n).params.append(p)
     boundary = list(dict.fromkeys(u for v in region for u in parents[v] if u in in_i))
-    groups_of = {u: group(u) for u in boundary}
-    for u, g in groups_of.items():
+    for u, g in {u: group(u) for u in boundary}.items():
         g.boundary.append(u)
     for e, (_, g) in zip(out_edges, pairs):
         if e.node in region:
             group(e.node).roots.append((e, g))
+    return groups, boundary
 
-    # A node's level: the most boundary nodes on a path from it down to an input. A boundary node that reaches
-    # another through I has a higher level, so the groups whose boundary is on one level share one autograd call
-    # without recomputing anything (q, k and v of an attention); each call walks the graph below its roots.
+
+def _levels(parents: dict[Node, list[Node]], in_i: set[Node], on_boundary: set[Node]) -> dict[Node, int]:
+    """A node's level: the most boundary nodes on a path from it down to an input. A boundary node that reaches
+    another through I has a higher level, so the groups whose boundary is on one level share one autograd call
+    without recomputing anything (q, k and v of an attention); each call walks the graph below its roots."""
     below: dict[Node, list[Node]] = {n: [] for n in in_i}
     for c in in_i:
         for u in parents[c]:
@@ -243,12 +267,17 @@ def backward_input(outputs: torch.Tensor | Sequence[torch.Tensor],
     todo = deque(n for n, k in waiting.items() if k == 0)
     while todo:
         n = todo.popleft()
-        level[n] = (n in groups_of) + max((level[c] for c in below[n]), default=0)
+        level[n] = (n in on_boundary) + max((level[c] for c in below[n]), default=0)
         for u in parents[n]:
             if u in in_i:
                 waiting[u] -= 1
                 if not waiting[u]:
                     todo.append(u)
+    return level
+
+
+def _calls(groups: dict[Node, _Group], level: dict[Node, int]) -> dict[tuple[str, int], _Group]:
+    """The autograd calls of W: the groups whose boundary is on one level joined into one call."""
     calls: dict[tuple[str, int], _Group] = {}
     for i, g in enumerate(x for x in groups.values() if x.params):
         levels = {level[u] for u in g.boundary}
@@ -256,8 +285,13 @@ def backward_input(outputs: torch.Tensor | Sequence[torch.Tensor],
         c.boundary += g.boundary
         c.params += g.params
         c.roots += g.roots
+    return calls
 
-    # B: the input-only pass; each boundary node's pre-hook keeps the gradient that arrives there.
+
+def _input_pass(pairs: Pairs, xs: list[torch.Tensor | None], wanted: list[int],
+                boundary: list[Node]) -> tuple[Grads, dict[Node, Grads]]:
+    """B: the input-only pass; each boundary node's pre-hook keeps the gradient that arrives there. Returns the
+    inputs' gradients and those kept gradients."""
     kept: dict[Node, Grads] = {}
 
     # One closure per node: a pre-hook is told the gradients, not which node it is on.
@@ -281,4 +315,4 @@ def backward_input(outputs: torch.Tensor | Sequence[torch.Tensor],
     if missing:
         names = sorted(n.name() for n in missing)
         raise RuntimeError(f"the input pass did not run {names}: the graph walk and the engine disagree")
-    return tuple(dx), WeightGrad(list(calls.values()), kept)
+    return tuple(dx), kept

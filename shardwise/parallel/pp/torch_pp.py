@@ -1,6 +1,6 @@
 """PyTorch's own pipeline engine, ``torch.distributed.pipelining``, over the stages our pipeline cuts.
 
-``engine="torch"`` (:class:`~shardwise.strategies.torch_engine.wrappers.TorchPP`) trains with it and
+``engine="torch"`` (:class:`~shardwise.strategies.torch_engine.pipeline.TorchPP`) trains with it and
 ``shardwise bench`` races it against ours, so the construction is written once, here:
 
 * :func:`torch_stage`: one ``PipelineStage`` over a stage module (the bench's whole-stage ``nn.Sequential``,

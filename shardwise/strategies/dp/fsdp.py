@@ -41,8 +41,8 @@ The wrapper :class:`~shardwise.parallel.dp.fsdp_module.FSDPModule` and the unit 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, replace
+from typing import ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -56,6 +56,8 @@ from shardwise.parallel.parallelize import DataParallelOptions
 from shardwise.parallel.dp.zero import check_offload
 from shardwise.step import unwrap
 from shardwise.strategies.dp.family import DataParallel
+
+AnyFSDP = TypeVar("AnyFSDP", bound="FSDP")
 
 
 @dataclass
@@ -96,6 +98,12 @@ class FSDP(DataParallel):
     def layout(self, devices: int) -> RunLayout:
         return RunLayout(self.name, dp=devices, zero=3, replicate=self._replicas_of(devices), offload=self.offload,
                          wrap=self.wrap)
+
+    def materialises_meta(self) -> bool:
+        return True
+
+    def with_param_init(self: AnyFSDP, init: Callable[[nn.Module], None]) -> AnyFSDP:
+        return replace(self, param_init_fn=self.param_init_fn or init)
 
     def _replicas_of(self, dp: int) -> int:
         """HSDP replicas over ``dp`` ranks (1: shard over all of dp)."""

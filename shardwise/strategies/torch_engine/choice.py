@@ -1,22 +1,34 @@
 """Which of PyTorch's engines runs a strategy under ``engine="torch"``, or why none does.
 
 :func:`engine_for` turns a strategy object into the one that runs: the strategy itself under
-``engine="shardwise"``; under ``"torch"`` the :mod:`shardwise.strategies.torch_engine.wrappers` class of its row
-(:data:`TORCH`), after :func:`refuse_torch` has refused, before any process starts and naming what runs it
-instead, what torch has no engine for (:data:`NO_TORCH_ENGINE`), runs on CUDA only (:data:`CUDA_ONLY`), or
-cannot run with the strategy's options.
+``engine="shardwise"``; under ``"torch"`` the wrapper class of its row (:data:`WRAPPER_OF`, keyed by strategy
+class; :mod:`shardwise.strategies.torch_engine.wrappers`), after :func:`refuse_torch` has refused, before any
+process starts and naming what runs it instead, what torch has no engine for (:data:`NO_TORCH_ENGINE`), runs on
+CUDA only (:data:`CUDA_ONLY`), or cannot run with the strategy's options.
 """
 from __future__ import annotations
 
-import functools
+from typing import Any
 
 from torch import nn
 
 from shardwise.comm.topology import Topology
-from shardwise.dims import CP, DP, EP, PP, TP
+from shardwise.dims import DP, PP, TP
+from shardwise.layout import ENGINES, SHARDWISE
 from shardwise.parallel.dp.sync_bn import convert_sync_batchnorm
 from shardwise.parallel.dp.torch_dp import torch_sync_batchnorm
+from shardwise.strategies import pp as pp_strategy
+from shardwise.strategies import tp as tp_strategy
 from shardwise.strategies.base import Strategy
+from shardwise.strategies.dp import threaded
+from shardwise.strategies.dp.ddp import DDP
+from shardwise.strategies.dp.fsdp import FSDP, HSDP
+from shardwise.strategies.dp.zero import ZeRO1, ZeRO2
+from shardwise.strategies.naive_mp import NaiveMP
+from shardwise.strategies.parallel import Parallel
+from shardwise.strategies.ps import ParameterServer
+from shardwise.strategies.single import Single
+from shardwise.strategies.torch_engine.pipeline import TorchPP
 from shardwise.strategies.torch_engine.wrappers import (
     COMPRESS_HOOKS,
     TorchCP,
@@ -25,22 +37,19 @@ from shardwise.strategies.torch_engine.wrappers import (
     TorchEngine,
     TorchFSDP,
     TorchHSDP,
-    TorchPP,
     TorchTP,
     TorchZeRO1,
     TorchZeRO2,
 )
 
-ENGINES = ("shardwise", "torch")
-
 # The tables below are keyed by strategy class (the nearest in a class's MRO decides, so a user's subclass of
-# DDP runs as DDP): the strategy names "dp", "tp" and "pp" are also dimension names, written only in dims.py.
+# DDP runs as DDP); a sw.Parallel's row is read from its sizes (_parallel_row).
 # Why torch's engines cannot run a sw.Parallel that no row below takes (a pipeline with sequence parallelism).
 SP_IN_PIPELINE = ("torch's sequence-parallel styles for our plan hold the sequence region from the embedding to the "
                   "head within one module (shardwise.parallel.tp.torch_tp), and a pipeline stage holds only part of it")
 # What PyTorch has no engine for at all.
-NO_TORCH_ENGINE = {"ParameterServer": "a parameter server",
-                   "NaiveMP": "naive model parallelism (layers placed on devices)"}
+NO_TORCH_ENGINE: dict[type[Strategy], str] = {ParameterServer: "a parameter server",
+                                              NaiveMP: "naive model parallelism (layers placed on devices)"}
 # What torch runs on CUDA only, and why not on CPU (torch 2.13; refused on CPU before any process starts).
 CUDA_ONLY = {
     "context parallelism": "torch's context_parallel runs its ring attention through SDPA's flash, efficient and "
@@ -53,50 +62,43 @@ CUDA_ONLY = {
                       "CPU implementation)"}
 
 
-TORCH: dict[str, type[TorchEngine]] = {"DDP": TorchDDP, "ZeRO1": TorchZeRO1, "ZeRO2": TorchZeRO2,
-                                       "ZeRO3": TorchFSDP, "FSDP": TorchFSDP, "HSDP": TorchHSDP, "TP": TorchTP,
-                                       "PP": TorchPP, "CP": TorchCP, "DP": TorchDP}
+# Each whole-model strategy's wrapper; FSDP's presets (ZeRO3, HSDP) find theirs through the MRO.
+WRAPPER_OF: dict[type[Strategy], type[TorchEngine]] = {
+    DDP: TorchDDP, ZeRO2: TorchZeRO2, ZeRO1: TorchZeRO1, HSDP: TorchHSDP, FSDP: TorchFSDP, tp_strategy.TP: TorchTP,
+    pp_strategy.PP: TorchPP, threaded.DP: TorchDP}
+# A row: the wrapper that runs the strategy, or the class that says why none does (a NO_TORCH_ENGINE key, a
+# Parallel no wrapper takes, a user's own class), or None (a class none of the tables knows).
+Row = type[Strategy] | None
 
 
-def _row(strategy: Strategy) -> str | None:
-    """The name of the nearest class of ``strategy`` that the tables here know (None: none, a user's own)."""
-    known = {*TORCH, *NO_TORCH_ENGINE, "Parallel"}  # a Parallel's row is read from its sizes below
-    row = next((c.__name__ for c in type(strategy).__mro__ if c.__name__ in known), None)
-    if row == "Parallel" and getattr(strategy, CP) > 1:  # what else it splits, refuse_torch says
-        return "CP"
-    if row == "Parallel" and _tp_then_fsdp(strategy):
-        return "TP"
-    if row == "Parallel" and _pp_composed(strategy):
-        return "PP"
-    return _data_parallel_row(strategy) if row == "Parallel" and _dp_alone(strategy) else row
+def _row(strategy: Strategy) -> Row:
+    """The wrapper of ``strategy``'s nearest known class (a ``sw.Parallel``'s from its sizes), or the class that
+    torch's engines refuse (None: a class no table knows)."""
+    for cls in type(strategy).__mro__:
+        if cls in WRAPPER_OF:
+            return WRAPPER_OF[cls]
+        if cls in NO_TORCH_ENGINE:
+            return cls
+        if cls is Parallel and isinstance(strategy, Parallel):
+            return _parallel_row(strategy)
+    return None
 
 
-def _dp_alone(strategy: Strategy) -> bool:
-    """Whether a ``sw.Parallel`` splits by dp alone (its form over dp is one of the whole-model strategies)."""
-    field = functools.partial(getattr, strategy)
-    return field(PP) == field(TP) == field(CP) == 1 and not field("sequence_parallel")
-
-
-def _data_parallel_row(strategy: Strategy) -> str:
-    """The whole-model strategy a ``sw.Parallel`` split by dp alone is: its ``zero`` stage (HSDP with replicas)."""
-    zero, replicate = getattr(strategy, "zero"), getattr(strategy, "replicate")
-    return {0: "DDP", 1: "ZeRO1", 2: "ZeRO2"}.get(zero, "HSDP" if replicate > 1 else "FSDP")
-
-
-def _tp_then_fsdp(strategy: Strategy) -> bool:
-    """Whether a ``sw.Parallel`` is what :class:`TorchTP` runs: tp (or sequence parallelism on a tp mesh of one),
-    no pipeline, then FSDP2 over dp (or nothing); TorchTP.check_model refuses dp > 1 with zero 0 or 1."""
-    field = functools.partial(getattr, strategy)
-    return bool(field(TP) > 1 or field("sequence_parallel")) and field(PP) == 1
-
-
-def _pp_composed(strategy: Strategy) -> bool:
-    """Whether a ``sw.Parallel`` is what :class:`TorchPP` runs: a pipeline, then tp on each stage, then over dp
-    torch's DDP (``zero=0``, ``ZeroRedundancyOptimizer`` under it with ``zero=1``) or FSDP2 (``zero=2`` or 3,
-    HSDP with replicas), with no sequence parallelism (dp > 1 over tp > 1 with zero 0 or 1 is refused by
-    TorchPP.check_model, knowing the devices)."""
-    field = functools.partial(getattr, strategy)
-    return field(PP) > 1 and not field("sequence_parallel")
+def _parallel_row(strategy: Parallel) -> Row:
+    """The wrapper that runs a ``sw.Parallel`` by its sizes, or :class:`Parallel` itself where none does (what
+    else it splits, :func:`refuse_torch` says)."""
+    if strategy.cp > 1:
+        return TorchCP
+    if (strategy.tp > 1 or strategy.sequence_parallel) and strategy.pp == 1:
+        return TorchTP  # tp, then FSDP2 over dp (or nothing); TorchTP.check_model refuses dp > 1 with zero 0 or 1
+    if strategy.pp > 1 and not strategy.sequence_parallel:
+        # A pipeline, tp on each stage, then torch's DDP (ZeroRedundancyOptimizer with zero=1) or FSDP2 over dp;
+        # dp > 1 over tp > 1 with zero 0 or 1 is refused by TorchPP.check_model, knowing the devices.
+        return TorchPP
+    if strategy.pp == strategy.tp == 1 and not strategy.sequence_parallel:  # split by dp alone: its zero's row
+        return {0: TorchDDP, 1: TorchZeRO1, 2: TorchZeRO2}.get(strategy.zero,
+                                                               TorchHSDP if strategy.replicate > 1 else TorchFSDP)
+    return Parallel
 
 
 def engine_for(strategy: Strategy, engine: str | None, *, sync_batchnorm: bool = False,
@@ -110,81 +112,83 @@ def engine_for(strategy: Strategy, engine: str | None, *, sync_batchnorm: bool =
     if engine is not None and strategy.engine is not None and engine != strategy.engine:
         raise ValueError(f"Trainer(engine={engine!r}) conflicts with the strategy's own engine={strategy.engine!r} "
                          f"({type(strategy).__name__}(engine={strategy.engine!r})); give one of them")
-    if (strategy.engine or engine or "shardwise") == "shardwise" or strategy.name == "single":
+    if (strategy.engine or engine or SHARDWISE) == SHARDWISE or strategy.name == Single.name:
         return strategy
-    refuse_torch(strategy, sync_batchnorm=sync_batchnorm, cuda=cuda)
-    return TORCH[_row(strategy)](of=strategy)  # type: ignore[index]  # refuse_torch let only these through
+    return _wrapper(strategy, sync_batchnorm=sync_batchnorm, cuda=cuda)(of=strategy)
 
 
 def refuse_torch(strategy: Strategy, *, sync_batchnorm: bool, cuda: bool = False) -> None:
     """Raise, naming what to use instead, when engine="torch" cannot run ``strategy`` with these options (on CUDA
     or not)."""
+    _wrapper(strategy, sync_batchnorm=sync_batchnorm, cuda=cuda)
+
+
+def _wrapper(strategy: Strategy, *, sync_batchnorm: bool, cuda: bool) -> type[TorchEngine[Any]]:
+    """The wrapper that runs ``strategy`` under engine="torch"; raises (see :func:`refuse_torch`) where none does."""
     name, row = strategy.name, _row(strategy)
-    if getattr(strategy, EP, 1) > 1:  # sw.Parallel's ep= and cp= fields, named as the dimensions
+    if isinstance(strategy, Parallel) and strategy.ep > 1:
         raise ValueError("engine='torch' has no engine for expert parallelism (ep > 1): PyTorch has none; "
                          "engine='shardwise' runs it")
     what = None if cuda else next(iter(_cuda_only(row, sync_batchnorm)), None)
     if what is not None:
         raise ValueError(f"engine='torch' runs {what} on CUDA only: {CUDA_ONLY[what]}; engine='shardwise' runs it "
                          "on CPU")
-    if row == "CP":
+    if row is TorchCP and isinstance(strategy, Parallel):
         refuse_torch_cp(strategy)
     if row in NO_TORCH_ENGINE:
         raise ValueError(f"engine='torch' has no engine for strategy {name!r}: PyTorch has none for "
                          f"{NO_TORCH_ENGINE[row]}; engine='shardwise' runs it")
-    if row == "Parallel":  # what no row takes: a pipeline with sequence parallelism
+    if row is Parallel:  # what no row takes: a pipeline with sequence parallelism
         raise ValueError(f"engine='torch' cannot run strategy {name!r} with pp > 1 and sequence_parallel=True: "
                          f"{SP_IN_PIPELINE}; engine='shardwise' runs it")
-    if row not in TORCH:
+    if row is None or not issubclass(row, TorchEngine):
         raise ValueError(f"engine='torch' has no engine for strategy {name!r} (not a built-in strategy); "
                          "engine='shardwise' runs it")
-    if sync_batchnorm and not issubclass(TORCH[row], TorchDDP):  # torch's SyncBatchNorm is for its DDP
+    if sync_batchnorm and not issubclass(row, TorchDDP):  # torch's SyncBatchNorm is for its DDP
         raise ValueError(f"engine='torch' does not support sync_batchnorm outside torch's DDP ('ddp', 'zero1') yet "
                          f"(strategy {name!r}); engine='shardwise' does")
     why = _option_refusal(strategy, row)
     if why is not None:
         raise ValueError(f"engine='torch' cannot run strategy {name!r} with {why}; engine='shardwise' runs it")
+    return row
 
 
-def _cuda_only(row: str | None, sync_batchnorm: bool) -> list[str]:
+def _cuda_only(row: Row, sync_batchnorm: bool) -> list[str]:
     """What of this run torch runs on CUDA only (keys of :data:`CUDA_ONLY`)."""
-    asks = {"context parallelism": row == "CP", "strategy 'dp'": row == "DP", "sync_batchnorm": sync_batchnorm}
+    asks = {"context parallelism": row is TorchCP, "strategy 'dp'": row is TorchDP, "sync_batchnorm": sync_batchnorm}
     return [what for what, asked in asks.items() if asked]
 
 
-def refuse_torch_cp(strategy: Strategy) -> None:
+def refuse_torch_cp(strategy: Parallel) -> None:
     """Refuse what :class:`TorchCP` does not run of a ``sw.Parallel`` with cp > 1: torch's ring only, split by
     nothing but dp, gradients through DDP or FSDP2 without replicas."""
-    field = functools.partial(getattr, strategy)
-    if field("cp_mode") != "ring":
-        raise ValueError(f"engine='torch' has no engine for cp_mode={field('cp_mode')!r}: torch's context_parallel "
+    if strategy.cp_mode != "ring":
+        raise ValueError(f"engine='torch' has no engine for cp_mode={strategy.cp_mode!r}: torch's context_parallel "
                          "is ring attention only; use cp_mode='ring', or engine='shardwise'")
-    others = {TP: field(TP), PP: field(PP), "replicate": field("replicate")}
+    others = {TP: strategy.tp, PP: strategy.pp, "replicate": strategy.replicate}
     split = {k: v for k, v in others.items() if v != 1}
-    if split or field("sequence_parallel") or field("zero") not in (0, 3):
-        given = ", ".join(f"{k}={v}" for k, v in {**split, "zero": field("zero")}.items())
+    if split or strategy.sequence_parallel or strategy.zero not in (0, 3):
+        given = ", ".join(f"{k}={v}" for k, v in {**split, "zero": strategy.zero}.items())
         raise ValueError(f"engine='torch' runs context parallelism only with dp yet (sw.Parallel(cp=N, dp=M) with "
                          f"zero=0: torch's DDP over dp x cp, or zero=3: FSDP2 over dp x cp), got {given}"
-                         f"{', sequence_parallel=True' if field('sequence_parallel') else ''}; engine='shardwise' "
+                         f"{', sequence_parallel=True' if strategy.sequence_parallel else ''}; engine='shardwise' "
                          "runs it")
 
 
-
-
-def _option_refusal(strategy: Strategy, row: str | None) -> str | None:
-    """Why torch's engine for ``row`` cannot run an option of ``strategy`` (None: it runs them all): the end of
-    the sentence "engine='torch' cannot run strategy X with ..."."""
+def _option_refusal(strategy: Strategy, row: type[TorchEngine[Any]]) -> str | None:
+    """Why torch's engine ``row`` cannot run an option of ``strategy`` (None: it runs them all): the end of the
+    sentence "engine='torch' cannot run strategy X with ..."."""
+    # The options some strategies have (ZeRO's and FSDP's offload, DDP's all-reduce), read where they exist.
     offload, allreduce = getattr(strategy, "offload", "none"), getattr(strategy, "allreduce", "native")
-    reduce_dtype = getattr(strategy, "reduce_dtype", None)
+    reduce_dtype, offload_device = getattr(strategy, "reduce_dtype", None), getattr(strategy, "offload_device", "cpu")
     if offload == "optimizer":
         return ("offload='optimizer': torch's one offload is FSDP2's CPUOffloadPolicy, which keeps the parameter "
                 "shards on the CPU too and copies them over at each gather (our offload='all'); no torch engine "
                 "keeps a shard on the device and offloads only the optimizer")
-    if offload == "all" and row not in ("FSDP", "ZeRO3", "HSDP"):  # sw.Parallel(zero=3) runs as tp, then FSDP2
+    if offload == "all" and row not in (TorchFSDP, TorchHSDP):  # sw.Parallel(zero=3) runs as tp, then FSDP2
         return "offload='all' after tp: FSDP2's CPUOffloadPolicy is run here for fsdp, zero3 and hsdp alone"
-    if offload != "none" and getattr(strategy, "offload_device", "cpu") != "cpu":
-        return (f"offload_device={strategy.offload_device!r}: FSDP2's CPUOffloadPolicy "  # type: ignore[attr-defined]
-                "offloads to the CPU only")
+    if offload != "none" and offload_device != "cpu":
+        return f"offload_device={offload_device!r}: FSDP2's CPUOffloadPolicy offloads to the CPU only"
     if allreduce != "native":
         return (f"allreduce={allreduce!r}: torch's DDP all-reduces each bucket with the process group's own "
                 "all-reduce (gloo's or NCCL's algorithm), so our algorithms have no place in it; use "
@@ -206,5 +210,5 @@ def synced_batchnorm(model: nn.Module, strategy: Strategy, topo: Topology) -> nn
     return model
 
 
-__all__ = ["CUDA_ONLY", "ENGINES", "NO_TORCH_ENGINE", "TORCH", "engine_for", "refuse_torch",
+__all__ = ["CUDA_ONLY", "ENGINES", "NO_TORCH_ENGINE", "WRAPPER_OF", "engine_for", "refuse_torch",
            "refuse_torch_cp", "synced_batchnorm"]

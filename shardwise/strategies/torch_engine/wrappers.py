@@ -22,7 +22,8 @@
                       ``Schedule1F1B``, interleaved ``ScheduleInterleaved1F1B``, zb-h1
                       ``ScheduleInterleavedZeroBubble`` given one stage per rank (the paper's ZB1P,
                       there ZB-H1), zbv ``ScheduleZBVZeroBubble``, dualpipev ``ScheduleDualPipeV``
-                      (the V's: the same actions, ours run a few more backwards whole) (:class:`TorchPP`)
+                      (the V's: the same actions, ours run a few more backwards whole)
+                      (:class:`~shardwise.strategies.torch_engine.pipeline.TorchPP`)
 ``Parallel(pp, ..)``  torchtitan's order on each rank's stage chunks: the pipeline's split, tp
                       (``parallelize_module`` on the stage's modules), then over dp FSDP2 (``zero=3``,
                       ``zero=2`` unresharded, HSDP with ``replicate``) or torch's DDP (``zero=0``,
@@ -54,27 +55,31 @@ dropped by :func:`~shardwise.step.unwrap`; FSDP2's DTensor shards become flat ru
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
+from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.checkpoint.held import Held, named_state
 from shardwise.comm.topology import Topology
-from shardwise.dims import DP, DP_CP, DP_SHARD, PP, TP
-from shardwise.layout import RunLayout
-from shardwise.parallel.accounting import with_optimizer_states
-from shardwise.parallel.dp.threaded import DataParallelModule
-from shardwise.parallel.dp.fsdp_units import unit_modules
+from shardwise.dims import DP, DP_CP, DP_SHARD, TP
+from shardwise.layout import TORCH, RunLayout
 from shardwise.optim.param_groups import GroupedFactory
-from shardwise.parallel.cp.torch_cp import TorchContextParallel, cp_mesh, dp_shard_cp_mesh
+from shardwise.parallel.accounting import with_optimizer_states
+from shardwise.parallel.cp.torch_cp import (
+    TorchContextParallel,
+    cp_mesh,
+    dp_shard_cp_mesh,
+)
+from shardwise.parallel.dp.fsdp_units import unit_modules
+from shardwise.parallel.dp.threaded import DataParallelModule
 from shardwise.parallel.dp.torch_dp import (
     composed_mesh,
     dp_mesh,
@@ -83,16 +88,14 @@ from shardwise.parallel.dp.torch_dp import (
     torch_ddp,
     zero_redundancy,
 )
+from shardwise.parallel.clip import clip_global_norm
+from shardwise.parallel.dp.torch_meta import init_meta
 from shardwise.parallel.dtensor import (
     dim0_run,
     full,
     local,
 )
-from shardwise.parallel.pp.build import PipelineModel, build_pipeline, exchange_stages
-from shardwise.parallel.pp.schedules import schedule_facts, shape_of
-from shardwise.parallel.clip import clip_global_norm
-from shardwise.parallel.dp.torch_meta import init_meta
-from shardwise.parallel.pp.torch_pp import TorchPipeline, ddp_chunks, fsdp_chunks, torch_schedule_refusal
+from shardwise.parallel.tp.plans import Plan, resolve_plan
 from shardwise.parallel.tp.torch_tp import (
     apply_torch_tp,
     clip_grad_norm_,
@@ -101,26 +104,33 @@ from shardwise.parallel.tp.torch_tp import (
     tp_mesh,
     tp_slice,
 )
-from shardwise.parallel.tp.plans import Plan, resolve_plan
 from shardwise.step import LossFn, OptimizerFactory, StepRun, unwrap
-from shardwise.strategies.base import SplitsModel, Strategy
+from shardwise.strategies import tp as tp_strategy
+from shardwise.strategies.base import Strategy
+from shardwise.strategies.dp import threaded as threaded_strategy
 from shardwise.strategies.dp.family import on_meta
-from shardwise.strategies.parallel import unsplit_named
+from shardwise.strategies.parallel import Parallel
 from shardwise.torch_private import forget_dtensor_plans
 
+# The strategy a wrapper runs: each wrapper says which classes it takes, so that it reads their fields typed.
+S = TypeVar("S", bound=Strategy)
+
+
 @dataclass
-class TorchEngine(Strategy):
+class TorchEngine(Strategy, Generic[S]):
     """A shardwise strategy (``of``: its layout, its options) run by a PyTorch engine."""
 
-    of: Strategy
+    of: S
     comm_counted: ClassVar[bool] = False  # torch's DDP, FSDP2, DTensor and pipelining send outside our Comm
     inits_meta: ClassVar[bool] = False  # whether setup gives a meta-device model memory (torch_meta.init_meta)
 
     def __post_init__(self) -> None:
-        self.name = self.of.name  # type: ignore[misc]  # checkpoints, messages and the planner see the same name
+        # Checkpoints, messages and the planner see the same name: the wrapped strategy's, on this instance (the
+        # class's own is the base's).
+        object.__setattr__(self, "name", self.of.name)
 
     def layout(self, devices: int) -> RunLayout:
-        return replace(self.of.layout(devices), engine="torch")  # the planner lays out torch's partitions
+        return replace(self.of.layout(devices), engine=TORCH)  # the one place a run's engine is written
 
     def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int,
                     backend: str = "gloo") -> None:
@@ -144,7 +154,7 @@ class TorchEngine(Strategy):
         """The layout-free checkpoint's keys for torch's engines: the model's own names (the one key mapping).
         A parameter's optimizer states are where this rank's optimizer keeps them: all of them (DDP), its
         shard's (FSDP2), or only those of the parameters its ``ZeroRedundancyOptimizer`` partition owns."""
-        return _held_named(named_state(unwrap(model)), optimizer)
+        return held_named(named_state(unwrap(model)), optimizer)
 
     def partitioned(self, model: nn.Module, optimizer_fn: OptimizerFactory, base: torch.optim.Optimizer,
                     topo: Topology) -> torch.optim.Optimizer:
@@ -156,7 +166,7 @@ class TorchEngine(Strategy):
         return zero_redundancy(base, topo)
 
 
-def _held_named(named: Iterable[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer) -> list[Held]:
+def held_named(named: Iterable[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer) -> list[Held]:
     """:class:`Held` entries of ``named`` tensors (the unsplit model's names) and their optimizer states."""
     out: list[Held] = []
     for name, t in named:
@@ -175,7 +185,7 @@ def _held(key: str, t: torch.Tensor) -> Held:
 
 
 @dataclass
-class TorchDDP(TorchEngine):
+class TorchDDP(TorchEngine[S]):
     """``strategy="ddp"`` under torch's ``DistributedDataParallel`` (DDP's ``bucket_cap_mb`` and
     ``find_unused_parameters`` carry over; ``reduce_dtype`` float16 or bfloat16 becomes torch's compress hook
     of that dtype). A meta-device model gets whole memory first, initialised module by module."""
@@ -204,11 +214,11 @@ class TorchDDP(TorchEngine):
         return ddp, optimizer_fn(model.parameters())
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
-        return model.no_sync()  # type: ignore[operator,no-any-return]
+        return _torch_ddp(model).no_sync()
 
 
 @dataclass
-class TorchZeRO1(TorchDDP):
+class TorchZeRO1(TorchDDP[S]):
     """``strategy="zero1"`` under torch's DDP with ``ZeroRedundancyOptimizer``: full gradients all-reduced by
     DDP, each rank steps the parameters its partition owns (whole tensors, greedily balanced by size) and
     broadcasts them."""
@@ -220,7 +230,7 @@ class TorchZeRO1(TorchDDP):
 
 
 @dataclass
-class TorchDTensors(TorchEngine):
+class TorchDTensors(TorchEngine[S]):
     """An engine that keeps the model's parameters, some or all of them as DTensors (FSDP2, tp)."""
 
     def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
@@ -234,8 +244,11 @@ class TorchDTensors(TorchEngine):
         return out
 
 
+AnyTorchFSDP = TypeVar("AnyTorchFSDP", bound="TorchFSDP[Any]")
+
+
 @dataclass
-class TorchFSDP(TorchDTensors):
+class TorchFSDP(TorchDTensors[S]):
     """``strategy="fsdp"``/``"zero3"`` under FSDP2: ``fully_shard`` on the units our FSDP picks (its ``wrap``),
     then the root; ``reshard_after_forward`` carries over, and ``offload="all"`` is FSDP2's ``CPUOffloadPolicy``.
     Parameters stay the model's, as DTensors. A meta-device model is sharded on meta, then only the shards get
@@ -278,12 +291,18 @@ class TorchFSDP(TorchDTensors):
         return {"params": [], "grads": [], "optimizer": [], "host_params": out["params"],
                 "host_grads": out["grads"], "host_optimizer": out["optimizer"]}
 
+    def materialises_meta(self) -> bool:
+        return self.of.materialises_meta()  # FSDP2 for our FSDP's presets: sharded on meta first
+
+    def with_param_init(self: AnyTorchFSDP, init: Callable[[nn.Module], None]) -> AnyTorchFSDP:
+        return replace(self, of=self.of.with_param_init(init))
+
     def mesh(self, topo: Topology) -> DeviceMesh:
         """The mesh FSDP2 shards over: the data-parallel ranks."""
         return dp_mesh(topo)
 
     def reshard_after_forward(self) -> bool:
-        return bool(self.of.reshard_after_forward)  # type: ignore[attr-defined]
+        return bool(getattr(self.of, "reshard_after_forward", True))
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         return _no_gradient_sync(model)
@@ -300,7 +319,7 @@ class TorchFSDP(TorchDTensors):
 
 
 @dataclass
-class TorchZeRO2(TorchFSDP):
+class TorchZeRO2(TorchFSDP[S]):
     """``strategy="zero2"`` under FSDP2 with ``reshard_after_forward=False`` (torch's answer to ZeRO-2, FSDP1's
     SHARD_GRAD_OP): gradients and optimizer states sharded, parameters gathered from a unit's forward to its
     backward; unlike our ZeRO-2 they are sharded between steps too. Units as our FSDP's default ``wrap``."""
@@ -310,7 +329,7 @@ class TorchZeRO2(TorchFSDP):
 
 
 @dataclass
-class TorchHSDP(TorchFSDP):
+class TorchHSDP(TorchFSDP[S]):
     """``strategy="hsdp"`` under FSDP2 on the 2-D (replicate, shard) mesh of the run's replicas of shards:
     each parameter a DTensor replicated over the first dimension and sharded on dim 0 over the second."""
 
@@ -321,7 +340,7 @@ class TorchHSDP(TorchFSDP):
 
 
 @dataclass
-class TorchTP(TorchDTensors):
+class TorchTP(TorchDTensors[tp_strategy.TP | Parallel]):
     """``strategy="tp"`` (and ``sw.Parallel`` split by tp, ``sequence_parallel`` included) under DTensor's
     ``parallelize_module``, with torch's styles for our plan (:mod:`shardwise.parallel.tp.torch_tp`); with
     ``Parallel(dp=N, zero=3)``, then FSDP2 ``fully_shard`` on our units over dp (torchtitan's order)."""
@@ -330,9 +349,10 @@ class TorchTP(TorchDTensors):
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
         self.check_setup(model)
         model = model.to(topo.device)
-        _split_tp(model, None, self.of.tensor_parallel_plan(), topo, self.sequence_parallel())  # type: ignore[attr-defined]
-        if topo.size(DP) > 1:  # torchtitan's order: tp first, then FSDP2 over dp on the same root mesh
-            of: Any = self.of
+        split_tp(model, None, self.of.tensor_parallel_plan(), topo, self.sequence_parallel())
+        of = self.of
+        if topo.size(DP) > 1 and isinstance(of, Parallel):  # (a TP strategy's dp is 1)
+            # torchtitan's order: tp first, then FSDP2 over dp on the same root mesh.
             units = unit_modules(model, of.wrap)
             # zero=2: FSDP2 without resharding after the forward, as TorchZeRO2.
             fully_shard_units(units, composed_mesh(topo, of.replicate), of.reshard_after_forward and of.zero == 3)
@@ -340,10 +360,10 @@ class TorchTP(TorchDTensors):
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         # FSDP2 over dp: its own switch; tp alone reduces no gradients over ranks.
-        return _no_gradient_sync(model) if hasattr(model, "set_requires_gradient_sync") else contextlib.nullcontext()
+        return _no_gradient_sync(model) if isinstance(model, FSDPModule) else contextlib.nullcontext()
 
     def plan(self, model: nn.Module) -> Plan:
-        return resolve_plan(self.of.tensor_parallel_plan(), model)  # type: ignore[attr-defined]
+        return resolve_plan(self.of.tensor_parallel_plan(), model)
 
     def sequence_parallel(self) -> bool:
         return bool(getattr(self.of, "sequence_parallel", False))
@@ -351,14 +371,14 @@ class TorchTP(TorchDTensors):
     def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int,
                     backend: str = "gloo") -> None:
         super().check_model(model, devices, batch_size, accumulate_grad_batches, backend)
-        _refuse_ddp_over_tp(self.name, self.layout(devices), getattr(self.of, "zero", 0))
-        _refuse_plan(self.name, self.plan(model), model, self.sequence_parallel())
+        refuse_ddp_over_tp(self.name, self.layout(devices), getattr(self.of, "zero", 0))
+        refuse_plan(self.name, self.plan(model), model, self.sequence_parallel())
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
         return clip_grad_norm_(list(model.parameters()), max_norm)
 
 
-def _refuse_ddp_over_tp(name: str, layout: RunLayout, zero: int, runs: str = "zero=2 or 3") -> None:
+def refuse_ddp_over_tp(name: str, layout: RunLayout, zero: int, runs: str = "zero=2 or 3") -> None:
     """Refuse dp > 1 over tp > 1 with torch's DDP (zero=0) or ZeroRedundancyOptimizer under it (zero=1), naming
     the ``zero`` that ``runs``; Parallel's dp=-1 can leave ranks over for dp, which only the devices tell."""
     if layout.dp > 1 and layout.tp > 1 and zero in (0, 1):
@@ -369,123 +389,14 @@ def _refuse_ddp_over_tp(name: str, layout: RunLayout, zero: int, runs: str = "ze
                          "their tp layout from the checkpoint and the clip; engine='shardwise' runs it")
 
 
-def _refuse_plan(name: str, plan: Plan, model: nn.Module, sequence_parallel: bool) -> None:
+def refuse_plan(name: str, plan: Plan, model: nn.Module, sequence_parallel: bool) -> None:
     why = torch_plan_refusal(plan, sequence_parallel)
     if why is not None:
         raise ValueError(f"engine='torch' cannot run strategy {name!r} on {type(model).__name__}: {why}; "
                          "engine='shardwise' runs it")
 
 
-@dataclass
-class TorchPP(TorchDTensors, SplitsModel):
-    """``strategy="pp"`` and ``sw.Parallel(pp=N, ...)`` under ``torch.distributed.pipelining``
-    (:mod:`shardwise.parallel.pp.torch_pp`): our pipeline's split (:func:`~shardwise.parallel.pp.build.build_pipeline`:
-    the same stages, names and tied copies), each chunk a torch ``PipelineStage`` run by torch's schedule for
-    ours. torchtitan's order within a stage: tp (``parallelize_module`` on the stage's modules), then over dp
-    torch's DDP (``zero=0``; ``zero=1``: ``ZeroRedundancyOptimizer`` over each stage's dp ranks) or FSDP2
-    (``zero=3``; ``zero=2`` without resharding after the forward). What reads the split model (parameter groups, evaluation's
-    forward) is our PP's, on the same model; the full state, the checkpoint's keys and clipping by the global
-    norm read its DTensors."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.pipe: TorchPipeline | None = None  # built in the rank, by setup
-
-    @property
-    def split_points(self) -> list[str] | None:  # type: ignore[override]
-        return self.of.split_points  # type: ignore[attr-defined,no-any-return]
-
-    def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int,
-                    backend: str = "gloo") -> None:
-        super().check_model(model, devices, batch_size, accumulate_grad_batches, backend)
-        of: Any = self.of
-        if self.layout(devices).tp > 1:
-            _refuse_ddp_over_tp(self.name, self.layout(devices), of.zero)
-            _refuse_plan(self.name, resolve_plan(of.tensor_parallel_plan(), model), model, False)
-        self._check_torch_schedule(devices, batch_size, accumulate_grad_batches)
-
-    def _check_torch_schedule(self, devices: int, batch_size: int, accumulate_grad_batches: int) -> None:
-        """torch's schedule's own rules on the micro-batch count, where they are stricter than ours."""
-        of: Any = self.of
-        p = self.layout(devices).pp
-        m = of.effective_microbatches(batch_size // of.batch_shards(devices), p, accumulate_grad_batches)
-        why = torch_schedule_refusal(of.schedule, p, m)
-        if why is not None:
-            raise ValueError(f"engine='torch' cannot run strategy {self.name!r} with schedule={of.schedule!r}: "
-                             f"{why}; engine='shardwise' runs it")
-
-    def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
-              topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
-        self.check_setup(model)
-        of: Any = self.of
-        split_tp = functools.partial(_split_tp, plan=of.tensor_parallel_plan(), topo=topo)
-        pm = build_pipeline(model.to(topo.device), topo, of.split_points, of.n_chunks(), of.tied,
-                            split_tp if topo.size(TP) > 1 else None, shape=shape_of(of.schedule))
-        self.pipe = TorchPipeline(pm, topo, of.schedule, self.stage_data(topo),
-                                  topo.group(DP) if self.averages_after(topo) else None)
-        base = optimizer_fn(pm.parameters())
-        if of.zero != 1 or topo.size(DP) == 1:
-            return pm, base
-        return pm, self.partitioned(pm, optimizer_fn, base, topo)  # each stage's parameters over its dp ranks
-
-    def averages_after(self, topo: Topology) -> bool:
-        """Whether the gradients are averaged over dp after the schedule rather than by torch's DDP: a zero-bubble
-        schedule's weight backwards come after the last micro-batch's input backward, where torch's stage
-        starts DDP's reduction, whose buckets they would miss (FSDP2, ``zero=3``, reduces after all of them)."""
-        of: Any = self.of
-        return topo.size(DP) > 1 and of.zero <= 1 and schedule_facts(of.schedule).split_backward
-
-    def stage_data(self, topo: Topology) -> Callable[[PipelineModel], list[nn.Module]] | None:
-        """How :class:`TorchPipeline` puts the chunks under dp: FSDP2 (``zero`` 2 or 3, on the mesh of
-        :class:`TorchTP`'s, HSDP's with replicas), torch's DDP (``zero`` 0 or 1), or nothing (dp = 1, or averaged
-        after the schedule)."""
-        of: Any = self.of
-        if topo.size(DP) == 1 or self.averages_after(topo):
-            return None
-        if of.zero >= 2:  # zero=2: FSDP2 without resharding after the forward, as TorchZeRO2
-            # A split backward's weight half needs the unsharded parameters its input half saw: resharded after
-            # the forward, zbv's gradients came out wrong (2 steps of our GPT: the second loss 3e-3 off one
-            # device's). torchtitan's default keeps them unsharded under any pipeline (reshard_after_forward =
-            # not pp_enabled), to spare an all-gather per micro-batch; here the Parallel's option decides elsewhere.
-            keep = schedule_facts(of.schedule).split_backward or of.zero == 2
-            return functools.partial(fsdp_chunks, mesh=composed_mesh(topo, of.replicate), wrap=of.wrap,
-                                     reshard_after_forward=of.reshard_after_forward and not keep)
-        return functools.partial(ddp_chunks, topo=topo, bucket_cap_mb=of.bucket_cap_mb)
-
-    def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
-                   topo: Topology, run: StepRun = StepRun()) -> torch.Tensor | None:
-        assert self.pipe is not None, "setup builds the pipeline"
-        return self.pipe.step(micro_batches, loss_fn, self.of._micro(micro_batches, topo),  # type: ignore[attr-defined]
-                              lambda: run.forward_context(topo.device), run.loss_scale)
-
-    def compile_refusal(self) -> str | None:
-        return self.of.compile_refusal()  # a zero-bubble schedule splits each backward, as torch's needs too
-
-    def eval_step(self, model: nn.Module, x: Any, y: Any, fn: LossFn, topo: Topology,
-                  run: StepRun = StepRun()) -> torch.Tensor | None:
-        return self.of.eval_step(model, x, y, fn, topo, run)  # our forward-only pass over the same stages
-
-    def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
-        # Each stage's squares (a DTensor's over its dp and tp mesh), summed over pp; a tied weight counted once.
-        pm: PipelineModel = model  # type: ignore[assignment]
-        return clip_grad_norm_(list(pm.parameters()), max_norm, pm.elsewhere(), topo.comm(PP))
-
-    def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
-        pm: PipelineModel = model  # type: ignore[assignment]
-        mine = {k: full(t.detach()).contiguous() for k, t in pm.claimed.items()}  # each stage's, whole
-        return exchange_stages(pm, mine, topo)
-
-    def checkpoint_held(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology) -> list[Held]:
-        """Our PP's keys: the stage modules' tensors under the unsplit model's names (a tied weight under its
-        first name), each as tp slice and FSDP2 shard, so the checkpoint crosses to any layout under either
-        engine."""
-        return _held_named(unsplit_named(model), optimizer)  # type: ignore[arg-type]
-
-    def param_names(self, model: nn.Module) -> dict[int, str]:
-        return self.of.param_names(model)
-
-
-def _split_tp(model: nn.Module, keep: Callable[[str], bool] | None, plan: Any, topo: Topology,
+def split_tp(model: nn.Module, keep: Callable[[str], bool] | None, plan: Any, topo: Topology,
               sequence_parallel: bool = False) -> nn.Module:
     """torch's tp with our ``plan`` (checked on the model first) over ``topo``'s tp mesh: on the whole model
     (``keep`` None), or on the modules of this rank's stage(s) (:func:`build_pipeline`'s transform, before the
@@ -497,7 +408,7 @@ def _split_tp(model: nn.Module, keep: Callable[[str], bool] | None, plan: Any, t
 
 
 @dataclass
-class TorchCP(TorchFSDP):
+class TorchCP(TorchFSDP[Parallel]):
     """``sw.Parallel(cp=N)`` on CUDA under torch's ``context_parallel`` (:mod:`shardwise.parallel.cp.torch_cp`): each
     step's micro-batches cut along the sequence with their positions, forward and backward inside one block, the
     attention through SDPA; gradients averaged over dp x cp by torch's DDP (``zero=0``), or reduce-scattered by
@@ -516,7 +427,7 @@ class TorchCP(TorchFSDP):
         if self.sharded():
             return super().setup(model, optimizer_fn, topo)
         model = model.to(topo.device)
-        return torch_ddp(model, topo, getattr(self.of, "bucket_cap_mb", None), dim=DP_CP), \
+        return torch_ddp(model, topo, self.of.bucket_cap_mb, dim=DP_CP), \
             optimizer_fn(model.parameters())
 
     def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int,
@@ -530,13 +441,13 @@ class TorchCP(TorchFSDP):
 
     def sharded(self) -> bool:
         """FSDP2 over dp_shard x cp (``zero=3``), else torch's DDP over dp x cp."""
-        return getattr(self.of, "zero", 0) == 3
+        return self.of.zero == 3
 
     def mesh(self, topo: Topology) -> DeviceMesh:
         return dp_shard_cp_mesh(topo)
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
-        return super().no_sync(model) if self.sharded() else model.no_sync()  # type: ignore[operator]
+        return super().no_sync(model) if self.sharded() else _torch_ddp(model).no_sync()
 
     def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
                    topo: Topology, run: StepRun = StepRun()) -> torch.Tensor | None:
@@ -557,7 +468,7 @@ class TorchCP(TorchFSDP):
 
 
 @dataclass
-class TorchDP(TorchEngine):
+class TorchDP(TorchEngine[threaded_strategy.DP]):
     """``strategy="dp"`` on CUDA under ``torch.nn.DataParallel``: one process, the batch scattered over the
     strategy's devices (primary first), replicas in threads, gradients summed on the primary device; the same
     design as ours (:mod:`shardwise.parallel.dp.threaded`), so the devices, the primary-device check and the
@@ -571,14 +482,23 @@ class TorchDP(TorchEngine):
         return nn.DataParallel(ours.module, device_ids=ours.devices, output_device=ours.devices[0]), optimizer
 
 
+def _torch_ddp(model: nn.Module) -> DistributedDataParallel:
+    """The model torch's DDP wrapped (:func:`~shardwise.parallel.dp.torch_dp.torch_ddp`)."""
+    if not isinstance(model, DistributedDataParallel):
+        raise TypeError(f"expected a model torch's DDP wrapped, got {type(model).__name__}")
+    return model
+
+
 @contextlib.contextmanager
 def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
     """FSDP2's ``no_sync``: gradients accumulate unsharded and unreduced until the block ends."""
-    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    if not isinstance(model, FSDPModule):
+        raise TypeError(f"expected a model FSDP2 sharded, got {type(model).__name__}")
+    model.set_requires_gradient_sync(False)
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(True)  # type: ignore[operator]
+        model.set_requires_gradient_sync(True)
 
 
 # DDP(reduce_dtype=...) -> torch's DDP communication hook (torch.distributed.algorithms.ddp_comm_hooks
@@ -589,4 +509,4 @@ COMPRESS_HOOKS = {"float16": "fp16_compress_hook", "bfloat16": "bf16_compress_ho
 
 
 __all__ = ["COMPRESS_HOOKS", "TorchCP", "TorchDDP", "TorchDP", "TorchDTensors", "TorchEngine", "TorchFSDP", "TorchHSDP",
-           "TorchPP", "TorchTP", "TorchZeRO1", "TorchZeRO2"]
+           "TorchTP", "TorchZeRO1", "TorchZeRO2", "held_named", "refuse_ddp_over_tp", "refuse_plan", "split_tp"]
