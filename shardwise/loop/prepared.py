@@ -46,6 +46,7 @@ from shardwise.comm.topology import Topology, accelerator_name, backend_for, pic
 from shardwise.data import to_device
 from shardwise.dims import PP, TP
 from shardwise.init_from import InitFrom, read_into
+from shardwise.layout import RunLayout
 from shardwise.loop.names import translate
 from shardwise.loop.output import LoopLog
 from shardwise.loop.state import Kept
@@ -332,25 +333,34 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
     if weights is not None:
         read_into(weights, strat, inner, opt, topo, built.shapes, built.aliases)
     prepared = Prepared(inner, strat, topo, precision, built.shapes, built.aliases)
+    return prepared, _attach(prepared, model, opt, layout, loggers, type(probe).__name__)
+
+
+def _attach(prepared: Prepared, bare: nn.Module, opt: torch.optim.Optimizer, layout: RunLayout, loggers: list[Any],
+            optimizer_class: str) -> torch.optim.Optimizer:
+    """What a loop's model and optimizer carry beside the strategy's: the fp16 loss scaler, the rows of
+    ``sw.log``, the wrappers told of a loop's ``p.grad = None``, the bare model's ``state_dict()`` refused where
+    it holds a part of the model, torch's clip functions routed. Returns the optimizer the loop steps."""
+    strat, topo, precision = prepared.strategy, prepared.topo, prepared.precision
     if precision == "16-mixed":
         world_sum = functools.partial(topo.comm("world").all_reduce, name="loop.overflow")
         opt = prepared.__dict__["scaled"] = ScaledOptimizer(opt, precision_mod.LossScaler(), world_sum)
     prepared.__dict__["optimizer"] = opt
     _log_rows(prepared, opt, LoopLog(loggers, topo, {
         "strategy": strat.name, "world_size": topo.world_size, "precision": precision,
-        "optimizer": {"class": type(probe).__name__, "groups": [json_hyper(g) for g in opt.param_groups]}}))
+        "optimizer": {"class": optimizer_class, "groups": [json_hyper(g) for g in opt.param_groups]}}))
     _NEWEST[:] = [weakref.ref(prepared)]
-    for m in inner.modules():
+    for m in prepared.module.modules():
         if isinstance(m, GradSync):
             m.watch_user_clears()  # a loop's `p.grad = None` reaches the pieces the optimizer steps
     holds = "flat 1-D shards of the parameters (ZeRO-3/FSDP)" if layout.zero >= 3 else \
         "tensor-parallel slices of the parameters" if layout.tp > 1 else \
         "one pipeline stage of it" if layout.pp > 1 else None  # ZeRO-1/2 gather every update into the bare model
     if holds is not None:
-        model.register_state_dict_pre_hook(functools.partial(_refuse_bare_state_dict, strat.name, holds))
+        bare.register_state_dict_pre_hook(functools.partial(_refuse_bare_state_dict, strat.name, holds))
     _PREPARED.add(prepared)
     _guard_torch_clip()
-    return prepared, opt
+    return opt
 
 
 def _log_rows(model: Prepared, opt: torch.optim.Optimizer, log: LoopLog) -> None:
