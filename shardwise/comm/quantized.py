@@ -39,13 +39,15 @@ from shardwise.comm.collectives import Comm, Handle
 QUANTIZE = ("bf16", "int8")
 INT8_BLOCK = 64  # elements per int8 scale
 _SCALE = torch.float32
+SCALE_BYTES = 4  # a float32 scale per int8 block
 
 
-def element_bytes(quantize: str | None, dtype: torch.dtype) -> float:
-    """Bytes sent per element of ``dtype`` under ``quantize`` (int8's share of its block's scale included)."""
+def element_bytes(quantize: str | None, itemsize: int) -> float:
+    """Bytes sent per element of ``itemsize`` bytes under ``quantize`` (int8's share of its block's scale
+    included)."""
     if quantize is None:
-        return torch.empty((), dtype=dtype).element_size()
-    return 2.0 if quantize == "bf16" else 1.0 + _SCALE.itemsize / INT8_BLOCK
+        return float(itemsize)
+    return 2.0 if quantize == "bf16" else 1.0 + SCALE_BYTES / INT8_BLOCK
 
 
 def refusal(quantize: str | None, dtype: torch.dtype) -> str | None:
@@ -56,8 +58,8 @@ def refusal(quantize: str | None, dtype: torch.dtype) -> str | None:
         return f"quantize={quantize!r} must be None, 'bf16' or 'int8'"
     if not dtype.is_floating_point:
         return f"quantize={quantize!r} cannot quantize {dtype} tensors (floating point only)"
-    own = torch.empty((), dtype=dtype).element_size()
-    if element_bytes(quantize, dtype) >= own:
+    own = dtype.itemsize
+    if element_bytes(quantize, own) >= own:
         return (f"quantize={quantize!r} cannot shrink {dtype} tensors ({8 * own} bits an element); "
                 "use quantize=None or a narrower encoding")
     return None
@@ -148,4 +150,4 @@ def _gather_mean(comm: Comm, handle: Handle | None, theirs: torch.Tensor, quanti
     return decode(every.reshape(n, -1), quantize, flat.dtype).reshape(-1)[:flat.numel()]
 
 
-__all__ = ["INT8_BLOCK", "QUANTIZE", "decode", "element_bytes", "encode", "padded", "refusal", "start_mean"]
+__all__ = ["INT8_BLOCK", "QUANTIZE", "SCALE_BYTES", "decode", "element_bytes", "encode", "padded", "refusal", "start_mean"]

@@ -289,6 +289,9 @@ def test_the_bytes_are_the_planners(runs):
     two = runs["diloco R=2 H=3 adamw"].stats[0]  # 2 syncs of 2 replicas of 2 ranks
     assert two["comm_by_name"]["diloco"] == 2 * sync_collective(grads, 2, 2, cluster).bytes_sent
     assert sync_collective(grads, 4, 1, cluster).bytes_sent == bytes_sent("all_reduce", grads, 4)  # DDP's on 4
+    for name, quantize in (("stream F=2 H=4 d=0 a=0 R=4", None), ("stream bf16 F=2 H=4 d=0 a=0 R=4", "bf16")):
+        one = sync_collective(EVEN_BYTES, 4, 1, cluster, fragments=2, quantize=quantize, itemsize=8).bytes_sent
+        assert {r["diloco/sync_bytes"] for r in runs[name].metrics if "diloco/sync_bytes" in r} == {one}
 
 
 def test_inner_ddp_traffic_stays_inside_the_replica(runs):
