@@ -114,26 +114,40 @@ def start_mean(comm: Comm, tensors: list[torch.Tensor], name: str,
 
 def _start_flat(comm: Comm, ts: list[torch.Tensor], name: str, quantize: str | None) -> Callable[[], None]:
     flat = torch.cat([t.detach().reshape(-1) for t in ts])
-    n = comm.size
-    if quantize is None:
-        handle = comm.all_reduce(flat, name=name, async_op=True)
-        finished = lambda: (handle.wait(), flat.div_(n))  # type: ignore[union-attr]  # noqa: E731
-    else:
-        why = refusal(quantize, flat.dtype)
-        if why is not None:
-            raise ValueError(why)
-        full = torch.zeros(padded(flat.numel(), n, quantize), dtype=flat.dtype, device=flat.device)
-        full[:flat.numel()] = flat
-        mine = encode(full.reshape(n, -1), quantize)
-        theirs = torch.empty_like(mine)
-        handle = comm.all_to_all(theirs, mine, name=name, async_op=True)
-        finished = lambda: flat.copy_(_gather_mean(comm, handle, theirs, quantize, flat, name))  # noqa: E731
+    finished = _start_plain(comm, flat, name) if quantize is None else _start_quantized(comm, flat, name, quantize)
 
     def finish() -> None:
         finished()
         with torch.no_grad():
             for t, piece in zip(ts, flat.split([t.numel() for t in ts])):
                 t.copy_(piece.view_as(t))
+    return finish
+
+
+def _start_plain(comm: Comm, flat: torch.Tensor, name: str) -> Callable[[], None]:
+    handle = comm.all_reduce(flat, name=name, async_op=True)
+
+    def finish() -> None:
+        assert handle is not None  # started with async_op=True
+        handle.wait()
+        flat.div_(comm.size)
+    return finish
+
+
+def _start_quantized(comm: Comm, flat: torch.Tensor, name: str, quantize: str) -> Callable[[], None]:
+    """Stage 1 started: this rank's encoded chunks on their way to their owners."""
+    why = refusal(quantize, flat.dtype)
+    if why is not None:
+        raise ValueError(why)
+    n = comm.size
+    full = torch.zeros(padded(flat.numel(), n, quantize), dtype=flat.dtype, device=flat.device)
+    full[:flat.numel()] = flat
+    mine = encode(full.reshape(n, -1), quantize)
+    theirs = torch.empty_like(mine)
+    handle = comm.all_to_all(theirs, mine, name=name, async_op=True)
+
+    def finish() -> None:
+        flat.copy_(_gather_mean(comm, handle, theirs, quantize, flat, name))
     return finish
 
 

@@ -19,8 +19,8 @@ import shardwise as sw
 from shardwise import launch
 from shardwise.comm.collectives import Comm, CommStats
 from shardwise.comm.quantized import start_mean
-from shardwise.parallel.dp.diloco import OuterLoop, Streaming
 from shardwise.data import as_source
+from shardwise.parallel.dp.diloco import OuterLoop, Streaming
 from shardwise.plan.comm import bytes_sent
 from shardwise.plan.estimate import sync_collective
 from shardwise.plan.specs import ClusterSpec
@@ -399,15 +399,16 @@ def test_bad_input_is_refused_before_start():
 
 def test_bad_streaming_settings_are_refused_before_start():
     for kwargs, message in [
-        ({"fragments": 0}, "DiLoCo fragments=0: must be an integer >= 1 (the pieces of the model synced at their "
-                           "own offsets)"),
-        ({"sync_every": 10, "fragments": 3}, "DiLoCo sync_every=10 must be divisible by fragments=3: fragment p "
-                                             "syncs after inner step (p + 1) x sync_every / fragments of every cycle"),
-        ({"sync_every": 8, "fragments": 2, "delay": 4}, "DiLoCo delay=4 must be an integer in [0, sync_every / "
-                                                        "fragments = 4): a fragment's sync lands before the next "
-                                                        "fragment's starts, so at most one is in flight"),
-        ({"alpha": 1.5}, "DiLoCo alpha=1.5 must be a number in [0, 1] (the local weights' share after a fragment's "
-                         "sync)"),
+        ({"fragments": 0}, ("DiLoCo fragments=0: must be an integer >= 1 (the pieces of the model synced at their "
+                            "own offsets)")),
+        ({"sync_every": 10, "fragments": 3}, ("DiLoCo sync_every=10 must be divisible by fragments=3: fragment p "
+                                              "syncs after inner step (p + 1) x sync_every / fragments of every "
+                                              "cycle")),
+        ({"sync_every": 8, "fragments": 2, "delay": 4}, ("DiLoCo delay=4 must be an integer in [0, sync_every / "
+                                                         "fragments = 4): a fragment's sync lands before the next "
+                                                         "fragment's starts, so at most one is in flight")),
+        ({"alpha": 1.5}, ("DiLoCo alpha=1.5 must be a number in [0, 1] (the local weights' share after a "
+                          "fragment's sync)")),
         ({"quantize": "fp8"}, "DiLoCo quantize='fp8' must be None, 'bf16' or 'int8'"),
     ]:
         with pytest.raises(ValueError) as e:

@@ -28,9 +28,9 @@ import torch
 
 from shardwise.comm.collectives import Comm
 from shardwise.comm.quantized import refusal, start_mean
+from shardwise.loggers.scalars import log as log_scalar
 from shardwise.optim.wrapped import WrappedOptimizer
 from shardwise.parallel.dp.ddp import through_flat
-from shardwise.loggers.scalars import log as log_scalar
 
 OuterFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 SYNC = "diloco.sync"  # the name of the pseudo-gradients' all-reduce in the byte counts
@@ -64,7 +64,8 @@ def cut(tensors: list[torch.Tensor], fragments: int) -> list[list[int]]:
     before it and B the total; contiguous, in order, equal when the tensors split evenly (a fragment may be empty
     when one tensor outweighs several fragments)."""
     sizes = [t.numel() * t.element_size() for t in tensors]
-    total, before, out = max(1, sum(sizes)), 0, [[] for _ in range(fragments)]  # type: list[list[int]]
+    total, before = max(1, sum(sizes)), 0
+    out: list[list[int]] = [[] for _ in range(fragments)]
     for j, size in enumerate(sizes):
         out[min(fragments - 1, fragments * before // total)].append(j)
         before += size
@@ -258,5 +259,15 @@ def outer_states(opt: torch.optim.Optimizer, t: torch.Tensor) -> dict[str, Any]:
     return {k: v for k, v in opt.state.get(t, {}).items() if isinstance(v, torch.Tensor)}
 
 
-__all__ = ["DiLoCoOptimizer", "OUTER_SCOPE", "OuterLoop", "SYNC", "Streaming", "cut", "default_outer", "each_piece", "outer_states",
-           "same_view"]
+__all__ = [
+    "OUTER_SCOPE",
+    "SYNC",
+    "DiLoCoOptimizer",
+    "OuterLoop",
+    "Streaming",
+    "cut",
+    "default_outer",
+    "each_piece",
+    "outer_states",
+    "same_view",
+]
