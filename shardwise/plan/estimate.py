@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from shardwise.comm.quantized import element_bytes
 from shardwise.dims import CP, DILOCO, DP, EP, PP, TP
 from shardwise.plan.comm import (
     NETWORK_KINDS,
@@ -391,12 +392,21 @@ def _rank(e: Estimate) -> tuple[bool, float, int]:
 # sends. Spread over the H inner steps of a cycle, a step costs the inner strategy's own traffic (inside the
 # replica) plus 1/H of a sync, and its time the inner step's plus 1/H of the sync's (nothing hides it: the
 # replicas wait for the average before the next cycle).
+#
+# Streaming: with F fragments a sync carries 1/F of those bytes (the planner assumes equal fragments), F syncs a
+# cycle, so the bytes per step stay the same and the peak of one sync falls F-fold. Quantized, an element costs
+# the encoding's bytes (int8's scales included; the padding to whole chunks, at most R x 64 elements, aside).
+# A delay of τ inner steps hides up to τ inner steps' time of each sync.
 
 
-def sync_collective(param_bytes: int, replicas: int, ranks_per_replica: int, cluster: ClusterSpec) -> Collective:
-    """One sync: the all-reduce of ``param_bytes`` (a rank's pieces of the pseudo-gradient) over the replicas."""
+def sync_collective(param_bytes: int, replicas: int, ranks_per_replica: int, cluster: ClusterSpec,
+                    fragments: int = 1, quantize: str | None = None, itemsize: int = 4) -> Collective:
+    """One sync: the mean of one fragment of ``param_bytes`` (a rank's pieces of the pseudo-gradient, elements
+    of ``itemsize`` bytes) over the replicas, sent in ``quantize``'s encoding: a ring's 2 (R - 1) / R of it."""
     link = group_link(cluster, replicas, ranks_per_replica)
-    return _make("all_reduce", DILOCO, "pseudo-gradients (DiLoCo sync)", param_bytes, 1, replicas, link, "none")
+    numel = -(-param_bytes // (itemsize * fragments))
+    wire = int(numel * element_bytes(quantize, itemsize))
+    return _make("all_reduce", DILOCO, "pseudo-gradients (DiLoCo sync)", wire, 1, replicas, link, "none")
 
 
 @dataclass(frozen=True)
@@ -406,23 +416,28 @@ class DiLoCoEstimate:
     replicas: int
     sync_every: int
     inner: Estimate
-    sync: Collective
+    sync: Collective  # one sync: one fragment's
+    fragments: int = 1
+    delay: int = 0
 
     @property
     def comm_bytes_per_step(self) -> float:
-        return self.inner.comm_bytes_per_step + self.sync.bytes_sent / self.sync_every
+        return self.inner.comm_bytes_per_step + self.cross_replica_bytes_per_step
 
     @property
     def cross_replica_bytes_per_step(self) -> float:
-        return self.sync.bytes_sent / self.sync_every
+        return self.fragments * self.sync.bytes_sent / self.sync_every
 
     @property
     def step_time_s(self) -> float:
-        return self.inner.step_time_s + self.sync.time_s / self.sync_every
+        """The inner step's time plus each sync's, less the ``delay`` inner steps it overlaps."""
+        exposed = max(0.0, self.sync.time_s - self.delay * self.inner.step_time_s)
+        return self.inner.step_time_s + self.fragments * exposed / self.sync_every
 
 
 def estimate_diloco(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, sync_every: int,
-                    inner: str = "ddp") -> DiLoCoEstimate | None:
+                    inner: str = "ddp", fragments: int = 1, delay: int = 0,
+                    quantize: str | None = None) -> DiLoCoEstimate | None:
     """DiLoCo with one replica per node of ``cluster`` and ``inner`` inside each, the global batch split over
     the replicas; None when no layout of ``inner`` on one node is planned."""
     replicas = cluster.nodes
@@ -433,5 +448,7 @@ def estimate_diloco(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     if not ests:
         return None
     param_bytes = ests[0].params_bytes  # the parameters a rank of the replica steps (all of them under DDP)
-    return DiLoCoEstimate(replicas, sync_every, ests[0],
-                          sync_collective(int(param_bytes), replicas, cluster.devices_per_node, cluster))
+    itemsize = max(1, round(param_bytes / max(1, model.params)))  # ddp inside: every parameter on each rank
+    sync = sync_collective(int(param_bytes), replicas, cluster.devices_per_node, cluster, fragments, quantize,
+                           itemsize)
+    return DiLoCoEstimate(replicas, sync_every, ests[0], sync, fragments, delay)

@@ -20,6 +20,7 @@ from torch import nn
 
 from shardwise.checkpoint.held import Held, scoped
 from shardwise.comm.collectives import Comm
+from shardwise.comm.quantized import QUANTIZE
 from shardwise.comm.topology import Topology
 from shardwise.dims import DP
 from shardwise.layout import RunLayout
@@ -28,6 +29,7 @@ from shardwise.parallel.dp.diloco import (
     DiLoCoOptimizer,
     OuterFactory,
     OuterLoop,
+    Streaming,
     default_outer,
     each_piece,
     outer_states,
@@ -45,12 +47,22 @@ class DiLoCo(Strategy):
     """``replicas`` replicas of ``inner``, each with its own inner optimizer, averaging their pseudo-gradients
     every ``sync_every`` inner steps into an outer step of the global weights (``outer_optimizer``: a factory
     over tensors; by default the paper's SGD(lr=0.7, momentum=0.9, nesterov=True)). ``batch_size`` stays the
-    global batch of one inner step, over every replica."""
+    global batch of one inner step, over every replica.
+
+    Streaming DiLoCo (arXiv 2501.18512): ``fragments`` F syncs F pieces of the model at staggered steps (each every
+    ``sync_every`` steps; F must divide it), ``delay`` τ applies a fragment's sync τ inner steps after it started
+    (τ < sync_every / F), ``alpha`` α leaves α · local + (1 − α) · global in the fragment after its sync, and
+    ``quantize`` (None, "bf16" or "int8") sends the pseudo-gradients in fewer bits (see
+    :mod:`shardwise.parallel.dp.diloco` and :mod:`shardwise.comm.quantized`)."""
 
     inner: str | Strategy = "ddp"
     replicas: int = 2
     sync_every: int = 100
     outer_optimizer: OuterFactory | None = None
+    fragments: int = 1
+    delay: int = 0
+    alpha: float = 0.0
+    quantize: str | None = None
     name: ClassVar[str] = "diloco"
 
     def __post_init__(self) -> None:
@@ -58,10 +70,34 @@ class DiLoCo(Strategy):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 what = "the inner steps between two syncs" if field == "sync_every" else "the model's replicas"
                 raise ValueError(f"DiLoCo {field}={v!r}: must be an integer >= 1 ({what})")
+        why = self._streaming_refusal()
+        if why is not None:
+            raise ValueError(f"DiLoCo {why}")
         self.inner = resolve(self.inner)
         if isinstance(self.inner, (DiLoCo, HasServers, OwnDevices)):
             raise ValueError(f"DiLoCo cannot run strategy {self.inner.name!r} inside its replicas; use ddp, zero1, "
                              "zero2, fsdp, hsdp, tp, pp or sw.Parallel")
+
+    def _streaming_refusal(self) -> str | None:
+        """Why ``fragments``, ``delay``, ``alpha`` or ``quantize`` cannot run, or None."""
+        f, h, tau, a = self.fragments, self.sync_every, self.delay, self.alpha
+        if not isinstance(f, int) or isinstance(f, bool) or f < 1:
+            return f"fragments={f!r}: must be an integer >= 1 (the pieces of the model synced at their own offsets)"
+        if h % f:
+            return (f"sync_every={h} must be divisible by fragments={f}: fragment p syncs after inner step "
+                    f"(p + 1) x sync_every / fragments of every cycle")
+        if not isinstance(tau, int) or isinstance(tau, bool) or not 0 <= tau < h // f:
+            return (f"delay={tau!r} must be an integer in [0, sync_every / fragments = {h // f}): a fragment's sync "
+                    "lands before the next fragment's starts, so at most one is in flight")
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a <= 1:
+            return f"alpha={a!r} must be a number in [0, 1] (the local weights' share after a fragment's sync)"
+        if self.quantize is not None and self.quantize not in QUANTIZE:
+            return f"quantize={self.quantize!r} must be None, 'bf16' or 'int8'"
+        return None
+
+    @property
+    def streaming(self) -> Streaming:
+        return Streaming(self.fragments, self.delay, float(self.alpha), self.quantize)
 
     @property
     def inner_strategy(self) -> Strategy:
@@ -96,7 +132,8 @@ class DiLoCo(Strategy):
         local = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
         owner = getattr(opt, "owner", None)
         loop = OuterLoop(local, self.outer_optimizer or default_outer, across, self.sync_every,
-                         norm=self._norm_over(block, owner), spread=getattr(owner, "after_step", None))
+                         norm=self._norm_over(block, owner), spread=getattr(owner, "after_step", None),
+                         streaming=self.streaming)
         loop.start()
         model.__dict__["diloco_loop"] = loop  # for the full state dict, which is given the model alone
         return model, DiLoCoOptimizer(opt, loop, self._scope(topo))
@@ -156,11 +193,14 @@ class DiLoCo(Strategy):
 
     # ---- state: the global weights, the outer optimizer, each replica's own ----------------------
     def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
-        """The global weights (those of the last sync), gathered as the inner strategy gathers them."""
+        """The global weights, gathered as the inner strategy gathers them: those of the last sync, once the
+        syncs still in flight are applied (now, before their delay is over)."""
+        model.diloco_loop.complete()  # type: ignore[union-attr,operator]
         with model.diloco_loop.global_in_place():  # type: ignore[union-attr,operator]
             return self.inner_strategy.full_state_dict(model, self.block(topo)[0])
 
     def final_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
+        model.diloco_loop.complete()  # type: ignore[union-attr,operator]
         with model.diloco_loop.global_in_place():  # type: ignore[union-attr,operator]
             full = self.inner_strategy.final_state_dict(model, self.block(topo)[0])
         return full if topo.rank == 0 else {}
@@ -172,6 +212,9 @@ class DiLoCo(Strategy):
         (and frozen parameters, which no sync touches) are kept once, under their plain key."""
         assert isinstance(optimizer, DiLoCoOptimizer)
         loop, scope = optimizer.loop, self._scope(topo)
+        if loop.in_flight:
+            raise ValueError(f"DiLoCo cannot checkpoint after inner step {int(loop.steps)}: a fragment's sync is in "
+                             f"flight there (delay={self.delay}); checkpoint at a step where none is")
         out = [Held(STEPS_KEY, loop.steps)]
         for h in self.inner_strategy.checkpoint_held(model, optimizer.optimizer, self.block(topo)[0]):
             out += _held_of(h, loop, scope)
