@@ -48,6 +48,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is i
     from shardwise.comm.topology import Topology, teardown
     from shardwise.fit.callbacks import Callback, EarlyStopping
     from shardwise.fit.trainer import FitResult, Trainer
+    from shardwise.loggers.scalars import log
+    from shardwise.loop.data import all_reduce_mean, gather, gather_for_metrics, prepare_dataloader
     from shardwise.loop.prepared import (
         Prepared,
         clip_grad_norm_,
@@ -58,7 +60,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is i
         save,
         setup,
     )
-    from shardwise.loop.data import all_reduce_mean, gather, gather_for_metrics, prepare_dataloader
     from shardwise.strategies.base import Strategy
     from shardwise.strategies.dp.ddp import DDP
     from shardwise.strategies.registry import (
@@ -68,7 +69,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is i
         register,
         resolve,
     )
-    from shardwise.loggers.scalars import log
     from shardwise.strategies.single import Single
 
 
@@ -93,7 +93,8 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_PUBLIC, *CLASSES})
 
 
-__all__ = ["Callback", "DDP", "EarlyStopping", "FitResult", "Prepared", "REGISTRY", "Single", "Strategy", "Topology", "Trainer",
-           "all_reduce_mean", "available_strategies", "clip_grad_norm_", "gather", "init", "load", "log", "no_sync",
-           "prepare_dataloader", "register", "resolve", "save", "setup", "teardown", "NaiveMP", "NaiveModelParallel", "ZeRO1", "ZeRO2",
-           "ZeRO3", "FSDP", "HSDP", "TP", "PP", "Parallel", "DP", "ParameterServer", "DiLoCo", "loggers"]
+__all__ = ["CLASSES", "Callback", "DDP", "EarlyStopping", "FitResult", "Prepared", "REGISTRY", "Single", "Strategy",
+           "Topology", "Trainer", "all_reduce_mean", "available_strategies", "clip_grad_norm_", "clip_grad_value_",
+           "gather", "gather_for_metrics", "init", "load", "log", "no_sync", "prepare_dataloader", "register",
+           "resolve", "save", "setup", "teardown", "NaiveMP", "NaiveModelParallel", "ZeRO1", "ZeRO2", "ZeRO3", "FSDP",
+           "HSDP", "TP", "PP", "Parallel", "DP", "ParameterServer", "DiLoCo", "loggers"]

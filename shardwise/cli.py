@@ -5,8 +5,8 @@ import argparse
 import os
 import sys
 from collections.abc import Mapping
-from typing import NoReturn
 from importlib.metadata import PackageNotFoundError, version
+from typing import NoReturn
 
 # Only torch-free modules here, so that `shardwise --help` answers at once: each command imports what it runs.
 import shardwise.cluster as cluster  # (`from shardwise import cluster` would ask the package, which imports torch)
@@ -243,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex = _verb(cv, "export", "the model as one state dict file, or a from_pretrained directory (Hugging Face)",
                "Write the model of a checkpoint (saved under any strategy and device count) as one plain state "
                "dict file, or as a directory from_pretrained loads (Hugging Face models).")
-    ex.add_argument("dir", metavar="DIR", help="a checkpoint_dir (its newest intact checkpoint) or one step_N directory")
+    ex.add_argument("dir", metavar="DIR",
+                    help="a checkpoint_dir (its newest intact checkpoint) or one step_N directory")
     ex.add_argument("out", metavar="OUT", help="the file (pt) or directory (hf) to write")
     ex.add_argument("--format", choices=["pt", "hf"], default=None,
                     help="pt: torch.save of the plain state dict; hf: save_pretrained (default: hf for a Hugging "

@@ -112,9 +112,9 @@ def before_setup(init: InitFrom | None, model: nn.Module, strategy: Checkpointed
     """Prepare a meta-device ``model`` for ``strategy``'s setup; returns the strategy to set it up with.
 
     FSDP (ours, or FSDP2 under ``engine="torch"``) materialises it module by module into its shards. Without a
-    data-parallel wrapper (tp, pp and their composition with dp = 1), the model stays on meta through the setup, which splits it, and
-    :func:`after_setup` gives memory only to what this rank kept. A data-parallel wrapper (DDP, ZeRO-1/2, or
-    FSDP inside ``sw.Parallel``) starts from real tensors: the whole model gets memory here.
+    data-parallel wrapper (tp, pp and their composition with dp = 1), the model stays on meta through the setup,
+    which splits it, and :func:`after_setup` gives memory only to what this rank kept. A data-parallel wrapper
+    (DDP, ZeRO-1/2, or FSDP inside ``sw.Parallel``) starts from real tensors: the whole model gets memory here.
     """
     if init is None or not on_meta(model):
         return strategy

@@ -234,7 +234,8 @@ def forget_dtensor_plans() -> None:
     _clear_fast_path_sharding_prop_cache()  # the C++ dispatch's own cache of the same
 
 
-__all__ = ["UNSCALE_AND_CHECK", "BatchNormBase", "FLASH_ATTENTION_CPU", "FLASH_ATTENTION_CPU_BACKWARD", "as_main_process",
+__all__ = ["UNSCALE_AND_CHECK", "BatchNormBase", "FLASH_ATTENTION_CPU", "FLASH_ATTENTION_CPU_BACKWARD",
+           "as_main_process",
            "at_backward_end", "c10d_default_store", "compilations", "forget_compilations",
            "forget_dtensor_plans", "host_rendezvous_stores",
            "in_backward", "inductor_cache_dir", "memory_records", "recomputing", "run_outside_graphs"]

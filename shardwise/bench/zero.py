@@ -56,8 +56,8 @@ from shardwise.parallel.dp import torch_dp
 from shardwise.parallel.dp.fsdp_units import unit_modules
 from shardwise.parallel.dp.sharding import all_gather, reduce_scatter
 from shardwise.strategies.dp.fsdp import FSDP
-from shardwise.strategies.registry import resolve
 from shardwise.strategies.dp.zero import ZeRO1, ZeRO2
+from shardwise.strategies.registry import resolve
 from shardwise.workloads import digits, mlp1024
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
@@ -168,13 +168,15 @@ def zero1_pair(a: argparse.Namespace) -> Table:
 def zero3_pair(a: argparse.Namespace) -> Table:
     """Our ZeRO-3 (size-based units) against FSDP2 fully_shard on the same units (``--hand-built``)."""
     return _pair_rows("ZeRO-3", a, Contender("shardwise zero3", functools.partial(ours_sharded, "zero3")),
-                      Contender("torch fully_shard", functools.partial(torch_fully_shard, "zero3"), counts_bytes=False), 3)
+                      Contender("torch fully_shard", functools.partial(torch_fully_shard, "zero3"),
+                                counts_bytes=False), 3)
 
 
 def fsdp_pair(a: argparse.Namespace) -> Table:
     """Our FSDP (a unit per block/layer) against FSDP2 fully_shard on the same units (``--hand-built``)."""
     return _pair_rows("FSDP", a, Contender("shardwise fsdp", functools.partial(ours_sharded, "fsdp")),
-                      Contender("torch fully_shard", functools.partial(torch_fully_shard, "fsdp"), counts_bytes=False), 3)
+                      Contender("torch fully_shard", functools.partial(torch_fully_shard, "fsdp"),
+                                counts_bytes=False), 3)
 
 
 PAIRS: dict[str, Callable[[argparse.Namespace], Table]] = {

@@ -204,7 +204,8 @@ def summary(entries: list[Entry]) -> str:
         return "no complete checkpoint: a resume starts from step 0"
     if last.ok:
         return f"newest checkpoint: step {last.step}, intact"
-    fallback = f"a resume falls back to step {good.step}" if good else "no intact checkpoint: a resume starts from step 0"
+    fallback = (f"a resume falls back to step {good.step}" if good
+                else "no intact checkpoint: a resume starts from step 0")
     return f"newest checkpoint step {last.step} is not intact ({last.integrity}); {fallback}"
 
 

@@ -354,7 +354,8 @@ def all_to_all_v(x: torch.Tensor, comm: Comm, out_splits: list[int], in_splits: 
     return AllToAllV.apply(x, comm, out_splits, in_splits, name, grad_name)  # type: ignore[no-any-return]
 
 
-__all__ = ["AllToAllV", "all_to_all_v", "CopyToParallel", "ReduceFromParallel", "GatherFromParallel", "ScatterToParallel",
+__all__ = ["AllToAllV", "all_to_all_v", "CopyToParallel", "ReduceFromParallel", "GatherFromParallel",
+           "ScatterToParallel",
            "copy_to_parallel", "reduce_from_parallel", "gather_from_parallel", "scatter_to_parallel",
            "GatherFromSequence", "ReduceScatterToSequence", "ScatterToSequence", "SEQUENCE_GATHERED",
            "all_reduce_grad", "check_sequence_split", "gather_from_sequence", "is_sequence_gathered",

@@ -27,8 +27,8 @@ from shardwise.fit.options import FitOptions, SchedulerFactory
 from shardwise.fit.tp_check import check_plan
 from shardwise.optim.param_groups import GroupPlan, ParamGroupsFn, check_whole, plan_groups, splits_parameters
 from shardwise.parallel.cp.apply import check_context_parallel, shard_batch
-from shardwise.parallel.ep import warn_local_aux
 from shardwise.parallel.dp.sync_bn import batchnorm_layers
+from shardwise.parallel.ep import warn_local_aux
 from shardwise.step import LossFn, OptimizerFactory, StepFn, TrainingStep
 from shardwise.strategies.base import HasServers, HasTPPlan, OwnDevices, SplitsModel, Strategy
 

@@ -38,10 +38,10 @@ from shardwise.fit.options import FitOptions, SchedulerFactory
 from shardwise.fit.progress import StepLog, want_progress
 from shardwise.fit.steps import count_state, global_losses, train_loop
 from shardwise.init_from import InitFrom, after_setup, before_setup, read_into
+from shardwise.loggers.scalars import Reducer, Scalars, recording
 from shardwise.optim.param_groups import GroupedFactory, GroupPlan
 from shardwise.parallel.checkpointing import apply_activation_checkpointing
 from shardwise.parallel.compiling import compile_blocks, compile_report, recompile_warning
-from shardwise.loggers.scalars import Reducer, Scalars, recording
 from shardwise.stats import (
     cuda_peak_bytes,
     peak_rss_bytes,

@@ -33,10 +33,10 @@ from shardwise.fit.progress import (
     want_progress,
 )
 from shardwise.loggers import FAILED, SUCCESS
-from shardwise.optim.param_groups import apply_hyper
-from shardwise.parallel.checkpointing import track_saved_activations
 from shardwise.loggers.scalars import Reducer, Scalars, recording
 from shardwise.loggers.scalars import log as log_scalar
+from shardwise.optim.param_groups import apply_hyper
+from shardwise.parallel.checkpointing import track_saved_activations
 from shardwise.stats import unique_bytes
 from shardwise.step import LossFn, StepRun, TrainingStep, after_optimizer_step, iter_chunks
 from shardwise.strategies.base import HasServers, Strategy

@@ -19,11 +19,12 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise import launch
+from shardwise.checkpoint import store as checkpoint
 from shardwise.comm.topology import pick_device, teardown
 from shardwise.data import DataSource, loader_options
-from shardwise.checkpoint import store as checkpoint
 from shardwise.fit import preflight
 from shardwise.fit.checks import check_fit_options, check_step, parse_inputs, run_steps, validate
+from shardwise.fit.infer import Inference, check_inference, resolve_checkpoint, spawned_inference
 from shardwise.fit.job import (
     FitResult,
     Job,
@@ -32,10 +33,10 @@ from shardwise.fit.job import (
     pickled,
     spawned_fit,
 )
-from shardwise.fit.infer import Inference, check_inference, resolve_checkpoint, spawned_inference
 from shardwise.fit.options import FitOptions
 from shardwise.init_from import InitFrom, OwnInit, materialize
 from shardwise.loggers import Logger
+from shardwise.optim.param_groups import ParamGroupsFn
 from shardwise.step import LossFn, OptimizerFactory, StepFn
 from shardwise.strategies.base import OwnDevices, Strategy
 from shardwise.strategies.single import Single

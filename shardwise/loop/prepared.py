@@ -57,7 +57,6 @@ from shardwise.strategies.base import HasServers, Strategy, compile_backend
 from shardwise.strategies.registry import resolve
 from shardwise.strategies.torch_engine.choice import engine_for, synced_batchnorm
 
-
 # The messages of what a hand-written loop may not do with a model from setup, each with its reason and fix.
 COMPILE_AFTER_SETUP = (
     "torch.compile(model) on the model sw.setup returned (strategy {strategy!r}): its wrappers communicate from "
@@ -188,8 +187,8 @@ class Prepared(nn.Module):
         if opt is not None:
             opt.scaled = True
         shards, _ = self.strategy.data_parallel(self.topo)
-        mine = precision_mod.widened(loss.detach()) / shards if loss is not None and self.strategy.owns_loss(self.topo) \
-            else torch.zeros((), device=self.topo.device)
+        mine = precision_mod.widened(loss.detach()) / shards \
+            if loss is not None and self.strategy.owns_loss(self.topo) else torch.zeros((), device=self.topo.device)
         t = mine.reshape(1).clone()
         self.topo.comm("world").all_reduce(t, name="loop.loss")
         return t[0]
@@ -416,8 +415,9 @@ def _routed(original: Any, name: str, route: Any, supported: Any) -> Any:
             if ids & owned:
                 if ids != owned or not supported(*args, **kwargs):
                     raise RuntimeError(f"torch.nn.utils.{name} on some parameters of a model from sw.setup"
-                                       f"{' (or with norm_type != 2)' if 'norm' in name else ''}: under a sharded strategy each rank holds pieces "
-                                       "of the gradients, so the clip must see all of them; use "
+                                       f"{' (or with norm_type != 2)' if 'norm' in name else ''}: "
+                                       "under a sharded strategy each rank holds pieces of the gradients, so the "
+                                       "clip must see all of them; use "
                                        f"sw.{name}(model, {'max_norm' if 'norm' in name else 'clip_value'})")
                 token = _ROUTED.set(True)
                 try:

@@ -384,7 +384,7 @@ def _rank(e: Estimate) -> tuple[bool, float, int]:
 
 # ---- DiLoCo ----------------------------------------------------------------------------------------------------
 # DiLoCo in the planner: one replica per node (the inner strategy inside it), a sync every H inner steps.
-# 
+#
 # The sync is one all-reduce of the pseudo-gradient, the size of the parameters this rank steps, over the R
 # ranks at the same place of each replica (the group :data:`~shardwise.dims.DILOCO`, ``G = devices / R`` ranks
 # apart): ``2 (R - 1) / R`` of those bytes per rank, what DDP's gradient all-reduce of the same model on R ranks

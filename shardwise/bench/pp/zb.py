@@ -48,15 +48,15 @@ from torch.nn import functional as F
 
 from shardwise.bench.harness import NOT_SEEN, NOT_SEEN_NOTE, PAIRED_NOTE, measure, ratio_text, spawn_collect
 from shardwise.bench.harness import paired as harness_paired
-from shardwise.bench.tables import Column, table, wide
 from shardwise.bench.pp.mp import mlp
+from shardwise.bench.tables import Column, table, wide
 from shardwise.comm.topology import Topology
 from shardwise.dims import PP, WORLD
 from shardwise.parallel.checkpointing import SavedActivations
 from shardwise.parallel.pp.build import build_pipeline, stage_starts
 from shardwise.parallel.pp.layers import pipeline_layers
-from shardwise.parallel.pp.run import pipeline_step
 from shardwise.parallel.pp.placement import Placement
+from shardwise.parallel.pp.run import pipeline_step
 from shardwise.parallel.pp.schedules import Action, bubble_fraction, get_schedule
 from shardwise.parallel.pp.timeline import replay
 from shardwise.stats import AllocatedPeak

@@ -413,6 +413,6 @@ def attention(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm
     raise ValueError(f"cp_mode={mode!r}: valid are {', '.join(map(repr, MODES))}")
 
 
-__all__ = ["MODES", "RING", "RingAttention", "RingWork", "ULYSSES", "attention", "check_sequence", "check_ulysses_heads",
-           "chunk_ids", "join_sequence",
+__all__ = ["MODES", "RING", "RingAttention", "RingWork", "ULYSSES", "attention", "check_sequence",
+           "check_ulysses_heads", "chunk_ids", "join_sequence",
            "local_positions", "ring_attention", "shard_sequence", "ulysses_attention", "unmasked_pairs"]

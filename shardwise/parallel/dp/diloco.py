@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from shardwise.comm.collectives import Comm
+from shardwise.loggers.scalars import log as log_scalar
 from shardwise.optim.wrapped import WrappedOptimizer
 from shardwise.parallel.dp.ddp import through_flat
-from shardwise.loggers.scalars import log as log_scalar
 
 OuterFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 SYNC = "diloco.sync"  # the name of the pseudo-gradients' all-reduce in the byte counts

@@ -33,10 +33,10 @@ from torch import nn
 
 from shardwise.comm.topology import Topology
 from shardwise.dims import EP, PP, TP
+from shardwise.parallel.dtensor import local
 from shardwise.parallel.ep import is_expert
 from shardwise.parallel.pp.layers import pipeline_layers, stage_layers
 from shardwise.parallel.pp.placement import LOOP, Placement
-from shardwise.parallel.dtensor import local
 from shardwise.parallel.tp.apply import gather_tensor, tp_spec
 
 
@@ -268,8 +268,8 @@ def build_pipeline(model: nn.Module, topo: Topology, split_points: Sequence[str]
     stages = [PipelineStage(parts[k], k, p * v) for k in mine]
     seen: dict[str, nn.Parameter] = {}
     my_ties, copies = [], []
-    for name, local, owners in ties.get(r, []):  # in virtual-stage order: the first copy of the first owner counts
-        prm = model.get_parameter(local)
+    for name, local_name, owners in ties.get(r, []):  # in virtual-stage order: the first copy of the first owner counts
+        prm = model.get_parameter(local_name)
         my_ties.append(_Tie(name, prm, owners, counted=owners[0] == r and name not in seen))
         if name in seen:
             copies.append((seen[name], prm))
@@ -291,14 +291,14 @@ def untie_on_rank(model: nn.Module, my_ties: Sequence[tuple[str, str, list[int]]
     wrapper owns its own parameters, and :func:`~shardwise.parallel.pp.run.sync_ties` sums the copies'
     gradients (here, then over the ranks) before the step, which all copies take alike."""
     first: set[str] = set()
-    for canon, local, _ in my_ties:
+    for canon, local_name, _ in my_ties:
         if canon not in first:
             first.add(canon)
             continue
-        owner, _, attr = local.rpartition(".")
+        owner, _, attr = local_name.rpartition(".")
         module = model.get_submodule(owner)
-        setattr(module, attr, nn.Parameter(model.get_parameter(local).detach().clone(),
-                                           requires_grad=model.get_parameter(local).requires_grad))
+        setattr(module, attr, nn.Parameter(model.get_parameter(local_name).detach().clone(),
+                                           requires_grad=model.get_parameter(local_name).requires_grad))
 
 
 def find_ties(model: nn.Module, parts: list[list[tuple[str, nn.Module]]], p: int, v: int,

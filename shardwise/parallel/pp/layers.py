@@ -58,7 +58,7 @@ class _GPT2Embed(nn.Module):
 def _causal_mask(layer: nn.Module, config: Any, h: torch.Tensor, pos: torch.Tensor) -> Any:
     # The mask helper of the model's own modeling file, called as the model's
     # forward calls it (None for SDPA's is_causal fast path).
-    make = getattr(sys.modules[type(layer).__module__], "create_causal_mask")
+    make = sys.modules[type(layer).__module__].create_causal_mask
     return make(config=config, inputs_embeds=h, attention_mask=None, past_key_values=None, position_ids=pos)
 
 
@@ -104,8 +104,8 @@ def pipeline_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
                 + [(f"layers.{i}", _HFBlock(b, model.config, m.rotary_emb)) for i, b in enumerate(m.layers)]
                 + [("head", _Head(m.norm, model.lm_head))])
     raise ValueError(f"cannot split a {kind} into pipeline stages: use nn.Sequential, shardwise's MLP or GPT, "
-                     "GPT2LMHeadModel, LlamaForCausalLM or MixtralForCausalLM, or give the model a pipeline_layers() method "
-                     "returning [(name, module)] whose composition is its forward")
+                     "GPT2LMHeadModel, LlamaForCausalLM or MixtralForCausalLM, or give the model a pipeline_layers() "
+                     "method returning [(name, module)] whose composition is its forward")
 
 
 WHOLE = "(whole model)"

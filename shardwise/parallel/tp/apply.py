@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 from shardwise.comm import Comm
-from shardwise.parallel.tp.sequence_parallel import apply_sequence_parallel, sequence_layout
 from shardwise.parallel.dp.sharding import clip_global_norm
 from shardwise.parallel.tp.layers import (
     ColumnParallelLinear,
@@ -56,6 +55,7 @@ from shardwise.parallel.tp.plans import (
     plan_for,
     resolve_plan,
 )
+from shardwise.parallel.tp.sequence_parallel import apply_sequence_parallel, sequence_layout
 
 
 # ---- applying a plan -----------------------------------------------------------
@@ -180,4 +180,6 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, tp: Comm | 
                             [(tp, "tp.clip"), (pp, "pp.clip")], device)
 
 
-__all__ = ["Plan", "SequenceLayout", "Style", "STYLES", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "apply_tp", "plan_for", "gpt_plan", "gpt2_plan", "llama_plan", "mlp_plan", "gather_state", "clip_grad_norm_", "counts_in_norm", "gather_tensor", "tp_spec"]
+__all__ = ["Plan", "SequenceLayout", "Style", "STYLES", "ColumnParallelLinear", "RowParallelLinear",
+           "VocabParallelEmbedding", "apply_tp", "plan_for", "gpt_plan", "gpt2_plan", "llama_plan", "mlp_plan",
+           "gather_state", "clip_grad_norm_", "counts_in_norm", "gather_tensor", "tp_spec"]

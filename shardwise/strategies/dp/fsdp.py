@@ -52,8 +52,8 @@ from shardwise.dims import DP, ParallelDims
 from shardwise.layout import RunLayout
 from shardwise.parallel.dp.fsdp_module import FSDPModule
 from shardwise.parallel.dp.fsdp_units import WrapPolicy
-from shardwise.parallel.parallelize import DataParallelOptions
 from shardwise.parallel.dp.zero import check_offload
+from shardwise.parallel.parallelize import DataParallelOptions
 from shardwise.step import unwrap
 from shardwise.strategies.dp.family import DataParallel
 

@@ -70,11 +70,12 @@ from shardwise.checkpoint.held import Held, named_state
 from shardwise.comm.topology import Topology
 from shardwise.dims import DP, DP_CP, DP_SHARD, PP, TP
 from shardwise.layout import RunLayout
-from shardwise.parallel.accounting import with_optimizer_states
-from shardwise.parallel.dp.threaded import DataParallelModule
-from shardwise.parallel.dp.fsdp_units import unit_modules
 from shardwise.optim.param_groups import GroupedFactory
+from shardwise.parallel.accounting import with_optimizer_states
 from shardwise.parallel.cp.torch_cp import TorchContextParallel, cp_mesh, dp_shard_cp_mesh
+from shardwise.parallel.dp.fsdp_units import unit_modules
+from shardwise.parallel.dp.sharding import clip_global_norm
+from shardwise.parallel.dp.threaded import DataParallelModule
 from shardwise.parallel.dp.torch_dp import (
     composed_mesh,
     dp_mesh,
@@ -83,6 +84,7 @@ from shardwise.parallel.dp.torch_dp import (
     torch_ddp,
     zero_redundancy,
 )
+from shardwise.parallel.dp.torch_meta import init_meta
 from shardwise.parallel.dtensor import (
     dim0_run,
     full,
@@ -90,9 +92,8 @@ from shardwise.parallel.dtensor import (
 )
 from shardwise.parallel.pp.build import PipelineModel, build_pipeline, exchange_stages
 from shardwise.parallel.pp.schedules import schedule_facts, shape_of
-from shardwise.parallel.dp.sharding import clip_global_norm
-from shardwise.parallel.dp.torch_meta import init_meta
 from shardwise.parallel.pp.torch_pp import TorchPipeline, ddp_chunks, fsdp_chunks, torch_schedule_refusal
+from shardwise.parallel.tp.plans import Plan, resolve_plan
 from shardwise.parallel.tp.torch_tp import (
     apply_torch_tp,
     clip_grad_norm_,
@@ -101,12 +102,12 @@ from shardwise.parallel.tp.torch_tp import (
     tp_mesh,
     tp_slice,
 )
-from shardwise.parallel.tp.plans import Plan, resolve_plan
 from shardwise.step import LossFn, OptimizerFactory, StepRun, unwrap
 from shardwise.strategies.base import SplitsModel, Strategy
 from shardwise.strategies.dp.family import on_meta
 from shardwise.strategies.parallel import unsplit_named
 from shardwise.torch_private import forget_dtensor_plans
+
 
 @dataclass
 class TorchEngine(Strategy):
@@ -383,9 +384,9 @@ class TorchPP(TorchDTensors, SplitsModel):
     the same stages, names and tied copies), each chunk a torch ``PipelineStage`` run by torch's schedule for
     ours. torchtitan's order within a stage: tp (``parallelize_module`` on the stage's modules), then over dp
     torch's DDP (``zero=0``; ``zero=1``: ``ZeroRedundancyOptimizer`` over each stage's dp ranks) or FSDP2
-    (``zero=3``; ``zero=2`` without resharding after the forward). What reads the split model (parameter groups, evaluation's
-    forward) is our PP's, on the same model; the full state, the checkpoint's keys and clipping by the global
-    norm read its DTensors."""
+    (``zero=3``; ``zero=2`` without resharding after the forward). What reads the split model (parameter groups,
+    evaluation's forward) is our PP's, on the same model; the full state, the checkpoint's keys and clipping by the
+    global norm read its DTensors."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

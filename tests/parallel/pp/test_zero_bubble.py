@@ -29,11 +29,11 @@ from shardwise.parallel.pp.placement import Placement
 from shardwise.parallel.pp.schedules import (
     PASS_COSTS,
     Action,
+    _dualpipev_order,
+    _zbv_order,
     bubble_fraction,
     check_message_order,
     default_chunks,
-    _dualpipev_order,
-    _zbv_order,
     dualpipev,
     get_schedule,
     peak_in_flight,
