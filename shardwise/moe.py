@@ -55,6 +55,9 @@ class Router(nn.Module):
     (:meth:`update_bias`), so the update is the single-device one.
     """
 
+    bias: torch.Tensor  # buffers, registered when bias_update_rate > 0
+    load: torch.Tensor
+
     def __init__(self, hidden: int, n_experts: int, top_k: int, score: str = "softmax",
                  bias_update_rate: float = 0.0) -> None:
         super().__init__()
@@ -134,12 +137,12 @@ class _AuxGrad(torch.autograd.Function):
     """Identity on ``out``; in backward, ``scale`` as the gradient of ``aux`` (the loss enters only there)."""
 
     @staticmethod
-    def forward(ctx: Any, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale, ctx.aux_shape = scale, aux.shape
         return out.view_as(out)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         return grad, torch.full(ctx.aux_shape, ctx.scale, dtype=grad.dtype, device=grad.device), None
 
 

@@ -82,7 +82,7 @@ def torch_fsdp_tp(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Te
             "attn.q": dtensor_tp.ColwiseParallel(), "attn.k": dtensor_tp.ColwiseParallel(),
             "attn.v": dtensor_tp.ColwiseParallel(), "attn.proj": dtensor_tp.RowwiseParallel(),
             "mlp.fc1": dtensor_tp.ColwiseParallel(), "mlp.fc2": dtensor_tp.RowwiseParallel()})
-        block.attn.n_head //= tp  # type: ignore[operator]  # local heads, as torchtitan adjusts n_heads
+        block.attn.n_head //= tp  # local heads, as torchtitan adjusts n_heads
     for block in model.blocks:  # type: ignore[union-attr]
         fully_shard(block, mesh=mesh[DP], reshard_after_forward=True)
     fully_shard(model, mesh=mesh[DP], reshard_after_forward=True)

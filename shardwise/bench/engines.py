@@ -124,7 +124,7 @@ def shown(strategy: str | Strategy) -> str:
     field, some 300 characters for ``Parallel``)."""
     if isinstance(strategy, str):
         return repr(strategy)
-    fields = [f for f in dataclasses.fields(strategy) if f.default is not dataclasses.MISSING]  # type: ignore[arg-type]
+    fields = [f for f in dataclasses.fields(strategy) if f.default is not dataclasses.MISSING]
     set_ = [f"{f.name}={getattr(strategy, f.name)!r}" for f in fields if getattr(strategy, f.name) != f.default]
     return f"{type(strategy).__name__}({', '.join(set_)})"
 

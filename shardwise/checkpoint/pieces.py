@@ -185,7 +185,7 @@ class LoadPlanner(DefaultLoadPlanner):
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         found = _lookup(self.state_dict, index)
-        return found if found is not None else super().lookup_tensor(index)  # type: ignore[no-any-return]
+        return found if found is not None else super().lookup_tensor(index)
 
 
 def build_state(held: Sequence[Held], shapes: dict[str, list[int]], tp_rank: int = 0,

@@ -544,7 +544,7 @@ def export(path: str, out_file: str | None = None, *, check: bool = True) -> dic
     sd: dict[str, torch.Tensor] = {}
     for k in manifest["shapes"]:
         md = stored[f"model.{k}"]
-        sd[k] = torch.empty(md.size, dtype=md.properties.dtype)  # type: ignore[union-attr]
+        sd[k] = torch.empty(md.size, dtype=md.properties.dtype)
     with _quiet_single_process():
         dcp.load({f"model.{k}": v for k, v in sd.items()}, checkpoint_id=path, no_dist=True)
     for alias, name in manifest.get("aliases", {}).items():

@@ -45,7 +45,7 @@ def accelerator_name(accelerator: str) -> str:
     name = ACCELERATOR_ALIASES.get(name, name)
     if name not in ACCELERATORS:
         raise ValueError(f"unknown accelerator {accelerator!r}; valid: 'auto', 'cpu', 'cuda'")
-    return name  # type: ignore[no-any-return]
+    return name
 
 
 def uses_cuda(accelerator: str) -> bool:

@@ -103,7 +103,7 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
     with opened_log(job, topo, shapes, len(prev)) as log, \
             progress_bar(rank0 and want_progress(t.progress), job.max_steps) as advance, \
             recording(Scalars()) as logged, prof:
-        advance.skip(len(prev))  # type: ignore[attr-defined]
+        advance.skip(len(prev))
         for step in range(len(prev), end):
             prof.step_start(step)
             logged.clear()  # sw.log's values of this step

@@ -23,6 +23,7 @@ import datetime as _dt
 import functools
 import os
 import sys
+import types
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -76,7 +77,7 @@ def _under_torch_compile() -> bool:
     """Whether this call came through a ``torch.compile`` wrapper (an ``OptimizedModule``, a compiled function):
     dynamo's frame evaluation is on the stack. Dynamo cannot trace this check, so it runs it eagerly; that is how a
     refusal from inside a compiled call reaches the caller instead of becoming a graph break."""
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_globals.get("__name__") == "torch._dynamo.eval_frame":
             return True
@@ -109,6 +110,15 @@ def _load_errors(model: str, missing: list[str], unexpected: list[str]) -> str:
 
 class Prepared(nn.Module):
     """What :func:`setup` returns: the strategy's model, with the strategy, topology and precision."""
+
+    # Declared for type checkers: __init__ puts them in the instance __dict__, past nn.Module.__setattr__.
+    strategy: Strategy
+    topo: Topology
+    precision: str
+    shapes: dict[str, list[int]]
+    aliases: dict[str, str]
+    scaled: ScaledOptimizer | None
+    optimizer: torch.optim.Optimizer | None
 
     def __init__(self, inner: nn.Module, strategy: Strategy, topo: Topology, precision: str,
                  shapes: dict[str, list[int]], aliases: dict[str, str]) -> None:
@@ -204,7 +214,7 @@ class Prepared(nn.Module):
             full.setdefault(alias, full[name])
         return full
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,  # type: ignore[override]
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> Any:
         """Copy a full state dict of the bare model (``model.state_dict()``'s, or the bare model's own before
         ``sw.setup``) into what this rank holds of every tensor, under any strategy; the optimizer is untouched.
@@ -339,7 +349,7 @@ def _refuse_bare_state_dict(strategy: str, holds: str, module: nn.Module, prefix
     """The bare model's ``state_dict()`` called from a user's code (a callback, a closure) after ``sw.setup``
     sharded or split it: refused with the fix. Its own calls from shardwise (the full state dict, checkpoints)
     gather what they need and pass."""
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_globals.get("__name__", "").startswith("torch."):
         frame = frame.f_back  # nn.Module.state_dict's own frames (it recurses into submodules)
     if prefix or (frame is not None and frame.f_globals.get("__name__", "").startswith("shardwise.")):

@@ -27,11 +27,11 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
 
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
-    @property  # type: ignore[override]
+    @property
     def state(self) -> Any:
         return self.optimizer.state
 

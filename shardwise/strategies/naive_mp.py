@@ -53,7 +53,7 @@ class NaiveMP(Strategy, SplitsModel, OwnDevices):
 
     def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
                    topo: Topology, run: StepRun = StepRun()) -> torch.Tensor | None:
-        out_dev = model.output_device  # type: ignore[union-attr]
+        out_dev = model.output_device
         k = len(micro_batches)
         total: torch.Tensor | float = 0.0
         for x, y in micro_batches:

@@ -221,13 +221,13 @@ class _Sleep(torch.autograd.Function):
     """A layer of known cost: sleeps ``t_f`` in forward and ``t_b`` in backward (no CPU used)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, t_f: float, t_b: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, t_f: float, t_b: float) -> torch.Tensor:
         time.sleep(t_f)
         ctx.t_b = t_b
         return x * 1.0
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         time.sleep(ctx.t_b)
         return g, None, None
 

@@ -150,7 +150,7 @@ def apply_context_parallel(model: nn.Module, cp: ContextParallel) -> nn.Module:
     """Switch ``model``'s attention to ``cp``'s and pass its tokens' positions, in place (module docstring)."""
     ours = [m for m in model.modules() if isinstance(m, Attention)]
     for m in ours:
-        m.attend = cp.attend  # type: ignore[method-assign]
+        m.attend = cp.attend
     theirs = hf_attention_modules(model)
     for m in theirs:
         m.shardwise_cp = cp

@@ -149,7 +149,7 @@ class WatchedParameter(nn.Parameter):
     gradient; the wrapper's own clears, inside backward, are not a user's.
     """
 
-    @property  # type: ignore[override]
+    @property
     def grad(self) -> torch.Tensor | None:
         return _TENSOR_GRAD.__get__(self)  # type: ignore[no-any-return]
 
@@ -169,7 +169,7 @@ def drop_grad(p: torch.Tensor) -> None:
 
 def watch_clears(params: Iterable[nn.Parameter], forget: Callable[[nn.Parameter], None]) -> None:
     """Make ``params`` (plain Parameters) tell ``forget`` when a loop sets their gradient to None (weakly held)."""
-    ref = weakref.WeakMethod(forget)  # type: ignore[arg-type]
+    ref = weakref.WeakMethod(forget)
     for p in params:
         if type(p) is nn.Parameter:
             p.__class__ = WatchedParameter

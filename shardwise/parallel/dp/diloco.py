@@ -139,7 +139,7 @@ class DiLoCoOptimizer(WrappedOptimizer):
         self.owner = getattr(optimizer, "owner", None)  # (ZeRO's wrapper, whose gradients finish at its step)
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = self.optimizer.step(closure)  # type: ignore[func-returns-value]
+        loss = self.optimizer.step(closure)
         self.loop.inner_step_done()
         return loss
 

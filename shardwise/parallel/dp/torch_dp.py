@@ -96,7 +96,7 @@ def zero_redundancy(base: torch.optim.Optimizer, topo: Topology) -> torch.optim.
 
     groups = [{**g, "params": list(g["params"])} for g in base.param_groups]
     zero = ZeroRedundancyOptimizer(groups, optimizer_class=type(base), process_group=topo.group(DP))
-    zero.state = zero.optim.state  # type: ignore[has-type]
+    zero.state = zero.optim.state
     return zero
 
 

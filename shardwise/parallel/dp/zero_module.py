@@ -244,7 +244,7 @@ class ZeROModule(GradSync, nn.Module):
         self._reduced = False
 
     def forget_grad(self, p: nn.Parameter) -> None:
-        b = self._where.get(p)  # type: ignore[union-attr]
+        b = self._where.get(p)
         if self.stage == 2 and b is not None and b.grad_shard is not None:
             forget_piece(b.params, b.shards, b.cleared, p, lambda: self._set_shard_grads(b, None))
 

@@ -213,7 +213,7 @@ class PipelineModel(nn.Module):
 
     def stage(self, chunk: int) -> PipelineStage:
         c = self.chunks[chunk]
-        return getattr(c, "module", c)  # type: ignore[no-any-return]
+        return getattr(c, "module", c)
 
     @property
     def is_last(self) -> bool:

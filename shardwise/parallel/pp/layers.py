@@ -93,16 +93,18 @@ def pipeline_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
                 + [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
                 + [("head", _Head(model.ln_f, model.head))])
     kind = type(model).__name__
+    hf: Any = model  # a Hugging Face model, read by the attribute names of its own modeling file
+    layers: list[tuple[str, nn.Module]]
     if kind == "GPT2LMHeadModel":
-        t = model.transformer
-        return ([("embed", _GPT2Embed(t.wte, t.wpe, t.drop))]
-                + [(f"h.{i}", _HFBlock(b, model.config)) for i, b in enumerate(t.h)]
-                + [("head", _Head(t.ln_f, model.lm_head))])
+        t = hf.transformer
+        layers = [("embed", _GPT2Embed(t.wte, t.wpe, t.drop))]
+        return (layers + [(f"h.{i}", _HFBlock(b, hf.config)) for i, b in enumerate(t.h)]
+                + [("head", _Head(t.ln_f, hf.lm_head))])
     if kind in ("LlamaForCausalLM", "MixtralForCausalLM"):  # Mixtral: Llama's layout, experts as its MLP
-        m = model.model
+        m = hf.model
         return ([("embed", m.embed_tokens)]
-                + [(f"layers.{i}", _HFBlock(b, model.config, m.rotary_emb)) for i, b in enumerate(m.layers)]
-                + [("head", _Head(m.norm, model.lm_head))])
+                + [(f"layers.{i}", _HFBlock(b, hf.config, m.rotary_emb)) for i, b in enumerate(m.layers)]
+                + [("head", _Head(m.norm, hf.lm_head))])
     raise ValueError(f"cannot split a {kind} into pipeline stages: use nn.Sequential, shardwise's MLP or GPT, "
                      "GPT2LMHeadModel, LlamaForCausalLM or MixtralForCausalLM, or give the model a pipeline_layers() "
                      "method returning [(name, module)] whose composition is its forward")

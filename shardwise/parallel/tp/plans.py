@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -145,14 +146,14 @@ _HIDDEN = "the MLP's hidden features are split evenly over the ranks"
 
 
 def _check_gpt(model: nn.Module, tp: int) -> None:
-    c = model.cfg  # type: ignore[attr-defined]
+    c: Any = model.cfg  # shardwise's GPT: its GPTConfig
     _divisible("n_head", c.n_head, tp, _HEADS)
     _divisible("MLP hidden size 4*n_embd", 4 * c.n_embd, tp, _HIDDEN)
     _divisible("vocab_size", c.vocab_size, tp, _VOCAB)
 
 
 def _check_hf(model: nn.Module, tp: int) -> None:
-    c = model.config  # type: ignore[attr-defined]
+    c: Any = model.config  # a Hugging Face PretrainedConfig
     _divisible("num_attention_heads", c.num_attention_heads, tp, _HEADS)
     kv = getattr(c, "num_key_value_heads", None)
     if kv is not None:

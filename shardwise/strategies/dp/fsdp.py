@@ -122,7 +122,7 @@ class FSDP(DataParallel):
             return {}
         out: dict[str, torch.Tensor] = {}
         for k, v in unwrap(model).state_dict(keep_vars=True).items():
-            out[k] = full[v].clone() if v in full else v.detach().cpu().clone()  # type: ignore[index]
+            out[k] = full[v].clone() if v in full else v.detach().cpu().clone()
         return out
 
 
