@@ -252,13 +252,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _verb(sub: argparse._SubParsersAction, name: str, help: str, description: str | None = None
+def _verb(sub: argparse._SubParsersAction, name: str, help: str, description: str | None = None  # type: ignore[type-arg]
           ) -> argparse.ArgumentParser:
     """A verb whose ``--help`` opens with what it does (the one-line help, or a longer description); it takes
     ``--traceback`` after the verb too."""
     verb = sub.add_parser(name, help=help, description=description or help[:1].upper() + help[1:] + ".")
     verb.add_argument("--traceback", action="store_true", default=argparse.SUPPRESS, help=TRACEBACK_HELP)
-    return verb
+    return verb  # type: ignore[no-any-return]
 
 
 def _torch_version() -> str:

@@ -73,7 +73,7 @@ class OwnInit:
             for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
                 t.zero_()
         if hasattr(m, "reset_parameters"):  # the module's own (an adapter's), before the model's generic one
-            m.reset_parameters()
+            m.reset_parameters()  # type: ignore[operator]
         elif self.hf is not None:
             self.hf(m)
 
@@ -122,7 +122,7 @@ def before_setup(init: InitFrom | None, model: nn.Module, strategy: Checkpointed
         return dataclasses.replace(strategy, param_init_fn=strategy.param_init_fn
                                    or OwnInit(model, _loaded(init, model)))
     if isinstance(strategy, TorchFSDP) and isinstance(strategy.of, FSDP):  # FSDP2 too, sharded on meta first
-        return dataclasses.replace(strategy, of=before_setup(init, model, strategy.of, topo))
+        return dataclasses.replace(strategy, of=before_setup(init, model, strategy.of, topo))  # type: ignore[arg-type]
     if topo.size(DP_CP) > 1 or getattr(strategy, "zero", 0) == 3:  # (sw.Parallel's FSDP splits real tensors)
         materialize(model, topo.device, OwnInit(model))
     return strategy

@@ -129,8 +129,8 @@ class Experts(nn.Module):
 
 def expert_mlp(experts: nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
     """Expert ``e`` (an index into the module's own weights) of a Mixtral-shaped experts module on rows ``x``."""
-    gate, up = F.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
-    return F.linear(experts.act_fn(gate) * up, experts.down_proj[e])
+    gate, up = F.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)  # type: ignore[index]
+    return F.linear(experts.act_fn(gate) * up, experts.down_proj[e])  # type: ignore[index,operator]
 
 
 class _AuxGrad(torch.autograd.Function):
@@ -165,7 +165,7 @@ class MoE(nn.Module):
         if self.aux_loss_coef and torch.is_grad_enabled() and self.training:
             aux = self.aux_loss(probs, index)
             out = _AuxGrad.apply(out, aux, self.aux_loss_coef * self.aux_grad_scale)
-        return out.view_as(x)
+        return out.view_as(x)  # type: ignore[no-any-return]
 
     def after_optimizer_step(self) -> None:
         """The auxiliary-loss-free bias update (when on), with the step's loads counted over ``token_group``."""

@@ -156,9 +156,9 @@ def recomputing() -> bool:
 def memory_records(prof: torch.profiler.profile) -> list[int]:
     """The size of every allocation (> 0) and free (< 0) the stopped profiler ``prof`` recorded
     (``profile_memory=True``), in time order: its ``[memory]`` events, which have a size and no duration."""
-    events = prof.profiler.kineto_results.events() if prof.profiler is not None else []
+    events = prof.profiler.kineto_results.events() if prof.profiler is not None else []  # type: ignore[union-attr]
     memory = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
-    return [e.nbytes() for e in memory]
+    return [e.nbytes() for e in memory]  # type: ignore[union-attr]
 
 
 # ---- kernels and classes -----------------------------------------------------------------------------

@@ -56,7 +56,7 @@ from shardwise.workloads import gpt, mlp1024
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 MLP, GPT_ = "MLP", "GPT"  # the workloads' labels (rows of the table)
-Made = tuple[nn.Module, Dataset, Callable[..., torch.Tensor]]  # (model, training data, loss function)
+Made = tuple[nn.Module, Dataset, Callable[..., torch.Tensor]]  # type: ignore[type-arg]  # (model, training data, loss function)
 
 
 def _mlp() -> Made:

@@ -239,7 +239,7 @@ def write_safetensors(path: str, file: str) -> None:
             t = torch.empty(shape, dtype=stored[f"model.{k}"].properties.dtype)
             with store._quiet_single_process():
                 dcp.load({f"model.{k}": t}, checkpoint_id=path, no_dist=True)
-            f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
 
 
 __all__ = ["CHUNK_BYTES", "Source", "Stored", "header", "load", "match", "open_source", "read_box",

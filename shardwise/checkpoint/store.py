@@ -170,7 +170,7 @@ def materialize(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """
     inner = optimizer
     while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer) and getattr(inner, "keeps_state", True):
-        inner = inner.optimizer
+        inner = inner.optimizer  # type: ignore[attr-defined]
     if not getattr(inner, "keeps_state", True):
         return
     # Frozen parameters never get a gradient, so training gives them no state either.
@@ -505,7 +505,7 @@ def resumed_hyper(manifest: dict[str, Any], run: dict[str, Any] | None) -> list[
     was = [g["hyper"] for g in manifest.get("run", {}).get("optimizer", {}).get("groups", [])]
     now = [g["hyper"] for g in (run or {}).get("optimizer", {}).get("groups", [])]
     if len(was) != len(saved) or len(now) != len(saved):
-        return saved
+        return saved  # type: ignore[no-any-return]
     return [{k: v for k, v in g.items() if w.get(k) == n.get(k)} for g, w, n in zip(saved, was, now)]
 
 

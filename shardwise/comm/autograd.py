@@ -294,7 +294,7 @@ def all_reduce_grad(p: torch.Tensor, comm: Comm, name: str) -> RemovableHandle:
     def hook(grad: torch.Tensor) -> torch.Tensor:
         return _all_reduce(grad, comm, name)
 
-    return p.register_hook(hook)
+    return p.register_hook(hook)  # type: ignore[no-any-return]
 
 
 def copy_to_parallel(x: torch.Tensor, comm: Comm, name: str = "tp.f") -> torch.Tensor:

@@ -122,7 +122,7 @@ def distinct_colors(n: int) -> list[Any]:
     halves, then evenly spaced hues."""
     import matplotlib
 
-    base = list(matplotlib.colormaps["tab10"].colors) + list(matplotlib.colormaps["tab20"].colors[1::2])
+    base = list(matplotlib.colormaps["tab10"].colors) + list(matplotlib.colormaps["tab20"].colors[1::2])  # type: ignore[attr-defined]
     if n <= len(base):
         return base[:n]
     hsv = matplotlib.colormaps["hsv"]

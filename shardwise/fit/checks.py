@@ -276,7 +276,7 @@ def check_fit_options(trainer: FitOptions, model: nn.Module, loss_fn: LossFn | N
     val = make_validation(val_data, val_every, val_metrics, val_batch_size, checkpoint_best, batch_size,
                           trainer.checkpoint_dir, strat)
     if val is not None and not launch.follower():  # runs the model on meta: rank 0's verdict is every rank's
-        check_validation(model, loss_fn, val)
+        check_validation(model, loss_fn, val)  # type: ignore[arg-type]
     for cb in trainer.callbacks:
         if hasattr(cb, "check"):
             cb.check(val.names if val is not None else [])

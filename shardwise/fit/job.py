@@ -141,7 +141,7 @@ class Job:
         if backend is not None:  # before the strategy's wrappers; traced at the first step, with its layers in
             compile_blocks(self.model, backend, fresh=True)
         grouped = GroupedFactory(self.optimizer_fn, self.groups)
-        model, opt = before_setup(self.init, self.model, strat, topo).setup(self.model, grouped, topo)
+        model, opt = before_setup(self.init, self.model, strat, topo).setup(self.model, grouped, topo)  # type: ignore[attr-defined]
         after_setup(self.init, model, topo, self.model)
         grouped.finish(strat.param_names(model))
         # Built on every rank at this point: a save in the background creates its own group here (a collective).
@@ -179,7 +179,7 @@ class Job:
             losses = [0.0] * (self.max_steps - len(prev))  # a server owns no loss: zeros in the all-reduce
             state_bytes = count_state(strat, model, opt)
         else:
-            losses, times, state_bytes = train_loop(self, model, opt, topo, prev, shapes, extra)
+            losses, times, state_bytes = train_loop(self, model, opt, topo, prev, shapes, extra)  # type: ignore[arg-type]
         self._saves_finished(topo)  # the end of the fit waits for a save in flight
         steps_run = max(1, len(losses))
         train_sent = topo.stats.sent - sent_after_setup
@@ -271,7 +271,7 @@ class Job:
         replace the checkpoint directory and the run record."""
         t = self.options
         so_far = prev + global_losses(losses, t.strategy, topo)
-        return checkpoint.prepare(directory or t.checkpoint_dir, done, so_far, t.strategy, model, opt,  # type: ignore
+        return checkpoint.prepare(directory or t.checkpoint_dir, done, so_far, t.strategy, model, opt,  # type: ignore[arg-type]
                                   topo, shapes, keep=t.checkpoint_keep if directory is None else None,
                                   aliases=self.aliases, run=run or self.info, extra=extra,
                                   callbacks=callback_states(t.callbacks), loggers=self.logger_refs)
@@ -340,7 +340,7 @@ class Job:
         t, val = self.options, self.validation
         assert val is not None
         with recording(Scalars()) as logged:  # sw.log during validation: the row's val/<name>
-            metrics = evaluate(model, t.strategy, val, self.loss_fn, topo, StepRun(t.precision), seed=t.seed)
+            metrics = evaluate(model, t.strategy, val, self.loss_fn, topo, StepRun(t.precision), seed=t.seed)  # type: ignore[arg-type]
         mine = Reducer(topo).reduce(logged) if t.step_rows else {}
         before = list(self.history)
         self.history.append({"step": done, **metrics})
@@ -382,7 +382,7 @@ def hf_output_capture(model: nn.Module) -> None:
     except ImportError:  # an older transformers: no registry, nothing lost in pickling
         return
     for m in theirs:
-        _CAN_RECORD_REGISTRY[m] = m._can_record_outputs
+        _CAN_RECORD_REGISTRY[m] = m._can_record_outputs  # type: ignore[assignment,index]
 
 
 def resume_line(path: str | None, done: int, max_steps: int) -> str:

@@ -227,7 +227,7 @@ def auto_devices(strategy: Strategy, accelerator: str) -> int:
             strategy.layout(d)
         except ValueError:
             continue
-        return d
+        return d  # type: ignore[no-any-return]
     return first
 
 

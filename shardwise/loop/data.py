@@ -50,7 +50,7 @@ def _group(model: nn.Module | None) -> tuple[Comm | None, int, int]:
 
 def prepare_dataloader(dataset: Any, batch_size: int | None = None, model: nn.Module | None = None,
                        shuffle: bool | None = None, seed: int = 0, drop_last: bool | None = None,
-                       device: torch.device | str | None = None, **loader_kwargs: Any) -> DataLoader:
+                       device: torch.device | str | None = None, **loader_kwargs: Any) -> DataLoader:  # type: ignore[type-arg]
     """A DataLoader that gives this rank its part of every GLOBAL batch of ``batch_size`` samples, on its device.
 
     Each data-parallel replica (of ``model``'s layout; every rank without a model) reads ``batch_size /
@@ -85,7 +85,7 @@ def prepare_dataloader(dataset: Any, batch_size: int | None = None, model: nn.Mo
     where = torch.device(device) if device is not None else \
         (model.topo.device if isinstance(model, Prepared) else torch.device("cpu"))
     loader_kwargs.setdefault("pin_memory", where.type == "cuda")
-    sampler = DistributedSampler(dataset, num_replicas=size, rank=rank, shuffle=shuffle, seed=seed,
+    sampler = DistributedSampler(dataset, num_replicas=size, rank=rank, shuffle=shuffle, seed=seed,  # type: ignore[var-annotated]
                                  drop_last=drop_last)
     return DeviceLoader(dataset, batch_size=batch_size // size, sampler=sampler, drop_last=drop_last, device=where,
                         **loader_kwargs)
@@ -96,7 +96,7 @@ _ITERABLE = ("prepare_dataloader() of an IterableDataset: its samples come as a 
              "(with __getitem__ and __len__), or shard the stream yourself by the rank's data-parallel coordinate")
 
 
-def _from_loader(loader: DataLoader, batch_size: int | None, shuffle: bool | None, drop_last: bool | None,
+def _from_loader(loader: DataLoader, batch_size: int | None, shuffle: bool | None, drop_last: bool | None,  # type: ignore[type-arg]
                  given: dict[str, Any]) -> tuple[Any, int, bool, bool, dict[str, Any]]:
     """What a DataLoader passed to :func:`prepare_dataloader` says: its dataset, global batch, order, drop_last
     and the options it carries over (``given`` ones win)."""
@@ -134,7 +134,7 @@ class _Batch:
 _LAST: dict[str, _Batch] = {}  # "batch": the batch any prepared loader yielded last in this process
 
 
-class DeviceLoader(DataLoader):
+class DeviceLoader(DataLoader):  # type: ignore[type-arg]
     """A DataLoader whose batches come on ``device`` (tensors nested in tuples, lists, dicts); it records where
     in the epoch each batch lies, for :func:`gather_for_metrics`."""
 

@@ -226,7 +226,7 @@ class Prepared(nn.Module):
         if strict and (missing or unexpected):
             raise RuntimeError(_load_errors(type(unwrap(self.module)).__name__, missing, unexpected))
         _, pieces = checkpoint._dcp()
-        held = [h for h in self.strategy.checkpoint_held(self.module, self.optimizer, self.topo)
+        held = [h for h in self.strategy.checkpoint_held(self.module, self.optimizer, self.topo)  # type: ignore[arg-type]
                 if h.key.startswith("model.") and h.key[len("model."):] in full]
         state = pieces.build_state(held, self.shapes, self.topo.coord(TP), self.topo.size(TP))
         with torch.no_grad():
@@ -249,7 +249,7 @@ class Prepared(nn.Module):
         optimizer steps, which is torch's element-wise clamp of the averaged gradients (fp16: unscaled first)."""
         if self.scaled is not None:
             self.scaled.unscale_()
-        self.strategy.clip_grad_value(self.module, self.optimizer, clip_value, self.topo)
+        self.strategy.clip_grad_value(self.module, self.optimizer, clip_value, self.topo)  # type: ignore[arg-type]
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm (every shard, every replica counted once) to ``max_norm`` (fp16: of the
@@ -322,7 +322,7 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
     if backend is not None:
         compile_blocks(model, backend)  # before the strategy's wrappers, names unchanged
     grouped = GroupedFactory(optimizer_fn, groups)
-    inner, opt = before_setup(weights, model, strat, topo).setup(model, grouped, topo)
+    inner, opt = before_setup(weights, model, strat, topo).setup(model, grouped, topo)  # type: ignore[attr-defined]
     grouped.finish(strat.param_names(inner))
     after_setup(weights, inner, topo, model)
     if weights is not None:
@@ -330,7 +330,7 @@ def setup(model: nn.Module, optimizer_fn: OptimizerFactory, strategy: str | Stra
     prepared = Prepared(inner, strat, topo, precision, shapes, aliases)
     if precision == "16-mixed":
         world_sum = functools.partial(topo.comm("world").all_reduce, name="loop.overflow")
-        opt = prepared.__dict__["scaled"] = ScaledOptimizer(opt, precision_mod.LossScaler(), world_sum)
+        opt = prepared.__dict__["scaled"] = ScaledOptimizer(opt, precision_mod.LossScaler(), world_sum)  # type: ignore[arg-type]
     prepared.__dict__["optimizer"] = opt
     for m in inner.modules():
         if isinstance(m, GradSync):

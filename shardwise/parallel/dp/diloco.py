@@ -158,7 +158,7 @@ def each_piece(local: list[torch.Tensor], view: torch.Tensor) -> tuple[int, int]
             continue
         offset = view.storage_offset() - p.storage_offset()
         if 0 <= offset < max(1, p.numel()):
-            return i, offset
+            return i, offset  # type: ignore[return-value]
     return None
 
 

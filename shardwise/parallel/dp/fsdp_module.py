@@ -317,9 +317,9 @@ class FSDPModule(_Reduction, nn.Module):
                 raise ValueError(f"FSDP unit '{names[id(m)]}' holds expert-parallel and dense parameters; the "
                                  "experts module must be a unit of its own (the default wrap makes it one)")
             group = self.expert_comm if self.expert_comm is not None and all(experts) else self.comm
-            u = _Unit(len(units), names[id(m)], params, group, self.how)
-            self._module_of[u.index] = m
-            units.append(u)
+            u = _Unit(len(units), names[id(m)], params, group, self.how)  # type: ignore[assignment]
+            self._module_of[u.index] = m  # type: ignore[index]
+            units.append(u)  # type: ignore[arg-type]
         return units
 
     @torch.no_grad()

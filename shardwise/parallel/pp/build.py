@@ -213,7 +213,7 @@ class PipelineModel(nn.Module):
 
     def stage(self, chunk: int) -> PipelineStage:
         c = self.chunks[chunk]
-        return getattr(c, "module", c)
+        return getattr(c, "module", c)  # type: ignore[arg-type]
 
     @property
     def is_last(self) -> bool:
@@ -280,7 +280,7 @@ def build_pipeline(model: nn.Module, topo: Topology, split_points: Sequence[str]
     # for the full state and the checkpoint, as on one device (PipelineModel.sync_copies keeps them equal).
     first_of = {id(c): f for f, c in copies}
     claimed = {k: first_of.get(id(t), t) for k, t in state.items() if id(t) in held}
-    return PipelineModel(stages, r, p, list(state), claimed, my_ties, topo.device, place, copies)
+    return PipelineModel(stages, r, p, list(state), claimed, my_ties, topo.device, place, copies)  # type: ignore[arg-type]
 
 
 def untie_on_rank(model: nn.Module, my_ties: Sequence[tuple[str, str, list[int]]]) -> None:
@@ -312,8 +312,8 @@ def find_ties(model: nn.Module, parts: list[list[tuple[str, nn.Module]]], p: int
     mod_name = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     users: dict[int, list[int]] = {}
     for k, part in enumerate(parts):
-        for prm in {id(x) for _, layer in part for x in layer.parameters()}:
-            users.setdefault(prm, []).append(k)
+        for prm in {id(x) for _, layer in part for x in layer.parameters()}:  # type: ignore[assignment]
+            users.setdefault(prm, []).append(k)  # type: ignore[arg-type]
     out: dict[int, list[tuple[str, str, list[int]]]] = {}
     for pid, ks in sorted(users.items(), key=lambda kv: names.get(kv[0], ["?"])[0]):
         if len(ks) < 2:

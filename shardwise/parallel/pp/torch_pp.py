@@ -88,7 +88,7 @@ def torch_schedule(schedule: str, stages: list[PipelineStage], microbatches: int
                    loss_fn: Callable[[Any, Any], torch.Tensor]) -> _PipelineSchedule:
     """torch's schedule for our ``schedule`` name over this rank's ``stages`` (one: a single-stage schedule)."""
     cls = TORCH_SCHEDULES[schedule]
-    return cls(stages[0] if len(stages) == 1 and cls in (ScheduleGPipe, Schedule1F1B) else stages,  # type: ignore[arg-type]
+    return cls(stages[0] if len(stages) == 1 and cls in (ScheduleGPipe, Schedule1F1B) else stages,  # type: ignore[arg-type,misc]
                n_microbatches=microbatches, loss_fn=loss_fn)
 
 

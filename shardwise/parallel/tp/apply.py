@@ -176,7 +176,7 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, tp: Comm | 
     skip = count_elsewhere or set()
     counted = [p.grad for p in ps if counts_in_norm(p, tp, skip)]
     device = every[0].device if every else torch.device("cpu")
-    return clip_global_norm(counted, [p.grad for p in ps], max_norm,  # type: ignore[misc]
+    return clip_global_norm(counted, [p.grad for p in ps], max_norm,  # type: ignore[misc,arg-type]
                             [(tp, "tp.clip"), (pp, "pp.clip")], device)
 
 

@@ -168,8 +168,8 @@ def _fix_gpt2(model: nn.Module, tp: int) -> None:
     # size); each rank now holds hidden/tp of each part.
     for m in model.modules():
         if type(m).__name__ == "GPT2Attention" and isinstance(getattr(m, "c_attn", None), ColumnParallelLinear):
-            m.split_size = m.embed_dim // tp
-            m.num_heads = m.num_heads // tp
+            m.split_size = m.embed_dim // tp  # type: ignore[assignment,operator]
+            m.num_heads = m.num_heads // tp  # type: ignore[assignment,operator]
 
 
 def gpt_plan(moe: bool = False) -> Plan:
@@ -237,9 +237,9 @@ def _fix_bert(model: nn.Module, tp: int) -> None:
     for m in model.modules():
         if type(m).__name__.endswith("SelfAttention") and isinstance(getattr(m, "query", None), ColumnParallelLinear):
             if hasattr(m, "num_attention_heads"):
-                m.num_attention_heads = m.num_attention_heads // tp
+                m.num_attention_heads = m.num_attention_heads // tp  # type: ignore[assignment,operator]
             if hasattr(m, "all_head_size"):
-                m.all_head_size = m.all_head_size // tp
+                m.all_head_size = m.all_head_size // tp  # type: ignore[assignment,operator]
 
 
 def bert_plan(prefix: str = "bert.") -> Plan:
@@ -300,5 +300,5 @@ def resolve_plan(plan: Plan | dict[str, str | Style] | str | None, model: nn.Mod
         table = {"gpt": gpt_plan, "gpt2": gpt2_plan, "llama": llama_plan, "bert": bert_plan}
         if plan not in table:
             raise ValueError(f"unknown built-in plan {plan!r}; valid: auto, {', '.join(table)}")
-        return table[plan]()
+        return table[plan]()  # type: ignore[no-any-return,operator]
     return Plan(dict(plan))

@@ -79,7 +79,7 @@ def _dp_alone(strategy: Strategy) -> bool:
 
 def _data_parallel_row(strategy: Strategy) -> str:
     """The whole-model strategy a ``sw.Parallel`` split by dp alone is: its ``zero`` stage (HSDP with replicas)."""
-    zero, replicate = strategy.zero, strategy.replicate
+    zero, replicate = strategy.zero, strategy.replicate  # type: ignore[attr-defined]
     return {0: "DDP", 1: "ZeRO1", 2: "ZeRO2"}.get(zero, "HSDP" if replicate > 1 else "FSDP")
 
 
