@@ -1,10 +1,10 @@
-# The commands of the README: `make demo`, `make test`, `make test-budget` and `make docs`.
+# The commands of the README: `make demo`, `make test`, `make test-budget`, `make lint` and `make docs`.
 # Each creates .venv when missing and installs what it needs (torch pinned to
 # the CPU build available here; the package with its dev extras).
 PY := .venv/bin/python
 STAMP := .venv/.shardwise-installed
 
-.PHONY: demo test test-fast bench venv clean docs docs-check
+.PHONY: demo test test-fast lint bench venv clean docs docs-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -37,6 +37,13 @@ FAST := tests/plan tests/fit/test_memory_check.py tests/parallel/dp/test_dp.py t
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) $(FAST) -k "not dies_or_hangs"
+
+# ruff (the rules and the format in pyproject.toml's [tool.ruff]) over the tree; mypy over shardwise/ at the
+# strictness of [tool.mypy] (DEVELOPERS.md). Both pinned in the dev extra.
+lint: $(STAMP)
+	.venv/bin/ruff check .
+	# .venv/bin/ruff format --check .   # enabled once the tree is formatted
+	.venv/bin/mypy
 
 # The whole suite with its 15 slowest tests, then its time against the budget (tests/budget_report.py): a
 # report, not a timed test. The log stays in build/ for a second look; pytest's exit status is make's.
@@ -86,4 +93,4 @@ bench: $(STAMP)
 	.venv/bin/shardwise bench
 
 clean:
-	rm -rf .venv build site *.egg-info
+	rm -rf .venv build site *.egg-info .mypy_cache .ruff_cache

@@ -101,7 +101,7 @@ def memory_phases(cfg: GPTConfig, data: RandomTokens, batch: int, device: torch.
             out[name] = torch.cuda.max_memory_allocated(device) if peak else torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
 
-    for step in range(2):
+    for _step in range(2):
         x, y = data.data[:batch, :-1].to(device), data.data[:batch, 1:].to(device)
         mark("before_step", peak=False)
         with torch.autocast(device.type, dtype=torch.bfloat16):

@@ -56,6 +56,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is i
     from shardwise.fit.callbacks import Callback, EarlyStopping
     from shardwise.fit.trainer import FitResult, Trainer
     from shardwise.ft.options import FaultTolerance
+    from shardwise.loop.data import all_reduce_mean, gather, gather_for_metrics, prepare_dataloader
+    from shardwise.loop.output import is_main_process, main_process_first
+    from shardwise.loop.output import print as print  # not in __all__: keeps the built-in under import *
     from shardwise.loop.prepared import (
         Prepared,
         clip_grad_norm_,
@@ -68,8 +71,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is i
         save,
         setup,
     )
-    from shardwise.loop.data import all_reduce_mean, gather, gather_for_metrics, prepare_dataloader
-    from shardwise.loop.output import is_main_process, main_process_first, print
     from shardwise.strategies.base import Strategy
     from shardwise.strategies.dp.ddp import DDP
     from shardwise.strategies.registry import (
@@ -79,7 +80,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is i
         register,
         resolve,
     )
-    from shardwise.loggers.scalars import log
     from shardwise.strategies.single import Single
 
 
@@ -104,8 +104,8 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_PUBLIC, *CLASSES})
 
 
-__all__ = ["Callback", "DDP", "EarlyStopping", "FaultTolerance", "FitResult", "Prepared", "REGISTRY", "Single",
-           "Strategy", "Topology", "Trainer", "all_reduce_mean", "available_strategies", "clip_grad_norm_",
+__all__ = ["CLASSES", "Callback", "DDP", "EarlyStopping", "FaultTolerance", "FitResult", "Prepared", "REGISTRY",
+           "Single", "Strategy", "Topology", "Trainer", "all_reduce_mean", "available_strategies", "clip_grad_norm_",
            "clip_grad_value_", "end_training", "gather", "gather_for_metrics", "init", "is_main_process", "load", "log",
            "main_process_first", "no_sync", "prepare_dataloader", "register", "register_for_checkpointing", "resolve",
            "save", "setup", "teardown", "NaiveMP", "NaiveModelParallel", "ZeRO1", "ZeRO2", "ZeRO3", "FSDP", "HSDP",

@@ -5,8 +5,8 @@ import argparse
 import os
 import sys
 from collections.abc import Mapping
-from typing import NoReturn
 from importlib.metadata import PackageNotFoundError, version
+from typing import NoReturn
 
 # Only torch-free modules here, so that `shardwise --help` answers at once: each command imports what it runs.
 import shardwise.cluster as cluster  # (`from shardwise import cluster` would ask the package, which imports torch)
@@ -244,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex = _verb(cv, "export", "the model as one state dict file, or a from_pretrained directory (Hugging Face)",
                "Write the model of a checkpoint (saved under any strategy and device count) as one plain state "
                "dict file, or as a directory from_pretrained loads (Hugging Face models).")
-    ex.add_argument("dir", metavar="DIR", help="a checkpoint_dir (its newest intact checkpoint) or one step_N directory")
+    ex.add_argument("dir", metavar="DIR",
+                    help="a checkpoint_dir (its newest intact checkpoint) or one step_N directory")
     ex.add_argument("out", metavar="OUT", help="the file (pt) or directory (hf) to write")
     ex.add_argument("--format", choices=["pt", "hf"], default=None,
                     help="pt: torch.save of the plain state dict; hf: save_pretrained (default: hf for a Hugging "
@@ -252,13 +253,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _verb(sub: argparse._SubParsersAction, name: str, help: str, description: str | None = None
+def _verb(sub: argparse._SubParsersAction, name: str, help: str, description: str | None = None  # type: ignore[type-arg]
           ) -> argparse.ArgumentParser:
     """A verb whose ``--help`` opens with what it does (the one-line help, or a longer description); it takes
     ``--traceback`` after the verb too."""
     verb = sub.add_parser(name, help=help, description=description or help[:1].upper() + help[1:] + ".")
     verb.add_argument("--traceback", action="store_true", default=argparse.SUPPRESS, help=TRACEBACK_HELP)
-    return verb
+    return verb  # type: ignore[no-any-return]
 
 
 def _torch_version() -> str:

@@ -204,7 +204,7 @@ class GlobalBatches:
         self.dataset = dataset
         self.local_batch = global_batch // replicas
         self.steps_per_epoch = n // global_batch
-        self.sampler = DistributedSampler(dataset, num_replicas=replicas, rank=rank, shuffle=shuffle,
+        self.sampler = DistributedSampler(dataset, num_replicas=replicas, rank=rank, shuffle=shuffle,  # type: ignore[var-annotated]
                                           seed=seed, drop_last=False)
         self.opts = loader or LoaderOptions()
         self.seed, self.start, self.stop = seed, start, stop
@@ -431,7 +431,7 @@ def to_device(x: Any, device: torch.device) -> Any:
     if isinstance(x, torch.Tensor):
         return x.to(device, non_blocking=True)
     if isinstance(x, Mapping) and not isinstance(x, dict) and callable(getattr(x, "to", None)):
-        return x.to(device)
+        return x.to(device)  # type: ignore[attr-defined]
     if isinstance(x, (list, tuple)):
         return type(x)(to_device(v, device) for v in x)
     if isinstance(x, dict):

@@ -170,5 +170,6 @@ class ParallelDims:
         return self.with_replicas(self.dp // shard)
 
 
-__all__ = ["CP", "DERIVED", "DILOCO", "DP", "DP_CP", "DP_REPLICATE", "DP_SHARD", "DP_SHARD_CP", "EDP", "EP", "MESH", "NAMES", "PP", "ParallelDims", "SIZES",
+__all__ = ["CP", "DERIVED", "DILOCO", "DP", "DP_CP", "DP_REPLICATE", "DP_SHARD", "DP_SHARD_CP", "EDP", "EP", "MESH",
+           "NAMES", "PP", "ParallelDims", "SIZES",
            "SPLIT_BY", "TP", "WORLD"]

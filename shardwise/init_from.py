@@ -81,7 +81,7 @@ class OwnInit:
             for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
                 t.zero_()
         if hasattr(m, "reset_parameters"):  # the module's own (an adapter's), before the model's generic one
-            m.reset_parameters()
+            m.reset_parameters()  # type: ignore[operator]
         elif self.hf is not None:
             self.hf(m)
 

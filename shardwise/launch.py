@@ -135,7 +135,7 @@ def _hosted_store(addr: str, port: int, timeout: _dt.timedelta) -> dist.TCPStore
         # on every interface, which is what TCPStore binds given a host name.
         fd = cluster.loopback_listener(port) if cluster.meets_on_loopback(os.environ) else None
         _HOSTED[port] = dist.TCPStore(addr, port, world_size=None, is_master=True, timeout=timeout,
-                                      wait_for_workers=False, **({} if fd is None else {"master_listen_fd": fd}))
+                                      wait_for_workers=False, **({} if fd is None else {"master_listen_fd": fd}))  # type: ignore[arg-type]
     _HOSTED[port].set_timeout(timeout)
     return _HOSTED[port]
 
@@ -194,7 +194,7 @@ def check_main_module() -> None:
         test = ast.unparse(node.test) if isinstance(node, ast.If) else ""
         return "__name__" in test and "__main__" in test
 
-    inside = any(guarded(n) and n.lineno <= line <= (n.end_lineno or n.lineno) for n in ast.walk(tree))
+    inside = any(guarded(n) and n.lineno <= line <= (n.end_lineno or n.lineno) for n in ast.walk(tree))  # type: ignore[attr-defined]
     if not inside:
         raise RuntimeError(f"{path}, line {line}, starts rank processes from the top level of the script: each rank "
                            "imports the script again (the 'spawn' start method) and would run this code too. Put "
@@ -313,7 +313,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), accel
     check_main_module()
     store = job_store(timeout)
     ctx = mp.get_context(start_method())
-    procs = [ctx.Process(target=_worker, args=(r, fn, nprocs, store.port, accelerator, timeout.total_seconds(), args,
+    procs = [ctx.Process(target=_worker, args=(r, fn, nprocs, store.port, accelerator, timeout.total_seconds(), args,  # type: ignore[attr-defined]
                                                   default_dtype_name()),
                          name=f"shardwise-rank{r}") for r in range(nprocs)]
     for p in procs:

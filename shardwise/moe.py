@@ -55,6 +55,9 @@ class Router(nn.Module):
     (:meth:`update_bias`), so the update is the single-device one.
     """
 
+    bias: torch.Tensor  # buffers, registered when bias_update_rate > 0
+    load: torch.Tensor
+
     def __init__(self, hidden: int, n_experts: int, top_k: int, score: str = "softmax",
                  bias_update_rate: float = 0.0) -> None:
         super().__init__()
@@ -126,20 +129,20 @@ class Experts(nn.Module):
 
 def expert_mlp(experts: nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
     """Expert ``e`` (an index into the module's own weights) of a Mixtral-shaped experts module on rows ``x``."""
-    gate, up = F.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
-    return F.linear(experts.act_fn(gate) * up, experts.down_proj[e])
+    gate, up = F.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)  # type: ignore[index]
+    return F.linear(experts.act_fn(gate) * up, experts.down_proj[e])  # type: ignore[index,operator]
 
 
 class _AuxGrad(torch.autograd.Function):
     """Identity on ``out``; in backward, ``scale`` as the gradient of ``aux`` (the loss enters only there)."""
 
     @staticmethod
-    def forward(ctx: Any, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale, ctx.aux_shape = scale, aux.shape
         return out.view_as(out)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         return grad, torch.full(ctx.aux_shape, ctx.scale, dtype=grad.dtype, device=grad.device), None
 
 
@@ -162,7 +165,7 @@ class MoE(nn.Module):
         if self.aux_loss_coef and torch.is_grad_enabled() and self.training:
             aux = self.aux_loss(probs, index)
             out = _AuxGrad.apply(out, aux, self.aux_loss_coef * self.aux_grad_scale)
-        return out.view_as(x)
+        return out.view_as(x)  # type: ignore[no-any-return]
 
     def after_optimizer_step(self) -> None:
         """The auxiliary-loss-free bias update (when on), with the step's loads counted over ``token_group``."""

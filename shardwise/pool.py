@@ -104,7 +104,7 @@ class _PooledRank:
                 pass
         if self.result is not None:
             return self.result
-        return self.worker.proc.exitcode
+        return self.worker.proc.exitcode  # type: ignore[no-any-return]
 
     @property
     def sentinel(self) -> Any:
@@ -165,7 +165,7 @@ class WorkerPool:
             self._ctx = mp.get_context("forkserver")
             self._ctx.set_forkserver_preload(list(preload))
         else:
-            self._ctx = mp.get_context("spawn")
+            self._ctx = mp.get_context("spawn")  # type: ignore[assignment]
         self._workers: list[_Worker | None] = [None] * size
         self.started = 0  # processes started over the pool's life (for tests and reports)
         # Workers are not daemons (a rank may start DataLoader workers of its own), so they must be

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
 from collections.abc import Iterator

@@ -149,7 +149,7 @@ def set_aux_grad_scale(model: nn.Module, scale: float) -> None:
     losses (``loss_scale / micro-batches``), which its loss's gradient must carry as the main loss's does."""
     for m in model.modules():
         if hasattr(m, "aux_grad_scale"):
-            m.aux_grad_scale = scale
+            m.aux_grad_scale = scale  # type: ignore[assignment]
 
 
 def after_optimizer_step(model: nn.Module) -> None:
@@ -157,7 +157,7 @@ def after_optimizer_step(model: nn.Module) -> None:
     Trainer calls it after ``optimizer.step()``; a hand-written loop calls it there too."""
     for m in model.modules():
         if hasattr(m, "after_optimizer_step"):
-            m.after_optimizer_step()
+            m.after_optimizer_step()  # type: ignore[operator]
 
 
 def first_named(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:

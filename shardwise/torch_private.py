@@ -156,9 +156,9 @@ def recomputing() -> bool:
 def memory_records(prof: torch.profiler.profile) -> list[int]:
     """The size of every allocation (> 0) and free (< 0) the stopped profiler ``prof`` recorded
     (``profile_memory=True``), in time order: its ``[memory]`` events, which have a size and no duration."""
-    events = prof.profiler.kineto_results.events() if prof.profiler is not None else []
+    events = prof.profiler.kineto_results.events() if prof.profiler is not None else []  # type: ignore[union-attr]
     memory = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
-    return [e.nbytes() for e in memory]
+    return [e.nbytes() for e in memory]  # type: ignore[union-attr]
 
 
 # ---- kernels and classes -----------------------------------------------------------------------------
@@ -234,7 +234,8 @@ def forget_dtensor_plans() -> None:
     _clear_fast_path_sharding_prop_cache()  # the C++ dispatch's own cache of the same
 
 
-__all__ = ["UNSCALE_AND_CHECK", "BatchNormBase", "FLASH_ATTENTION_CPU", "FLASH_ATTENTION_CPU_BACKWARD", "as_main_process",
+__all__ = ["UNSCALE_AND_CHECK", "BatchNormBase", "FLASH_ATTENTION_CPU", "FLASH_ATTENTION_CPU_BACKWARD",
+           "as_main_process",
            "at_backward_end", "c10d_default_store", "compilations", "forget_compilations",
            "forget_dtensor_plans", "host_rendezvous_stores",
            "in_backward", "inductor_cache_dir", "memory_records", "recomputing", "run_outside_graphs"]

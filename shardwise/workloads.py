@@ -94,7 +94,7 @@ def mlp1024(samples: int = 1024, width: int = 1024) -> Workload:
     return Workload("mlp1024", _seeded(make), TensorDataset(x, y), F.mse_loss, batch_size=64)
 
 
-class CharText(Dataset):
+class CharText(Dataset):  # type: ignore[type-arg]
     """Character-level next-token windows over text (bytes as tokens, vocabulary 128)."""
 
     def __init__(self, text: str, block: int) -> None:

@@ -26,7 +26,6 @@ from torch import nn
 from torch.nn import functional as F
 
 import shardwise.dims as dims  # as a module: dims.DP is the dimension, DP the strategy
-from shardwise.commands import plots
 from shardwise.bench import add_arguments
 from shardwise.bench.harness import optimizer_step, spawn_collect, timed_steps
 from shardwise.bench.tables import Column, table, wide
@@ -37,6 +36,7 @@ from shardwise.comm.algorithms import (
     ring_bytes,
 )
 from shardwise.comm.topology import Topology
+from shardwise.commands import plots
 from shardwise.console import make_console
 from shardwise.fit.trainer import Trainer
 from shardwise.parallel.dp.ddp import DDPModule

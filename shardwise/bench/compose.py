@@ -82,7 +82,7 @@ def torch_fsdp_tp(model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Te
             "attn.q": dtensor_tp.ColwiseParallel(), "attn.k": dtensor_tp.ColwiseParallel(),
             "attn.v": dtensor_tp.ColwiseParallel(), "attn.proj": dtensor_tp.RowwiseParallel(),
             "mlp.fc1": dtensor_tp.ColwiseParallel(), "mlp.fc2": dtensor_tp.RowwiseParallel()})
-        block.attn.n_head //= tp  # type: ignore[operator]  # local heads, as torchtitan adjusts n_heads
+        block.attn.n_head //= tp  # local heads, as torchtitan adjusts n_heads
     for block in model.blocks:  # type: ignore[union-attr]
         fully_shard(block, mesh=mesh[DP], reshard_after_forward=True)
     fully_shard(model, mesh=mesh[DP], reshard_after_forward=True)
@@ -120,8 +120,8 @@ def _worker(rank: int, device: torch.device, blob: bytes, path: str) -> None:
 
 def run_fsdp_tp(model: GPT, dp: int, tp: int, batch: int, reps: int = 5, warmup: int = 3, steps: int = 10,
                 accelerator: str = "cpu") -> list[PairResult]:
-    contenders = (StepContender("shardwise Parallel", ours_fsdp_tp),
-                  StepContender("torch fully_shard + TP", torch_fsdp_tp, counts_bytes=False))
+    contenders = (StepContender("shardwise Parallel", ours_fsdp_tp),  # type: ignore[arg-type]
+                  StepContender("torch fully_shard + TP", torch_fsdp_tp, counts_bytes=False))  # type: ignore[arg-type]
     job = dict(contenders=contenders, model=model, dp=dp, tp=tp, batch=batch, reps=reps, warmup=warmup, steps=steps)
     out: list[PairResult] = spawn_collect(_worker, dp * tp, pickle.dumps(job), accelerator=accelerator)
     return out

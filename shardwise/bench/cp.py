@@ -120,7 +120,7 @@ def saved_bytes(c: CPContender, model: nn.Module, topo: Topology, x: torch.Tenso
 
 def _timed(c: CPContender, model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, warmup: int,
            steps: int) -> tuple[float, int, float]:
-    return measure(lambda: build_step(c, copy.deepcopy(model), topo, x, y), topo, x.device.type == "cuda",
+    return measure(lambda: build_step(c, copy.deepcopy(model), topo, x, y), topo, x.device.type == "cuda",  # type: ignore[arg-type,return-value]
                    warmup, steps)
 
 

@@ -16,8 +16,8 @@ from torch.nn import functional as F
 from shardwise.bench.harness import Contender, merged, over_runs, pair_table, run_pair, same_shape_target, summarize
 from shardwise.bench.tables import wide
 from shardwise.comm.topology import Topology
-from shardwise.strategies.dp.ddp import DDP
 from shardwise.strategies.diloco import DiLoCo
+from shardwise.strategies.dp.ddp import DDP
 from shardwise.workloads import mlp1024
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)

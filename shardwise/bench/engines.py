@@ -56,7 +56,7 @@ from shardwise.workloads import gpt, mlp1024
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 MLP, GPT_ = "MLP", "GPT"  # the workloads' labels (rows of the table)
-Made = tuple[nn.Module, Dataset, Callable[..., torch.Tensor]]  # (model, training data, loss function)
+Made = tuple[nn.Module, Dataset, Callable[..., torch.Tensor]]  # type: ignore[type-arg]  # (model, training data, loss function)
 
 
 def _mlp() -> Made:
@@ -124,7 +124,7 @@ def shown(strategy: str | Strategy) -> str:
     field, some 300 characters for ``Parallel``)."""
     if isinstance(strategy, str):
         return repr(strategy)
-    fields = [f for f in dataclasses.fields(strategy) if f.default is not dataclasses.MISSING]  # type: ignore[arg-type]
+    fields = [f for f in dataclasses.fields(strategy) if f.default is not dataclasses.MISSING]
     set_ = [f"{f.name}={getattr(strategy, f.name)!r}" for f in fields if getattr(strategy, f.name) != f.default]
     return f"{type(strategy).__name__}({', '.join(set_)})"
 

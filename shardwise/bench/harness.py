@@ -139,7 +139,7 @@ def alternate(contenders: tuple[Any, Any], reps: int,
         for c in ((a, b) if rep % 2 == 0 else (b, a)):
             t, mem, sent = time_one(c)
             res.step_times[c.name].append(t)
-            res.peak_rss_delta[c.name].append(mem)
+            res.peak_rss_delta[c.name].append(mem)  # type: ignore[arg-type]
             res.sent_per_step[c.name] = sent if c.counts_bytes else None
     return res
 
@@ -267,7 +267,7 @@ def formula_cell(formula_bytes: float | None) -> str:
     return "" if formula_bytes is None else f"{formula_bytes:,.0f} B"
 
 
-def contender_cells(summary: dict, every: list[PairResult], name: str, baseline: str, formula: str) -> list[str]:
+def contender_cells(summary: dict, every: list[PairResult], name: str, baseline: str, formula: str) -> list[str]:  # type: ignore[type-arg]
     """One contender's cells of a pair's table, against ``baseline``'s (``summary``: :func:`summarize` of
     ``every``): median step, throughput ratio, paired ratio, peak RSS increase and its ratio, bytes sent, the
     formula's bytes."""
@@ -279,7 +279,7 @@ def contender_cells(summary: dict, every: list[PairResult], name: str, baseline:
             NOT_SEEN if sent is None else f"{sent:,.0f} B", formula]
 
 
-def pair_table(title: str, runs: list[list[PairResult]], summary: dict, formula_bytes: float | None,
+def pair_table(title: str, runs: list[list[PairResult]], summary: dict, formula_bytes: float | None,  # type: ignore[type-arg]
                formula_label: str, wide: bool = False) -> Table:
     """One row per contender of a :func:`summarize` result of ``runs`` (one list of per-rank results per launch,
     :func:`merged` before summarizing), torch's own as the baseline of the ratios; the paired column over every

@@ -13,7 +13,6 @@ from rich.table import Table
 from torch import nn
 from torch.nn import functional as F
 
-from shardwise.commands import plots
 from shardwise.bench.harness import (
     Contender,
     merged,
@@ -25,6 +24,7 @@ from shardwise.bench.harness import (
 )
 from shardwise.bench.tables import WIDTH, wide
 from shardwise.comm.topology import Topology
+from shardwise.commands import plots
 from shardwise.console import make_console
 from shardwise.dims import CP, DP, PP, TP
 from shardwise.parallel.dp import torch_dp

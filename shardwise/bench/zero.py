@@ -56,8 +56,8 @@ from shardwise.parallel.dp import torch_dp
 from shardwise.parallel.dp.fsdp_units import unit_modules
 from shardwise.parallel.dp.sharding import all_gather, reduce_scatter
 from shardwise.strategies.dp.fsdp import FSDP
-from shardwise.strategies.registry import resolve
 from shardwise.strategies.dp.zero import ZeRO1, ZeRO2
+from shardwise.strategies.registry import resolve
 from shardwise.workloads import digits, mlp1024
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
@@ -74,7 +74,7 @@ class TokenGPT(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx = (x.abs() * 1000).long() % self.vocab
-        return self.gpt(idx)
+        return self.gpt(idx)  # type: ignore[no-any-return]
 
 
 def _token_target(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
@@ -168,13 +168,15 @@ def zero1_pair(a: argparse.Namespace) -> Table:
 def zero3_pair(a: argparse.Namespace) -> Table:
     """Our ZeRO-3 (size-based units) against FSDP2 fully_shard on the same units (``--hand-built``)."""
     return _pair_rows("ZeRO-3", a, Contender("shardwise zero3", functools.partial(ours_sharded, "zero3")),
-                      Contender("torch fully_shard", functools.partial(torch_fully_shard, "zero3"), counts_bytes=False), 3)
+                      Contender("torch fully_shard", functools.partial(torch_fully_shard, "zero3"),
+                                counts_bytes=False), 3)
 
 
 def fsdp_pair(a: argparse.Namespace) -> Table:
     """Our FSDP (a unit per block/layer) against FSDP2 fully_shard on the same units (``--hand-built``)."""
     return _pair_rows("FSDP", a, Contender("shardwise fsdp", functools.partial(ours_sharded, "fsdp")),
-                      Contender("torch fully_shard", functools.partial(torch_fully_shard, "fsdp"), counts_bytes=False), 3)
+                      Contender("torch fully_shard", functools.partial(torch_fully_shard, "fsdp"),
+                                counts_bytes=False), 3)
 
 
 PAIRS: dict[str, Callable[[argparse.Namespace], Table]] = {
@@ -251,8 +253,8 @@ def _collectives_worker(rank: int, device: torch.device, mib: int, reps: int, pa
 
     rows = {}
     for how in ("native", "p2p"):
-        rows[f"reduce-scatter {how}"] = timed(lambda: reduce_scatter(comm, piece, full, "rs", how).wait())
-        rows[f"all-gather {how}"] = timed(lambda: all_gather(comm, gathered, piece, "ag", how).wait())
+        rows[f"reduce-scatter {how}"] = timed(lambda: reduce_scatter(comm, piece, full, "rs", how).wait())  # type: ignore[union-attr]
+        rows[f"all-gather {how}"] = timed(lambda: all_gather(comm, gathered, piece, "ag", how).wait())  # type: ignore[union-attr]
     rows["all-reduce native"] = timed(lambda: comm.all_reduce(full, "ar"))
     if rank == 0:
         with open(path, "wb") as f:

@@ -6,9 +6,27 @@
 * :mod:`~shardwise.checkpoint.pieces`: those holdings as the rectangles DCP writes and reads;
 * :mod:`~shardwise.checkpoint.tools`: ``shardwise checkpoint ls`` and ``export``, as functions returning data.
 """
-from shardwise.checkpoint.store import (FORMAT, MANIFEST, Restored, check_compatible, check_directory, check_resume,
-                                        checkpoints, current_manifest, export, latest_valid, load, materialize,
-                                        model_shapes, read_manifest, resume_point, run_info, save, tied_aliases, verify)
+from shardwise.checkpoint.store import (
+    FORMAT,
+    MANIFEST,
+    Restored,
+    check_compatible,
+    check_directory,
+    check_resume,
+    checkpoints,
+    current_manifest,
+    export,
+    latest_valid,
+    load,
+    materialize,
+    model_shapes,
+    read_manifest,
+    resume_point,
+    run_info,
+    save,
+    tied_aliases,
+    verify,
+)
 
 # ``shardwise.checkpoint.save(...)`` and the rest, as when the package was one module (store.py holds them).
 __all__ = ["FORMAT", "MANIFEST", "Restored", "check_compatible", "check_directory", "check_resume", "checkpoints",

@@ -169,7 +169,8 @@ class Saver:
         return {"checkpoint_async": self.background, "checkpoint_blocked_s": list(self.blocked),
                 "checkpoint_write_s": list(self.written), "checkpoint_staged_bytes": self.stager.nbytes,
                 "checkpoint_staged_model_bytes": self.stager.model_nbytes,
-                "checkpoint_steps_beside_write": len(beside), "step_time_beside_write_s": with_write, "step_time_without_write_s": without,
+                "checkpoint_steps_beside_write": len(beside), "step_time_beside_write_s": with_write,
+                "step_time_without_write_s": without,
                 "checkpoint_step_slowdown": with_write / without if with_write and without else None}
 
     def _guard_sigterm(self) -> None:

@@ -75,7 +75,7 @@ def held_state(named: Sequence[tuple[str, torch.Tensor]], wrappers: Sequence[nn.
     parts: dict[int, list[tuple[str, int, torch.Tensor]]] = {}
     for w in wrappers:
         if hasattr(w, "checkpoint_parts"):
-            parts.update({id(p): got for p, got in w.checkpoint_parts(optimizer).items()})
+            parts.update({id(p): got for p, got in w.checkpoint_parts(optimizer).items()})  # type: ignore[operator]
     out: list[Held] = []
     for name, t in named:
         spec, ep = tp_spec(t), expert_spec(t)

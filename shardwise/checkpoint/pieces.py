@@ -104,16 +104,16 @@ def pieces_of(held: Held, shape: Sequence[int], tp_rank: int, tp_size: int) -> l
     boxes = [(tuple([0] * len(local)), tuple(local), 0)] if whole else \
         flat_boxes(local, held.start, min(numel, held.start + held.data.numel()))
     out: list[Piece] = []
-    for off, size, s in boxes:
+    for off, size, s in boxes:  # type: ignore[assignment]
         lo = s - held.start
-        view = held.data if whole else flat[lo:lo + math.prod(size)].view(size)  # type: ignore[index]
+        view = held.data if whole else flat[lo:lo + math.prod(size)].view(size)  # type: ignore[index,call-overload]
         if held.tp is None:
             out.append((off, view))
             continue
         dim, parts = held.tp
         block = local[dim] // parts                  # a fused part's rows on this rank
         for j in range(parts):
-            lo, hi = max(off[dim], j * block), min(off[dim] + size[dim], (j + 1) * block)
+            lo, hi = max(off[dim], j * block), min(off[dim] + size[dim], (j + 1) * block)  # type: ignore[index]
             if lo >= hi:
                 continue
             g = list(off)
@@ -185,7 +185,7 @@ class LoadPlanner(DefaultLoadPlanner):
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         found = _lookup(self.state_dict, index)
-        return found if found is not None else super().lookup_tensor(index)  # type: ignore[no-any-return]
+        return found if found is not None else super().lookup_tensor(index)
 
 
 def build_state(held: Sequence[Held], shapes: dict[str, list[int]], tp_rank: int = 0,

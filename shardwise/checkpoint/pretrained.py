@@ -227,7 +227,7 @@ def write_safetensors(path: str, file: str) -> None:
     head: dict[str, object] = {"__metadata__": {"format": "pt"}}
     at = 0
     for k, shape in manifest["shapes"].items():
-        dtype = stored[f"model.{k}"].properties.dtype  # type: ignore[union-attr]
+        dtype = stored[f"model.{k}"].properties.dtype
         n = math.prod(shape) * _itemsize(dtype)
         head[k] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [at, at + n]}
         at += n
@@ -236,10 +236,10 @@ def write_safetensors(path: str, file: str) -> None:
     with open(file, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
         for k, shape in manifest["shapes"].items():
-            t = torch.empty(shape, dtype=stored[f"model.{k}"].properties.dtype)  # type: ignore[union-attr]
+            t = torch.empty(shape, dtype=stored[f"model.{k}"].properties.dtype)
             with store._quiet_single_process():
                 dcp.load({f"model.{k}": t}, checkpoint_id=path, no_dist=True)
-            f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
 
 
 __all__ = ["CHUNK_BYTES", "Source", "Stored", "header", "load", "match", "open_source", "read_box",

@@ -175,7 +175,7 @@ def materialize(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """
     inner = optimizer
     while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer) and getattr(inner, "keeps_state", True):
-        inner = inner.optimizer
+        inner = inner.optimizer  # type: ignore[attr-defined]
     if not getattr(inner, "keeps_state", True):
         return
     # Frozen parameters never get a gradient, so training gives them no state either.
@@ -491,7 +491,7 @@ def load(path: str, strat: Checkpointed, model: nn.Module, optimizer: torch.opti
         if scope in scopes:
             materialize(model, opt)
     mine = _own_prefix(topo.rank)  # this rank's own tensors, where the saving run had this rank
-    own = {k[len(mine):]: torch.empty(md.size, dtype=md.properties.dtype)  # type: ignore[union-attr]
+    own = {k[len(mine):]: torch.empty(md.size, dtype=md.properties.dtype)
            for k, md in stored.items() if k.startswith(mine)}
     state = _state(strat, model, optimizer, topo, shapes, 0, [0.0] * step, extra, own)
     state = {k: v for k, v in state.items() if not unscoped(k).startswith("optim.") or scope_of(k) in scopes}
@@ -523,7 +523,7 @@ def resumed_hyper(manifest: dict[str, Any], run: dict[str, Any] | None) -> list[
     was = [g["hyper"] for g in manifest.get("run", {}).get("optimizer", {}).get("groups", [])]
     now = [g["hyper"] for g in (run or {}).get("optimizer", {}).get("groups", [])]
     if len(was) != len(saved) or len(now) != len(saved):
-        return saved
+        return saved  # type: ignore[no-any-return]
     return [{k: v for k, v in g.items() if w.get(k) == n.get(k)} for g, w, n in zip(saved, was, now)]
 
 
@@ -562,7 +562,7 @@ def export(path: str, out_file: str | None = None, *, check: bool = True) -> dic
     sd: dict[str, torch.Tensor] = {}
     for k in manifest["shapes"]:
         md = stored[f"model.{k}"]
-        sd[k] = torch.empty(md.size, dtype=md.properties.dtype)  # type: ignore[union-attr]
+        sd[k] = torch.empty(md.size, dtype=md.properties.dtype)
     with _quiet_single_process():
         dcp.load({f"model.{k}": v for k, v in sd.items()}, checkpoint_id=path, no_dist=True)
     for alias, name in manifest.get("aliases", {}).items():

@@ -204,7 +204,8 @@ def summary(entries: list[Entry]) -> str:
         return "no complete checkpoint: a resume starts from step 0"
     if last.ok:
         return f"newest checkpoint: step {last.step}, intact"
-    fallback = f"a resume falls back to step {good.step}" if good else "no intact checkpoint: a resume starts from step 0"
+    fallback = (f"a resume falls back to step {good.step}" if good
+                else "no intact checkpoint: a resume starts from step 0")
     return f"newest checkpoint step {last.step} is not intact ({last.integrity}); {fallback}"
 
 
@@ -235,7 +236,7 @@ def pick(source: str) -> tuple[str, list[tuple[str, str]]]:
         if not e.ok:
             raise ValueError(f"cannot export {e.path}: {e.integrity}")
         return e.path, []
-    skipped = []
+    skipped = []  # type: ignore[var-annotated]
     for e in reversed([e for e in entries if e.complete]):
         if e.ok:
             return e.path, skipped
@@ -280,7 +281,7 @@ def _save_hf(path: str, model: dict[str, Any], out: str) -> str:
     if model_type not in transformers.CONFIG_MAPPING:
         raise ValueError(f"the checkpoint's Hugging Face config has model_type={model_type!r}, which this "
                          "transformers does not know; export with --format pt")
-    config = transformers.CONFIG_MAPPING[model_type].from_dict(raw)
+    config = transformers.CONFIG_MAPPING[model_type].from_dict(raw)  # type: ignore[index]
     cls = _hf_class(model, config)
     config.architectures = [cls.__name__]
     os.makedirs(out, exist_ok=True)
@@ -320,7 +321,7 @@ def export(source: str, out: str, format: str | None = None) -> Exported:
         cls = _save_hf(path, model, out)
     else:
         checkpoint.export(path, out, check=False)
-        cls = model.get("class")
+        cls = model.get("class")  # type: ignore[assignment]
     return Exported(source=path, step=int(manifest["step"]), format=fmt, out=out, model_class=cls, skipped=skipped)
 
 

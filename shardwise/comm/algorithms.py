@@ -106,7 +106,7 @@ def naive_allreduce(t: torch.Tensor, comm: Comm, name: str, op: str = "sum", roo
         # Two receive buffers: the next message lands while the previous one is added.
         bufs = [torch.empty_like(flat), torch.empty_like(flat)]
         pending = comm.irecv(bufs[0], others[0], f"{name}.reduce")
-        for i, q in enumerate(others):
+        for i in range(len(others)):
             nxt = comm.irecv(bufs[(i + 1) % 2], others[i + 1], f"{name}.reduce") if i + 1 < len(others) else None
             pending.wait()
             flat.add_(bufs[i % 2])

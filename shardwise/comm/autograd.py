@@ -94,12 +94,12 @@ class CopyToParallel(torch.autograd.Function):
     """Megatron's ``f``: identity forward, all-reduce (sum) of the gradient backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, name: str) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, name: str) -> torch.Tensor:
         ctx.comm, ctx.name = comm, name
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _all_reduce(grad, ctx.comm, ctx.name), None, None
 
 
@@ -107,7 +107,7 @@ class ReduceFromParallel(torch.autograd.Function):
     """Megatron's ``g``: all-reduce (sum) forward, identity backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, name: str,  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, name: str,
                 inplace: bool = False) -> torch.Tensor:
         if inplace:
             # The caller's own fresh partial sum (a row-parallel matmul's output): reduce it where it is,
@@ -118,7 +118,7 @@ class ReduceFromParallel(torch.autograd.Function):
         return _all_reduce(x, comm, name)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return grad, None, None, None
 
 
@@ -130,12 +130,12 @@ class GatherFromParallel(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, name: str) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, name: str) -> torch.Tensor:
         ctx.comm = comm
         return _gather_last(x, comm, name)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _split_last(grad, ctx.comm), None, None
 
 
@@ -143,12 +143,12 @@ class ScatterToParallel(torch.autograd.Function):
     """This rank's slice along the last dimension forward; all-gather of the gradient backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, name: str) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, name: str) -> torch.Tensor:
         ctx.comm, ctx.name = comm, name
         return _split_last(x, comm)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _gather_last(grad, ctx.comm, ctx.name), None, None
 
 
@@ -203,13 +203,13 @@ class GatherFromSequence(torch.autograd.Function):
     column-parallel, each rank's gradient is a partial sum) or keeps this rank's slice (replicated consumers)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, name: str, dim: int,  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, name: str, dim: int,
                 reduce_grad: bool) -> torch.Tensor:
         ctx.comm, ctx.name, ctx.dim, ctx.reduce_grad = comm, name, dim, reduce_grad
         return _gather_dim(x, comm, name, dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if ctx.reduce_grad:
             return _reduce_scatter_dim(grad, ctx.comm, ctx.name, ctx.dim), None, None, None, None
         return _split_dim(grad, ctx.comm, ctx.dim), None, None, None, None
@@ -220,12 +220,12 @@ class ReduceScatterToSequence(torch.autograd.Function):
     the gradient backward (every token's gradient, which the partial sums all need)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, name: str, dim: int) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, name: str, dim: int) -> torch.Tensor:
         ctx.comm, ctx.name, ctx.dim = comm, name, dim
         return _reduce_scatter_dim(x, comm, name, dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return _gather_dim(grad, ctx.comm, ctx.name, ctx.dim), None, None, None
 
 
@@ -234,12 +234,12 @@ class ScatterToSequence(torch.autograd.Function):
     the gradient backward, so the replicated producer gets its whole gradient on every rank."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, name: str, dim: int) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, name: str, dim: int) -> torch.Tensor:
         ctx.comm, ctx.name, ctx.dim = comm, name, dim
         return _split_dim(x, comm, dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return _gather_dim(grad, ctx.comm, ctx.name, ctx.dim), None, None, None
 
 
@@ -294,12 +294,12 @@ def all_reduce_grad(p: torch.Tensor, comm: Comm, name: str) -> RemovableHandle:
     def hook(grad: torch.Tensor) -> torch.Tensor:
         return _all_reduce(grad, comm, name)
 
-    return p.register_hook(hook)
+    return p.register_hook(hook)  # type: ignore[no-any-return]
 
 
 def copy_to_parallel(x: torch.Tensor, comm: Comm, name: str = "tp.f") -> torch.Tensor:
     """Megatron ``f`` on ``comm``'s group (see :class:`CopyToParallel`)."""
-    return x if comm.size == 1 else CopyToParallel.apply(x, comm, name)  # type: ignore[no-any-return]
+    return x if comm.size == 1 else CopyToParallel.apply(x, comm, name)
 
 
 def reduce_from_parallel(x: torch.Tensor, comm: Comm, name: str = "tp.g", fresh: bool = False) -> torch.Tensor:
@@ -316,12 +316,12 @@ def reduce_from_parallel(x: torch.Tensor, comm: Comm, name: str = "tp.g", fresh:
 
 def gather_from_parallel(x: torch.Tensor, comm: Comm, name: str = "tp.gather") -> torch.Tensor:
     """All-gather the last dimension (see :class:`GatherFromParallel`)."""
-    return x if comm.size == 1 else GatherFromParallel.apply(x, comm, name)  # type: ignore[no-any-return]
+    return x if comm.size == 1 else GatherFromParallel.apply(x, comm, name)
 
 
 def scatter_to_parallel(x: torch.Tensor, comm: Comm, name: str = "tp.scatter") -> torch.Tensor:
     """Keep this rank's slice of the last dimension (see :class:`ScatterToParallel`)."""
-    return x if comm.size == 1 else ScatterToParallel.apply(x, comm, name)  # type: ignore[no-any-return]
+    return x if comm.size == 1 else ScatterToParallel.apply(x, comm, name)
 
 
 class AllToAllV(torch.autograd.Function):
@@ -332,7 +332,7 @@ class AllToAllV(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, out_splits: list[int], in_splits: list[int],  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, out_splits: list[int], in_splits: list[int],
                 name: str, grad_name: str) -> torch.Tensor:
         ctx.comm, ctx.splits, ctx.grad_name = comm, (out_splits, in_splits), grad_name
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
@@ -340,7 +340,7 @@ class AllToAllV(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
         ctx.comm.all_to_all_v(back, grad.contiguous(), in_splits, out_splits, ctx.grad_name)
@@ -354,7 +354,8 @@ def all_to_all_v(x: torch.Tensor, comm: Comm, out_splits: list[int], in_splits: 
     return AllToAllV.apply(x, comm, out_splits, in_splits, name, grad_name)  # type: ignore[no-any-return]
 
 
-__all__ = ["AllToAllV", "all_to_all_v", "CopyToParallel", "ReduceFromParallel", "GatherFromParallel", "ScatterToParallel",
+__all__ = ["AllToAllV", "all_to_all_v", "CopyToParallel", "ReduceFromParallel", "GatherFromParallel",
+           "ScatterToParallel",
            "copy_to_parallel", "reduce_from_parallel", "gather_from_parallel", "scatter_to_parallel",
            "GatherFromSequence", "ReduceScatterToSequence", "ScatterToSequence", "SEQUENCE_GATHERED",
            "all_reduce_grad", "check_sequence_split", "gather_from_sequence", "is_sequence_gathered",

@@ -164,4 +164,5 @@ def _gather_mean(comm: Comm, handle: Handle | None, theirs: torch.Tensor, quanti
     return decode(every.reshape(n, -1), quantize, flat.dtype).reshape(-1)[:flat.numel()]
 
 
-__all__ = ["INT8_BLOCK", "QUANTIZE", "SCALE_BYTES", "decode", "element_bytes", "encode", "padded", "refusal", "start_mean"]
+__all__ = ["INT8_BLOCK", "QUANTIZE", "SCALE_BYTES", "decode", "element_bytes", "encode", "padded", "refusal",
+           "start_mean"]

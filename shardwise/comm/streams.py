@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 import torch
 
-_SHARED: dict[tuple[str, str], "SideStream"] = {}
+_SHARED: dict[tuple[str, str], SideStream] = {}
 
 
 class SideStream:
@@ -36,7 +36,7 @@ class SideStream:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     @classmethod
-    def shared(cls, device: torch.device, purpose: str) -> "SideStream":
+    def shared(cls, device: torch.device, purpose: str) -> SideStream:
         """One side stream per (device, purpose) in this process (every FSDP unit gathers on the same one)."""
         key = (str(device), purpose)
         if key not in _SHARED:

@@ -19,8 +19,20 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardwise.comm import Comm, CommStats, Diagnostics
 from shardwise.comm.diagnostics import default_store
-from shardwise.dims import CP, DILOCO, DP, DP_CP, DP_REPLICATE, DP_SHARD, DP_SHARD_CP, EDP, EP, MESH, WORLD, ParallelDims
-
+from shardwise.dims import (
+    CP,
+    DILOCO,
+    DP,
+    DP_CP,
+    DP_REPLICATE,
+    DP_SHARD,
+    DP_SHARD_CP,
+    EDP,
+    EP,
+    MESH,
+    WORLD,
+    ParallelDims,
+)
 
 ACCELERATORS = ("auto", "cpu", "cuda")
 # Lightning's names, to ours: Trainer(accelerator="gpu") is CUDA.
@@ -33,7 +45,7 @@ def accelerator_name(accelerator: str) -> str:
     name = ACCELERATOR_ALIASES.get(name, name)
     if name not in ACCELERATORS:
         raise ValueError(f"unknown accelerator {accelerator!r}; valid: 'auto', 'cpu', 'cuda'")
-    return name  # type: ignore[no-any-return]
+    return name
 
 
 def uses_cuda(accelerator: str) -> bool:

@@ -8,13 +8,13 @@ from rich.console import Console
 from rich.table import Table
 
 from shardwise.commands import plots
+from shardwise.commands.verify import accuracy, compare
 from shardwise.console import make_console
 from shardwise.dims import DP, PP, TP
 from shardwise.fit.trainer import Trainer
 from shardwise.strategies.base import Strategy
 from shardwise.strategies.parallel import Parallel
 from shardwise.strategies.registry import available_strategies
-from shardwise.commands.verify import accuracy, compare
 from shardwise.workloads import digits
 
 

@@ -122,7 +122,7 @@ def distinct_colors(n: int) -> list[Any]:
     halves, then evenly spaced hues."""
     import matplotlib
 
-    base = list(matplotlib.colormaps["tab10"].colors) + list(matplotlib.colormaps["tab20"].colors[1::2])
+    base = list(matplotlib.colormaps["tab10"].colors) + list(matplotlib.colormaps["tab20"].colors[1::2])  # type: ignore[attr-defined]
     if n <= len(base):
         return base[:n]
     hsv = matplotlib.colormaps["hsv"]
@@ -333,7 +333,7 @@ def _timeline_worker(rank: int, device: torch.device, schedules: list[str], m: i
         pm = build_pipeline(torch.nn.Sequential(*layers).to(device), topo, chunks=default_chunks(schedule),
                             shape=shape_of(schedule))
         rec = Recorder()
-        for step in range(3):  # the first step exchanges shapes; the last one is drawn
+        for _step in range(3):  # the first step exchanges shapes; the last one is drawn
             topo.comm("world").barrier(name="plots.barrier")
             pipeline_step(pm, [(x, torch.zeros_like(x))], F.mse_loss, topo, schedule, m, rec)
         events = [e for e in rec.gather(topo.comm(PP)) if e.step == rec.step - 1]
@@ -426,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     for path in write_all(a.dir, a.max_devices, a.steps, memory_results=memory, throughput_records=records):
         print(f"wrote {path}")
     sim = {s: simulate(s, 4, 8, t_f=1.0, t_b=2.0) for s in ("gpipe", "1f1b")}
-    print("wrote " + save(timeline_figure(sim, "Simulated schedules: 4 stages, 8 micro-batches, backward = 2 x forward"),
+    print("wrote " + save(timeline_figure(sim, "Simulated schedules: 4 stages, 8 micro-batches, "
+                                               "backward = 2 x forward"),
                           os.path.join(a.dir, "pipeline_simulated.png")))
     print("wrote " + save(simulated_schedules(), os.path.join(a.dir, "pipeline_schedules_all.png"), colors=64))
     return 0

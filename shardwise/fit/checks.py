@@ -27,8 +27,8 @@ from shardwise.fit.options import FitOptions, SchedulerFactory
 from shardwise.fit.tp_check import check_plan
 from shardwise.optim.param_groups import GroupPlan, ParamGroupsFn, check_whole, plan_groups, splits_parameters
 from shardwise.parallel.cp.apply import check_context_parallel, shard_batch
-from shardwise.parallel.ep import warn_local_aux
 from shardwise.parallel.dp.sync_bn import batchnorm_layers
+from shardwise.parallel.ep import warn_local_aux
 from shardwise.step import LossFn, OptimizerFactory, StepFn, TrainingStep
 from shardwise.strategies.base import HasServers, HasTPPlan, OwnDevices, SplitsModel, Strategy
 
@@ -276,7 +276,7 @@ def check_fit_options(trainer: FitOptions, model: nn.Module, loss_fn: LossFn | N
     val = make_validation(val_data, val_every, val_metrics, val_batch_size, checkpoint_best, batch_size,
                           trainer.checkpoint_dir, strat)
     if val is not None and not launch.follower():  # runs the model on meta: rank 0's verdict is every rank's
-        check_validation(model, loss_fn, val)
+        check_validation(model, loss_fn, val)  # type: ignore[arg-type]
     for cb in trainer.callbacks:
         if hasattr(cb, "check"):
             cb.check(val.names if val is not None else [])

@@ -52,6 +52,7 @@ from shardwise.recipe import Built, Recipe, prepare_rank
 from shardwise.step import LossFn, StepRun
 from shardwise.strategies.base import HasServers, Strategy
 
+
 def is_metric_object(m: Any) -> bool:
     """A stateful metric (torchmetrics' ``Metric``): updated batch by batch, computed once."""
     return callable(getattr(m, "update", None)) and callable(getattr(m, "compute", None))

@@ -38,9 +38,10 @@ from shardwise.fit.options import FitOptions, SchedulerFactory
 from shardwise.fit.progress import StepLog, want_progress
 from shardwise.fit.steps import count_state, global_losses, train_loop
 from shardwise.init_from import InitFrom, read_into
+from shardwise.loggers.scalars import Reducer, Scalars, recording
 from shardwise.optim.param_groups import GroupPlan
 from shardwise.parallel.compiling import compile_report, recompile_warning
-from shardwise.loggers.scalars import Reducer, Scalars, recording
+from shardwise.recipe import Built, Recipe, prepare_rank
 from shardwise.stats import (
     cuda_peak_bytes,
     peak_rss_bytes,
@@ -48,7 +49,6 @@ from shardwise.stats import (
     reset_cuda_peak,
     reset_peak_rss,
 )
-from shardwise.recipe import Built, Recipe, prepare_rank
 from shardwise.step import LossFn, OptimizerFactory, StepRun, TrainingStep
 from shardwise.strategies.base import HasServers, compile_backend
 
@@ -214,7 +214,7 @@ class Job:
         losses of the steps run, their times and the bytes of the model state this rank holds."""
         strat = self.options.strategy
         if not (isinstance(strat, HasServers) and strat.is_server(topo)):
-            return train_loop(self, model, opt, topo, prev, shapes, extra)
+            return train_loop(self, model, opt, topo, prev, shapes, extra)  # type: ignore[arg-type]
         times = self._serve(strat, model, opt, topo, prev, shapes)
         losses = [0.0] * (self.max_steps - len(prev))  # a server owns no loss: zeros in the all-reduce
         return losses, times, count_state(strat, model, opt)
@@ -295,7 +295,7 @@ class Job:
         replace the checkpoint directory and the run record."""
         t = self.options
         so_far = prev + global_losses(losses, t.strategy, topo)
-        return checkpoint.prepare(directory or t.checkpoint_dir, done, so_far, t.strategy, model, opt,  # type: ignore
+        return checkpoint.prepare(directory or t.checkpoint_dir, done, so_far, t.strategy, model, opt,  # type: ignore[arg-type]
                                   topo, shapes, keep=t.checkpoint_keep if directory is None else None,
                                   aliases=self.aliases, run=run or self.info, extra=extra,
                                   callbacks=callback_states(t.callbacks), loggers=self.logger_refs)
@@ -364,7 +364,7 @@ class Job:
         t, val = self.options, self.validation
         assert val is not None
         with recording(Scalars()) as logged:  # sw.log during validation: the row's val/<name>
-            metrics = evaluate(model, t.strategy, val, self.loss_fn, topo, StepRun(t.precision), seed=t.seed)
+            metrics = evaluate(model, t.strategy, val, self.loss_fn, topo, StepRun(t.precision), seed=t.seed)  # type: ignore[arg-type]
         mine = Reducer(topo).reduce(logged) if t.step_rows else {}
         before = list(self.history)
         self.history.append({"step": done, **metrics})
@@ -406,7 +406,7 @@ def hf_output_capture(model: nn.Module) -> None:
     except ImportError:  # an older transformers: no registry, nothing lost in pickling
         return
     for m in theirs:
-        _CAN_RECORD_REGISTRY[m] = m._can_record_outputs
+        _CAN_RECORD_REGISTRY[m] = m._can_record_outputs  # type: ignore[assignment,index]
 
 
 def resume_line(path: str | None, done: int, max_steps: int) -> str:

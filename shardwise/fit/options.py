@@ -203,8 +203,8 @@ def device_count(strategy: Strategy, devices: Any, accelerator: str) -> tuple[in
 
 def fault_tolerant(strategy: Strategy, layout: RunLayout, timeout: _dt.timedelta, value: Any, ledger: Any,
                    checkpoint_dir: str | None) -> dict[str, Any]:
-    """``fault_tolerance``, its replica groups and ``sample_ledger``, checked (:func:`shardwise.ft.options.plan_replicas`
-    says what a layout can survive)."""
+    """``fault_tolerance``, its replica groups and ``sample_ledger``, checked
+    (:func:`shardwise.ft.options.plan_replicas` says what a layout can survive)."""
     ft = FaultTolerance.of(value)
     if ft is None:
         if ledger is not None:
@@ -290,7 +290,7 @@ def auto_devices(strategy: Strategy, accelerator: str) -> int:
             strategy.layout(d)
         except ValueError:
             continue
-        return d
+        return d  # type: ignore[no-any-return]
     return first
 
 

@@ -112,7 +112,7 @@ def want_progress(progress: bool | str) -> str | bool:
     if progress is False or progress == "off":
         return False
     if progress in ("bar", "lines"):
-        return progress  # type: ignore[return-value]
+        return progress
     return "bar" if sys.stderr.isatty() else "lines"
 
 

@@ -33,10 +33,10 @@ from shardwise.fit.progress import (
     want_progress,
 )
 from shardwise.loggers import FAILED, SUCCESS
-from shardwise.optim.param_groups import apply_hyper
-from shardwise.parallel.checkpointing import track_saved_activations
 from shardwise.loggers.scalars import Reducer, Scalars, recording
 from shardwise.loggers.scalars import log as log_scalar
+from shardwise.optim.param_groups import apply_hyper
+from shardwise.parallel.checkpointing import track_saved_activations
 from shardwise.stats import unique_bytes
 from shardwise.step import LossFn, StepRun, TrainingStep, after_optimizer_step, iter_chunks
 from shardwise.strategies.base import HasServers, Strategy
@@ -97,7 +97,7 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
     with opened_log(job, topo, shapes, len(prev)) as log, \
             progress_bar(topo.rank == 0 and want_progress(t.progress), job.max_steps) as advance, \
             recording(Scalars()) as logged, prof:
-        advance.skip(len(prev))  # type: ignore[attr-defined]
+        advance.skip(len(prev))
         for step in range(len(prev), end):
             prof.step_start(step)
             logged.clear()  # sw.log's values of this step

@@ -19,11 +19,12 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise import launch
+from shardwise.checkpoint import store as checkpoint
 from shardwise.comm.topology import pick_device, teardown
 from shardwise.data import DataSource, loader_options
-from shardwise.checkpoint import store as checkpoint
 from shardwise.fit import preflight
 from shardwise.fit.checks import check_fit_options, check_step, parse_inputs, run_steps, validate
+from shardwise.fit.infer import Inference, check_inference, resolve_checkpoint, spawned_inference
 from shardwise.fit.job import (
     FitResult,
     Job,
@@ -32,7 +33,6 @@ from shardwise.fit.job import (
     pickled,
     spawned_fit,
 )
-from shardwise.fit.infer import Inference, check_inference, resolve_checkpoint, spawned_inference
 from shardwise.fit.options import FitOptions
 from shardwise.fit.replicas import fit_replicas
 from shardwise.ft.options import FaultTolerance
@@ -274,13 +274,13 @@ class Trainer:
         """
         step = check_step(self.options, loss_fn, training_step, optimizer, batch_size, val_dataset)
         data = self._source(dataset, inputs, num_workers, collate_fn, pin_memory)
-        max_steps = run_steps(max_steps, self.options.max_epochs, dataset, batch_size)
-        info, groups = validate(self.options, model, data, batch_size, max_steps, optimizer, loss_fn, lr_scheduler,
+        max_steps = run_steps(max_steps, self.options.max_epochs, dataset, batch_size)  # type: ignore[arg-type]
+        info, groups = validate(self.options, model, data, batch_size, max_steps, optimizer, loss_fn, lr_scheduler,  # type: ignore[arg-type]
                                 param_groups)
         init = InitFrom.checked(init_from, init_allow_missing, model)
-        val = check_fit_options(self.options, model, loss_fn, data, batch_size, val_dataset, val_every, val_metrics,
+        val = check_fit_options(self.options, model, loss_fn, data, batch_size, val_dataset, val_every, val_metrics,  # type: ignore[arg-type]
                                 val_batch_size, checkpoint_best, step)
-        job = Job(self.options, model, data, loss_fn, optimizer, batch_size, max_steps, info, lr_scheduler, val,
+        job = Job(self.options, model, data, loss_fn, optimizer, batch_size, max_steps, info, lr_scheduler, val,  # type: ignore[arg-type]
                   groups, step, init, return_state_dict)
         return self._trained(job, model)
 
@@ -359,7 +359,7 @@ class Trainer:
         whose weights replace ``model``'s, whatever layout wrote it. A Hugging Face output gives its ``logits``
         (its first tensor). Batches as in :meth:`fit` (``inputs`` for dict samples); the last may be partial.
         Returned in the calling process (on rank 0 under ``shardwise run``; None on the other ranks)."""
-        return self._infer("predict", model, dataset, batch_size, None, None, ckpt_path, inputs, num_workers,
+        return self._infer("predict", model, dataset, batch_size, None, None, ckpt_path, inputs, num_workers,  # type: ignore[no-any-return]
                            collate_fn)
 
     def validate(self, model: nn.Module, dataset: Any, loss_fn: LossFn | None = None,
@@ -372,7 +372,7 @@ class Trainer:
         returning the batch's mean, or a torchmetrics ``Metric`` (any object with ``update(output, target)``
         and ``compute()``), updated on the ranks that hold each sample and synced over them, so F1 or AUC equal
         one device's on the whole set. See :mod:`shardwise.fit.infer`."""
-        return self._infer("validate", model, dataset, batch_size, loss_fn, metrics, ckpt_path, inputs,  # type: ignore
+        return self._infer("validate", model, dataset, batch_size, loss_fn, metrics, ckpt_path, inputs,  # type: ignore[no-any-return]
                            num_workers, collate_fn)
 
     def test(self, model: nn.Module, dataset: Any, loss_fn: LossFn | None = None,
@@ -381,7 +381,7 @@ class Trainer:
              num_workers: int | None = None, collate_fn: Callable[[list[Any]], Any] | None = None
              ) -> dict[str, float]:
         """:meth:`validate` on a test set: the loss is ``test_loss``."""
-        return self._infer("test", model, dataset, batch_size, loss_fn, metrics, ckpt_path, inputs,  # type: ignore
+        return self._infer("test", model, dataset, batch_size, loss_fn, metrics, ckpt_path, inputs,  # type: ignore[no-any-return]
                            num_workers, collate_fn)
 
     def _infer(self, kind: str, model: nn.Module, dataset: Any, batch_size: int, loss_fn: LossFn | None,

@@ -47,7 +47,7 @@ class Quorum:
         if self._pg_epoch != self.epoch:
             self._pg = None  # the previous epoch's sockets go first
             prefixed = dist.PrefixStore(keys.reduction_group(self.epoch, self.place), self.store)
-            self._pg = dist.ProcessGroupGloo(prefixed, self.members.index(self.group), len(self.members),
+            self._pg = dist.ProcessGroupGloo(prefixed, self.members.index(self.group), len(self.members),  # type: ignore[assignment]
                                              self.timeout)
             self._pg_epoch = self.epoch
         assert self._pg is not None
@@ -79,7 +79,7 @@ class Quorum:
         """The commit vote of ``step``: True when every rank of every member of this epoch completed the
         reduction."""
         mine = self.group * self.group_size + self.place
-        self.store.set(keys.vote(step, self.epoch, mine), b"ok" if done else b"fail")
+        self.store.set(keys.vote(step, self.epoch, mine), b"ok" if done else b"fail")  # type: ignore[arg-type]
         voters = [g * self.group_size + i for g in self.members for i in range(self.group_size)]
         names = [keys.vote(step, self.epoch, r) for r in voters]
         pause = 1e-4

@@ -85,7 +85,7 @@ class Replica:
             loss = self._backward(model, self._parts(micro_batches), loss_fn, topo, run)
             if self.group_comm is not None:
                 self.group_comm.all_reduce(loss, name="ft.group_loss")  # the group's ranks computed its rows
-            grads = self._grads(model, params)
+            grads = self._grads(model, params)  # type: ignore[arg-type]
             flat = _flat(grads, loss)
             if self.quorum.agree(self.done, self.quorum.all_reduce(flat)):
                 break
@@ -93,7 +93,7 @@ class Replica:
             _drop_grads(model)
             torch.set_rng_state(rng)  # the step again, with the random numbers it drew the first time
             left += self.quorum.advance()
-        _unflat(grads, flat, params if self.shard_grads is None else None)
+        _unflat(grads, flat, params if self.shard_grads is None else None)  # type: ignore[arg-type]
         if self.ledger:
             self._record()
         if left:

@@ -63,7 +63,7 @@ def run_replicas(fn: RankFn, plan: ReplicaPlan, args: tuple[Any, ...] = (), acce
     store.set(keys.members(0), keys.encode(list(range(plan.replicas))))
     ctx = mp.get_context(launch.start_method())
     world = plan.replicas * plan.group_size
-    procs = [ctx.Process(target=_rank, args=(r, fn, plan, world, store.port, accelerator, timeout.total_seconds(),
+    procs = [ctx.Process(target=_rank, args=(r, fn, plan, world, store.port, accelerator, timeout.total_seconds(),  # type: ignore[attr-defined]
                                              args, default_dtype_name()), name=f"shardwise-rank{r}")
              for r in range(world)]
     for p in procs:
@@ -96,7 +96,7 @@ def _rank(rank: int, fn: RankFn, plan: ReplicaPlan, world: int, port: int, accel
     except BaseException:
         store.set(f"shardwise/error/{rank}", traceback.format_exc())
         beat.close()
-        raise SystemExit(1)
+        raise SystemExit(1) from None  # the traceback went to the store, where the launcher reads it
     # Done: leave at once. The interpreter's teardown would destroy reduction groups whose peers may be dead,
     # which can block without a heartbeat (seen on torch 2.13: survivors then looked hung to the launcher).
     sys.stdout.flush()
@@ -152,7 +152,7 @@ class Watch:
         why = self.killed.get(rank) or f"rank {rank} {launch._exit_reason(code)}"
         for r in self.plan.ranks_of(group):
             if self.procs[r].exitcode is None:
-                os.kill(self.procs[r].pid, signal.SIGKILL)  # a group is whole or out
+                os.kill(self.procs[r].pid, signal.SIGKILL)  # type: ignore[arg-type]  # a group is whole or out
         self.dead[group] = why
         self.members.remove(group)
         print(f"shardwise: replica group {group} left: {why}; {len(self.members)} of {self.plan.replicas} groups "
@@ -185,7 +185,7 @@ class Watch:
             elif count > 0 and now - since > self.plan.ft.timeout_s:
                 self.killed[r] = f"rank {r} sent no heartbeat for {self.plan.ft.timeout_s:g} s (stopped or hung) " \
                                  "and was killed"
-                os.kill(p.pid, signal.SIGKILL)
+                os.kill(p.pid, signal.SIGKILL)  # type: ignore[arg-type]
 
     def _write_ledger(self) -> None:
         """Append the lines of the steps committed since the last look, in step order."""

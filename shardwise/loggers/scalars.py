@@ -75,7 +75,7 @@ class Scalars:
         """This rank's value of ``name``: its calls reduced (the mean of the micro-batches' values for "mean")."""
         reduce, values = self.values[name]
         v = torch.stack([x.to(device=device, dtype=torch.float64) for x in values])
-        return {"mean": v.mean, "sum": v.sum, "max": v.max, "min": v.min}[reduce]()
+        return {"mean": v.mean, "sum": v.sum, "max": v.max, "min": v.min}[reduce]()  # type: ignore[no-any-return,operator]
 
 
 _recorders: list[Scalars] = []  # where log() writes: the innermost (a validation inside a step's)

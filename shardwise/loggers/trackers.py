@@ -176,7 +176,7 @@ class WandB:
 
             run_id = (self._ref or {}).get("run_id")
             os.makedirs(self.dir, exist_ok=True)
-            self._run = wandb.init(project=self.project, name=self.run_name, dir=self.dir, mode=self.mode,
+            self._run = wandb.init(project=self.project, name=self.run_name, dir=self.dir, mode=self.mode,  # type: ignore[arg-type]
                                    id=run_id, resume="allow" if run_id else None,
                                    settings=wandb.Settings(silent=True, console="off"))
         return self._run

@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from shardwise.comm.topology import Topology
 from shardwise.loggers import FAILED, SUCCESS, Resumable, keys
-from shardwise.loop.state import rng_state, set_rng_state
 from shardwise.loggers.scalars import Reducer, Scalars, recording
+from shardwise.loop.state import rng_state, set_rng_state
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ import sys
 import types
 import weakref
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -66,7 +66,6 @@ from shardwise.strategies.base import HasServers, Strategy, compile_backend
 from shardwise.strategies.registry import resolve
 from shardwise.strategies.torch_engine.choice import engine_for
 
-
 # The messages of what a hand-written loop may not do with a model from setup, each with its reason and fix.
 COMPILE_AFTER_SETUP = (
     "torch.compile(model) on the model sw.setup returned (strategy {strategy!r}): its wrappers communicate from "
@@ -82,11 +81,19 @@ BARE_STATE_DICT = (
     "each gets the full state dict), or save with sw.save(model, optimizer, directory)")
 
 
+class IncompatibleKeys(NamedTuple):
+    """What :meth:`Prepared.load_state_dict` returns, as torch's ``load_state_dict`` does: the model's keys the
+    state dict lacked, and its keys that name nothing of the model (both empty after a strict load)."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
 def _under_torch_compile() -> bool:
     """Whether this call came through a ``torch.compile`` wrapper (an ``OptimizedModule``, a compiled function):
     dynamo's frame evaluation is on the stack. Dynamo cannot trace this check, so it runs it eagerly; that is how a
     refusal from inside a compiled call reaches the caller instead of becoming a graph break."""
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_globals.get("__name__") == "torch._dynamo.eval_frame":
             return True
@@ -119,6 +126,17 @@ def _load_errors(model: str, missing: list[str], unexpected: list[str]) -> str:
 
 class Prepared(nn.Module):
     """What :func:`setup` returns: the strategy's model, with the strategy, topology and precision."""
+
+    # Declared for type checkers: __init__ puts them in the instance __dict__, past nn.Module.__setattr__.
+    strategy: Strategy
+    topo: Topology
+    precision: str
+    shapes: dict[str, list[int]]
+    aliases: dict[str, str]
+    scaled: ScaledOptimizer | None
+    optimizer: torch.optim.Optimizer | None
+    kept: Kept
+    log: LoopLog | None
 
     def __init__(self, inner: nn.Module, strategy: Strategy, topo: Topology, precision: str,
                  shapes: dict[str, list[int]], aliases: dict[str, str]) -> None:
@@ -199,8 +217,8 @@ class Prepared(nn.Module):
         if opt is not None:
             opt.scaled = True
         shards, _ = self.strategy.data_parallel(self.topo)
-        mine = precision_mod.widened(loss.detach()) / shards if loss is not None and self.strategy.owns_loss(self.topo) \
-            else torch.zeros((), device=self.topo.device)
+        mine = precision_mod.widened(loss.detach()) / shards \
+            if loss is not None and self.strategy.owns_loss(self.topo) else torch.zeros((), device=self.topo.device)
         t = mine.reshape(1).clone()
         self.topo.comm("world").all_reduce(t, name="loop.loss")
         return t[0]
@@ -216,7 +234,7 @@ class Prepared(nn.Module):
             full.setdefault(alias, full[name])
         return full
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,  # type: ignore[override]
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> Any:
         """Copy a full state dict of the bare model (``model.state_dict()``'s, or the bare model's own before
         ``sw.setup``) into what this rank holds of every tensor, under any strategy; the optimizer is untouched.
@@ -228,7 +246,7 @@ class Prepared(nn.Module):
         if strict and (missing or unexpected):
             raise RuntimeError(_load_errors(type(unwrap(self.module)).__name__, missing, unexpected))
         _, pieces = checkpoint._dcp()
-        held = [h for h in self.strategy.checkpoint_held(self.module, self.optimizer, self.topo)
+        held = [h for h in self.strategy.checkpoint_held(self.module, self.optimizer, self.topo)  # type: ignore[arg-type]
                 if h.key.startswith("model.") and h.key[len("model."):] in full]
         state = pieces.build_state(held, self.shapes, self.topo.coord(TP), self.topo.size(TP))
         with torch.no_grad():
@@ -237,7 +255,7 @@ class Prepared(nn.Module):
                 for offsets, view in got.parts:
                     box = tuple(slice(o, o + n) for o, n in zip(offsets, view.shape))
                     view.copy_(src[box])
-        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+        return IncompatibleKeys(missing, unexpected)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Every gradient of the model, and the reduced pieces a sharded optimizer steps (ZeRO-2/3, FSDP), cleared:
@@ -251,7 +269,7 @@ class Prepared(nn.Module):
         optimizer steps, which is torch's element-wise clamp of the averaged gradients (fp16: unscaled first)."""
         if self.scaled is not None:
             self.scaled.unscale_()
-        self.strategy.clip_grad_value(self.module, self.optimizer, clip_value, self.topo)
+        self.strategy.clip_grad_value(self.module, self.optimizer, clip_value, self.topo)  # type: ignore[arg-type]
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm (every shard, every replica counted once) to ``max_norm`` (fp16: of the
@@ -344,7 +362,7 @@ def _attach(prepared: Prepared, bare: nn.Module, opt: torch.optim.Optimizer, lay
     strat, topo, precision = prepared.strategy, prepared.topo, prepared.precision
     if precision == "16-mixed":
         world_sum = functools.partial(topo.comm("world").all_reduce, name="loop.overflow")
-        opt = prepared.__dict__["scaled"] = ScaledOptimizer(opt, precision_mod.LossScaler(), world_sum)
+        opt = prepared.__dict__["scaled"] = ScaledOptimizer(opt, precision_mod.LossScaler(), world_sum)  # type: ignore[arg-type]
     prepared.__dict__["optimizer"] = opt
     _log_rows(prepared, opt, LoopLog(loggers, topo, {
         "strategy": strat.name, "world_size": topo.world_size, "precision": precision,
@@ -416,7 +434,7 @@ def _refuse_bare_state_dict(strategy: str, holds: str, module: nn.Module, prefix
     """The bare model's ``state_dict()`` called from a user's code (a callback, a closure) after ``sw.setup``
     sharded or split it: refused with the fix. Its own calls from shardwise (the full state dict, checkpoints)
     gather what they need and pass."""
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_globals.get("__name__", "").startswith("torch."):
         frame = frame.f_back  # nn.Module.state_dict's own frames (it recurses into submodules)
     if prefix or (frame is not None and frame.f_globals.get("__name__", "").startswith("shardwise.")):
@@ -492,8 +510,9 @@ def _routed(original: Any, name: str, route: Any, supported: Any) -> Any:
             if ids & owned:
                 if ids != owned or not supported(*args, **kwargs):
                     raise RuntimeError(f"torch.nn.utils.{name} on some parameters of a model from sw.setup"
-                                       f"{' (or with norm_type != 2)' if 'norm' in name else ''}: under a sharded strategy each rank holds pieces "
-                                       "of the gradients, so the clip must see all of them; use "
+                                       f"{' (or with norm_type != 2)' if 'norm' in name else ''}: "
+                                       "under a sharded strategy each rank holds pieces of the gradients, so the "
+                                       "clip must see all of them; use "
                                        f"sw.{name}(model, {'max_norm' if 'norm' in name else 'clip_value'})")
                 token = _ROUTED.set(True)
                 try:

@@ -94,7 +94,7 @@ def rng_state() -> dict[str, torch.Tensor]:
            "rng.torch": torch.get_rng_state()}
     if np is not None:
         _, keys, pos, has_gauss, cached = np.random.get_state()
-        out["rng.numpy"] = torch.tensor([*keys.tolist(), pos, has_gauss, cached], dtype=torch.float64)
+        out["rng.numpy"] = torch.tensor([*keys.tolist(), pos, has_gauss, cached], dtype=torch.float64)  # type: ignore[attr-defined]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["rng.cuda"] = torch.stack(torch.cuda.get_rng_state_all())
     return out

@@ -15,7 +15,7 @@ def model_state_tensors(module: nn.Module) -> dict[str, list[torch.Tensor]]:
     if hasattr(module, "model_state_tensors"):
         return module.model_state_tensors()  # type: ignore[no-any-return,operator]
     params = list(module.parameters())
-    return {"params": params, "grads": [p.grad for p in params if p.grad is not None]}
+    return {"params": params, "grads": [p.grad for p in params if p.grad is not None]}  # type: ignore[dict-item]
 
 
 def with_optimizer_states(parts: dict[str, list[torch.Tensor]],

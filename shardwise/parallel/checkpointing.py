@@ -42,7 +42,7 @@ def apply_activation_checkpointing(model: nn.Module,
     for b in chosen:
         if getattr(b, "_shardwise_checkpointed", False):
             continue
-        b.forward = functools.partial(_checkpointed, b.forward)  # type: ignore[method-assign]
+        b.forward = functools.partial(_checkpointed, b.forward)
         b._shardwise_checkpointed = True  # type: ignore[assignment]
     return chosen
 

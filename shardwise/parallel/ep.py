@@ -101,16 +101,16 @@ class ExpertParallel:
     def forward(self, m: nn.Module, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``m``'s output for tokens ``x`` (N, H) routed to ``index`` (N, k) with ``weights`` (N, k)."""
         n, k = index.shape
-        ep, local = self.size, m.gate_up_proj.shape[0]
+        ep, local = self.size, m.gate_up_proj.shape[0]  # type: ignore[index]
         n_experts = local * ep
         flat = index.reshape(-1)
         order = torch.argsort(flat, stable=True)           # slots sorted by expert, token order within one
         expert = flat[order]
-        load = torch.bincount(flat, minlength=n_experts)
+        load = torch.bincount(flat, minlength=n_experts)  # type: ignore[arg-type]
         stats = self.stats
         stats.count("moe_dispatched", n * k)
         if self.capacity_factor is not None:
-            c = capacity(self.capacity_factor, n, k, n_experts)
+            c = capacity(self.capacity_factor, n, k, n_experts)  # type: ignore[arg-type]
             starts = torch.cumsum(load, 0) - load
             rank_in_expert = torch.arange(order.numel(), device=order.device) - starts[expert]
             keep = rank_in_expert < c
@@ -122,8 +122,8 @@ class ExpertParallel:
         recv_load = load.clone()
         if self.comm is not None:
             self.comm.all_to_all(recv_load, load, name="ep_counts")
-        send_splits = load.view(ep, local).sum(1).tolist()
-        recv_by = recv_load.view(ep, local)                 # [source rank, my expert]
+        send_splits = load.view(ep, local).sum(1).tolist()  # type: ignore[arg-type]
+        recv_by = recv_load.view(ep, local)  # type: ignore[arg-type]  # [source rank, my expert]
         recv_splits = recv_by.sum(1).tolist()
         rows = self._exchange(x[token], recv_splits, send_splits, "ep_dispatch")
         # Arrived grouped by source rank, then expert: regroup expert by expert for one GEMM pair each.
@@ -153,7 +153,7 @@ def apply_expert_parallel(model: nn.Module, dispatcher: ExpertParallel) -> dict[
     rank, size = dispatcher.rank, dispatcher.size
     replaced: dict[int, nn.Parameter] = {}
     for name, m in expert_modules(model):
-        n_experts = m.gate_up_proj.shape[0]
+        n_experts = m.gate_up_proj.shape[0]  # type: ignore[index]
         if n_experts % size:
             raise ValueError(f"expert parallel: '{name}' has {n_experts} experts, not divisible by ep={size}")
         local = n_experts // size
@@ -182,8 +182,8 @@ def check_experts(model: nn.Module, ep: int, capacity_factor: float | None) -> N
                          f"of experts, but {type(model).__name__} has no experts module (3-D gate_up_proj and "
                          "down_proj weights, as Mixtral's, Qwen2-MoE's and shardwise.moe.Experts have)")
     for name, m in found:
-        if m.gate_up_proj.shape[0] % ep:
-            raise ValueError(f"ep={ep} does not divide the {m.gate_up_proj.shape[0]} experts of '{name}': every "
+        if m.gate_up_proj.shape[0] % ep:  # type: ignore[index]
+            raise ValueError(f"ep={ep} does not divide the {m.gate_up_proj.shape[0]} experts of '{name}': every "  # type: ignore[index]
                              "rank of an ep group must hold the same number of experts")
 
 
@@ -212,7 +212,7 @@ def set_token_group(model: nn.Module, comm: Comm) -> None:
     """Count the global auxiliary loss's expert fractions over ``comm`` in every MoE layer that has one."""
     for m in model.modules():
         if hasattr(m, "token_group") and hasattr(m, "aux_loss_coef"):
-            m.token_group = comm
+            m.token_group = comm  # type: ignore[assignment]
 
 
 __all__ = ["EXPERT_ATTR", "ExpertParallel", "apply_expert_parallel", "capacity", "check_experts", "expert_modules",

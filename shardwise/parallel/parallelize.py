@@ -56,16 +56,16 @@ from shardwise.comm import Comm
 from shardwise.comm.topology import Topology
 from shardwise.dims import CP, DP, DP_CP, DP_REPLICATE, DP_SHARD_CP, EDP, EP, TP
 from shardwise.layout import check_data_parallel
-from shardwise.parallel.dp.buckets import DDP_BUCKET_MB, ZERO_BUCKET_MB
 from shardwise.parallel.cp.apply import ContextParallel, apply_context_parallel
 from shardwise.parallel.cp.attention import RING
+from shardwise.parallel.dp.buckets import DDP_BUCKET_MB, ZERO_BUCKET_MB
 from shardwise.parallel.dp.ddp import DDPModule, native_allreduce
-from shardwise.parallel.ep import ExpertParallel, apply_expert_parallel, set_token_group
 from shardwise.parallel.dp.fsdp_module import FSDPModule
-from shardwise.parallel.pp.build import build_pipeline
-from shardwise.parallel.tp.apply import apply_tp
 from shardwise.parallel.dp.zero import ShardedOptimizer
 from shardwise.parallel.dp.zero_module import ZeROModule
+from shardwise.parallel.ep import ExpertParallel, apply_expert_parallel, set_token_group
+from shardwise.parallel.pp.build import build_pipeline
+from shardwise.parallel.tp.apply import apply_tp
 from shardwise.step import OptimizerFactory, on_device
 
 

@@ -337,11 +337,11 @@ def enumerate_layouts(model: ModelSpec, cluster: ClusterSpec, training: Training
                     names = ["ddp"]
                 shapes = [dict(cp=cp, cp_mode=mode, sequence_parallel=sp) for mode in (modes if cp > 1 else [None])
                           for sp in sps]
-                candidates = [Layout(n, dp, tp, pp, **shape) for shape in shapes for n in names if n in wanted]
+                candidates = [Layout(n, dp, tp, pp, **shape) for shape in shapes for n in names if n in wanted]  # type: ignore[arg-type]
                 # HSDP shards over dp_shard x cp ranks filling a node and replicates across nodes.
                 shard = g // (tp * cp) if g % (tp * cp) == 0 else 0
                 if "hsdp" in wanted and shard and shard * cp > 1 and shard < dp and dp % shard == 0:
-                    candidates += [Layout("hsdp", dp, tp, pp, shard_group=shard, **shape) for shape in shapes]
+                    candidates += [Layout("hsdp", dp, tp, pp, shard_group=shard, **shape) for shape in shapes]  # type: ignore[arg-type]
                 candidates += [replace(c, ep=e) for c in candidates for e in _expert_sizes(model, dp * cp, max_ep)
                                if c.strategy != "hsdp"]
                 out += [c for c in candidates if check_layout(model, cluster, training, c) is None]
@@ -385,7 +385,7 @@ def _rank(e: Estimate) -> tuple[bool, float, int]:
 
 # ---- DiLoCo ----------------------------------------------------------------------------------------------------
 # DiLoCo in the planner: one replica per node (the inner strategy inside it), a sync every H inner steps.
-# 
+#
 # The sync is one all-reduce of the pseudo-gradient, the size of the parameters this rank steps, over the R
 # ranks at the same place of each replica (the group :data:`~shardwise.dims.DILOCO`, ``G = devices / R`` ranks
 # apart): ``2 (R - 1) / R`` of those bytes per rank, what DDP's gradient all-reduce of the same model on R ranks

@@ -317,10 +317,10 @@ def _experts_of(model: nn.Module, cfg: object) -> dict[str, object]:
         return {}
     ids = {id(getattr(m, w)) for m in found for w in EXPERT_WEIGHTS}
     first = found[0].gate_up_proj
-    top_k = next((int(m.top_k) for m in model.modules() if isinstance(getattr(m, "top_k", None), int)), 0)
+    top_k = next((int(m.top_k) for m in model.modules() if isinstance(getattr(m, "top_k", None), int)), 0)  # type: ignore[arg-type]
     for name in ("top_k", "num_experts_per_tok"):  # our GPTConfig, Mixtral's and Qwen2-MoE's configs
         top_k = top_k or int(getattr(cfg, name, 0) or 0)
-    return dict(experts=int(first.shape[0]), top_k=top_k or 1, moe_ffn_hidden=int(first.shape[1]) // 2,
+    return dict(experts=int(first.shape[0]), top_k=top_k or 1, moe_ffn_hidden=int(first.shape[1]) // 2,  # type: ignore[index]
                 expert_params=expert_parameter_count(model),
                 param_experts=tuple(id(p) in ids for p in model.parameters()))
 

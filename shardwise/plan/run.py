@@ -221,8 +221,8 @@ def planner_layout(layout: RunLayout) -> Layout:
     stage = zero_stage(layout)
     if layout.strategy == "ps":
         return Layout("ddp", max(1, layout.dp - layout.servers))
-    split = dict(cp=layout.cp, cp_mode=layout.cp_mode, sequence_parallel=layout.sequence_parallel and layout.tp > 1,
-                 ep=layout.ep)
+    split: dict[str, Any] = dict(cp=layout.cp, cp_mode=layout.cp_mode,
+                                 sequence_parallel=layout.sequence_parallel and layout.tp > 1, ep=layout.ep)
     if stage < 3:
         return Layout(("ddp", "zero1", "zero2")[stage], layout.dp, layout.tp, layout.pp, **split)
     if layout.replicate > 1:

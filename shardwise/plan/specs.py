@@ -212,7 +212,7 @@ class Layout:
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {self.strategy!r}; use one of {', '.join(STRATEGIES)}")
-        self.dims  # every size and divisibility rule (ep's and HSDP's included) is ParallelDims'
+        self.dims  # every size and divisibility rule (ep's and HSDP's included) is ParallelDims'  # noqa: B018
         # One spelling per layout (equal layouts compare equal): no mode without cp, ring by default with it.
         mode = None if self.cp == 1 else (self.cp_mode or "ring")
         if mode is not None and mode not in CP_MODES:

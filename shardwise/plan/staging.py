@@ -38,6 +38,7 @@ from shardwise.plan.states import (
 )
 from shardwise.step import first_named
 
+
 def scalar_state_bytes(optimizer: torch.optim.Optimizer | str) -> int:
     """Bytes of the optimizer's 0-dimensional states per parameter (AdamW's ``step``: one float32), by stepping a
     copy of the probe as :func:`~shardwise.plan.states.optimizer_states` does (names: torch's defaults)."""

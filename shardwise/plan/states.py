@@ -176,7 +176,7 @@ def _split_experts(model: nn.Module, ep: int) -> set[int]:
     holds as many); returns the ids of the expert parameters (split or, with ep = 1, whole)."""
     out: set[int] = set()
     for name, m in expert_modules(model):
-        n = m.gate_up_proj.shape[0]
+        n = m.gate_up_proj.shape[0]  # type: ignore[index]
         if n % ep:
             # The run itself refuses this (shardwise.parallel.ep.check_experts), with this reason.
             raise ValueError(f"ep={ep} does not divide the {n} experts of '{name}'")

@@ -25,9 +25,9 @@ from shardwise.comm.topology import Topology
 from shardwise.data import leaves, to_device
 from shardwise.dims import CP, DP, DP_CP, EP, PP, TP
 from shardwise.layout import RunLayout
+from shardwise.optim.param_groups import named_params
 from shardwise.parallel.accounting import model_state_tensors, with_optimizer_states
 from shardwise.parallel.compiling import backend_of
-from shardwise.optim.param_groups import named_params
 from shardwise.parallel.dp.ddp import GradSync
 from shardwise.precision import widened
 from shardwise.step import (

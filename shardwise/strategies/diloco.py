@@ -114,7 +114,8 @@ class DiLoCo(Strategy):
         if inner.ep > 1:
             raise ValueError(f"DiLoCo does not run expert parallelism inside its replicas (ep={inner.ep})")
         dims = dataclasses.replace(inner.dims, dp_replicate=inner.dims.dp_replicate * self.replicas)
-        return dataclasses.replace(inner, dims=dims, replicate=inner.replicate * self.replicas if inner.zero == 3 else 1)
+        return dataclasses.replace(inner, dims=dims,
+                                   replicate=inner.replicate * self.replicas if inner.zero == 3 else 1)
 
     def block(self, topo: Topology) -> tuple[Topology, Comm]:
         """This rank's replica as a topology of its own, and the communicator across the replicas."""

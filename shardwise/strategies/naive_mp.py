@@ -53,17 +53,17 @@ class NaiveMP(Strategy, SplitsModel, OwnDevices):
 
     def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
                    topo: Topology, run: StepRun = StepRun()) -> torch.Tensor | None:
-        out_dev = model.output_device  # type: ignore[union-attr]
+        out_dev = model.output_device
         k = len(micro_batches)
         total: torch.Tensor | float = 0.0
         for x, y in micro_batches:
             # Autocast of the primary device's type covers every device of that type (all CUDA
             # devices, or the CPU list of the tests); the loss scale is the fp16 scaler's.
             with run.forward_context(topo.device):
-                loss = loss_fn(model(x), _move(y, out_dev))
+                loss = loss_fn(model(x), _move(y, out_dev))  # type: ignore[arg-type]
             (widened(loss) * (run.loss_scale / k)).backward()
             total = total + widened(loss.detach())
-        return (total / k).to(topo.device)
+        return (total / k).to(topo.device)  # type: ignore[union-attr]
 
     def full_state_dict(self, model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
         return model.original_state_dict()  # type: ignore[operator,no-any-return]

@@ -32,14 +32,16 @@ from shardwise.dims import CP, EP, PP, TP, ParallelDims
 from shardwise.layout import RunLayout
 from shardwise.optim.param_groups import named_params
 from shardwise.parallel.accounting import model_state_tensors, with_optimizer_states
+from shardwise.parallel.clip import clip_global_norm
 from shardwise.parallel.cp.apply import shard_batch
 from shardwise.parallel.cp.attention import MODES
+from shardwise.parallel.dp.zero import check_offload
 from shardwise.parallel.ep import check_experts, experts_squares, is_expert
 from shardwise.parallel.parallelize import DataParallelOptions, Owners, parallelize
 from shardwise.parallel.pp.build import PipelineModel, find_ties, gather_full_state, stage_starts
 from shardwise.parallel.pp.layers import stage_layers
-from shardwise.parallel.pp.run import pipeline_eval, pipeline_step
 from shardwise.parallel.pp.placement import V
+from shardwise.parallel.pp.run import pipeline_eval, pipeline_step
 from shardwise.parallel.pp.schedules import (
     Recorder,
     check_message_order,
@@ -49,9 +51,7 @@ from shardwise.parallel.pp.schedules import (
     schedule_facts,
     shape_of,
 )
-from shardwise.parallel.clip import clip_global_norm
 from shardwise.parallel.tp.apply import Plan, Style, counts_in_norm
-from shardwise.parallel.dp.zero import check_offload
 from shardwise.step import LossFn, OptimizerFactory, StepRun, first_named
 from shardwise.strategies.base import HasTPPlan, SplitsModel, Strategy
 

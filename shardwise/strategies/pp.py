@@ -1,10 +1,12 @@
-"""Pipeline parallelism over all devices (``strategy="pp"``): the preset of :class:`~shardwise.strategies.parallel.Parallel` with ``pp = devices``."""
+"""Pipeline parallelism over all devices (``strategy="pp"``): the preset of
+:class:`~shardwise.strategies.parallel.Parallel` with ``pp = devices``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
-from shardwise.dims import CP, DP, EP, PP as PIPELINE, TP, ParallelDims
+from shardwise.dims import CP, DP, EP, TP, ParallelDims
+from shardwise.dims import PP as PIPELINE
 from shardwise.layout import RunLayout
 from shardwise.strategies.parallel import Parallel
 

@@ -102,17 +102,17 @@ class ParameterServer(HasServers):
     def param_names(self, model: nn.Module) -> dict[int, str]:
         """A server's one flat range spans many parameters: it takes the group of its first one (the checks
         before start refuse groups with different settings for this strategy, see ``splits_parameters``)."""
-        role = model.role  # type: ignore[union-attr]
+        role = model.role
         return {id(role.shard): role.layout.first_names[0]} if isinstance(role, _Server) else {}
 
     def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
                    topo: Topology, run: StepRun = StepRun()) -> torch.Tensor | None:
-        role = model.role  # type: ignore[union-attr]
-        role.pull()  # fresh weights first; the push happens in optimizer.step()
+        role = model.role
+        role.pull()  # type: ignore[operator,union-attr]  # fresh weights first; the push happens in optimizer.step()
         return super().train_step(model, micro_batches, loss_fn, topo, run)
 
     def serve(self, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology, steps: int) -> list[float]:
-        role: _Server = model.role  # type: ignore[assignment,union-attr]
+        role: _Server = model.role  # type: ignore[assignment]
         if self.mode == "sync":
             return role.run_sync(optimizer, steps)
         return role.run_async(optimizer, steps)
@@ -124,7 +124,7 @@ class ParameterServer(HasServers):
         see; the bound travels with the push and the servers clip by the
         global norm. Returns this worker's local gradient norm.
         """
-        role: _Worker = model.role  # type: ignore[assignment,union-attr]
+        role: _Worker = model.role  # type: ignore[assignment]
         params = role.layout.params
         if self.mode == "async":
             return torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -171,24 +171,24 @@ class ParameterServer(HasServers):
         serve them). Other workers hold nothing: their trainable weights are the
         servers' (pulled at every step), their optimizer keeps no state.
         """
-        role = model.role  # type: ignore[union-attr]
+        role = model.role
         if isinstance(role, _Server):
             return _server_held(role, optimizer)
         if topo.coord(DP) != self.servers:
             return []
-        trainable = {id(p) for p in role.layout.params}
+        trainable = {id(p) for p in role.layout.params}  # type: ignore[union-attr]
         return [Held(f"model.{name}", t.detach()) for name, t in named_state(unwrap(model)) if id(t) not in trainable]
 
     def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
-        role = model.role  # type: ignore[union-attr]
+        role = model.role
         if isinstance(role, _Server):
-            return with_optimizer_states({"params": [role.shard], "grads": [role.shard.grad]}, optimizer)
-        params = role.layout.params
-        return {"params": params, "grads": [p.grad for p in params if p.grad is not None], "optimizer": []}
+            return with_optimizer_states({"params": [role.shard], "grads": [role.shard.grad]}, optimizer)  # type: ignore[list-item]
+        params = role.layout.params  # type: ignore[union-attr]
+        return {"params": params, "grads": [p.grad for p in params if p.grad is not None], "optimizer": []}  # type: ignore[dict-item,union-attr]
 
     def rank_stats(self, model: nn.Module, topo: Topology) -> dict[str, Any]:
         """Servers: the staleness of every update they applied, and which worker pushed it."""
-        role = model.role  # type: ignore[union-attr]
+        role = model.role
         if isinstance(role, _Server):
             return {"role": "server", "staleness": list(role.staleness), "applied_by": list(role.applied_by)}
         return {"role": "worker"}

@@ -193,7 +193,8 @@ def test_the_batchnorm_base_class():
 # ---- relied on in place (torch_private's docstring says where) -----------------------------------------
 def test_the_fused_unscale_of_the_fp16_loss_scaler():
     op = torch._amp_foreach_non_finite_check_and_unscale_
-    assert [str(s) for s in torch._C._jit_get_schemas_for_operator("aten::_amp_foreach_non_finite_check_and_unscale_")] \
+    schemas = torch._C._jit_get_schemas_for_operator("aten::_amp_foreach_non_finite_check_and_unscale_")
+    assert [str(s) for s in schemas] \
         == ["aten::_amp_foreach_non_finite_check_and_unscale_(Tensor(a!)[] self, Tensor(b!) found_inf, "
             "Tensor inv_scale) -> ()"]
     grads, found = [torch.tensor([2.0, 4.0]), torch.tensor([float("inf")])], torch.zeros(1)

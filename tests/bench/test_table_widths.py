@@ -8,10 +8,10 @@ import argparse
 import pytest
 
 from shardwise.bench import classic, cp, moe
-from shardwise.bench.pp import zb, zbv
 from shardwise.bench.compiled import compile_table
 from shardwise.bench.engines import GPT_, MLP, SWITCHES, switch_table
 from shardwise.bench.harness import PairResult, merged, pair_table, summarize
+from shardwise.bench.pp import zb, zbv
 from shardwise.bench.tables import WIDTH, rendered_width, table
 from shardwise.bench.zero import zero_rows, zero_table
 

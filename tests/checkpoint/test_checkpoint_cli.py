@@ -234,7 +234,8 @@ def test_a_plain_model_is_not_exported_as_hugging_face(tmp_path, tmp_path_factor
 
 def test_help_imports_nothing_heavy():
     code = ("import sys\nfrom shardwise.cli import main\n"
-            "for argv in (['checkpoint', '--help'], ['checkpoint', 'ls', '--help'], ['checkpoint', 'export', '--help']):\n"
+            "for argv in (['checkpoint', '--help'], ['checkpoint', 'ls', '--help'],\n"
+            "             ['checkpoint', 'export', '--help']):\n"
             "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
             "print(sorted(m for m in ('transformers', 'shardwise.checkpoint.tools') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)

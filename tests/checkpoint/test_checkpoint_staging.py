@@ -10,9 +10,9 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.plan import plan_run
+from shardwise.plan.fit import fmt_bytes
 from shardwise.plan.staging import STAGING, buffer_bytes, model_share, run_state_bytes
 from shardwise.plan.states import local_chunks
-from shardwise.plan.fit import fmt_bytes
 from shardwise.strategies.registry import resolve
 
 pytestmark = pytest.mark.timeout(120)

@@ -208,7 +208,8 @@ def test_error_mode_reads_no_flag_before_the_optimizer_step(monkeypatch):
 def test_nonfinite_loss_skip_equals_single(same_run):
     work, data = _poisoned(0)
     runs = [sw.Trainer(s, n, accelerator="cpu", progress=False, on_nonfinite="skip").fit(
-        work.make_model(), data, work.loss_fn, ADAMW, batch_size=64, max_steps=30) for s, n in (("single", 1), ("ddp", 2))]
+        work.make_model(), data, work.loss_fn, ADAMW, batch_size=64, max_steps=30)
+        for s, n in (("single", 1), ("ddp", 2))]
     nan_steps = [i for i, v in enumerate(runs[0].losses) if v != v]
     assert nan_steps and nan_steps == [i for i, v in enumerate(runs[1].losses) if v != v]
     for r in runs:

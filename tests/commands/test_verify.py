@@ -25,10 +25,9 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 from shardwise.comm.collectives import Handle
-from shardwise.models import lm_loss
+from shardwise.commands.verify import Reordered, batch_split, in_float64, judge, probe_coupling, same_in_any_order
 from shardwise.parallel.dp.ddp import native_allreduce
 from shardwise.strategies.dp.ddp import DDP
-from shardwise.commands.verify import Reordered, batch_split, in_float64, judge, probe_coupling, same_in_any_order
 from shardwise.workloads import CharText, Workload, digits, stdlib_text
 
 pytestmark = pytest.mark.timeout(300)

@@ -10,7 +10,6 @@ import functools
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
 
 import shardwise as sw
 from shardwise.workloads import digits
@@ -30,7 +29,8 @@ def fit(strategy="ddp", devices=2, model=None, data=None, loss=None, opt=ADAMW, 
 def test_tensor_parallel_without_a_plan(no_spawn):
     model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
     with pytest.raises(ValueError, match=r"^no built-in tensor-parallel plan for Sequential; pass plan=\{'<module "
-                                         r"pattern>': 'colwise' \| 'rowwise' \| 'vocab' \| 'colwise_gather', \.\.\.\}$"):
+                                         r"pattern>': 'colwise' \| 'rowwise' \| 'vocab' \| 'colwise_gather', "
+                                         r"\.\.\.\}$"):
         fit("tp", 2, model=model)
 
 
@@ -47,7 +47,8 @@ def test_an_unknown_accelerator(no_spawn):
 def test_an_optimizer_instance_instead_of_a_factory(no_spawn):
     opt = torch.optim.AdamW(digits().make_model().parameters(), lr=1e-3)
     with pytest.raises(TypeError, match=r"^optimizer must be a factory that builds the optimizer from parameters .* "
-                                        r"not a built AdamW; pass e\.g\. functools\.partial\(torch\.optim\.AdamW, lr=\.\.\.\)$"):
+                                        r"not a built AdamW; pass e\.g\. "
+                                        r"functools\.partial\(torch\.optim\.AdamW, lr=\.\.\.\)$"):
         fit(opt=opt)
 
 

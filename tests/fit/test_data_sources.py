@@ -228,7 +228,8 @@ def test_map_style_batches_unchanged():
 
 def test_a_dict_key_the_model_does_not_take(no_spawn):
     with pytest.raises(TypeError, match=r"^the model does not take the dict batch's inputs as keyword arguments "
-                                        r"\(pixels\): .*unexpected keyword argument 'pixels'.* fit\(inputs=\.\.\.\) names"):
+                                        r"\(pixels\): .*unexpected keyword argument 'pixels'.* "
+                                        r"fit\(inputs=\.\.\.\) names"):
         fit("ddp", 2, DictDigits(), loss=dict_loss)  # MLP.forward(x): no 'pixels'
 
 

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
 import warnings
 
 import pytest
 import torch
+from conftest import section
 
 import shardwise as sw
-from conftest import section
 from shardwise.workloads import digits
 
 pytestmark = pytest.mark.timeout(200)
@@ -91,7 +90,7 @@ def test_resume_says_what_it_does_and_keeps_the_metrics(tmp_path, capfd):
         return result, capfd.readouterr().err
 
     first, err = run(4)
-    assert f"shardwise: no checkpoint to resume from: training steps 0 to 4\n" in err
+    assert "shardwise: no checkpoint to resume from: training steps 0 to 4\n" in err
     rows = metrics.read_text()
     assert [json.loads(line)["step"] for line in rows.splitlines()] == [0, 1, 2, 3]
 

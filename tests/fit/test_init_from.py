@@ -197,7 +197,8 @@ def test_a_rectangle_is_read_at_the_header_offsets_in_bounded_chunks_and_convert
     from shardwise.checkpoint import pretrained
 
     w = torch.randn(6, 4, 3, dtype=torch.float32).to(torch.bfloat16)
-    save_file({"a": torch.arange(5.0), "w": w, "s": torch.tensor(7, dtype=torch.int64)}, str(tmp_path / "x.safetensors"))
+    save_file({"a": torch.arange(5.0), "w": w, "s": torch.tensor(7, dtype=torch.int64)},
+              str(tmp_path / "x.safetensors"))
     source = pretrained.open_source(str(tmp_path / "x.safetensors"))
     assert source.shapes == {"a": [5], "w": [6, 4, 3], "s": []}
     monkeypatch.setattr(pretrained, "CHUNK_BYTES", 2 * 4 * 3 * 2)  # two rows of w per read

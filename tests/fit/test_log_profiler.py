@@ -13,8 +13,8 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.fit.profiler import PARTS, table
-from shardwise.models import GPT, GPTConfig
 from shardwise.loggers.scalars import Scalars, recording, union
+from shardwise.models import GPT, GPTConfig
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -95,7 +95,7 @@ def test_log_and_the_simple_profiler_under_ddp(tmp_path):
 
     profiles = run.profile
     assert len(profiles) == 2
-    for rank, (p, stats) in enumerate(zip(profiles, run.stats)):
+    for p, stats in zip(profiles, run.stats):
         assert p["profiled_steps"] == STEPS and set(p["parts_s"]) == set(PARTS)
         assert sum(p["parts_s"].values()) == pytest.approx(p["step_s"], rel=0.05)
         assert p["parts_s"]["forward"] > 0 and p["parts_s"]["backward"] > 0

@@ -64,7 +64,8 @@ def test_bf16_gradient_reduction_halves_the_bytes(fp32):
 
 
 def test_unknown_precision_is_an_error():
-    with pytest.raises(ValueError, match="^precision must be one of '32', 'bf16-mixed', '16-mixed', 'bf16-true', got 'fp8'$"):
+    with pytest.raises(ValueError,
+                       match="^precision must be one of '32', 'bf16-mixed', '16-mixed', 'bf16-true', got 'fp8'$"):
         sw.Trainer("single", 1, precision="fp8")
 
 

@@ -162,7 +162,8 @@ def test_the_docs_program_survives_a_kill_and_its_ledger_uses_every_sample_once(
 
 def docs_data() -> torch.utils.data.TensorDataset:
     torch.manual_seed(0)
-    return torch.utils.data.TensorDataset(torch.randn(96, 8, dtype=torch.float64), torch.randn(96, 1, dtype=torch.float64))
+    return torch.utils.data.TensorDataset(torch.randn(96, 8, dtype=torch.float64),
+                                          torch.randn(96, 1, dtype=torch.float64))
 
 
 def test_below_min_replicas_one_error_and_no_process_left_and_an_exception_is_a_bug(capfd):

@@ -3,8 +3,6 @@
 python). Skipped without CUDA (tests/gpu/conftest.py); the CPU side is tests/loop/test_loop_device.py."""
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 

@@ -2,8 +2,8 @@
 model (pinned shards on the host, copied to cuda:0 at each gather; clipping with host gradients), a meta-device
 model offloaded, and DDP's bfloat16 compress hook, which torch runs on NCCL only.
 
-The CPU suite (tests/strategies/torch_engine/test_torch_engine_options.py) checks the same options on gloo, where offload stays on the
-CPU, unpinned, and the bfloat16 hook is refused.
+The CPU suite (tests/strategies/torch_engine/test_torch_engine_options.py) checks the same options on gloo, where
+offload stays on the CPU, unpinned, and the bfloat16 hook is refused.
 """
 from __future__ import annotations
 

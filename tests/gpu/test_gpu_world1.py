@@ -17,7 +17,6 @@ import torch
 import shardwise as sw
 from shardwise.workloads import digits, gpt
 
-
 # "The same maths" is claimed in float64 (tests/conftest.py): in float32 a GPU's summation order (cuBLAS split-K,
 # atomics in backward kernels) against the reference's moved single weights past 1e-4 under Adam (seen on an
 # H200: blocks.0.mlp.fc1.weight of the GPT under tp, 1.3e-5 absolute against 9.7e-6 allowed). In float64 that

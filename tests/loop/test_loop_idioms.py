@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import os
 
 import pytest
 import torch
@@ -50,7 +49,8 @@ class Loop:
 
     def __init__(self, model, opt, work, dist: bool, call=None):
         self.model, self.opt, self.work, self.dist = model, opt, work, dist
-        self.call = model if call is None else call  # what the forward goes through (a torch.compile wrapper of the model)
+        # What the forward goes through (a torch.compile wrapper of the model).
+        self.call = model if call is None else call
         self.pp = dist and model.topo.size(PP) > 1
 
     def forward_backward(self, x, y, scale=1.0):
@@ -245,7 +245,8 @@ def test_every_idiom_of_a_hand_written_loop_equals_one_plain_process(tmp_path, r
         holds = "one pipeline stage of it" if strategy == "pp" else (
             "tensor-parallel slices of the parameters" if strategy == "tp" else
             "flat 1-D shards of the parameters (ZeRO-3/FSDP)")
-        assert bare == (f"state_dict() of the model passed to sw.setup: under {sw.resolve(strategy_of(strategy)).name!r}"
+        assert bare == ("state_dict() of the model passed to sw.setup: under "
+                        f"{sw.resolve(strategy_of(strategy)).name!r}"
                         f" this rank holds {holds}, so its state dict is not the model's; call state_dict() on the "
                         "model sw.setup returned (a collective: every rank calls it; each gets the full state "
                         "dict), or save with sw.save(model, optimizer, directory)")

@@ -156,8 +156,9 @@ print(dist.is_initialized(), dist.get_world_size(), all(abs(a - b) <= 1e-5 * abs
 
 @pytest.mark.fresh_processes
 def test_sw_init_from_plain_python_is_a_group_of_one():
-    r = subprocess.run([sys.executable, "-c", PLAIN], cwd=ROOT, env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT}/tests"},
-                       capture_output=True, text=True, timeout=100)
+    r = subprocess.run([sys.executable, "-c", PLAIN], cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT}/tests"}, capture_output=True, text=True,
+                       timeout=100)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == "True 1 True"
 

@@ -11,12 +11,12 @@ import os
 
 import pytest
 import torch
+from tiny_hf import logits_loss
 
 import shardwise as sw
 from shardwise.models import GPT, GPTConfig
 from shardwise.parallel.checkpointing import apply_activation_checkpointing, track_saved_activations
 from shardwise.plan import ModelSpec, plan_run
-from tiny_hf import logits_loss
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytestmark = pytest.mark.timeout(120)

@@ -13,4 +13,5 @@ if __name__ == "__main__":
     work = digits()
     sw.Trainer("ddp", 2, accelerator="cpu", progress=False, checkpoint_dir=sys.argv[1], checkpoint_every=1,
                checkpoint_keep=None).fit(work.make_model(), work.train, work.loss_fn,
-                                         functools.partial(torch.optim.AdamW, lr=1e-3), batch_size=64, max_steps=100_000)
+                                         functools.partial(torch.optim.AdamW, lr=1e-3), batch_size=64,
+                                         max_steps=100_000)

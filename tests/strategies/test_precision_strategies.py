@@ -34,7 +34,7 @@ def fit(strategy, devices, **kw):
         work.make_model(), work.train, work.loss_fn, ADAMW, batch_size=16, max_steps=STEPS)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fp32(strategy: str, devices: int = 2):
     """The fp32 run without checkpointing, shared by the tests below (each run costs seconds)."""
     return fit(strategy, devices)

@@ -1,9 +1,8 @@
 """``make test-budget``'s report (tests/budget_report.py) reads pytest's own summary and --durations lines."""
 from __future__ import annotations
 
-import pytest
-
 import budget_report as br
+import pytest
 
 LOG = """........................................................................ [ 99%]
 ============================= slowest 15 durations =============================

@@ -14,10 +14,10 @@ import pathlib
 import re
 import sys
 
+import docs_snippet
 import pytest
 import torch
 
-import docs_snippet
 import shardwise
 from shardwise import launch
 from shardwise.strategies.registry import CLASSES

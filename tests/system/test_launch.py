@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import section
+
 from shardwise import cli
 
 # The tests that launch by command (torchrun, a script) are marked fresh_processes: their ranks are fresh

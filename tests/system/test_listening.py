@@ -4,9 +4,9 @@ from __future__ import annotations
 import os
 
 import pytest
-from conftest import section
 import torch
 import torch.distributed as dist
+from conftest import section
 
 from shardwise import launch
 

@@ -48,15 +48,15 @@ from torch.nn import functional as F
 
 from shardwise.bench.harness import NOT_SEEN, NOT_SEEN_NOTE, PAIRED_NOTE, measure, ratio_text, spawn_collect
 from shardwise.bench.harness import paired as harness_paired
-from shardwise.bench.tables import Column, table, wide
 from shardwise.bench.pp.mp import mlp
+from shardwise.bench.tables import Column, table, wide
 from shardwise.comm.topology import Topology
 from shardwise.dims import PP, WORLD
 from shardwise.parallel.checkpointing import SavedActivations
 from shardwise.parallel.pp.build import build_pipeline, stage_starts
 from shardwise.parallel.pp.layers import pipeline_layers
-from shardwise.parallel.pp.run import pipeline_step
 from shardwise.parallel.pp.placement import Placement
+from shardwise.parallel.pp.run import pipeline_step
 from shardwise.parallel.pp.schedules import Action, bubble_fraction, get_schedule
 from shardwise.parallel.pp.timeline import replay
 from shardwise.stats import AllocatedPeak
@@ -246,7 +246,7 @@ def _worker(rank: int, device: torch.device, blob: bytes, path: str) -> None:
             loss = built.run(update=False)
         res.saved[c.key] = saved.peak
         res.loss[c.key] = None if loss is None else float(loss)
-        grads[c.key] = torch.cat([q.grad.detach().flatten().cpu() for q in built.params])
+        grads[c.key] = torch.cat([q.grad.detach().flatten().cpu() for q in built.params])  # type: ignore[union-attr]
         res.order[c.key] = built.order
         res.times[c.key], res.rss[c.key], res.sent[c.key], res.cpu[c.key] = [], [], [], []
         del built
@@ -264,7 +264,7 @@ def _worker(rank: int, device: torch.device, blob: bytes, path: str) -> None:
     for rep in range(job["reps"]):  # rotate which contender goes first
         k = rep % len(contenders)
         for c in contenders[k:] + contenders[:k]:
-            t, mem, sent = measure(lambda c=c: c.build(copy.deepcopy(base), topo, x, y, m), topo,
+            t, mem, sent = measure(lambda c=c: c.build(copy.deepcopy(base), topo, x, y, m), topo,  # type: ignore[misc]
                                    device.type == "cuda", job["warmup"], job["steps"], cpu=res.cpu[c.key])
             res.times[c.key].append(t)
             res.rss[c.key].append(mem)

@@ -22,7 +22,6 @@ from torch.nn import functional as F
 
 from shardwise.bench.harness import NOT_SEEN, NOT_SEEN_NOTE
 from shardwise.bench.pp.mp import mlp
-from shardwise.bench.tables import Column, table, wide
 from shardwise.bench.pp.zb import (
     ADAMW,
     CPU_NOTE,
@@ -41,6 +40,7 @@ from shardwise.bench.pp.zb import (
     summarize,
     zb_pair,
 )
+from shardwise.bench.tables import Column, table, wide
 from shardwise.comm.topology import Topology
 from shardwise.dims import PP
 from shardwise.parallel.pp.build import stage_starts

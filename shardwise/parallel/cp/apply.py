@@ -143,21 +143,21 @@ def use_hf_attention(modules: list[nn.Module], name: str, fn: Callable[..., Any]
     AttentionInterface.register(name, fn)
     AttentionMaskInterface.register(name, _no_mask)
     for m in modules:
-        m.config._attn_implementation = name
+        m.config._attn_implementation = name  # type: ignore[union-attr]
 
 
 def apply_context_parallel(model: nn.Module, cp: ContextParallel) -> nn.Module:
     """Switch ``model``'s attention to ``cp``'s and pass its tokens' positions, in place (module docstring)."""
     ours = [m for m in model.modules() if isinstance(m, Attention)]
     for m in ours:
-        m.attend = cp.attend  # type: ignore[method-assign]
+        m.attend = cp.attend
     theirs = hf_attention_modules(model)
-    for m in theirs:
-        m.shardwise_cp = cp
+    for m in theirs:  # type: ignore[assignment]
+        m.shardwise_cp = cp  # type: ignore[assignment]
     use_hf_attention(theirs, HF_ATTENTION, _hf_cp_attention)
     if not ours and not theirs:
         raise ValueError(no_attention_message(model))
-    for m in position_takers(model):
+    for m in position_takers(model):  # type: ignore[assignment]
         m.register_forward_pre_hook(functools.partial(_with_positions, cp), with_kwargs=True)
     return model
 

@@ -362,7 +362,7 @@ def _seq_to_heads(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     # parts[j]: rank j's tokens (its two chunks) of this rank's heads.
     chunks = parts.permute(1, 2, 0, 3, 4).reshape(b, h // cp, 2 * cp, t // 2, d)
     order = torch.tensor(_natural_order(cp), device=x.device)
-    return chunks.index_select(2, order).reshape(b, h // cp, cp * t, d)
+    return chunks.index_select(2, order).reshape(b, h // cp, cp * t, d)  # type: ignore[no-any-return]
 
 
 def _heads_to_seq(y: torch.Tensor, comm: Comm) -> torch.Tensor:
@@ -373,7 +373,7 @@ def _heads_to_seq(y: torch.Tensor, comm: Comm) -> torch.Tensor:
     order = torch.tensor(_gathered(cp), device=y.device)
     parts = y.reshape(b, hc, 2 * cp, t // 2, d).index_select(2, order).reshape(b, hc, cp, t, d).permute(2, 0, 1, 3, 4)
     back = _AllToAll.apply(parts, comm, "cp.a2a")  # back[j]: this rank's tokens of rank j's heads
-    return back.transpose(0, 1).reshape(b, cp * hc, t, d)
+    return back.transpose(0, 1).reshape(b, cp * hc, t, d)  # type: ignore[no-any-return]
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm,
@@ -413,6 +413,6 @@ def attention(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm
     raise ValueError(f"cp_mode={mode!r}: valid are {', '.join(map(repr, MODES))}")
 
 
-__all__ = ["MODES", "RING", "RingAttention", "RingWork", "ULYSSES", "attention", "check_sequence", "check_ulysses_heads",
-           "chunk_ids", "join_sequence",
+__all__ = ["MODES", "RING", "RingAttention", "RingWork", "ULYSSES", "attention", "check_sequence",
+           "check_ulysses_heads", "chunk_ids", "join_sequence",
            "local_positions", "ring_attention", "shard_sequence", "ulysses_attention", "unmasked_pairs"]

@@ -62,7 +62,7 @@ def dp_shard_cp_mesh(topo: Topology) -> DeviceMesh:
     if topo.mesh is None:
         return init_device_mesh(topo.device.type, (1,), mesh_dim_names=(DP_SHARD_CP,))
     # From the group itself: slicing the run's mesh at a flattened dim warns that torch will drop it.
-    return DeviceMesh.from_group(topo.group(DP_SHARD_CP), topo.device.type, mesh_dim_names=(DP_SHARD_CP,))
+    return DeviceMesh.from_group(topo.group(DP_SHARD_CP), topo.device.type, mesh_dim_names=(DP_SHARD_CP,))  # type: ignore[arg-type]
 
 
 # ---- the batch ------------------------------------------------------------------------------------
@@ -157,7 +157,7 @@ def _hf_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: t
     if use_gqa_in_sdpa(None, key, value):  # it would pass enable_gqa with fewer kv heads: repeat them here
         groups = query.shape[1] // key.shape[1]
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    return sdpa_attention_forward(module, query, key, value, None, **kwargs)  # type: ignore[no-any-return]
+    return sdpa_attention_forward(module, query, key, value, None, **kwargs)
 
 
 __all__ = ["RING_KERNELS", "TORCH_HF_ATTENTION", "TorchContextParallel", "cp_mesh", "dp_shard_cp_mesh", "positions_of",

@@ -149,13 +149,13 @@ class WatchedParameter(nn.Parameter):
     gradient; the wrapper's own clears, inside backward, are not a user's.
     """
 
-    @property  # type: ignore[override]
+    @property
     def grad(self) -> torch.Tensor | None:
-        return _TENSOR_GRAD.__get__(self)  # type: ignore[no-any-return]
+        return _TENSOR_GRAD.__get__(self)  # type: ignore[no-any-return,union-attr]
 
     @grad.setter
     def grad(self, value: torch.Tensor | None) -> None:
-        _TENSOR_GRAD.__set__(self, value)
+        _TENSOR_GRAD.__set__(self, value)  # type: ignore[union-attr]
         owner = self.__dict__.get("_shardwise_owner")
         forget = owner() if owner is not None else None
         if value is None and forget is not None and not in_backward():
@@ -164,12 +164,12 @@ class WatchedParameter(nn.Parameter):
 
 def drop_grad(p: torch.Tensor) -> None:
     """``p.grad = None`` by a wrapper itself: not a loop's clear, so a watched parameter's wrapper is not told."""
-    _TENSOR_GRAD.__set__(p, None)
+    _TENSOR_GRAD.__set__(p, None)  # type: ignore[union-attr]
 
 
 def watch_clears(params: Iterable[nn.Parameter], forget: Callable[[nn.Parameter], None]) -> None:
     """Make ``params`` (plain Parameters) tell ``forget`` when a loop sets their gradient to None (weakly held)."""
-    ref = weakref.WeakMethod(forget)  # type: ignore[arg-type]
+    ref = weakref.WeakMethod(forget)
     for p in params:
         if type(p) is nn.Parameter:
             p.__class__ = WatchedParameter
@@ -347,7 +347,7 @@ class DDPModule(GradSync, nn.Module):
             var = getattr(fn, "variable", None)
             if var is not None:
                 reached.add(id(var))
-            stack.extend(f for f, _ in fn.next_functions)
+            stack.extend(f for f, _ in fn.next_functions)  # type: ignore[misc]
         ordered = list(self._where)
         used = torch.tensor([1 if id(p) in reached else 0 for p in ordered], dtype=torch.int32,
                             device=self.buckets[0].buffer.device if self.buckets else None)

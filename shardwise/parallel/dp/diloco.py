@@ -227,7 +227,7 @@ class DiLoCoOptimizer(WrappedOptimizer):
         self.owner = getattr(optimizer, "owner", None)  # (ZeRO's wrapper, whose gradients finish at its step)
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = self.optimizer.step(closure)  # type: ignore[func-returns-value]
+        loss = self.optimizer.step(closure)
         self.loop.inner_step_done()
         return loss
 
@@ -246,7 +246,7 @@ def each_piece(local: list[torch.Tensor], view: torch.Tensor) -> tuple[int, int]
             continue
         offset = view.storage_offset() - p.storage_offset()
         if 0 <= offset < max(1, p.numel()):
-            return i, offset
+            return i, offset  # type: ignore[return-value]
     return None
 
 

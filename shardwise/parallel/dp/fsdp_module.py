@@ -24,7 +24,6 @@ from torch import Tensor, nn
 from shardwise.comm import Comm, Handle
 from shardwise.data import leaves
 from shardwise.parallel.dp.ddp import GradSync, by_group, check_same_parameters, drop_grad, forget_piece
-from shardwise.parallel.ep import expert_modules, is_expert
 from shardwise.parallel.dp.fsdp_units import WrapPolicy, _to_device, _Unit, unit_modules
 from shardwise.parallel.dp.sharding import (
     broadcast_inplace,
@@ -33,6 +32,7 @@ from shardwise.parallel.dp.sharding import (
     pick_collectives,
     shard_parts,
 )
+from shardwise.parallel.ep import expert_modules, is_expert
 
 
 # ---- hooks and gradient reduction -------------------------------------------
@@ -317,9 +317,9 @@ class FSDPModule(_Reduction, nn.Module):
                 raise ValueError(f"FSDP unit '{names[id(m)]}' holds expert-parallel and dense parameters; the "
                                  "experts module must be a unit of its own (the default wrap makes it one)")
             group = self.expert_comm if self.expert_comm is not None and all(experts) else self.comm
-            u = _Unit(len(units), names[id(m)], params, group, self.how)
-            self._module_of[u.index] = m
-            units.append(u)
+            u = _Unit(len(units), names[id(m)], params, group, self.how)  # type: ignore[assignment]
+            self._module_of[u.index] = m  # type: ignore[index]
+            units.append(u)  # type: ignore[arg-type]
         return units
 
     @torch.no_grad()
@@ -435,7 +435,8 @@ class FSDPModule(_Reduction, nn.Module):
         return u.shard_params[i].grad  # type: ignore[return-value]
 
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """Shard rows, any unit gathered at this moment (zero bytes once resharded), gradients; host rows if offloaded."""
+        """Shard rows, any unit gathered at this moment (zero bytes once resharded), gradients; host rows if
+        offloaded."""
         params = [u.shard for u in self.units] + [b for u in self.units for b in u.padded]
         params += [p for p in self.module.parameters() if p not in self.unit_of]
         full = [p.grad for u in self.units for p in u.params if p.grad is not None]

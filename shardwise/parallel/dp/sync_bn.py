@@ -96,16 +96,16 @@ class SyncBatchNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         use_batch = self.training or self.running_mean is None
         if not use_batch:  # evaluation with running statistics: nothing to synchronise
-            return nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+            return nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,  # type: ignore[arg-type]
                                             False, 0.0, self.eps)
         y, mean, var, n = _SyncBNFunction.apply(x, self.weight, self.bias, self.eps, self.comm)
         if self.training and self.track_running_stats and self.running_mean is not None:
             with torch.no_grad():
-                self.num_batches_tracked += 1
-                m = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+                self.num_batches_tracked += 1  # type: ignore[assignment,operator]
+                m = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum  # type: ignore[arg-type]
                 unbiased = var * (n / (n - 1)) if float(n) > 1 else var
-                self.running_mean.mul_(1 - m).add_(mean.to(self.running_mean.dtype), alpha=m)
-                self.running_var.mul_(1 - m).add_(unbiased.to(self.running_var.dtype), alpha=m)
+                self.running_mean.mul_(1 - m).add_(mean.to(self.running_mean.dtype), alpha=m)  # type: ignore[operator]
+                self.running_var.mul_(1 - m).add_(unbiased.to(self.running_var.dtype), alpha=m)  # type: ignore[operator]
         return y  # type: ignore[no-any-return]
 
     def extra_repr(self) -> str:

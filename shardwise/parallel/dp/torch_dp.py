@@ -41,14 +41,14 @@ def torch_ddp(model: nn.Module, topo: Topology, bucket_cap_mb: float | None = No
     ids = [topo.device.index] if topo.device.type == "cuda" else None
     extra = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
     return cls(model, device_ids=ids, process_group=topo.group(dim), find_unused_parameters=find_unused_parameters,
-               **extra)
+               **extra)  # type: ignore[arg-type]
 
 
 def torch_sync_batchnorm(model: nn.Module, topo: Topology) -> nn.Module:
     """``model`` with its BatchNorm layers as torch's ``nn.SyncBatchNorm`` over ``topo``'s data-parallel group
     (CUDA inputs only; in a group of one it normalises as BatchNorm does). The root is returned: a model that
     is itself a BatchNorm is replaced, not changed."""
-    return nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=topo.group(DP))
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=topo.group(DP))  # type: ignore[no-any-return]
 
 
 def dp_mesh(topo: Topology) -> DeviceMesh:
@@ -57,7 +57,7 @@ def dp_mesh(topo: Topology) -> DeviceMesh:
     if topo.mesh is None:
         return init_device_mesh(topo.device.type, (1,), mesh_dim_names=(DP,))
     # From the dp group itself: slicing the run's mesh at its flattened dp dim warns that torch will drop it.
-    return DeviceMesh.from_group(topo.group(DP), topo.device.type, mesh_dim_names=(DP,))
+    return DeviceMesh.from_group(topo.group(DP), topo.device.type, mesh_dim_names=(DP,))  # type: ignore[arg-type]
 
 
 def dp_shard_mesh(topo: Topology) -> DeviceMesh:
@@ -96,7 +96,7 @@ def zero_redundancy(base: torch.optim.Optimizer, topo: Topology) -> torch.optim.
 
     groups = [{**g, "params": list(g["params"])} for g in base.param_groups]
     zero = ZeroRedundancyOptimizer(groups, optimizer_class=type(base), process_group=topo.group(DP))
-    zero.state = zero.optim.state  # type: ignore[has-type]
+    zero.state = zero.optim.state
     return zero
 
 

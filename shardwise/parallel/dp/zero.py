@@ -65,7 +65,8 @@ class ShardedOptimizer(WrappedOptimizer):
         self.owner.zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard of the optimizer state (torch layout); see ``Strategy.checkpoint_held`` for the global one."""
+        """This rank's shard of the optimizer state (torch layout); see ``Strategy.checkpoint_held`` for the global
+        one."""
         return self.optimizer.state_dict()
 
 

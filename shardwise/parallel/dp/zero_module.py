@@ -175,9 +175,9 @@ class ZeROModule(GradSync, nn.Module):
         params = full + [c for b in self.buckets for c in b.copies]
         grads = [p.grad for p in full if p.grad is not None]
         if self.offload is None:
-            return {"params": params, "grads": grads + self.shard_grads()}
+            return {"params": params, "grads": grads + self.shard_grads()}  # type: ignore[dict-item]
         # Offloaded: the master rows, gradient shards and optimizer states are host memory.
-        return {"params": params, "grads": grads, "host_params": [b.host for b in self.buckets if b.host is not None],
+        return {"params": params, "grads": grads, "host_params": [b.host for b in self.buckets if b.host is not None],  # type: ignore[dict-item]
                 "host_grads": self.shard_grads()}
 
     def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, list[tuple[str, int, Tensor]]]:
@@ -244,7 +244,7 @@ class ZeROModule(GradSync, nn.Module):
         self._reduced = False
 
     def forget_grad(self, p: nn.Parameter) -> None:
-        b = self._where.get(p)  # type: ignore[union-attr]
+        b = self._where.get(p)
         if self.stage == 2 and b is not None and b.grad_shard is not None:
             forget_piece(b.params, b.shards, b.cleared, p, lambda: self._set_shard_grads(b, None))
 

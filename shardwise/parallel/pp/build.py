@@ -33,10 +33,10 @@ from torch import nn
 
 from shardwise.comm.topology import Topology
 from shardwise.dims import EP, PP, TP
+from shardwise.parallel.dtensor import local
 from shardwise.parallel.ep import is_expert
 from shardwise.parallel.pp.layers import pipeline_layers, stage_layers
 from shardwise.parallel.pp.placement import LOOP, Placement
-from shardwise.parallel.dtensor import local
 from shardwise.parallel.tp.apply import gather_tensor, tp_spec
 
 
@@ -213,7 +213,7 @@ class PipelineModel(nn.Module):
 
     def stage(self, chunk: int) -> PipelineStage:
         c = self.chunks[chunk]
-        return getattr(c, "module", c)  # type: ignore[no-any-return]
+        return getattr(c, "module", c)  # type: ignore[arg-type]
 
     @property
     def is_last(self) -> bool:
@@ -268,8 +268,8 @@ def build_pipeline(model: nn.Module, topo: Topology, split_points: Sequence[str]
     stages = [PipelineStage(parts[k], k, p * v) for k in mine]
     seen: dict[str, nn.Parameter] = {}
     my_ties, copies = [], []
-    for name, local, owners in ties.get(r, []):  # in virtual-stage order: the first copy of the first owner counts
-        prm = model.get_parameter(local)
+    for name, local_name, owners in ties.get(r, []):  # in virtual-stage order: the first copy of the first owner counts
+        prm = model.get_parameter(local_name)
         my_ties.append(_Tie(name, prm, owners, counted=owners[0] == r and name not in seen))
         if name in seen:
             copies.append((seen[name], prm))
@@ -280,7 +280,7 @@ def build_pipeline(model: nn.Module, topo: Topology, split_points: Sequence[str]
     # for the full state and the checkpoint, as on one device (PipelineModel.sync_copies keeps them equal).
     first_of = {id(c): f for f, c in copies}
     claimed = {k: first_of.get(id(t), t) for k, t in state.items() if id(t) in held}
-    return PipelineModel(stages, r, p, list(state), claimed, my_ties, topo.device, place, copies)
+    return PipelineModel(stages, r, p, list(state), claimed, my_ties, topo.device, place, copies)  # type: ignore[arg-type]
 
 
 def untie_on_rank(model: nn.Module, my_ties: Sequence[tuple[str, str, list[int]]]) -> None:
@@ -291,14 +291,14 @@ def untie_on_rank(model: nn.Module, my_ties: Sequence[tuple[str, str, list[int]]
     wrapper owns its own parameters, and :func:`~shardwise.parallel.pp.run.sync_ties` sums the copies'
     gradients (here, then over the ranks) before the step, which all copies take alike."""
     first: set[str] = set()
-    for canon, local, _ in my_ties:
+    for canon, local_name, _ in my_ties:
         if canon not in first:
             first.add(canon)
             continue
-        owner, _, attr = local.rpartition(".")
+        owner, _, attr = local_name.rpartition(".")
         module = model.get_submodule(owner)
-        setattr(module, attr, nn.Parameter(model.get_parameter(local).detach().clone(),
-                                           requires_grad=model.get_parameter(local).requires_grad))
+        setattr(module, attr, nn.Parameter(model.get_parameter(local_name).detach().clone(),
+                                           requires_grad=model.get_parameter(local_name).requires_grad))
 
 
 def find_ties(model: nn.Module, parts: list[list[tuple[str, nn.Module]]], p: int, v: int,
@@ -312,8 +312,8 @@ def find_ties(model: nn.Module, parts: list[list[tuple[str, nn.Module]]], p: int
     mod_name = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     users: dict[int, list[int]] = {}
     for k, part in enumerate(parts):
-        for prm in {id(x) for _, layer in part for x in layer.parameters()}:
-            users.setdefault(prm, []).append(k)
+        for prm in {id(x) for _, layer in part for x in layer.parameters()}:  # type: ignore[assignment]
+            users.setdefault(prm, []).append(k)  # type: ignore[arg-type]
     out: dict[int, list[tuple[str, str, list[int]]]] = {}
     for pid, ks in sorted(users.items(), key=lambda kv: names.get(kv[0], ["?"])[0]):
         if len(ks) < 2:

@@ -32,7 +32,7 @@ class _GPTEmbed(nn.Module):
         self.tok_emb, self.pos_emb = tok_emb, pos_emb
 
     def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.tok_emb(idx) + self.pos_emb(_positions(idx, position_ids))
+        return self.tok_emb(idx) + self.pos_emb(_positions(idx, position_ids))  # type: ignore[no-any-return]
 
 
 class _Head(nn.Module):
@@ -43,7 +43,7 @@ class _Head(nn.Module):
         self.norm, self.head = norm, head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(x))
+        return self.head(self.norm(x))  # type: ignore[no-any-return]
 
 
 class _GPT2Embed(nn.Module):
@@ -52,13 +52,13 @@ class _GPT2Embed(nn.Module):
         self.wte, self.wpe, self.drop = wte, wpe, drop
 
     def forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.drop(self.wte(ids) + self.wpe(_positions(ids, position_ids)))
+        return self.drop(self.wte(ids) + self.wpe(_positions(ids, position_ids)))  # type: ignore[no-any-return]
 
 
 def _causal_mask(layer: nn.Module, config: Any, h: torch.Tensor, pos: torch.Tensor) -> Any:
     # The mask helper of the model's own modeling file, called as the model's
     # forward calls it (None for SDPA's is_causal fast path).
-    make = getattr(sys.modules[type(layer).__module__], "create_causal_mask")
+    make = sys.modules[type(layer).__module__].create_causal_mask
     return make(config=config, inputs_embeds=h, attention_mask=None, past_key_values=None, position_ids=pos)
 
 
@@ -77,13 +77,13 @@ class _HFBlock(nn.Module):
         if self.rotary is not None:
             kw["position_embeddings"] = self.rotary(h, position_ids=pos)
         out = self.layer(h, **kw)
-        return out[0] if isinstance(out, tuple) else out
+        return out[0] if isinstance(out, tuple) else out  # type: ignore[no-any-return]
 
 
 def pipeline_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``model`` as ``[(name, layer)]`` whose composition is ``model``'s forward (tensor in, tensor out)."""
     if hasattr(model, "pipeline_layers"):
-        return list(model.pipeline_layers())
+        return list(model.pipeline_layers())  # type: ignore[operator]
     if isinstance(model, nn.Sequential):
         return list(model.named_children())
     if isinstance(model, MLP):
@@ -93,19 +93,21 @@ def pipeline_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
                 + [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
                 + [("head", _Head(model.ln_f, model.head))])
     kind = type(model).__name__
+    hf: Any = model  # a Hugging Face model, read by the attribute names of its own modeling file
+    layers: list[tuple[str, nn.Module]]
     if kind == "GPT2LMHeadModel":
-        t = model.transformer
-        return ([("embed", _GPT2Embed(t.wte, t.wpe, t.drop))]
-                + [(f"h.{i}", _HFBlock(b, model.config)) for i, b in enumerate(t.h)]
-                + [("head", _Head(t.ln_f, model.lm_head))])
+        t = hf.transformer
+        layers = [("embed", _GPT2Embed(t.wte, t.wpe, t.drop))]
+        return (layers + [(f"h.{i}", _HFBlock(b, hf.config)) for i, b in enumerate(t.h)]
+                + [("head", _Head(t.ln_f, hf.lm_head))])
     if kind in ("LlamaForCausalLM", "MixtralForCausalLM"):  # Mixtral: Llama's layout, experts as its MLP
-        m = model.model
+        m = hf.model
         return ([("embed", m.embed_tokens)]
-                + [(f"layers.{i}", _HFBlock(b, model.config, m.rotary_emb)) for i, b in enumerate(m.layers)]
-                + [("head", _Head(m.norm, model.lm_head))])
+                + [(f"layers.{i}", _HFBlock(b, hf.config, m.rotary_emb)) for i, b in enumerate(m.layers)]
+                + [("head", _Head(m.norm, hf.lm_head))])
     raise ValueError(f"cannot split a {kind} into pipeline stages: use nn.Sequential, shardwise's MLP or GPT, "
-                     "GPT2LMHeadModel, LlamaForCausalLM or MixtralForCausalLM, or give the model a pipeline_layers() method "
-                     "returning [(name, module)] whose composition is its forward")
+                     "GPT2LMHeadModel, LlamaForCausalLM or MixtralForCausalLM, or give the model a pipeline_layers() "
+                     "method returning [(name, module)] whose composition is its forward")
 
 
 WHOLE = "(whole model)"

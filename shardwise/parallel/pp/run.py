@@ -174,7 +174,7 @@ class _Runner:
         else:
             if mk not in self.pm.meta_recv:  # the first message of a shape: its header first (never posted ahead)
                 head = torch.empty(_META, dtype=torch.int64, device=self._device())
-                self.comm.irecv(head, src, "pp.meta", ACT_TAG).wait()
+                self.comm.irecv(head, src, "pp.meta", ACT_TAG).wait()  # type: ignore[arg-type]
                 n = int(head[0])
                 self.pm.meta_recv[mk] = (tuple(int(d) for d in head[2:2 + n]), _DTYPES[int(head[1])])
             buf = self._take(a)
@@ -214,9 +214,9 @@ class _Runner:
             head = torch.zeros(_META, dtype=torch.int64, device=out.device)
             head[0], head[1] = out.dim(), _DTYPES.index(out.dtype)
             head[2:2 + out.dim()] = torch.tensor(out.shape, dtype=torch.int64)
-            self.sends.append(self.comm.isend(head, dst, "pp.meta", ACT_TAG))
+            self.sends.append(self.comm.isend(head, dst, "pp.meta", ACT_TAG))  # type: ignore[arg-type]
             self.pm.meta_sent.add(mk)
-        self._sent(self.comm.isend(out.detach().contiguous(), dst, "pp.act", ACT_TAG))
+        self._sent(self.comm.isend(out.detach().contiguous(), dst, "pp.act", ACT_TAG))  # type: ignore[arg-type]
 
     # -- backward
     def recv_backward(self, a: Action) -> None:
@@ -266,7 +266,7 @@ class _Runner:
         key = (a.chunk, a.mb)
         chunk = self.pm.chunks[a.chunk]
         # Data-parallel wrappers reduce gradients only in a chunk's final backward.
-        ctx = chunk.no_sync() if (not last and hasattr(chunk, "no_sync")) else contextlib.nullcontext()
+        ctx = chunk.no_sync() if (not last and hasattr(chunk, "no_sync")) else contextlib.nullcontext()  # type: ignore[operator]
         out = self.out.pop(key)
         with ctx:
             torch.autograd.backward(out, self.grad.pop(key, None))
@@ -285,7 +285,7 @@ class _Runner:
         chunk = self.pm.chunks[a.chunk]
         params = [p for p in chunk.parameters() if p.requires_grad]
         # FSDP gathers its units for B without starting their backward (no_sync-free: B reduces nothing).
-        ctx = chunk.input_pass() if hasattr(chunk, "input_pass") else contextlib.nullcontext()
+        ctx = chunk.input_pass() if hasattr(chunk, "input_pass") else contextlib.nullcontext()  # type: ignore[operator]
         with ctx:
             grads, self.weights[key] = backward_input(out, grad, [x], params)
         x.grad = grads[0]
@@ -297,9 +297,9 @@ class _Runner:
         chunk = self.pm.chunks[a.chunk]
         with contextlib.ExitStack() as stack:
             if not last and hasattr(chunk, "no_sync"):
-                stack.enter_context(chunk.no_sync())
+                stack.enter_context(chunk.no_sync())  # type: ignore[operator]
             if hasattr(chunk, "backward_in_parts"):
-                stack.enter_context(chunk.backward_in_parts())
+                stack.enter_context(chunk.backward_in_parts())  # type: ignore[operator]
             self.weights.pop((a.chunk, a.mb)).backward_weight()
 
     def send_backward(self, a: Action) -> None:
@@ -312,7 +312,7 @@ class _Runner:
         if dst == self.r:
             self.handed[("grad", a.mb, k - 1)] = g
             return
-        self._sent(self.comm.isend(g, dst, "pp.grad", GRAD_TAG))
+        self._sent(self.comm.isend(g, dst, "pp.grad", GRAD_TAG))  # type: ignore[arg-type]
 
     def _sent(self, h: Handle) -> None:
         # Finished sends are dropped as they go, not at the end of the step: each holds its tensor. Only from the
@@ -372,7 +372,7 @@ def _cat(parts: Sequence[Any]) -> Any:
         if all(not isinstance(v, (torch.Tensor, dict, tuple, list)) for v in first):
             return type(first)(v for p in parts for v in p)  # a list of plain values (strings)
         return type(first)(_cat(list(vs)) for vs in zip(*parts))
-    return torch.cat(parts)
+    return torch.cat(parts)  # type: ignore[arg-type]
 
 
 def pipeline_eval(pm: PipelineModel, x: Any, y: Any, fn: LossFn, topo: Topology,
@@ -416,7 +416,7 @@ def sync_ties(pm: PipelineModel, comm: Comm) -> None:
             total = part.clone() if total is None else total + part
         # In place: a data-parallel wrapper may keep the gradient as a view of its bucket or shard.
         for mine in grads:
-            mine.copy_(total)
+            mine.copy_(total)  # type: ignore[arg-type]
 
 
 def pipeline_step(pm: PipelineModel, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn, topo: Topology,

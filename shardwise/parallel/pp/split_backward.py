@@ -173,7 +173,7 @@ def backward_input(outputs: torch.Tensor | Sequence[torch.Tensor],
     wanted = [i for i, x in enumerate(xs) if x is not None and x.requires_grad]
     ps = list({id(p): p for p in params if p.requires_grad}.values())
     out_edges = [get_gradient_edge(o) for o, _ in pairs]
-    in_nodes = {get_gradient_edge(xs[i]).node for i in wanted}
+    in_nodes = {get_gradient_edge(xs[i]).node for i in wanted}  # type: ignore[arg-type]
     parents = _parents((e.node for e in out_edges), in_nodes)
     in_i = _reaching(parents, in_nodes)
     groups, boundary = _weight_groups(parents, in_i, ps, out_edges, pairs)
@@ -247,9 +247,9 @@ def _weight_groups(parents: dict[Node, list[Node]], in_i: set[Node], ps: list[to
     boundary = list(dict.fromkeys(u for v in region for u in parents[v] if u in in_i))
     for u, g in {u: group(u) for u in boundary}.items():
         g.boundary.append(u)
-    for e, (_, g) in zip(out_edges, pairs):
+    for e, (_, g) in zip(out_edges, pairs):  # type: ignore[assignment]
         if e.node in region:
-            group(e.node).roots.append((e, g))
+            group(e.node).roots.append((e, g))  # type: ignore[arg-type]
     return groups, boundary
 
 
@@ -304,7 +304,7 @@ def _input_pass(pairs: Pairs, xs: list[torch.Tensor | None], wanted: list[int],
     dx: list[torch.Tensor | None] = [None] * len(xs)
     try:
         if wanted and pairs:
-            got = torch.autograd.grad([o for o, _ in pairs], [xs[i] for i in wanted], [g for _, g in pairs],
+            got = torch.autograd.grad([o for o, _ in pairs], [xs[i] for i in wanted], [g for _, g in pairs],  # type: ignore[arg-type]
                                       retain_graph=True, allow_unused=True)
             for i, t in zip(wanted, got):
                 dx[i] = t

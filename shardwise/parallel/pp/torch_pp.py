@@ -46,17 +46,18 @@ from shardwise.comm.topology import Topology
 from shardwise.dims import PP
 from shardwise.parallel.dp.ddp import through_flat
 from shardwise.parallel.dp.fsdp_units import unit_modules
+from shardwise.parallel.dp.torch_dp import fully_shard_units, torch_ddp
 from shardwise.parallel.pp.build import PipelineModel
 from shardwise.parallel.pp.run import resplit, sync_ties
-from shardwise.parallel.dp.torch_dp import fully_shard_units, torch_ddp
 from shardwise.step import LossFn
 
 # Our schedule's name -> torch's schedule on the same placement (gpipe, 1f1b, zb-h1: one stage per rank;
 # interleaved: the loop c * p + r; zbv, dualpipev: the V, rank r holding stages r and 2p-1-r), with the same
 # forwards and backwards in the same order (tests/bench/test_zb_pair.py, tests/parallel/pp/test_zero_bubble.py,
 # tests/strategies/torch_engine/test_torch_engine_zb.py compare them). ScheduleInterleavedZeroBubble is the
-# paper's ZB1P: given one stage per rank it runs ZB-H1's order. torch's DualPipeV and ZBV run DualPipe's and the paper's whole and split
-# backwards where they have them; ours (zbv, dualpipev) run some more of them whole, the same actions.
+# paper's ZB1P: given one stage per rank it runs ZB-H1's order. torch's DualPipeV and ZBV run DualPipe's and the
+# paper's whole and split backwards where they have them; ours (zbv, dualpipev) run some more of them whole, the
+# same actions.
 TORCH_SCHEDULES: dict[str, type[_PipelineSchedule]] = {
     "gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
     "zb-h1": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
@@ -87,7 +88,7 @@ def torch_schedule(schedule: str, stages: list[PipelineStage], microbatches: int
                    loss_fn: Callable[[Any, Any], torch.Tensor]) -> _PipelineSchedule:
     """torch's schedule for our ``schedule`` name over this rank's ``stages`` (one: a single-stage schedule)."""
     cls = TORCH_SCHEDULES[schedule]
-    return cls(stages[0] if len(stages) == 1 and cls in (ScheduleGPipe, Schedule1F1B) else stages,  # type: ignore[arg-type]
+    return cls(stages[0] if len(stages) == 1 and cls in (ScheduleGPipe, Schedule1F1B) else stages,  # type: ignore[arg-type,misc]
                n_microbatches=microbatches, loss_fn=loss_fn)
 
 
@@ -136,7 +137,7 @@ class TorchPipeline:
         if self.average_over is not None:
             average_gradients(self.pm.parameters(), self.average_over)
         sync_ties(self.pm, self.comm)
-        return torch.stack([l.detach() for l in losses]).mean() / loss_scale if self.last else None
+        return torch.stack([t.detach() for t in losses]).mean() / loss_scale if self.last else None
 
     def _loss(self, loss_fn: LossFn, scale: float, out: Any, target: Any) -> torch.Tensor:
         with self.context():

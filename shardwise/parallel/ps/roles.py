@@ -213,7 +213,7 @@ class _PushOptimizer(torch.optim.Optimizer):
         self._worker = worker
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         loss = closure() if closure is not None else None
         self._worker.push()
         return loss

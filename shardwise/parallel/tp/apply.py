@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 from shardwise.comm import Comm
-from shardwise.parallel.tp.sequence_parallel import apply_sequence_parallel, sequence_layout
 from shardwise.parallel.clip import clip_global_norm
 from shardwise.parallel.tp.layers import (
     ColumnParallelLinear,
@@ -56,6 +55,7 @@ from shardwise.parallel.tp.plans import (
     plan_for,
     resolve_plan,
 )
+from shardwise.parallel.tp.sequence_parallel import apply_sequence_parallel, sequence_layout
 
 
 # ---- applying a plan -----------------------------------------------------------
@@ -176,8 +176,10 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, tp: Comm | 
     skip = count_elsewhere or set()
     counted = [p.grad for p in ps if counts_in_norm(p, tp, skip)]
     device = every[0].device if every else torch.device("cpu")
-    return clip_global_norm(counted, [p.grad for p in ps], max_norm,  # type: ignore[misc]
+    return clip_global_norm(counted, [p.grad for p in ps], max_norm,  # type: ignore[misc,arg-type]
                             [(tp, "tp.clip"), (pp, "pp.clip")], device)
 
 
-__all__ = ["Plan", "SequenceLayout", "Style", "STYLES", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "apply_tp", "plan_for", "gpt_plan", "gpt2_plan", "llama_plan", "mlp_plan", "gather_state", "clip_grad_norm_", "counts_in_norm", "gather_tensor", "tp_spec"]
+__all__ = ["Plan", "SequenceLayout", "Style", "STYLES", "ColumnParallelLinear", "RowParallelLinear",
+           "VocabParallelEmbedding", "apply_tp", "plan_for", "gpt_plan", "gpt2_plan", "llama_plan", "mlp_plan",
+           "gather_state", "clip_grad_norm_", "counts_in_norm", "gather_tensor", "tp_spec"]

@@ -130,7 +130,7 @@ def _linear_shape(mod: nn.Module) -> tuple[int, int, bool]:
     if isinstance(mod, nn.Linear):
         return mod.in_features, mod.out_features, False
     if type(mod).__name__ == "Conv1D" and hasattr(mod, "nf") and hasattr(mod, "nx"):
-        return mod.nx, mod.nf, True
+        return mod.nx, mod.nf, True  # type: ignore[return-value]
     raise TypeError(f"tensor parallel: cannot split a {type(mod).__name__}; colwise/rowwise need nn.Linear "
                     "(or a transformers Conv1D)")
 
@@ -152,11 +152,11 @@ class _TPLinear(nn.Module):
 
     def _mm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not self.transposed:
-            return F.linear(x, self.weight, bias)
+            return F.linear(x, self.weight, bias)  # type: ignore[arg-type]
         # Conv1D's own arithmetic (addmm on the flattened input), so the
         # unsplit case reproduces it bit for bit.
         x2 = x.reshape(-1, x.shape[-1])
-        y = torch.addmm(bias, x2, self.weight) if bias is not None else x2 @ self.weight
+        y = torch.addmm(bias, x2, self.weight) if bias is not None else x2 @ self.weight  # type: ignore[arg-type,operator]
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -182,9 +182,9 @@ class ColumnParallelLinear(_TPLinear):
         # reduce-scatter sums the input gradient over tp: ``f`` would sum it a second time.
         self.sequence_parallel = sequence_parallel
         self.f = shared.f
-        self.weight = shared.shard(mod.weight, 1 if transposed else 0, parts, comm, where)
-        self.bias = shared.shard(mod.bias, 0, parts, comm, where) if getattr(mod, "bias", None) is not None \
-            else None
+        self.weight = shared.shard(mod.weight, 1 if transposed else 0, parts, comm, where)  # type: ignore[arg-type]
+        self.bias = (shared.shard(mod.bias, 0, parts, comm, where)  # type: ignore[arg-type]
+                     if getattr(mod, "bias", None) is not None else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -213,13 +213,13 @@ class RowParallelLinear(_TPLinear):
         _check_split(n_in, comm.size, 1, where, "the input size",
                      "a row-parallel layer gives every rank an equal slice of the input features")
         self.in_features, self.out_features = n_in // comm.size, n_out
-        self.weight = shared.shard(mod.weight, 0 if transposed else 1, 1, comm, where)
+        self.weight = shared.shard(mod.weight, 0 if transposed else 1, 1, comm, where)  # type: ignore[arg-type]
         self.bias = mod.bias if getattr(mod, "bias", None) is not None else None
         # Under sequence parallelism the sum is reduce-scattered along the sequence (dim 1): the bias is then
         # added to this rank's tokens only, so its gradient is summed over tp, as Megatron does.
         self.sequence_parallel = sequence_parallel
         if sequence_parallel and self.bias is not None and self.bias.requires_grad:
-            all_reduce_grad(self.bias, comm, f"sp_grads.{where}.bias")
+            all_reduce_grad(self.bias, comm, f"sp_grads.{where}.bias")  # type: ignore[arg-type]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -230,7 +230,7 @@ class RowParallelLinear(_TPLinear):
             return y
         # In place where no type promotion is involved (bf16 autocast output + fp32 bias promotes): g saved
         # nothing and the sum is ours alone, so one activation less is allocated per layer.
-        return y.add_(self.bias) if y.dtype == self.bias.dtype else y + self.bias
+        return y.add_(self.bias) if y.dtype == self.bias.dtype else y + self.bias  # type: ignore[arg-type,operator]
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -259,7 +259,7 @@ class VocabParallelEmbedding(nn.Module):
         pad = mod.padding_idx
         self.padding_idx = pad - self.start if pad is not None and 0 <= pad - self.start < self.num_embeddings \
             else None
-        self.weight = shared.shard(mod.weight, 0, 1, comm, where)
+        self.weight = shared.shard(mod.weight, 0, 1, comm, where)  # type: ignore[arg-type]
         # Sequence parallelism starting here: the partial lookups are reduce-scattered along the sequence
         # (dim 1 of the (B, S, H) output), half the bytes of the all-reduce forward, the other half backward.
         self.reduce_scatter = reduce_scatter

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -145,14 +146,14 @@ _HIDDEN = "the MLP's hidden features are split evenly over the ranks"
 
 
 def _check_gpt(model: nn.Module, tp: int) -> None:
-    c = model.cfg  # type: ignore[attr-defined]
+    c: Any = model.cfg  # shardwise's GPT: its GPTConfig
     _divisible("n_head", c.n_head, tp, _HEADS)
     _divisible("MLP hidden size 4*n_embd", 4 * c.n_embd, tp, _HIDDEN)
     _divisible("vocab_size", c.vocab_size, tp, _VOCAB)
 
 
 def _check_hf(model: nn.Module, tp: int) -> None:
-    c = model.config  # type: ignore[attr-defined]
+    c: Any = model.config  # a Hugging Face PretrainedConfig
     _divisible("num_attention_heads", c.num_attention_heads, tp, _HEADS)
     kv = getattr(c, "num_key_value_heads", None)
     if kv is not None:
@@ -167,8 +168,8 @@ def _fix_gpt2(model: nn.Module, tp: int) -> None:
     # size); each rank now holds hidden/tp of each part.
     for m in model.modules():
         if type(m).__name__ == "GPT2Attention" and isinstance(getattr(m, "c_attn", None), ColumnParallelLinear):
-            m.split_size = m.embed_dim // tp
-            m.num_heads = m.num_heads // tp
+            m.split_size = m.embed_dim // tp  # type: ignore[assignment,operator]
+            m.num_heads = m.num_heads // tp  # type: ignore[assignment,operator]
 
 
 def gpt_plan(moe: bool = False) -> Plan:
@@ -236,9 +237,9 @@ def _fix_bert(model: nn.Module, tp: int) -> None:
     for m in model.modules():
         if type(m).__name__.endswith("SelfAttention") and isinstance(getattr(m, "query", None), ColumnParallelLinear):
             if hasattr(m, "num_attention_heads"):
-                m.num_attention_heads = m.num_attention_heads // tp
+                m.num_attention_heads = m.num_attention_heads // tp  # type: ignore[assignment,operator]
             if hasattr(m, "all_head_size"):
-                m.all_head_size = m.all_head_size // tp
+                m.all_head_size = m.all_head_size // tp  # type: ignore[assignment,operator]
 
 
 def bert_plan(prefix: str = "bert.") -> Plan:
@@ -299,5 +300,5 @@ def resolve_plan(plan: Plan | dict[str, str | Style] | str | None, model: nn.Mod
         table = {"gpt": gpt_plan, "gpt2": gpt2_plan, "llama": llama_plan, "bert": bert_plan}
         if plan not in table:
             raise ValueError(f"unknown built-in plan {plan!r}; valid: auto, {', '.join(table)}")
-        return table[plan]()
+        return table[plan]()  # type: ignore[no-any-return,operator]
     return Plan(dict(plan))

@@ -103,7 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's, else 2048); long ones "
                    "call for context parallelism (cp), which the layouts try")
     t.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS, help="default bf16-mixed")
-    t.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="sets the optimizer-state bytes (default adamw)")
+    t.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
+                   help="sets the optimizer-state bytes (default adamw)")
     t.add_argument("--activation-checkpointing", action="store_true", help="full recomputation of every layer")
     t.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron sequence parallelism wherever tp > 1 (otherwise tried with and without)")

@@ -23,8 +23,7 @@ from shardwise.plan.command.args import (  # noqa: F401
     parse_seconds,
     parse_shape,
 )
-from shardwise.plan.estimate import DiLoCoEstimate, estimate_diloco
-from shardwise.plan.estimate import Estimate, plan, recommend
+from shardwise.plan.estimate import DiLoCoEstimate, Estimate, estimate_diloco, plan, recommend
 from shardwise.plan.fit import fmt_bytes
 from shardwise.plan.memory import no_stored_scores
 from shardwise.plan.model import ModelSpec, known_model, short_count

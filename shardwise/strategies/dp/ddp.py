@@ -20,7 +20,6 @@ from shardwise.parallel.parallelize import DataParallelOptions
 from shardwise.strategies.dp.family import DataParallel
 
 
-
 @dataclass
 class DDP(DataParallel):
     """Our distributed data parallel (see :mod:`shardwise.parallel.dp.ddp`)."""

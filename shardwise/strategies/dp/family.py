@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from shardwise.comm.topology import Topology
-from shardwise.parallel.parallelize import DataParallelOptions, wrap_module
 from shardwise.parallel.dp.zero import ShardedOptimizer, zero_clip_grad_norm
+from shardwise.parallel.parallelize import DataParallelOptions, wrap_module
 from shardwise.step import OptimizerFactory
 from shardwise.strategies.base import Strategy
 

@@ -52,8 +52,8 @@ from shardwise.dims import DP, ParallelDims
 from shardwise.layout import RunLayout
 from shardwise.parallel.dp.fsdp_module import FSDPModule
 from shardwise.parallel.dp.fsdp_units import WrapPolicy
-from shardwise.parallel.parallelize import DataParallelOptions
 from shardwise.parallel.dp.zero import check_offload
+from shardwise.parallel.parallelize import DataParallelOptions
 from shardwise.step import unwrap
 from shardwise.strategies.dp.family import DataParallel
 
@@ -130,7 +130,7 @@ class FSDP(DataParallel):
             return {}
         out: dict[str, torch.Tensor] = {}
         for k, v in unwrap(model).state_dict(keep_vars=True).items():
-            out[k] = full[v].clone() if v in full else v.detach().cpu().clone()  # type: ignore[index]
+            out[k] = full[v].clone() if v in full else v.detach().cpu().clone()
         return out
 
 

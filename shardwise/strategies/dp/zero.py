@@ -15,8 +15,8 @@ from torch import nn
 from shardwise.comm.topology import Topology
 from shardwise.layout import RunLayout
 from shardwise.parallel.dp.buckets import ZERO_BUCKET_MB
-from shardwise.parallel.parallelize import DataParallelOptions
 from shardwise.parallel.dp.zero import check_offload
+from shardwise.parallel.parallelize import DataParallelOptions
 from shardwise.strategies.dp.family import DataParallel, on_meta
 
 

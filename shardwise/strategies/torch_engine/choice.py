@@ -63,7 +63,7 @@ CUDA_ONLY = {
 
 
 # Each whole-model strategy's wrapper; FSDP's presets (ZeRO3, HSDP) find theirs through the MRO.
-WRAPPER_OF: dict[type[Strategy], type[TorchEngine]] = {
+WRAPPER_OF: dict[type[Strategy], type[TorchEngine[Any]]] = {
     DDP: TorchDDP, ZeRO2: TorchZeRO2, ZeRO1: TorchZeRO1, HSDP: TorchHSDP, FSDP: TorchFSDP, tp_strategy.TP: TorchTP,
     pp_strategy.PP: TorchPP, threaded.DP: TorchDP}
 # A row: the wrapper that runs the strategy, or the class that says why none does (a NO_TORCH_ENGINE key, a

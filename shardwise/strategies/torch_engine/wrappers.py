@@ -73,6 +73,7 @@ from shardwise.dims import DP, DP_CP, DP_SHARD, TP
 from shardwise.layout import TORCH, RunLayout
 from shardwise.optim.param_groups import GroupedFactory
 from shardwise.parallel.accounting import with_optimizer_states
+from shardwise.parallel.clip import clip_global_norm
 from shardwise.parallel.cp.torch_cp import (
     TorchContextParallel,
     cp_mesh,
@@ -88,7 +89,6 @@ from shardwise.parallel.dp.torch_dp import (
     torch_ddp,
     zero_redundancy,
 )
-from shardwise.parallel.clip import clip_global_norm
 from shardwise.parallel.dp.torch_meta import init_meta
 from shardwise.parallel.dtensor import (
     dim0_run,

@@ -105,7 +105,8 @@ def test_more_compositions_on_gpt(layout, same_run):
 def test_validation_under_cp_equals_single():
     """Validation cuts the sequences as training does; its loss is the mean over every token."""
     val = CharText(stdlib_text(30_000)[20_000:], SEQ)  # text the training run does not read
-    runs = [fit("gpt", s, d, {"val_dataset": val, "val_every": STEPS}) for s, d in [("single", 1), (sw.Parallel(cp=2), 2)]]
+    runs = [fit("gpt", s, d, {"val_dataset": val, "val_every": STEPS})
+            for s, d in [("single", 1), (sw.Parallel(cp=2), 2)]]
     a, b = (r.val_metrics[-1]["val_loss"] for r in runs)
     assert abs(a - b) <= 1e-9 * abs(a), (a, b)
 

@@ -6,6 +6,7 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import assert_beside_torch, train_beside_torch
 from torch import nn
 from torch.nn import functional as F
 
@@ -14,8 +15,6 @@ from shardwise import launch
 from shardwise.comm.topology import Topology
 from shardwise.parallel.dp.ddp import DDPModule
 from shardwise.workloads import digits
-
-from conftest import assert_beside_torch, train_beside_torch
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.float64]
 

@@ -5,6 +5,7 @@ import functools
 
 import pytest
 import torch
+from conftest import assert_beside_torch, train_beside_torch
 from torch import nn
 from torch.nn import functional as F
 
@@ -15,8 +16,6 @@ from shardwise.parallel.dp.sharding import chunk_numel, local_numel
 from shardwise.parallel.dp.zero import ShardedOptimizer
 from shardwise.strategies.dp.zero import ZeRO1, ZeRO2
 from shardwise.workloads import digits
-
-from conftest import assert_beside_torch, train_beside_torch
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.float64]
 

@@ -13,8 +13,8 @@ from shardwise import launch
 from shardwise.comm.topology import Topology
 from shardwise.models import GPT, GPTConfig, lm_loss
 from shardwise.parallel.pp.build import balanced_starts, build_pipeline, stage_starts
-from shardwise.parallel.pp.run import pipeline_step, resplit
 from shardwise.parallel.pp.placement import Placement
+from shardwise.parallel.pp.run import pipeline_step, resplit
 from shardwise.parallel.pp.schedules import (
     Action,
     Recorder,
@@ -224,7 +224,7 @@ def test_recorder_counts_in_flight_micro_batches_and_saved_activation_bytes(tmp_
     path = str(tmp_path / "events.pt")
     launch.spawn(_record, p, args=(m, path))
     out = torch.load(path, weights_only=False)
-    for schedule, (events, _) in out.items():
+    for events, _ in out.values():
         assert sorted((e.stage, e.kind, e.mb) for e in events) == \
             sorted((s, k, i) for s in range(p) for k in "FB" for i in range(m))
         assert all(e.end >= e.start for e in events)
@@ -321,8 +321,8 @@ def test_execute_runs_a_whole_backward_in_one_pass():
             self.calls.append(f"backward {a!r} last={last}")
 
     acts = _dualpipev_order(2, 4, 0)  # DualPipe's own whole backwards only: whole and split ones mixed
-    assert " ".join(map(repr, acts)) == ("F0 F1 F2 F0.1 B0.1 W0.1 F1.1 F3 BW1.1 W1.1 F2.1 BW0 W0 BW2.1 W2.1 F3.1 BW1 W1 "
-                                         "BW3.1 W3.1 B2 W2 B3 W3")
+    assert " ".join(map(repr, acts)) == ("F0 F1 F2 F0.1 B0.1 W0.1 F1.1 F3 BW1.1 W1.1 F2.1 BW0 W0 BW2.1 W2.1 F3.1 "
+                                         "BW1 W1 BW3.1 W3.1 B2 W2 B3 W3")
     log, rec = Last(), Recorder()
     execute(acts, log, 0, rec)
     computes = [c for c in log.calls if c.split()[0] in ("forward", "backward", "backward_input", "backward_weight")]

@@ -29,11 +29,11 @@ from shardwise.parallel.pp.placement import Placement
 from shardwise.parallel.pp.schedules import (
     PASS_COSTS,
     Action,
+    _dualpipev_order,
+    _zbv_order,
     bubble_fraction,
     check_message_order,
     default_chunks,
-    _dualpipev_order,
-    _zbv_order,
     dualpipev,
     get_schedule,
     peak_in_flight,
@@ -415,7 +415,7 @@ def test_a_join_that_costs_time_once_passes_cost_something_is_not_made():
     """DualPipeV at p = 2, m = 8: rank 0's first backward of chunk 1 (virtual stage 3, the loss) has exactly one
     unit of slack when autograd passes are free, so whole it would lengthen no step then; at 1/4 of a forward
     per pass its taker (rank 1, chunk 1) would wait for it, and the step would be 1/4 longer. _joined leaves it
-    split; session 14's criterion, on the free-pass clock alone, made it whole."""
+    split; a criterion that judges a join on the free-pass clock alone would make it whole."""
     p, m, v = 2, 8, Placement(2, 2, "v")
     plans = [dualpipev(p, m, r) for r in range(p)]
     i = plans[0].index(Action("B", 0, 1))

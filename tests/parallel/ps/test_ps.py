@@ -13,9 +13,9 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 import shardwise as sw
+from shardwise.commands.verify import accuracy
 from shardwise.parallel.ps.module import APPLY, HEADER, PULL, StalenessGate
 from shardwise.strategies.ps import ParameterServer
-from shardwise.commands.verify import accuracy
 from shardwise.workloads import digits
 
 pytestmark = pytest.mark.timeout(240)

@@ -126,13 +126,14 @@ def test_a_servers_pieces_are_live_views_that_tile_its_range():
             assert h.data.untyped_storage().data_ptr() == live.untyped_storage().data_ptr()
             # The view sits where the range puts this run of the parameter.
             assert h.data.data_ptr() - live.data_ptr() == (offsets[name] + h.start - lo) * live.element_size()
-            covered.setdefault(what, []).extend(range(offsets[name] + h.start, offsets[name] + h.start + h.data.numel()))
+            start = offsets[name] + h.start
+            covered.setdefault(what, []).extend(range(start, start + h.data.numel()))
         assert set(covered) == {"param", "exp_avg", "exp_avg_sq"}
         for what, idx in covered.items():
             assert idx == list(range(lo, hi)), what  # in order, no gap, no overlap
         # And every piece turns into rectangles of its parameter (at most 2 * ndim - 1 per piece).
         pieces = build_state(held, shapes)
-        for key, p in pieces.items():
+        for p in pieces.values():
             assert sum(v.numel() for _, v in p.parts) <= math.prod(p.shape)
 
 

@@ -12,12 +12,12 @@ import pathlib
 
 import pytest
 import torch
+from tiny_hf import gpt2, llama, logits_loss
 
 import shardwise as sw
 from shardwise import launch
 from shardwise.models import GPT, GPTConfig, lm_loss
 from shardwise.workloads import CharText, stdlib_text
-from tiny_hf import gpt2, llama, logits_loss
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]
 

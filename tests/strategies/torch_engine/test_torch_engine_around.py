@@ -3,18 +3,17 @@ callbacks and logger, `Trainer.predict` and `Trainer.validate`, and `on_nonfinit
 DDP and pipelining, each equal to our engine's run (float64), in one 2-rank launch."""
 from __future__ import annotations
 
-import functools
 import json
 import os
 
 import pytest
 import torch
+from test_torch_engine import ADAMW, gpt
 
 import shardwise as sw
 from shardwise import launch
 from shardwise.models import lm_loss
 from shardwise.workloads import CharText, digits, stdlib_text
-from test_torch_engine import ADAMW, gpt
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]
 
@@ -47,7 +46,8 @@ def _fit_with_validation(strategy: sw.Strategy, folder: str) -> dict:
     return {"losses": run.losses, "val_metrics": run.val_metrics, "steps": seen.steps, "vals": seen.vals,
             # What the logger wrote of the optimisation (not the timings or our engine's byte counts).
             "logged": [{k: v for k, v in r.items() if k in ("step", "loss", "val_loss", "lr")} for r in logged],
-            "predict": trainer.predict(model, val, batch_size=4), "validate": trainer.validate(model, val, lm_loss, batch_size=4)}
+            "predict": trainer.predict(model, val, batch_size=4),
+            "validate": trainer.validate(model, val, lm_loss, batch_size=4)}
 
 
 def _nan_skipped(strategy: sw.Strategy) -> list[float]:

@@ -14,6 +14,7 @@ import os
 
 import pytest
 import torch
+from tiny_hf import llama
 from torch.nn import functional as F
 
 import shardwise as sw
@@ -28,7 +29,6 @@ from shardwise.strategies.registry import resolve
 from shardwise.strategies.torch_engine.choice import engine_for
 from shardwise.strategies.torch_engine.wrappers import TorchCP
 from shardwise.workloads import CharText, stdlib_text
-from tiny_hf import llama
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,9 +1,10 @@
 """engine="torch" for sw.Parallel's compositions, in torchtitan's order: pp, then tp, then FSDP2 over dp (and tp, then
 FSDP2 as ZeRO-2 or HSDP), each equal to one device in float64, with a checkpoint that crosses engines.
 
-One 4-rank launch trains every case in turn (the helpers of tests/strategies/torch_engine/test_torch_engine.py: gradient accumulation,
-clipping by the global norm and parameter groups in each run), on our GPT (its embedding tied to the head across
-the two stages) and a tiny Hugging Face Llama (GQA); one 8-rank launch runs all three: pp, then tp, then FSDP2.
+One 4-rank launch trains every case in turn (the helpers of tests/strategies/torch_engine/test_torch_engine.py:
+gradient accumulation, clipping by the global norm and parameter groups in each run), on our GPT (its embedding
+tied to the head across the two stages) and a tiny Hugging Face Llama (GQA); one 8-rank launch runs all three: pp,
+then tp, then FSDP2.
 """
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ import os
 
 import pytest
 import torch
+from test_torch_engine import ADAMW, _chain, _equal_one_device, fit, gpt
 
 import shardwise as sw
 from shardwise import launch
 from shardwise.models import lm_loss
 from shardwise.workloads import CharText, stdlib_text
-from test_torch_engine import ADAMW, _chain, _equal_one_device, fit, gpt
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]
 

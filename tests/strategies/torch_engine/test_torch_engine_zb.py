@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_torch_engine import ADAMW, _chain, _equal_one_device, gpt
 from torch.distributed.pipelining import ScheduleInterleavedZeroBubble
 
 import shardwise as sw
@@ -21,7 +22,6 @@ from shardwise import launch
 from shardwise.models import lm_loss
 from shardwise.parallel.pp.schedules import Action, zb_h1
 from shardwise.workloads import CharText, stdlib_text
-from test_torch_engine import ADAMW, _chain, _equal_one_device, gpt
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]
 
