@@ -25,11 +25,16 @@ from typing import Any, Optional
 
 import torch
 import yaml
-from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
+from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, set_parsing_settings
 from torch import nn
 from torch.utils.data import Dataset
 
 from shardwise.fit.trainer import FitResult, Trainer
+from shardwise.strategies.base import Strategy
+
+# Strategy is a concrete class, for which jsonargparse accepts only itself unless told (a process-wide setting of
+# jsonargparse's): trainer.strategy takes any strategy class by class_path, sw.Parallel's or your own.
+set_parsing_settings(subclasses_enabled=[Strategy])
 
 # The objects of a run, named by import path: fit's parameter name -> the type the file's value must build.
 NAMED: dict[str, Any] = {
@@ -92,7 +97,7 @@ def parse(args: Sequence[str] | None = None, main: Callable[..., Any] | None = N
     try:
         return p.parse_args(args)
     except Exception as e:  # jsonargparse's ArgumentError; what it names is located in the files
-        raise located(p, e, config_files(args or [])) from None
+        raise located(e, args or []) from None
 
 
 def build(cfg: Namespace, main: Callable[..., Any] | None = None) -> Run:
@@ -102,7 +107,7 @@ def build(cfg: Namespace, main: Callable[..., Any] | None = None) -> Run:
     plain = yaml.safe_load(p.dump(cfg))
     with torch.random.fork_rng():  # the objects are built from the run's seed: the file alone fixes the model
         torch.manual_seed(cfg.trainer.seed)
-        init = p.instantiate_classes(cfg)
+        init = p.instantiate(cfg)
     objects = {name: init[name] for name in NAMED}
     fit_kwargs = dict(init["fit"]) if init.get("fit") else {}
     return Run(init["trainer"], objects, fit_kwargs, plain)
@@ -199,7 +204,8 @@ def check_file(p: ArgumentParser, path: str) -> None:
         parent = key.rsplit(".", 1)[0] if "." in key else ""
         if parent in keys and key not in keys and not re.search(r"\.(class_path|init_args|dict_kwargs)(\.|$)", key):
             hint = difflib.get_close_matches(key, sorted(keys), n=1)
-            raise ConfigError(f"{path}:{line}: unknown key {key!r}" + (f"; did you mean {hint[0]!r}?" if hint else ""))
+            guess = f"; did you mean {hint[0]!r}?" if hint else ""
+            raise ConfigError(f"{path}:{line}: unknown key {key!r}{guess}")
         if key.endswith(".class_path") or key == "class_path":
             check_import(flat(yaml.safe_load(Path(path).read_text()) or {}).get(key), key, f"{path}:{line}")
 
@@ -213,20 +219,23 @@ def check_import(target: Any, key: str, where: str) -> None:
         raise ConfigError(f"{where}: {key}: {target!r} does not import ({e})") from None
 
 
-def located(p: ArgumentParser, error: Exception, files: list[str]) -> ConfigError:
-    """jsonargparse's ``error`` as one line naming the key, the value and the file line where it was set."""
+def located(error: Exception, args: list[str]) -> ConfigError:
+    """jsonargparse's ``error`` as one line naming the key, the value and where it was set: the command line
+    (which wins), else the last file of ``args`` that sets it, with its line."""
     text = str(error)
     found = re.search(r'(?:key|Key) "([^"]+)"', text) or re.search(r"unrecognized arguments: (--\S+)", text)
     if found is None:
         return ConfigError(text)
     key = found.group(1).lstrip("-").split("=")[0]
     where = "command line"
-    for path in files:
+    flagged = any(a == f"--{key}" or a.startswith(f"--{key}=") for a in args)
+    for path in [] if flagged else config_files(args):
         if key in lines(path):
             where = f"{path}:{lines(path)[key]}"
     reason = re.search(r"Expected a (.+?)\. Got value: (.+)", text)
     if reason:
-        return ConfigError(f"{where}: {key}: expected {reason.group(1)}, got {reason.group(2).strip()}")
+        expected = re.sub(r"<class '(?:builtins\.)?([^']+)'>", r"\1", reason.group(1))
+        return ConfigError(f"{where}: {key}: expected {expected}, got {reason.group(2).strip()}")
     return ConfigError(f"{where}: {key}: {text.splitlines()[-1].strip()}")
 
 
