@@ -93,6 +93,14 @@ def test_flags_win_over_the_file_and_a_resume_of_other_maths_is_refused(tmp_path
     run = config.build(cfg)
     config.keep(run.trainer, run.config)  # no checkpoint_dir: logged only
     assert run.trainer.options.config["trainer"]["seed"] == 7
+    got = {}
+
+    def script(trainer: sw.Trainer, model, report: bool = False) -> str:
+        got.update(seed=trainer.options.seed, model=type(model).__name__, report=report)
+        return "done"
+
+    assert sw.configured(script, ["--config", path, "--report", "true", "--trainer.seed", "5"]) == "done"
+    assert got == {"seed": 5, "model": "MLP", "report": True}
     ckpt = tmp_path / "ckpt"
     first = config.build(config.parse(["--config", path, f"--trainer.checkpoint_dir={ckpt}"]))
     config.keep(first.trainer, first.config)
