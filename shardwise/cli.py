@@ -5,12 +5,14 @@ import argparse
 import os
 import sys
 from collections.abc import Mapping
-from typing import NoReturn
 from importlib.metadata import PackageNotFoundError, version
+from typing import NoReturn
 
 # Only torch-free modules here, so that `shardwise --help` answers at once: each command imports what it runs.
-import shardwise.cluster as cluster  # (`from shardwise import cluster` would ask the package, which imports torch)
-from shardwise import __version__
+from shardwise import (
+    __version__,
+    cluster,  # (`from shardwise import cluster` would ask the package, which imports torch)
+)
 from shardwise.bench import add_arguments as bench_args
 from shardwise.bench import run as bench_run
 from shardwise.extras import MissingExtra, require

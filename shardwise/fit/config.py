@@ -17,15 +17,15 @@ import dataclasses
 import difflib
 import importlib
 import inspect
-import os
+import itertools
 import re
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import yaml
-from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, set_parsing_settings
+from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser, Namespace, set_parsing_settings
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -40,10 +40,10 @@ set_parsing_settings(subclasses_enabled=[Strategy])
 NAMED: dict[str, Any] = {
     "model": nn.Module,
     "dataset": Dataset,
-    "loss_fn": Optional[Callable[[Any, Any], torch.Tensor]],
-    "optimizer": Optional[Callable[[Iterable[Any]], torch.optim.Optimizer]],
-    "lr_scheduler": Optional[Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]],
-    "val_dataset": Optional[Dataset],
+    "loss_fn": Callable[[Any, Any], torch.Tensor] | None,
+    "optimizer": Callable[[Iterable[Any]], torch.optim.Optimizer] | None,
+    "lr_scheduler": Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler] | None,
+    "val_dataset": Dataset | None,
 }
 # What a resumed run may not change: the keys that change the maths (a strategy, its sizes or the devices may
 # change: checkpoints reshard). Each is a key of the configuration or the prefix of some.
@@ -96,7 +96,7 @@ def parse(args: Sequence[str] | None = None, main: Callable[..., Any] | None = N
         check_file(p, path)
     try:
         return p.parse_args(args)
-    except Exception as e:  # jsonargparse's ArgumentError; what it names is located in the files
+    except ArgumentError as e:  # what it names is located in the files
         raise located(e, args or []) from None
 
 
@@ -170,7 +170,7 @@ def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
 # ---- errors that name the key and the file line ---------------------------------------------------------------
 def config_files(args: Sequence[str]) -> list[str]:
     """The files given by ``--config PATH`` or ``--config=PATH``."""
-    files = [b for a, b in zip(args, args[1:]) if a == "--config"]
+    files = [b for a, b in itertools.pairwise(args) if a == "--config"]
     return files + [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
 
 
@@ -239,4 +239,4 @@ def located(error: Exception, args: list[str]) -> ConfigError:
     return ConfigError(f"{where}: {key}: {text.splitlines()[-1].strip()}")
 
 
-__all__ = ["CONFIG_FILE", "ConfigError", "MATHS", "NAMED", "Run", "build", "keep", "configured", "main", "parse", "parser"]
+__all__ = ["CONFIG_FILE", "MATHS", "NAMED", "ConfigError", "Run", "build", "configured", "keep", "main", "parse", "parser"]
