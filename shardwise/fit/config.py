@@ -25,7 +25,13 @@ from typing import Any
 
 import torch
 import yaml
-from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser, Namespace, set_parsing_settings
+from jsonargparse import (
+    ActionConfigFile,
+    ArgumentError,
+    ArgumentParser,
+    Namespace,
+    set_parsing_settings,
+)
 from torch import nn
 from torch.utils.data import Dataset
 

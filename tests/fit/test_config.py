@@ -13,6 +13,7 @@ import torch
 import yaml
 
 import shardwise as sw
+from shardwise.cli import main as cli_main
 from shardwise.fit import config
 from shardwise.models import MLP
 from shardwise.workloads import RandomClasses
@@ -116,7 +117,7 @@ def test_flags_win_over_the_file_and_a_resume_of_other_maths_is_refused(tmp_path
         "start in another checkpoint_dir, or pass --trainer.resume false to start afresh")
 
 
-def test_bad_keys_types_and_paths_are_named_with_their_line(tmp_path):
+def test_bad_keys_types_and_paths_are_named_with_their_line(tmp_path, capsys):
     def error(text: str, *flags: str) -> str:
         with pytest.raises(config.ConfigError) as e:
             config.parse(["--config", written(tmp_path, text, "bad.yaml"), *flags])
@@ -129,3 +130,7 @@ def test_bad_keys_types_and_paths_are_named_with_their_line(tmp_path):
         f"{bad}:14: optimizer.class_path: 'torch.optim.SDG' does not import "
         "(module 'torch.optim' has no attribute 'SDG')")
     assert error(RUN, "--trainer.seed", "x") == "command line: trainer.seed: expected int, got x"
+    # `shardwise fit`: one line on stderr, status 2
+    assert cli_main(["fit", "--config", written(tmp_path, RUN.replace("  seed: 3", "  sed: 3"), "bad.yaml")]) == 2
+    assert capsys.readouterr().err == (
+        f"shardwise fit: error: {bad}:4: unknown key 'trainer.sed'; did you mean 'trainer.seed'?\n")
