@@ -18,6 +18,7 @@ import difflib
 import importlib
 import inspect
 import itertools
+import os
 import re
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -72,6 +73,7 @@ class Run:
     objects: dict[str, Any]  # NAMED's, built
     fit_kwargs: dict[str, Any]  # fit's other options
     config: dict[str, Any]  # the resolved configuration, plain YAML types
+    own: dict[str, Any] = dataclasses.field(default_factory=dict)  # a configured() function's own keys, built
 
     def fit(self) -> FitResult:
         """Keep the configuration (:func:`keep`), then ``trainer.fit`` with every object and option."""
@@ -116,7 +118,8 @@ def build(cfg: Namespace, main: Callable[..., Any] | None = None) -> Run:
         init = p.instantiate(cfg)
     objects = {name: init[name] for name in NAMED}
     fit_kwargs = dict(init["fit"]) if init.get("fit") else {}
-    return Run(init["trainer"], objects, fit_kwargs, plain)
+    own = {k: v for k, v in vars(init).items() if k not in (*GIVEN, "config", "__default_config__")}
+    return Run(init["trainer"], objects, fit_kwargs, plain, own)
 
 
 def main(args: Sequence[str] | None = None) -> FitResult | None:
@@ -134,8 +137,7 @@ def configured(fn: Callable[..., Any], args: Sequence[str] | None = None) -> Any
     run = build(cfg, fn)
     wanted = inspect.signature(fn).parameters
     given = {"trainer": run.trainer, "fit": run.fit, **run.objects}
-    own = {k: v for k, v in run.config.items() if k in wanted and k not in GIVEN}
-    return fn(**{k: v for k, v in given.items() if k in wanted}, **own)
+    return fn(**{k: v for k, v in given.items() if k in wanted}, **run.own)
 
 
 # ---- the resolved configuration kept beside the checkpoints, logged, compared on resume ----------------------
@@ -152,8 +154,9 @@ def keep(trainer: Trainer, config: dict[str, Any]) -> None:
         if changed:
             raise ConfigError(f"{path} was written by another configuration: {', '.join(changed)} changed; "
                               "start in another checkpoint_dir, or pass --trainer.resume false to start afresh")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank compares, one writes
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
 
 
 def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
