@@ -45,6 +45,7 @@ _PUBLIC: dict[str, str] = {
     "FaultTolerance": "shardwise.ft.options:FaultTolerance",
     "FitResult": "shardwise.fit.trainer:FitResult",
     "Trainer": "shardwise.fit.trainer:Trainer",
+    "configured": "shardwise.fit.config:configured",
     "setup": "shardwise.loop.prepared:setup",
     "log": "shardwise.loggers.scalars:log",
     "loggers": "shardwise.loggers:",  # the module itself: sw.loggers.CSV, sw.loggers.MLflow, ...
@@ -54,6 +55,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is i
     from shardwise import loggers
     from shardwise.comm.topology import Topology, teardown
     from shardwise.fit.callbacks import Callback, EarlyStopping
+    from shardwise.fit.config import configured
     from shardwise.fit.trainer import FitResult, Trainer
     from shardwise.ft.options import FaultTolerance
     from shardwise.loop.data import all_reduce_mean, gather, gather_for_metrics, prepare_dataloader
@@ -106,7 +108,8 @@ def __dir__() -> list[str]:
 
 __all__ = ["CLASSES", "Callback", "DDP", "EarlyStopping", "FaultTolerance", "FitResult", "Prepared", "REGISTRY",
            "Single", "Strategy", "Topology", "Trainer", "all_reduce_mean", "available_strategies", "clip_grad_norm_",
-           "clip_grad_value_", "end_training", "gather", "gather_for_metrics", "init", "is_main_process", "load", "log",
-           "main_process_first", "no_sync", "prepare_dataloader", "register", "register_for_checkpointing", "resolve",
-           "save", "setup", "teardown", "NaiveMP", "NaiveModelParallel", "ZeRO1", "ZeRO2", "ZeRO3", "FSDP", "HSDP",
-           "TP", "PP", "Parallel", "DP", "ParameterServer", "DiLoCo", "loggers"]
+           "clip_grad_value_", "configured", "end_training", "gather", "gather_for_metrics", "init",
+           "is_main_process", "load", "log", "main_process_first", "no_sync", "prepare_dataloader", "register",
+           "register_for_checkpointing", "resolve", "save", "setup", "teardown", "NaiveMP", "NaiveModelParallel",
+           "ZeRO1", "ZeRO2", "ZeRO3", "FSDP", "HSDP", "TP", "PP", "Parallel", "DP", "ParameterServer", "DiLoCo",
+           "loggers"]

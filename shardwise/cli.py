@@ -9,8 +9,10 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import NoReturn
 
 # Only torch-free modules here, so that `shardwise --help` answers at once: each command imports what it runs.
-import shardwise.cluster as cluster  # (`from shardwise import cluster` would ask the package, which imports torch)
-from shardwise import __version__
+from shardwise import (
+    __version__,
+    cluster,  # (`from shardwise import cluster` would ask the package, which imports torch)
+)
 from shardwise.bench import add_arguments as bench_args
 from shardwise.bench import run as bench_run
 from shardwise.extras import MissingExtra, require
@@ -192,10 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"shardwise {__version__} (torch {_torch_version()})",
                    help="print shardwise's and torch's versions and exit")
     p.add_argument("--traceback", action="store_true", help=TRACEBACK_HELP)
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,demo,verify,bench,plan,checkpoint}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,fit,demo,verify,bench,plan,checkpoint}")
     sub.add_parser("run", help="launch a script on N processes (torchrun; all its flags pass through; "
                                "`shardwise run --help` for ours)", add_help=False,
                    description=RUN_HELP.split("\n\n")[1].replace("\n", " "))  # main() answers run --help itself
+    sub.add_parser("fit", help="train from a configuration file: --config run.yaml, every Trainer and fit option "
+                               "as --trainer.NAME/--fit.NAME (`shardwise fit --help`)", add_help=False)
     d = _verb(sub, "demo", "train the digits classifier under every strategy and compare",
               "Train the 8x8 digits MLP under every strategy (single, ddp, dp, ps, ZeRO 1-3, fsdp, hsdp, tp, pp, "
               "3d) on CPU processes and print one table: final loss, test accuracy, equality with single-device "
@@ -274,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     lead = 1 if argv[:1] == ["--traceback"] else 0  # run's errors are one line, torchrun's and the script's its own
     if argv[lead:lead + 1] == ["run"]:  # everything after `run` belongs to torchrun
         return _run(argv[lead + 1:])
+    if argv[lead:lead + 1] == ["fit"]:  # its flags are generated from the Trainer's signature (jsonargparse)
+        return _fit(argv[lead + 1:], traceback=lead == 1)
     a = build_parser().parse_args(argv)
     try:
         return _verb_main(a)
@@ -282,6 +288,21 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(str(e) if isinstance(e, MissingExtra) else f"shardwise: error: {e}", file=sys.stderr)
         return 2
+
+
+def _fit(argv: list[str], traceback: bool) -> int:
+    """``shardwise fit``: a run configured by a YAML file and flags (:mod:`shardwise.fit.config`)."""
+    try:
+        require("shardwise fit", "config")
+        from shardwise.fit.config import main as fit_main
+
+        fit_main(argv)
+    except USER_ERRORS as e:
+        if traceback or os.environ.get("SHARDWISE_TRACEBACK", "0") not in ("", "0"):
+            raise
+        print(str(e) if isinstance(e, MissingExtra) else f"shardwise fit: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _verb_main(a: argparse.Namespace) -> int:

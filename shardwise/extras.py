@@ -19,6 +19,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "mlflow": ("mlflow", "mlflow-skinny"),  # sw.loggers.MLflow
     "wandb": ("wandb", "wandb"),  # sw.loggers.WandB
     "eval": ("torchmetrics", "torchmetrics"),  # trainer.validate/test with torchmetrics' metric objects
+    "config": ("jsonargparse", "jsonargparse"),  # `shardwise fit --config`, sw.configured(main)
 }
 # extra -> the packages it installs beside its main one: MLflow's client keeps runs in a SQLite database
 # through SQLAlchemy, whose schema alembic creates (mlflow-skinny leaves both out; the full mlflow adds a server

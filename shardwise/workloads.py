@@ -6,8 +6,8 @@ Python standard library's own source files as text. Nothing is downloaded.
 Public: :class:`Workload`, :func:`load` (what ``shardwise verify --model``
 takes: ``digits``, ``gpt``, ``mlp1024`` or ``path.py:factory``), the workloads
 :func:`digits`, :func:`gpt` and :func:`mlp1024`, and the text data of the GPT
-examples, :class:`CharText` and :func:`stdlib_text`: the examples and docs
-import them, and they change only with a note in CHANGELOG.md. The workloads
+examples, :class:`CharText` and :func:`stdlib_text`, and :class:`RandomClasses` for configuration
+files: the examples and docs import them, and they change only with a note in CHANGELOG.md. The workloads
 are for demonstrations and checks, not benchmarks of record: their sizes and
 hyperparameters follow what the demo and the tests need. Names starting with
 an underscore are internal. :func:`digits` needs scikit-learn (the ``demo``
@@ -92,6 +92,16 @@ def mlp1024(samples: int = 1024, width: int = 1024) -> Workload:
         return nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(width, width), nn.ReLU())][:-1])
 
     return Workload("mlp1024", _seeded(make), TensorDataset(x, y), F.mse_loss, batch_size=64)
+
+
+class RandomClasses(TensorDataset):
+    """``samples`` seeded random ``(features,)`` inputs, each with a random class below ``classes``, in torch's
+    default dtype: a dataset a configuration file can name (``shardwise.workloads.RandomClasses``)."""
+
+    def __init__(self, samples: int = 64, features: int = 8, classes: int = 3, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        super().__init__(torch.randn(samples, features, generator=g),
+                         torch.randint(0, classes, (samples,), generator=g))
 
 
 class CharText(Dataset):  # type: ignore[type-arg]

@@ -79,6 +79,7 @@ class FitOptions:
     fault_tolerance: FaultTolerance | None = None
     replicas: ReplicaPlan | None = None  # the replica groups fault tolerance keeps (shardwise.ft.options)
     sample_ledger: str | None = None  # where the launcher writes which group computed which samples, per step
+    config: dict[str, Any] | None = None  # a configured run's resolved configuration (shardwise.fit.config)
 
     @property
     def on_cuda(self) -> bool:

@@ -103,7 +103,8 @@ def hyperparameters(options: FitOptions, info: dict[str, Any], max_steps: int) -
             "sizes": options.sizes, "batch_size": info.get("batch_size"),
             "accumulate_grad_batches": options.accumulate_grad_batches, "precision": options.precision,
             "optimizer": {"class": optimizer.get("class"), "groups": groups}, "seed": options.seed,
-            "max_steps": max_steps, "gradient_clip_val": options.gradient_clip_val}
+            "max_steps": max_steps, "gradient_clip_val": options.gradient_clip_val,
+            **({"config": options.config} if options.config else {})}
 
 
 def want_progress(progress: bool | str) -> str | bool:

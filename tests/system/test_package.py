@@ -42,7 +42,7 @@ def test_each_extra_installs_what_its_feature_needs():
     assert extras["all"] == [f"shardwise[{','.join(EXTRAS)}]"]
     # the suite builds the digits workload, draws pictures, trains Hugging Face models, reads the loggers back and
     # evaluates with torchmetrics
-    assert extras["dev"][0] == "shardwise[demo,plots,hf,tensorboard,mlflow,wandb,eval]"
+    assert extras["dev"][0] == "shardwise[demo,plots,hf,tensorboard,mlflow,wandb,eval,config]"
     assert {"pytest", "pytest-timeout"} <= set(_names(extras["dev"]))
 
 

@@ -94,6 +94,7 @@ LOCAL_IMPORTS: dict[str, str] = {
     "shardwise.cli: shardwise.checkpoint.tools": _NO_TORCH_FOR_HELP,
     "shardwise.cli: shardwise.commands.demo": _NO_TORCH_FOR_HELP,
     "shardwise.cli: shardwise.plan.command.cli": _NO_TORCH_FOR_HELP,
+    "shardwise.cli: shardwise.fit.config": _NO_TORCH_FOR_HELP,
     "shardwise.bench: shardwise.bench.pairs": _NO_TORCH_FOR_HELP,
     "shardwise.bench: rich.table": "`shardwise.bench.Table` stays importable without loading rich for --help",
     # optional or heavy libraries, loaded when used
