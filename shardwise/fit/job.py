@@ -34,7 +34,7 @@ from shardwise.fit.evaluate import (
     history_tensors,
     save_best,
 )
-from shardwise.fit.options import FitOptions, SchedulerFactory
+from shardwise.fit.options import RESUME_MODES, FitOptions, SchedulerFactory
 from shardwise.fit.progress import StepLog, want_progress
 from shardwise.fit.steps import count_state, global_losses, train_loop
 from shardwise.init_from import InitFrom, read_into
@@ -191,9 +191,10 @@ class Job:
         self.control, self.stop_reason = Control(), None
         prev: list[float] = []
         extra: dict[str, torch.Tensor] = {}
-        if t.checkpoint_dir is None or not t.resume:
+        if t.resume == "never" or (t.checkpoint_dir is None and t.resume in RESUME_MODES):
             return prev, extra, None
-        path = checkpoint.resume_point(t.checkpoint_dir, topo)
+        # resume=<a checkpoint>: the one Trainer() chose, the same on every rank.
+        path = checkpoint.resume_point(t.checkpoint_dir, topo) if t.resume in RESUME_MODES else t.resume
         if path is not None:
             restored = checkpoint.load(path, t.strategy, model, opt, topo, shapes, self.info)
             prev, extra = restored.losses[:self.max_steps], restored.extra

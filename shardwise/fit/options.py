@@ -21,6 +21,7 @@ from torch import nn
 from shardwise import launch
 from shardwise import loggers as loggers_mod
 from shardwise import precision as precision_mod
+from shardwise.checkpoint import store as checkpoint
 from shardwise.comm.topology import accelerator_name, uses_cuda
 from shardwise.data import loader_options
 from shardwise.extras import installed, message
@@ -54,7 +55,7 @@ class FitOptions:
     checkpoint_dir: str | None
     checkpoint_every: int | None
     checkpoint_keep: int | None
-    resume: bool
+    resume: str  # "auto", "never", "must" or the checkpoint resumed (resume_mode)
     debug: bool
     on_nonfinite: str
     memory_check: str
@@ -111,7 +112,7 @@ class FitOptions:
     def build(cls, strategy: str | Strategy, devices: int | str | list[int], accelerator: str, *,
               accumulate_grad_batches: int, gradient_clip_val: float | None, seed: int, progress: bool | str,
               metrics_path: str | os.PathLike[str] | None, timeout_s: float,
-              checkpoint_dir: str | os.PathLike[str] | None, checkpoint_every: int | None, resume: bool,
+              checkpoint_dir: str | os.PathLike[str] | None, checkpoint_every: int | None, resume: bool | str | os.PathLike[str],
               debug: bool, on_nonfinite: str, checkpoint_keep: int | None, memory_check: str,
               device_memory: int | None, precision: str | int,
               activation_checkpointing: bool | tuple[type[nn.Module], ...],
@@ -134,6 +135,8 @@ class FitOptions:
             raise ValueError(f"max_processes_per_core must be >= 1 (or None for no bound), got "
                              f"{max_processes_per_core}")
         check_checkpointing(checkpoint_every, checkpoint_dir, None, None)
+        if resume == "must" and checkpoint_dir is None:
+            raise ValueError("resume='must' was given without checkpoint_dir: say where the run's checkpoints are")
         compile_backend(strat, compile)  # a wrong value, or a schedule that cannot run compiled blocks
         check_checkpointing(None, checkpoint_dir, checkpoint_async, checkpoint_keep)
         if memory_check not in ("error", "warn", "off"):
@@ -158,7 +161,7 @@ class FitOptions:
                    gradient_clip_val=gradient_clip_val, seed=seed, progress=progress,
                    metrics_path=paths["metrics_path"], timeout=timeout,
                    checkpoint_dir=paths["checkpoint_dir"], checkpoint_every=checkpoint_every,
-                   checkpoint_keep=checkpoint_keep, resume=resume, debug=debug, on_nonfinite=on_nonfinite,
+                   checkpoint_keep=checkpoint_keep, resume=resume_mode(resume), debug=debug, on_nonfinite=on_nonfinite,
                    memory_check=memory_check, device_memory=device_memory, precision=checked_precision,
                    activation_checkpointing=activation_checkpointing, tensorboard_dir=paths["tensorboard_dir"],
                    peak_flops=peak_flops, max_processes_per_core=max_processes_per_core,
@@ -180,6 +183,26 @@ def check_checkpointing(every: int | None, directory: Any, in_background: bool |
         raise ValueError("checkpoint_async=True was given without checkpoint_dir: say where checkpoints go")
     if keep is not None and keep < 1:
         raise ValueError(f"checkpoint_keep must be >= 1 (or None to keep all), got {keep}")
+
+
+RESUME_MODES = ("auto", "never", "must")
+
+
+def resume_mode(value: Any) -> str:
+    """``Trainer(resume=)``: ``"auto"`` (True), ``"never"`` (False), ``"must"``, or a checkpoint (a ``step_*``
+    directory, or a run's checkpoint directory: its newest intact one) as an absolute path."""
+    if isinstance(value, bool):
+        return "auto" if value else "never"
+    if isinstance(value, str) and value in RESUME_MODES:
+        return value
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"resume must be 'auto', 'never', 'must' or a checkpoint path, got {value!r}")
+    path = os.path.abspath(os.fspath(value))
+    chosen = path if os.path.exists(os.path.join(path, checkpoint.MANIFEST)) else checkpoint.latest_valid(path)
+    if chosen is None:
+        raise ValueError(f"resume={os.fspath(value)!r} is neither 'auto', 'never', 'must' nor a checkpoint (a "
+                         "step_* directory, or a checkpoint_dir holding one)")
+    return chosen
 
 
 def check_positive(name: str, value: Any, what: str, optional: bool = True) -> None:

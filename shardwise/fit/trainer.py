@@ -76,8 +76,14 @@ class Trainer:
             Kaplan et al. 2020, divided by the peak of all devices).
         timeout_s: how long a collective may wait before the run fails with its name.
         checkpoint_dir: where sharded checkpoints go (torch.distributed.checkpoint, see
-            :mod:`shardwise.checkpoint`); with ``resume=True`` training continues from the newest
-            intact checkpoint there, with any strategy and device count.
+            :mod:`shardwise.checkpoint`); training continues from the newest intact checkpoint there (see
+            ``resume``), with any strategy and device count.
+        resume: ``"auto"`` (True) continues an interrupted run of the same configuration from ``checkpoint_dir``
+            and refuses a checkpoint written with other optimizer settings or precision, naming each change (a
+            run already complete says so in one line and returns its result); ``"never"`` (False) trains from
+            scratch, removing an earlier run's checkpoints there; ``"must"`` refuses to start without a
+            checkpoint, and continues one of other settings with a warning; a path (a ``step_*`` directory, or a
+            checkpoint directory: its newest) continues that checkpoint, saving to ``checkpoint_dir``.
         checkpoint_every: save every this many optimizer steps (and after the last step).
         checkpoint_keep: how many of the newest checkpoints to keep (None keeps all).
         checkpoint_async: write checkpoints beside training: the loop stops only while this rank's share is
@@ -163,7 +169,8 @@ class Trainer:
                  accumulate_grad_batches: int = 1, gradient_clip_val: float | None = None, seed: int = 0,
                  progress: bool | str = "auto", metrics_path: str | os.PathLike[str] | None = None,
                  timeout_s: float = 300.0, checkpoint_dir: str | os.PathLike[str] | None = None,
-                 checkpoint_every: int | None = None, resume: bool = True, debug: bool = False,
+                 checkpoint_every: int | None = None,
+                 resume: bool | str | os.PathLike[str] = "auto", debug: bool = False,
                  on_nonfinite: str = "error", checkpoint_keep: int | None = 3, memory_check: str = "error",
                  device_memory: int | None = None, precision: str | int = "32",
                  activation_checkpointing: bool | tuple[type[nn.Module], ...] = False,
