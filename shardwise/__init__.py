@@ -47,6 +47,7 @@ _PUBLIC: dict[str, str] = {
     "Trainer": "shardwise.fit.trainer:Trainer",
     "setup": "shardwise.loop.prepared:setup",
     "log": "shardwise.loggers.scalars:log",
+    "seed_everything": "shardwise.seeding:seed_everything",
     "loggers": "shardwise.loggers:",  # the module itself: sw.loggers.CSV, sw.loggers.MLflow, ...
 }
 
@@ -80,6 +81,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is i
         resolve,
     )
     from shardwise.loggers.scalars import log
+    from shardwise.seeding import seed_everything
     from shardwise.strategies.single import Single
 
 
@@ -107,6 +109,7 @@ def __dir__() -> list[str]:
 __all__ = ["Callback", "DDP", "EarlyStopping", "FaultTolerance", "FitResult", "Prepared", "REGISTRY", "Single",
            "Strategy", "Topology", "Trainer", "all_reduce_mean", "available_strategies", "clip_grad_norm_",
            "clip_grad_value_", "end_training", "gather", "gather_for_metrics", "init", "is_main_process", "load", "log",
+           "seed_everything",
            "main_process_first", "no_sync", "prepare_dataloader", "register", "register_for_checkpointing", "resolve",
            "save", "setup", "teardown", "NaiveMP", "NaiveModelParallel", "ZeRO1", "ZeRO2", "ZeRO3", "FSDP", "HSDP",
            "TP", "PP", "Parallel", "DP", "ParameterServer", "DiLoCo", "loggers"]

@@ -49,6 +49,7 @@ from shardwise.stats import (
     reset_peak_rss,
 )
 from shardwise.recipe import Built, Recipe, prepare_rank
+from shardwise.seeding import deterministic, seed_everything
 from shardwise.step import LossFn, OptimizerFactory, StepRun, TrainingStep
 from shardwise.strategies.base import HasServers, compile_backend
 
@@ -131,7 +132,9 @@ class Job:
 
     def _run(self, topo: Topology) -> FitResult:
         t, strat = self.options, self.options.strategy
-        torch.manual_seed(t.seed)
+        seed_everything(t.seed)  # Python, numpy and torch: a dataset's augmentations repeat run to run
+        if t.deterministic:
+            deterministic()
         reset_cuda_peak(topo.device)  # cuda_peak_*_bytes are this run's (a no-op on CPU)
         built = self.build(topo)
         model, opt, shapes = built.model, built.optimizer, built.shapes

@@ -80,6 +80,7 @@ class FitOptions:
     fault_tolerance: FaultTolerance | None = None
     replicas: ReplicaPlan | None = None  # the replica groups fault tolerance keeps (shardwise.ft.options)
     sample_ledger: str | None = None  # where the launcher writes which group computed which samples, per step
+    deterministic: bool = False  # torch's deterministic algorithms on every rank (shardwise.seeding.deterministic)
 
     @property
     def on_cuda(self) -> bool:
@@ -122,7 +123,7 @@ class FitOptions:
               log_every_n_steps: int, profiler: str | None, profile_steps: range | tuple[int, int] | None,
               profiler_dir: str | os.PathLike[str] | None, engine: str | None, checkpoint_async: bool,
               compile: bool | str, fault_tolerance: bool | FaultTolerance | None = None,
-              sample_ledger: str | os.PathLike[str] | None = None) -> FitOptions:
+              sample_ledger: str | os.PathLike[str] | None = None, deterministic: bool = False) -> FitOptions:
         """The Trainer's arguments, each by its name, checked: a ValueError names the first one that is wrong."""
         strat = engine_for(resolve(strategy), engine, sync_batchnorm=sync_batchnorm,
                            cuda=uses_cuda(accelerator_name(accelerator)))
@@ -169,7 +170,7 @@ class FitOptions:
                    max_epochs=max_epochs, profiler=profiler, profile_steps=profiled["profile_steps"],
                    profiler_dir=profiled["profiler_dir"], loggers=tuple(loggers),
                    log_every_n_steps=log_every_n_steps, checkpoint_async=checkpoint_async, compile=compile,
-                   **replicas)
+                   deterministic=deterministic, **replicas)
 
 
 def check_checkpointing(every: int | None, directory: Any, in_background: bool | None, keep: int | None) -> None:

@@ -61,7 +61,11 @@ class Trainer:
         accumulate_grad_batches: micro-batches per optimizer step; the global batch is split
             into this many parts and gradients accumulate without communication until the last.
         gradient_clip_val: clip the global gradient norm (over all shards) to this value.
-        seed: seeds the data order and torch's RNG; the data order does not depend on ``devices``.
+        seed: seeds the data order, and Python's ``random``, numpy and torch on every rank before the model is
+            built (:func:`shardwise.seed_everything`); DataLoader workers are seeded from it by torch. The data
+            order does not depend on ``devices``. Seed before building the model too, for its initial weights.
+        deterministic: torch's deterministic algorithms on every rank (an operation without one raises), cuDNN
+            without benchmarking, and the cuBLAS workspace that needs.
         progress: ``"auto"`` shows a rich progress bar on rank 0 when stderr is a terminal, and plain lines
             (step, loss, step time, memory, elapsed, ETA; every tenth of the run) when it is not (a log, a
             pipe, CI); ``"bar"`` or ``"lines"`` choose; False shows nothing.
@@ -183,7 +187,7 @@ class Trainer:
                  profiler_dir: str | os.PathLike[str] | None = None, engine: str | None = None,
                  checkpoint_async: bool = False, compile: bool | str = False,
                  fault_tolerance: bool | FaultTolerance | None = None,
-                 sample_ledger: str | os.PathLike[str] | None = None) -> None:
+                 sample_ledger: str | os.PathLike[str] | None = None, deterministic: bool = False) -> None:
         self.options = FitOptions.build(
             strategy, devices, accelerator, accumulate_grad_batches=accumulate_grad_batches,
             gradient_clip_val=gradient_clip_val, seed=seed, progress=progress, metrics_path=metrics_path,
@@ -194,7 +198,8 @@ class Trainer:
             sync_batchnorm=sync_batchnorm, callbacks=callbacks, dataloader_kwargs=dataloader_kwargs,
             max_epochs=max_epochs, logger=logger, log_every_n_steps=log_every_n_steps, profiler=profiler,
             profile_steps=profile_steps, profiler_dir=profiler_dir, engine=engine, checkpoint_async=checkpoint_async,
-            compile=compile, fault_tolerance=fault_tolerance, sample_ledger=sample_ledger)
+            compile=compile, fault_tolerance=fault_tolerance, sample_ledger=sample_ledger,
+            deterministic=deterministic)
         o = self.options
         if o.devices == 1 and not isinstance(o.strategy, (Single, OwnDevices)):
             # Trainer("ddp") alone used to run one process without a word: nothing is split then.
