@@ -120,6 +120,7 @@ class Job:
             topo.rank = self.launch_rank
         self.steps_done = 0
         self.saver: Saver | None = None
+        self.prepared: nn.Module | None = None  # the strategy's model, for the callbacks (info.model)
         try:
             return self._run(topo)
         except BaseException as e:
@@ -138,6 +139,7 @@ class Job:
         reset_cuda_peak(topo.device)  # cuda_peak_*_bytes are this run's (a no-op on CPU)
         built = self.build(topo)
         model, opt, shapes = built.model, built.optimizer, built.shapes
+        self.prepared = model
         # Built on every rank at this point: a save in the background creates its own group here (a collective).
         self.saver = Saver(topo, t.checkpoint_async) if t.checkpoint_dir is not None else None
         prev, extra, path = self._resume(model, opt, topo, shapes)
@@ -358,7 +360,7 @@ class Job:
 
     def _info(self, done: int, topo: Topology, **kw: Any) -> CallbackInfo:
         return CallbackInfo(done, self.max_steps, topo.rank, topo.world_size, history=list(self.history),
-                            control=self.control, **kw)
+                            control=self.control, model=self.prepared, **kw)
 
     def _validate_now(self, done: int, model: nn.Module, opt: torch.optim.Optimizer, topo: Topology,
                       prev: list[float], losses: list[float], shapes: dict[str, list[int]],
@@ -378,6 +380,7 @@ class Job:
             shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
             print(f"shardwise: validation after step {done}/{self.max_steps}: {shown}", file=sys.stderr, flush=True)
         self.hook("on_validation_end", done, topo, metrics=dict(metrics))
+        self.hook("on_validation_epoch_end", done, topo, metrics=dict(metrics))  # (Lightning's name)
         if val.best is not None and improved(metrics[val.best[0]], best_so_far(before, val.best), val.best[1]):
             name, mode = val.best
             run = {**self.info, "best": {"metric": name, "mode": mode, "value": metrics[name]}}

@@ -81,6 +81,8 @@ class FitOptions:
     replicas: ReplicaPlan | None = None  # the replica groups fault tolerance keeps (shardwise.ft.options)
     sample_ledger: str | None = None  # where the launcher writes which group computed which samples, per step
     deterministic: bool = False  # torch's deterministic algorithms on every rank (shardwise.seeding.deterministic)
+    shuffle: bool = True  # False: a map-style dataset is read in its own order, each epoch
+    gradient_clip_algorithm: str = "norm"  # "norm": the global norm; "value": every element (Lightning's names)
 
     @property
     def on_cuda(self) -> bool:
@@ -123,7 +125,8 @@ class FitOptions:
               log_every_n_steps: int, profiler: str | None, profile_steps: range | tuple[int, int] | None,
               profiler_dir: str | os.PathLike[str] | None, engine: str | None, checkpoint_async: bool,
               compile: bool | str, fault_tolerance: bool | FaultTolerance | None = None,
-              sample_ledger: str | os.PathLike[str] | None = None, deterministic: bool = False) -> FitOptions:
+              sample_ledger: str | os.PathLike[str] | None = None, deterministic: bool = False,
+              shuffle: bool = True, gradient_clip_algorithm: str = "norm") -> FitOptions:
         """The Trainer's arguments, each by its name, checked: a ValueError names the first one that is wrong."""
         strat = engine_for(resolve(strategy), engine, sync_batchnorm=sync_batchnorm,
                            cuda=uses_cuda(accelerator_name(accelerator)))
@@ -143,6 +146,8 @@ class FitOptions:
         if memory_check not in ("error", "warn", "off"):
             raise ValueError(f"memory_check must be 'error', 'warn' or 'off', got {memory_check!r}")
         checked_precision = precision_mod.check(precision)
+        if gradient_clip_algorithm not in ("norm", "value"):
+            raise ValueError(f"gradient_clip_algorithm must be 'norm' or 'value', got {gradient_clip_algorithm!r}")
         if on_nonfinite not in ("error", "skip"):
             raise ValueError(f"on_nonfinite must be 'error' or 'skip', got {on_nonfinite!r}")
         count, device_ids = device_count(strat, devices, accelerator)
@@ -170,7 +175,8 @@ class FitOptions:
                    max_epochs=max_epochs, profiler=profiler, profile_steps=profiled["profile_steps"],
                    profiler_dir=profiled["profiler_dir"], loggers=tuple(loggers),
                    log_every_n_steps=log_every_n_steps, checkpoint_async=checkpoint_async, compile=compile,
-                   deterministic=deterministic, **replicas)
+                   deterministic=deterministic, shuffle=shuffle, gradient_clip_algorithm=gradient_clip_algorithm,
+                   **replicas)
 
 
 def check_checkpointing(every: int | None, directory: Any, in_background: bool | None, keep: int | None) -> None:

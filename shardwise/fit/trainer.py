@@ -60,18 +60,22 @@ class Trainer:
         accelerator: ``"auto"`` (CUDA when present), ``"cpu"`` or ``"cuda"`` (``"gpu"`` is ``"cuda"``).
         accumulate_grad_batches: micro-batches per optimizer step; the global batch is split
             into this many parts and gradients accumulate without communication until the last.
-        gradient_clip_val: clip the global gradient norm (over all shards) to this value.
+        gradient_clip_val: clip the global gradient norm (over all shards) to this value, or with
+            ``gradient_clip_algorithm="value"`` every gradient element to ``[-value, value]``.
+        gradient_clip_algorithm: ``"norm"`` (the default) or ``"value"``.
         seed: seeds the data order, and Python's ``random``, numpy and torch on every rank before the model is
             built (:func:`shardwise.seed_everything`); DataLoader workers are seeded from it by torch. The data
             order does not depend on ``devices``. Seed before building the model too, for its initial weights.
+        shuffle: False reads a map-style dataset in its own order, every epoch: global batch ``w`` is samples
+            ``w*B .. (w+1)*B - 1``, whatever the device count (Lightning's order for a plain DataLoader).
         deterministic: torch's deterministic algorithms on every rank (an operation without one raises), cuDNN
             without benchmarking, and the cuBLAS workspace that needs.
         progress: ``"auto"`` shows a rich progress bar on rank 0 when stderr is a terminal, and plain lines
             (step, loss, step time, memory, elapsed, ETA; every tenth of the run) when it is not (a log, a
             pipe, CI); ``"bar"`` or ``"lines"`` choose; False shows nothing.
         metrics_path: write one JSON line per logged step (rank 0) to this file: the global loss, each
-            parameter group's lr, the gradient norm before clipping and whether it clipped (with
-            ``gradient_clip_val``), step time, tokens/s (for integer token inputs), model FLOPs utilisation (with
+            parameter group's lr, the global gradient norm (before clipping; measured on logged steps
+            only) and whether a clip by norm applied, step time, tokens/s (for integer token inputs), model FLOPs utilisation (with
             ``peak_flops``), resident memory, bytes sent by group; and a line per validation. A shorthand for
             ``logger=sw.loggers.JSONL(path)``.
         tensorboard_dir: also log those scalars to TensorBoard (when tensorboard is installed; a warning
@@ -187,7 +191,8 @@ class Trainer:
                  profiler_dir: str | os.PathLike[str] | None = None, engine: str | None = None,
                  checkpoint_async: bool = False, compile: bool | str = False,
                  fault_tolerance: bool | FaultTolerance | None = None,
-                 sample_ledger: str | os.PathLike[str] | None = None, deterministic: bool = False) -> None:
+                 sample_ledger: str | os.PathLike[str] | None = None, deterministic: bool = False,
+                 shuffle: bool = True, gradient_clip_algorithm: str = "norm") -> None:
         self.options = FitOptions.build(
             strategy, devices, accelerator, accumulate_grad_batches=accumulate_grad_batches,
             gradient_clip_val=gradient_clip_val, seed=seed, progress=progress, metrics_path=metrics_path,
@@ -199,7 +204,7 @@ class Trainer:
             max_epochs=max_epochs, logger=logger, log_every_n_steps=log_every_n_steps, profiler=profiler,
             profile_steps=profile_steps, profiler_dir=profiler_dir, engine=engine, checkpoint_async=checkpoint_async,
             compile=compile, fault_tolerance=fault_tolerance, sample_ledger=sample_ledger,
-            deterministic=deterministic)
+            deterministic=deterministic, shuffle=shuffle, gradient_clip_algorithm=gradient_clip_algorithm)
         o = self.options
         if o.devices == 1 and not isinstance(o.strategy, (Single, OwnDevices)):
             # Trainer("ddp") alone used to run one process without a word: nothing is split then.
