@@ -62,6 +62,7 @@ class Validation:
     every: int | None = None
     metrics: dict[str, Metric] = field(default_factory=dict)
     best: tuple[str, str] | None = None  # (metric, "min" | "max") for checkpoint_best
+    limit: int | None = None  # the first this many global batches only (Trainer(limit_val_batches=, fast_dev_run=))
 
     @property
     def names(self) -> list[str]:
@@ -198,7 +199,9 @@ def evaluate(model: nn.Module, strat: Strategy, val: Validation, loss_fn: LossFn
     owner = strat.owns_loss(topo)
     sums = torch.zeros(2 + len(fns), dtype=torch.float64, device=topo.device)  # samples, loss, metrics
     with eval_mode(model):
-        for batch, real in eval_batches(val.data, val.batch_size, shards, shard, seed):
+        for w, (batch, real) in enumerate(eval_batches(val.data, val.batch_size, shards, shard, seed)):
+            if val.limit is not None and w >= val.limit:
+                break  # (every rank at the same global batch)
             x, y = cast_batch(run.precision, val.data.split(to_device(batch, topo.device)))
             counted[0] = owner and real
             got = strat.eval_step(model, x, y, per_batch, topo, run)

@@ -149,7 +149,8 @@ class Job:
         self.profile: dict[str, Any] | None = None  # set by the loop; a server's part is not profiled
         self.hook("on_fit_start", len(prev), topo, optimizer=opt)
         sent, received = topo.stats.sent, topo.stats.received  # after the setup: the steps' traffic follows
-        losses, times, state_bytes = self._steps(model, opt, topo, prev, shapes, extra)
+        with torch.autograd.set_detect_anomaly(t.detect_anomaly):
+            losses, times, state_bytes = self._steps(model, opt, topo, prev, shapes, extra)
         self._saves_finished(topo)  # the end of the fit waits for a save in flight
         steps_run = max(1, len(losses))
         traffic = ((topo.stats.sent - sent) / steps_run, (topo.stats.received - received) / steps_run)

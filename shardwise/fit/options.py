@@ -83,6 +83,14 @@ class FitOptions:
     deterministic: bool = False  # torch's deterministic algorithms on every rank (shardwise.seeding.deterministic)
     shuffle: bool = True  # False: a map-style dataset is read in its own order, each epoch
     gradient_clip_algorithm: str = "norm"  # "norm": the global norm; "value": every element (Lightning's names)
+    fast_dev_run: bool = False  # one step, one validation batch; no checkpoint, logger or profiler
+    limit_val_batches: int | None = None  # validate on the first this many global batches
+    detect_anomaly: bool = False  # torch.autograd's anomaly detection around the steps
+
+    @property
+    def val_batches(self) -> int | None:
+        """How many global batches a validation reads (None: the whole set)."""
+        return 1 if self.fast_dev_run else self.limit_val_batches
 
     @property
     def on_cuda(self) -> bool:
@@ -115,7 +123,8 @@ class FitOptions:
     def build(cls, strategy: str | Strategy, devices: int | str | list[int], accelerator: str, *,
               accumulate_grad_batches: int, gradient_clip_val: float | None, seed: int, progress: bool | str,
               metrics_path: str | os.PathLike[str] | None, timeout_s: float,
-              checkpoint_dir: str | os.PathLike[str] | None, checkpoint_every: int | None, resume: bool | str | os.PathLike[str],
+              checkpoint_dir: str | os.PathLike[str] | None, checkpoint_every: int | None,
+              resume: bool | str | os.PathLike[str],
               debug: bool, on_nonfinite: str, checkpoint_keep: int | None, memory_check: str,
               device_memory: int | None, precision: str | int,
               activation_checkpointing: bool | tuple[type[nn.Module], ...],
@@ -126,8 +135,13 @@ class FitOptions:
               profiler_dir: str | os.PathLike[str] | None, engine: str | None, checkpoint_async: bool,
               compile: bool | str, fault_tolerance: bool | FaultTolerance | None = None,
               sample_ledger: str | os.PathLike[str] | None = None, deterministic: bool = False,
-              shuffle: bool = True, gradient_clip_algorithm: str = "norm") -> FitOptions:
+              shuffle: bool = True, gradient_clip_algorithm: str = "norm", fast_dev_run: bool = False,
+              limit_val_batches: int | None = None, detect_anomaly: bool = False) -> FitOptions:
         """The Trainer's arguments, each by its name, checked: a ValueError names the first one that is wrong."""
+        if fast_dev_run:  # nothing written: no checkpoint, logger, metrics file, TensorBoard or profile
+            checkpoint_dir = metrics_path = tensorboard_dir = profiler = logger = None
+            checkpoint_every, checkpoint_async = None, False
+        check_positive("limit_val_batches", limit_val_batches, "a positive integer (or None: the whole set)")
         strat = engine_for(resolve(strategy), engine, sync_batchnorm=sync_batchnorm,
                            cuda=uses_cuda(accelerator_name(accelerator)))
         checked_callbacks = check_callbacks(callbacks)
@@ -176,7 +190,8 @@ class FitOptions:
                    profiler_dir=profiled["profiler_dir"], loggers=tuple(loggers),
                    log_every_n_steps=log_every_n_steps, checkpoint_async=checkpoint_async, compile=compile,
                    deterministic=deterministic, shuffle=shuffle, gradient_clip_algorithm=gradient_clip_algorithm,
-                   **replicas)
+                   fast_dev_run=bool(fast_dev_run), limit_val_batches=limit_val_batches,
+                   detect_anomaly=detect_anomaly, **replicas)
 
 
 def check_checkpointing(every: int | None, directory: Any, in_background: bool | None, keep: int | None) -> None:

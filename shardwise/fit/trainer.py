@@ -63,6 +63,11 @@ class Trainer:
         gradient_clip_val: clip the global gradient norm (over all shards) to this value, or with
             ``gradient_clip_algorithm="value"`` every gradient element to ``[-value, value]``.
         gradient_clip_algorithm: ``"norm"`` (the default) or ``"value"``.
+        fast_dev_run: a smoke test of the script: one optimizer step and one validation batch, with no
+            checkpoint, logger or profiler (nothing is written under ``checkpoint_dir``).
+        limit_val_batches: validate on the first this many global batches of ``val_dataset`` only.
+        detect_anomaly: torch's anomaly detection in the ranks' backward (slow): the operation whose backward
+            produced a NaN is named, with the forward's traceback.
         seed: seeds the data order, and Python's ``random``, numpy and torch on every rank before the model is
             built (:func:`shardwise.seed_everything`); DataLoader workers are seeded from it by torch. The data
             order does not depend on ``devices``. Seed before building the model too, for its initial weights.
@@ -192,7 +197,8 @@ class Trainer:
                  checkpoint_async: bool = False, compile: bool | str = False,
                  fault_tolerance: bool | FaultTolerance | None = None,
                  sample_ledger: str | os.PathLike[str] | None = None, deterministic: bool = False,
-                 shuffle: bool = True, gradient_clip_algorithm: str = "norm") -> None:
+                 shuffle: bool = True, gradient_clip_algorithm: str = "norm", fast_dev_run: bool = False,
+                 limit_val_batches: int | None = None, detect_anomaly: bool = False) -> None:
         self.options = FitOptions.build(
             strategy, devices, accelerator, accumulate_grad_batches=accumulate_grad_batches,
             gradient_clip_val=gradient_clip_val, seed=seed, progress=progress, metrics_path=metrics_path,
@@ -204,7 +210,8 @@ class Trainer:
             max_epochs=max_epochs, logger=logger, log_every_n_steps=log_every_n_steps, profiler=profiler,
             profile_steps=profile_steps, profiler_dir=profiler_dir, engine=engine, checkpoint_async=checkpoint_async,
             compile=compile, fault_tolerance=fault_tolerance, sample_ledger=sample_ledger,
-            deterministic=deterministic, shuffle=shuffle, gradient_clip_algorithm=gradient_clip_algorithm)
+            deterministic=deterministic, shuffle=shuffle, gradient_clip_algorithm=gradient_clip_algorithm,
+            fast_dev_run=fast_dev_run, limit_val_batches=limit_val_batches, detect_anomaly=detect_anomaly)
         o = self.options
         if o.devices == 1 and not isinstance(o.strategy, (Single, OwnDevices)):
             # Trainer("ddp") alone used to run one process without a word: nothing is split then.
@@ -291,12 +298,15 @@ class Trainer:
         """
         step = check_step(self.options, loss_fn, training_step, optimizer, batch_size, val_dataset)
         data = self._source(dataset, inputs, num_workers, collate_fn, pin_memory)
-        max_steps = run_steps(max_steps, self.options.max_epochs, dataset, batch_size)
+        max_steps = 1 if self.options.fast_dev_run else run_steps(max_steps, self.options.max_epochs, dataset,
+                                                                  batch_size)
         info, groups = validate(self.options, model, data, batch_size, max_steps, optimizer, loss_fn, lr_scheduler,
                                 param_groups)
         init = InitFrom.checked(init_from, init_allow_missing, model)
         val = check_fit_options(self.options, model, loss_fn, data, batch_size, val_dataset, val_every, val_metrics,
                                 val_batch_size, checkpoint_best, step)
+        if val is not None:
+            val.limit = self.options.val_batches
         job = Job(self.options, model, data, loss_fn, optimizer, batch_size, max_steps, info, lr_scheduler, val,
                   groups, step, init, return_state_dict)
         return self._trained(job, model)
