@@ -304,6 +304,8 @@ def check_fit_options(trainer: FitOptions, model: nn.Module, loss_fn: LossFn | N
     val_data = None if val_dataset is None else DataSource(val_dataset, data.loader, data.inputs)
     val = make_validation(val_data, val_every, val_metrics, val_batch_size, checkpoint_best, batch_size,
                           trainer.checkpoint_dir, strat)
+    if val is not None:
+        val.limit = trainer.val_batches  # (fast_dev_run, limit_val_batches)
     if val is not None and not launch.follower():  # runs the model on meta: rank 0's verdict is every rank's
         check_validation(model, loss_fn, val)
     for cb in trainer.callbacks:

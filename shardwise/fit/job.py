@@ -23,6 +23,7 @@ from shardwise import precision as precision_mod
 from shardwise.checkpoint import store as checkpoint
 from shardwise.checkpoint.background import Finished, Saver
 from shardwise.comm.topology import Topology
+from shardwise.data import as_source
 from shardwise.fit import profiler
 from shardwise.fit.callbacks import CallbackInfo, Control, agree_stop, call, improved, load_states
 from shardwise.fit.callbacks import states as callback_states
@@ -148,6 +149,8 @@ class Job:
         self.steps_done = len(prev)
         self.profile: dict[str, Any] | None = None  # set by the loop; a server's part is not profiled
         self.hook("on_fit_start", len(prev), topo, optimizer=opt)
+        self.epoch_len = epoch_steps(self.dataset, self.batch_size) if t.callbacks else None
+        self._epoch_edge(len(prev), topo, end=False)
         sent, received = topo.stats.sent, topo.stats.received  # after the setup: the steps' traffic follows
         with torch.autograd.set_detect_anomaly(t.detect_anomaly):
             losses, times, state_bytes = self._steps(model, opt, topo, prev, shapes, extra)
@@ -352,7 +355,17 @@ class Job:
                 print(f"shardwise: stopping after step {done}/{self.max_steps}: {stop}", file=sys.stderr, flush=True)
         if self.saver is not None:
             self.saver.step_starts()
+        self._epoch_edge(done, topo, end=True)
+        if stop is None and done < self.max_steps:
+            self._epoch_edge(done, topo, end=False)
         return stop is not None
+
+    def _epoch_edge(self, done: int, topo: Topology, end: bool) -> None:
+        """``on_train_epoch_end`` (``end``) or ``on_train_epoch_start`` when ``done`` steps is an epoch's edge."""
+        if self.epoch_len and done % self.epoch_len == 0:
+            epoch = done // self.epoch_len
+            self.hook("on_train_epoch_end" if end else "on_train_epoch_start", done, topo,
+                      epoch=epoch - 1 if end else epoch)
 
     def hook(self, name: str, done: int, topo: Topology, **kw: Any) -> None:
         """Call ``name`` on every callback that has it, after ``done`` steps (``kw``: the info's other fields)."""
@@ -415,6 +428,14 @@ def hf_output_capture(model: nn.Module) -> None:
         return
     for m in theirs:
         _CAN_RECORD_REGISTRY[m] = m._can_record_outputs
+
+
+def epoch_steps(dataset: Any, batch_size: int) -> int | None:
+    """Optimizer steps an epoch: ``len(dataset) // batch_size`` (whole global batches); None without a length."""
+    try:
+        return len(as_source(dataset).dataset) // batch_size or None
+    except TypeError:
+        return None
 
 
 def resume_line(path: str | None, done: int, max_steps: int) -> str:

@@ -88,6 +88,11 @@ class FitOptions:
     detect_anomaly: bool = False  # torch.autograd's anomaly detection around the steps
 
     @property
+    def clip_norm(self) -> float | None:
+        """``gradient_clip_val`` when it clips by norm (the step log's ``clipped`` compares with it), else None."""
+        return self.gradient_clip_val if self.gradient_clip_algorithm == "norm" else None
+
+    @property
     def val_batches(self) -> int | None:
         """How many global batches a validation reads (None: the whole set)."""
         return 1 if self.fast_dev_run else self.limit_val_batches

@@ -69,14 +69,6 @@ class StepHost(Protocol):
                    scaler: precision_mod.LossScaler | None, log: StepLog | None) -> bool: ...
 
 
-def epoch_steps(dataset: Any, batch_size: int) -> int | None:
-    """Optimizer steps an epoch: ``len(dataset) // batch_size`` (whole global batches); None without a length."""
-    try:
-        return len(dataset) // batch_size or None
-    except TypeError:
-        return None
-
-
 def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo: Topology, prev: list[float],
                shapes: dict[str, list[int]], restored: dict[str, torch.Tensor]
                ) -> tuple[list[float], list[float], dict[str, int]]:
@@ -88,9 +80,6 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
     end = len(prev) if job.stop_reason is not None else job.max_steps  # a stopped run stays stopped
     data = source.train_batches(job.batch_size, shards, shard, seed=t.seed, start=len(prev), stop=end,
                                 shuffle=t.shuffle)
-    epoch_len = epoch_steps(source.dataset, job.batch_size) if t.callbacks else None
-    log_rows = t.step_rows and not isinstance(strat, HasServers)  # rows carry the global gradient norm
-    clip_norm = t.gradient_clip_val if t.gradient_clip_algorithm == "norm" else None
     losses: list[float] = []  # floats, not tensors: a long run must not accumulate tensor objects
     times: list[float] = []
     state_bytes: dict[str, int] = {}
@@ -115,8 +104,6 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
             logged.clear()  # sw.log's values of this step
             if topo.diag is not None:
                 topo.diag.step = step
-            if epoch_len and step % epoch_len == 0:
-                job.hook("on_train_epoch_start", step, topo, epoch=step // epoch_len)
             job.hook("on_step_start", step, topo, optimizer=opt)
             start = time.perf_counter()
             batch = data.batch(step, device)
@@ -131,8 +118,8 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
                 log_scalars(job.training_step)
             skip = skipped(t.on_nonfinite, scaler, opt, loss, topo)
             prof.mark("other")
-            due = logged_step(step, end - 1, t.log_every_n_steps)
-            norm = None if skip else optimizer_step(job, model, opt, topo, step, measure=log_rows and due)
+            due = logged_step(step, end - 1, t.log_every_n_steps)  # a logged step's values cost collectives
+            norm = None if skip else optimizer_step(job, model, opt, topo, step, measure=reducer is not None and due)
             if not skip and step == job.max_steps - 1:
                 # Counted at the high point of a step: gradients and optimizer states both live.
                 state_bytes = count_state(strat, model, opt)
@@ -144,7 +131,6 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
             times.append(time.perf_counter() - start)
             local = checked_loss(loss, t.on_nonfinite, step, topo)
             losses.append(0.0 if local is None else local)
-            # The step row's values cost collectives: only a logged step's are reduced (on every rank alike).
             # What the progress line and the step log show: the global loss fit returns, not rank 0's share.
             shown = global_losses(losses[-1:], strat, topo)[0] if shows and (t.progress or due) else local
             advance(shown, times[-1])
@@ -153,11 +139,9 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
             if log is not None and due:
                 tokens = batch_tokens(token_ids(x, job.training_step is not None)) * shards
                 log.write(step, shown, times[-1], tokens,
-                          {**step_scalars(lrs, norm, clip_norm, topo, sent), **mine})
+                          {**step_scalars(lrs, norm, t.clip_norm, topo, sent), **mine})
             sent = dict(topo.stats.by_group)
             stop = job.after_step(step + 1, model, opt, topo, prev, losses, shapes, scaler, log)
-            if epoch_len and (step + 1) % epoch_len == 0:
-                job.hook("on_train_epoch_end", step + 1, topo, epoch=step // epoch_len)
             prof.step_end(step)
             if stop:
                 state_bytes = state_bytes or count_state(strat, model, opt)  # stopped early

@@ -305,8 +305,6 @@ class Trainer:
         init = InitFrom.checked(init_from, init_allow_missing, model)
         val = check_fit_options(self.options, model, loss_fn, data, batch_size, val_dataset, val_every, val_metrics,
                                 val_batch_size, checkpoint_best, step)
-        if val is not None:
-            val.limit = self.options.val_batches
         job = Job(self.options, model, data, loss_fn, optimizer, batch_size, max_steps, info, lr_scheduler, val,
                   groups, step, init, return_state_dict)
         return self._trained(job, model)
