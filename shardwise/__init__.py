@@ -109,7 +109,6 @@ def __dir__() -> list[str]:
 __all__ = ["Callback", "DDP", "EarlyStopping", "FaultTolerance", "FitResult", "Prepared", "REGISTRY", "Single",
            "Strategy", "Topology", "Trainer", "all_reduce_mean", "available_strategies", "clip_grad_norm_",
            "clip_grad_value_", "end_training", "gather", "gather_for_metrics", "init", "is_main_process", "load", "log",
-           "seed_everything",
            "main_process_first", "no_sync", "prepare_dataloader", "register", "register_for_checkpointing", "resolve",
-           "save", "setup", "teardown", "NaiveMP", "NaiveModelParallel", "ZeRO1", "ZeRO2", "ZeRO3", "FSDP", "HSDP",
+           "save", "seed_everything", "setup", "teardown", "NaiveMP", "NaiveModelParallel", "ZeRO1", "ZeRO2", "ZeRO3", "FSDP", "HSDP",
            "TP", "PP", "Parallel", "DP", "ParameterServer", "DiLoCo", "loggers"]

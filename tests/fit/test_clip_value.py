@@ -45,7 +45,7 @@ def first_norm() -> float:
 
 
 def test_value_clipping_under_ddp_equals_one_device_and_the_norm_is_logged_unclipped(tmp_path, same_run):
-    clip = dict(gradient_clip_val=0.02, gradient_clip_algorithm="value")
+    clip = {"gradient_clip_val": 0.02, "gradient_clip_algorithm": "value"}
     one, one_rows = run("single", 1, str(tmp_path / "one.jsonl"), **clip)
     two, two_rows = run("ddp", 2, str(tmp_path / "two.jsonl"), log_every_n_steps=2, **clip)
     same_run(one, two)

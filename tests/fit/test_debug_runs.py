@@ -3,7 +3,6 @@ detect_anomaly naming the operation whose backward made a NaN."""
 from __future__ import annotations
 
 import functools
-import os
 
 import pytest
 import torch
