@@ -48,6 +48,7 @@ _PUBLIC: dict[str, str] = {
     "configured": "shardwise.fit.config:configured",
     "setup": "shardwise.loop.prepared:setup",
     "log": "shardwise.loggers.scalars:log",
+    "seed_everything": "shardwise.seeding:seed_everything",
     "loggers": "shardwise.loggers:",  # the module itself: sw.loggers.CSV, sw.loggers.MLflow, ...
 }
 
@@ -58,6 +59,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is i
     from shardwise.fit.config import configured
     from shardwise.fit.trainer import FitResult, Trainer
     from shardwise.ft.options import FaultTolerance
+    from shardwise.loggers.scalars import log
     from shardwise.loop.data import all_reduce_mean, gather, gather_for_metrics, prepare_dataloader
     from shardwise.loop.output import is_main_process, main_process_first
     from shardwise.loop.output import print as print  # not in __all__: keeps the built-in under import *
@@ -73,6 +75,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is i
         save,
         setup,
     )
+    from shardwise.seeding import seed_everything
     from shardwise.strategies.base import Strategy
     from shardwise.strategies.dp.ddp import DDP
     from shardwise.strategies.registry import (
@@ -110,6 +113,6 @@ __all__ = ["CLASSES", "Callback", "DDP", "EarlyStopping", "FaultTolerance", "Fit
            "Single", "Strategy", "Topology", "Trainer", "all_reduce_mean", "available_strategies", "clip_grad_norm_",
            "clip_grad_value_", "configured", "end_training", "gather", "gather_for_metrics", "init",
            "is_main_process", "load", "log", "main_process_first", "no_sync", "prepare_dataloader", "register",
-           "register_for_checkpointing", "resolve", "save", "setup", "teardown", "NaiveMP", "NaiveModelParallel",
-           "ZeRO1", "ZeRO2", "ZeRO3", "FSDP", "HSDP", "TP", "PP", "Parallel", "DP", "ParameterServer", "DiLoCo",
-           "loggers"]
+           "register_for_checkpointing", "resolve", "save", "seed_everything", "setup", "teardown", "NaiveMP",
+           "NaiveModelParallel", "ZeRO1", "ZeRO2", "ZeRO3", "FSDP", "HSDP", "TP", "PP", "Parallel", "DP",
+           "ParameterServer", "DiLoCo", "loggers"]

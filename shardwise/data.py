@@ -82,7 +82,8 @@ def loader_options(kwargs: Mapping[str, Any] | None = None, **overrides: Any) ->
     if refused:
         raise ValueError(f"dataloader option(s) {', '.join(refused)} cannot be set: the Trainer makes the batches "
                          "itself (the global batch_size, split over data-parallel ranks, in an order fixed by the "
-                         "seed and the step, so that any device count reads the same batches)")
+                         "seed and the step, so that any device count reads the same batches)"
+                         + ("; Trainer(shuffle=False) keeps the dataset's order" if "shuffle" in refused else ""))
     unknown = sorted(k for k in given if k not in LOADER_KEYS)
     if unknown:
         raise ValueError(f"unknown dataloader option(s) {', '.join(unknown)}; valid: {', '.join(LOADER_KEYS)}")
@@ -126,10 +127,14 @@ class DataSource:
         return split_batch(batch, self.inputs)
 
     def train_batches(self, global_batch: int, replicas: int, rank: int, seed: int, start: int,
-                      stop: int) -> GlobalBatches | StreamBatches:
-        """Rank ``rank``'s batches of steps ``start .. stop - 1`` (read with :meth:`batch`, step by step)."""
-        kind = StreamBatches if self.streaming else GlobalBatches
-        return kind(self.dataset, global_batch, replicas, rank, seed=seed, loader=self.loader, start=start, stop=stop)
+                      stop: int, shuffle: bool = True) -> GlobalBatches | StreamBatches:
+        """Rank ``rank``'s batches of steps ``start .. stop - 1`` (read with :meth:`batch`, step by step);
+        ``shuffle=False``: a map-style dataset in its own order each epoch (a stream is read in its order)."""
+        if self.streaming:
+            return StreamBatches(self.dataset, global_batch, replicas, rank, seed=seed, loader=self.loader,
+                                 start=start, stop=stop)
+        return GlobalBatches(self.dataset, global_batch, replicas, rank, seed=seed, shuffle=shuffle,
+                             loader=self.loader, start=start, stop=stop)
 
     def eval_batches(self, global_batch: int, replicas: int, rank: int, seed: int) -> Iterator[tuple[Any, bool]]:
         """Every batch of an evaluation pass over the whole dataset, in order (see :func:`eval_batches`)."""

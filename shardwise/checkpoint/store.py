@@ -255,23 +255,25 @@ def current_manifest(path: str) -> dict[str, Any]:
     return manifest
 
 
-def check_resume(directory: str, info: dict[str, Any], max_steps: int) -> str | None:
-    """Before any process starts: whether the newest intact checkpoint can continue this run.
+def check_resume(directory: str, info: dict[str, Any], max_steps: int, explicit: bool = False) -> str | None:
+    """Before any process starts: whether the newest intact checkpoint in ``directory`` (or ``directory``
+    itself, a checkpoint) can continue this run.
 
-    Refuses a checkpoint at or past ``max_steps`` (nothing would train), another
+    Refuses a checkpoint past ``max_steps`` (nothing would train), another
     global batch size (the data order and the optimisation would change), or
-    another optimizer class (its states would not match); warns when only the
-    optimizer's hyperparameters differ, naming each change. Returns the path
-    (None without a checkpoint).
+    another optimizer class (its states would not match). Other optimizer
+    hyperparameters or precision are refused too, naming each change, unless
+    the resume is ``explicit`` (``resume="must"`` or a path): then a warning
+    names them. Returns the path (None without a checkpoint).
     """
-    path = latest_valid(directory)
+    path = latest_valid(directory) if not os.path.exists(os.path.join(directory, MANIFEST)) else directory
     if path is None:
         return None
     manifest = read_manifest(path)
     step, saved = int(manifest["step"]), manifest.get("run")
     if step > max_steps:
         raise ValueError(f"the newest checkpoint {path} is at step {step}, past max_steps={max_steps}: its weights "
-                         f"are those of a longer run; raise max_steps to at least {step}, or pass resume=False (or "
+                         f"are those of a longer run; raise max_steps to at least {step}, or pass resume='never' (or "
                          "another checkpoint_dir) to start over")
     if not saved:
         return path
@@ -279,21 +281,28 @@ def check_resume(directory: str, info: dict[str, Any], max_steps: int) -> str | 
         raise ValueError(f"checkpoint {path} was written with batch_size={saved['batch_size']}, this run has "
                          f"batch_size={info['batch_size']}: the global batch fixes the data order and the "
                          "optimisation, so a resumed run would not continue the same training; use "
-                         f"batch_size={saved['batch_size']} (or resume=False to start over)")
+                         f"batch_size={saved['batch_size']} (or resume='never' to start over)")
     was, now = saved["optimizer"], info["optimizer"]
     if was["class"] != now["class"]:
         raise ValueError(f"checkpoint {path} was written with optimizer {was['class']}, this run uses "
                          f"{now['class']}: the optimizer states in the checkpoint do not fit another optimizer; "
-                         f"use {was['class']} (or resume=False to start over)")
+                         f"use {was['class']} (or resume='never' to start over)")
     changed = _changed(was["defaults"], now["defaults"], "")
     if "groups" in was and "groups" in now:
         _check_groups(path, was["groups"], now["groups"])
         for i, (w, n) in enumerate(zip(was["groups"], now["groups"])):  # what the defaults' change does not say
             changed += [f"group {i} {c}" for c in _changed(w["hyper"], n["hyper"], "") if c not in changed]
+    if info.get("precision") is not None and saved.get("precision") not in (None, info["precision"]):
+        changed.append(f"precision {saved['precision']!r} -> {info['precision']!r}")
+    if changed and not explicit:
+        raise ValueError(f"checkpoint {path} was written by another configuration ({', '.join(changed)}): "
+                         "resume='auto' continues only the same run; pass resume='never' (or another "
+                         "checkpoint_dir) to train from scratch, or resume='must' to continue this run with the new "
+                         "values")
     if changed:
         warnings.warn(f"resuming {path} with other optimizer settings ({', '.join(changed)}): the steps after "
                       f"{step} use the new values, so the run is not the one the checkpoint started",
-                      stacklevel=3)
+                      stacklevel=5)  # the user's fit line (fit -> checks.validate -> checks.check_resume -> here)
     return path
 
 
@@ -313,7 +322,7 @@ def _check_groups(path: str, was: list[dict[str, Any]], now: list[dict[str, Any]
     raise ValueError(f"checkpoint {path} was written with other parameter groups: {len(was)} groups of "
                      f"{_sizes(was)} parameters there, {len(now)} groups of {_sizes(now)} here; each group's "
                      "settings (a learning rate changed during the run) belong to its parameters, so build the "
-                     "saved run's groups (or pass resume=False to start over)")
+                     "saved run's groups (or pass resume='never' to start over)")
 
 
 def _state(strat: Checkpointed, model: nn.Module, optimizer: torch.optim.Optimizer, topo: Topology,

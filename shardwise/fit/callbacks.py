@@ -20,6 +20,13 @@
 * ``on_fit_end(info)`` once at the end: ``info.losses`` the global losses of
   every step, ``info.history``, ``info.stop_reason`` (None unless stopped early).
 
+Epoch hooks (a dataset with a length: ``len(dataset) // batch_size`` steps an
+epoch): ``on_train_epoch_start(info)`` before an epoch's first step and
+``on_train_epoch_end(info)`` after its last (and its validation, when one is
+due), ``info.epoch`` counting from 0; ``on_validation_epoch_end(info)`` after
+each validation, as ``on_validation_end``. Every hook's ``info.model`` is the
+prepared model, whose forward every rank calls alike.
+
 Also ``on_fit_start``, ``on_step_start``, ``on_before_optimizer_step`` (the
 gradients of ``info.optimizer`` are this rank's part of the global gradient)
 and ``on_exception`` (``info.exception``). A callback with ``state_dict()`` and
@@ -118,6 +125,10 @@ class CallbackInfo:
     control: Control | None = field(default=None, repr=False)
     optimizer: torch.optim.Optimizer | None = field(default=None, repr=False)
     exception: BaseException | None = None
+    # The prepared model (sharded and wrapped by the strategy), called like yours: every rank must call its forward
+    # alike (a collective inside, under fsdp or tp), e.g. to sample at an epoch's end.
+    model: Any = field(default=None, repr=False)
+    epoch: int | None = None  # on_train_epoch_start / _end: the epoch (from 0)
 
     def stop(self, reason: str = "stopped by a callback") -> None:
         """Ask the run to stop after this step (every rank stops at the same step; see the module docstring)."""

@@ -9,6 +9,8 @@ deep inside a rank.
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 import warnings
 from typing import Any
 
@@ -23,7 +25,7 @@ from shardwise.data import DataSource, Kwargs
 from shardwise.fit import preflight
 from shardwise.fit.callbacks import check_picklable
 from shardwise.fit.evaluate import Validation, check_validation, make_validation
-from shardwise.fit.options import FitOptions, SchedulerFactory
+from shardwise.fit.options import RESUME_MODES, FitOptions, SchedulerFactory
 from shardwise.fit.tp_check import check_plan
 from shardwise.optim.param_groups import GroupPlan, ParamGroupsFn, check_whole, plan_groups, splits_parameters
 from shardwise.parallel.cp.apply import check_context_parallel, shard_batch
@@ -106,11 +108,38 @@ def validate(t: FitOptions, model: nn.Module, dataset: Any, batch_size: int, max
     info = checkpoint.run_info(model, probe, batch_size, t.precision, groups.record())
     if t.checkpoint_dir is not None:
         checkpoint.check_directory(t.checkpoint_dir)
-        if t.resume:
-            checkpoint.check_resume(t.checkpoint_dir, info, max_steps)
+    check_resume(t, info, max_steps)
     if t.memory_check != "off" and not launch.follower():
         check_memory(t, model, probe, batch_size, max_steps)
     return info, groups
+
+
+def check_resume(t: FitOptions, info: dict[str, Any], max_steps: int) -> None:
+    """``Trainer(resume=)`` against the checkpoints there are: ``"auto"`` continues only the same run, ``"must"``
+    needs a checkpoint, ``"never"`` starts over (the earlier run's checkpoints in ``checkpoint_dir`` are removed,
+    so that its newer steps are neither resumed later nor kept in place of this run's)."""
+    if t.resume == "never":
+        if t.checkpoint_dir is not None and not launch.follower():
+            start_over(t.checkpoint_dir)
+        return
+    where = t.checkpoint_dir if t.resume in RESUME_MODES else t.resume
+    if where is None:
+        return
+    if checkpoint.check_resume(where, info, max_steps, explicit=t.resume != "auto") is None and t.resume == "must":
+        raise ValueError(f"resume='must' but checkpoint_dir={t.checkpoint_dir!r} holds no checkpoint to resume; pass "
+                         "resume='auto' to start when there is none")
+
+
+def start_over(directory: str) -> None:
+    """Remove the checkpoints (and the best one) of an earlier run in ``directory``, saying so in one line."""
+    old = checkpoint.checkpoints(directory)
+    best = os.path.join(directory, "best")
+    if not old and not os.path.isdir(best):
+        return
+    print(f"shardwise: resume='never': removing {len(old)} checkpoint(s) of an earlier run in {directory}",
+          file=sys.stderr, flush=True)
+    for path in old + ([best] if os.path.isdir(best) else []):
+        shutil.rmtree(path)
 
 
 def check_running_model(t: FitOptions, model: nn.Module, batch: Any, loss_fn: LossFn | None) -> None:
@@ -275,6 +304,8 @@ def check_fit_options(trainer: FitOptions, model: nn.Module, loss_fn: LossFn | N
     val_data = None if val_dataset is None else DataSource(val_dataset, data.loader, data.inputs)
     val = make_validation(val_data, val_every, val_metrics, val_batch_size, checkpoint_best, batch_size,
                           trainer.checkpoint_dir, strat)
+    if val is not None:
+        val.limit = trainer.val_batches  # (fast_dev_run, limit_val_batches)
     if val is not None and not launch.follower():  # runs the model on meta: rank 0's verdict is every rank's
         check_validation(model, loss_fn, val)  # type: ignore[arg-type]
     for cb in trainer.callbacks:

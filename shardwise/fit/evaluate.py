@@ -12,7 +12,11 @@ stops at). What is computed equals evaluating the same weights on one device:
   running statistics), under ``torch.no_grad`` and the run's autocast, through
   the strategy's :meth:`~shardwise.strategies.base.Strategy.eval_step` (a pipeline
   runs the batch through its stages; ZeRO-3/FSDP gather and free their units);
-* ``val_loss`` is ``loss_fn(output, target)`` and each metric is
+* a metric object (torchmetrics' ``Metric``: ``update``/``compute``) is
+  updated with every batch the rank owns and computed once at the end, its
+  states synced over the data ranks: F1 or AUC equal one device's on the
+  whole set, as in ``Trainer.validate``;
+* ``val_loss`` is ``loss_fn(output, target)`` and each other metric is
   ``fn(output, target)``; both are the MEAN over the batch (one number per
   batch, as a loss is), weighted by the batch's sample count, summed over
   ranks (one all-reduce per validation, in float64) and divided by the
@@ -37,7 +41,8 @@ import torch
 from torch import nn
 
 from shardwise.comm.topology import Topology
-from shardwise.data import DataSource, batch_len, eval_batches, to_device
+from shardwise.data import DataSource, batch_len, eval_batches, leaves, to_device
+from shardwise.dims import DP_CP
 from shardwise.fit import preflight
 from shardwise.fit.callbacks import improved
 from shardwise.precision import cast_batch
@@ -57,6 +62,7 @@ class Validation:
     every: int | None = None
     metrics: dict[str, Metric] = field(default_factory=dict)
     best: tuple[str, str] | None = None  # (metric, "min" | "max") for checkpoint_best
+    limit: int | None = None  # the first this many global batches only (Trainer(limit_val_batches=, fast_dev_run=))
 
     @property
     def names(self) -> list[str]:
@@ -93,9 +99,9 @@ def make_validation(data: DataSource | None, every: int | None, metrics: Mapping
         if not isinstance(name, str) or not name or name in _RESERVED:
             raise ValueError(f"val_metrics name {name!r} is not allowed: use a non-empty string other than "
                              f"{' and '.join(map(repr, _RESERVED))}")
-        if not callable(fn):
+        if not (callable(fn) or is_metric_object(fn)):
             raise TypeError(f"val_metrics[{name!r}] must be a function fn(output, target) -> the batch's mean, "
-                            f"got {type(fn).__name__}")
+                            f"or a metric object with update() and compute() (torchmetrics), got {type(fn).__name__}")
     val = Validation(data, size, every, metrics)
     if best is not None:
         if checkpoint_dir is None:
@@ -117,7 +123,8 @@ def check_validation(model: nn.Module, loss_fn: LossFn, val: Validation) -> None
     batch = preflight.first_batch(val.data, min(64, val.batch_size), what="val_dataset")
     preflight.check_loss(model, batch, loss_fn)
     for name, fn in val.metrics.items():
-        preflight.check_metric(model, batch, fn, name)
+        if not is_metric_object(fn):  # (an object is updated, not called: its forward would change its state)
+            preflight.check_metric(model, batch, fn, name)
 
 
 @contextlib.contextmanager
@@ -133,22 +140,70 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
             m.training = training
 
 
+def is_metric_object(m: Any) -> bool:
+    """A stateful metric (torchmetrics' ``Metric``): updated batch by batch, computed once."""
+    return callable(getattr(m, "update", None)) and callable(getattr(m, "compute", None))
+
+
+def output_tensor(out: Any) -> torch.Tensor:
+    """The tensor of a model's output that predictions and metric objects take: the output itself, or its first
+    tensor (a Hugging Face output's ``logits`` when no loss was computed)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    first = next(iter(leaves(out)), None)
+    if first is None:
+        raise TypeError(f"the model returned {type(out).__name__}, which holds no tensor to predict or measure")
+    return first
+
+
+def reset_objects(objects: Mapping[str, Any], topo: Topology) -> None:
+    """Each metric object emptied, its states where the outputs are (torchmetrics' ``Metric.to``)."""
+    for m in objects.values():
+        m.reset()
+        if callable(getattr(m, "to", None)):
+            m.to(topo.device)
+
+
+def computed_objects(objects: Mapping[str, Any], strat: Strategy, topo: Topology) -> dict[str, float]:
+    """Each metric object computed once on the ranks that own outputs, its states synced over the ranks holding
+    other samples or tokens (dp x cp; never tp or pp peers, which hold the same ones), and handed to every rank
+    (a collective of the world)."""
+    values: dict[str, float] | None = None
+    if strat.owns_loss(topo):
+        values = {}
+        for name, m in objects.items():
+            if topo.world_size > 1:
+                m.process_group = topo.comm(DP_CP).group
+            values[name] = float(m.compute())
+    every = topo.comm("world").all_gather_object(values, name="metrics.objects")
+    return next(v for v in every if v is not None)
+
+
 def evaluate(model: nn.Module, strat: Strategy, val: Validation, loss_fn: LossFn, topo: Topology,
              run: StepRun = StepRun(), seed: int = 0) -> dict[str, float]:
-    """One pass over the validation set on every rank; the global metrics, the same on every rank (module doc)."""
+    """One pass over the validation set on every rank; the global metrics, the same on every rank (module doc).
+    A metric object (torchmetrics) is updated over the whole set and computed once, as in ``Trainer.validate``."""
     shards, shard = strat.data_parallel(topo)
-    fns = list(val.metrics.items())
+    fns = [(k, m) for k, m in val.metrics.items() if not is_metric_object(m)]
+    objects = {k: m for k, m in val.metrics.items() if is_metric_object(m)}
+    reset_objects(objects, topo)
+    counted = [False]  # whether the batch eval_step is running counts (this rank owns it, not padding)
 
     def per_batch(out: Any, y: Any) -> torch.Tensor:
         loss = loss_fn(out, y)
         values = [_number("val_loss", loss)] + [_number(name, fn(out, y)) for name, fn in fns]
+        for m in objects.values() if counted[0] else ():
+            m.update(output_tensor(out).detach(), y)  # type: ignore[attr-defined]
         return torch.stack([v.to(device=values[0].device, dtype=torch.float64) for v in values])
 
     owner = strat.owns_loss(topo)
     sums = torch.zeros(2 + len(fns), dtype=torch.float64, device=topo.device)  # samples, loss, metrics
     with eval_mode(model):
-        for batch, real in eval_batches(val.data, val.batch_size, shards, shard, seed):
+        for w, (batch, real) in enumerate(eval_batches(val.data, val.batch_size, shards, shard, seed)):
+            if val.limit is not None and w >= val.limit:
+                break  # (every rank at the same global batch)
             x, y = cast_batch(run.precision, val.data.split(to_device(batch, topo.device)))
+            counted[0] = owner and real
             got = strat.eval_step(model, x, y, per_batch, topo, run)
             if got is not None and owner and real:
                 k = batch_len(y) or batch_len(x)
@@ -156,7 +211,9 @@ def evaluate(model: nn.Module, strat: Strategy, val: Validation, loss_fn: LossFn
                 sums[1:] += k * got.detach().to(device=topo.device, dtype=torch.float64)
     topo.comm("world").all_reduce(sums, name="metrics.validation")
     n = float(sums[0])
-    return {name: float(s) / n for name, s in zip(val.names, sums[1:].tolist())}
+    means = dict(zip(["val_loss", *(k for k, _ in fns)], (float(s) / n for s in sums[1:].tolist())))
+    given = computed_objects(objects, strat, topo) if objects else {}
+    return {name: means[name] if name in means else given[name] for name in val.names}
 
 
 def _number(name: str, v: Any) -> torch.Tensor:
@@ -208,4 +265,5 @@ def history_from(extra: Mapping[str, torch.Tensor]) -> list[dict[str, float]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-__all__ = ["Validation", "check_validation", "eval_mode", "evaluate", "make_validation"]
+__all__ = ["Validation", "check_validation", "computed_objects", "eval_mode", "evaluate", "is_metric_object",
+           "make_validation", "output_tensor", "reset_objects"]

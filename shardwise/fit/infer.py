@@ -42,31 +42,15 @@ from torch import nn
 from shardwise import precision as precision_mod
 from shardwise.checkpoint import store as checkpoint
 from shardwise.comm.topology import Topology
-from shardwise.data import DataSource, batch_len, eval_batches, leaves, to_device
-from shardwise.dims import CP, DP_CP
-from shardwise.fit.evaluate import eval_mode
+from shardwise.data import DataSource, batch_len, eval_batches, to_device
+from shardwise.dims import CP
+from shardwise.fit.evaluate import computed_objects, eval_mode, is_metric_object, output_tensor, reset_objects
 from shardwise.fit.job import hf_output_capture
 from shardwise.fit.options import FitOptions
 from shardwise.parallel.cp.attention import join_sequence
 from shardwise.recipe import Built, Recipe, prepare_rank
 from shardwise.step import LossFn, StepRun
 from shardwise.strategies.base import HasServers, Strategy
-
-
-def is_metric_object(m: Any) -> bool:
-    """A stateful metric (torchmetrics' ``Metric``): updated batch by batch, computed once."""
-    return callable(getattr(m, "update", None)) and callable(getattr(m, "compute", None))
-
-
-def output_tensor(out: Any) -> torch.Tensor:
-    """The tensor of a model's output that predictions and metric objects take: the output itself, or its first
-    tensor (a Hugging Face output's ``logits`` when no loss was computed)."""
-    if isinstance(out, torch.Tensor):
-        return out
-    first = next(iter(leaves(out)), None)
-    if first is None:
-        raise TypeError(f"the model returned {type(out).__name__}, which holds no tensor to predict or measure")
-    return first
 
 
 def resolve_checkpoint(path: str | os.PathLike[str]) -> str:
@@ -143,10 +127,7 @@ class Tally:
         self.means.update({k: m for k, m in job.metrics.items() if not is_metric_object(m)})
         self.sums = torch.zeros(1 + len(self.means), dtype=torch.float64)  # samples, then each mean's weighted sum
         self.objects = {k: m for k, m in job.metrics.items() if is_metric_object(m)}
-        for m in self.objects.values():
-            m.reset()
-            if callable(getattr(m, "to", None)):
-                m.to(topo.device)  # its states where the outputs are (torchmetrics' Metric.to)
+        reset_objects(self.objects, topo)
 
     def __call__(self, out: Any, y: Any) -> torch.Tensor:
         if self.at is not None:
@@ -173,19 +154,7 @@ class Tally:
         self.topo.comm("world").all_reduce(sums, name="metrics.evaluate")
         n = max(float(sums[0]), 1.0)
         out = {k: float(v) / n for k, v in zip(self.means, sums[1:].tolist())}
-        mine = self._computed() if self.strat.owns_loss(self.topo) else None
-        given = next(v for v in self.topo.comm("world").all_gather_object(mine, name="metrics.objects")
-                     if v is not None)
-        return {**out, **given}
-
-    def _computed(self) -> dict[str, float]:
-        group = self.topo.comm(DP_CP).group
-        values = {}
-        for name, m in self.objects.items():
-            if self.topo.world_size > 1:
-                m.process_group = group  # synced over the ranks holding other samples, not the whole world
-            values[name] = float(m.compute())
-        return values
+        return {**out, **computed_objects(self.objects, self.strat, self.topo)}
 
     def predictions(self) -> torch.Tensor | None:
         """Every sample's output, in dataset order, on rank 0 (None on the other ranks)."""

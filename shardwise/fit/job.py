@@ -23,6 +23,7 @@ from shardwise import precision as precision_mod
 from shardwise.checkpoint import store as checkpoint
 from shardwise.checkpoint.background import Finished, Saver
 from shardwise.comm.topology import Topology
+from shardwise.data import as_source
 from shardwise.fit import profiler
 from shardwise.fit.callbacks import CallbackInfo, Control, agree_stop, call, improved, load_states
 from shardwise.fit.callbacks import states as callback_states
@@ -34,7 +35,7 @@ from shardwise.fit.evaluate import (
     history_tensors,
     save_best,
 )
-from shardwise.fit.options import FitOptions, SchedulerFactory
+from shardwise.fit.options import RESUME_MODES, FitOptions, SchedulerFactory
 from shardwise.fit.progress import StepLog, want_progress
 from shardwise.fit.steps import count_state, global_losses, train_loop
 from shardwise.init_from import InitFrom, read_into
@@ -42,6 +43,7 @@ from shardwise.loggers.scalars import Reducer, Scalars, recording
 from shardwise.optim.param_groups import GroupPlan
 from shardwise.parallel.compiling import compile_report, recompile_warning
 from shardwise.recipe import Built, Recipe, prepare_rank
+from shardwise.seeding import deterministic, seed_everything
 from shardwise.stats import (
     cuda_peak_bytes,
     peak_rss_bytes,
@@ -119,6 +121,7 @@ class Job:
             topo.rank = self.launch_rank
         self.steps_done = 0
         self.saver: Saver | None = None
+        self.prepared: nn.Module | None = None  # the strategy's model, for the callbacks (info.model)
         try:
             return self._run(topo)
         except BaseException as e:
@@ -131,10 +134,13 @@ class Job:
 
     def _run(self, topo: Topology) -> FitResult:
         t, strat = self.options, self.options.strategy
-        torch.manual_seed(t.seed)
+        seed_everything(t.seed)  # Python, numpy and torch: a dataset's augmentations repeat run to run
+        if t.deterministic:
+            deterministic()
         reset_cuda_peak(topo.device)  # cuda_peak_*_bytes are this run's (a no-op on CPU)
         built = self.build(topo)
         model, opt, shapes = built.model, built.optimizer, built.shapes
+        self.prepared = model
         # Built on every rank at this point: a save in the background creates its own group here (a collective).
         self.saver = Saver(topo, t.checkpoint_async) if t.checkpoint_dir is not None else None
         prev, extra, path = self._resume(model, opt, topo, shapes)
@@ -143,8 +149,11 @@ class Job:
         self.steps_done = len(prev)
         self.profile: dict[str, Any] | None = None  # set by the loop; a server's part is not profiled
         self.hook("on_fit_start", len(prev), topo, optimizer=opt)
+        self.epoch_len = epoch_steps(self.dataset, self.batch_size) if t.callbacks else None
+        self._epoch_edge(len(prev), topo, end=False)
         sent, received = topo.stats.sent, topo.stats.received  # after the setup: the steps' traffic follows
-        losses, times, state_bytes = self._steps(model, opt, topo, prev, shapes, extra)
+        with torch.autograd.set_detect_anomaly(t.detect_anomaly):
+            losses, times, state_bytes = self._steps(model, opt, topo, prev, shapes, extra)
         self._saves_finished(topo)  # the end of the fit waits for a save in flight
         steps_run = max(1, len(losses))
         traffic = ((topo.stats.sent - sent) / steps_run, (topo.stats.received - received) / steps_run)
@@ -191,9 +200,10 @@ class Job:
         self.control, self.stop_reason = Control(), None
         prev: list[float] = []
         extra: dict[str, torch.Tensor] = {}
-        if t.checkpoint_dir is None or not t.resume:
+        if t.resume == "never" or (t.checkpoint_dir is None and t.resume in RESUME_MODES):
             return prev, extra, None
-        path = checkpoint.resume_point(t.checkpoint_dir, topo)
+        # resume=<a checkpoint>: the one Trainer() chose, the same on every rank.
+        path = checkpoint.resume_point(t.checkpoint_dir, topo) if t.resume in RESUME_MODES else t.resume  # type: ignore[arg-type]
         if path is not None:
             restored = checkpoint.load(path, t.strategy, model, opt, topo, shapes, self.info)
             prev, extra = restored.losses[:self.max_steps], restored.extra
@@ -345,7 +355,17 @@ class Job:
                 print(f"shardwise: stopping after step {done}/{self.max_steps}: {stop}", file=sys.stderr, flush=True)
         if self.saver is not None:
             self.saver.step_starts()
+        self._epoch_edge(done, topo, end=True)
+        if stop is None and done < self.max_steps:
+            self._epoch_edge(done, topo, end=False)
         return stop is not None
+
+    def _epoch_edge(self, done: int, topo: Topology, end: bool) -> None:
+        """``on_train_epoch_end`` (``end``) or ``on_train_epoch_start`` when ``done`` steps is an epoch's edge."""
+        if self.epoch_len and done % self.epoch_len == 0:
+            epoch = done // self.epoch_len
+            self.hook("on_train_epoch_end" if end else "on_train_epoch_start", done, topo,
+                      epoch=epoch - 1 if end else epoch)
 
     def hook(self, name: str, done: int, topo: Topology, **kw: Any) -> None:
         """Call ``name`` on every callback that has it, after ``done`` steps (``kw``: the info's other fields)."""
@@ -354,7 +374,7 @@ class Job:
 
     def _info(self, done: int, topo: Topology, **kw: Any) -> CallbackInfo:
         return CallbackInfo(done, self.max_steps, topo.rank, topo.world_size, history=list(self.history),
-                            control=self.control, **kw)
+                            control=self.control, model=self.prepared, **kw)
 
     def _validate_now(self, done: int, model: nn.Module, opt: torch.optim.Optimizer, topo: Topology,
                       prev: list[float], losses: list[float], shapes: dict[str, list[int]],
@@ -374,6 +394,7 @@ class Job:
             shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
             print(f"shardwise: validation after step {done}/{self.max_steps}: {shown}", file=sys.stderr, flush=True)
         self.hook("on_validation_end", done, topo, metrics=dict(metrics))
+        self.hook("on_validation_epoch_end", done, topo, metrics=dict(metrics))  # (Lightning's name)
         if val.best is not None and improved(metrics[val.best[0]], best_so_far(before, val.best), val.best[1]):
             name, mode = val.best
             run = {**self.info, "best": {"metric": name, "mode": mode, "value": metrics[name]}}
@@ -407,6 +428,14 @@ def hf_output_capture(model: nn.Module) -> None:
         return
     for m in theirs:
         _CAN_RECORD_REGISTRY[m] = m._can_record_outputs  # type: ignore[assignment,index]
+
+
+def epoch_steps(dataset: Any, batch_size: int) -> int | None:
+    """Optimizer steps an epoch: ``len(dataset) // batch_size`` (whole global batches); None without a length."""
+    try:
+        return len(as_source(dataset).dataset) // batch_size or None
+    except TypeError:
+        return None
 
 
 def resume_line(path: str | None, done: int, max_steps: int) -> str:

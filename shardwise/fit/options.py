@@ -21,6 +21,7 @@ from torch import nn
 from shardwise import launch
 from shardwise import loggers as loggers_mod
 from shardwise import precision as precision_mod
+from shardwise.checkpoint import store as checkpoint
 from shardwise.comm.topology import accelerator_name, uses_cuda
 from shardwise.data import loader_options
 from shardwise.extras import installed, message
@@ -54,7 +55,7 @@ class FitOptions:
     checkpoint_dir: str | None
     checkpoint_every: int | None
     checkpoint_keep: int | None
-    resume: bool
+    resume: str  # "auto", "never", "must" or the checkpoint resumed (resume_mode)
     debug: bool
     on_nonfinite: str
     memory_check: str
@@ -80,6 +81,22 @@ class FitOptions:
     replicas: ReplicaPlan | None = None  # the replica groups fault tolerance keeps (shardwise.ft.options)
     sample_ledger: str | None = None  # where the launcher writes which group computed which samples, per step
     config: dict[str, Any] | None = None  # a configured run's resolved configuration (shardwise.fit.config)
+    deterministic: bool = False  # torch's deterministic algorithms on every rank (shardwise.seeding.deterministic)
+    shuffle: bool = True  # False: a map-style dataset is read in its own order, each epoch
+    gradient_clip_algorithm: str = "norm"  # "norm": the global norm; "value": every element (Lightning's names)
+    fast_dev_run: bool = False  # one step, one validation batch; no checkpoint, logger or profiler
+    limit_val_batches: int | None = None  # validate on the first this many global batches
+    detect_anomaly: bool = False  # torch.autograd's anomaly detection around the steps
+
+    @property
+    def clip_norm(self) -> float | None:
+        """``gradient_clip_val`` when it clips by norm (the step log's ``clipped`` compares with it), else None."""
+        return self.gradient_clip_val if self.gradient_clip_algorithm == "norm" else None
+
+    @property
+    def val_batches(self) -> int | None:
+        """How many global batches a validation reads (None: the whole set)."""
+        return 1 if self.fast_dev_run else self.limit_val_batches
 
     @property
     def on_cuda(self) -> bool:
@@ -112,7 +129,8 @@ class FitOptions:
     def build(cls, strategy: str | Strategy, devices: int | str | list[int], accelerator: str, *,
               accumulate_grad_batches: int, gradient_clip_val: float | None, seed: int, progress: bool | str,
               metrics_path: str | os.PathLike[str] | None, timeout_s: float,
-              checkpoint_dir: str | os.PathLike[str] | None, checkpoint_every: int | None, resume: bool,
+              checkpoint_dir: str | os.PathLike[str] | None, checkpoint_every: int | None,
+              resume: bool | str | os.PathLike[str],
               debug: bool, on_nonfinite: str, checkpoint_keep: int | None, memory_check: str,
               device_memory: int | None, precision: str | int,
               activation_checkpointing: bool | tuple[type[nn.Module], ...],
@@ -122,8 +140,14 @@ class FitOptions:
               log_every_n_steps: int, profiler: str | None, profile_steps: range | tuple[int, int] | None,
               profiler_dir: str | os.PathLike[str] | None, engine: str | None, checkpoint_async: bool,
               compile: bool | str, fault_tolerance: bool | FaultTolerance | None = None,
-              sample_ledger: str | os.PathLike[str] | None = None) -> FitOptions:
+              sample_ledger: str | os.PathLike[str] | None = None, deterministic: bool = False,
+              shuffle: bool = True, gradient_clip_algorithm: str = "norm", fast_dev_run: bool = False,
+              limit_val_batches: int | None = None, detect_anomaly: bool = False) -> FitOptions:
         """The Trainer's arguments, each by its name, checked: a ValueError names the first one that is wrong."""
+        if fast_dev_run:  # nothing written: no checkpoint, logger, metrics file, TensorBoard or profile
+            checkpoint_dir = metrics_path = tensorboard_dir = profiler = logger = None
+            checkpoint_every, checkpoint_async = None, False
+        check_positive("limit_val_batches", limit_val_batches, "a positive integer (or None: the whole set)")
         strat = engine_for(resolve(strategy), engine, sync_batchnorm=sync_batchnorm,
                            cuda=uses_cuda(accelerator_name(accelerator)))
         checked_callbacks = check_callbacks(callbacks)
@@ -135,11 +159,15 @@ class FitOptions:
             raise ValueError(f"max_processes_per_core must be >= 1 (or None for no bound), got "
                              f"{max_processes_per_core}")
         check_checkpointing(checkpoint_every, checkpoint_dir, None, None)
+        if resume == "must" and checkpoint_dir is None:
+            raise ValueError("resume='must' was given without checkpoint_dir: say where the run's checkpoints are")
         compile_backend(strat, compile)  # a wrong value, or a schedule that cannot run compiled blocks
         check_checkpointing(None, checkpoint_dir, checkpoint_async, checkpoint_keep)
         if memory_check not in ("error", "warn", "off"):
             raise ValueError(f"memory_check must be 'error', 'warn' or 'off', got {memory_check!r}")
         checked_precision = precision_mod.check(precision)
+        if gradient_clip_algorithm not in ("norm", "value"):
+            raise ValueError(f"gradient_clip_algorithm must be 'norm' or 'value', got {gradient_clip_algorithm!r}")
         if on_nonfinite not in ("error", "skip"):
             raise ValueError(f"on_nonfinite must be 'error' or 'skip', got {on_nonfinite!r}")
         count, device_ids = device_count(strat, devices, accelerator)
@@ -159,7 +187,7 @@ class FitOptions:
                    gradient_clip_val=gradient_clip_val, seed=seed, progress=progress,
                    metrics_path=paths["metrics_path"], timeout=timeout,
                    checkpoint_dir=paths["checkpoint_dir"], checkpoint_every=checkpoint_every,
-                   checkpoint_keep=checkpoint_keep, resume=resume, debug=debug, on_nonfinite=on_nonfinite,
+                   checkpoint_keep=checkpoint_keep, resume=resume_mode(resume), debug=debug, on_nonfinite=on_nonfinite,
                    memory_check=memory_check, device_memory=device_memory, precision=checked_precision,
                    activation_checkpointing=activation_checkpointing, tensorboard_dir=paths["tensorboard_dir"],
                    peak_flops=peak_flops, max_processes_per_core=max_processes_per_core,
@@ -167,7 +195,9 @@ class FitOptions:
                    max_epochs=max_epochs, profiler=profiler, profile_steps=profiled["profile_steps"],
                    profiler_dir=profiled["profiler_dir"], loggers=tuple(loggers),
                    log_every_n_steps=log_every_n_steps, checkpoint_async=checkpoint_async, compile=compile,
-                   **replicas)
+                   deterministic=deterministic, shuffle=shuffle, gradient_clip_algorithm=gradient_clip_algorithm,
+                   fast_dev_run=bool(fast_dev_run), limit_val_batches=limit_val_batches,
+                   detect_anomaly=detect_anomaly, **replicas)
 
 
 def check_checkpointing(every: int | None, directory: Any, in_background: bool | None, keep: int | None) -> None:
@@ -181,6 +211,26 @@ def check_checkpointing(every: int | None, directory: Any, in_background: bool |
         raise ValueError("checkpoint_async=True was given without checkpoint_dir: say where checkpoints go")
     if keep is not None and keep < 1:
         raise ValueError(f"checkpoint_keep must be >= 1 (or None to keep all), got {keep}")
+
+
+RESUME_MODES = ("auto", "never", "must")
+
+
+def resume_mode(value: Any) -> str:
+    """``Trainer(resume=)``: ``"auto"`` (True), ``"never"`` (False), ``"must"``, or a checkpoint (a ``step_*``
+    directory, or a run's checkpoint directory: its newest intact one) as an absolute path."""
+    if isinstance(value, bool):
+        return "auto" if value else "never"
+    if isinstance(value, str) and value in RESUME_MODES:
+        return value
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"resume must be 'auto', 'never', 'must' or a checkpoint path, got {value!r}")
+    path = os.path.abspath(os.fspath(value))
+    chosen = path if os.path.exists(os.path.join(path, checkpoint.MANIFEST)) else checkpoint.latest_valid(path)
+    if chosen is None:
+        raise ValueError(f"resume={os.fspath(value)!r} is neither 'auto', 'never', 'must' nor a checkpoint (a "
+                         "step_* directory, or a checkpoint_dir holding one)")
+    return chosen
 
 
 def check_positive(name: str, value: Any, what: str, optional: bool = True) -> None:

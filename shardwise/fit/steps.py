@@ -78,7 +78,8 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
     shards, shard = strat.data_parallel(topo)
     source = as_source(job.dataset)
     end = len(prev) if job.stop_reason is not None else job.max_steps  # a stopped run stays stopped
-    data = source.train_batches(job.batch_size, shards, shard, seed=t.seed, start=len(prev), stop=end)
+    data = source.train_batches(job.batch_size, shards, shard, seed=t.seed, start=len(prev), stop=end,
+                                shuffle=t.shuffle)
     losses: list[float] = []  # floats, not tensors: a long run must not accumulate tensor objects
     times: list[float] = []
     state_bytes: dict[str, int] = {}
@@ -117,7 +118,8 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
                 log_scalars(job.training_step)
             skip = skipped(t.on_nonfinite, scaler, opt, loss, topo)
             prof.mark("other")
-            norm = None if skip else optimizer_step(job, model, opt, topo, step)
+            due = logged_step(step, end - 1, t.log_every_n_steps)  # a logged step's values cost collectives
+            norm = None if skip else optimizer_step(job, model, opt, topo, step, measure=reducer is not None and due)
             if not skip and step == job.max_steps - 1:
                 # Counted at the high point of a step: gradients and optimizer states both live.
                 state_bytes = count_state(strat, model, opt)
@@ -129,8 +131,6 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
             times.append(time.perf_counter() - start)
             local = checked_loss(loss, t.on_nonfinite, step, topo)
             losses.append(0.0 if local is None else local)
-            # The step row's values cost collectives: only a logged step's are reduced (on every rank alike).
-            due = logged_step(step, end - 1, t.log_every_n_steps)
             # What the progress line and the step log show: the global loss fit returns, not rank 0's share.
             shown = global_losses(losses[-1:], strat, topo)[0] if shows and (t.progress or due) else local
             advance(shown, times[-1])
@@ -139,7 +139,7 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
             if log is not None and due:
                 tokens = batch_tokens(token_ids(x, job.training_step is not None)) * shards
                 log.write(step, shown, times[-1], tokens,
-                          {**step_scalars(lrs, norm, t.gradient_clip_val, topo, sent), **mine})
+                          {**step_scalars(lrs, norm, t.clip_norm, topo, sent), **mine})
             sent = dict(topo.stats.by_group)
             stop = job.after_step(step + 1, model, opt, topo, prev, losses, shapes, scaler, log)
             prof.step_end(step)
@@ -213,15 +213,20 @@ def forward_backward(job: StepHost, model: nn.Module, batch: tuple[Any, Any], k:
 
 
 def optimizer_step(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo: Topology,
-                   step: int) -> float | None:
-    """The callbacks' look at the global gradients (with callbacks), the clip, and the optimizer's step;
-    returns the global gradient norm before clipping (None without ``gradient_clip_val``)."""
+                   step: int, measure: bool = False) -> float | None:
+    """The callbacks' look at the global gradients (with callbacks), the clip (by norm or by value), and the
+    optimizer's step; returns the global gradient norm before clipping, measured when clipping by norm or when
+    ``measure`` (a logged step), else None."""
     t, norm = job.options, None
     if t.callbacks:  # the gradients a callback reads are the global ones: reduce what is pending
         finish_gradients(opt)
         job.hook("on_before_optimizer_step", step, topo, optimizer=opt)
-    if t.gradient_clip_val is not None:
-        norm = float(t.strategy.clip_grad_norm(model, t.gradient_clip_val, topo))  # before clipping
+    by_norm = t.gradient_clip_val is not None and t.gradient_clip_algorithm == "norm"
+    if by_norm or measure:
+        # Without a clip by norm the bound is infinite: the gradients are scaled by exactly 1, the norm measured.
+        norm = float(t.strategy.clip_grad_norm(model, t.gradient_clip_val if by_norm else math.inf, topo))  # type: ignore[arg-type]
+    if t.gradient_clip_val is not None and not by_norm:
+        t.strategy.clip_grad_value(model, opt, t.gradient_clip_val, topo)
     opt.step()
     after_optimizer_step(model)  # e.g. MoE routers' bias update, with the step's global loads
     return norm
@@ -256,11 +261,13 @@ def learning_rates(opt: torch.optim.Optimizer) -> dict[int, float]:
 def step_scalars(lrs: dict[int, float], norm: float | None, max_norm: float | None, topo: Topology,
                  before: dict[str, int]) -> dict[str, Any]:
     """The step log's scalars beside the loss: each group's lr the step used (``lrs``), the global gradient norm
-    before clipping and whether the clip applied (with ``gradient_clip_val``), and the bytes this rank sent in
-    the step by group."""
+    before clipping, whether a clip by norm applied (``max_norm``), and the bytes this rank sent in the step by
+    group."""
     row: dict[str, Any] = {f"lr/{i}": lr for i, lr in lrs.items()}
+    if norm is not None:
+        row["grad_norm"] = norm
     if norm is not None and max_norm is not None:
-        row.update(grad_norm=norm, clipped=norm > max_norm)
+        row["clipped"] = norm > max_norm
     row.update({f"comm_bytes/{k}": v - before.get(k, 0) for k, v in topo.stats.by_group.items()})
     return row
 

@@ -60,24 +60,43 @@ class Trainer:
         accelerator: ``"auto"`` (CUDA when present), ``"cpu"`` or ``"cuda"`` (``"gpu"`` is ``"cuda"``).
         accumulate_grad_batches: micro-batches per optimizer step; the global batch is split
             into this many parts and gradients accumulate without communication until the last.
-        gradient_clip_val: clip the global gradient norm (over all shards) to this value.
-        seed: seeds the data order and torch's RNG; the data order does not depend on ``devices``.
+        gradient_clip_val: clip the global gradient norm (over all shards) to this value, or with
+            ``gradient_clip_algorithm="value"`` every gradient element to ``[-value, value]``.
+        gradient_clip_algorithm: ``"norm"`` (the default) or ``"value"``.
+        fast_dev_run: a smoke test of the script: one optimizer step and one validation batch, with no
+            checkpoint, logger or profiler (nothing is written under ``checkpoint_dir``).
+        limit_val_batches: validate on the first this many global batches of ``val_dataset`` only.
+        detect_anomaly: torch's anomaly detection in the ranks' backward (slow): the operation whose backward
+            produced a NaN is named, with the forward's traceback.
+        seed: seeds the data order, and Python's ``random``, numpy and torch on every rank before the model is
+            built (:func:`shardwise.seed_everything`); DataLoader workers are seeded from it by torch. The data
+            order does not depend on ``devices``. Seed before building the model too, for its initial weights.
+        shuffle: False reads a map-style dataset in its own order, every epoch: global batch ``w`` is samples
+            ``w*B .. (w+1)*B - 1``, whatever the device count (Lightning's order for a plain DataLoader).
+        deterministic: torch's deterministic algorithms on every rank (an operation without one raises), cuDNN
+            without benchmarking, and the cuBLAS workspace that needs.
         progress: ``"auto"`` shows a rich progress bar on rank 0 when stderr is a terminal, and plain lines
             (step, loss, step time, memory, elapsed, ETA; every tenth of the run) when it is not (a log, a
             pipe, CI); ``"bar"`` or ``"lines"`` choose; False shows nothing.
         metrics_path: write one JSON line per logged step (rank 0) to this file: the global loss, each
-            parameter group's lr, the gradient norm before clipping and whether it clipped (with
-            ``gradient_clip_val``), step time, tokens/s (for integer token inputs), model FLOPs utilisation (with
-            ``peak_flops``), resident memory, bytes sent by group; and a line per validation. A shorthand for
-            ``logger=sw.loggers.JSONL(path)``.
+            parameter group's lr, the global gradient norm (before clipping; measured on logged steps
+            only) and whether a clip by norm applied, step time, tokens/s (for integer token inputs), model FLOPs
+            utilisation (with ``peak_flops``), resident memory, bytes sent by group; and a line per validation. A
+            shorthand for ``logger=sw.loggers.JSONL(path)``.
         tensorboard_dir: also log those scalars to TensorBoard (when tensorboard is installed; a warning
             otherwise): a shorthand for ``logger=sw.loggers.TensorBoard(dir)``.
         peak_flops: peak FLOP/s of ONE device, for model FLOPs utilisation (6 x parameters x tokens,
             Kaplan et al. 2020, divided by the peak of all devices).
         timeout_s: how long a collective may wait before the run fails with its name.
         checkpoint_dir: where sharded checkpoints go (torch.distributed.checkpoint, see
-            :mod:`shardwise.checkpoint`); with ``resume=True`` training continues from the newest
-            intact checkpoint there, with any strategy and device count.
+            :mod:`shardwise.checkpoint`); training continues from the newest intact checkpoint there (see
+            ``resume``), with any strategy and device count.
+        resume: ``"auto"`` (True) continues an interrupted run of the same configuration from ``checkpoint_dir``
+            and refuses a checkpoint written with other optimizer settings or precision, naming each change (a
+            run already complete says so in one line and returns its result); ``"never"`` (False) trains from
+            scratch, removing an earlier run's checkpoints there; ``"must"`` refuses to start without a
+            checkpoint, and continues one of other settings with a warning; a path (a ``step_*`` directory, or a
+            checkpoint directory: its newest) continues that checkpoint, saving to ``checkpoint_dir``.
         checkpoint_every: save every this many optimizer steps (and after the last step).
         checkpoint_keep: how many of the newest checkpoints to keep (None keeps all).
         checkpoint_async: write checkpoints beside training: the loop stops only while this rank's share is
@@ -163,7 +182,8 @@ class Trainer:
                  accumulate_grad_batches: int = 1, gradient_clip_val: float | None = None, seed: int = 0,
                  progress: bool | str = "auto", metrics_path: str | os.PathLike[str] | None = None,
                  timeout_s: float = 300.0, checkpoint_dir: str | os.PathLike[str] | None = None,
-                 checkpoint_every: int | None = None, resume: bool = True, debug: bool = False,
+                 checkpoint_every: int | None = None,
+                 resume: bool | str | os.PathLike[str] = "auto", debug: bool = False,
                  on_nonfinite: str = "error", checkpoint_keep: int | None = 3, memory_check: str = "error",
                  device_memory: int | None = None, precision: str | int = "32",
                  activation_checkpointing: bool | tuple[type[nn.Module], ...] = False,
@@ -176,7 +196,9 @@ class Trainer:
                  profiler_dir: str | os.PathLike[str] | None = None, engine: str | None = None,
                  checkpoint_async: bool = False, compile: bool | str = False,
                  fault_tolerance: bool | FaultTolerance | None = None,
-                 sample_ledger: str | os.PathLike[str] | None = None) -> None:
+                 sample_ledger: str | os.PathLike[str] | None = None, deterministic: bool = False,
+                 shuffle: bool = True, gradient_clip_algorithm: str = "norm", fast_dev_run: bool = False,
+                 limit_val_batches: int | None = None, detect_anomaly: bool = False) -> None:
         self.options = FitOptions.build(
             strategy, devices, accelerator, accumulate_grad_batches=accumulate_grad_batches,
             gradient_clip_val=gradient_clip_val, seed=seed, progress=progress, metrics_path=metrics_path,
@@ -187,7 +209,9 @@ class Trainer:
             sync_batchnorm=sync_batchnorm, callbacks=callbacks, dataloader_kwargs=dataloader_kwargs,
             max_epochs=max_epochs, logger=logger, log_every_n_steps=log_every_n_steps, profiler=profiler,
             profile_steps=profile_steps, profiler_dir=profiler_dir, engine=engine, checkpoint_async=checkpoint_async,
-            compile=compile, fault_tolerance=fault_tolerance, sample_ledger=sample_ledger)
+            compile=compile, fault_tolerance=fault_tolerance, sample_ledger=sample_ledger,
+            deterministic=deterministic, shuffle=shuffle, gradient_clip_algorithm=gradient_clip_algorithm,
+            fast_dev_run=fast_dev_run, limit_val_batches=limit_val_batches, detect_anomaly=detect_anomaly)
         o = self.options
         if o.devices == 1 and not isinstance(o.strategy, (Single, OwnDevices)):
             # Trainer("ddp") alone used to run one process without a word: nothing is split then.
@@ -274,7 +298,8 @@ class Trainer:
         """
         step = check_step(self.options, loss_fn, training_step, optimizer, batch_size, val_dataset)
         data = self._source(dataset, inputs, num_workers, collate_fn, pin_memory)
-        max_steps = run_steps(max_steps, self.options.max_epochs, dataset, batch_size)  # type: ignore[arg-type]
+        max_steps = 1 if self.options.fast_dev_run else run_steps(max_steps, self.options.max_epochs, dataset,
+                                                                  batch_size)  # type: ignore[arg-type]
         info, groups = validate(self.options, model, data, batch_size, max_steps, optimizer, loss_fn, lr_scheduler,  # type: ignore[arg-type]
                                 param_groups)
         init = InitFrom.checked(init_from, init_allow_missing, model)

@@ -159,10 +159,51 @@ def test_resuming_another_run_is_refused_before_spawning(tmp_path, monkeypatch):
                                          "this run uses torch.optim.sgd.SGD: the optimizer states"):
         trainer(ckpt).fit(work.make_model(), work.train, work.loss_fn, functools.partial(torch.optim.SGD, lr=0.1),
                           batch_size=64, max_steps=8)
-    with pytest.warns(UserWarning, match=r"other optimizer settings \(lr 0\.001 -> 0\.002\): the steps after 4 use"), \
-            pytest.raises(Spawned):
+    with pytest.raises(ValueError) as e:
         trainer(ckpt).fit(work.make_model(), work.train, work.loss_fn, functools.partial(torch.optim.AdamW, lr=2e-3),
                           batch_size=64, max_steps=8)
+    assert str(e.value) == (
+        f"checkpoint {path} was written by another configuration (lr 0.001 -> 0.002): resume='auto' continues only "
+        "the same run; pass resume='never' (or another checkpoint_dir) to train from scratch, or resume='must' to "
+        "continue this run with the new values")
+    with pytest.warns(UserWarning, match=r"other optimizer settings \(lr 0\.001 -> 0\.002\): the steps after 4 use") \
+            as w, pytest.raises(Spawned):
+        trainer(ckpt, resume="must").fit(work.make_model(), work.train, work.loss_fn,
+                                         functools.partial(torch.optim.AdamW, lr=2e-3), batch_size=64, max_steps=8)
+    assert w[0].filename == __file__  # the warning points at the user's line
+
+
+def test_a_rerun_after_changing_lr_is_refused_and_each_way_out_works(tmp_path, capfd):
+    """A finished run, rerun with another lr: refused under "auto" (never its old result); "never" trains from
+    scratch in the same directory, a path resumes that checkpoint, "must" needs one."""
+    ck, work = str(tmp_path / "ck"), digits()
+
+    def run(lr, **kw):
+        return sw.Trainer("single", 1, accelerator="cpu", progress=False, checkpoint_dir=ck, checkpoint_every=2,
+                          **kw).fit(work.make_model(), work.train, work.loss_fn,
+                                    functools.partial(torch.optim.AdamW, lr=lr), batch_size=64, max_steps=4)
+
+    first = run(1e-3)
+    again = run(1e-3)  # the same configuration, finished: its result, said in one line
+    assert again.losses == first.losses
+    assert f"shardwise: already complete: {ck}/step_00000004 is at step 4 of max_steps=4, 0 steps to run\n" \
+        in capfd.readouterr().err
+    with pytest.raises(ValueError, match=r"^checkpoint .*step_00000004 was written by another configuration "
+                                         r"\(lr 0\.001 -> 0\.01\): resume='auto' continues only the same run"):
+        run(1e-2)
+    fresh = run(1e-2, resume="never")
+    assert fresh.losses[0] == first.losses[0] and fresh.losses[1:] != first.losses[1:]
+    assert "shardwise: resume='never': removing 2 checkpoint(s) of an earlier run in" in capfd.readouterr().err
+    assert run(1e-2).losses == fresh.losses  # the directory now holds the new run alone
+    with pytest.warns(UserWarning, match="other optimizer settings"):
+        branch = run(1e-3, resume=os.path.join(ck, "step_00000002"))
+    assert branch.losses[:2] == fresh.losses[:2] and branch.losses[2:] != fresh.losses[2:]
+    with pytest.raises(ValueError, match="^resume='must' but checkpoint_dir=.* holds no checkpoint to resume; pass "
+                                         "resume='auto' to start when there is none$"):
+        sw.Trainer("single", 1, accelerator="cpu", checkpoint_dir=str(tmp_path / "empty"), resume="must").fit(
+            work.make_model(), work.train, work.loss_fn, ADAMW, batch_size=64, max_steps=4)
+    with pytest.raises(ValueError, match="^resume='elsewhere' is neither 'auto', 'never', 'must' nor a checkpoint"):
+        sw.Trainer("single", 1, accelerator="cpu", resume="elsewhere")
 
 
 def test_every_file_is_checksummed_each_rank_hashing_its_own(tmp_path):

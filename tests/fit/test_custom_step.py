@@ -133,8 +133,10 @@ def _job(rank: int, device: torch.device, name: str, out: str) -> None:
     if name == "ddp":
         ckpts = os.path.join(out, "ckpt")
         net = classifier()
-        sw.Trainer("ddp", 2, accelerator="cpu", progress=False, checkpoint_dir=ckpts).fit(
-            net, Points(), ce, ADAM, batch_size=8, max_steps=2)
+        fitted = sw.Trainer("ddp", 2, accelerator="cpu", progress=False, checkpoint_dir=ckpts).fit(
+            net, Points(), ce, ADAM, batch_size=8, max_steps=2, val_dataset=Points(), val_batch_size=8,
+            val_metrics={"f1": MulticlassF1Score(num_classes=CLASSES, average="macro")})
+        got["fit_val"], got["fit_state"] = fitted.val_metrics[-1], fitted.state_dict
         f1 = {"f1": MulticlassF1Score(num_classes=CLASSES, average="macro")}
         got["test_trained"] = sw.Trainer("ddp", 2, accelerator="cpu", progress=False).test(
             net, Points(), ce, f1, batch_size=8)
@@ -183,6 +185,13 @@ def test_training_step_and_predict_equal_one_device(name, reference, tmp_path, s
     if name == "ddp":
         assert got["test_ckpt"] == pytest.approx(got["test_trained"], rel=1e-9)
         assert set(got["test_ckpt"]) == {"test_loss", "f1"}
+        # fit's validation: the metric object over the whole set, computed once, as validate does (and sklearn)
+        net = classifier()
+        net.load_state_dict(got["fit_state"])
+        predicted = net(Points().x).argmax(-1).numpy()
+        assert got["fit_val"]["f1"] == pytest.approx(got["test_trained"]["f1"], rel=1e-12)
+        assert got["fit_val"]["f1"] == pytest.approx(f1_score(Points().y.numpy(), predicted, average="macro"),
+                                                     rel=1e-12)
         # the training_step's other scalar, logged as its mean over the data-parallel ranks: one device's value
         assert got["logged"] == pytest.approx(reference["logged"], rel=1e-9)
 

@@ -166,7 +166,7 @@ def _argparse_says(choices, value):
     return str(e.value).removeprefix("argument x: ")
 
 
-VERBS = ["run", "demo", "verify", "bench", "plan", "checkpoint"]
+VERBS = ["run", "fit", "demo", "verify", "bench", "plan", "checkpoint"]
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -62,7 +62,7 @@ MAX_ROOT_MODULES = 24
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("shardwise.dims", "shardwise.layout", "shardwise.step", "shardwise.precision", "shardwise.data",
               "shardwise.models", "shardwise.moe", "shardwise.workloads", "shardwise.stats", "shardwise.console",
-              "shardwise.extras", "shardwise.torch_private", "shardwise.optim")),
+              "shardwise.extras", "shardwise.torch_private", "shardwise.optim", "shardwise.seeding")),
     ("communication", ("shardwise.comm",)),
     ("the step log", ("shardwise.loggers",)),  # sw.log reduces its scalars over the ranks' groups
     ("mechanisms", ("shardwise.parallel",)),

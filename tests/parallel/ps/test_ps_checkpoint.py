@@ -204,7 +204,7 @@ def test_async_save_and_resume_restore_weights_states_and_the_step(tmp_path):
     # The model is built with other values of the frozen parameter and the buffer: both come back.
     with pytest.warns(UserWarning, match="other optimizer settings"):
         still = fit(ps(), 2 + workers, 6, ckpt, every=2, model=Net(gain=3.0, shift=-1.0),
-                    optimizer=functools.partial(torch.optim.AdamW, lr=0.0))
+                    optimizer=functools.partial(torch.optim.AdamW, lr=0.0), resume="must")
     assert len(still.losses) == 6 and still.losses[:4] == first.losses
     assert all(math.isfinite(v) for v in still.losses)
     for name in TRAINABLE + ["gain", "shift"]:
@@ -216,7 +216,8 @@ def test_async_save_and_resume_restore_weights_states_and_the_step(tmp_path):
     assert len(still.stats[0]["staleness"]) == workers * 2 and max(still.stats[0]["staleness"]) <= 1
 
     # And resumed with learning: finite losses, the steps after 6 counted on.
-    more = fit(ps(), 2 + workers, 8, ckpt, every=2)
+    with pytest.warns(UserWarning, match="other optimizer settings"):
+        more = fit(ps(), 2 + workers, 8, ckpt, every=2, resume="must")
     assert more.losses[:6] == still.losses and all(math.isfinite(v) for v in more.losses)
     assert int(read(checkpoint.checkpoints(ckpt)[-1], "optim.fc1.weight.step")) == workers * 8
 
@@ -228,7 +229,7 @@ def test_an_async_checkpoint_resumes_under_sync_and_another_layout(tmp_path):
         d = str(tmp_path / f"to-{devices}")
         shutil.copytree(checkpoint.checkpoints(ckpt)[-1], os.path.join(d, "step_00000002"))
         with pytest.warns(UserWarning, match="other optimizer settings"):
-            run = fit(target, devices, 3, d, optimizer=functools.partial(torch.optim.AdamW, lr=0.0))
+            run = fit(target, devices, 3, d, optimizer=functools.partial(torch.optim.AdamW, lr=0.0), resume="must")
         assert run.losses[:2] == first.losses
         for name in TRAINABLE + ["gain", "shift"]:
             assert torch.equal(run.state_dict[name], first.state_dict[name]), (target, name)
