@@ -93,6 +93,8 @@ def main() -> None:
     for rep in range(args.reps):
         for c in (contenders if rep % 2 == 0 else contenders[::-1]):
             got[c].append(run(c[0], c[1], args.steps))
+            print(f"rep {rep} {c[0]} {'inline' if c[1] else 'background'}: blocked {got[c][-1][0] * 1e3:.3f} ms, "
+                  f"step {got[c][-1][1] * 1e3:.2f} ms", flush=True)
     base = statistics.median(s for _, s in got[("none", False)])
     print(f"none: step {base * 1e3:.2f} ms (median of {args.reps} runs' medians)")
     for (name, inline), runs in got.items():
