@@ -10,11 +10,13 @@ fit, naming both sides; :func:`load` copies into each rank's pieces
 (:func:`shardwise.checkpoint.pieces.pieces_of`: the same "which rectangle of
 which full tensor" that a resume reads), so a rank reads only what it holds.
 
-A safetensors tensor is read with plain file reads at the header's offsets,
-a bounded run of whole rows at a time (:data:`CHUNK_BYTES`): a column slice of
-a tensor-parallel rank passes over every row, but no more than one chunk is in
-memory at once, and nothing stays mapped. Each piece is converted to the
-model's dtype as it is copied in.
+Safetensors files are read with the ``safetensors`` library: ``safe_open``
+for the headers and ``get_slice`` for each rank's rectangle, a bounded run of
+rows at a time (:data:`CHUNK_BYTES`), so no more than one chunk is in memory at
+once beside the rank's own tensors; each piece is converted to the model's
+dtype as it is copied in. Writing (:func:`write_safetensors`) stays ours: the
+library's writers take every tensor in memory at once, while ours holds one
+(docs/how-to/fine-tune.md, "Reading and writing safetensors").
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from safetensors import safe_open
 
 from shardwise.checkpoint import store
 from shardwise.checkpoint.held import Held
@@ -44,10 +47,10 @@ _PER_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 @dataclass(frozen=True)
 class Stored:
-    """One tensor of a safetensors file: where its bytes start (absolute), its dtype and shape."""
+    """One tensor of a safetensors file: the file, its name there, its dtype and shape."""
 
     file: str
-    offset: int
+    name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
 
@@ -64,17 +67,15 @@ class Source:
 
 
 def header(file: str) -> dict[str, Stored]:
-    """The tensors of one safetensors file (its 8-byte length, then a JSON header; data follows it)."""
-    with open(file, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        head = json.loads(f.read(n))
+    """The tensors of one safetensors file, from its header (no tensor data is read)."""
     out = {}
-    for name, d in head.items():
-        if name == "__metadata__":
-            continue
-        if d["dtype"] not in _DTYPES:
-            raise ValueError(f"{file}: tensor {name} has dtype {d['dtype']}, which shardwise does not read")
-        out[name] = Stored(file, 8 + n + d["data_offsets"][0], _DTYPES[d["dtype"]], tuple(d["shape"]))
+    with safe_open(file, framework="pt") as f:
+        for name in f.keys():
+            part = f.get_slice(name)
+            dtype = part.get_dtype()
+            if dtype not in _DTYPES:
+                raise ValueError(f"{file}: tensor {name} has dtype {dtype}, which shardwise does not read")
+            out[name] = Stored(file, name, _DTYPES[dtype], tuple(part.get_shape()))
     return out
 
 
@@ -183,37 +184,32 @@ def _load_checkpoint(path: str, state: dict[str, object], pairs: dict[str, str])
 
 def read_box(stored: Stored, offsets: tuple[int, ...], out: torch.Tensor) -> int:
     """Copy the rectangle of ``stored`` at ``offsets`` with ``out``'s shape into ``out`` (converting its dtype),
-    reading whole rows of dimension 0, at most :data:`CHUNK_BYTES` at a time. Returns the bytes read."""
-    shape = stored.shape
-    if not shape:
-        out.copy_(_read(stored, 0, 1).view(()))
-        return out.element_size()
-    row = math.prod(shape[1:])
-    step = max(1, CHUNK_BYTES // max(1, row * _itemsize(stored.dtype)))
-    read = 0
-    for r in range(offsets[0], offsets[0] + out.shape[0], step):
-        n = min(step, offsets[0] + out.shape[0] - r)
-        chunk = _read(stored, r * row, n * row).view(n, *shape[1:])
-        read += chunk.numel() * chunk.element_size()
-        for d in range(1, len(shape)):
-            chunk = chunk.narrow(d, offsets[d], out.shape[d])
-        out.narrow(0, r - offsets[0], n).copy_(chunk)
+    through ``get_slice``: runs of rows of the rectangle, at most :data:`CHUNK_BYTES` each. Returns the bytes
+    read (the rectangle's, in the stored dtype)."""
+    with safe_open(stored.file, framework="pt") as f:
+        if not stored.shape:
+            out.copy_(f.get_tensor(stored.name))
+            return out.element_size()
+        part = f.get_slice(stored.name)
+        row = math.prod(out.shape[1:]) * _itemsize(stored.dtype)
+        step = max(1, CHUNK_BYTES // max(1, row))
+        inner = tuple(slice(o, o + n) for o, n in zip(offsets[1:], out.shape[1:]))
+        read = 0
+        for r in range(0, out.shape[0], step):
+            n = min(step, out.shape[0] - r)
+            chunk = _slice(part, (slice(offsets[0] + r, offsets[0] + r + n), *inner))
+            read += chunk.numel() * chunk.element_size()
+            out.narrow(0, r, n).copy_(chunk)
     return read
+
+
+def _slice(part: object, box: tuple[slice, ...]) -> torch.Tensor:
+    """One rectangle of a ``get_slice`` handle (a function of its own: the tests count the reads)."""
+    return part[box]  # type: ignore[index,no-any-return]
 
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
-
-
-def _read(stored: Stored, first: int, count: int) -> torch.Tensor:
-    """Elements ``[first, first + count)`` of ``stored``, flat: one file read into a buffer the tensor views."""
-    size = _itemsize(stored.dtype)
-    buf = bytearray(count * size)
-    with open(stored.file, "rb") as f:
-        f.seek(stored.offset + first * size)
-        if f.readinto(buf) != len(buf):
-            raise ValueError(f"{stored.file} ends before the tensor its header places at byte {stored.offset}")
-    return torch.frombuffer(buf, dtype=stored.dtype) if count else torch.empty(0, dtype=stored.dtype)
 
 
 def write_safetensors(path: str, file: str) -> None:

@@ -1,6 +1,6 @@
 """Callbacks: code of yours that the fit loop calls at fixed points, and :class:`EarlyStopping` built on them.
 
-``Trainer(callbacks=[...])`` takes objects with any of four methods (subclass
+``Trainer(callbacks=[...])`` takes objects with any of the hooks below (subclass
 :class:`Callback` and override what you need); each gets a
 :class:`CallbackInfo`:
 

@@ -112,6 +112,7 @@ class Job:
     # Under fault tolerance a rank's topology is its replica group's alone (shardwise.fit.replicas): its rank is
     # still its launch rank, for callbacks and so that rank 0 alone prints and logs.
     launch_rank: int | None = None
+    hparams: dict[str, Any] | None = None  # fit(hparams=): the user's, logged beside the run's own
 
     def run(self, device: torch.device) -> FitResult:
         t = self.options
@@ -197,6 +198,7 @@ class Job:
         self.restored_groups: list[dict[str, Any]] | None = None
         self.restored_loggers: dict[str, dict[str, Any]] = {}  # the checkpoint's logger runs, reopened on resume
         self.logger_refs: dict[str, dict[str, Any]] = {}  # this run's, set by the step log on rank 0
+        self.step_log: StepLog | None = None  # rank 0's, while it is open: complete checkpoints go to it
         self.control, self.stop_reason = Control(), None
         prev: list[float] = []
         extra: dict[str, torch.Tensor] = {}
@@ -326,6 +328,8 @@ class Job:
 
     def _report(self, finished: list[Finished], topo: Topology) -> None:
         for f in finished:
+            if self.step_log is not None:
+                self.step_log.checkpoint(f.path, f.step)
             self.hook("on_checkpoint_saved", f.step, topo, path=f.path, kind=f.kind)
 
     def after_step(self, done: int, model: nn.Module, opt: torch.optim.Optimizer,

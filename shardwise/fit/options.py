@@ -74,7 +74,7 @@ class FitOptions:
     profiler_dir: str | None = None  # where "pytorch" writes its traces (absolute: every rank agrees)
     # Every logger rank 0 writes to: Trainer(logger=)'s, then metrics_path's JSONL and tensorboard_dir's TensorBoard.
     loggers: tuple[Any, ...] = ()
-    log_every_n_steps: int = 1
+    log_every_n_steps: int = 50
     checkpoint_async: bool = False
     compile: bool | str = False
     fault_tolerance: FaultTolerance | None = None

@@ -17,6 +17,7 @@ import torch
 
 from shardwise.fit.options import FitOptions
 from shardwise.loggers import SUCCESS, Logger, Resumable, keys
+from shardwise.loggers.background import Background
 from shardwise.stats import cuda_peak_bytes, current_rss_bytes, peak_rss_bytes
 
 
@@ -41,7 +42,8 @@ class StepLog:
     """Per-step metrics of rank 0, written through the run's loggers (:mod:`shardwise.loggers`).
 
     Opening it opens each logger's run: a resumed run (``start`` > 0) first hands each logger what the
-    checkpoint kept of its run (``refs``), then every logger gets the run's hyperparameters.
+    checkpoint kept of its run (``refs``), then every logger gets the run's hyperparameters. Each logger writes
+    on a thread of its own (:class:`~shardwise.loggers.background.Background`): the step does not wait for it.
     """
 
     def __init__(self, loggers: Sequence[Logger], peak_flops: float | None, params: int, devices: int,
@@ -52,6 +54,7 @@ class StepLog:
         for key, lg in self._loggers.items():
             if start > 0 and isinstance(lg, Resumable):
                 lg.resume(start, (refs or {}).get(key))
+        self._loggers = {k: Background(lg) for k, lg in self._loggers.items()}
         for lg in self._loggers.values():
             lg.log_hyperparams(hyper or {})
         self._peak = peak_flops * devices if peak_flops else None
@@ -61,7 +64,7 @@ class StepLog:
 
     def refs(self) -> dict[str, dict[str, Any]]:
         """Where each logger's run is (its ``run_ref()``), by logger key: for checkpoints and the result."""
-        return {k: lg.run_ref() for k, lg in self._loggers.items() if isinstance(lg, Resumable)}
+        return {k: lg.run_ref() for k, lg in self._loggers.items() if isinstance(lg.logger, Resumable)}  # type: ignore[attr-defined]
 
     def write(self, step: int, loss: float | None, dt: float, tokens: int, extra: dict[str, Any] | None = None) -> None:
         """One step's scalars, ``train/<name>``: the loss, step time, samples (and tokens) per second, the
@@ -85,9 +88,22 @@ class StepLog:
         already."""
         self._log({k if k.startswith("val/") else f"val/{k}": v for k, v in metrics.items()}, step)
 
-    def close(self, status: str = SUCCESS) -> None:
+    def checkpoint(self, path: str, step: int) -> None:
+        """A complete checkpoint after ``step`` steps: the loggers that keep artifacts (``log_checkpoint``) get it."""
         for lg in self._loggers.values():
-            lg.finalize(status)
+            lg.log_checkpoint(path, step)  # type: ignore[attr-defined]
+
+    def close(self, status: str = SUCCESS) -> None:
+        """Every logger's queued writes made and its run finalized (each, even when one fails; the first failure
+        is raised)."""
+        errors = []
+        for lg in self._loggers.values():
+            try:
+                lg.finalize(status)
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
     def _log(self, metrics: dict[str, Any], step: int) -> None:
         for lg in self._loggers.values():

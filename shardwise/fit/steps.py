@@ -61,6 +61,8 @@ class StepHost(Protocol):
     info: dict[str, Any]  # the run record of checkpoints (the loggers' hyperparameters come from it)
     restored_loggers: dict[str, dict[str, Any]]  # the checkpoint's logger runs (their run_ref), reopened
     logger_refs: dict[str, dict[str, Any]]  # this run's logger runs, for checkpoints and the result
+    hparams: dict[str, Any] | None  # fit(hparams=): the user's hyperparameters, beside the run's own
+    step_log: StepLog | None  # rank 0's while open: the loggers that keep artifacts get each complete checkpoint
 
     def hook(self, name: str, done: int, topo: Topology, **kw: Any) -> None: ...
 
@@ -242,14 +244,17 @@ def opened_log(job: StepHost, topo: Topology, shapes: dict[str, list[int]], star
         yield None
         return
     log = StepLog(t.loggers, t.peak_flops, total_numel(shapes), topo.world_size,
-                  start=start, refs=job.restored_loggers, hyper=hyperparameters(t, job.info, job.max_steps),
+                  start=start, refs=job.restored_loggers,
+                  hyper={**hyperparameters(t, job.info, job.max_steps), **(job.hparams or {})},
                   samples=job.batch_size, device=topo.device)
-    job.logger_refs = log.refs()
+    job.logger_refs, job.step_log = log.refs(), log
     try:
         yield log
     except BaseException:
+        job.step_log = None
         log.close(FAILED)
         raise
+    job.step_log = None
     log.close(SUCCESS)
 
 

@@ -11,7 +11,7 @@ import copy
 import os
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -37,7 +37,7 @@ from shardwise.fit.options import FitOptions
 from shardwise.fit.replicas import fit_replicas
 from shardwise.ft.options import FaultTolerance
 from shardwise.init_from import InitFrom, OwnInit, materialize
-from shardwise.loggers import Logger
+from shardwise.loggers import Logger, check_hparams
 from shardwise.optim.param_groups import ParamGroupsFn
 from shardwise.step import LossFn, OptimizerFactory, StepFn
 from shardwise.strategies.base import OwnDevices, Strategy
@@ -157,8 +157,9 @@ class Trainer:
             ``result.loggers`` says where each run is (the MLflow run id, the W&B run directory); checkpoints keep
             it, and a resumed run logs into the same tracker run.
         log_every_n_steps: log the step scalars of every n-th optimizer step (steps n-1, 2n-1, ... and the last);
-            1, the default, logs every step as the metrics file always did (Lightning's default is 50: a run of
-            many fast steps may want fewer rows). Validations are logged whenever they run.
+            50 by default, as Lightning's (1 writes a row per step). Loggers write on a thread of their own, so a
+            logged step does not wait for a tracker; rows are still cheap to skip. Validations are logged whenever
+            they run.
         engine: ``"shardwise"`` (our mechanisms; the default) or ``"torch"``: PyTorch's own engines under the
             same Trainer (``ddp``: DistributedDataParallel, with ZeroRedundancyOptimizer for ``zero1``;
             ``zero2``/``zero3``/``fsdp``/``hsdp``: FSDP2 ``fully_shard``; ``tp``: ``parallelize_module``), see
@@ -191,7 +192,7 @@ class Trainer:
                  max_processes_per_core: int | None = 8, sync_batchnorm: bool = False,
                  callbacks: list[Any] | None = None, dataloader_kwargs: dict[str, Any] | None = None,
                  max_epochs: int | None = None, logger: str | Logger | list[str | Logger] | None = None,
-                 log_every_n_steps: int = 1, profiler: str | None = None,
+                 log_every_n_steps: int = 50, profiler: str | None = None,
                  profile_steps: range | tuple[int, int] | None = None,
                  profiler_dir: str | os.PathLike[str] | None = None, engine: str | None = None,
                  checkpoint_async: bool = False, compile: bool | str = False,
@@ -238,7 +239,7 @@ class Trainer:
             inputs: str | list[str] | tuple[str, ...] | None = None,
             param_groups: ParamGroupsFn | None = None, training_step: StepFn | None = None,
             init_from: str | os.PathLike[str] | None = None, init_allow_missing: list[str] | tuple[str, ...] = (),
-            return_state_dict: bool = True) -> FitResult:
+            return_state_dict: bool = True, hparams: Mapping[str, Any] | None = None) -> FitResult:
         """Train for ``max_steps`` optimizer steps of global batch ``batch_size`` (or ``Trainer(max_epochs=)``).
 
         The run trains a copy of ``model`` (strategies shard, wrap and split what they are given) and loads the
@@ -295,6 +296,9 @@ class Trainer:
         empty and ``model`` is left as it was (a meta-device model stays on meta): the trained weights are in
         the run's checkpoints (``checkpoint_dir``; ``shardwise checkpoint export`` writes them out). With the
         default ``True``, a meta-device ``model`` is given CPU memory and ends trained, as any other.
+
+        ``hparams``: your hyperparameters (a dict, nested allowed), logged by every logger beside the run's own
+        (strategy, sizes, optimizer, ...), yours winning on a shared name.
         """
         step = check_step(self.options, loss_fn, training_step, optimizer, batch_size, val_dataset)
         data = self._source(dataset, inputs, num_workers, collate_fn, pin_memory)
@@ -306,7 +310,7 @@ class Trainer:
         val = check_fit_options(self.options, model, loss_fn, data, batch_size, val_dataset, val_every, val_metrics,  # type: ignore[arg-type]
                                 val_batch_size, checkpoint_best, step)
         job = Job(self.options, model, data, loss_fn, optimizer, batch_size, max_steps, info, lr_scheduler, val,  # type: ignore[arg-type]
-                  groups, step, init, return_state_dict)
+                  groups, step, init, return_state_dict, hparams=check_hparams(hparams))
         return self._trained(job, model)
 
     def _source(self, dataset: Any, inputs: Any, num_workers: int | None,

@@ -11,7 +11,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from shardwise.loggers.base import FAILED, SUCCESS, Logger, Resumable, check_logger, flatten, keys
+from shardwise.loggers.background import Background
+from shardwise.loggers.base import FAILED, SUCCESS, Logger, Resumable, check_hparams, check_logger, flatten, keys
 from shardwise.loggers.files import CSV, JSONL, ROOT, TensorBoard
 from shardwise.loggers.trackers import MLflow, WandB, sqlite_uri
 
@@ -41,5 +42,6 @@ def resolve(given: Any, root: str = ROOT) -> list[Any]:
     return out
 
 
-__all__ = ["CSV", "FAILED", "JSONL", "Logger", "MLflow", "NAMES", "ROOT", "Resumable", "SUCCESS", "TensorBoard",
-           "WandB", "check_logger", "flatten", "keys", "resolve", "sqlite_uri"]
+__all__ = ["Background", "CSV", "FAILED", "JSONL", "Logger", "MLflow", "NAMES", "ROOT", "Resumable", "SUCCESS",
+           "TensorBoard",
+           "WandB", "check_hparams", "check_logger", "flatten", "keys", "resolve", "sqlite_uri"]

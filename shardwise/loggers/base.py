@@ -58,6 +58,15 @@ def check_logger(logger: Any) -> Logger:
     return logger  # type: ignore[no-any-return]
 
 
+def check_hparams(params: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``fit(hparams=)`` as a dict (None stays None), or a TypeError: a mapping with string keys."""
+    if params is None:
+        return None
+    if not isinstance(params, Mapping) or not all(isinstance(k, str) for k in params):
+        raise TypeError(f"hparams must be a dict with string keys, got {params!r}")
+    return dict(params)
+
+
 def keys(loggers: list[Any]) -> list[str]:
     """Each logger's key in checkpoints and ``FitResult.loggers``: its ``name`` (or class name, lower case),
     ``name.1``, ``name.2``... for repeats, in the order given."""
@@ -84,4 +93,4 @@ def flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-__all__ = ["FAILED", "Logger", "Resumable", "SUCCESS", "check_logger", "flatten", "keys"]
+__all__ = ["FAILED", "Logger", "Resumable", "SUCCESS", "check_hparams", "check_logger", "flatten", "keys"]

@@ -11,7 +11,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from shardwise.extras import require
@@ -43,14 +43,19 @@ class MLflow:
     ``shardwise_logs/mlflow.db`` (MLflow's client with SQLAlchemy; no server). ``experiment``: its name,
     created when missing. ``run_name``: MLflow picks one when None. A resumed fit logs into the run its
     checkpoint names (its status RUNNING again, then FINISHED or FAILED); parameters that run already has keep
-    their first value (MLflow refuses to change one).
+    their first value (MLflow refuses to change one). ``tags``: the run's tags (set when it opens).
+    ``log_checkpoints``: each complete checkpoint is copied into the run's artifacts as
+    ``checkpoints/<its directory name>`` (off by default: a checkpoint is as large as the model and its
+    optimizer).
     """
 
     name = "mlflow"
 
     def __init__(self, tracking_uri: str | None = None, experiment: str = "shardwise",
-                 run_name: str | None = None) -> None:
+                 run_name: str | None = None, tags: Mapping[str, str] | None = None,
+                 log_checkpoints: bool = False) -> None:
         require("sw.loggers.MLflow", "mlflow")
+        self.tags, self.log_checkpoints = dict(tags or {}), log_checkpoints
         self.tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or \
             sqlite_uri(os.path.join(ROOT, "mlflow.db"))
         self.experiment, self.run_name = experiment, run_name
@@ -80,6 +85,12 @@ class MLflow:
         now = int(time.time() * 1000)
         client.log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
 
+    def log_checkpoint(self, path: str, step: int) -> None:
+        """A complete checkpoint (after ``step`` steps) into the run's artifacts, with ``log_checkpoints``."""
+        if self.log_checkpoints:
+            client, run_id = self._open()
+            client.log_artifacts(run_id, path, artifact_path=f"checkpoints/{os.path.basename(path.rstrip('/'))}")
+
     def finalize(self, status: str) -> None:
         if self._client is not None and self._run_id is not None:
             self._client.set_terminated(self._run_id, "FAILED" if status == FAILED else "FINISHED")
@@ -89,6 +100,8 @@ class MLflow:
         if self._client is None:
             self._client = self._connect()
             self._run_id = self._reopened() or self._created()
+            for k, v in self.tags.items():
+                self._client.set_tag(self._run_id, k, str(v))
         assert self._run_id is not None
         return self._client, self._run_id
 
@@ -137,15 +150,23 @@ class WandB:
     uploaded later by ``wandb sync``) or ``"disabled"``; None takes W&B's own choice (``$WANDB_MODE``, else
     online). ``dir``: where W&B writes (default ``shardwise_logs``). A resumed fit continues the run its
     checkpoint names (W&B's ``resume="allow"`` with that run id; offline, a second directory of the same run
-    id, which ``wandb sync`` joins). W&B prints nothing and leaves the console alone.
+    id, which ``wandb sync`` joins). W&B prints nothing and leaves the console alone. ``entity`` (the team or
+    user), ``group``, ``tags`` and ``config`` (your values, beside the hyperparameters the run logs) go to
+    ``wandb.init``. ``log_checkpoints``: each complete checkpoint is logged as a ``model`` artifact named
+    ``checkpoint-<run id>``, with the aliases ``step-<n>`` and ``latest`` (off by default: a checkpoint is as
+    large as the model and its optimizer).
     """
 
     name = "wandb"
 
     def __init__(self, project: str = "shardwise", mode: str | None = None, name: str | None = None,
-                 dir: str | os.PathLike[str] = ROOT) -> None:
+                 dir: str | os.PathLike[str] = ROOT, *, entity: str | None = None, group: str | None = None,
+                 tags: Sequence[str] | None = None, config: Mapping[str, Any] | None = None,
+                 log_checkpoints: bool = False) -> None:
         require("sw.loggers.WandB", "wandb")
         self.project, self.mode, self.run_name = project, mode, name
+        self.entity, self.group, self.tags = entity, group, list(tags) if tags is not None else None
+        self.config, self.log_checkpoints = dict(config or {}), log_checkpoints
         self.dir = os.path.abspath(os.fspath(dir))
         self._ref: dict[str, Any] | None = None
         self._run: Any = None
@@ -165,6 +186,16 @@ class WandB:
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         self._open().log({k: float(v) for k, v in metrics.items()}, step=step)
 
+    def log_checkpoint(self, path: str, step: int) -> None:
+        """A complete checkpoint (after ``step`` steps) as a ``model`` artifact, with ``log_checkpoints``."""
+        if self.log_checkpoints:
+            import wandb
+
+            run = self._open()
+            artifact = wandb.Artifact(f"checkpoint-{run.id}", type="model", metadata={"step": step})
+            artifact.add_dir(path)
+            run.log_artifact(artifact, aliases=[f"step-{step}", "latest"])
+
     def finalize(self, status: str) -> None:
         if self._run is not None:
             self._run.finish(exit_code=1 if status == FAILED else 0)
@@ -177,6 +208,7 @@ class WandB:
             run_id = (self._ref or {}).get("run_id")
             os.makedirs(self.dir, exist_ok=True)
             self._run = wandb.init(project=self.project, name=self.run_name, dir=self.dir, mode=self.mode,  # type: ignore[arg-type]
+                                   entity=self.entity, group=self.group, tags=self.tags, config=self.config or None,
                                    id=run_id, resume="allow" if run_id else None,
                                    settings=wandb.Settings(silent=True, console="off"))
         return self._run

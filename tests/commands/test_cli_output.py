@@ -201,7 +201,8 @@ def test_the_timed_step_leaves_out_the_first(tmp_path):
 
     work = digits()
     path = tmp_path / "steps.jsonl"
-    res = sw.Trainer("single", accelerator="cpu", progress=False, metrics_path=str(path)).fit(
+    res = sw.Trainer("single", accelerator="cpu", progress=False, metrics_path=str(path),
+                     log_every_n_steps=1).fit(
         work.make_model(), work.train, work.loss_fn, functools.partial(torch.optim.AdamW, lr=1e-3), batch_size=64,
         max_steps=6)
     times = [json.loads(line)["step_time_s"] for line in path.read_text().splitlines()]

@@ -110,7 +110,8 @@ LAYOUTS = {
 
 def train(strategy: object, devices: int, **kw: object) -> tuple[sw.FitResult, nn.Module]:
     model = mixtral()
-    trainer = sw.Trainer(strategy, devices, accelerator="cpu", progress=False, accumulate_grad_batches=ACC, **kw)
+    trainer = sw.Trainer(strategy, devices, accelerator="cpu", progress=False, accumulate_grad_batches=ACC,
+                         log_every_n_steps=1, **kw)
     return trainer.fit(model, text(), optimizer=ADAM, batch_size=BATCH, max_steps=STEPS, training_step=step), model
 
 

@@ -85,7 +85,7 @@ def test_resume_says_what_it_does_and_keeps_the_metrics(tmp_path, capfd):
 
     def run(steps):
         t = sw.Trainer("single", accelerator="cpu", progress=False, checkpoint_dir=ck, checkpoint_every=2,
-                       metrics_path=metrics)
+                       metrics_path=metrics, log_every_n_steps=1)
         result = train(t, steps=steps)[1]
         return result, capfd.readouterr().err
 

@@ -191,7 +191,7 @@ def test_lora_on_a_frozen_base_under_fsdp_and_zero3_equals_single_device(saved, 
         assert sum(s["optimizer_bytes"] for s in run.stats) == 2 * 8 * adapters
 
 
-def test_a_rectangle_is_read_at_the_header_offsets_in_bounded_chunks_and_converted(tmp_path, monkeypatch):
+def test_a_rectangle_is_read_through_get_slice_in_bounded_chunks_and_converted(tmp_path, monkeypatch):
     from safetensors.torch import save_file
 
     from shardwise.checkpoint import pretrained
@@ -201,12 +201,12 @@ def test_a_rectangle_is_read_at_the_header_offsets_in_bounded_chunks_and_convert
               str(tmp_path / "x.safetensors"))
     source = pretrained.open_source(str(tmp_path / "x.safetensors"))
     assert source.shapes == {"a": [5], "w": [6, 4, 3], "s": []}
-    monkeypatch.setattr(pretrained, "CHUNK_BYTES", 2 * 4 * 3 * 2)  # two rows of w per read
-    reads, read = [], pretrained._read
-    monkeypatch.setattr(pretrained, "_read", lambda s, first, n: reads.append((first, n)) or read(s, first, n))
+    monkeypatch.setattr(pretrained, "CHUNK_BYTES", 2 * 2 * 3 * 2)  # two rows of the rectangle per read
+    reads, read = [], pretrained._slice
+    monkeypatch.setattr(pretrained, "_slice", lambda part, box: reads.append(box) or read(part, box))
     out = torch.empty(3, 2, 3, dtype=torch.float64)
-    assert pretrained.read_box(source.tensors["w"], (2, 1, 0), out) == 3 * 4 * 3 * 2  # whole rows 2, 3 and 4
-    assert reads == [(2 * 12, 2 * 12), (4 * 12, 12)]  # (first element, count): two reads, at most two rows each
+    assert pretrained.read_box(source.tensors["w"], (2, 1, 0), out) == 3 * 2 * 3 * 2  # the rectangle's bytes only
+    assert reads == [(slice(2, 4), slice(1, 3), slice(0, 3)), (slice(4, 5), slice(1, 3), slice(0, 3))]
     assert torch.equal(out, w[2:5, 1:3].double())
     scalar = torch.empty((), dtype=torch.float32)
     pretrained.read_box(source.tensors["s"], (), scalar)

@@ -76,6 +76,7 @@ def test_log_and_the_simple_profiler_under_ddp(tmp_path):
     path = tmp_path / "m.jsonl"
     torch.manual_seed(0)
     run = sw.Trainer("ddp", 2, accelerator="cpu", progress=False, metrics_path=path, accumulate_grad_batches=2,
+                     log_every_n_steps=1,
                      activation_checkpointing=True, callbacks=[LogStep()], profiler="simple").fit(
         Net(), dataset(), logging_mse, SGD, batch_size=N, max_steps=STEPS, val_dataset=dataset(), val_every=STEPS)
     y = targets()
@@ -134,7 +135,8 @@ def test_log_under_data_tensor_and_pipeline_parallel(tmp_path, layout):
     path = tmp_path / "m.jsonl"
     data = token_data()
     strategy = sw.Parallel(dp=2, tp=2) if layout == "dp2-tp2" else sw.Parallel(dp=2, pp=2, microbatches=2)
-    every = sw.Trainer(strategy, 4, accelerator="cpu", progress=False, metrics_path=path).fit(
+    every = sw.Trainer(strategy, 4, accelerator="cpu", progress=False, metrics_path=path,
+                       log_every_n_steps=1).fit(
         tiny_gpt(), data, logging_cross_entropy, SGD, batch_size=8, max_steps=3)
     y = torch.stack([t for _, t in data]).float()
     for r in rows(path):

@@ -25,7 +25,7 @@ STEPS = 6
 
 def fit(strategy, devices, **kw):
     work = gpt(n_layer=2, n_embd=32, n_head=2, block=16, max_chars=20_000)
-    return sw.Trainer(strategy, devices, accelerator="cpu", progress=False, **kw).fit(
+    return sw.Trainer(strategy, devices, accelerator="cpu", progress=False, log_every_n_steps=1, **kw).fit(
         work.make_model(), work.train, work.loss_fn, ADAMW, batch_size=16, max_steps=STEPS)
 
 

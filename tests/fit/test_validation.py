@@ -48,7 +48,7 @@ def digits_val():
 def fit_digits(strategy, devices, **kw):
     work = digits()
     trainer_kw = {k: kw.pop(k) for k in list(kw) if k in ("checkpoint_dir", "checkpoint_keep", "metrics_path")}
-    return sw.Trainer(strategy, devices, accelerator="cpu", progress=False, **trainer_kw).fit(
+    return sw.Trainer(strategy, devices, accelerator="cpu", progress=False, log_every_n_steps=1, **trainer_kw).fit(
         work.make_model(), work.train, work.loss_fn, ADAMW, batch_size=64, max_steps=STEPS,
         val_dataset=kw.pop("val_dataset", digits_val()), val_every=2, val_metrics={"accuracy": accuracy},
         val_batch_size=50, **kw)

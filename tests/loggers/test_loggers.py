@@ -50,11 +50,13 @@ def groups(model: torch.nn.Module) -> list[dict]:
 
 def fit(strategy: object, devices: int, logger: object, steps: int = STEPS, **kw: object) -> sw.FitResult:
     text = stdlib_text(6_000)
+    kw.setdefault("log_every_n_steps", 1)
+    hparams = kw.pop("hparams", None)
     return sw.Trainer(strategy, devices, accelerator="cpu", progress=False, gradient_clip_val=CLIP, logger=logger,
                       **kw).fit(
         gpt(), CharText(text[:5_000], SEQ), lm_loss, ADAMW, batch_size=BATCH, max_steps=steps,
         lr_scheduler=SCHEDULE, param_groups=groups, val_dataset=Subset(CharText(text[5_000:], SEQ), range(12)),
-        val_every=2)
+        val_every=2, hparams=hparams)
 
 
 def scheduled_lrs(steps: int) -> list[list[float]]:
@@ -134,15 +136,25 @@ def test_every_logger_reads_back_with_its_own_tool(tmp_path, db):
 
 
 def test_a_resumed_run_logs_into_the_same_mlflow_run(tmp_path, db):
-    ck = dict(checkpoint_dir=str(tmp_path / "ck"))
-    first = fit("ddp", 2, sw.loggers.MLflow(tracking_uri=db, experiment="resumed"), steps=2, **ck)
-    run = fit("ddp", 2, sw.loggers.MLflow(tracking_uri=db, experiment="resumed"), steps=4, **ck)  # from step 2
+    """Also: fit(hparams=) and the logger's tags reach the run, and log_checkpoints copies each checkpoint into
+    its artifacts."""
+    ck = dict(checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=2, hparams={"data": {"name": "stdlib"}})
+
+    def mlflow() -> sw.loggers.MLflow:
+        return sw.loggers.MLflow(tracking_uri=db, experiment="resumed", tags={"team": "a"}, log_checkpoints=True)
+    first = fit("ddp", 2, mlflow(), steps=2, **ck)
+    run = fit("ddp", 2, mlflow(), steps=4, **ck)  # from step 2
     ref = run.loggers["mlflow"]
     assert ref["run_id"] == first.loggers["mlflow"]["run_id"]
     client = mlflow_client.MlflowClient(db)
     runs = client.search_runs([client.get_experiment_by_name("resumed").experiment_id])
     assert [(r.info.run_id, r.info.status) for r in runs] == [(ref["run_id"], "FINISHED")]
     assert mlflow_history(ref, "train/loss") == ([0, 1, 2, 3], run.losses)
+    data = client.get_run(ref["run_id"]).data
+    assert data.params["data/name"] == "stdlib" and data.tags["team"] == "a"
+    kept = [os.path.basename(p) for p in checkpoint.checkpoints(ck["checkpoint_dir"])]
+    assert sorted(a.path for a in client.list_artifacts(ref["run_id"], "checkpoints")) == sorted(
+        f"checkpoints/{name}" for name in kept)
 
 
 def test_names_repeats_every_n_steps_and_a_resume_after_a_kill(tmp_path):
