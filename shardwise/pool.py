@@ -172,6 +172,13 @@ class WorkerPool:
         # stopped before multiprocessing joins its children at exit, or that join waits forever.
         mp_util.Finalize(self, _stop_all, args=(self._workers,), exitpriority=10)
 
+    @property
+    def context(self) -> Any:
+        """How the workers start (the fork server, where the platform has one), for jobs that start processes of
+        their own and may see them killed, such as a fault-tolerant run's ranks: each is a new process, forked
+        with ``preload`` already imported."""
+        return self._ctx
+
     def _worker(self, index: int) -> _Worker:
         w = self._workers[index]
         if w is None or not w.alive():

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from shardwise import launch
+from shardwise.ft import supervise
 from shardwise.pool import PRELOAD, WorkerPool
 
 # Tests run ranks as processes on a small machine: one thread each keeps them
@@ -170,10 +171,13 @@ def worker_pool():
 
 @pytest.fixture(autouse=True)
 def _ranks_from_the_pool(request, monkeypatch):
-    """Route every ``launch.spawn`` of this test to the session's pool, unless marked ``fresh_processes``."""
+    """Route every ``launch.spawn`` of this test to the session's pool, and start a fault-tolerant run's ranks from
+    the pool's fork server (new processes that do not import torch again), unless marked ``fresh_processes``."""
     if request.node.get_closest_marker("fresh_processes") or os.environ.get("SHARDWISE_TEST_POOL") == "0":
         return
-    monkeypatch.setattr(launch, "spawn", request.getfixturevalue("worker_pool").spawn)
+    pool = request.getfixturevalue("worker_pool")
+    monkeypatch.setattr(launch, "spawn", pool.spawn)
+    monkeypatch.setattr(supervise, "rank_context", lambda: pool.context)
 
 
 # ---- one `shardwise run --nproc 2` for the tests that only need a script to run under torchrun -----------------

@@ -29,6 +29,7 @@ import time
 import traceback
 from collections.abc import Callable
 from multiprocessing import connection as mp_connection
+from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Any, TextIO
 
@@ -61,7 +62,7 @@ def run_replicas(fn: RankFn, plan: ReplicaPlan, args: tuple[Any, ...] = (), acce
     launch.check_main_module()
     store = launch.job_store(timeout)
     store.set(keys.members(0), keys.encode(list(range(plan.replicas))))
-    ctx = mp.get_context(launch.start_method())
+    ctx = rank_context()
     world = plan.replicas * plan.group_size
     procs = [ctx.Process(target=_rank, args=(r, fn, plan, world, store.port, accelerator, timeout.total_seconds(),  # type: ignore[attr-defined]
                                              args, default_dtype_name()), name=f"shardwise-rank{r}")
@@ -73,6 +74,13 @@ def run_replicas(fn: RankFn, plan: ReplicaPlan, args: tuple[Any, ...] = (), acce
             return Watch(procs, store, plan, out).run()
     finally:
         launch.stop_processes(procs)
+
+
+def rank_context() -> BaseContext:
+    """How the ranks start: fresh processes, by :func:`shardwise.launch.start_method`. A caller that keeps a fork
+    server with torch imported (:attr:`shardwise.pool.WorkerPool.context`) may point this at it: the ranks are then
+    still new processes, but none imports torch again."""
+    return mp.get_context(launch.start_method())
 
 
 def _rank(rank: int, fn: RankFn, plan: ReplicaPlan, world: int, port: int, accelerator: str, timeout_s: float,

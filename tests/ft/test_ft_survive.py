@@ -32,7 +32,7 @@ from shardwise.data import GlobalBatches
 from shardwise.ft.options import ReplicaPlan
 from shardwise.ft.supervise import ReplicasLost, run_replicas
 
-pytestmark = [pytest.mark.timeout(180), pytest.mark.float64, pytest.mark.fresh_processes]
+pytestmark = [pytest.mark.timeout(180), pytest.mark.float64]
 
 BATCH, STEPS, SAMPLES = 24, 10, 96
 OPT = functools.partial(torch.optim.AdamW, lr=1e-2)
@@ -170,30 +170,33 @@ def test_below_min_replicas_one_error_and_no_process_left_and_an_exception_is_a_
     """The launcher's two ends of a job: a dead group below ``min_replicas`` (one error naming it, no rank left
     running), and a raised exception, which is a bug, not a fault (the job ends with its traceback)."""
     plan = ReplicaPlan(replicas=2, group_size=1, ft=sw.FaultTolerance(min_replicas=2, timeout_s=20.0))
-    before = set(_children())
+    before = _children()
     with pytest.raises(ReplicasLost) as e:
         run_replicas(die_or_raise, plan, args=("kill",), timeout=_dt.timedelta(seconds=30))
     assert str(e.value) == ("fault tolerance: 1 replica group left, fewer than min_replicas=2; dead: group 1 (rank 1 "
                             "killed by signal SIGKILL)")
-    assert set(_children()) - before == set()
+    assert _children() - before == set()
     with pytest.raises(launch.WorkerFailed) as e:
         run_replicas(die_or_raise, plan, args=("raise",), timeout=_dt.timedelta(seconds=30))
     assert str(e.value).startswith("rank 1 raised ValueError: a bug in the step\n")
     assert not isinstance(e.value, ReplicasLost)
-    assert set(_children()) - before == set()
+    assert _children() - before == set()
 
 
-def _children() -> list[int]:
-    """This process's children started by multiprocessing's spawn (ranks; the worker pool's too)."""
-    out = []
-    for d in os.listdir("/proc"):
+def _children() -> set[int]:
+    """Every live process below this one: the ranks (started here, or by the worker pool's fork server) and the
+    pool's workers."""
+    parents = {}
+    for d in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{d}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                spawned = b"spawn_main" in f.read()
-        except (OSError, ValueError, IndexError):
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):
             continue
-        if ppid == os.getpid() and spawned:
-            out.append(int(d))
-    return out
+        if state != "Z":  # a zombie has ended: only its parent has not read its exit yet
+            parents[int(d)] = int(ppid)
+    below, frontier = set(), {os.getpid()}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - below
+        below |= frontier
+    return below
