@@ -23,6 +23,10 @@ import torch.distributed as dist
 from shardwise.ft import keys
 from shardwise.ft.options import HEARTBEAT_S
 
+# How long a member whose reduction completed waits for the other votes in one request before it looks, vote by
+# vote, for a member that died meanwhile: the others completed the same reduction, so their votes follow at once.
+VOTE_WAIT_S = 1.0
+
 
 class QuorumLost(RuntimeError):
     """No new membership came after a failed reduction: the failure was not a replica group's death."""
@@ -82,14 +86,33 @@ class Quorum:
         self.store.set(keys.vote(step, self.epoch, mine), b"ok" if done else b"fail")  # type: ignore[arg-type]
         voters = [g * self.group_size + i for g in self.members for i in range(self.group_size)]
         names = [keys.vote(step, self.epoch, r) for r in voters]
+        votes = self._votes_now(names) if done else None
+        if votes is None and not self._wait_votes(voters, names):
+            return False  # a member died before voting: it counts as a failed reduction
+        return all(v == b"ok" for v in (votes or self.store.multi_get(names)))
+
+    def _votes_now(self, names: list[str]) -> list[bytes] | None:
+        """Every vote, read in one request that the store answers once the last one is in; None when one is
+        still missing after :data:`VOTE_WAIT_S` (a member may have died after its reduction: see
+        :meth:`_wait_votes`). Only after a completed reduction, when the other members are voting too."""
+        self.store.set_timeout(_dt.timedelta(seconds=VOTE_WAIT_S))
+        try:
+            return self.store.multi_get(names)
+        except dist.DistStoreError:
+            return None
+        finally:
+            self.store.set_timeout(self.timeout)
+
+    def _wait_votes(self, voters: list[int], names: list[str]) -> bool:
+        """Wait until every vote is in (True), or every missing voter's group is gone (False)."""
         pause = 1e-4
         while not self.store.check(names):
             missing = {r // self.group_size for r, n in zip(voters, names) if not self.store.check([n])}
             if missing and missing <= self.gone():
-                return False  # a member died before voting: it counts as a failed reduction
+                return False
             time.sleep(pause)
             pause = min(2 * pause, 0.01)
-        return all(v == b"ok" for v in self.store.multi_get(names))
+        return True
 
     def gone(self) -> set[int]:
         """Members of this epoch that the launcher's newest membership no longer lists."""

@@ -70,30 +70,32 @@ class Replica:
     # A group of several ranks: its reduced gradient shards (the strategy's), and its own communicator.
     shard_grads: Callable[[nn.Module], list[torch.Tensor]] | None = None
     group_comm: Comm | None = None
+    grads: GradBuffer | None = None  # a group of one rank: its gradients' flat buffers, made at the first step
     _shards: dict[int, GlobalBatches] = field(default_factory=dict)
 
     def step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn, topo: Topology,
              run: StepRun) -> torch.Tensor:
         """Forward and backward of this group's shards, summed over the live groups and agreed: on return the
         gradients are the global batch's and the step may be applied. Returns the global batch's loss."""
-        params = [p for p in model.parameters() if p.requires_grad]
         rng = torch.get_rng_state()
         first = time.perf_counter()
         left: list[int] = []
         while True:
             attempt = time.perf_counter()
+            if self.shard_grads is None:
+                self._buffer(model).attach()
             loss = self._backward(model, self._parts(micro_batches), loss_fn, topo, run)
             if self.group_comm is not None:
                 self.group_comm.all_reduce(loss, name="ft.group_loss")  # the group's ranks computed its rows
-            grads = self._grads(model, params)  # type: ignore[arg-type]
-            flat = _flat(grads, loss)
+            flat = self._summed(model, loss)
             if self.quorum.agree(self.done, self.quorum.all_reduce(flat)):
                 break
             self.recomputed += 1
             _drop_grads(model)
             torch.set_rng_state(rng)  # the step again, with the random numbers it drew the first time
             left += self.quorum.advance()
-        _unflat(grads, flat, params if self.shard_grads is None else None)  # type: ignore[arg-type]
+        if self.shard_grads is not None:
+            _unflat(self.shard_grads(model), flat)
         if self.ledger:
             self._record()
         if left:
@@ -101,6 +103,19 @@ class Replica:
         self.done += 1
         # Each rank of a group holds the global loss; the Trainer sums a step's loss over the group's ranks.
         return flat[0][-1].detach().to(widened(loss).dtype) / self.quorum.group_size
+
+    def _buffer(self, model: nn.Module) -> GradBuffer:
+        if self.grads is None:
+            self.grads = GradBuffer([p for p in model.parameters() if p.requires_grad])
+        return self.grads
+
+    def _summed(self, model: nn.Module, loss: torch.Tensor) -> list[torch.Tensor]:
+        """What the live groups sum, the loss as the first buffer's last element: the persistent buffers the
+        gradients were accumulated in, or a copy of a sharded group's gradient shards."""
+        if self.shard_grads is not None:
+            return _flat(self.shard_grads(model), loss)
+        assert self.grads is not None
+        return self.grads.collect(loss)
 
     def _backward(self, model: nn.Module, parts: list[tuple[Any, Any, int]], loss_fn: LossFn, topo: Topology,
                   run: StepRun) -> torch.Tensor:
@@ -132,13 +147,6 @@ class Replica:
                              f"replica group: raise batch_size (now {self.batch_size}) or lower "
                              "accumulate_grad_batches")
         return [(rows(x, place, size), rows(y, place, size), len(range(place, n, size))) for x, y, n in parts]
-
-    def _grads(self, model: nn.Module, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The gradients summed over the groups: the group's shards of them, or each parameter's (zeros where a
-        parameter got none, so that every group sends the same sizes)."""
-        if self.shard_grads is not None:
-            return self.shard_grads(model)
-        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
 
     def _record(self) -> None:
         """The committed step's sample indices by group, for the launcher's ledger (every member writes the
@@ -188,19 +196,55 @@ def _flat(grads: list[torch.Tensor], loss: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def _unflat(grads: list[torch.Tensor], flat: list[torch.Tensor], params: list[torch.Tensor] | None) -> None:
-    """The summed gradients back: as each parameter's ``grad`` (a view of the buffer), or into ``grads`` in
-    place (a sharded group's gradient shards, which its optimizer reads where they are)."""
+def _unflat(grads: list[torch.Tensor], flat: list[torch.Tensor]) -> None:
+    """The summed gradients back into ``grads`` in place (a sharded group's gradient shards, which its optimizer
+    reads where they are)."""
     dtypes = list(dict.fromkeys(g.dtype for g in grads))
     for dt, buf in zip(dtypes, flat):
         at = 0
-        for i in (i for i, g in enumerate(grads) if g.dtype == dt):
-            piece = buf[at:at + grads[i].numel()].view_as(grads[i])
-            if params is not None:
-                params[i].grad = piece
-            else:
-                grads[i].copy_(piece)
-            at += grads[i].numel()
+        for g in (g for g in grads if g.dtype == dt):
+            g.copy_(buf[at:at + g.numel()].view_as(g))
+            at += g.numel()
+
+
+class GradBuffer:
+    """Every parameter's gradient as a view of one flat buffer per dtype, with one more element in the first for
+    the step's loss: autograd accumulates straight into the buffers (as DDP's buckets), and the reduction over
+    the live groups sends them as they are, with no copy and no allocation per step. A parameter that got no
+    gradient sends zeros, so that every group sends the same sizes."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+        dtypes = list(dict.fromkeys(p.dtype for p in params))
+        self.buffers: list[torch.Tensor] = []
+        self.views: list[torch.Tensor] = [torch.empty(0)] * len(params)
+        for i, dt in enumerate(dtypes):
+            mine = [j for j, p in enumerate(params) if p.dtype == dt]
+            size = sum(params[j].numel() for j in mine) + (i == 0)
+            buf = torch.zeros(size, dtype=dt, device=params[mine[0]].device)
+            at = 0
+            for j in mine:
+                self.views[j] = buf[at:at + params[j].numel()].view_as(params[j])
+                at += params[j].numel()
+            self.buffers.append(buf)
+
+    def attach(self) -> None:
+        """Zero the buffers and make each gradient its view again (the Trainer sets gradients to None after
+        each step, and a failed attempt's are dropped)."""
+        for buf in self.buffers:
+            buf.zero_()
+        for p, v in zip(self.params, self.views):
+            p.grad = v
+
+    def collect(self, loss: torch.Tensor) -> list[torch.Tensor]:
+        """The buffers to sum, the loss written into its element; a gradient autograd put elsewhere (a hook
+        that replaced it) is copied in first."""
+        for p, v in zip(self.params, self.views):
+            if p.grad is not None and p.grad.data_ptr() != v.data_ptr():
+                v.copy_(p.grad)
+                p.grad = v
+        self.buffers[0][-1:].copy_(loss.detach().reshape(1))
+        return self.buffers
 
 
 @dataclass
