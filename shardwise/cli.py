@@ -9,10 +9,8 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import NoReturn
 
 # Only torch-free modules here, so that `shardwise --help` answers at once: each command imports what it runs.
-from shardwise import (
-    __version__,
-    cluster,  # (`from shardwise import cluster` would ask the package, which imports torch)
-)
+import shardwise.cluster as cluster  # (`from shardwise import cluster` would ask the package, which imports torch)
+from shardwise import __version__
 from shardwise.bench import add_arguments as bench_args
 from shardwise.bench import run as bench_run
 from shardwise.extras import MissingExtra, require
@@ -199,7 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
                                "`shardwise run --help` for ours)", add_help=False,
                    description=RUN_HELP.split("\n\n")[1].replace("\n", " "))  # main() answers run --help itself
     sub.add_parser("fit", help="train from a configuration file: --config run.yaml, every Trainer and fit option "
-                               "as --trainer.NAME/--fit.NAME (`shardwise fit --help`)", add_help=False)
+                               "as --trainer.NAME/--fit.NAME (`shardwise fit --help`)", add_help=False,
+                   description="Train the model, dataset, loss and optimizer a YAML file names, with every Trainer "
+                               "and fit option from the file or a flag (a flag wins); --print_config prints the "
+                               "resolved configuration.")  # main() answers fit --help itself (jsonargparse)
     d = _verb(sub, "demo", "train the digits classifier under every strategy and compare",
               "Train the 8x8 digits MLP under every strategy (single, ddp, dp, ps, ZeRO 1-3, fsdp, hsdp, tp, pp, "
               "3d) on CPU processes and print one table: final loss, test accuracy, equality with single-device "
