@@ -247,13 +247,11 @@ class GradBuffer:
         return self.buffers
 
 
-@dataclass
-class ReplicaStep(Single):
-    """A replica group of one rank: the whole model on one device (``ddp``'s replica) whose step is
-    :meth:`Replica.step`. Every rank reads the whole global batch; the step picks its shards' rows."""
+class _ReplicaStepping:
+    """What both replica strategies share: the step is :meth:`Replica.step` (which picks this group's rows of the
+    whole global batch every rank reads), so the Trainer deals out no data-parallel shards."""
 
-    replica: Replica | None = field(default=None, repr=False, compare=False)
-    name: ClassVar[str] = "ddp"
+    replica: Replica | None
 
     def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
                    topo: Topology, run: StepRun = StepRun()) -> torch.Tensor | None:
@@ -263,12 +261,21 @@ class ReplicaStep(Single):
     def data_parallel(self, topo: Topology) -> tuple[int, int]:
         return 1, 0
 
+
+@dataclass
+class ReplicaStep(_ReplicaStepping, Single):
+    """A replica group of one rank: the whole model on one device (``ddp``'s replica) whose step is
+    :meth:`Replica.step`. Every rank reads the whole global batch; the step picks its shards' rows."""
+
+    replica: Replica | None = field(default=None, repr=False, compare=False)
+    name: ClassVar[str] = "ddp"
+
     def rank_stats(self, model: nn.Module, topo: Topology) -> dict[str, Any]:
         return self.replica.stats() if self.replica is not None else {}
 
 
 @dataclass
-class ReplicaShards(Parallel):
+class ReplicaShards(_ReplicaStepping, Parallel):
     """A replica group of several ranks holding FSDP shards of one copy of the state (``sw.Parallel(dp=G,
     zero=3)`` on the group's own process group), whose step is :meth:`Replica.step`: the ranks of the group
     reduce-scatter as usual, then rank ``i`` of each live group sums its gradient shard with rank ``i`` of the
@@ -282,14 +289,6 @@ class ReplicaShards(Parallel):
         self.replica.shard_grads = _fsdp_grad_shards
         self.replica.group_comm = topo.comm(DP)
         return super().setup(model, optimizer_fn, topo)
-
-    def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
-                   topo: Topology, run: StepRun = StepRun()) -> torch.Tensor | None:
-        assert self.replica is not None
-        return self.replica.step(model, micro_batches, loss_fn, topo, run)
-
-    def data_parallel(self, topo: Topology) -> tuple[int, int]:
-        return 1, 0
 
     def rank_stats(self, model: nn.Module, topo: Topology) -> dict[str, Any]:
         return {**super().rank_stats(model, topo), **(self.replica.stats() if self.replica is not None else {})}
