@@ -41,12 +41,42 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shardwise.comm.topology import Topology
 from shardwise.data import Kwargs
-from shardwise.dims import CP, DP_SHARD_CP
+from shardwise.dims import CP, DP_SHARD_CP, PP, TP
 from shardwise.parallel.cp.apply import hf_attention_modules, position_takers, use_hf_attention
+from shardwise.parallel.cp.attention import RING
 
 # The SDPA kernels torch's ring attention has a form of (CUDA's; flash and cuDNN in half precision only).
 RING_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
 TORCH_HF_ATTENTION = "shardwise_torch_cp"  # transformers' "sdpa" function, registered under this name, no mask
+# Why torch's context parallelism runs on CUDA only (torch 2.13; refused on CPU before any process starts).
+CUDA_ONLY = ("torch's context_parallel runs its ring attention through SDPA's flash, efficient and cuDNN kernels, "
+             "which are CUDA's, and has no sharding strategy for the CPU's "
+             "(aten._scaled_dot_product_flash_attention_for_cpu)")
+
+
+def refuse_torch_cp(cp_mode: str, *, tp: int, pp: int, replicate: int, zero: int, sequence_parallel: bool) -> None:
+    """Refuse what torch's context parallelism does not run of a ``sw.Parallel`` with cp > 1: torch's ring only,
+    split by nothing but dp, gradients through DDP (``zero=0``) or FSDP2 (``zero=3``) without replicas."""
+    if cp_mode != RING:
+        raise ValueError(f"engine='torch' has no engine for cp_mode={cp_mode!r}: torch's context_parallel "
+                         "is ring attention only; use cp_mode='ring', or engine='shardwise'")
+    others = {TP: tp, PP: pp, "replicate": replicate}
+    split = {k: v for k, v in others.items() if v != 1}
+    if split or sequence_parallel or zero not in (0, 3):
+        given = ", ".join(f"{k}={v}" for k, v in {**split, "zero": zero}.items())
+        raise ValueError(f"engine='torch' runs context parallelism only with dp yet (sw.Parallel(cp=N, dp=M) with "
+                         f"zero=0: torch's DDP over dp x cp, or zero=3: FSDP2 over dp x cp), got {given}"
+                         f"{', sequence_parallel=True' if sequence_parallel else ''}; engine='shardwise' "
+                         "runs it")
+
+
+def refuse_float64(name: str, model: nn.Module) -> None:
+    """Refuse strategy ``name`` on a model with float64 parameters: no kernel of :data:`RING_KERNELS` takes them."""
+    if any(p.dtype == torch.float64 for p in model.parameters()):
+        raise ValueError(f"engine='torch' cannot run strategy {name!r} on a float64 model: torch's ring "
+                         "attention has forms of SDPA's flash, efficient and cuDNN kernels only, and none takes "
+                         "float64 (efficient: float32 and half; flash, cuDNN: half); use float32 or half "
+                         "precision, or engine='shardwise'")
 
 
 def cp_mesh(topo: Topology) -> DeviceMesh:
@@ -160,5 +190,5 @@ def _hf_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: t
     return sdpa_attention_forward(module, query, key, value, None, **kwargs)
 
 
-__all__ = ["RING_KERNELS", "TORCH_HF_ATTENTION", "TorchContextParallel", "cp_mesh", "dp_shard_cp_mesh", "positions_of",
-           "sequence_copies", "use_torch_sdpa"]
+__all__ = ["CUDA_ONLY", "RING_KERNELS", "TORCH_HF_ATTENTION", "TorchContextParallel", "cp_mesh", "dp_shard_cp_mesh",
+           "positions_of", "refuse_float64", "refuse_torch_cp", "sequence_copies", "use_torch_sdpa"]

@@ -17,7 +17,9 @@
 The split (stage boundaries, tied weights, parameter names) stays ours: torch runs the forwards, backwards and
 point-to-point sends of a step; the tied copies' gradients are then summed between their stages as under our
 engine (:func:`~shardwise.parallel.pp.run.sync_ties`), since torch's pipelining has no notion of a weight
-two stages share.
+two stages share. The order around it (the split, tp on the stage's modules, then dp on each chunk) is
+:mod:`shardwise.parallel.torch_parallelize`'s; what torch's schedules run stricter than ours is refused here
+(:func:`refuse_schedule`), as is sequence parallelism in a pipeline (:data:`SP_IN_PIPELINE`).
 """
 from __future__ import annotations
 
@@ -64,6 +66,9 @@ TORCH_SCHEDULES: dict[str, type[_PipelineSchedule]] = {
 # torch's looped schedules run the micro-batches in max(1, m // p) rounds of equal size and refuse an m the
 # rounds do not divide (p = 2: m = 5, 7, 9, ...); our interleaved needs m % p == 0 anyway, our ZB-H1 has no rounds.
 IN_ROUNDS = (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
+# Why torch's engines run no pipeline with sequence parallelism.
+SP_IN_PIPELINE = ("torch's sequence-parallel styles for our plan hold the sequence region from the embedding to the "
+                  "head within one module (shardwise.parallel.tp.torch_tp), and a pipeline stage holds only part of it")
 
 
 def torch_schedule_refusal(schedule: str, stages: int, microbatches: int) -> str | None:
@@ -74,6 +79,14 @@ def torch_schedule_refusal(schedule: str, stages: int, microbatches: int) -> str
         return None
     return (f"torch's {cls.__name__} runs the micro-batches in max(1, m // p) = {rounds} rounds of equal size, "
             f"and microbatches={microbatches} does not split into {rounds}; use a multiple of the {stages} stages")
+
+
+def refuse_schedule(name: str, schedule: str, stages: int, microbatches: int) -> None:
+    """Refuse strategy ``name``'s ``schedule`` where torch's is stricter than ours (:func:`torch_schedule_refusal`)."""
+    why = torch_schedule_refusal(schedule, stages, microbatches)
+    if why is not None:
+        raise ValueError(f"engine='torch' cannot run strategy {name!r} with schedule={schedule!r}: "
+                         f"{why}; engine='shardwise' runs it")
 
 
 def torch_stage(module: nn.Module, index: int, stages: int, topo: Topology,
@@ -214,5 +227,5 @@ class _InContext(nn.Module):
             return self.chunk(*args)
 
 
-__all__ = ["TORCH_SCHEDULES", "TorchPipeline", "average_gradients", "ddp_chunks", "fsdp_chunks", "torch_schedule",
-           "torch_schedule_refusal", "torch_stage"]
+__all__ = ["SP_IN_PIPELINE", "TORCH_SCHEDULES", "TorchPipeline", "average_gradients", "ddp_chunks", "fsdp_chunks",
+           "refuse_schedule", "torch_schedule", "torch_schedule_refusal", "torch_stage"]

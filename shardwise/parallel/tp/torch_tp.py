@@ -20,7 +20,8 @@ its norms run ``SequenceParallel()``, its attention and MLP modules all-gather t
 
 Sliced parameters become DTensors on the tp mesh (``Shard(0)`` or ``Shard(1)``, in ``torch.chunk`` pieces,
 which equal our slices since the plans' checks make every split even); the others stay plain tensors.
-:func:`torch_plan_refusal` says which plans torch's styles cannot express.
+:func:`torch_plan_refusal` says which plans torch's styles cannot express (:func:`refuse_plan` refuses them before
+any process starts), and :func:`refuse_ddp_over_tp` why tp's DTensors go under FSDP2 over dp, never torch's DDP.
 """
 from __future__ import annotations
 
@@ -68,6 +69,27 @@ def torch_plan_refusal(plan: Plan, sequence_parallel: bool) -> str | None:
         return (f"the '{plan.name}' plan's sequence-parallel region starts at a block's input or ends without a "
                 "head; engine='torch' runs it only from the embeddings to the head (shardwise's GPT)")
     return None
+
+
+def refuse_plan(name: str, plan: Plan, model: nn.Module, sequence_parallel: bool) -> None:
+    """Refuse strategy ``name``'s ``plan`` on ``model`` where torch's styles cannot run it
+    (:func:`torch_plan_refusal`)."""
+    why = torch_plan_refusal(plan, sequence_parallel)
+    if why is not None:
+        raise ValueError(f"engine='torch' cannot run strategy {name!r} on {type(model).__name__}: {why}; "
+                         "engine='shardwise' runs it")
+
+
+def refuse_ddp_over_tp(name: str, dp: int, tp: int, zero: int) -> None:
+    """Refuse dp > 1 over tp > 1 with torch's DDP (zero=0) or ZeroRedundancyOptimizer under it (zero=1): the
+    data-parallel engine over tp's DTensors is FSDP2 alone. Given the run's sizes, since Parallel's dp=-1 can
+    leave ranks over for dp, which only the devices tell."""
+    if dp > 1 and tp > 1 and zero in (0, 1):
+        raise ValueError(f"engine='torch' runs strategy {name!r} with dp > 1 over tp > 1 only with zero=2 or 3 (tp, "
+                         f"then FSDP2 over dp), not zero={zero}: torch's DDP refuses tp's DTensor parameters over a "
+                         "process group (c10d.broadcast_ has no DTensor sharding strategy), and over a device mesh "
+                         "turns them into plain local tensors (torch's interim DDP + tp transform), which hides "
+                         "their tp layout from the checkpoint and the clip; engine='shardwise' runs it")
 
 
 def torch_plan(plan: Plan, sequence_parallel: bool) -> dict[str, ParallelStyle]:
@@ -158,4 +180,5 @@ def tp_slice(t: torch.Tensor) -> tuple[int, int] | None:
     p = t.placements[names.index(TP)] if TP in names else None  # type: ignore[attr-defined]
     return (p.dim, 1) if isinstance(p, Shard) else None
 
-__all__ = ["apply_torch_tp", "clip_grad_norm_", "torch_plan", "torch_plan_refusal", "on_tp_mesh", "tp_mesh", "tp_slice"]
+__all__ = ["apply_torch_tp", "clip_grad_norm_", "on_tp_mesh", "refuse_ddp_over_tp", "refuse_plan", "torch_plan",
+           "torch_plan_refusal", "tp_mesh", "tp_slice"]

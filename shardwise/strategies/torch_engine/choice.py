@@ -4,7 +4,9 @@
 ``engine="shardwise"``; under ``"torch"`` the wrapper class of its row (:data:`WRAPPER_OF`, keyed by strategy
 class; :mod:`shardwise.strategies.torch_engine.wrappers`), after :func:`refuse_torch` has refused, before any
 process starts and naming what runs it instead, what torch has no engine for (:data:`NO_TORCH_ENGINE`), runs on
-CUDA only (:data:`CUDA_ONLY`), or cannot run with the strategy's options.
+CUDA only (:data:`CUDA_ONLY`), or cannot run with the strategy's options. The rules themselves, and their reasons,
+are written in the wing of the paradigm they belong to (``parallel/<wing>/torch_*.py``); this module holds the
+table and asks them.
 """
 from __future__ import annotations
 
@@ -13,10 +15,18 @@ from typing import Any
 from torch import nn
 
 from shardwise.comm.topology import Topology
-from shardwise.dims import DP, PP, TP
+from shardwise.dims import DP
 from shardwise.layout import ENGINES, SHARDWISE
+from shardwise.parallel.cp import torch_cp
+from shardwise.parallel.cp.torch_cp import refuse_torch_cp
 from shardwise.parallel.dp.sync_bn import convert_sync_batchnorm
-from shardwise.parallel.dp.torch_dp import torch_sync_batchnorm
+from shardwise.parallel.dp.torch_dp import (
+    DATA_PARALLEL_CUDA_ONLY,
+    SYNC_BATCHNORM_CUDA_ONLY,
+    option_refusal,
+    torch_sync_batchnorm,
+)
+from shardwise.parallel.pp.torch_pp import SP_IN_PIPELINE
 from shardwise.strategies import pp as pp_strategy
 from shardwise.strategies import tp as tp_strategy
 from shardwise.strategies.base import Strategy
@@ -30,7 +40,6 @@ from shardwise.strategies.ps import ParameterServer
 from shardwise.strategies.single import Single
 from shardwise.strategies.torch_engine.pipeline import TorchPP
 from shardwise.strategies.torch_engine.wrappers import (
-    COMPRESS_HOOKS,
     TorchCP,
     TorchDDP,
     TorchDP,
@@ -44,22 +53,13 @@ from shardwise.strategies.torch_engine.wrappers import (
 
 # The tables below are keyed by strategy class (the nearest in a class's MRO decides, so a user's subclass of
 # DDP runs as DDP); a sw.Parallel's row is read from its sizes (_parallel_row).
-# Why torch's engines cannot run a sw.Parallel that no row below takes (a pipeline with sequence parallelism).
-SP_IN_PIPELINE = ("torch's sequence-parallel styles for our plan hold the sequence region from the embedding to the "
-                  "head within one module (shardwise.parallel.tp.torch_tp), and a pipeline stage holds only part of it")
 # What PyTorch has no engine for at all.
 NO_TORCH_ENGINE: dict[type[Strategy], str] = {ParameterServer: "a parameter server",
                                               NaiveMP: "naive model parallelism (layers placed on devices)"}
-# What torch runs on CUDA only, and why not on CPU (torch 2.13; refused on CPU before any process starts).
-CUDA_ONLY = {
-    "context parallelism": "torch's context_parallel runs its ring attention through SDPA's flash, efficient and "
-                           "cuDNN kernels, which are CUDA's, and has no sharding strategy for the CPU's "
-                           "(aten._scaled_dot_product_flash_attention_for_cpu)",
-    "strategy 'dp'": "torch.nn.DataParallel splits the batch over CUDA devices only (on CPU it runs the module "
-                     "unsplit, on one replica)",
-    "sync_batchnorm": "torch's nn.SyncBatchNorm takes CUDA inputs only (on CPU its forward raises 'SyncBatchNorm "
-                      "expected input tensor to be on GPU', and its statistics kernel, batch_norm_stats, has no "
-                      "CPU implementation)"}
+# What torch runs on CUDA only, and why not on CPU (each reason written beside its engine; refused on CPU before
+# any process starts).
+CUDA_ONLY = {"context parallelism": torch_cp.CUDA_ONLY, "strategy 'dp'": DATA_PARALLEL_CUDA_ONLY,
+             "sync_batchnorm": SYNC_BATCHNORM_CUDA_ONLY}
 
 
 # Each whole-model strategy's wrapper; FSDP's presets (ZeRO3, HSDP) find theirs through the MRO.
@@ -134,7 +134,8 @@ def _wrapper(strategy: Strategy, *, sync_batchnorm: bool, cuda: bool) -> type[To
         raise ValueError(f"engine='torch' runs {what} on CUDA only: {CUDA_ONLY[what]}; engine='shardwise' runs it "
                          "on CPU")
     if row is TorchCP and isinstance(strategy, Parallel):
-        refuse_torch_cp(strategy)
+        refuse_torch_cp(strategy.cp_mode, tp=strategy.tp, pp=strategy.pp, replicate=strategy.replicate,
+                        zero=strategy.zero, sequence_parallel=strategy.sequence_parallel)
     if row in NO_TORCH_ENGINE:
         raise ValueError(f"engine='torch' has no engine for strategy {name!r}: PyTorch has none for "
                          f"{NO_TORCH_ENGINE[row]}; engine='shardwise' runs it")
@@ -159,44 +160,14 @@ def _cuda_only(row: Row, sync_batchnorm: bool) -> list[str]:
     return [what for what, asked in asks.items() if asked]
 
 
-def refuse_torch_cp(strategy: Parallel) -> None:
-    """Refuse what :class:`TorchCP` does not run of a ``sw.Parallel`` with cp > 1: torch's ring only, split by
-    nothing but dp, gradients through DDP or FSDP2 without replicas."""
-    if strategy.cp_mode != "ring":
-        raise ValueError(f"engine='torch' has no engine for cp_mode={strategy.cp_mode!r}: torch's context_parallel "
-                         "is ring attention only; use cp_mode='ring', or engine='shardwise'")
-    others = {TP: strategy.tp, PP: strategy.pp, "replicate": strategy.replicate}
-    split = {k: v for k, v in others.items() if v != 1}
-    if split or strategy.sequence_parallel or strategy.zero not in (0, 3):
-        given = ", ".join(f"{k}={v}" for k, v in {**split, "zero": strategy.zero}.items())
-        raise ValueError(f"engine='torch' runs context parallelism only with dp yet (sw.Parallel(cp=N, dp=M) with "
-                         f"zero=0: torch's DDP over dp x cp, or zero=3: FSDP2 over dp x cp), got {given}"
-                         f"{', sequence_parallel=True' if strategy.sequence_parallel else ''}; engine='shardwise' "
-                         "runs it")
-
-
 def _option_refusal(strategy: Strategy, row: type[TorchEngine[Any]]) -> str | None:
-    """Why torch's engine ``row`` cannot run an option of ``strategy`` (None: it runs them all): the end of the
-    sentence "engine='torch' cannot run strategy X with ..."."""
+    """Why torch's engine ``row`` cannot run an option of ``strategy`` (None: it runs them all)."""
     # The options some strategies have (ZeRO's and FSDP's offload, DDP's all-reduce), read where they exist.
-    offload, allreduce = getattr(strategy, "offload", "none"), getattr(strategy, "allreduce", "native")
-    reduce_dtype, offload_device = getattr(strategy, "reduce_dtype", None), getattr(strategy, "offload_device", "cpu")
-    if offload == "optimizer":
-        return ("offload='optimizer': torch's one offload is FSDP2's CPUOffloadPolicy, which keeps the parameter "
-                "shards on the CPU too and copies them over at each gather (our offload='all'); no torch engine "
-                "keeps a shard on the device and offloads only the optimizer")
-    if offload == "all" and row not in (TorchFSDP, TorchHSDP):  # sw.Parallel(zero=3) runs as tp, then FSDP2
-        return "offload='all' after tp: FSDP2's CPUOffloadPolicy is run here for fsdp, zero3 and hsdp alone"
-    if offload != "none" and offload_device != "cpu":
-        return f"offload_device={offload_device!r}: FSDP2's CPUOffloadPolicy offloads to the CPU only"
-    if allreduce != "native":
-        return (f"allreduce={allreduce!r}: torch's DDP all-reduces each bucket with the process group's own "
-                "all-reduce (gloo's or NCCL's algorithm), so our algorithms have no place in it; use "
-                "allreduce='native'")
-    if reduce_dtype is not None and reduce_dtype not in COMPRESS_HOOKS:
-        return (f"reduce_dtype={reduce_dtype!r}: torch's DDP sends gradients in float16 or bfloat16 only "
-                "(fp16_compress_hook, bf16_compress_hook)")
-    return None
+    return option_refusal(offload=getattr(strategy, "offload", "none"),
+                          offload_device=getattr(strategy, "offload_device", "cpu"),
+                          allreduce=getattr(strategy, "allreduce", "native"),
+                          reduce_dtype=getattr(strategy, "reduce_dtype", None),
+                          fsdp_alone=row in (TorchFSDP, TorchHSDP))  # sw.Parallel(zero=3) runs as tp, then FSDP2
 
 
 def synced_batchnorm(model: nn.Module, strategy: Strategy, topo: Topology) -> nn.Module:
@@ -210,5 +181,4 @@ def synced_batchnorm(model: nn.Module, strategy: Strategy, topo: Topology) -> nn
     return model
 
 
-__all__ = ["CUDA_ONLY", "ENGINES", "NO_TORCH_ENGINE", "WRAPPER_OF", "engine_for", "refuse_torch",
-           "refuse_torch_cp", "synced_batchnorm"]
+__all__ = ["CUDA_ONLY", "ENGINES", "NO_TORCH_ENGINE", "WRAPPER_OF", "engine_for", "refuse_torch", "synced_batchnorm"]

@@ -4,8 +4,7 @@
 """
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,41 +13,29 @@ from torch import nn
 
 from shardwise.checkpoint.held import Held
 from shardwise.comm.topology import Topology
-from shardwise.dims import DP, PP, TP
-from shardwise.parallel.dp.torch_dp import composed_mesh
+from shardwise.dims import DP, PP
 from shardwise.parallel.dtensor import full
-from shardwise.parallel.pp.build import PipelineModel, build_pipeline, exchange_stages
-from shardwise.parallel.pp.schedules import schedule_facts, shape_of
-from shardwise.parallel.pp.torch_pp import (
-    TorchPipeline,
-    ddp_chunks,
-    fsdp_chunks,
-    torch_schedule_refusal,
-)
+from shardwise.parallel.pp.build import PipelineModel, exchange_stages
+from shardwise.parallel.pp.torch_pp import TorchPipeline, refuse_schedule
+from shardwise.parallel.torch_parallelize import torch_parallelize_pipeline
 from shardwise.parallel.tp.plans import resolve_plan
-from shardwise.parallel.tp.torch_tp import clip_grad_norm_
+from shardwise.parallel.tp.torch_tp import clip_grad_norm_, refuse_ddp_over_tp, refuse_plan
 from shardwise.step import LossFn, OptimizerFactory, StepRun
 from shardwise.strategies.base import SplitsModel
 from shardwise.strategies.parallel import Parallel, unsplit_named
-from shardwise.strategies.torch_engine.wrappers import (
-    TorchDTensors,
-    held_named,
-    refuse_ddp_over_tp,
-    refuse_plan,
-    split_tp,
-)
+from shardwise.strategies.torch_engine.wrappers import TorchDTensors, held_named
 
 
 @dataclass
 class TorchPP(TorchDTensors[Parallel], SplitsModel):
     """``strategy="pp"`` and ``sw.Parallel(pp=N, ...)`` under ``torch.distributed.pipelining``
-    (:mod:`shardwise.parallel.pp.torch_pp`): our pipeline's split (:func:`~shardwise.parallel.pp.build.build_pipeline`:
-    the same stages, names and tied copies), each chunk a torch ``PipelineStage`` run by torch's schedule for
-    ours. torchtitan's order within a stage: tp (``parallelize_module`` on the stage's modules), then over dp
-    torch's DDP (``zero=0``; ``zero=1``: ``ZeroRedundancyOptimizer`` over each stage's dp ranks) or FSDP2
-    (``zero=3``; ``zero=2`` without resharding after the forward). What reads the split model (parameter groups,
-    evaluation's forward) is our PP's, on the same model; the full state, the checkpoint's keys and clipping by the
-    global norm read its DTensors."""
+    (:mod:`shardwise.parallel.pp.torch_pp`), built in :mod:`shardwise.parallel.torch_parallelize`'s order: our
+    pipeline's split (:func:`~shardwise.parallel.pp.build.build_pipeline`: the same stages, names and tied
+    copies), each chunk a torch ``PipelineStage`` run by torch's schedule for ours; within a stage tp
+    (``parallelize_module`` on the stage's modules), then over dp torch's DDP (``zero=0``; ``zero=1``:
+    ``ZeroRedundancyOptimizer`` over each stage's dp ranks, built here) or FSDP2 (``zero=3``; ``zero=2`` without
+    resharding after the forward). What reads the split model (parameter groups, evaluation's forward) is our PP's,
+    on the same model; the full state, the checkpoint's keys and clipping by the global norm read its DTensors."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -58,9 +45,9 @@ class TorchPP(TorchDTensors[Parallel], SplitsModel):
     def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int,
                     backend: str = "gloo") -> None:
         super().check_model(model, devices, batch_size, accumulate_grad_batches, backend)
-        of = self.of
-        if self.layout(devices).tp > 1:
-            refuse_ddp_over_tp(self.name, self.layout(devices), of.zero)
+        of, layout = self.of, self.layout(devices)
+        if layout.tp > 1:
+            refuse_ddp_over_tp(self.name, layout.dp, layout.tp, of.zero)
             refuse_plan(self.name, resolve_plan(of.tensor_parallel_plan(), model), model, False)
         self._check_torch_schedule(devices, batch_size, accumulate_grad_batches)
 
@@ -69,48 +56,19 @@ class TorchPP(TorchDTensors[Parallel], SplitsModel):
         of = self.of
         p = self.layout(devices).pp
         m = of.effective_microbatches(batch_size // of.batch_shards(devices), p, accumulate_grad_batches)
-        why = torch_schedule_refusal(of.schedule, p, m)
-        if why is not None:
-            raise ValueError(f"engine='torch' cannot run strategy {self.name!r} with schedule={of.schedule!r}: "
-                             f"{why}; engine='shardwise' runs it")
+        refuse_schedule(self.name, of.schedule, p, m)
 
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
         self.check_setup(model)
         of = self.of
-        tp_split = functools.partial(split_tp, plan=of.tensor_parallel_plan(), topo=topo)
-        pm = build_pipeline(model.to(topo.device), topo, of.split_points, of.n_chunks(), of.tied,
-                            tp_split if topo.size(TP) > 1 else None, shape=shape_of(of.schedule))
-        self.pipe = TorchPipeline(pm, topo, of.schedule, self.stage_data(topo),
-                                  topo.group(DP) if self.averages_after(topo) else None)
+        self.pipe = torch_parallelize_pipeline(model, topo, of.tensor_parallel_plan(), of.split_points, of.n_chunks(),
+                                               of.tied, of.schedule, of.data_options())
+        pm = self.pipe.pm
         base = optimizer_fn(pm.parameters())
         if of.zero != 1 or topo.size(DP) == 1:
             return pm, base
         return pm, self.partitioned(pm, optimizer_fn, base, topo)  # each stage's parameters over its dp ranks
-
-    def averages_after(self, topo: Topology) -> bool:
-        """Whether the gradients are averaged over dp after the schedule rather than by torch's DDP: a zero-bubble
-        schedule's weight backwards come after the last micro-batch's input backward, where torch's stage
-        starts DDP's reduction, whose buckets they would miss (FSDP2, ``zero=3``, reduces after all of them)."""
-        of = self.of
-        return topo.size(DP) > 1 and of.zero <= 1 and schedule_facts(of.schedule).split_backward
-
-    def stage_data(self, topo: Topology) -> Callable[[PipelineModel], list[nn.Module]] | None:
-        """How :class:`TorchPipeline` puts the chunks under dp: FSDP2 (``zero`` 2 or 3, on the mesh of
-        :class:`TorchTP`'s, HSDP's with replicas), torch's DDP (``zero`` 0 or 1), or nothing (dp = 1, or averaged
-        after the schedule)."""
-        of = self.of
-        if topo.size(DP) == 1 or self.averages_after(topo):
-            return None
-        if of.zero >= 2:  # zero=2: FSDP2 without resharding after the forward, as TorchZeRO2
-            # A split backward's weight half needs the unsharded parameters its input half saw: resharded after
-            # the forward, zbv's gradients came out wrong (2 steps of our GPT: the second loss 3e-3 off one
-            # device's). torchtitan's default keeps them unsharded under any pipeline (reshard_after_forward =
-            # not pp_enabled), to spare an all-gather per micro-batch; here the Parallel's option decides elsewhere.
-            keep = schedule_facts(of.schedule).split_backward or of.zero == 2
-            return functools.partial(fsdp_chunks, mesh=composed_mesh(topo, of.replicate), wrap=of.wrap,
-                                     reshard_after_forward=of.reshard_after_forward and not keep)
-        return functools.partial(ddp_chunks, topo=topo, bucket_cap_mb=of.bucket_cap_mb)
 
     def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
                    topo: Topology, run: StepRun = StepRun()) -> torch.Tensor | None:

@@ -41,7 +41,8 @@
 The options around the engine map to torch's where they mean the same: ``offload="all"`` is FSDP2's
 ``CPUOffloadPolicy`` (:meth:`TorchFSDP.offload_policy`), a meta-device model is initialised into FSDP2's shards
 or DDP's whole tensors (:mod:`shardwise.parallel.dp.torch_meta`), and DDP's ``reduce_dtype`` is torch's compress
-hook of that dtype (:data:`COMPRESS_HOOKS`).
+hook of that dtype (:data:`~shardwise.parallel.dp.torch_dp.COMPRESS_HOOKS`). The order in which the compositions
+are built (pipeline split, tp, then FSDP2 or DDP) is :mod:`shardwise.parallel.torch_parallelize`'s.
 
 Everything else is refused before any process starts, naming what runs it, by
 :mod:`shardwise.strategies.torch_engine.choice`; so are the three CUDA-only engines on CPU, with the reason. The
@@ -62,14 +63,13 @@ from typing import Any, ClassVar, Generic, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.checkpoint.held import Held, named_state
 from shardwise.comm.topology import Topology
-from shardwise.dims import DP, DP_CP, DP_SHARD, TP
+from shardwise.dims import DP, DP_CP, DP_SHARD
 from shardwise.layout import TORCH, RunLayout
 from shardwise.optim.param_groups import GroupedFactory
 from shardwise.parallel.accounting import with_optimizer_states
@@ -78,14 +78,16 @@ from shardwise.parallel.cp.torch_cp import (
     TorchContextParallel,
     cp_mesh,
     dp_shard_cp_mesh,
+    refuse_float64,
 )
 from shardwise.parallel.dp.fsdp_units import unit_modules
 from shardwise.parallel.dp.threaded import DataParallelModule
 from shardwise.parallel.dp.torch_dp import (
-    composed_mesh,
+    compress_gradients,
     dp_mesh,
     fully_shard_units,
     hsdp_mesh,
+    refuse_reduce_dtype,
     torch_ddp,
     zero_redundancy,
 )
@@ -95,13 +97,13 @@ from shardwise.parallel.dtensor import (
     full,
     local,
 )
+from shardwise.parallel.torch_parallelize import torch_parallelize_tp
 from shardwise.parallel.tp.plans import Plan, resolve_plan
 from shardwise.parallel.tp.torch_tp import (
-    apply_torch_tp,
     clip_grad_norm_,
     on_tp_mesh,
-    torch_plan_refusal,
-    tp_mesh,
+    refuse_ddp_over_tp,
+    refuse_plan,
     tp_slice,
 )
 from shardwise.step import LossFn, OptimizerFactory, StepRun, unwrap
@@ -195,10 +197,7 @@ class TorchDDP(TorchEngine[S]):
     def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int,
                     backend: str = "gloo") -> None:
         super().check_model(model, devices, batch_size, accumulate_grad_batches, backend)
-        if getattr(self.of, "reduce_dtype", None) == "bfloat16" and backend != "nccl":
-            raise ValueError(f"engine='torch' cannot run DDP(reduce_dtype='bfloat16') on {backend}: torch's "
-                             "bf16_compress_hook runs only with NCCL 2.10+ on CUDA (or XCCL); use "
-                             "reduce_dtype='float16', or engine='shardwise'")
+        refuse_reduce_dtype(getattr(self.of, "reduce_dtype", None), backend)
 
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -208,9 +207,7 @@ class TorchDDP(TorchEngine[S]):
         model = model.to(topo.device)
         ddp = torch_ddp(model, topo, getattr(self.of, "bucket_cap_mb", None),
                         getattr(self.of, "find_unused_parameters", False))
-        hook = COMPRESS_HOOKS.get(getattr(self.of, "reduce_dtype", None) or "")
-        if hook is not None:
-            ddp.register_comm_hook(topo.group(DP), getattr(default_hooks, hook))
+        compress_gradients(ddp, topo, getattr(self.of, "reduce_dtype", None))
         return ddp, optimizer_fn(model.parameters())
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
@@ -348,14 +345,10 @@ class TorchTP(TorchDTensors[tp_strategy.TP | Parallel]):
     def setup(self, model: nn.Module, optimizer_fn: OptimizerFactory,
               topo: Topology) -> tuple[nn.Module, torch.optim.Optimizer]:
         self.check_setup(model)
-        model = model.to(topo.device)
-        split_tp(model, None, self.of.tensor_parallel_plan(), topo, self.sequence_parallel())
         of = self.of
-        if topo.size(DP) > 1 and isinstance(of, Parallel):  # (a TP strategy's dp is 1)
-            # torchtitan's order: tp first, then FSDP2 over dp on the same root mesh.
-            units = unit_modules(model, of.wrap)
-            # zero=2: FSDP2 without resharding after the forward, as TorchZeRO2.
-            fully_shard_units(units, composed_mesh(topo, of.replicate), of.reshard_after_forward and of.zero == 3)
+        data = of.data_options() if isinstance(of, Parallel) else None  # a TP strategy's dp is 1
+        model = torch_parallelize_tp(model.to(topo.device), topo, of.tensor_parallel_plan(), self.sequence_parallel(),
+                                     data)
         return model, optimizer_fn(model.parameters())
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
@@ -371,40 +364,12 @@ class TorchTP(TorchDTensors[tp_strategy.TP | Parallel]):
     def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int,
                     backend: str = "gloo") -> None:
         super().check_model(model, devices, batch_size, accumulate_grad_batches, backend)
-        refuse_ddp_over_tp(self.name, self.layout(devices), getattr(self.of, "zero", 0))
+        layout = self.layout(devices)
+        refuse_ddp_over_tp(self.name, layout.dp, layout.tp, getattr(self.of, "zero", 0))
         refuse_plan(self.name, self.plan(model), model, self.sequence_parallel())
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float, topo: Topology) -> torch.Tensor:
         return clip_grad_norm_(list(model.parameters()), max_norm)
-
-
-def refuse_ddp_over_tp(name: str, layout: RunLayout, zero: int, runs: str = "zero=2 or 3") -> None:
-    """Refuse dp > 1 over tp > 1 with torch's DDP (zero=0) or ZeroRedundancyOptimizer under it (zero=1), naming
-    the ``zero`` that ``runs``; Parallel's dp=-1 can leave ranks over for dp, which only the devices tell."""
-    if layout.dp > 1 and layout.tp > 1 and zero in (0, 1):
-        raise ValueError(f"engine='torch' runs strategy {name!r} with dp > 1 over tp > 1 only with {runs} (tp, "
-                         f"then FSDP2 over dp), not zero={zero}: torch's DDP refuses tp's DTensor parameters over a "
-                         "process group (c10d.broadcast_ has no DTensor sharding strategy), and over a device mesh "
-                         "turns them into plain local tensors (torch's interim DDP + tp transform), which hides "
-                         "their tp layout from the checkpoint and the clip; engine='shardwise' runs it")
-
-
-def refuse_plan(name: str, plan: Plan, model: nn.Module, sequence_parallel: bool) -> None:
-    why = torch_plan_refusal(plan, sequence_parallel)
-    if why is not None:
-        raise ValueError(f"engine='torch' cannot run strategy {name!r} on {type(model).__name__}: {why}; "
-                         "engine='shardwise' runs it")
-
-
-def split_tp(model: nn.Module, keep: Callable[[str], bool] | None, plan: Any, topo: Topology,
-              sequence_parallel: bool = False) -> nn.Module:
-    """torch's tp with our ``plan`` (checked on the model first) over ``topo``'s tp mesh: on the whole model
-    (``keep`` None), or on the modules of this rank's stage(s) (:func:`build_pipeline`'s transform, before the
-    cut)."""
-    resolved = resolve_plan(plan, model)
-    if resolved.check is not None:
-        resolved.check(model, topo.size(TP))
-    return apply_torch_tp(model, resolved, tp_mesh(topo), sequence_parallel, keep)
 
 
 @dataclass
@@ -433,11 +398,7 @@ class TorchCP(TorchFSDP[Parallel]):
     def check_model(self, model: nn.Module, devices: int, batch_size: int, accumulate_grad_batches: int,
                     backend: str = "gloo") -> None:
         super().check_model(model, devices, batch_size, accumulate_grad_batches, backend)
-        if any(p.dtype == torch.float64 for p in model.parameters()):
-            raise ValueError(f"engine='torch' cannot run strategy {self.name!r} on a float64 model: torch's ring "
-                             "attention has forms of SDPA's flash, efficient and cuDNN kernels only, and none takes "
-                             "float64 (efficient: float32 and half; flash, cuDNN: half); use float32 or half "
-                             "precision, or engine='shardwise'")
+        refuse_float64(self.name, model)
 
     def sharded(self) -> bool:
         """FSDP2 over dp_shard x cp (``zero=3``), else torch's DDP over dp x cp."""
@@ -501,12 +462,5 @@ def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-# DDP(reduce_dtype=...) -> torch's DDP communication hook (torch.distributed.algorithms.ddp_comm_hooks
-# .default_hooks) that sends gradients in that dtype: the bucket cast, divided by the world size, summed, widened
-# back. Ours divides before the cast: the same numbers wherever the division is exact (a power-of-two world,
-# outside float16's subnormals).
-COMPRESS_HOOKS = {"float16": "fp16_compress_hook", "bfloat16": "bf16_compress_hook"}
-
-
-__all__ = ["COMPRESS_HOOKS", "TorchCP", "TorchDDP", "TorchDP", "TorchDTensors", "TorchEngine", "TorchFSDP", "TorchHSDP",
-           "TorchTP", "TorchZeRO1", "TorchZeRO2", "held_named", "refuse_ddp_over_tp", "refuse_plan", "split_tp"]
+__all__ = ["TorchCP", "TorchDDP", "TorchDP", "TorchDTensors", "TorchEngine", "TorchFSDP", "TorchHSDP", "TorchTP",
+           "TorchZeRO1", "TorchZeRO2", "held_named"]
