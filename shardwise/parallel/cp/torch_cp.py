@@ -49,9 +49,9 @@ from shardwise.parallel.cp.attention import RING
 RING_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
 TORCH_HF_ATTENTION = "shardwise_torch_cp"  # transformers' "sdpa" function, registered under this name, no mask
 # Why torch's context parallelism runs on CUDA only (torch 2.13; refused on CPU before any process starts).
-CUDA_ONLY = ("torch's context_parallel runs its ring attention through SDPA's flash, efficient and cuDNN kernels, "
-             "which are CUDA's, and has no sharding strategy for the CPU's "
-             "(aten._scaled_dot_product_flash_attention_for_cpu)")
+CONTEXT_PARALLEL_CUDA_ONLY = ("torch's context_parallel runs its ring attention through SDPA's flash, efficient and "
+                              "cuDNN kernels, which are CUDA's, and has no sharding strategy for the CPU's "
+                              "(aten._scaled_dot_product_flash_attention_for_cpu)")
 
 
 def refuse_torch_cp(cp_mode: str, *, tp: int, pp: int, replicate: int, zero: int, sequence_parallel: bool) -> None:
@@ -190,5 +190,5 @@ def _hf_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: t
     return sdpa_attention_forward(module, query, key, value, None, **kwargs)
 
 
-__all__ = ["CUDA_ONLY", "RING_KERNELS", "TORCH_HF_ATTENTION", "TorchContextParallel", "cp_mesh", "dp_shard_cp_mesh",
-           "positions_of", "refuse_float64", "refuse_torch_cp", "sequence_copies", "use_torch_sdpa"]
+__all__ = ["CONTEXT_PARALLEL_CUDA_ONLY", "RING_KERNELS", "TORCH_HF_ATTENTION", "TorchContextParallel", "cp_mesh",
+           "dp_shard_cp_mesh", "positions_of", "refuse_float64", "refuse_torch_cp", "sequence_copies", "use_torch_sdpa"]

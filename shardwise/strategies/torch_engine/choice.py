@@ -17,8 +17,7 @@ from torch import nn
 from shardwise.comm.topology import Topology
 from shardwise.dims import DP
 from shardwise.layout import ENGINES, SHARDWISE
-from shardwise.parallel.cp import torch_cp
-from shardwise.parallel.cp.torch_cp import refuse_torch_cp
+from shardwise.parallel.cp.torch_cp import CONTEXT_PARALLEL_CUDA_ONLY, refuse_torch_cp
 from shardwise.parallel.dp.sync_bn import convert_sync_batchnorm
 from shardwise.parallel.dp.torch_dp import (
     DATA_PARALLEL_CUDA_ONLY,
@@ -58,7 +57,7 @@ NO_TORCH_ENGINE: dict[type[Strategy], str] = {ParameterServer: "a parameter serv
                                               NaiveMP: "naive model parallelism (layers placed on devices)"}
 # What torch runs on CUDA only, and why not on CPU (each reason written beside its engine; refused on CPU before
 # any process starts).
-CUDA_ONLY = {"context parallelism": torch_cp.CUDA_ONLY, "strategy 'dp'": DATA_PARALLEL_CUDA_ONLY,
+CUDA_ONLY = {"context parallelism": CONTEXT_PARALLEL_CUDA_ONLY, "strategy 'dp'": DATA_PARALLEL_CUDA_ONLY,
              "sync_batchnorm": SYNC_BATCHNORM_CUDA_ONLY}
 
 
