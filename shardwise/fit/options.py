@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +22,7 @@ from shardwise import loggers as loggers_mod
 from shardwise import precision as precision_mod
 from shardwise.checkpoint import store as checkpoint
 from shardwise.comm.topology import accelerator_name, uses_cuda
-from shardwise.data import loader_options
+from shardwise.data import as_source, loader_options
 from shardwise.extras import installed, message
 from shardwise.fit.callbacks import check_callbacks
 from shardwise.fit.profiler import PROFILERS
@@ -32,9 +31,6 @@ from shardwise.layout import RunLayout
 from shardwise.strategies.base import Strategy, compile_backend
 from shardwise.strategies.registry import resolve
 from shardwise.strategies.torch_engine.choice import engine_for
-
-# Builds the run's learning-rate schedule from its optimizer, e.g. partial(lr_scheduler.OneCycleLR, ...).
-SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 
 @dataclass(frozen=True)
@@ -97,6 +93,13 @@ class FitOptions:
     def val_batches(self) -> int | None:
         """How many global batches a validation reads (None: the whole set)."""
         return 1 if self.fast_dev_run else self.limit_val_batches
+
+    def epoch_steps(self, dataset: Any, batch_size: int) -> int | None:
+        """Optimizer steps an epoch: ``len(dataset) // batch_size`` whole global batches; None without a length."""
+        try:
+            return len(as_source(dataset).dataset) // batch_size or None
+        except TypeError:
+            return None
 
     @property
     def on_cuda(self) -> bool:
@@ -349,4 +352,4 @@ def _launcher_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-__all__ = ["FitOptions", "SchedulerFactory", "auto_devices", "gpus_given", "profiling", "run_loggers"]
+__all__ = ["FitOptions", "auto_devices", "gpus_given", "profiling", "run_loggers"]

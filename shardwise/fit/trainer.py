@@ -35,6 +35,7 @@ from shardwise.fit.job import (
 )
 from shardwise.fit.options import FitOptions
 from shardwise.fit.replicas import fit_replicas
+from shardwise.fit.schedule import check_epochs, check_monitor
 from shardwise.ft.options import FaultTolerance
 from shardwise.init_from import InitFrom, OwnInit, materialize
 from shardwise.loggers import Logger, check_hparams
@@ -258,7 +259,12 @@ class Trainer:
         ``lr_scheduler``: a factory taking the optimizer, e.g.
         ``functools.partial(torch.optim.lr_scheduler.OneCycleLR, max_lr=1e-2, total_steps=100)``;
         stepped once per optimizer step (a skipped step included), the same under
-        every strategy, and restored on resume by replaying that many steps.
+        every strategy, and restored on resume by replaying that many steps. It may return Lightning's dict
+        instead: ``{"scheduler": s, "interval": "step" | "epoch", "frequency": n, "monitor": name}`` (a function
+        defined at module level, to reach spawned ranks): ``"epoch"`` steps after every ``n``-th epoch. A
+        ``ReduceLROnPlateau`` steps after every validation on ``monitor`` (default ``"val_loss"``; any
+        ``val_metrics`` name), with rank 0's value on every rank, and is replayed on resume from the validation
+        history the checkpoint holds (:mod:`shardwise.fit.schedule`).
 
         ``dataset``: a map-style dataset (``len`` and index) or an iterable one (``IterableDataset``: each
         data-parallel rank keeps its positions of every global batch of the stream); samples are
@@ -304,11 +310,14 @@ class Trainer:
         data = self._source(dataset, inputs, num_workers, collate_fn, pin_memory)
         max_steps = 1 if self.options.fast_dev_run else run_steps(max_steps, self.options.max_epochs, dataset,
                                                                   batch_size)  # type: ignore[arg-type]
-        info, groups = validate(self.options, model, data, batch_size, max_steps, optimizer, loss_fn, lr_scheduler,  # type: ignore[arg-type]
-                                param_groups)
+        info, groups, when = validate(self.options, model, data, batch_size, max_steps, optimizer, loss_fn,  # type: ignore[arg-type]
+                                      lr_scheduler, param_groups)
         init = InitFrom.checked(init_from, init_allow_missing, model)
         val = check_fit_options(self.options, model, loss_fn, data, batch_size, val_dataset, val_every, val_metrics,  # type: ignore[arg-type]
                                 val_batch_size, checkpoint_best, step)
+        if when is not None:
+            check_monitor(when, val.names if val is not None else None)
+            check_epochs(when, self.options.epoch_steps(dataset, batch_size))  # type: ignore[arg-type]
         job = Job(self.options, model, data, loss_fn, optimizer, batch_size, max_steps, info, lr_scheduler, val,  # type: ignore[arg-type]
                   groups, step, init, return_state_dict, hparams=check_hparams(hparams))
         return self._trained(job, model)
