@@ -169,8 +169,16 @@ def check_groups(t: FitOptions, probe: torch.optim.Optimizer, groups: GroupPlan)
                          "'zero1'/'zero2' or 'fsdp', which carry each group onto the pieces of its parameters")
 
 
-def run_steps(max_steps: int | None, max_epochs: int | None, dataset: Any, batch_size: int) -> int:
-    """The run's optimizer steps: ``max_steps``, or ``max_epochs`` passes of whole global batches, or the fewer."""
+def run_steps(t: FitOptions, max_steps: int | None, data: DataSource, batch_size: int) -> int:
+    """The run's optimizer steps: ``max_steps``, or ``max_epochs`` passes of whole global batches (those
+    ``limit_train_batches`` keeps), or the fewer."""
+    if t.limit_train_batches is not None and data.streaming:
+        name = "overfit_batches" if t.overfit_batches is not None else "limit_train_batches"
+        raise ValueError(f"{name} needs a map-style dataset (len and index): an iterable dataset is read as one "
+                         "stream; bound the run with fit(max_steps=) instead")
+    max_epochs, dataset = t.max_epochs, data.dataset
+    if t.limit_train_batches is not None:
+        t.epoch_steps(dataset, batch_size)  # a fraction that keeps no batch is refused here
     if max_steps is None and max_epochs is None:
         raise TypeError("say how long to train: fit(..., max_steps=N) optimizer steps, or Trainer(max_epochs=N) "
                         "passes over the dataset")
@@ -182,10 +190,10 @@ def run_steps(max_steps: int | None, max_epochs: int | None, dataset: Any, batch
         raise ValueError(f"Trainer(max_epochs={max_epochs}) needs the dataset's length, and this "
                          f"{type(dataset).__name__} has no __len__: give it one (its samples per pass), or train for "
                          "fit(max_steps=N) optimizer steps") from None
-    per_epoch = samples // batch_size
-    if per_epoch < 1:
+    if samples // batch_size < 1:
         raise ValueError(f"an epoch of {samples} samples holds no whole global batch of batch_size={batch_size}; "
                          "lower batch_size or use more data")
+    per_epoch: int = t.epoch_steps(dataset, batch_size)  # type: ignore[assignment]
     return min(max_epochs * per_epoch, max_steps) if max_steps is not None else max_epochs * per_epoch
 
 
@@ -306,7 +314,7 @@ def check_fit_options(trainer: FitOptions, model: nn.Module, loss_fn: LossFn | N
     val = make_validation(val_data, val_every, val_metrics, val_batch_size, checkpoint_best, batch_size,
                           trainer.checkpoint_dir, strat)
     if val is not None:
-        val.limit = trainer.val_batches  # (fast_dev_run, limit_val_batches)
+        val.limit = trainer.val_batches(val_dataset, val.batch_size)  # (fast_dev_run, limit_val_batches)
     if val is not None and not launch.follower():  # runs the model on meta: rank 0's verdict is every rank's
         check_validation(model, loss_fn, val)  # type: ignore[arg-type]
     for cb in trainer.callbacks:

@@ -53,6 +53,7 @@ class StepHost(Protocol):
     training_step: TrainingStep | None  # fit(training_step=): the step's loss instead of loss_fn
     batch_size: int
     max_steps: int
+    epoch_len: int | None  # optimizer steps an epoch (Trainer(limit_train_batches=) included); None: no length
     schedule: Schedule | None  # the run's lr schedule (fit(lr_scheduler=)), replayed to where a resumed run stands
     stop_reason: str | None
     activation_bytes: int
@@ -81,7 +82,7 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
     source = as_source(job.dataset)
     end = len(prev) if job.stop_reason is not None else job.max_steps  # a stopped run stays stopped
     data = source.train_batches(job.batch_size, shards, shard, seed=t.seed, start=len(prev), stop=end,
-                                shuffle=t.shuffle)
+                                shuffle=t.shuffle, epoch=job.epoch_len)
     losses: list[float] = []  # floats, not tensors: a long run must not accumulate tensor objects
     times: list[float] = []
     state_bytes: dict[str, int] = {}

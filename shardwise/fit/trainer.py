@@ -66,7 +66,14 @@ class Trainer:
         gradient_clip_algorithm: ``"norm"`` (the default) or ``"value"``.
         fast_dev_run: a smoke test of the script: one optimizer step and one validation batch, with no
             checkpoint, logger or profiler (nothing is written under ``checkpoint_dir``).
-        limit_val_batches: validate on the first this many global batches of ``val_dataset`` only.
+        limit_val_batches: validate on the first this many global batches of ``val_dataset`` only (a float: that
+            fraction of its batches, rounded down).
+        limit_train_batches: an epoch is the first this many global batches of its order (a float: that fraction
+            of the epoch's whole batches, rounded down); ``max_epochs`` counts such epochs, and per-epoch hooks and
+            schedules follow them. A map-style dataset only.
+        overfit_batches: train on the same first global batches every epoch, in the dataset's own order (as
+            ``shuffle=False``), and validate on as many (unless ``limit_val_batches`` is given): a model that
+            cannot drive their loss down has a bug. An int or a fraction, as ``limit_train_batches``.
         detect_anomaly: torch's anomaly detection in the ranks' backward (slow): the operation whose backward
             produced a NaN is named, with the forward's traceback.
         seed: seeds the data order, and Python's ``random``, numpy and torch on every rank before the model is
@@ -200,7 +207,8 @@ class Trainer:
                  fault_tolerance: bool | FaultTolerance | None = None,
                  sample_ledger: str | os.PathLike[str] | None = None, deterministic: bool = False,
                  shuffle: bool = True, gradient_clip_algorithm: str = "norm", fast_dev_run: bool = False,
-                 limit_val_batches: int | None = None, detect_anomaly: bool = False) -> None:
+                 limit_val_batches: int | float | None = None, detect_anomaly: bool = False,
+                 limit_train_batches: int | float | None = None, overfit_batches: int | float | None = None) -> None:
         self.options = FitOptions.build(
             strategy, devices, accelerator, accumulate_grad_batches=accumulate_grad_batches,
             gradient_clip_val=gradient_clip_val, seed=seed, progress=progress, metrics_path=metrics_path,
@@ -213,7 +221,8 @@ class Trainer:
             profile_steps=profile_steps, profiler_dir=profiler_dir, engine=engine, checkpoint_async=checkpoint_async,
             compile=compile, fault_tolerance=fault_tolerance, sample_ledger=sample_ledger,
             deterministic=deterministic, shuffle=shuffle, gradient_clip_algorithm=gradient_clip_algorithm,
-            fast_dev_run=fast_dev_run, limit_val_batches=limit_val_batches, detect_anomaly=detect_anomaly)
+            fast_dev_run=fast_dev_run, limit_val_batches=limit_val_batches, detect_anomaly=detect_anomaly,
+            limit_train_batches=limit_train_batches, overfit_batches=overfit_batches)
         o = self.options
         if o.devices == 1 and not isinstance(o.strategy, (Single, OwnDevices)):
             # Trainer("ddp") alone used to run one process without a word: nothing is split then.
@@ -308,8 +317,7 @@ class Trainer:
         """
         step = check_step(self.options, loss_fn, training_step, optimizer, batch_size, val_dataset)
         data = self._source(dataset, inputs, num_workers, collate_fn, pin_memory)
-        max_steps = 1 if self.options.fast_dev_run else run_steps(max_steps, self.options.max_epochs, dataset,
-                                                                  batch_size)  # type: ignore[arg-type]
+        max_steps = 1 if self.options.fast_dev_run else run_steps(self.options, max_steps, data, batch_size)  # type: ignore[arg-type]
         info, groups, when = validate(self.options, model, data, batch_size, max_steps, optimizer, loss_fn,  # type: ignore[arg-type]
                                       lr_scheduler, param_groups)
         init = InitFrom.checked(init_from, init_allow_missing, model)
