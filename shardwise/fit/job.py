@@ -24,15 +24,15 @@ from shardwise.checkpoint import store as checkpoint
 from shardwise.checkpoint.background import Finished, Saver
 from shardwise.comm.topology import Topology
 from shardwise.fit import profiler
-from shardwise.fit.callbacks import CallbackInfo, Control, agree_stop, call, improved, load_states
+from shardwise.fit.callbacks import CallbackInfo, Control, agree_stop, call, load_states
 from shardwise.fit.callbacks import states as callback_states
 from shardwise.fit.evaluate import (
     Validation,
-    best_so_far,
     evaluate,
     history_from,
     history_tensors,
     save_best,
+    top_steps,
 )
 from shardwise.fit.options import RESUME_MODES, FitOptions
 from shardwise.fit.progress import StepLog, want_progress
@@ -396,7 +396,6 @@ class Job:
         if self.schedule is not None and self.schedule.monitor is not None:  # ReduceLROnPlateau: before any save
             metrics[self.schedule.monitor] = agreed(metrics[self.schedule.monitor], topo)
             self.schedule.validated(metrics[self.schedule.monitor])
-        before = list(self.history)
         self.history.append({"step": done, **metrics})
         if log is not None:  # the row of the step whose weights were evaluated
             log.write_validation(done - 1, {**metrics, **{f"val/{k}": v for k, v in mine.items()}})
@@ -405,12 +404,13 @@ class Job:
             print(f"shardwise: validation after step {done}/{self.max_steps}: {shown}", file=sys.stderr, flush=True)
         self.hook("on_validation_end", done, topo, metrics=dict(metrics))
         self.hook("on_validation_epoch_end", done, topo, metrics=dict(metrics))  # (Lightning's name)
-        if val.best is not None and improved(metrics[val.best[0]], best_so_far(before, val.best), val.best[1]):
-            name, mode = val.best
+        keep = top_steps(self.history, val.best, val.best_k) if val.best is not None else []
+        if done in keep:
+            name, mode = val.best  # type: ignore[misc]
             run = {**self.info, "best": {"metric": name, "mode": mode, "value": metrics[name]}}
             path = save_best(t.checkpoint_dir, lambda d: checkpoint.write(self._pending(  # type: ignore[arg-type]
                 done, prev, losses, model, opt, topo, shapes, self._extra(scaler, done, None), directory=d, run=run),
-                topo.comm("world")), topo)
+                topo.comm("world")), topo, keep)
             self.hook("on_checkpoint_saved", done, topo, path=path, kind="best")
 
     def _extra(self, scaler: precision_mod.LossScaler | None, done: int,

@@ -289,8 +289,8 @@ class Trainer:
         ``{name: fn(output, target)}``, ``fn`` returning the batch's MEAN, are averaged over the whole set
         weighting each batch by its samples: global values, equal to one device's. They go to the progress
         output, the loggers (``val/<name>``) and ``result.val_metrics``. ``checkpoint_best``
-        (``"val_loss"``, or ``(name, "min" | "max")``) keeps the best validation's checkpoint in
-        ``<checkpoint_dir>/best``.
+        (``"val_loss"``, ``(name, "min" | "max")``, or ``(name, mode, k)``: the ``k`` best) keeps the best
+        validation's checkpoint in ``<checkpoint_dir>/best``, beside the last ones.
 
         ``training_step``: ``fn(model, batch)`` computes the step's loss itself, instead of
         ``loss_fn(model(x), y)``: it gets the strategy's model (called like yours) and the collated batch as the
