@@ -127,14 +127,15 @@ class DataSource:
         return split_batch(batch, self.inputs)
 
     def train_batches(self, global_batch: int, replicas: int, rank: int, seed: int, start: int,
-                      stop: int, shuffle: bool = True) -> GlobalBatches | StreamBatches:
+                      stop: int, shuffle: bool = True, epoch: int | None = None) -> GlobalBatches | StreamBatches:
         """Rank ``rank``'s batches of steps ``start .. stop - 1`` (read with :meth:`batch`, step by step);
-        ``shuffle=False``: a map-style dataset in its own order each epoch (a stream is read in its order)."""
+        ``shuffle=False``: a map-style dataset in its own order each epoch (a stream is read in its order);
+        ``epoch``: steps an epoch of a map-style dataset, its first batches (default: every whole one)."""
         if self.streaming:
             return StreamBatches(self.dataset, global_batch, replicas, rank, seed=seed, loader=self.loader,
                                  start=start, stop=stop)
         return GlobalBatches(self.dataset, global_batch, replicas, rank, seed=seed, shuffle=shuffle,
-                             loader=self.loader, start=start, stop=stop)
+                             loader=self.loader, start=start, stop=stop, epoch=epoch)
 
     def eval_batches(self, global_batch: int, replicas: int, rank: int, seed: int) -> Iterator[tuple[Any, bool]]:
         """Every batch of an evaluation pass over the whole dataset, in order (see :func:`eval_batches`)."""
@@ -203,12 +204,12 @@ class GlobalBatches:
 
     def __init__(self, dataset: Any, global_batch: int, replicas: int, rank: int, seed: int = 0,
                  shuffle: bool = True, loader: LoaderOptions | None = None, start: int = 0,
-                 stop: int | None = None) -> None:
+                 stop: int | None = None, epoch: int | None = None) -> None:
         n = len(dataset)
         check_dataset(n, global_batch)
         self.dataset = dataset
         self.local_batch = global_batch // replicas
-        self.steps_per_epoch = n // global_batch
+        self.steps_per_epoch = min(n // global_batch, epoch or n)  # (Trainer(limit_train_batches=): the first ones)
         self.sampler = DistributedSampler(dataset, num_replicas=replicas, rank=rank, shuffle=shuffle,  # type: ignore[var-annotated]
                                           seed=seed, drop_last=False)
         self.opts = loader or LoaderOptions()

@@ -25,7 +25,8 @@ from shardwise.data import DataSource, Kwargs
 from shardwise.fit import preflight
 from shardwise.fit.callbacks import check_picklable
 from shardwise.fit.evaluate import Validation, check_validation, make_validation
-from shardwise.fit.options import RESUME_MODES, FitOptions, SchedulerFactory
+from shardwise.fit.options import RESUME_MODES, FitOptions
+from shardwise.fit.schedule import SchedulerFactory, When, unpack
 from shardwise.fit.tp_check import check_plan
 from shardwise.optim.param_groups import GroupPlan, ParamGroupsFn, check_whole, plan_groups, splits_parameters
 from shardwise.parallel.cp.apply import check_context_parallel, shard_batch
@@ -67,9 +68,10 @@ def check_step(t: FitOptions, loss_fn: LossFn | None, training_step: StepFn | No
 
 def validate(t: FitOptions, model: nn.Module, dataset: Any, batch_size: int, max_steps: int,
              optimizer: OptimizerFactory, loss_fn: LossFn | None, lr_scheduler: SchedulerFactory | None = None,
-             param_groups: ParamGroupsFn | None = None) -> tuple[dict[str, Any], GroupPlan]:
+             param_groups: ParamGroupsFn | None = None) -> tuple[dict[str, Any], GroupPlan, When | None]:
     """Everything that can be checked before any process starts or blocks; returns the run's record
-    for checkpoints (:func:`shardwise.checkpoint.run_info`) and the optimizer's parameter groups."""
+    for checkpoints (:func:`shardwise.checkpoint.run_info`), the optimizer's parameter groups and when the
+    schedule steps (None: no schedule)."""
     if max_steps < 1:
         raise ValueError(f"max_steps must be >= 1, got {max_steps}")
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -103,15 +105,14 @@ def validate(t: FitOptions, model: nn.Module, dataset: Any, batch_size: int, max
         check_running_model(t, model, batch, loss_fn)
     groups, probe = plan_groups(model, optimizer, param_groups)  # the groups, on the unsplit model
     check_groups(t, probe, groups)
-    if lr_scheduler is not None:
-        check_scheduler(lr_scheduler, probe, t.strategy)
+    when = check_scheduler(lr_scheduler, probe, t.strategy) if lr_scheduler is not None else None
     info = checkpoint.run_info(model, probe, batch_size, t.precision, groups.record())
     if t.checkpoint_dir is not None:
         checkpoint.check_directory(t.checkpoint_dir)
     check_resume(t, info, max_steps)
     if t.memory_check != "off" and not launch.follower():
         check_memory(t, model, probe, batch_size, max_steps)
-    return info, groups
+    return info, groups, when
 
 
 def check_resume(t: FitOptions, info: dict[str, Any], max_steps: int) -> None:
@@ -168,8 +169,16 @@ def check_groups(t: FitOptions, probe: torch.optim.Optimizer, groups: GroupPlan)
                          "'zero1'/'zero2' or 'fsdp', which carry each group onto the pieces of its parameters")
 
 
-def run_steps(max_steps: int | None, max_epochs: int | None, dataset: Any, batch_size: int) -> int:
-    """The run's optimizer steps: ``max_steps``, or ``max_epochs`` passes of whole global batches, or the fewer."""
+def run_steps(t: FitOptions, max_steps: int | None, data: DataSource, batch_size: int) -> int:
+    """The run's optimizer steps: ``max_steps``, or ``max_epochs`` passes of whole global batches (those
+    ``limit_train_batches`` keeps), or the fewer."""
+    if t.limit_train_batches is not None and data.streaming:
+        name = "overfit_batches" if t.overfit_batches is not None else "limit_train_batches"
+        raise ValueError(f"{name} needs a map-style dataset (len and index): an iterable dataset is read as one "
+                         "stream; bound the run with fit(max_steps=) instead")
+    max_epochs, dataset = t.max_epochs, data.dataset
+    if t.limit_train_batches is not None:
+        t.epoch_steps(dataset, batch_size)  # a fraction that keeps no batch is refused here
     if max_steps is None and max_epochs is None:
         raise TypeError("say how long to train: fit(..., max_steps=N) optimizer steps, or Trainer(max_epochs=N) "
                         "passes over the dataset")
@@ -181,10 +190,10 @@ def run_steps(max_steps: int | None, max_epochs: int | None, dataset: Any, batch
         raise ValueError(f"Trainer(max_epochs={max_epochs}) needs the dataset's length, and this "
                          f"{type(dataset).__name__} has no __len__: give it one (its samples per pass), or train for "
                          "fit(max_steps=N) optimizer steps") from None
-    per_epoch = samples // batch_size
-    if per_epoch < 1:
+    if samples // batch_size < 1:
         raise ValueError(f"an epoch of {samples} samples holds no whole global batch of batch_size={batch_size}; "
                          "lower batch_size or use more data")
+    per_epoch: int = t.epoch_steps(dataset, batch_size)  # type: ignore[assignment]
     return min(max_epochs * per_epoch, max_steps) if max_steps is not None else max_epochs * per_epoch
 
 
@@ -305,7 +314,7 @@ def check_fit_options(trainer: FitOptions, model: nn.Module, loss_fn: LossFn | N
     val = make_validation(val_data, val_every, val_metrics, val_batch_size, checkpoint_best, batch_size,
                           trainer.checkpoint_dir, strat)
     if val is not None:
-        val.limit = trainer.val_batches  # (fast_dev_run, limit_val_batches)
+        val.limit = trainer.val_batches(val_dataset, val.batch_size)  # (fast_dev_run, limit_val_batches)
     if val is not None and not launch.follower():  # runs the model on meta: rank 0's verdict is every rank's
         check_validation(model, loss_fn, val)  # type: ignore[arg-type]
     for cb in trainer.callbacks:
@@ -326,14 +335,10 @@ def check_fit_options(trainer: FitOptions, model: nn.Module, loss_fn: LossFn | N
     return val
 
 
-def check_scheduler(factory: SchedulerFactory, probe: torch.optim.Optimizer, strategy: Strategy) -> None:
-    """Before any process starts: the factory builds a per-step schedule this strategy can drive (tried on
-    the probe optimizer the other checks use)."""
+def check_scheduler(factory: SchedulerFactory, probe: torch.optim.Optimizer, strategy: Strategy) -> When:
+    """Before any process starts: the factory builds a schedule this strategy can drive (tried on the probe
+    optimizer the other checks use); returns when it steps (:mod:`shardwise.fit.schedule`)."""
     if isinstance(strategy, HasServers):
         raise ValueError(f"strategy {strategy.name!r} does not support lr_scheduler: its optimizer runs on the "
                          "server ranks, which take no part in the trainer's steps")
-    made = factory(probe)
-    if isinstance(made, torch.optim.lr_scheduler.ReduceLROnPlateau) or \
-            not isinstance(made, torch.optim.lr_scheduler.LRScheduler):
-        raise TypeError(f"lr_scheduler must build a torch.optim.lr_scheduler.LRScheduler stepped once per "
-                        f"optimizer step, got {type(made).__name__} (ReduceLROnPlateau needs a metric: not supported)")
+    return unpack(factory(probe))[1]

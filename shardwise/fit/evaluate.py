@@ -31,6 +31,7 @@ Metric names are ``val_loss`` and the keys of ``val_metrics`` as given
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 from collections.abc import Callable, Iterator, Mapping
@@ -44,7 +45,6 @@ from shardwise.comm.topology import Topology
 from shardwise.data import DataSource, batch_len, eval_batches, leaves, to_device
 from shardwise.dims import DP_CP
 from shardwise.fit import preflight
-from shardwise.fit.callbacks import improved
 from shardwise.precision import cast_batch
 from shardwise.step import LossFn, StepRun
 from shardwise.strategies.base import HasServers, Strategy
@@ -62,6 +62,7 @@ class Validation:
     every: int | None = None
     metrics: dict[str, Metric] = field(default_factory=dict)
     best: tuple[str, str] | None = None  # (metric, "min" | "max") for checkpoint_best
+    best_k: int = 1  # how many of the best validations' checkpoints are kept (checkpoint_best's third item)
     limit: int | None = None  # the first this many global batches only (Trainer(limit_val_batches=, fast_dev_run=))
 
     @property
@@ -106,14 +107,28 @@ def make_validation(data: DataSource | None, every: int | None, metrics: Mapping
     if best is not None:
         if checkpoint_dir is None:
             raise ValueError("checkpoint_best needs checkpoint_dir: the best checkpoint goes to <checkpoint_dir>/best")
-        name, mode = (best, "min") if isinstance(best, str) else tuple(best)
+        name, mode, k = best_parts(best)
         if name not in val.names:
             raise ValueError(f"checkpoint_best names {name!r}, which validation does not compute; it computes "
                              f"{', '.join(val.names)}")
         if mode not in ("min", "max"):
             raise ValueError(f"checkpoint_best mode must be 'min' or 'max', got {mode!r}")
-        val.best = (name, mode)
+        val.best, val.best_k = (name, mode), k
     return val
+
+
+def best_parts(best: Any) -> tuple[Any, Any, int]:
+    """``checkpoint_best``: a metric name (mode ``"min"``), ``(name, mode)`` or ``(name, mode, k)``."""
+    if isinstance(best, str):
+        return best, "min", 1
+    if not isinstance(best, (tuple, list)) or len(best) not in (2, 3):
+        raise ValueError(f"checkpoint_best must be a metric name, (name, 'min' | 'max') or (name, mode, k), got "
+                         f"{best!r}")
+    k = best[2] if len(best) == 3 else 1
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"checkpoint_best's k (how many of the best checkpoints to keep) must be a positive integer, "
+                         f"got {k!r}")
+    return best[0], best[1], k
 
 
 def check_validation(model: nn.Module, loss_fn: LossFn, val: Validation) -> None:
@@ -225,23 +240,24 @@ def _number(name: str, v: Any) -> torch.Tensor:
 
 
 # ---- the best checkpoint and the history in checkpoints ----------------------------------------
-def best_so_far(history: list[dict[str, float]], best: tuple[str, str]) -> float | None:
+def top_steps(history: list[dict[str, float]], best: tuple[str, str], k: int) -> list[int]:
+    """The steps of the ``k`` best validations of ``history`` by ``best`` (metric, mode); of equal values the
+    earliest first. A NaN never ranks, nor does a resumed run's validation that predates the metric."""
     name, mode = best
-    value: float | None = None
-    for h in history:
-        if name in h and improved(h[name], value, mode):  # (a resumed run's history may predate the metric)
-            value = h[name]
-    return value
+    ranked = sorted((h for h in history if name in h and not math.isnan(h[name])),
+                    key=lambda h: h[name] if mode == "min" else -h[name])  # (stable: equal values in step order)
+    return [int(h["step"]) for h in ranked[:k]]
 
 
-def save_best(directory: str, save: Callable[[str], str], topo: Topology) -> str:
+def save_best(directory: str, save: Callable[[str], str], topo: Topology, keep: list[int]) -> str:
     """Save through ``save(best_directory)`` (the run's own checkpoint save, into ``<directory>/best``) and keep
-    only that checkpoint there (an older best, or one of an earlier run with a higher step, is removed)."""
+    there only the checkpoints of the steps in ``keep`` (a worse one, or one of an earlier run, is removed)."""
     where = os.path.join(directory, "best")
     path = save(where)
     if topo.rank == 0:
+        kept = {f"step_{s:08d}" for s in keep}
         for entry in os.listdir(where):
-            if entry != os.path.basename(path):
+            if entry not in kept:
                 shutil.rmtree(os.path.join(where, entry), ignore_errors=True)
     return path
 

@@ -23,20 +23,20 @@ from shardwise import precision as precision_mod
 from shardwise.checkpoint import store as checkpoint
 from shardwise.checkpoint.background import Finished, Saver
 from shardwise.comm.topology import Topology
-from shardwise.data import as_source
 from shardwise.fit import profiler
-from shardwise.fit.callbacks import CallbackInfo, Control, agree_stop, call, improved, load_states
+from shardwise.fit.callbacks import CallbackInfo, Control, agree_stop, call, load_states
 from shardwise.fit.callbacks import states as callback_states
 from shardwise.fit.evaluate import (
     Validation,
-    best_so_far,
     evaluate,
     history_from,
     history_tensors,
     save_best,
+    top_steps,
 )
-from shardwise.fit.options import RESUME_MODES, FitOptions, SchedulerFactory
+from shardwise.fit.options import RESUME_MODES, FitOptions
 from shardwise.fit.progress import StepLog, want_progress
+from shardwise.fit.schedule import Schedule, SchedulerFactory
 from shardwise.fit.steps import count_state, global_losses, train_loop
 from shardwise.init_from import InitFrom, read_into
 from shardwise.loggers.scalars import Reducer, Scalars, recording
@@ -150,7 +150,10 @@ class Job:
         self.steps_done = len(prev)
         self.profile: dict[str, Any] | None = None  # set by the loop; a server's part is not profiled
         self.hook("on_fit_start", len(prev), topo, optimizer=opt)
-        self.epoch_len = epoch_steps(self.dataset, self.batch_size) if t.callbacks else None
+        self.epoch_len = t.epoch_steps(self.dataset, self.batch_size)
+        self.schedule = Schedule(self.lr_scheduler, opt, self.epoch_len) if self.lr_scheduler is not None else None
+        if self.schedule is not None:
+            self.schedule.restore(len(prev), self.history)
         self._epoch_edge(len(prev), topo, end=False)
         sent, received = topo.stats.sent, topo.stats.received  # after the setup: the steps' traffic follows
         with torch.autograd.set_detect_anomaly(t.detect_anomaly):
@@ -390,7 +393,9 @@ class Job:
         with recording(Scalars()) as logged:  # sw.log during validation: the row's val/<name>
             metrics = evaluate(model, t.strategy, val, self.loss_fn, topo, StepRun(t.precision), seed=t.seed)  # type: ignore[arg-type]
         mine = Reducer(topo).reduce(logged) if t.step_rows else {}
-        before = list(self.history)
+        if self.schedule is not None and self.schedule.monitor is not None:  # ReduceLROnPlateau: before any save
+            metrics[self.schedule.monitor] = agreed(metrics[self.schedule.monitor], topo)
+            self.schedule.validated(metrics[self.schedule.monitor])
         self.history.append({"step": done, **metrics})
         if log is not None:  # the row of the step whose weights were evaluated
             log.write_validation(done - 1, {**metrics, **{f"val/{k}": v for k, v in mine.items()}})
@@ -399,12 +404,13 @@ class Job:
             print(f"shardwise: validation after step {done}/{self.max_steps}: {shown}", file=sys.stderr, flush=True)
         self.hook("on_validation_end", done, topo, metrics=dict(metrics))
         self.hook("on_validation_epoch_end", done, topo, metrics=dict(metrics))  # (Lightning's name)
-        if val.best is not None and improved(metrics[val.best[0]], best_so_far(before, val.best), val.best[1]):
-            name, mode = val.best
+        keep = top_steps(self.history, val.best, val.best_k) if val.best is not None else []
+        if done in keep:
+            name, mode = val.best  # type: ignore[misc]
             run = {**self.info, "best": {"metric": name, "mode": mode, "value": metrics[name]}}
             path = save_best(t.checkpoint_dir, lambda d: checkpoint.write(self._pending(  # type: ignore[arg-type]
                 done, prev, losses, model, opt, topo, shapes, self._extra(scaler, done, None), directory=d, run=run),
-                topo.comm("world")), topo)
+                topo.comm("world")), topo, keep)
             self.hook("on_checkpoint_saved", done, topo, path=path, kind="best")
 
     def _extra(self, scaler: precision_mod.LossScaler | None, done: int,
@@ -434,12 +440,12 @@ def hf_output_capture(model: nn.Module) -> None:
         _CAN_RECORD_REGISTRY[m] = m._can_record_outputs  # type: ignore[assignment,index]
 
 
-def epoch_steps(dataset: Any, batch_size: int) -> int | None:
-    """Optimizer steps an epoch: ``len(dataset) // batch_size`` (whole global batches); None without a length."""
-    try:
-        return len(as_source(dataset).dataset) // batch_size or None
-    except TypeError:
-        return None
+def agreed(value: float, topo: Topology) -> float:
+    """Rank 0's ``value`` on every rank (one float64 broadcast): a decision taken on it, such as
+    ReduceLROnPlateau's, is the same on every rank even where a reduction's last bits could differ."""
+    t = torch.tensor([value], dtype=torch.float64, device=topo.device)
+    topo.comm("world").broadcast(t, src=0, name="metrics.monitor")
+    return float(t)
 
 
 def resume_line(path: str | None, done: int, max_steps: int) -> str:

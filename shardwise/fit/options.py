@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +22,7 @@ from shardwise import loggers as loggers_mod
 from shardwise import precision as precision_mod
 from shardwise.checkpoint import store as checkpoint
 from shardwise.comm.topology import accelerator_name, uses_cuda
-from shardwise.data import loader_options
+from shardwise.data import as_source, loader_options
 from shardwise.extras import installed, message
 from shardwise.fit.callbacks import check_callbacks
 from shardwise.fit.profiler import PROFILERS
@@ -32,9 +31,6 @@ from shardwise.layout import RunLayout
 from shardwise.strategies.base import Strategy, compile_backend
 from shardwise.strategies.registry import resolve
 from shardwise.strategies.torch_engine.choice import engine_for
-
-# Builds the run's learning-rate schedule from its optimizer, e.g. partial(lr_scheduler.OneCycleLR, ...).
-SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 
 @dataclass(frozen=True)
@@ -85,7 +81,9 @@ class FitOptions:
     shuffle: bool = True  # False: a map-style dataset is read in its own order, each epoch
     gradient_clip_algorithm: str = "norm"  # "norm": the global norm; "value": every element (Lightning's names)
     fast_dev_run: bool = False  # one step, one validation batch; no checkpoint, logger or profiler
-    limit_val_batches: int | None = None  # validate on the first this many global batches
+    limit_val_batches: int | float | None = None  # validate on the first this many global batches (or fraction)
+    limit_train_batches: int | float | None = None  # an epoch is its first this many global batches (or fraction)
+    overfit_batches: int | float | None = None  # train on the same first batches every epoch (limit_train_batches)
     detect_anomaly: bool = False  # torch.autograd's anomaly detection around the steps
 
     @property
@@ -93,10 +91,30 @@ class FitOptions:
         """``gradient_clip_val`` when it clips by norm (the step log's ``clipped`` compares with it), else None."""
         return self.gradient_clip_val if self.gradient_clip_algorithm == "norm" else None
 
-    @property
-    def val_batches(self) -> int | None:
-        """How many global batches a validation reads (None: the whole set)."""
-        return 1 if self.fast_dev_run else self.limit_val_batches
+    def val_batches(self, dataset: Any, batch_size: int) -> int | None:
+        """How many global batches a validation of ``dataset`` reads (None: the whole set)."""
+        if self.fast_dev_run or self.limit_val_batches is None:
+            return 1 if self.fast_dev_run else None
+        if isinstance(self.limit_val_batches, int):
+            return self.limit_val_batches
+        try:
+            total = -(-len(as_source(dataset).dataset) // batch_size)  # the last batch may be partial
+        except TypeError:
+            raise ValueError(f"limit_val_batches={self.limit_val_batches} is a fraction of the validation set, and "
+                             "val_dataset has no __len__: pass a number of batches") from None
+        return limited("limit_val_batches", self.limit_val_batches, total)
+
+    def epoch_steps(self, dataset: Any, batch_size: int) -> int | None:
+        """Optimizer steps an epoch: ``len(dataset) // batch_size`` whole global batches, or those
+        ``limit_train_batches`` keeps; None without a length."""
+        try:
+            whole = len(as_source(dataset).dataset) // batch_size
+        except TypeError:
+            return None
+        if self.limit_train_batches is None or whole == 0:
+            return whole or None
+        return limited("overfit_batches" if self.overfit_batches else "limit_train_batches", self.limit_train_batches,
+                       whole)
 
     @property
     def on_cuda(self) -> bool:
@@ -142,12 +160,14 @@ class FitOptions:
               compile: bool | str, fault_tolerance: bool | FaultTolerance | None = None,
               sample_ledger: str | os.PathLike[str] | None = None, deterministic: bool = False,
               shuffle: bool = True, gradient_clip_algorithm: str = "norm", fast_dev_run: bool = False,
-              limit_val_batches: int | None = None, detect_anomaly: bool = False) -> FitOptions:
+              limit_val_batches: int | float | None = None, detect_anomaly: bool = False,
+              limit_train_batches: int | float | None = None,
+              overfit_batches: int | float | None = None) -> FitOptions:
         """The Trainer's arguments, each by its name, checked: a ValueError names the first one that is wrong."""
         if fast_dev_run:  # nothing written: no checkpoint, logger, metrics file, TensorBoard or profile
             checkpoint_dir = metrics_path = tensorboard_dir = profiler = logger = None
             checkpoint_every, checkpoint_async = None, False
-        check_positive("limit_val_batches", limit_val_batches, "a positive integer (or None: the whole set)")
+        limits = batch_limits(limit_train_batches, limit_val_batches, overfit_batches, shuffle)
         strat = engine_for(resolve(strategy), engine, sync_batchnorm=sync_batchnorm,
                            cuda=uses_cuda(accelerator_name(accelerator)))
         checked_callbacks = check_callbacks(callbacks)
@@ -195,9 +215,8 @@ class FitOptions:
                    max_epochs=max_epochs, profiler=profiler, profile_steps=profiled["profile_steps"],
                    profiler_dir=profiled["profiler_dir"], loggers=tuple(loggers),
                    log_every_n_steps=log_every_n_steps, checkpoint_async=checkpoint_async, compile=compile,
-                   deterministic=deterministic, shuffle=shuffle, gradient_clip_algorithm=gradient_clip_algorithm,
-                   fast_dev_run=bool(fast_dev_run), limit_val_batches=limit_val_batches,
-                   detect_anomaly=detect_anomaly, **replicas)
+                   deterministic=deterministic, gradient_clip_algorithm=gradient_clip_algorithm,
+                   fast_dev_run=bool(fast_dev_run), detect_anomaly=detect_anomaly, **limits, **replicas)
 
 
 def check_checkpointing(every: int | None, directory: Any, in_background: bool | None, keep: int | None) -> None:
@@ -231,6 +250,35 @@ def resume_mode(value: Any) -> str:
         raise ValueError(f"resume={os.fspath(value)!r} is neither 'auto', 'never', 'must' nor a checkpoint (a "
                          "step_* directory, or a checkpoint_dir holding one)")
     return chosen
+
+
+def batch_limits(train: Any, val: Any, overfit: Any, shuffle: bool) -> dict[str, Any]:
+    """``limit_train_batches``, ``limit_val_batches`` and ``overfit_batches`` checked (Lightning's meanings: an int
+    is that many global batches, a float that fraction); ``overfit_batches`` is the first two, in the dataset's
+    own order."""
+    for name, value in (("limit_train_batches", train), ("limit_val_batches", val), ("overfit_batches", overfit)):
+        ok = (isinstance(value, int) and not isinstance(value, bool) and value >= 1) or \
+            (isinstance(value, float) and 0 < value <= 1)
+        if value is not None and not ok:
+            raise ValueError(f"{name} must be a positive integer (global batches) or a fraction in (0, 1] (or None), "
+                             f"got {value!r}")
+    if overfit is not None:
+        if train is not None:
+            raise ValueError(f"overfit_batches={overfit} trains on the same first batches every epoch, and "
+                             f"limit_train_batches={train} limits the epoch: pass one of them")
+        train, shuffle, val = overfit, False, overfit if val is None else val
+    return {"limit_train_batches": train, "limit_val_batches": val, "overfit_batches": overfit, "shuffle": shuffle}
+
+
+def limited(name: str, limit: int | float, total: int) -> int:
+    """How many of ``total`` batches a limit keeps: an int that many (at most all), a float that fraction of them
+    (rounded down, as Lightning does); none is refused."""
+    if isinstance(limit, int):
+        return min(limit, total)
+    if int(total * limit) < 1:
+        raise ValueError(f"{name}={limit} keeps no whole batch of the {total} there are: raise it, or pass a number "
+                         "of batches")
+    return int(total * limit)
 
 
 def check_positive(name: str, value: Any, what: str, optional: bool = True) -> None:
@@ -349,4 +397,4 @@ def _launcher_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-__all__ = ["FitOptions", "SchedulerFactory", "auto_devices", "gpus_given", "profiling", "run_loggers"]
+__all__ = ["FitOptions", "auto_devices", "gpus_given", "profiling", "run_loggers"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-import warnings
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -22,7 +21,7 @@ from shardwise.comm.topology import Topology
 from shardwise.data import Kwargs, as_source, leaves
 from shardwise.dims import CP, DP
 from shardwise.fit import profiler
-from shardwise.fit.options import FitOptions, SchedulerFactory
+from shardwise.fit.options import FitOptions
 from shardwise.fit.progress import (
     StepLog,
     batch_tokens,
@@ -32,6 +31,7 @@ from shardwise.fit.progress import (
     total_numel,
     want_progress,
 )
+from shardwise.fit.schedule import Schedule
 from shardwise.loggers import FAILED, SUCCESS
 from shardwise.loggers.scalars import Reducer, Scalars, recording
 from shardwise.loggers.scalars import log as log_scalar
@@ -53,7 +53,8 @@ class StepHost(Protocol):
     training_step: TrainingStep | None  # fit(training_step=): the step's loss instead of loss_fn
     batch_size: int
     max_steps: int
-    lr_scheduler: SchedulerFactory | None
+    epoch_len: int | None  # optimizer steps an epoch (Trainer(limit_train_batches=) included); None: no length
+    schedule: Schedule | None  # the run's lr schedule (fit(lr_scheduler=)), replayed to where a resumed run stands
     stop_reason: str | None
     activation_bytes: int
     restored_groups: list[dict[str, Any]] | None  # a resumed run's group hyperparameters, set after the schedule
@@ -81,7 +82,7 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
     source = as_source(job.dataset)
     end = len(prev) if job.stop_reason is not None else job.max_steps  # a stopped run stays stopped
     data = source.train_batches(job.batch_size, shards, shard, seed=t.seed, start=len(prev), stop=end,
-                                shuffle=t.shuffle)
+                                shuffle=t.shuffle, epoch=job.epoch_len)
     losses: list[float] = []  # floats, not tensors: a long run must not accumulate tensor objects
     times: list[float] = []
     state_bytes: dict[str, int] = {}
@@ -92,7 +93,6 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
     loss_fn = job.training_step or prof.loss(job.loss_fn)
     scaler = precision_mod.LossScaler() if t.precision == "16-mixed" else None
     bn_buffers = unsynced_batchnorm_buffers(model) if topo.size(DP) > 1 else []
-    sched = scheduler(job.lr_scheduler, opt, len(prev)) if job.lr_scheduler is not None else None
     # One all-reduce per step where a loss is shown (the options decide: every rank alike); servers join none.
     shows = bool(t.progress or t.loggers) and not isinstance(strat, HasServers)
     sent = dict(topo.stats.by_group)  # bytes sent so far, by group: the step log's comm_bytes are differences
@@ -127,7 +127,7 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
                 state_bytes = count_state(strat, model, opt)
             opt.zero_grad(set_to_none=True)
             prof.mark("optimizer")
-            lrs = after_update(opt, topo, bn_buffers, sched)
+            lrs = after_update(opt, topo, bn_buffers, job.schedule, step + 1)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
@@ -170,14 +170,14 @@ def skipped(on_nonfinite: str, scaler: precision_mod.LossScaler | None, opt: tor
 
 
 def after_update(opt: torch.optim.Optimizer, topo: Topology, bn_buffers: list[torch.Tensor],
-                 sched: Any) -> dict[int, float]:
-    """After the optimizer's step: rank 0's BatchNorm running statistics are every replica's (as torch DDP's),
-    and the schedule sets the next step's lrs. Returns the lrs this step used."""
+                 schedule: Schedule | None, done: int) -> dict[int, float]:
+    """After optimizer step ``done``: rank 0's BatchNorm running statistics are every replica's (as torch DDP's),
+    and the schedule, when due, sets the next step's lrs. Returns the lrs this step used."""
     for b in bn_buffers:
         topo.comm(DP).broadcast(b, src=0, name="batchnorm.buffers")
     lrs = learning_rates(opt)  # the step's own, before the schedule sets the next step's
-    if sched is not None:
-        step_schedule(sched, 1)
+    if schedule is not None:
+        schedule.stepped(done)
     return lrs
 
 
@@ -296,23 +296,6 @@ def finish_gradients(opt: torch.optim.Optimizer) -> None:
 def unsynced_batchnorm_buffers(model: nn.Module) -> list[torch.Tensor]:
     """The running statistics of BatchNorm layers that normalise with their own rank's batch."""
     return [b for m in model.modules() if isinstance(m, BatchNormBase) for b in m.buffers()]
-
-
-def scheduler(factory: SchedulerFactory, opt: torch.optim.Optimizer, done: int) -> Any:
-    """The run's schedule, advanced by the ``done`` steps a resumed run already took (a schedule is a function
-    of the step count, so replaying the count restores it exactly, under any layout)."""
-    sched = factory(opt)
-    step_schedule(sched, done)
-    return sched
-
-
-def step_schedule(sched: Any, steps: int) -> None:
-    """``steps`` steps of the schedule. torch warns when the first one comes before an optimizer step;
-    here that is meant (a replay on resume, or a step skipped for an fp16 overflow is a step all the same)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)`")
-        for _ in range(steps):
-            sched.step()
 
 
 def overflow(scaler: precision_mod.LossScaler, opt: torch.optim.Optimizer, topo: Topology) -> bool:

@@ -35,6 +35,7 @@ from shardwise.fit.job import (
 )
 from shardwise.fit.options import FitOptions
 from shardwise.fit.replicas import fit_replicas
+from shardwise.fit.schedule import check_epochs, check_monitor
 from shardwise.ft.options import FaultTolerance
 from shardwise.init_from import InitFrom, OwnInit, materialize
 from shardwise.loggers import Logger, check_hparams
@@ -65,7 +66,14 @@ class Trainer:
         gradient_clip_algorithm: ``"norm"`` (the default) or ``"value"``.
         fast_dev_run: a smoke test of the script: one optimizer step and one validation batch, with no
             checkpoint, logger or profiler (nothing is written under ``checkpoint_dir``).
-        limit_val_batches: validate on the first this many global batches of ``val_dataset`` only.
+        limit_val_batches: validate on the first this many global batches of ``val_dataset`` only (a float: that
+            fraction of its batches, rounded down).
+        limit_train_batches: an epoch is the first this many global batches of its order (a float: that fraction
+            of the epoch's whole batches, rounded down); ``max_epochs`` counts such epochs, and per-epoch hooks and
+            schedules follow them. A map-style dataset only.
+        overfit_batches: train on the same first global batches every epoch, in the dataset's own order (as
+            ``shuffle=False``), and validate on as many (unless ``limit_val_batches`` is given): a model that
+            cannot drive their loss down has a bug. An int or a fraction, as ``limit_train_batches``.
         detect_anomaly: torch's anomaly detection in the ranks' backward (slow): the operation whose backward
             produced a NaN is named, with the forward's traceback.
         seed: seeds the data order, and Python's ``random``, numpy and torch on every rank before the model is
@@ -199,7 +207,8 @@ class Trainer:
                  fault_tolerance: bool | FaultTolerance | None = None,
                  sample_ledger: str | os.PathLike[str] | None = None, deterministic: bool = False,
                  shuffle: bool = True, gradient_clip_algorithm: str = "norm", fast_dev_run: bool = False,
-                 limit_val_batches: int | None = None, detect_anomaly: bool = False) -> None:
+                 limit_val_batches: int | float | None = None, detect_anomaly: bool = False,
+                 limit_train_batches: int | float | None = None, overfit_batches: int | float | None = None) -> None:
         self.options = FitOptions.build(
             strategy, devices, accelerator, accumulate_grad_batches=accumulate_grad_batches,
             gradient_clip_val=gradient_clip_val, seed=seed, progress=progress, metrics_path=metrics_path,
@@ -212,7 +221,8 @@ class Trainer:
             profile_steps=profile_steps, profiler_dir=profiler_dir, engine=engine, checkpoint_async=checkpoint_async,
             compile=compile, fault_tolerance=fault_tolerance, sample_ledger=sample_ledger,
             deterministic=deterministic, shuffle=shuffle, gradient_clip_algorithm=gradient_clip_algorithm,
-            fast_dev_run=fast_dev_run, limit_val_batches=limit_val_batches, detect_anomaly=detect_anomaly)
+            fast_dev_run=fast_dev_run, limit_val_batches=limit_val_batches, detect_anomaly=detect_anomaly,
+            limit_train_batches=limit_train_batches, overfit_batches=overfit_batches)
         o = self.options
         if o.devices == 1 and not isinstance(o.strategy, (Single, OwnDevices)):
             # Trainer("ddp") alone used to run one process without a word: nothing is split then.
@@ -258,7 +268,12 @@ class Trainer:
         ``lr_scheduler``: a factory taking the optimizer, e.g.
         ``functools.partial(torch.optim.lr_scheduler.OneCycleLR, max_lr=1e-2, total_steps=100)``;
         stepped once per optimizer step (a skipped step included), the same under
-        every strategy, and restored on resume by replaying that many steps.
+        every strategy, and restored on resume by replaying that many steps. It may return Lightning's dict
+        instead: ``{"scheduler": s, "interval": "step" | "epoch", "frequency": n, "monitor": name}`` (a function
+        defined at module level, to reach spawned ranks): ``"epoch"`` steps after every ``n``-th epoch. A
+        ``ReduceLROnPlateau`` steps after every validation on ``monitor`` (default ``"val_loss"``; any
+        ``val_metrics`` name), with rank 0's value on every rank, and is replayed on resume from the validation
+        history the checkpoint holds (:mod:`shardwise.fit.schedule`).
 
         ``dataset``: a map-style dataset (``len`` and index) or an iterable one (``IterableDataset``: each
         data-parallel rank keeps its positions of every global batch of the stream); samples are
@@ -274,8 +289,8 @@ class Trainer:
         ``{name: fn(output, target)}``, ``fn`` returning the batch's MEAN, are averaged over the whole set
         weighting each batch by its samples: global values, equal to one device's. They go to the progress
         output, the loggers (``val/<name>``) and ``result.val_metrics``. ``checkpoint_best``
-        (``"val_loss"``, or ``(name, "min" | "max")``) keeps the best validation's checkpoint in
-        ``<checkpoint_dir>/best``.
+        (``"val_loss"``, ``(name, "min" | "max")``, or ``(name, mode, k)``: the ``k`` best) keeps the best
+        validation's checkpoint in ``<checkpoint_dir>/best``, beside the last ones.
 
         ``training_step``: ``fn(model, batch)`` computes the step's loss itself, instead of
         ``loss_fn(model(x), y)``: it gets the strategy's model (called like yours) and the collated batch as the
@@ -302,13 +317,15 @@ class Trainer:
         """
         step = check_step(self.options, loss_fn, training_step, optimizer, batch_size, val_dataset)
         data = self._source(dataset, inputs, num_workers, collate_fn, pin_memory)
-        max_steps = 1 if self.options.fast_dev_run else run_steps(max_steps, self.options.max_epochs, dataset,
-                                                                  batch_size)  # type: ignore[arg-type]
-        info, groups = validate(self.options, model, data, batch_size, max_steps, optimizer, loss_fn, lr_scheduler,  # type: ignore[arg-type]
-                                param_groups)
+        max_steps = 1 if self.options.fast_dev_run else run_steps(self.options, max_steps, data, batch_size)  # type: ignore[arg-type]
+        info, groups, when = validate(self.options, model, data, batch_size, max_steps, optimizer, loss_fn,  # type: ignore[arg-type]
+                                      lr_scheduler, param_groups)
         init = InitFrom.checked(init_from, init_allow_missing, model)
         val = check_fit_options(self.options, model, loss_fn, data, batch_size, val_dataset, val_every, val_metrics,  # type: ignore[arg-type]
                                 val_batch_size, checkpoint_best, step)
+        if when is not None:
+            check_monitor(when, val.names if val is not None else None)
+            check_epochs(when, self.options.epoch_steps(dataset, batch_size))  # type: ignore[arg-type]
         job = Job(self.options, model, data, loss_fn, optimizer, batch_size, max_steps, info, lr_scheduler, val,  # type: ignore[arg-type]
                   groups, step, init, return_state_dict, hparams=check_hparams(hparams))
         return self._trained(job, model)
