@@ -9,7 +9,11 @@ test. A test that needs a clean interpreter in every rank is marked
 """
 from __future__ import annotations
 
+import fcntl
 import os
+import pickle
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -95,6 +99,9 @@ SLOW_FIRST = (
     "tests/parallel/test_expert_parallel.py",
     "tests/strategies/torch_engine/test_torch_engine_pp_compose.py",
     "tests/strategies/torch_engine/test_torch_engine.py",
+    "tests/strategies/test_diloco.py",
+    "tests/loop/test_loop_state.py",
+    "tests/loop/test_loop_idioms.py",
 )
 
 
@@ -180,6 +187,26 @@ def _ranks_from_the_pool(request, monkeypatch):
     monkeypatch.setattr(supervise, "rank_context", lambda: pool.context)
 
 
+# ---- once per pytest run, whatever the number of xdist workers ---------------------------------------------
+def once_per_run(name: str, tmp_path_factory: Any, make: Callable[[], Any]) -> Any:
+    """``make()``'s value, computed by the first xdist worker that asks and read back (pickled) by the others.
+
+    A session or module fixture runs once in each worker that runs one of its tests, and ``--dist load`` hands a
+    module's tests to both workers: without this, a fixture that launches ranks for half a minute ran twice.
+    The workers share the parent of their base temporary folders; the lock makes the second wait for the first
+    (on a machine whose cores the first already fills, waiting costs nothing)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return make()
+    path = tmp_path_factory.getbasetemp().parent / f"once-{name}.pickle"
+    with open(f"{path}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            return pickle.loads(path.read_bytes())
+        value = make()
+        path.write_bytes(pickle.dumps(value))
+        return value
+
+
 # ---- one `shardwise run --nproc 2` for the tests that only need a script to run under torchrun -----------------
 # tests/scripts/each_strategy.py runs each script in turn in the same two ranks (a new group each, as a script with
 # several trainings would), so the launcher's and the ranks' start-up (torch, a few seconds of CPU per process) is
@@ -194,7 +221,11 @@ UNDER_RUN = (("examples/digits.py", "ddp", ("--steps", "6", "--out", "{out}/loss
 
 @pytest.fixture(scope="session")
 def under_run(tmp_path_factory):
-    """``(CompletedProcess, output folder)`` of the shared launch of :data:`UNDER_RUN`."""
+    """``(CompletedProcess, output folder)`` of the shared launch of :data:`UNDER_RUN`, once per pytest run."""
+    return once_per_run("under_run", tmp_path_factory, lambda: _launch_under_run(tmp_path_factory))
+
+
+def _launch_under_run(tmp_path_factory):
     import subprocess
     import sys
 

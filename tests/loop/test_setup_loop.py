@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import assert_same_run
+from conftest import assert_same_run, once_per_run
 from loop_script import MAX_NORM, reference, train
 
 import shardwise as sw
@@ -112,6 +112,10 @@ def under_shardwise_run(tmp_path_factory):
     """One `shardwise run` launch runs the loop under every strategy of UNDER_RUN in turn, then 3 steps under
     fsdp that save and a resume of them under pp to step 6: the launcher's and the ranks' start-up are paid
     once. Each case reads its own output file, so a failure reads as the case it happened in."""
+    return once_per_run("setup-loop-under-run", tmp_path_factory, lambda: _launch(tmp_path_factory))
+
+
+def _launch(tmp_path_factory):
     folder = tmp_path_factory.mktemp("under_run")
     ck = folder / "ck"
     r = shardwise_run([(",".join(UNDER_RUN), STEPS, folder / "{strategy}.pt"),

@@ -1,7 +1,7 @@
 """Run under `shardwise run`: trains with checkpoints; optionally SIGKILLs one worker mid-run.
 
---strategy: a strategy name, or "pp" (GPT with tied embeddings over 2 pipeline stages) or "3d"
-(the same GPT under Parallel(dp=2, tp=2, pp=2, zero=1), 8 ranks); other strategies train digits.
+--strategy: a strategy name, or "dp-pp" (GPT with tied embeddings under Parallel(dp=2, pp=2, zero=1), 4 ranks);
+other strategies train digits.
 
 --kill-rank R --kill-step S: on the first attempt (torchrun's TORCHELASTIC_RESTART_COUNT == 0),
 rank R kills itself with SIGKILL at step S (a real, uncatchable death, as an OOM kill would be);
@@ -24,7 +24,6 @@ import torch
 import shardwise as sw
 from shardwise.models import GPT, GPTConfig, lm_loss
 from shardwise.strategies.parallel import Parallel
-from shardwise.strategies.pp import PP
 from shardwise.strategies.registry import resolve
 from shardwise.workloads import CharText, digits, stdlib_text
 
@@ -46,8 +45,8 @@ class KillOnce:
 def build(name: str) -> tuple:
     """(strategy, model, data, loss_fn, batch) of a run named ``name``: only shardwise's own objects, so that
     tests/system/test_elastic.py can run the same training through the worker pool as its uninterrupted reference."""
-    if name in ("pp", "3d"):
-        strategy = PP() if name == "pp" else Parallel(dp=2, tp=2, pp=2, zero=1)
+    if name == "dp-pp":
+        strategy = Parallel(dp=2, pp=2, zero=1)
         torch.manual_seed(0)
         model = GPT(GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=4, n_embd=32, tie_weights=True))
         return strategy, model, CharText(stdlib_text(20_000), 16), lm_loss, 8

@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from conftest import assert_same_run
+from conftest import assert_same_run, once_per_run
 from torch import nn
 
 import shardwise as sw
@@ -158,6 +158,10 @@ def _quantized_means(rank):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    return once_per_run("diloco-runs", tmp_path_factory, lambda: _launch_runs(tmp_path_factory))
+
+
+def _launch_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("diloco")
     out = str(tmp / "runs.pt")
     launch.spawn(_rank, 4, args=(out, str(tmp)))

@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import once_per_run
 
 from shardwise.strategies.registry import available_strategies, resolve
 
@@ -49,14 +50,15 @@ def accepted(example: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def every_run() -> subprocess.CompletedProcess:
+def every_run(tmp_path_factory) -> subprocess.CompletedProcess:
     """One launch runs every example under every strategy it accepts, in turn, in the same two ranks
     (tests/scripts/each_strategy.py): the same runs as one launch per pair, with the launcher's and the
     ranks' start-up (torch, transformers) paid once."""
     argv: list[str] = []
     for example, flags in EXAMPLES.items():
         argv += [*(["++"] if argv else []), f"examples/{example}", ",".join(accepted(example)), "--", *flags]
-    return shardwise_run("tests/scripts/each_strategy.py", *argv)
+    return once_per_run("examples-everywhere", tmp_path_factory,
+                        lambda: shardwise_run("tests/scripts/each_strategy.py", *argv))
 
 
 @pytest.mark.timeout(300)
