@@ -19,6 +19,7 @@ import shutil
 
 import pytest
 import torch
+from conftest import once_per_run
 from tiny_hf import gpt2, logits_loss
 from torch import nn
 
@@ -96,20 +97,25 @@ _refs: dict[str, sw.FitResult] = {}
 _saved: dict[tuple[str, str], str] = {}
 
 
-def reference(model: str) -> sw.FitResult:
+def reference(model: str, tmp_path_factory: pytest.TempPathFactory) -> sw.FitResult:
+    """The uninterrupted run on one device (made once per pytest run, whichever xdist worker asks first)."""
     if model not in _refs:
-        _refs[model] = fit(model, "single", 2 * K, None)
+        _refs[model] = once_per_run(f"layouts-{model}", tmp_path_factory, lambda: fit(model, "single", 2 * K, None))
     return _refs[model]
 
 
 def saved(model: str, source: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A checkpoint directory holding step K of ``source`` (made once per source, copied per target)."""
-    if (model, source) not in _saved:
+    """A checkpoint directory holding step K of ``source`` (made once per source and pytest run, copied per
+    target)."""
+    def save() -> str:
         d = str(tmp_path_factory.mktemp(f"{model}-{source}"))
         part = fit(model, source, K, d)
-        torch.testing.assert_close(torch.tensor(part.losses), torch.tensor(reference(model).losses[:K]),
-                                   rtol=1e-5, atol=1e-6)
-        _saved[model, source] = d
+        torch.testing.assert_close(torch.tensor(part.losses),
+                                   torch.tensor(reference(model, tmp_path_factory).losses[:K]), rtol=1e-5, atol=1e-6)
+        return d
+
+    if (model, source) not in _saved:
+        _saved[model, source] = once_per_run(f"layouts-{model}-{source}", tmp_path_factory, save)
     return _saved[model, source]
 
 
@@ -134,7 +140,7 @@ def test_resume_under_another_layout_equals_one_uninterrupted_run(model, source,
     shutil.copytree(saved(model, source, tmp_path_factory), ckpt)
     assert [os.path.basename(p) for p in checkpoint.checkpoints(ckpt)] == [f"step_{K:08d}"]
     resumed = fit(model, target, 2 * K, ckpt)
-    same_run(reference(model), resumed)
+    same_run(reference(model, tmp_path_factory), resumed)
 
 
 def written(ckpt: str, key: str) -> tuple[list[int], list[tuple[tuple[int, ...], tuple[int, ...], str]]]:
@@ -180,17 +186,17 @@ def test_each_rank_writes_only_what_it_holds(tmp_path):
         ((64,), (32,), "__1_0.distcp"), ((96,), (32,), "__3_0.distcp")]
 
 
-def test_a_gpipe_checkpoint_resumes_under_another_schedule(tmp_path, same_run):
+def test_a_gpipe_checkpoint_resumes_under_another_schedule(tmp_path, tmp_path_factory, same_run):
     """The schedule does not change what a stage holds: GPipe's checkpoint resumes under 1F1B on 2 x 2."""
     ckpt = str(tmp_path / "ck")
     fit("gpt", (lambda: PP(schedule="gpipe"), 2), K, ckpt)
-    same_run(reference("gpt"), fit("gpt", "dp2-tp2-pp2-zero1", 2 * K, ckpt))
+    same_run(reference("gpt", tmp_path_factory), fit("gpt", "dp2-tp2-pp2-zero1", 2 * K, ckpt))
 
 
 @pytest.mark.parametrize("zero,target", [(0, (lambda: "zero2", 2)), (2, "pp-1f1b")],
                          ids=["zero0->zero2", "zero2->pp-1f1b"])
-def test_parallel_with_the_other_zero_stages(tmp_path, same_run, zero, target):
+def test_parallel_with_the_other_zero_stages(tmp_path, tmp_path_factory, same_run, zero, target):
     """Parallel(dp=2, tp=2) with zero=0 (DDP) and zero=2 saves and resumes under another layout too."""
     ckpt = str(tmp_path / "ck")
     fit("gpt", (lambda: Parallel(dp=2, tp=2, zero=zero), 4), K, ckpt)
-    same_run(reference("gpt"), fit("gpt", target, 2 * K, ckpt))
+    same_run(reference("gpt", tmp_path_factory), fit("gpt", target, 2 * K, ckpt))
