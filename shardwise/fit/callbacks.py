@@ -252,7 +252,7 @@ def check_signatures(cb: Any) -> None:
         if not callable(fn):
             continue
         try:
-            signature = inspect.signature(fn)
+            signature = inspect.signature(fn).replace(return_annotation=inspect.Signature.empty)
         except (TypeError, ValueError):  # a builtin or C function: nothing to tell
             continue
         try:

@@ -141,6 +141,8 @@ class Job:
         seed_everything(t.seed)  # Python, numpy and torch: a dataset's augmentations repeat run to run
         if t.deterministic:
             deterministic()
+        if t.benchmark is not None:  # (Lightning's benchmark=: cuDNN times its algorithms for each new shape)
+            torch.backends.cudnn.benchmark = t.benchmark
         reset_cuda_peak(topo.device)  # cuda_peak_*_bytes are this run's (a no-op on CPU)
         built = self.build(topo)
         model, opt, shapes = built.model, built.optimizer, built.shapes

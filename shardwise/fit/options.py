@@ -85,6 +85,9 @@ class FitOptions:
     limit_train_batches: int | float | None = None  # an epoch is its first this many global batches (or fraction)
     overfit_batches: int | float | None = None  # train on the same first batches every epoch (limit_train_batches)
     detect_anomaly: bool = False  # torch.autograd's anomaly detection around the steps
+    max_steps: int | None = None  # Trainer(max_steps=): fit's max_steps when fit is given none
+    benchmark: bool | None = None  # torch.backends.cudnn.benchmark on every rank (None: torch's own setting)
+    enable_model_summary: bool = True  # the model's parameters and the planner's memory per rank, at the start
 
     @property
     def clip_norm(self) -> float | None:
@@ -162,7 +165,8 @@ class FitOptions:
               shuffle: bool = True, gradient_clip_algorithm: str = "norm", fast_dev_run: bool = False,
               limit_val_batches: int | float | None = None, detect_anomaly: bool = False,
               limit_train_batches: int | float | None = None,
-              overfit_batches: int | float | None = None) -> FitOptions:
+              overfit_batches: int | float | None = None, max_steps: int | None = None,
+              benchmark: bool | None = None, enable_model_summary: bool = True) -> FitOptions:
         """The Trainer's arguments, each by its name, checked: a ValueError names the first one that is wrong."""
         if fast_dev_run:  # nothing written: no checkpoint, logger, metrics file, TensorBoard or profile
             checkpoint_dir = metrics_path = tensorboard_dir = profiler = logger = None
@@ -192,6 +196,15 @@ class FitOptions:
             raise ValueError(f"on_nonfinite must be 'error' or 'skip', got {on_nonfinite!r}")
         count, device_ids = device_count(strat, devices, accelerator)
         check_positive("max_epochs", max_epochs, "a positive integer (or None)")
+        max_steps = None if max_steps == -1 else max_steps  # (Lightning's "no bound")
+        check_positive("max_steps", max_steps, "a positive integer (or None)")
+        if benchmark and deterministic:
+            raise ValueError("benchmark=True lets cuDNN pick its fastest algorithms, which deterministic=True "
+                             "forbids: pass one of them")
+        if not isinstance(fast_dev_run, bool) and fast_dev_run not in (0, 1):
+            raise ValueError(f"fast_dev_run={fast_dev_run!r}: here fast_dev_run=True runs one step and one "
+                             f"validation batch; for {fast_dev_run} steps pass fit(max_steps={fast_dev_run}) and "
+                             f"limit_val_batches={fast_dev_run}")
         if accumulate_grad_batches < 1:
             raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}")
         paths = {k: os.fspath(v) if v is not None else None
@@ -216,7 +229,8 @@ class FitOptions:
                    profiler_dir=profiled["profiler_dir"], loggers=tuple(loggers),
                    log_every_n_steps=log_every_n_steps, checkpoint_async=checkpoint_async, compile=compile,
                    deterministic=deterministic, gradient_clip_algorithm=gradient_clip_algorithm,
-                   fast_dev_run=bool(fast_dev_run), detect_anomaly=detect_anomaly, **limits, **replicas)
+                   fast_dev_run=bool(fast_dev_run), detect_anomaly=detect_anomaly, max_steps=max_steps,
+                   benchmark=benchmark, enable_model_summary=enable_model_summary, **limits, **replicas)
 
 
 def check_checkpointing(every: int | None, directory: Any, in_background: bool | None, keep: int | None) -> None:
