@@ -394,3 +394,21 @@ def test_a_compiled_model_is_unwrapped_with_a_warning(no_spawn):
         "wraps it"]
     assert w[0].filename == __file__  # the warning points at the user's line
     assert not torch.equal(model.layer.weight, before)  # trained: the wrapper's own module
+
+
+def test_the_model_summary_at_the_start(no_spawn, capsys):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 3))
+    args = (model, [(torch.zeros(8), 0)] * 16, torch.nn.functional.cross_entropy, torch.optim.Adam)
+    fit = dict(batch_size=4, max_steps=1)
+    shown = {}
+    for progress, summary in (("lines", True), ("lines", False), (False, True)):
+        with pytest.raises(no_spawn):  # printed before any process starts (the calling process is rank 0)
+            sw.Trainer("fsdp", 2, accelerator="cpu", progress=progress, device_memory=10**9,
+                       enable_model_summary=summary).fit(*args, **fit)
+        shown[progress, summary] = capsys.readouterr().err
+    assert shown["lines", True] == (
+        "shardwise: model Sequential: 195 parameters (195 trainable); per rank: 97 to 98\n"  # each rank's shards
+        "shardwise: planned memory per rank: fsdp on dp=2 tp=1 pp=1: 3.87 kB of 1.00 GB per device (parameters "
+        "392 B, gradients 392 B, optimizer 784 B, activations 0 B, buffers 2.30 kB); activations not counted (no "
+        "transformer config on the model)\n")
+    assert shown["lines", False] == shown[False, True] == ""  # off, or no progress shown
