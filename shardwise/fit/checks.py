@@ -37,6 +37,37 @@ from shardwise.step import LossFn, OptimizerFactory, StepFn, TrainingStep
 from shardwise.strategies.base import HasServers, HasTPPlan, OwnDevices, SplitsModel, Strategy
 
 
+def looks_like_lightning(model: Any) -> bool:
+    """Whether ``model`` is a LightningModule, told by its methods: ``training_step`` and ``configure_optimizers``
+    of its own class (Lightning need not be installed, nor imported here)."""
+    return isinstance(model, nn.Module) and all(
+        callable(getattr(type(model), m, None)) for m in ("training_step", "configure_optimizers"))
+
+
+def refuse_lightning_module(model: Any) -> None:
+    """A LightningModule given to ``fit`` without the loss and optimizer, which ``sw.Trainer`` takes apart: say
+    exactly what to pass."""
+    if looks_like_lightning(model):
+        raise TypeError(f"{type(model).__name__} is a LightningModule (it has training_step and "
+                        "configure_optimizers): shardwise's fit takes the pieces apart: fit(model, dataset, "
+                        "loss_fn=fn(output, target), optimizer=functools.partial(torch.optim.AdamW, lr=...), "
+                        "batch_size=...), or fit(..., training_step=fn(model, batch) -> loss, optimizer=...) for a "
+                        "step of your own; the model's forward is used as it is (docs: migrate/lightning)")
+
+
+def uncompiled(model: Any, what: str) -> Any:
+    """The module inside a ``torch.compile(model)`` wrapper (an ``OptimizedModule``: its ``_orig_mod``, which
+    holds the same parameters), with a warning naming ``Trainer(compile=True)``; any other model as it is."""
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")  # not loaded: nothing can be compiled yet
+    wrapper = getattr(dynamo, "OptimizedModule", None)
+    if wrapper is None or not isinstance(model, wrapper):
+        return model
+    warnings.warn(f"{what} got a torch.compile(model) wrapper: it runs the model inside it (its _orig_mod, the "
+                  "same parameters), uncompiled; pass the model itself, with Trainer(compile=True) to compile each "
+                  "block after the strategy wraps it", stacklevel=3)
+    return model._orig_mod
+
+
 def check_step(t: FitOptions, loss_fn: LossFn | None, training_step: StepFn | None, optimizer: Any,
                batch_size: Any, val_dataset: Any) -> TrainingStep | None:
     """fit's loss: ``loss_fn``, or a ``training_step`` (then ``loss_fn``, if given, is validation's loss); the

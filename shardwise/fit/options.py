@@ -9,8 +9,10 @@ every rank builds the same :class:`~shardwise.comm.topology.Topology`.
 from __future__ import annotations
 
 import datetime as _dt
+import difflib
 import os
 import warnings
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -233,6 +235,61 @@ class FitOptions:
                    benchmark=benchmark, enable_model_summary=enable_model_summary, **limits, **replicas)
 
 
+# Lightning's Trainer arguments that have no parameter here, and what does their work ("{v}": the value given).
+REFUSED = {
+    "val_check_interval": "is fit(val_every=N) here: validate every N optimizer steps (an epoch is "
+                          "len(dataset) // batch_size of them)",
+    "check_val_every_n_epoch": "is fit(val_every=N) here, in optimizer steps: N = {v!r} x (len(dataset) // "
+                               "batch_size)",
+    "default_root_dir": "is checkpoint_dir={v!r} here: checkpoints there, and the logs of logger='csv' (or another "
+                        "name) under <checkpoint_dir>/logs",
+    "min_epochs": "has no equivalent here: a run trains until max_epochs or max_steps, or until a callback stops "
+                  "it (shardwise.EarlyStopping's patience, info.stop)",
+    "min_steps": "has no equivalent here: a run trains until max_epochs or max_steps, or until a callback stops it "
+                 "(shardwise.EarlyStopping's patience, info.stop)",
+    "max_time": "has no equivalent here: bound the run with max_steps= or max_epochs=, or stop it from a callback "
+                "(info.stop) when its time is up",
+    "limit_test_batches": "has no equivalent here: test on a part of the set, trainer.test(model, "
+                          "torch.utils.data.Subset(dataset, range(n)), ...)",
+    "limit_predict_batches": "has no equivalent here: predict a part of the set, trainer.predict(model, "
+                             "torch.utils.data.Subset(dataset, range(n)), ...)",
+    "use_distributed_sampler": "has no equivalent here: each rank reads its part of every global batch, without a "
+                               "sampler; Trainer(shuffle=False) keeps the dataset's order",
+    "num_nodes": "is the launcher's here: it starts the nodes (shardwise run --nnodes {v!r}, or srun), and "
+                 "devices='auto' (the default) takes its world size",
+    "num_sanity_val_steps": "has no equivalent here: the model, the loss and the validation metrics are checked "
+                            "on meta before any process starts, and fast_dev_run=True runs one step and one "
+                            "validation batch",
+    "enable_checkpointing": "disagrees with checkpoint_dir=, which says whether and where checkpoints are written, "
+                            "e.g. Trainer(checkpoint_dir='checkpoints', checkpoint_every=100)",
+}
+# Accepted because the value means what the run does anyway (no sanity pass, one node, no checkpoint_dir).
+NOTHING_TO_DO = {"num_sanity_val_steps": 0, "num_nodes": 1}
+
+
+def lightning_arguments(given: Mapping[str, Any], ours: Iterable[str], checkpoint_dir: Any) -> dict[str, Any]:
+    """Trainer keyword arguments that are not its own: Lightning's, as our arguments (the returned dict), or
+    refused in one line (ValueError) that names ours; any other name is Python's TypeError, with the nearest
+    names."""
+    out: dict[str, Any] = {}
+    for name, value in given.items():
+        if name == "enable_progress_bar":
+            if not value:
+                out["progress"] = False
+        elif name == "enable_checkpointing" and bool(value) == (checkpoint_dir is not None):
+            continue  # True with checkpoint_dir, False without: what the run does
+        elif name in NOTHING_TO_DO and value == NOTHING_TO_DO[name]:
+            continue
+        elif name in REFUSED:
+            raise ValueError(f"Trainer({name}={value!r}) {REFUSED[name].format(v=value)}")
+        else:
+            known = [*ours, *REFUSED, "enable_progress_bar"]
+            near = difflib.get_close_matches(name, known, n=1)
+            raise TypeError(f"Trainer() got an unexpected keyword argument {name!r}"
+                            + (f"; did you mean {near[0]!r}?" if near else ""))
+    return out
+
+
 def check_checkpointing(every: int | None, directory: Any, in_background: bool | None, keep: int | None) -> None:
     """``checkpoint_every``, ``checkpoint_async`` and ``checkpoint_keep`` (each None: not checked here), beside
     ``checkpoint_dir``."""
@@ -411,4 +468,4 @@ def _launcher_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-__all__ = ["FitOptions", "auto_devices", "gpus_given", "profiling", "run_loggers"]
+__all__ = ["FitOptions", "auto_devices", "gpus_given", "lightning_arguments", "profiling", "run_loggers"]

@@ -24,7 +24,15 @@ from shardwise.checkpoint import store as checkpoint
 from shardwise.comm.topology import pick_device, teardown
 from shardwise.data import DataSource, loader_options
 from shardwise.fit import preflight
-from shardwise.fit.checks import check_fit_options, check_step, parse_inputs, run_steps, validate
+from shardwise.fit.checks import (
+    check_fit_options,
+    check_step,
+    parse_inputs,
+    refuse_lightning_module,
+    run_steps,
+    uncompiled,
+    validate,
+)
 from shardwise.fit.infer import Inference, check_inference, resolve_checkpoint, spawned_inference
 from shardwise.fit.job import (
     FitResult,
@@ -34,10 +42,9 @@ from shardwise.fit.job import (
     pickled,
     spawned_fit,
 )
-from shardwise.fit.options import FitOptions
+from shardwise.fit.options import FitOptions, lightning_arguments
 from shardwise.fit.replicas import fit_replicas
 from shardwise.fit.schedule import check_epochs, check_monitor
-from shardwise.fit.switchers import lightning_arguments, refuse_lightning_module, uncompiled
 from shardwise.ft.options import FaultTolerance
 from shardwise.init_from import InitFrom, OwnInit, materialize
 from shardwise.loggers import Logger, check_hparams
@@ -194,7 +201,7 @@ class Trainer:
             ``num_nodes=1``, ``num_sanity_val_steps=0`` and ``enable_checkpointing`` (True with ``checkpoint_dir``,
             False without) are taken; the others (``val_check_interval``, ``check_val_every_n_epoch``,
             ``default_root_dir``, ``min_epochs``, ``max_time``, ...) are refused in one line that names what does
-            their work here (:mod:`shardwise.fit.switchers`).
+            their work here (:func:`shardwise.fit.options.lightning_arguments`).
 
     :func:`shardwise.log` (``sw.log(name, value, reduce=)``) adds your own scalars to the step log, from a loss
     function, a model's forward or a callback (:mod:`shardwise.loggers.scalars`).
