@@ -55,6 +55,15 @@ def refuse_lightning_module(model: Any) -> None:
                         "step of your own; the model's forward is used as it is (docs: migrate/lightning)")
 
 
+def given_model(model: Any, loss_fn: Any, optimizer: Any, training_step: Any) -> Any:
+    """fit's ``model`` as the run takes it: out of a ``torch.compile`` wrapper, and refused when it is a
+    LightningModule given without the loss and the optimizer that shardwise takes apart."""
+    model = uncompiled(model, "fit")
+    if optimizer is None or (loss_fn is None and training_step is None):
+        refuse_lightning_module(model)
+    return model
+
+
 def uncompiled(model: Any, what: str) -> Any:
     """The module inside a ``torch.compile(model)`` wrapper (an ``OptimizedModule``: its ``_orig_mod``, which
     holds the same parameters), with a warning naming ``Trainer(compile=True)``; any other model as it is."""
@@ -64,7 +73,7 @@ def uncompiled(model: Any, what: str) -> Any:
         return model
     warnings.warn(f"{what} got a torch.compile(model) wrapper: it runs the model inside it (its _orig_mod, the "
                   "same parameters), uncompiled; pass the model itself, with Trainer(compile=True) to compile each "
-                  "block after the strategy wraps it", stacklevel=3)
+                  "block after the strategy wraps it", stacklevel=4)  # (fit or validate/test/predict, then yours)
     return model._orig_mod
 
 
@@ -219,6 +228,7 @@ def run_steps(t: FitOptions, max_steps: int | None, data: DataSource, batch_size
         raise ValueError(f"{name} needs a map-style dataset (len and index): an iterable dataset is read as one "
                          "stream; bound the run with fit(max_steps=) instead")
     max_epochs, dataset = t.max_epochs, data.dataset
+    max_steps = max_steps if max_steps is not None else t.max_steps  # fit's, else Trainer(max_steps=)
     if t.limit_train_batches is not None:
         t.epoch_steps(dataset, batch_size)  # a fraction that keeps no batch is refused here
     if max_steps is None and max_epochs is None:

@@ -198,15 +198,7 @@ class FitOptions:
             raise ValueError(f"on_nonfinite must be 'error' or 'skip', got {on_nonfinite!r}")
         count, device_ids = device_count(strat, devices, accelerator)
         check_positive("max_epochs", max_epochs, "a positive integer (or None)")
-        max_steps = None if max_steps == -1 else max_steps  # (Lightning's "no bound")
-        check_positive("max_steps", max_steps, "a positive integer (or None)")
-        if benchmark and deterministic:
-            raise ValueError("benchmark=True lets cuDNN pick its fastest algorithms, which deterministic=True "
-                             "forbids: pass one of them")
-        if not isinstance(fast_dev_run, bool) and fast_dev_run not in (0, 1):
-            raise ValueError(f"fast_dev_run={fast_dev_run!r}: here fast_dev_run=True runs one step and one "
-                             f"validation batch; for {fast_dev_run} steps pass fit(max_steps={fast_dev_run}) and "
-                             f"limit_val_batches={fast_dev_run}")
+        max_steps = lightning_values(max_steps, benchmark, deterministic, fast_dev_run)
         if accumulate_grad_batches < 1:
             raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}")
         paths = {k: os.fspath(v) if v is not None else None
@@ -288,6 +280,22 @@ def lightning_arguments(given: Mapping[str, Any], ours: Iterable[str], checkpoin
             raise TypeError(f"Trainer() got an unexpected keyword argument {name!r}"
                             + (f"; did you mean {near[0]!r}?" if near else ""))
     return out
+
+
+def lightning_values(max_steps: int | None, benchmark: bool | None, deterministic: bool, fast_dev_run: Any
+                     ) -> int | None:
+    """The values Lightning gives these arguments, checked: ``max_steps`` (``-1``, "no bound", is None),
+    ``benchmark`` beside ``deterministic``, and ``fast_dev_run`` (a number of batches there, one step here)."""
+    max_steps = None if max_steps == -1 else max_steps
+    check_positive("max_steps", max_steps, "a positive integer (or None)")
+    if benchmark and deterministic:
+        raise ValueError("benchmark=True lets cuDNN pick its fastest algorithms, which deterministic=True "
+                         "forbids: pass one of them")
+    if not isinstance(fast_dev_run, bool) and fast_dev_run not in (0, 1):
+        raise ValueError(f"fast_dev_run={fast_dev_run!r}: here fast_dev_run=True runs one step and one "
+                         f"validation batch; for {fast_dev_run} steps pass fit(max_steps={fast_dev_run}) and "
+                         f"limit_val_batches={fast_dev_run}")
+    return max_steps
 
 
 def check_checkpointing(every: int | None, directory: Any, in_background: bool | None, keep: int | None) -> None:

@@ -27,8 +27,8 @@ from shardwise.fit import preflight
 from shardwise.fit.checks import (
     check_fit_options,
     check_step,
+    given_model,
     parse_inputs,
-    refuse_lightning_module,
     run_steps,
     uncompiled,
     validate,
@@ -342,10 +342,7 @@ class Trainer:
         ``hparams``: your hyperparameters (a dict, nested allowed), logged by every logger beside the run's own
         (strategy, sizes, optimizer, ...), yours winning on a shared name.
         """
-        model = uncompiled(model, "fit")
-        if optimizer is None or (loss_fn is None and training_step is None):
-            refuse_lightning_module(model)
-        max_steps = max_steps if max_steps is not None else self.options.max_steps
+        model = given_model(model, loss_fn, optimizer, training_step)
         step = check_step(self.options, loss_fn, training_step, optimizer, batch_size, val_dataset)
         data = self._source(dataset, inputs, num_workers, collate_fn, pin_memory)
         max_steps = 1 if self.options.fast_dev_run else run_steps(self.options, max_steps, data, batch_size)  # type: ignore[arg-type]

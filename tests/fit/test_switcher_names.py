@@ -385,9 +385,9 @@ def test_a_compiled_model_is_unwrapped_with_a_warning(no_spawn):
     before = model.layer.weight.detach().clone()
     compiled = torch.compile(model, backend="eager")
     with pytest.warns(UserWarning) as w:
-        trainer("single", 1, accelerator="cpu").fit(compiled, [(torch.ones(4), 0)] * 8,
-                                                    torch.nn.functional.cross_entropy,
-                                                    torch.optim.SGD, batch_size=4, max_steps=1)
+        result = trainer("single", 1, accelerator="cpu", max_steps=2).fit(  # Trainer(max_steps=): fit's default
+            compiled, [(torch.ones(4), 0)] * 8, torch.nn.functional.cross_entropy, torch.optim.SGD, batch_size=4)
+    assert len(result.losses) == 2
     assert [str(x.message) for x in w] == [
         "fit got a torch.compile(model) wrapper: it runs the model inside it (its _orig_mod, the same parameters), "
         "uncompiled; pass the model itself, with Trainer(compile=True) to compile each block after the strategy "
