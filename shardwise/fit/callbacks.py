@@ -51,8 +51,10 @@ returns its result instead of training on.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +66,7 @@ from shardwise.strategies.base import HasServers
 
 HOOKS = ("on_fit_start", "on_step_start", "on_before_optimizer_step", "on_step_end", "on_validation_end",
          "on_checkpoint_saved", "on_fit_end", "on_exception")
+ALL_HOOKS = (*HOOKS, "on_train_epoch_start", "on_train_epoch_end", "on_validation_epoch_end")
 
 
 class Callback:
@@ -205,10 +208,59 @@ def check_callbacks(callbacks: Any) -> list[Any]:
     for cb in callbacks:
         if isinstance(cb, type):
             raise TypeError(f"callbacks holds the class {cb.__name__}, not an instance: pass {cb.__name__}(...)")
-        if not any(callable(getattr(cb, h, None)) for h in HOOKS):
+        lightning = from_lightning(cb)
+        if lightning is not None:
+            base = lightning.rpartition(".")[2]
+            raise TypeError(f"callback {type(cb).__name__} is a Lightning callback ({lightning}): its hooks take "
+                            f"(trainer, pl_module), shardwise's take (info); "
+                            f"{LIGHTNING_CALLBACKS.get(base, 'port it to a subclass of shardwise.Callback')}")
+        if not any(callable(getattr(cb, h, None)) for h in ALL_HOOKS):
             raise TypeError(f"callback {cb!r} has none of the hooks {', '.join(HOOKS)}; subclass "
                             "shardwise.Callback")
+        check_signatures(cb)
     return list(callbacks)
+
+
+# Lightning's callbacks, by class name, and what does their work here.
+LIGHTNING_CALLBACKS = {
+    "EarlyStopping": "use shardwise.EarlyStopping(monitor=, patience=, mode=, min_delta=)",
+    "ModelCheckpoint": "use Trainer(checkpoint_dir=, checkpoint_every=) and fit(checkpoint_best=(monitor, mode, k))",
+    "LearningRateMonitor": "each parameter group's lr is in the step log already (Trainer(logger=) or metrics_path=)",
+    "TQDMProgressBar": "use Trainer(progress='bar')",
+    "RichProgressBar": "use Trainer(progress='bar')",
+    "ModelSummary": "the model summary is Trainer(enable_model_summary=True), the default",
+    "RichModelSummary": "the model summary is Trainer(enable_model_summary=True), the default",
+}
+LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric")
+
+
+def from_lightning(obj: Any) -> str | None:
+    """The Lightning class ``obj`` is an instance of (its own class or a base), as ``module.Class``, or None.
+    Told by module name: Lightning need not be installed, nor imported here."""
+    for klass in type(obj).__mro__:
+        module = getattr(klass, "__module__", "") or ""
+        if module.partition(".")[0] in LIGHTNING_PACKAGES:
+            return f"{module}.{klass.__qualname__}"
+    return None
+
+
+def check_signatures(cb: Any) -> None:
+    """Every hook ``cb`` has can be called as ``hook(info)``: one written for Lightning's ``(trainer, pl_module)``
+    is refused before any process starts, instead of failing inside a rank."""
+    for hook in ALL_HOOKS:
+        fn = getattr(cb, hook, None)
+        if not callable(fn):
+            continue
+        try:
+            signature = inspect.signature(fn).replace(return_annotation=inspect.Signature.empty)
+        except (TypeError, ValueError):  # a builtin or C function: nothing to tell
+            continue
+        try:
+            signature.bind(None)
+        except TypeError:
+            raise TypeError(f"callback {type(cb).__name__}.{hook}{signature} cannot be called as {hook}(info), "
+                            "as shardwise calls every hook: info.model is the model, with info.step, info.epoch, "
+                            "info.metrics (see shardwise.Callback)") from None
 
 
 def check_picklable(callbacks: Sequence[Any]) -> None:
@@ -264,6 +316,26 @@ def call(callbacks: Sequence[Any], hook: str, info: CallbackInfo) -> None:
         fn = getattr(cb, hook, None)
         if fn is not None:
             fn(info)
+
+
+def call_on_exception(callbacks: Sequence[Any], info: CallbackInfo) -> None:
+    """``on_exception`` of every callback, none of which may hide the run's error (``info.exception``, raised
+    again after this): a hook that fails (another signature, a bug of its own) is told as a note on that error,
+    and the next callbacks are still called."""
+    error = info.exception
+    for cb in callbacks:
+        fn = getattr(cb, "on_exception", None)
+        if fn is None:
+            continue
+        try:
+            fn(info)
+        except Exception as e:
+            note = (f"callback {type(cb).__name__}'s on_exception(info) failed while handling this error: "
+                    f"{type(e).__name__}: {e}")
+            if error is not None and hasattr(error, "add_note"):
+                error.add_note(note)
+            else:  # Python 3.10: no notes on exceptions
+                warnings.warn(note, stacklevel=2)
 
 
 __all__ = ["Callback", "CallbackInfo", "EarlyStopping", "check_callbacks", "improved"]

@@ -26,6 +26,7 @@ from shardwise.fit import preflight
 from shardwise.fit.callbacks import check_picklable
 from shardwise.fit.evaluate import Validation, check_validation, make_validation
 from shardwise.fit.options import RESUME_MODES, FitOptions
+from shardwise.fit.progress import want_progress
 from shardwise.fit.schedule import SchedulerFactory, When, unpack
 from shardwise.fit.tp_check import check_plan
 from shardwise.optim.param_groups import GroupPlan, ParamGroupsFn, check_whole, plan_groups, splits_parameters
@@ -34,6 +35,46 @@ from shardwise.parallel.dp.sync_bn import batchnorm_layers
 from shardwise.parallel.ep import warn_local_aux
 from shardwise.step import LossFn, OptimizerFactory, StepFn, TrainingStep
 from shardwise.strategies.base import HasServers, HasTPPlan, OwnDevices, SplitsModel, Strategy
+
+
+def looks_like_lightning(model: Any) -> bool:
+    """Whether ``model`` is a LightningModule, told by its methods: ``training_step`` and ``configure_optimizers``
+    of its own class (Lightning need not be installed, nor imported here)."""
+    return isinstance(model, nn.Module) and all(
+        callable(getattr(type(model), m, None)) for m in ("training_step", "configure_optimizers"))
+
+
+def refuse_lightning_module(model: Any) -> None:
+    """A LightningModule given to ``fit`` without the loss and optimizer, which ``sw.Trainer`` takes apart: say
+    exactly what to pass."""
+    if looks_like_lightning(model):
+        raise TypeError(f"{type(model).__name__} is a LightningModule (it has training_step and "
+                        "configure_optimizers): shardwise's fit takes the pieces apart: fit(model, dataset, "
+                        "loss_fn=fn(output, target), optimizer=functools.partial(torch.optim.AdamW, lr=...), "
+                        "batch_size=...), or fit(..., training_step=fn(model, batch) -> loss, optimizer=...) for a "
+                        "step of your own; the model's forward is used as it is (docs: migrate/lightning)")
+
+
+def given_model(model: Any, loss_fn: Any, optimizer: Any, training_step: Any) -> Any:
+    """fit's ``model`` as the run takes it: out of a ``torch.compile`` wrapper, and refused when it is a
+    LightningModule given without the loss and the optimizer that shardwise takes apart."""
+    model = uncompiled(model, "fit")
+    if optimizer is None or (loss_fn is None and training_step is None):
+        refuse_lightning_module(model)
+    return model
+
+
+def uncompiled(model: Any, what: str) -> Any:
+    """The module inside a ``torch.compile(model)`` wrapper (an ``OptimizedModule``: its ``_orig_mod``, which
+    holds the same parameters), with a warning naming ``Trainer(compile=True)``; any other model as it is."""
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")  # not loaded: nothing can be compiled yet
+    wrapper = getattr(dynamo, "OptimizedModule", None)
+    if wrapper is None or not isinstance(model, wrapper):
+        return model
+    warnings.warn(f"{what} got a torch.compile(model) wrapper: it runs the model inside it (its _orig_mod, the "
+                  "same parameters), uncompiled; pass the model itself, with Trainer(compile=True) to compile each "
+                  "block after the strategy wraps it", stacklevel=4)  # (fit or validate/test/predict, then yours)
+    return model._orig_mod
 
 
 def check_step(t: FitOptions, loss_fn: LossFn | None, training_step: StepFn | None, optimizer: Any,
@@ -110,8 +151,18 @@ def validate(t: FitOptions, model: nn.Module, dataset: Any, batch_size: int, max
     if t.checkpoint_dir is not None:
         checkpoint.check_directory(t.checkpoint_dir)
     check_resume(t, info, max_steps)
-    if t.memory_check != "off" and not launch.follower():
-        check_memory(t, model, probe, batch_size, max_steps)
+    summary = t.enable_model_summary and want_progress(t.progress)
+    if (t.memory_check != "off" or summary) and not launch.follower():  # rank 0 plans (once), for both
+        try:
+            plan = plan_memory(t, model, probe, batch_size, max_steps)
+        except Exception as e:
+            if t.memory_check != "off":
+                raise
+            plan = f"{type(e).__name__}: {e}"  # memory_check='off' asked for no plan: the summary says why none
+        if t.memory_check != "off":
+            check_memory(t, plan)
+        if summary:
+            print(model_summary(model, plan), file=sys.stderr, flush=True)
     return info, groups, when
 
 
@@ -177,6 +228,7 @@ def run_steps(t: FitOptions, max_steps: int | None, data: DataSource, batch_size
         raise ValueError(f"{name} needs a map-style dataset (len and index): an iterable dataset is read as one "
                          "stream; bound the run with fit(max_steps=) instead")
     max_epochs, dataset = t.max_epochs, data.dataset
+    max_steps = max_steps if max_steps is not None else t.max_steps  # fit's, else Trainer(max_steps=)
     if t.limit_train_batches is not None:
         t.epoch_steps(dataset, batch_size)  # a fraction that keeps no batch is refused here
     if max_steps is None and max_epochs is None:
@@ -214,9 +266,9 @@ def check_batchnorm(t: FitOptions, model: nn.Module) -> None:
                       "batch's statistics, equal to single-device training", stacklevel=4)
 
 
-def check_memory(t: FitOptions, model: nn.Module, probe: torch.optim.Optimizer, batch_size: int,
-                 max_steps: int = 0) -> None:
-    """Ask the planner whether exactly this run fits before anything starts.
+def plan_memory(t: FitOptions, model: nn.Module, probe: torch.optim.Optimizer, batch_size: int,
+                max_steps: int = 0) -> Any:
+    """The planner's plan of exactly this run (a :class:`~shardwise.plan.run.RunPlan`), or why it has none (a str).
 
     The strategy describes its whole layout (sizes, zero stage, HSDP
     replicas, offload, pipeline micro-batches); the run adds precision and
@@ -224,8 +276,7 @@ def check_memory(t: FitOptions, model: nn.Module, probe: torch.optim.Optimizer, 
     rank on a meta copy of the model (exact, see :mod:`shardwise.plan.states`)
     and adds activations and buffers for this batch, and with ``checkpoint_async``
     the host memory a save stages (its last, after ``max_steps``; on a CPU run
-    that is the memory the ranks train in). A run it cannot model
-    is said so in a warning, never silently waved through.
+    that is the memory the ranks train in).
     """
     from shardwise.plan import NotModelled, plan_run
 
@@ -233,13 +284,19 @@ def check_memory(t: FitOptions, model: nn.Module, probe: torch.optim.Optimizer, 
     memory = t.device_memory or device_memory(t.accelerator, t.layout.processes)
     split = tp_plan(t.strategy)
     try:
-        plan = plan_run(model, layout, memory, batch_size, probe,
-                        accumulate_grad_batches=t.accumulate_grad_batches,
+        return plan_run(model, layout, memory, batch_size, probe, accumulate_grad_batches=t.accumulate_grad_batches,
                         batch_shards=t.layout.batch_shards, tp_plan=split,
                         split_points=t.strategy.split_points if isinstance(t.strategy, SplitsModel) else None,
                         checkpoint_async=t.checkpoint_async, steps=max_steps, host_is_device=not t.on_cuda)
     except NotModelled as e:
-        warnings.warn(f"memory check skipped: the planner cannot model this run ({e}); "
+        return str(e)
+
+
+def check_memory(t: FitOptions, plan: Any) -> None:
+    """Whether exactly this run fits, before anything starts (``plan``: :func:`plan_memory`'s). A run the planner
+    cannot model is said so in a warning, never silently waved through."""
+    if isinstance(plan, str):
+        warnings.warn(f"memory check skipped: the planner cannot model this run ({plan}); "
                       "Trainer(memory_check='off') silences this", stacklevel=3)
         return
     if not plan.fits:
@@ -253,6 +310,19 @@ def check_memory(t: FitOptions, model: nn.Module, probe: torch.optim.Optimizer, 
         if note.startswith("activations and buffers not estimated"):
             warnings.warn(f"memory check incomplete: {note}; only parameters, gradients and optimizer states "
                           "were checked (Trainer(memory_check='off') silences this)", stacklevel=3)
+
+
+def model_summary(model: nn.Module, plan: Any) -> str:
+    """Lightning's model summary, ours: the model's parameters in total, and per rank under the layout with the
+    planner's memory per rank (``plan``: :func:`plan_memory`'s; a str: why there is none)."""
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    head = f"shardwise: model {type(model).__name__}: {total:,} parameters ({trainable:,} trainable)"
+    if isinstance(plan, str):
+        return f"{head}\nshardwise: memory per rank not planned: {plan}"
+    low, high = min(plan.params), max(plan.params)
+    held = f"{high:,}" if low == high else f"{low:,} to {high:,}"
+    return f"{head}; per rank: {held}\nshardwise: planned memory per rank: {plan.summary()}"
 
 
 def check_devices(t: FitOptions) -> None:

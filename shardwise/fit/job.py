@@ -24,7 +24,7 @@ from shardwise.checkpoint import store as checkpoint
 from shardwise.checkpoint.background import Finished, Saver
 from shardwise.comm.topology import Topology
 from shardwise.fit import profiler
-from shardwise.fit.callbacks import CallbackInfo, Control, agree_stop, call, load_states
+from shardwise.fit.callbacks import CallbackInfo, Control, agree_stop, call, call_on_exception, load_states
 from shardwise.fit.callbacks import states as callback_states
 from shardwise.fit.evaluate import (
     Validation,
@@ -123,10 +123,13 @@ class Job:
         self.steps_done = 0
         self.saver: Saver | None = None
         self.prepared: nn.Module | None = None  # the strategy's model, for the callbacks (info.model)
+        self.history: list[dict[str, float]] = []  # (set again on resume; here for a failure before it)
+        self.control = Control()
         try:
             return self._run(topo)
         except BaseException as e:
-            self.hook("on_exception", self.steps_done, topo, exception=e)
+            if t.callbacks:
+                call_on_exception(t.callbacks, self._info(self.steps_done, topo, exception=e))
             raise
         finally:
             if self.saver is not None:
@@ -138,6 +141,8 @@ class Job:
         seed_everything(t.seed)  # Python, numpy and torch: a dataset's augmentations repeat run to run
         if t.deterministic:
             deterministic()
+        if t.benchmark is not None:  # (Lightning's benchmark=: cuDNN times its algorithms for each new shape)
+            torch.backends.cudnn.benchmark = t.benchmark
         reset_cuda_peak(topo.device)  # cuda_peak_*_bytes are this run's (a no-op on CPU)
         built = self.build(topo)
         model, opt, shapes = built.model, built.optimizer, built.shapes

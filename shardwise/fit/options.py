@@ -9,8 +9,10 @@ every rank builds the same :class:`~shardwise.comm.topology.Topology`.
 from __future__ import annotations
 
 import datetime as _dt
+import difflib
 import os
 import warnings
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +87,9 @@ class FitOptions:
     limit_train_batches: int | float | None = None  # an epoch is its first this many global batches (or fraction)
     overfit_batches: int | float | None = None  # train on the same first batches every epoch (limit_train_batches)
     detect_anomaly: bool = False  # torch.autograd's anomaly detection around the steps
+    max_steps: int | None = None  # Trainer(max_steps=): fit's max_steps when fit is given none
+    benchmark: bool | None = None  # torch.backends.cudnn.benchmark on every rank (None: torch's own setting)
+    enable_model_summary: bool = True  # the model's parameters and the planner's memory per rank, at the start
 
     @property
     def clip_norm(self) -> float | None:
@@ -162,7 +167,8 @@ class FitOptions:
               shuffle: bool = True, gradient_clip_algorithm: str = "norm", fast_dev_run: bool = False,
               limit_val_batches: int | float | None = None, detect_anomaly: bool = False,
               limit_train_batches: int | float | None = None,
-              overfit_batches: int | float | None = None) -> FitOptions:
+              overfit_batches: int | float | None = None, max_steps: int | None = None,
+              benchmark: bool | None = None, enable_model_summary: bool = True) -> FitOptions:
         """The Trainer's arguments, each by its name, checked: a ValueError names the first one that is wrong."""
         if fast_dev_run:  # nothing written: no checkpoint, logger, metrics file, TensorBoard or profile
             checkpoint_dir = metrics_path = tensorboard_dir = profiler = logger = None
@@ -192,6 +198,7 @@ class FitOptions:
             raise ValueError(f"on_nonfinite must be 'error' or 'skip', got {on_nonfinite!r}")
         count, device_ids = device_count(strat, devices, accelerator)
         check_positive("max_epochs", max_epochs, "a positive integer (or None)")
+        max_steps = lightning_values(max_steps, benchmark, deterministic, fast_dev_run)
         if accumulate_grad_batches < 1:
             raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}")
         paths = {k: os.fspath(v) if v is not None else None
@@ -216,7 +223,79 @@ class FitOptions:
                    profiler_dir=profiled["profiler_dir"], loggers=tuple(loggers),
                    log_every_n_steps=log_every_n_steps, checkpoint_async=checkpoint_async, compile=compile,
                    deterministic=deterministic, gradient_clip_algorithm=gradient_clip_algorithm,
-                   fast_dev_run=bool(fast_dev_run), detect_anomaly=detect_anomaly, **limits, **replicas)
+                   fast_dev_run=bool(fast_dev_run), detect_anomaly=detect_anomaly, max_steps=max_steps,
+                   benchmark=benchmark, enable_model_summary=enable_model_summary, **limits, **replicas)
+
+
+# Lightning's Trainer arguments that have no parameter here, and what does their work ("{v}": the value given).
+REFUSED = {
+    "val_check_interval": "is fit(val_every=N) here: validate every N optimizer steps (an epoch is "
+                          "len(dataset) // batch_size of them)",
+    "check_val_every_n_epoch": "is fit(val_every=N) here, in optimizer steps: N = {v!r} x (len(dataset) // "
+                               "batch_size)",
+    "default_root_dir": "is checkpoint_dir={v!r} here: checkpoints there, and the logs of logger='csv' (or another "
+                        "name) under <checkpoint_dir>/logs",
+    "min_epochs": "has no equivalent here: a run trains until max_epochs or max_steps, or until a callback stops "
+                  "it (shardwise.EarlyStopping's patience, info.stop)",
+    "min_steps": "has no equivalent here: a run trains until max_epochs or max_steps, or until a callback stops it "
+                 "(shardwise.EarlyStopping's patience, info.stop)",
+    "max_time": "has no equivalent here: bound the run with max_steps= or max_epochs=, or stop it from a callback "
+                "(info.stop) when its time is up",
+    "limit_test_batches": "has no equivalent here: test on a part of the set, trainer.test(model, "
+                          "torch.utils.data.Subset(dataset, range(n)), ...)",
+    "limit_predict_batches": "has no equivalent here: predict a part of the set, trainer.predict(model, "
+                             "torch.utils.data.Subset(dataset, range(n)), ...)",
+    "use_distributed_sampler": "has no equivalent here: each rank reads its part of every global batch, without a "
+                               "sampler; Trainer(shuffle=False) keeps the dataset's order",
+    "num_nodes": "is the launcher's here: it starts the nodes (shardwise run --nnodes {v!r}, or srun), and "
+                 "devices='auto' (the default) takes its world size",
+    "num_sanity_val_steps": "has no equivalent here: the model, the loss and the validation metrics are checked "
+                            "on meta before any process starts, and fast_dev_run=True runs one step and one "
+                            "validation batch",
+    "enable_checkpointing": "disagrees with checkpoint_dir=, which says whether and where checkpoints are written, "
+                            "e.g. Trainer(checkpoint_dir='checkpoints', checkpoint_every=100)",
+}
+# Accepted because the value means what the run does anyway (no sanity pass, one node, no checkpoint_dir).
+NOTHING_TO_DO = {"num_sanity_val_steps": 0, "num_nodes": 1}
+
+
+def lightning_arguments(given: Mapping[str, Any], ours: Iterable[str], checkpoint_dir: Any) -> dict[str, Any]:
+    """Trainer keyword arguments that are not its own: Lightning's, as our arguments (the returned dict), or
+    refused in one line (ValueError) that names ours; any other name is Python's TypeError, with the nearest
+    names."""
+    out: dict[str, Any] = {}
+    for name, value in given.items():
+        if name == "enable_progress_bar":
+            if not value:
+                out["progress"] = False
+        elif name == "enable_checkpointing" and bool(value) == (checkpoint_dir is not None):
+            continue  # True with checkpoint_dir, False without: what the run does
+        elif name in NOTHING_TO_DO and value == NOTHING_TO_DO[name]:
+            continue
+        elif name in REFUSED:
+            raise ValueError(f"Trainer({name}={value!r}) {REFUSED[name].format(v=value)}")
+        else:
+            known = [*ours, *REFUSED, "enable_progress_bar"]
+            near = difflib.get_close_matches(name, known, n=1)
+            raise TypeError(f"Trainer() got an unexpected keyword argument {name!r}"
+                            + (f"; did you mean {near[0]!r}?" if near else ""))
+    return out
+
+
+def lightning_values(max_steps: int | None, benchmark: bool | None, deterministic: bool, fast_dev_run: Any
+                     ) -> int | None:
+    """The values Lightning gives these arguments, checked: ``max_steps`` (``-1``, "no bound", is None),
+    ``benchmark`` beside ``deterministic``, and ``fast_dev_run`` (a number of batches there, one step here)."""
+    max_steps = None if max_steps == -1 else max_steps
+    check_positive("max_steps", max_steps, "a positive integer (or None)")
+    if benchmark and deterministic:
+        raise ValueError("benchmark=True lets cuDNN pick its fastest algorithms, which deterministic=True "
+                         "forbids: pass one of them")
+    if not isinstance(fast_dev_run, bool) and fast_dev_run not in (0, 1):
+        raise ValueError(f"fast_dev_run={fast_dev_run!r}: here fast_dev_run=True runs one step and one "
+                         f"validation batch; for {fast_dev_run} steps pass fit(max_steps={fast_dev_run}) and "
+                         f"limit_val_batches={fast_dev_run}")
+    return max_steps
 
 
 def check_checkpointing(every: int | None, directory: Any, in_background: bool | None, keep: int | None) -> None:
@@ -397,4 +476,4 @@ def _launcher_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-__all__ = ["FitOptions", "auto_devices", "gpus_given", "profiling", "run_loggers"]
+__all__ = ["FitOptions", "auto_devices", "gpus_given", "lightning_arguments", "profiling", "run_loggers"]

@@ -8,6 +8,7 @@ it (``shardwise run``).
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import sys
 import warnings
@@ -23,7 +24,15 @@ from shardwise.checkpoint import store as checkpoint
 from shardwise.comm.topology import pick_device, teardown
 from shardwise.data import DataSource, loader_options
 from shardwise.fit import preflight
-from shardwise.fit.checks import check_fit_options, check_step, parse_inputs, run_steps, validate
+from shardwise.fit.checks import (
+    check_fit_options,
+    check_step,
+    given_model,
+    parse_inputs,
+    run_steps,
+    uncompiled,
+    validate,
+)
 from shardwise.fit.infer import Inference, check_inference, resolve_checkpoint, spawned_inference
 from shardwise.fit.job import (
     FitResult,
@@ -33,7 +42,7 @@ from shardwise.fit.job import (
     pickled,
     spawned_fit,
 )
-from shardwise.fit.options import FitOptions
+from shardwise.fit.options import FitOptions, lightning_arguments
 from shardwise.fit.replicas import fit_replicas
 from shardwise.fit.schedule import check_epochs, check_monitor
 from shardwise.ft.options import FaultTolerance
@@ -181,6 +190,18 @@ class Trainer:
             ``steps_recomputed`` and ``seconds_lost``.
         sample_ledger: with ``fault_tolerance``, a JSON-lines file where the launcher writes, per committed step,
             which replica group computed which sample indices.
+        max_steps: the run's optimizer steps when ``fit`` is given no ``max_steps`` (Lightning's place for it;
+            ``-1``, Lightning's "no bound", is None).
+        benchmark: ``torch.backends.cudnn.benchmark`` on every rank (cuDNN times its algorithms for each new input
+            shape); None leaves torch's setting. Refused with ``deterministic=True``.
+        enable_model_summary: rank 0 prints, once before the first step when progress is shown, the model's
+            parameters in total and per rank under the layout, and the planner's memory per rank
+            (:mod:`shardwise.plan`, the memory check's own plan).
+        **lightning: Lightning's other Trainer arguments: ``enable_progress_bar`` (False is ``progress=False``),
+            ``num_nodes=1``, ``num_sanity_val_steps=0`` and ``enable_checkpointing`` (True with ``checkpoint_dir``,
+            False without) are taken; the others (``val_check_interval``, ``check_val_every_n_epoch``,
+            ``default_root_dir``, ``min_epochs``, ``max_time``, ...) are refused in one line that names what does
+            their work here (:func:`shardwise.fit.options.lightning_arguments`).
 
     :func:`shardwise.log` (``sw.log(name, value, reduce=)``) adds your own scalars to the step log, from a loss
     function, a model's forward or a callback (:mod:`shardwise.loggers.scalars`).
@@ -208,7 +229,12 @@ class Trainer:
                  sample_ledger: str | os.PathLike[str] | None = None, deterministic: bool = False,
                  shuffle: bool = True, gradient_clip_algorithm: str = "norm", fast_dev_run: bool = False,
                  limit_val_batches: int | float | None = None, detect_anomaly: bool = False,
-                 limit_train_batches: int | float | None = None, overfit_batches: int | float | None = None) -> None:
+                 limit_train_batches: int | float | None = None, overfit_batches: int | float | None = None,
+                 max_steps: int | None = None, benchmark: bool | None = None, enable_model_summary: bool = True,
+                 **lightning: Any) -> None:
+        if lightning:  # Lightning's other arguments: ours for them, or one line naming what does their work
+            ours = lightning_arguments(lightning, _PARAMETERS, checkpoint_dir)
+            progress = ours.get("progress", progress)
         self.options = FitOptions.build(
             strategy, devices, accelerator, accumulate_grad_batches=accumulate_grad_batches,
             gradient_clip_val=gradient_clip_val, seed=seed, progress=progress, metrics_path=metrics_path,
@@ -222,7 +248,8 @@ class Trainer:
             compile=compile, fault_tolerance=fault_tolerance, sample_ledger=sample_ledger,
             deterministic=deterministic, shuffle=shuffle, gradient_clip_algorithm=gradient_clip_algorithm,
             fast_dev_run=fast_dev_run, limit_val_batches=limit_val_batches, detect_anomaly=detect_anomaly,
-            limit_train_batches=limit_train_batches, overfit_batches=overfit_batches)
+            limit_train_batches=limit_train_batches, overfit_batches=overfit_batches, max_steps=max_steps,
+            benchmark=benchmark, enable_model_summary=enable_model_summary)
         o = self.options
         if o.devices == 1 and not isinstance(o.strategy, (Single, OwnDevices)):
             # Trainer("ddp") alone used to run one process without a word: nothing is split then.
@@ -315,6 +342,7 @@ class Trainer:
         ``hparams``: your hyperparameters (a dict, nested allowed), logged by every logger beside the run's own
         (strategy, sizes, optimizer, ...), yours winning on a shared name.
         """
+        model = given_model(model, loss_fn, optimizer, training_step)
         step = check_step(self.options, loss_fn, training_step, optimizer, batch_size, val_dataset)
         data = self._source(dataset, inputs, num_workers, collate_fn, pin_memory)
         max_steps = 1 if self.options.fast_dev_run else run_steps(self.options, max_steps, data, batch_size)  # type: ignore[arg-type]
@@ -434,6 +462,7 @@ class Trainer:
                metrics: dict[str, Any] | None, ckpt_path: str | os.PathLike[str] | None, inputs: Any,
                num_workers: int | None, collate_fn: Callable[[list[Any]], Any] | None) -> Any:
         """One pass of ``kind`` (:class:`shardwise.fit.infer.Inference`), checked here, run on the ranks."""
+        model = uncompiled(model, kind)
         checked = check_inference(self.options, kind, batch_size, loss_fn, metrics)
         data = self._source(dataset, inputs, num_workers, collate_fn)
         preflight.check_source(data, 1, what="dataset")
@@ -459,6 +488,7 @@ class Trainer:
 
 
 _SPAWN = object()  # _run_here's answer when the job's ranks must be started here
+_PARAMETERS = tuple(inspect.signature(Trainer.__init__).parameters)[1:-1]  # (a typo's nearest names)
 
 
 def _copy_model(model: nn.Module) -> nn.Module:

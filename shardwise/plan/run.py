@@ -36,6 +36,7 @@ from shardwise.plan.states import (
     full_grad_bytes,
     local_chunks,
     optimizer_states,
+    params_of,
     states_of,
     zero_stage,
 )
@@ -59,6 +60,7 @@ class RunPlan:
     # of the rank's checkpoint share, in rank order); on a CPU run the host is the device (``host_is_device``).
     host: dict[str, tuple[int, ...]] = field(default_factory=dict)
     host_is_device: bool = False
+    params: tuple[int, ...] = ()  # the parameter elements each rank holds, in rank order
 
     @property
     def states(self) -> RankStates:
@@ -156,7 +158,7 @@ def plan_run(model: nn.Module, layout: RunLayout, device_memory_bytes: int, batc
         except NotModelled as e:  # the rest of the plan stands: say what it leaves out
             notes.append(f"{STAGING} not planned: {e}")
     plan = RunPlan(layout, tuple(ranks), act, buffers, device_memory_bytes, tuple(notes), host=host,
-                   host_is_device=host_is_device)
+                   host_is_device=host_is_device, params=tuple(params_of(chunks, layout)))
     if plan.fits or not suggest:
         return plan
     for what, alt in alternatives(layout):

@@ -408,6 +408,19 @@ def per_rank(chunks: list[list[list[Param]]], layout: RunLayout, group: Group) -
             for c in range(cp) for _ in range(layout.tp)]
 
 
+def params_of(chunks: list[list[list[Param]]], layout: RunLayout) -> list[int]:
+    """The parameter elements every rank holds, in rank order: whole parameters (after the tp, pp and ep splits)
+    under DDP and ZeRO-1/2, its ``ceil(numel / N)`` piece of each trainable one under ZeRO-3/FSDP."""
+    stage = zero_stage(layout)
+
+    def group(cs: list[list[Param]], n: int, d: int) -> int:
+        return sum(held_elements(q.numel, n, d) if stage >= 3 and q.trainable else q.numel for c in cs for q in c)
+
+    if layout.strategy == "ps":  # every rank holds the whole model (the servers their range of it, as a flat copy)
+        return [sum(q.numel for q in chunks[0][0])] * layout.dp
+    return per_rank(chunks, layout, group)
+
+
 def full_grad_bytes(chunks: list[list[list[Param]]]) -> int:
     """The whole gradients of the busiest pipeline rank's trainable parameters (held while micro-batches
     accumulate unreduced under ``no_sync``)."""
@@ -441,5 +454,5 @@ def busiest(states: Sequence[RankStates]) -> RankStates:
 
 
 __all__ = ["MODELLED", "NotModelled", "Param", "RankStates", "busiest", "check_modelled", "fsdp", "full_grad_bytes",
-           "fully_sharded", "held_elements", "local_chunks", "meta_copy", "optimizer_states", "per_rank", "rank_states",
-           "replicated", "states_of", "stepped_probe", "zero", "zero_redundancy", "zero_stage"]
+           "fully_sharded", "held_elements", "local_chunks", "meta_copy", "optimizer_states", "params_of", "per_rank",
+           "rank_states", "replicated", "states_of", "stepped_probe", "zero", "zero_redundancy", "zero_stage"]

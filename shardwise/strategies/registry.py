@@ -39,6 +39,17 @@ CLASSES: dict[str, str] = {
 }
 
 
+# Lightning's strategy names, and what runs the same training here (refused with it: never taken silently).
+LIGHTNING: dict[str, str] = {
+    "ddp_spawn": "'ddp'", "ddp_fork": "'ddp'", "ddp_notebook": "'ddp'",
+    "ddp_find_unused_parameters_true": "sw.DDP(find_unused_parameters=True)",
+    "ddp_find_unused_parameters_false": "'ddp'",
+    "deepspeed": "'zero2'", "deepspeed_stage_1": "'zero1'", "deepspeed_stage_2": "'zero2'",
+    "deepspeed_stage_3": "'zero3'", "deepspeed_stage_2_offload": "sw.ZeRO2(offload='optimizer')",
+    "deepspeed_stage_3_offload": "sw.ZeRO3(offload='optimizer')", "fsdp_cpu_offload": "sw.FSDP(offload='optimizer')",
+    "single_device": "'single'",
+}
+
 REGISTRY: dict[str, Callable[[], Strategy]] = {}
 
 
@@ -81,6 +92,8 @@ def resolve(strategy: str | Strategy) -> Strategy:
     name = canonical_name(strategy) if isinstance(strategy, str) else None
     if name is not None:
         factory = REGISTRY.get(name) or (_load_builtin(name) if name in BUILTIN else None)
+    if factory is None and isinstance(strategy, str) and (strategy in LIGHTNING or strategy == "auto"):
+        raise ValueError(lightning_name(strategy))
     if factory is None:
         valid = available_strategies()
         message = f"unknown strategy {strategy!r}; valid strategies: {', '.join(valid)}"
@@ -93,3 +106,11 @@ def resolve(strategy: str | Strategy) -> Strategy:
                 message += f"; did you mean {said}?"
         raise ValueError(message)
     return factory()
+
+
+def lightning_name(name: str) -> str:
+    """The refusal of Lightning's strategy ``name``, naming ours."""
+    if name == "auto":
+        return ("strategy 'auto' is Lightning's choice by device count; name one here: 'ddp' for several "
+                "devices, 'single' for one (the default)")
+    return f"strategy {name!r} is Lightning's name: it is {LIGHTNING[name]} here"

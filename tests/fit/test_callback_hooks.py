@@ -97,6 +97,31 @@ def test_on_exception_sees_what_ended_the_run():
     assert isinstance(cb.caught, RuntimeError) and str(cb.caught) == "broken after step 2"
 
 
+class FailsToo(sw.Callback):
+    """An on_exception with a bug of its own."""
+
+    def on_exception(self, info) -> None:  # noqa: D102
+        raise KeyError("no such run")
+
+
+class Notes(sw.Callback):
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def on_exception(self, info) -> None:  # noqa: D102
+        self.seen.append(str(info.exception))
+
+
+def test_a_failing_on_exception_never_hides_the_runs_error():
+    later = Notes()
+    with pytest.raises(RuntimeError) as e:
+        run("single", 1, [Fails(), FailsToo(), later])
+    assert str(e.value) == "broken after step 2"  # the run's error, not the callback's
+    assert e.value.__notes__ == ["callback FailsToo's on_exception(info) failed while handling this error: "
+                                 "KeyError: 'no such run'"]
+    assert later.seen == ["broken after step 2"]  # the callbacks after it were still told
+
+
 class Counter(sw.Callback):
     """Counts the steps it saw, across restarts: its count is kept in every checkpoint."""
 

@@ -250,3 +250,165 @@ def test_a_logger_without_its_extra_names_it(make, line, monkeypatch):
     with pytest.raises(MissingExtra) as e:
         make()
     assert str(e.value) == line
+
+
+# ---- Lightning's Trainer arguments, strategy names, callbacks and modules --------------------------
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"val_check_interval": 100}, "Trainer(val_check_interval=100) is fit(val_every=N) here: validate every N "
+                                  "optimizer steps (an epoch is len(dataset) // batch_size of them)"),
+    ({"check_val_every_n_epoch": 2}, "Trainer(check_val_every_n_epoch=2) is fit(val_every=N) here, in optimizer "
+                                     "steps: N = 2 x (len(dataset) // batch_size)"),
+    ({"default_root_dir": "runs"}, "Trainer(default_root_dir='runs') is checkpoint_dir='runs' here: checkpoints "
+                                   "there, and the logs of logger='csv' (or another name) under "
+                                   "<checkpoint_dir>/logs"),
+    ({"min_epochs": 3}, "Trainer(min_epochs=3) has no equivalent here: a run trains until max_epochs or max_steps, "
+                        "or until a callback stops it (shardwise.EarlyStopping's patience, info.stop)"),
+    ({"max_time": "00:01:00:00"}, "Trainer(max_time='00:01:00:00') has no equivalent here: bound the run with "
+                                  "max_steps= or max_epochs=, or stop it from a callback (info.stop) when its time "
+                                  "is up"),
+    ({"num_nodes": 2}, "Trainer(num_nodes=2) is the launcher's here: it starts the nodes (shardwise run --nnodes 2, "
+                       "or srun), and devices='auto' (the default) takes its world size"),
+    ({"num_sanity_val_steps": 2}, "Trainer(num_sanity_val_steps=2) has no equivalent here: the model, the loss and "
+                                  "the validation metrics are checked on meta before any process starts, and "
+                                  "fast_dev_run=True runs one step and one validation batch"),
+    ({"enable_checkpointing": True}, "Trainer(enable_checkpointing=True) disagrees with checkpoint_dir=, which says "
+                                     "whether and where checkpoints are written, e.g. "
+                                     "Trainer(checkpoint_dir='checkpoints', checkpoint_every=100)"),
+    ({"limit_test_batches": 5}, "Trainer(limit_test_batches=5) has no equivalent here: test on a part of the set, "
+                                "trainer.test(model, torch.utils.data.Subset(dataset, range(n)), ...)"),
+    ({"use_distributed_sampler": False}, "Trainer(use_distributed_sampler=False) has no equivalent here: each rank "
+                                         "reads its part of every global batch, without a sampler; "
+                                         "Trainer(shuffle=False) keeps the dataset's order"),
+    ({"fast_dev_run": 5}, "fast_dev_run=5: here fast_dev_run=True runs one step and one validation batch; for 5 "
+                          "steps pass fit(max_steps=5) and limit_val_batches=5"),
+    ({"benchmark": True, "deterministic": True}, "benchmark=True lets cuDNN pick its fastest algorithms, which "
+                                                 "deterministic=True forbids: pass one of them"),
+])
+def test_lightning_trainer_arguments_we_refuse_name_ours(kw, message, no_spawn):
+    with pytest.raises(ValueError) as e:
+        trainer(accelerator="cpu", **kw)
+    assert str(e.value) == message
+
+
+def test_lightning_trainer_arguments_we_take(tmp_path, no_spawn):
+    t = trainer(accelerator="cpu", enable_progress_bar=False, num_nodes=1, num_sanity_val_steps=0,
+                enable_checkpointing=False, max_steps=7, benchmark=False, enable_model_summary=False)
+    assert (t.progress, t.max_steps, t.benchmark, t.enable_model_summary) == (False, 7, False, False)
+    assert trainer(accelerator="cpu", max_steps=-1).max_steps is None  # Lightning's "no bound"
+    assert trainer(accelerator="cpu", enable_checkpointing=True, checkpoint_dir=tmp_path).checkpoint_dir == \
+        str(tmp_path)
+    with pytest.raises(TypeError) as e:  # not Lightning's either: Python's words, with the nearest name
+        trainer(accelerator="cpu", max_epoch=3)
+    assert str(e.value) == "Trainer() got an unexpected keyword argument 'max_epoch'; did you mean 'max_epochs'?"
+
+
+@pytest.mark.parametrize(("typed", "message"), [
+    ("deepspeed_stage_2", "strategy 'deepspeed_stage_2' is Lightning's name: it is 'zero2' here"),
+    ("deepspeed_stage_3", "strategy 'deepspeed_stage_3' is Lightning's name: it is 'zero3' here"),
+    ("deepspeed_stage_1", "strategy 'deepspeed_stage_1' is Lightning's name: it is 'zero1' here"),
+    ("ddp_spawn", "strategy 'ddp_spawn' is Lightning's name: it is 'ddp' here"),
+    ("ddp_find_unused_parameters_true", "strategy 'ddp_find_unused_parameters_true' is Lightning's name: it is "
+                                        "sw.DDP(find_unused_parameters=True) here"),
+    ("auto", "strategy 'auto' is Lightning's choice by device count; name one here: 'ddp' for several devices, "
+             "'single' for one (the default)"),
+])
+def test_lightning_strategy_names_are_told_ours(typed, message, no_spawn):
+    with pytest.raises(ValueError) as e:
+        trainer(typed, accelerator="cpu")
+    assert str(e.value) == message
+
+
+class LightningLike(torch.nn.Module):
+    """A LightningModule as the methods tell it (Lightning is not installed here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.layer(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _lightning_class(name, module, **hooks):
+    """A class that says it comes from ``module``, as Lightning's own and their subclasses do."""
+    return type(name, (), {"__module__": module, **hooks})
+
+
+EarlyStoppingL = _lightning_class("EarlyStopping", "lightning.pytorch.callbacks.early_stopping",
+                                  on_validation_end=lambda self, trainer, pl_module: None)
+MySampler = type("MySampler", (_lightning_class("Callback", "pytorch_lightning.callbacks.callback"),),
+                 {"on_train_epoch_end": lambda self, trainer, pl_module: None})
+
+
+class OldHooks:
+    def on_train_epoch_end(self, trainer, pl_module) -> None:  # Lightning's signature, on a class of one's own
+        pass
+
+
+@pytest.mark.parametrize(("callback", "message"), [
+    (EarlyStoppingL(), "callback EarlyStopping is a Lightning callback (lightning.pytorch.callbacks.early_stopping."
+                       "EarlyStopping): its hooks take (trainer, pl_module), shardwise's take (info); use "
+                       "shardwise.EarlyStopping(monitor=, patience=, mode=, min_delta=)"),
+    (MySampler(), "callback MySampler is a Lightning callback (pytorch_lightning.callbacks.callback.Callback): its "
+                  "hooks take (trainer, pl_module), shardwise's take (info); port it to a subclass of "
+                  "shardwise.Callback"),
+    (OldHooks(), "callback OldHooks.on_train_epoch_end(trainer, pl_module) cannot be called as "
+                 "on_train_epoch_end(info), as shardwise calls every hook: info.model is the model, with info.step, "
+                 "info.epoch, info.metrics (see shardwise.Callback)"),
+])
+def test_lightning_callbacks_are_named_as_such(callback, message, no_spawn):
+    with pytest.raises(TypeError) as e:
+        trainer(accelerator="cpu", callbacks=[callback])
+    assert str(e.value) == message
+
+
+def test_a_lightning_module_is_told_what_to_pass(no_spawn):
+    data = [(torch.zeros(4), 0)] * 8
+    with pytest.raises(TypeError) as e:
+        trainer("single", 1, accelerator="cpu").fit(LightningLike(), data)
+    assert str(e.value) == (
+        "LightningLike is a LightningModule (it has training_step and configure_optimizers): shardwise's fit takes "
+        "the pieces apart: fit(model, dataset, loss_fn=fn(output, target), optimizer=functools.partial("
+        "torch.optim.AdamW, lr=...), batch_size=...), or fit(..., training_step=fn(model, batch) -> loss, "
+        "optimizer=...) for a step of your own; the model's forward is used as it is (docs: migrate/lightning)")
+
+
+def test_a_compiled_model_is_unwrapped_with_a_warning(no_spawn):
+    model = LightningLike()  # given the pieces, a LightningModule's forward trains as any model's
+    before = model.layer.weight.detach().clone()
+    compiled = torch.compile(model, backend="eager")
+    with pytest.warns(UserWarning) as w:
+        result = trainer("single", 1, accelerator="cpu", max_steps=2).fit(  # Trainer(max_steps=): fit's default
+            compiled, [(torch.ones(4), 0)] * 8, torch.nn.functional.cross_entropy, torch.optim.SGD, batch_size=4)
+    assert len(result.losses) == 2
+    assert [str(x.message) for x in w] == [
+        "fit got a torch.compile(model) wrapper: it runs the model inside it (its _orig_mod, the same parameters), "
+        "uncompiled; pass the model itself, with Trainer(compile=True) to compile each block after the strategy "
+        "wraps it"]
+    assert w[0].filename == __file__  # the warning points at the user's line
+    assert not torch.equal(model.layer.weight, before)  # trained: the wrapper's own module
+
+
+def test_the_model_summary_at_the_start(no_spawn, capsys):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 3))
+    args = (model, [(torch.zeros(8), 0)] * 16, torch.nn.functional.cross_entropy, torch.optim.Adam)
+    fit = dict(batch_size=4, max_steps=1)
+    shown = {}
+    for progress, summary in (("lines", True), ("lines", False), (False, True)):
+        with pytest.raises(no_spawn):  # printed before any process starts (the calling process is rank 0)
+            sw.Trainer("fsdp", 2, accelerator="cpu", progress=progress, device_memory=10**9,
+                       enable_model_summary=summary).fit(*args, **fit)
+        shown[progress, summary] = capsys.readouterr().err
+    assert shown["lines", True] == (
+        "shardwise: model Sequential: 195 parameters (195 trainable); per rank: 97 to 98\n"  # each rank's shards
+        "shardwise: planned memory per rank: fsdp on dp=2 tp=1 pp=1: 3.87 kB of 1.00 GB per device (parameters "
+        "392 B, gradients 392 B, optimizer 784 B, activations 0 B, buffers 2.30 kB); activations not counted (no "
+        "transformer config on the model)\n")
+    assert shown["lines", False] == shown[False, True] == ""  # off, or no progress shown
