@@ -71,6 +71,13 @@ def unpack(made: Any) -> tuple[Any, When]:
     return sched, When(interval, frequency)
 
 
+def check_schedule(when: When | None, metrics: list[str] | None, epoch_len: int | None) -> None:
+    """What a run's schedule needs of it (``when`` None: no schedule): its monitored metric and its epoch."""
+    if when is not None:
+        check_monitor(when, metrics)
+        check_epochs(when, epoch_len)
+
+
 def check_monitor(when: When, metrics: list[str] | None) -> None:
     """A ReduceLROnPlateau's metric is one validation computes (``metrics``; None: the run does not validate)."""
     if when.monitor is None:

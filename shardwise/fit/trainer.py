@@ -44,7 +44,7 @@ from shardwise.fit.job import (
 )
 from shardwise.fit.options import FitOptions, lightning_arguments
 from shardwise.fit.replicas import fit_replicas
-from shardwise.fit.schedule import check_epochs, check_monitor
+from shardwise.fit.schedule import check_schedule
 from shardwise.ft.options import FaultTolerance
 from shardwise.init_from import InitFrom, OwnInit, materialize
 from shardwise.loggers import Logger, check_hparams
@@ -319,28 +319,19 @@ class Trainer:
         (``"val_loss"``, ``(name, "min" | "max")``, or ``(name, mode, k)``: the ``k`` best) keeps the best
         validation's checkpoint in ``<checkpoint_dir>/best``, beside the last ones.
 
-        ``training_step``: ``fn(model, batch)`` computes the step's loss itself, instead of
-        ``loss_fn(model(x), y)``: it gets the strategy's model (called like yours) and the collated batch as the
-        dataset gives it (a pair, a dict), this rank's part of it, and returns the loss, or a dict with
-        ``"loss"`` and other scalars, logged (their mean over the data-parallel ranks) in the step log
-        (``metrics_path``, TensorBoard). Several losses, auxiliary terms, extra inputs and weights fit there; the
-        loss must be the batch's mean, as ``loss_fn``'s. ``loss_fn`` is then optional (given, validation uses
-        it). Refused under a pipeline (pp > 1), whose loss is the last stage's (docs: how-to/custom-step).
+        ``training_step``: ``fn(model, batch)`` returns the step's loss (the batch's mean), or a dict with
+        ``"loss"`` and other scalars to log, instead of ``loss_fn(model(x), y)``: it gets the strategy's model and
+        this rank's part of the collated batch. Refused under pp > 1 (docs: how-to/custom-step).
 
-        ``init_from`` (:mod:`shardwise.init_from`): start from pretrained weights, a Hugging Face model directory
-        (safetensors, sharded with an index or single), a ``.safetensors`` file or a shardwise checkpoint; each
-        rank reads only what it holds, converted to the model's dtype, and ``model`` may be built on the meta
-        device. Names and shapes are matched before any process starts; ``init_allow_missing`` (fnmatch
-        patterns) names the model's tensors meant to be new, which keep the model's own initialisation. A
+        ``init_from`` (:mod:`shardwise.init_from`): start from pretrained weights (a Hugging Face directory, a
+        ``.safetensors`` file or a shardwise checkpoint), each rank reading only what it holds; names and shapes
+        are matched before any process starts, ``init_allow_missing`` (fnmatch patterns) names new tensors. A
         checkpoint in ``checkpoint_dir`` to resume wins over ``init_from``.
 
         ``return_state_dict=False``: no rank gathers the full state dict at the end; ``result.state_dict`` is
-        empty and ``model`` is left as it was (a meta-device model stays on meta): the trained weights are in
-        the run's checkpoints (``checkpoint_dir``; ``shardwise checkpoint export`` writes them out). With the
-        default ``True``, a meta-device ``model`` is given CPU memory and ends trained, as any other.
+        empty, ``model`` is left as it was, and the trained weights are in the run's checkpoints.
 
-        ``hparams``: your hyperparameters (a dict, nested allowed), logged by every logger beside the run's own
-        (strategy, sizes, optimizer, ...), yours winning on a shared name.
+        ``hparams``: your hyperparameters (nested allowed), logged by every logger beside the run's own.
         """
         model = given_model(model, loss_fn, optimizer, training_step)
         step = check_step(self.options, loss_fn, training_step, optimizer, batch_size, val_dataset)
@@ -351,9 +342,7 @@ class Trainer:
         init = InitFrom.checked(init_from, init_allow_missing, model)
         val = check_fit_options(self.options, model, loss_fn, data, batch_size, val_dataset, val_every, val_metrics,  # type: ignore[arg-type]
                                 val_batch_size, checkpoint_best, step)
-        if when is not None:
-            check_monitor(when, val.names if val is not None else None)
-            check_epochs(when, self.options.epoch_steps(dataset, batch_size))  # type: ignore[arg-type]
+        check_schedule(when, val and val.names, self.options.epoch_steps(dataset, batch_size))  # type: ignore[arg-type]
         job = Job(self.options, model, data, loss_fn, optimizer, batch_size, max_steps, info, lr_scheduler, val,  # type: ignore[arg-type]
                   groups, step, init, return_state_dict, hparams=check_hparams(hparams))
         return self._trained(job, model)
