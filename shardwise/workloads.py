@@ -6,8 +6,8 @@ Python standard library's own source files as text. Nothing is downloaded.
 Public: :class:`Workload`, :func:`load` (what ``shardwise verify --model``
 takes: ``digits``, ``gpt``, ``mlp1024`` or ``path.py:factory``), the workloads
 :func:`digits`, :func:`gpt` and :func:`mlp1024`, and the text data of the GPT
-examples, :class:`CharText` and :func:`stdlib_text`, and :class:`RandomClasses` for configuration
-files: the examples and docs import them, and they change only with a note in CHANGELOG.md. The workloads
+examples, :class:`CharText` and :func:`stdlib_text`, and :class:`Digits` and :class:`RandomClasses` for
+configuration files: the examples and docs import them, and they change only with a note in CHANGELOG.md. The workloads
 are for demonstrations and checks, not benchmarks of record: their sizes and
 hyperparameters follow what the demo and the tests need. Names starting with
 an underscore are internal. :func:`digits` needs scikit-learn (the ``demo``
@@ -24,7 +24,7 @@ import sys
 import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -59,6 +59,7 @@ def _seeded(factory: Callable[[], nn.Module], seed: int = 0) -> Callable[[], nn.
     return make
 
 
+@functools.cache  # digits() reads both splits; the tensors are never written in place (indexing copies)
 def _digits_csv() -> tuple[torch.Tensor, torch.Tensor]:
     """scikit-learn's digits.csv.gz (64 pixel values 0-16, then the label, per row), read from the installed
     package without importing scikit-learn: its import costs about 0.9 s in every rank process."""
@@ -71,15 +72,25 @@ def _digits_csv() -> tuple[torch.Tensor, torch.Tensor]:
     return rows[:, :-1] / 16.0, rows[:, -1].long()
 
 
+class Digits(TensorDataset):
+    """scikit-learn's bundled 8x8 digits, 64 pixel values in [0, 1] and a label below 10: the ``split``
+    ``"train"`` (80%, 1437 images) or ``"test"`` (the other 360) of :func:`digits`, always the same images; a
+    dataset a configuration file can name (``shardwise.workloads.Digits``)."""
+
+    def __init__(self, split: Literal["train", "test"] = "train") -> None:
+        if split not in ("train", "test"):
+            raise ValueError(f"Digits(split={split!r}): split is 'train' or 'test'")
+        x, y = _digits_csv()
+        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+        cut = int(0.8 * len(x))
+        part = perm[:cut] if split == "train" else perm[cut:]
+        super().__init__(x[part], y[part])
+
+
 def digits(hidden: int = 128) -> Workload:
-    """scikit-learn's bundled 8x8 digits (1797 images), 80/20 split, an MLP classifier."""
-    x, y = _digits_csv()
-    g = torch.Generator().manual_seed(0)
-    perm = torch.randperm(len(x), generator=g)
-    cut = int(0.8 * len(x))
-    tr, te = perm[:cut], perm[cut:]
-    return Workload("digits", _seeded(lambda: MLP(64, hidden, 2, 10)), TensorDataset(x[tr], y[tr]),
-                    F.cross_entropy, test=TensorDataset(x[te], y[te]), batch_size=64, lr=3e-3)
+    """scikit-learn's bundled 8x8 digits (1797 images), 80/20 split (:class:`Digits`), an MLP classifier."""
+    return Workload("digits", _seeded(lambda: MLP(64, hidden, 2, 10)), Digits("train"), F.cross_entropy,
+                    test=Digits("test"), batch_size=64, lr=3e-3)
 
 
 def mlp1024(samples: int = 1024, width: int = 1024) -> Workload:

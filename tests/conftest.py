@@ -210,11 +210,14 @@ def once_per_run(name: str, tmp_path_factory: Any, make: Callable[[], Any]) -> A
 # ---- one `shardwise run --nproc 2` for the tests that only need a script to run under torchrun -----------------
 # tests/scripts/each_strategy.py runs each script in turn in the same two ranks (a new group each, as a script with
 # several trainings would), so the launcher's and the ranks' start-up (torch, a few seconds of CPU per process) is
-# paid once for all of them. (script, strategy, its flags); "{out}" is the launch's output folder. A script that
-# fails the job on purpose (tests/system/test_fail_fast.py) or needs restarts (tests/system/test_elastic.py)
-# launches alone.
+# paid once for all of them. (script, strategy or "-" for no --strategy flag, its flags); "{out}" is the launch's
+# output folder. A script that fails the job on purpose (tests/system/test_fail_fast.py) or needs restarts
+# (tests/system/test_elastic.py) launches alone.
 UNDER_RUN = (("examples/digits.py", "ddp", ("--steps", "6", "--out", "{out}/losses.json")),
              ("examples/setup_loop.py", "ddp", ("--epochs", "2")),
+             ("examples/configured.py", "-", ("--config", "examples/configured.yaml", "--trainer.strategy", "zero3",
+                                              "--fit.max_steps", "6", "--trainer.checkpoint_dir", "{out}/configured",
+                                              "--out", "{out}/configured.json")),
              ("tests/scripts/fit_auto.py", "-", ()),
              ("tests/scripts/listening_probe.py", "-", ()))
 

@@ -2,9 +2,10 @@
 
 ``python each_strategy.py EXAMPLE ddp,zero1,... -- ARGS... [++ EXAMPLE2 S1,S2 -- ARGS2... ++ ...]`` runs
 ``EXAMPLE --strategy S ARGS...`` as ``__main__`` for each strategy S in turn, then the next example's,
-in this process: under torchrun every rank does the same, so each run is the example under `shardwise
-run` with that strategy, joining a new process group as a second ``fit`` in a script does. One launch
-instead of one per (example, strategy) pair: the launcher, the ranks' interpreters and their imports
+in this process; S ``-`` runs ``EXAMPLE ARGS...``, for a script that takes no ``--strategy`` (one
+configured by its own flags). Under torchrun every rank does the same, so each run is the example under
+`shardwise run` with that strategy, joining a new process group as a second ``fit`` in a script does. One
+launch instead of one per (example, strategy) pair: the launcher, the ranks' interpreters and their imports
 (torch, transformers) are paid once. Rank 0 prints ``each_strategy: EXAMPLE S ok`` after each run, so a
 failure names the example and strategy it happened in.
 
@@ -46,7 +47,7 @@ def main() -> int:
         for name in names:
             if os.environ.get("RANK", "0") == "0":
                 print(f"each_strategy: {example} {name} starts", flush=True)
-            sys.argv = [example, "--strategy", name, *rest]
+            sys.argv = [example, *(["--strategy", name] if name != "-" else []), *rest]
             try:
                 runpy.run_path(example, run_name="__main__")
             except (Exception, SystemExit) as e:

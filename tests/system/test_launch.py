@@ -1,6 +1,7 @@
 """Launching: `shardwise run` (torchrun) joins the group; the CLI verbs work end to end."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import runpy
@@ -8,9 +9,15 @@ import subprocess
 import sys
 
 import pytest
+import torch
+import yaml
 from conftest import section
 
+import shardwise as sw
 from shardwise import cli
+from shardwise.fit.config import flat
+from shardwise.models import MLP
+from shardwise.workloads import Digits
 
 # The tests that launch by command (torchrun, a script) are marked fresh_processes: their ranks are fresh
 # processes. The verbs called in this process (verify) run their ranks on the session's pool.
@@ -45,6 +52,28 @@ def test_setup_example_runs_under_torchrun(under_run):
     r, _ = under_run
     assert "epoch 0: last loss" in section(r, "examples/setup_loop.py")
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.fresh_processes
+def test_the_configured_example_under_torchrun_is_its_run_in_python_and_flags_win(under_run):
+    # examples/configured.py --config examples/configured.yaml --trainer.strategy zero3 --fit.max_steps 6 in the
+    # session's shared `shardwise run --nproc 2` (tests/conftest.py): the file says ddp and 100 steps.
+    r, out = under_run
+    assert "zero3, devices=2: final loss" in section(r, "examples/configured.py")
+    written = yaml.safe_load(open(os.path.join(ROOT, "examples", "configured.yaml")))
+    kept = yaml.safe_load((out / "configured" / "config.yaml").read_text())
+    flags = {"trainer.strategy": "zero3", "fit.max_steps": 6, "out": str(out / "configured.json")}
+    assert {k: v for k, v in flat(written).items() if k in flags} == {"trainer.strategy": "ddp", "fit.max_steps": 100,
+                                                                      "out": None}
+    assert {k: v for k, v in flat(kept).items() if k in flat(written)} == {**flat(written), **flags}
+    # The reference: the same run written in Python, on one device in this process.
+    torch.manual_seed(0)
+    model = MLP(in_features=64, width=128, depth=2, classes=10)
+    trainer = sw.Trainer("single", accelerator="cpu", seed=0, progress=False)
+    ref = trainer.fit(model, Digits("train"), torch.nn.functional.cross_entropy,
+                      functools.partial(torch.optim.AdamW, lr=0.003), batch_size=64, max_steps=6,
+                      val_dataset=Digits("test"))
+    assert json.loads((out / "configured.json").read_text()) == pytest.approx(ref.losses, rel=1e-5)
 
 
 def test_verify_on_a_user_factory(tmp_path, monkeypatch, capsys):
