@@ -59,7 +59,6 @@ def _seeded(factory: Callable[[], nn.Module], seed: int = 0) -> Callable[[], nn.
     return make
 
 
-@functools.cache  # digits() reads both splits; the tensors are never written in place (indexing copies)
 def _digits_csv() -> tuple[torch.Tensor, torch.Tensor]:
     """scikit-learn's digits.csv.gz (64 pixel values 0-16, then the label, per row), read from the installed
     package without importing scikit-learn: its import costs about 0.9 s in every rank process."""
