@@ -4,7 +4,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.shardwise-installed
 
-.PHONY: demo test test-fast lint bench venv clean docs docs-check
+.PHONY: demo test test-fast lint format bench venv clean docs docs-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -42,8 +42,12 @@ test-fast: $(STAMP)
 # strictness of [tool.mypy] (DEVELOPERS.md). Both pinned in the dev extra.
 lint: $(STAMP)
 	.venv/bin/ruff check .
-	# .venv/bin/ruff format --check .   # enabled once the tree is formatted
+	.venv/bin/ruff format --check .
 	.venv/bin/mypy
+
+# Rewrites the tree in the format `make lint` checks (ruff format, settings in pyproject.toml's [tool.ruff.format]).
+format: $(STAMP)
+	.venv/bin/ruff format .
 
 # The whole suite with its 15 slowest tests, then its time against the budget (tests/budget_report.py): a
 # report, not a timed test. The log stays in build/ for a second look; pytest's exit status is make's.

@@ -19,14 +19,14 @@ _PUBLIC: dict[str, str] = {
     "EarlyStopping": "shardwise.fit.callbacks:EarlyStopping",
 
     "all_reduce_mean": "shardwise.loop.data:all_reduce_mean",
-    "clip_grad_norm_": "shardwise.loop.prepared:clip_grad_norm_",
-    "clip_grad_value_": "shardwise.loop.prepared:clip_grad_value_",
+    "clip_grad_norm_": "shardwise.loop.calls:clip_grad_norm_",
+    "clip_grad_value_": "shardwise.loop.calls:clip_grad_value_",
     "gather": "shardwise.loop.data:gather",
     "gather_for_metrics": "shardwise.loop.data:gather_for_metrics",
-    "no_sync": "shardwise.loop.prepared:no_sync",
+    "no_sync": "shardwise.loop.calls:no_sync",
     "prepare_dataloader": "shardwise.loop.data:prepare_dataloader",
-    "save": "shardwise.loop.prepared:save",
-    "load": "shardwise.loop.prepared:load",
+    "save": "shardwise.loop.calls:save",
+    "load": "shardwise.loop.calls:load",
     "register_for_checkpointing": "shardwise.loop.prepared:register_for_checkpointing",
     "end_training": "shardwise.loop.prepared:end_training",
     "is_main_process": "shardwise.loop.output:is_main_process",
@@ -60,21 +60,11 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is i
     from shardwise.fit.trainer import FitResult, Trainer
     from shardwise.ft.options import FaultTolerance
     from shardwise.loggers.scalars import log
+    from shardwise.loop.calls import clip_grad_norm_, clip_grad_value_, load, no_sync, save
     from shardwise.loop.data import all_reduce_mean, gather, gather_for_metrics, prepare_dataloader
     from shardwise.loop.output import is_main_process, main_process_first
     from shardwise.loop.output import print as print  # not in __all__: keeps the built-in under import *
-    from shardwise.loop.prepared import (
-        Prepared,
-        clip_grad_norm_,
-        clip_grad_value_,
-        end_training,
-        init,
-        load,
-        no_sync,
-        register_for_checkpointing,
-        save,
-        setup,
-    )
+    from shardwise.loop.prepared import Prepared, end_training, init, register_for_checkpointing, setup
     from shardwise.seeding import seed_everything
     from shardwise.strategies.base import Strategy
     from shardwise.strategies.dp.ddp import DDP

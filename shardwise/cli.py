@@ -6,7 +6,7 @@ import os
 import sys
 from collections.abc import Mapping
 from importlib.metadata import PackageNotFoundError, version
-from typing import NoReturn
+from typing import Any, NoReturn
 
 # Only torch-free modules here, so that `shardwise --help` answers at once: each command imports what it runs.
 import shardwise.cluster as cluster  # (`from shardwise import cluster` would ask the package, which imports torch)
@@ -258,8 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _verb(sub: argparse._SubParsersAction, name: str, help: str, description: str | None = None  # type: ignore[type-arg]
-          ) -> argparse.ArgumentParser:
+def _verb(sub: argparse._SubParsersAction[Any], name: str, help: str,
+          description: str | None = None) -> argparse.ArgumentParser:
     """A verb whose ``--help`` opens with what it does (the one-line help, or a longer description); it takes
     ``--traceback`` after the verb too."""
     verb = sub.add_parser(name, help=help, description=description or help[:1].upper() + help[1:] + ".")

@@ -134,8 +134,9 @@ def _hosted_store(addr: str, port: int, timeout: _dt.timedelta) -> dist.TCPStore
         # A job on one node meeting on loopback: the store listens there only (as spawned jobs' stores do), not
         # on every interface, which is what TCPStore binds given a host name.
         fd = cluster.loopback_listener(port) if cluster.meets_on_loopback(os.environ) else None
+        listen: dict[str, Any] = {} if fd is None else {"master_listen_fd": fd}
         _HOSTED[port] = dist.TCPStore(addr, port, world_size=None, is_master=True, timeout=timeout,
-                                      wait_for_workers=False, **({} if fd is None else {"master_listen_fd": fd}))  # type: ignore[arg-type]
+                                      wait_for_workers=False, **listen)
     _HOSTED[port].set_timeout(timeout)
     return _HOSTED[port]
 
@@ -313,9 +314,23 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), accel
     check_main_module()
     store = job_store(timeout)
     ctx = mp.get_context(start_method())
-    procs = [ctx.Process(target=_worker, args=(r, fn, nprocs, store.port, accelerator, timeout.total_seconds(), args,  # type: ignore[attr-defined]
-                                                  default_dtype_name()),
-                         name=f"shardwise-rank{r}") for r in range(nprocs)]
+    procs = [
+        ctx.Process(  # type: ignore[attr-defined]
+            target=_worker,
+            args=(
+                r,
+                fn,
+                nprocs,
+                store.port,
+                accelerator,
+                timeout.total_seconds(),
+                args,
+                default_dtype_name(),
+            ),
+            name=f"shardwise-rank{r}",
+        )
+        for r in range(nprocs)
+    ]
     for p in procs:
         p.start()
     try:

@@ -120,8 +120,10 @@ def _worker(rank: int, device: torch.device, blob: bytes, path: str) -> None:
 
 def run_fsdp_tp(model: GPT, dp: int, tp: int, batch: int, reps: int = 5, warmup: int = 3, steps: int = 10,
                 accelerator: str = "cpu") -> list[PairResult]:
-    contenders = (StepContender("shardwise Parallel", ours_fsdp_tp),  # type: ignore[arg-type]
-                  StepContender("torch fully_shard + TP", torch_fsdp_tp, counts_bytes=False))  # type: ignore[arg-type]
+    contenders = (
+        StepContender("shardwise Parallel", ours_fsdp_tp),  # type: ignore[arg-type]
+        StepContender("torch fully_shard + TP", torch_fsdp_tp, counts_bytes=False),  # type: ignore[arg-type]
+    )
     job = dict(contenders=contenders, model=model, dp=dp, tp=tp, batch=batch, reps=reps, warmup=warmup, steps=steps)
     out: list[PairResult] = spawn_collect(_worker, dp * tp, pickle.dumps(job), accelerator=accelerator)
     return out

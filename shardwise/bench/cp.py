@@ -120,8 +120,13 @@ def saved_bytes(c: CPContender, model: nn.Module, topo: Topology, x: torch.Tenso
 
 def _timed(c: CPContender, model: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, warmup: int,
            steps: int) -> tuple[float, int, float]:
-    return measure(lambda: build_step(c, copy.deepcopy(model), topo, x, y), topo, x.device.type == "cuda",  # type: ignore[arg-type,return-value]
-                   warmup, steps)
+    return measure(
+        lambda: build_step(c, copy.deepcopy(model), topo, x, y),  # type: ignore[arg-type,return-value]
+        topo,
+        x.device.type == "cuda",
+        warmup,
+        steps,
+    )
 
 
 def _worker(rank: int, device: torch.device, blob: bytes, path: str) -> None:

@@ -279,7 +279,8 @@ def contender_cells(summary: dict, every: list[PairResult], name: str, baseline:
             NOT_SEEN if sent is None else f"{sent:,.0f} B", formula]
 
 
-def pair_table(title: str, runs: list[list[PairResult]], summary: dict, formula_bytes: float | None,  # type: ignore[type-arg]
+def pair_table(title: str, runs: list[list[PairResult]], summary: dict[str, Any],
+               formula_bytes: float | None,
                formula_label: str, wide: bool = False) -> Table:
     """One row per contender of a :func:`summarize` result of ``runs`` (one list of per-rank results per launch,
     :func:`merged` before summarizing), torch's own as the baseline of the ratios; the paired column over every

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise import launch
+from shardwise.checkpoint import resume
 from shardwise.checkpoint import store as checkpoint
 from shardwise.comm.topology import backend_for
 from shardwise.data import DataSource, Kwargs
@@ -147,9 +148,9 @@ def validate(t: FitOptions, model: nn.Module, dataset: Any, batch_size: int, max
     groups, probe = plan_groups(model, optimizer, param_groups)  # the groups, on the unsplit model
     check_groups(t, probe, groups)
     when = check_scheduler(lr_scheduler, probe, t.strategy) if lr_scheduler is not None else None
-    info = checkpoint.run_info(model, probe, batch_size, t.precision, groups.record())
+    info = resume.run_info(model, probe, batch_size, t.precision, groups.record())
     if t.checkpoint_dir is not None:
-        checkpoint.check_directory(t.checkpoint_dir)
+        resume.check_directory(t.checkpoint_dir)
     check_resume(t, info, max_steps)
     summary = t.enable_model_summary and want_progress(t.progress)
     if (t.memory_check != "off" or summary) and not launch.follower():  # rank 0 plans (once), for both
@@ -177,7 +178,7 @@ def check_resume(t: FitOptions, info: dict[str, Any], max_steps: int) -> None:
     where = t.checkpoint_dir if t.resume in RESUME_MODES else t.resume
     if where is None:
         return
-    if checkpoint.check_resume(where, info, max_steps, explicit=t.resume != "auto") is None and t.resume == "must":
+    if resume.check_resume(where, info, max_steps, explicit=t.resume != "auto") is None and t.resume == "must":
         raise ValueError(f"resume='must' but checkpoint_dir={t.checkpoint_dir!r} holds no checkpoint to resume; pass "
                          "resume='auto' to start when there is none")
 

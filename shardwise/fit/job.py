@@ -315,10 +315,22 @@ class Job:
         replace the checkpoint directory and the run record."""
         t = self.options
         so_far = prev + global_losses(losses, t.strategy, topo)
-        return checkpoint.prepare(directory or t.checkpoint_dir, done, so_far, t.strategy, model, opt,  # type: ignore[arg-type]
-                                  topo, shapes, keep=t.checkpoint_keep if directory is None else None,
-                                  aliases=self.aliases, run=run or self.info, extra=extra,
-                                  callbacks=callback_states(t.callbacks), loggers=self.logger_refs)
+        return checkpoint.prepare(
+            directory or t.checkpoint_dir,  # type: ignore[arg-type]
+            done,
+            so_far,
+            t.strategy,
+            model,
+            opt,
+            topo,
+            shapes,
+            keep=t.checkpoint_keep if directory is None else None,
+            aliases=self.aliases,
+            run=run or self.info,
+            extra=extra,
+            callbacks=callback_states(t.callbacks),
+            loggers=self.logger_refs,
+        )
 
     def _periodic(self, done: int, prev: list[float], losses: list[float], model: nn.Module,
                   opt: torch.optim.Optimizer, topo: Topology, shapes: dict[str, list[int]],
@@ -413,9 +425,26 @@ class Job:
         if done in keep:
             name, mode = val.best  # type: ignore[misc]
             run = {**self.info, "best": {"metric": name, "mode": mode, "value": metrics[name]}}
-            path = save_best(t.checkpoint_dir, lambda d: checkpoint.write(self._pending(  # type: ignore[arg-type]
-                done, prev, losses, model, opt, topo, shapes, self._extra(scaler, done, None), directory=d, run=run),
-                topo.comm("world")), topo, keep)
+            path = save_best(
+                t.checkpoint_dir,  # type: ignore[arg-type]
+                lambda d: checkpoint.write(
+                    self._pending(
+                        done,
+                        prev,
+                        losses,
+                        model,
+                        opt,
+                        topo,
+                        shapes,
+                        self._extra(scaler, done, None),
+                        directory=d,
+                        run=run,
+                    ),
+                    topo.comm("world"),
+                ),
+                topo,
+                keep,
+            )
             self.hook("on_checkpoint_saved", done, topo, path=path, kind="best")
 
     def _extra(self, scaler: precision_mod.LossScaler | None, done: int,

@@ -337,14 +337,49 @@ class Trainer:
         step = check_step(self.options, loss_fn, training_step, optimizer, batch_size, val_dataset)
         data = self._source(dataset, inputs, num_workers, collate_fn, pin_memory)
         max_steps = 1 if self.options.fast_dev_run else run_steps(self.options, max_steps, data, batch_size)  # type: ignore[arg-type]
-        info, groups, when = validate(self.options, model, data, batch_size, max_steps, optimizer, loss_fn,  # type: ignore[arg-type]
-                                      lr_scheduler, param_groups)
+        info, groups, when = validate(
+            self.options,
+            model,
+            data,
+            batch_size,  # type: ignore[arg-type]
+            max_steps,
+            optimizer,  # type: ignore[arg-type]
+            loss_fn,
+            lr_scheduler,
+            param_groups,
+        )
         init = InitFrom.checked(init_from, init_allow_missing, model)
-        val = check_fit_options(self.options, model, loss_fn, data, batch_size, val_dataset, val_every, val_metrics,  # type: ignore[arg-type]
-                                val_batch_size, checkpoint_best, step)
+        val = check_fit_options(
+            self.options,
+            model,
+            loss_fn,
+            data,
+            batch_size,  # type: ignore[arg-type]
+            val_dataset,
+            val_every,
+            val_metrics,
+            val_batch_size,
+            checkpoint_best,
+            step,
+        )
         check_schedule(when, val and val.names, self.options.epoch_steps(dataset, batch_size))  # type: ignore[arg-type]
-        job = Job(self.options, model, data, loss_fn, optimizer, batch_size, max_steps, info, lr_scheduler, val,  # type: ignore[arg-type]
-                  groups, step, init, return_state_dict, hparams=check_hparams(hparams))
+        job = Job(
+            self.options,
+            model,
+            data,
+            loss_fn,
+            optimizer,  # type: ignore[arg-type]
+            batch_size,  # type: ignore[arg-type]
+            max_steps,
+            info,
+            lr_scheduler,
+            val,
+            groups,
+            step,
+            init,
+            return_state_dict,
+            hparams=check_hparams(hparams),
+        )
         return self._trained(job, model)
 
     def _source(self, dataset: Any, inputs: Any, num_workers: int | None,
@@ -422,8 +457,18 @@ class Trainer:
         whose weights replace ``model``'s, whatever layout wrote it. A Hugging Face output gives its ``logits``
         (its first tensor). Batches as in :meth:`fit` (``inputs`` for dict samples); the last may be partial.
         Returned in the calling process (on rank 0 under ``shardwise run``; None on the other ranks)."""
-        return self._infer("predict", model, dataset, batch_size, None, None, ckpt_path, inputs, num_workers,  # type: ignore[no-any-return]
-                           collate_fn)
+        return self._infer(  # type: ignore[no-any-return]
+            "predict",
+            model,
+            dataset,
+            batch_size,
+            None,
+            None,
+            ckpt_path,
+            inputs,
+            num_workers,
+            collate_fn,
+        )
 
     def validate(self, model: nn.Module, dataset: Any, loss_fn: LossFn | None = None,
                  metrics: dict[str, Any] | None = None, batch_size: int = 32, *,
@@ -435,8 +480,18 @@ class Trainer:
         returning the batch's mean, or a torchmetrics ``Metric`` (any object with ``update(output, target)``
         and ``compute()``), updated on the ranks that hold each sample and synced over them, so F1 or AUC equal
         one device's on the whole set. See :mod:`shardwise.fit.infer`."""
-        return self._infer("validate", model, dataset, batch_size, loss_fn, metrics, ckpt_path, inputs,  # type: ignore[no-any-return]
-                           num_workers, collate_fn)
+        return self._infer(  # type: ignore[no-any-return]
+            "validate",
+            model,
+            dataset,
+            batch_size,
+            loss_fn,
+            metrics,
+            ckpt_path,
+            inputs,
+            num_workers,
+            collate_fn,
+        )
 
     def test(self, model: nn.Module, dataset: Any, loss_fn: LossFn | None = None,
              metrics: dict[str, Any] | None = None, batch_size: int = 32, *,
@@ -444,8 +499,18 @@ class Trainer:
              num_workers: int | None = None, collate_fn: Callable[[list[Any]], Any] | None = None
              ) -> dict[str, float]:
         """:meth:`validate` on a test set: the loss is ``test_loss``."""
-        return self._infer("test", model, dataset, batch_size, loss_fn, metrics, ckpt_path, inputs,  # type: ignore[no-any-return]
-                           num_workers, collate_fn)
+        return self._infer(  # type: ignore[no-any-return]
+            "test",
+            model,
+            dataset,
+            batch_size,
+            loss_fn,
+            metrics,
+            ckpt_path,
+            inputs,
+            num_workers,
+            collate_fn,
+        )
 
     def _infer(self, kind: str, model: nn.Module, dataset: Any, batch_size: int, loss_fn: LossFn | None,
                metrics: dict[str, Any] | None, ckpt_path: str | os.PathLike[str] | None, inputs: Any,

@@ -51,7 +51,7 @@ def _group(model: nn.Module | None) -> tuple[Comm | None, int, int]:
 
 def prepare_dataloader(dataset: Any, batch_size: int | None = None, model: nn.Module | None = None,
                        shuffle: bool | None = None, seed: int = 0, drop_last: bool | None = None,
-                       device: torch.device | str | None = None, **loader_kwargs: Any) -> DataLoader:  # type: ignore[type-arg]
+                       device: torch.device | str | None = None, **loader_kwargs: Any) -> DataLoader[Any]:
     """A DataLoader that gives this rank its part of every GLOBAL batch of ``batch_size`` samples, on its device.
 
     Each data-parallel replica (of ``model``'s layout; every rank without a model) reads ``batch_size /
@@ -104,7 +104,7 @@ _ITERABLE = ("prepare_dataloader() of an IterableDataset: its samples come as a 
              "(with __getitem__ and __len__), or shard the stream yourself by the rank's data-parallel coordinate")
 
 
-def _from_loader(loader: DataLoader, batch_size: int | None, shuffle: bool | None, drop_last: bool | None,  # type: ignore[type-arg]
+def _from_loader(loader: DataLoader[Any], batch_size: int | None, shuffle: bool | None, drop_last: bool | None,
                  given: dict[str, Any]) -> tuple[Any, int, bool, bool, dict[str, Any]]:
     """What a DataLoader passed to :func:`prepare_dataloader` says: its dataset, global batch, order, drop_last
     and the options it carries over (``given`` ones win)."""

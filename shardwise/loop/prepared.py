@@ -10,31 +10,27 @@ what a loop does with a plain model keeps its meaning:
 * ``model.state_dict()``: the full state dict of the bare model, loadable with
   a strict ``load_state_dict`` (a collective: every rank calls it);
 * ``sw.clip_grad_norm_(model, max_norm)``: the global norm over every shard;
-  ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` is routed there;
-* ``sw.save`` / ``sw.load``: the Trainer's layout-free checkpoints, with what a resume needs beside the model
-  and optimizer (the registered schedulers and objects, each prepared loader's position, every RNG:
-  :mod:`shardwise.loop.state`);
+  ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` is routed there (:mod:`shardwise.loop.torch_clip`);
+* ``sw.save`` / ``sw.load`` (:mod:`shardwise.loop.calls`): the Trainer's layout-free checkpoints, with what a
+  resume needs beside the model and optimizer (the registered schedulers and objects, each prepared loader's
+  position, every RNG: :mod:`shardwise.loop.state`);
 * ``sw.setup(..., logger=)`` and ``sw.log``: rows through the loggers (:mod:`shardwise.loop.output`);
 * ``sw.prepare_dataloader``, ``sw.gather_for_metrics``, ``sw.all_reduce_mean``: data and metrics
   (:mod:`shardwise.loop.data`).
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import datetime as _dt
 import functools
 import os
 import sys
 import types
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.utils as utils
-import torch.nn.utils.clip_grad as clip_grad
 from torch import nn
 
 from shardwise import launch
@@ -50,9 +46,9 @@ from shardwise.layout import RunLayout
 from shardwise.loop.names import translate
 from shardwise.loop.output import LoopLog
 from shardwise.loop.state import Kept
+from shardwise.loop.torch_clip import guard_torch_clip
 from shardwise.optim.param_groups import (
     ParamGroupsFn,
-    apply_hyper,
     check_whole,
     json_hyper,
     plan_groups,
@@ -279,8 +275,8 @@ class Prepared(nn.Module):
         return self.strategy.clip_grad_norm(self.module, max_norm, self.topo)
 
 
-_ROUTED: contextvars.ContextVar[bool] = contextvars.ContextVar("shardwise_clip_routed", default=False)
-# Parameters of every live Prepared model, so torch.nn.utils.clip_grad_norm_ on them can be routed (see _guard).
+# Parameters of every live Prepared model, so torch.nn.utils.clip_grad_norm_ on them can be routed
+# (:mod:`shardwise.loop.torch_clip`).
 _PREPARED: weakref.WeakSet[Prepared] = weakref.WeakSet()
 # The model this process set up last: where a loader prepared without model= and a registered object belong.
 _NEWEST: list[weakref.ref[Prepared]] = []
@@ -377,7 +373,7 @@ def _attach(prepared: Prepared, bare: nn.Module, opt: torch.optim.Optimizer, lay
     if holds is not None:
         bare.register_state_dict_pre_hook(functools.partial(_refuse_bare_state_dict, strat.name, holds))
     _PREPARED.add(prepared)
-    _guard_torch_clip()
+    guard_torch_clip(_PREPARED)
     return opt
 
 
@@ -403,7 +399,7 @@ def _newest() -> Prepared | None:
 def kept_by(model: nn.Module | None) -> Kept | None:
     """What a checkpoint of ``model`` keeps (of the model this process set up last, without one; None before
     any setup)."""
-    owner = _prepared(model) if model is not None else _newest()
+    owner = as_prepared(model) if model is not None else _newest()
     return owner.kept if owner is not None else None
 
 
@@ -424,7 +420,7 @@ def end_training(model: nn.Module | None = None) -> None:
     """Write what ``sw.log`` recorded since the last optimizer step (a collective, with loggers) and finish the
     runs of the loggers of ``model`` (default: the model this process set up last), as Accelerate's
     ``end_training``."""
-    owner = _prepared(model) if model is not None else _newest()
+    owner = as_prepared(model) if model is not None else _newest()
     if owner is not None and owner.log is not None:
         owner.log.row()
         owner.log.close()
@@ -465,123 +461,10 @@ def init(accelerator: str = "auto", timeout_s: float | None = None) -> torch.dev
     return launch.init(accelerator, _dt.timedelta(seconds=_SETTINGS["timeout_s"]))
 
 
-def _prepared(model: nn.Module) -> Prepared:
+def as_prepared(model: nn.Module) -> Prepared:
     if not isinstance(model, Prepared):
         raise TypeError(f"expected the model sw.setup returned, got {type(model).__name__}")
     return model
 
 
-def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip the global gradient norm of a model from :func:`setup` to ``max_norm`` under any strategy (every
-    shard and tensor-parallel slice counted once); returns the norm before clipping, as torch's does."""
-    return _prepared(model).clip_grad_norm_(max_norm)
-
-
-def _guard_torch_clip() -> None:
-    """Route ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` over a model from :func:`setup`'s
-    parameters.
-
-    Under ZeRO-2/3, FSDP and tensor parallelism a rank holds pieces of the gradients (or none, on the full
-    parameters), so torch's functions would clip the wrong tensors and silently clip nothing right: a norm of
-    0.0 under zero2 and fsdp. Given exactly a prepared model's parameters, the strategy's clip runs instead;
-    given some of them, it raises with the fix.
-    """
-    if getattr(utils.clip_grad_norm_, "_shardwise_guard", False):
-        return
-    norm = _routed(utils.clip_grad_norm_, "clip_grad_norm_", lambda m, limit, *a, **k: m.clip_grad_norm_(limit),
-                   lambda *a, **k: float(a[0] if a else k.get("norm_type", 2.0)) == 2.0)
-    value = _routed(utils.clip_grad_value_, "clip_grad_value_", lambda m, limit, *a, **k: m.clip_grad_value_(limit),
-                    lambda *a, **k: True)
-    utils.clip_grad_norm_ = clip_grad.clip_grad_norm_ = norm
-    utils.clip_grad_value_ = clip_grad.clip_grad_value_ = value
-
-
-def _routed(original: Any, name: str, route: Any, supported: Any) -> Any:
-    """``original`` (torch's clip function ``name``), sent to ``route(prepared, limit)`` when given exactly a
-    prepared model's parameters and only options ``supported`` accepts; refused when given some of them."""
-    @functools.wraps(original)
-    def guarded(parameters: Any, limit: float, *args: Any, **kwargs: Any) -> Any:
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if _ROUTED.get():  # the strategy's own clip, which may call torch's on the tensors it holds
-            return original(params, limit, *args, **kwargs)
-        ids = {id(p) for p in params}
-        for m in list(_PREPARED):
-            owned = {id(p) for p in m.parameters()}
-            if ids & owned:
-                if ids != owned or not supported(*args, **kwargs):
-                    raise RuntimeError(f"torch.nn.utils.{name} on some parameters of a model from sw.setup"
-                                       f"{' (or with norm_type != 2)' if 'norm' in name else ''}: "
-                                       "under a sharded strategy each rank holds pieces of the gradients, so the "
-                                       "clip must see all of them; use "
-                                       f"sw.{name}(model, {'max_norm' if 'norm' in name else 'clip_value'})")
-                token = _ROUTED.set(True)
-                try:
-                    return route(m, limit, *args, **kwargs)
-                finally:
-                    _ROUTED.reset(token)
-        return original(params, limit, *args, **kwargs)
-
-    guarded._shardwise_guard = True  # type: ignore[attr-defined]
-    return guarded
-
-
-def clip_grad_value_(model: nn.Module, clip_value: float) -> None:
-    """Clamp every gradient of a model from :func:`setup` to ``[-clip_value, clip_value]`` under any strategy
-    (each rank clamps the reduced pieces it steps: torch's clamp of the averaged gradients)."""
-    _prepared(model).clip_grad_value_(clip_value)
-
-
-def save(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | os.PathLike[str], step: int,
-         losses: list[float] | None = None, keep: int | None = None) -> str:
-    """Write the layout-free checkpoint of step ``step`` under ``directory`` (``step_<N>``; a collective), the
-    format the Trainer writes: any strategy and device count can :func:`load` it, and a Trainer can resume from
-    it. ``losses``: the loss of each step so far, if the loop kept them (NaN otherwise). Returns its path.
-
-    Beside the model and optimizer it keeps what a resume needs (:mod:`shardwise.loop.state`): the objects
-    :func:`register_for_checkpointing` names (schedulers, your own), the position of each loader
-    ``sw.prepare_dataloader`` made for this model, every rank's RNGs, the fp16 loss scaler, and where each
-    logger's run is."""
-    m = _prepared(model)
-    history = list(losses) if losses is not None else [float("nan")] * step
-    if len(history) != step:
-        raise ValueError(f"losses has {len(history)} entries for step={step}: one per step taken")
-    state, shared, own = m.kept.capture(m.topo.rank)
-    extra = {**({"scaler": m.scaled.scaler.as_tensor()} if m.scaled is not None else {}), **shared}
-    refs = m.log.refs() if m.log is not None else None
-    return checkpoint.save(os.fspath(directory), step, history, m.strategy, m.module, optimizer, m.topo,
-                           m.shapes, keep=keep, aliases=m.aliases, extra=extra, loggers=refs, loop=state, own=own)
-
-
-def load(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike[str]) -> int:
-    """Restore model and optimizer in place from a checkpoint (a ``step_<N>`` directory, or the newest intact
-    one under a checkpoint directory), written under any layout; returns its step (a collective). What
-    :func:`save` kept beside them comes back too: the registered objects, the prepared loaders' positions,
-    every rank's RNGs, the loss scaler, and the loggers' runs (continued after the checkpoint's step)."""
-    m = _prepared(model)
-    p = os.fspath(path)
-    if not os.path.exists(os.path.join(p, checkpoint.MANIFEST)):
-        newest = checkpoint.latest_valid(p)
-        if newest is None:
-            raise FileNotFoundError(f"no intact checkpoint under {p}")
-        p = newest
-    restored = checkpoint.load(p, m.strategy, m.module, optimizer, m.topo, m.shapes)
-    if restored.groups:  # each group's lr and settings as saved (torch's load_state_dict does the same)
-        apply_hyper(optimizer, restored.groups)
-    if m.scaled is not None and "scaler" in restored.extra:
-        m.scaled.scaler.load_tensor(restored.extra["scaler"])
-    m.kept.restore(p, restored.loop, restored.extra, restored.own, m.topo.rank)
-    if m.log is not None:
-        m.log.resume(restored.step, restored.loggers)
-    return restored.step
-
-
-@contextlib.contextmanager
-def no_sync(model: nn.Module) -> Iterator[None]:
-    """Accumulate gradients without communication (for all but the last micro-batch of a step)."""
-    m = _prepared(model)
-    with m.strategy.no_sync(m.module):
-        yield
-
-
-__all__ = ["Prepared", "clip_grad_norm_", "clip_grad_value_", "end_training", "init", "kept_by", "load", "no_sync",
-           "register_for_checkpointing", "save", "setup"]
+__all__ = ["Prepared", "as_prepared", "end_training", "init", "kept_by", "register_for_checkpointing", "setup"]

@@ -256,8 +256,12 @@ class ModelSpec:
         experts = probe.layers * probe.expert_layer_params()
         if experts and params is not None:
             experts = experts * params // probe.shape_params()
-        return replace(probe, name=name or f"transformer l{layers} h{hidden}", params=total,
-                       expert_params=int(given) if given is not None else experts)  # type: ignore[call-overload]
+        return replace(
+            probe,
+            name=name or f"transformer l{layers} h{hidden}",
+            params=total,
+            expert_params=int(given) if given is not None else experts,  # type: ignore[call-overload]
+        )
 
     @classmethod
     def from_params(cls, params: float, seq_len: int = 2048, name: str | None = None,
@@ -320,9 +324,13 @@ def _experts_of(model: nn.Module, cfg: object) -> dict[str, object]:
     top_k = next((int(m.top_k) for m in model.modules() if isinstance(getattr(m, "top_k", None), int)), 0)  # type: ignore[arg-type]
     for name in ("top_k", "num_experts_per_tok"):  # our GPTConfig, Mixtral's and Qwen2-MoE's configs
         top_k = top_k or int(getattr(cfg, name, 0) or 0)
-    return dict(experts=int(first.shape[0]), top_k=top_k or 1, moe_ffn_hidden=int(first.shape[1]) // 2,  # type: ignore[index]
-                expert_params=expert_parameter_count(model),
-                param_experts=tuple(id(p) in ids for p in model.parameters()))
+    return dict(
+        experts=int(first.shape[0]),  # type: ignore[index]
+        top_k=top_k or 1,
+        moe_ffn_hidden=int(first.shape[1]) // 2,  # type: ignore[index]
+        expert_params=expert_parameter_count(model),
+        param_experts=tuple(id(p) in ids for p in model.parameters()),
+    )
 
 
 def _shape_from_config(cfg: object) -> dict[str, object] | None:

@@ -205,9 +205,17 @@ class Parallel(Strategy, SplitsModel, HasTPPlan):
     def train_step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn,
                    topo: Topology, run: StepRun = StepRun()) -> torch.Tensor | None:
         micro_batches = [self._tokens(x, y, topo) for x, y in micro_batches]
-        return pipeline_step(model, micro_batches, loss_fn, topo, self.schedule,  # type: ignore[arg-type]
-                             self._micro(micro_batches, topo), self.recorder,
-                             lambda: run.forward_context(topo.device), run.loss_scale)
+        return pipeline_step(
+            model,  # type: ignore[arg-type]
+            micro_batches,
+            loss_fn,
+            topo,
+            self.schedule,
+            self._micro(micro_batches, topo),
+            self.recorder,
+            lambda: run.forward_context(topo.device),
+            run.loss_scale,
+        )
 
     def eval_step(self, model: nn.Module, x: Any, y: Any, fn: LossFn, topo: Topology,
                   run: StepRun = StepRun()) -> torch.Tensor | None:

@@ -159,11 +159,13 @@ def test_the_profilers_memory_records():
 
 OPS = {
     tp.FLASH_ATTENTION_CPU:
-        "aten::_scaled_dot_product_flash_attention_for_cpu(Tensor query, Tensor key, Tensor value, float "
+        "aten::_scaled_dot_product_flash_attention_for_cpu(Tensor "
+        "query, Tensor key, Tensor value, float "
         "dropout_p=0., bool is_causal=False, *, Tensor? attn_mask=None, float? scale=None) -> (Tensor output, "
         "Tensor logsumexp)",
     tp.FLASH_ATTENTION_CPU_BACKWARD:
-        "aten::_scaled_dot_product_flash_attention_for_cpu_backward(Tensor grad_out, Tensor query, Tensor key, "
+        "aten::_scaled_dot_product_flash_attention_for_cpu_backward(Tensor "
+        "grad_out, Tensor query, Tensor key, "
         "Tensor value, Tensor out, Tensor logsumexp, float dropout_p, bool is_causal, *, Tensor? attn_mask=None, "
         "float? scale=None) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)",
 }

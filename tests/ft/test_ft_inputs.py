@@ -23,7 +23,8 @@ pytestmark = pytest.mark.timeout(60)
      "FaultTolerance(timeout_s=0.5) is below 1.0 s, the least in which the launcher tells a stopped rank from a "
      "busy one (a rank beats every 0.25 s)"),
     ("ddp", 2, {"fault_tolerance": sw.FaultTolerance(timeout_s=30.0), "timeout_s": 20.0},
-     "FaultTolerance(timeout_s=30.0) must be below Trainer(timeout_s=20), how long a collective waits: the launcher "
+     "FaultTolerance(timeout_s=30.0) must be below "
+     "Trainer(timeout_s=20), how long a collective waits: the launcher "
      "must find a stopped rank before its peers give up waiting for it"),
     ("zero2", 2, {"fault_tolerance": True},
      "fault_tolerance cannot run strategy 'zero2': zero=2 shards the optimizer state over every rank, so a dead "
@@ -34,7 +35,8 @@ pytestmark = pytest.mark.timeout(60)
      "rank's shard of the optimizer state exists nowhere else; keep replicas: strategy='ddp', 'hsdp', or "
      "sw.Parallel(dp=, replicate=R, zero=3)"),
     ("tp", 2, {"fault_tolerance": True},
-     "fault_tolerance cannot run strategy 'tp': it splits the model over every rank (tp=2), so a dead rank's part "
+     "fault_tolerance cannot run strategy 'tp': it splits the "
+     "model over every rank (tp=2), so a dead rank's part "
      "of the model exists nowhere else; add data-parallel replicas"),
     ("ps", 3, {"fault_tolerance": True},
      "fault_tolerance cannot run strategy 'ps': its server ranks hold the only copy of the model and optimizer "

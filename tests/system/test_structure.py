@@ -123,8 +123,8 @@ LOCAL_IMPORTS: dict[str, str] = {
     "shardwise.fit.progress: rich.progress": "rich.progress loads only when a progress bar is drawn",
     "shardwise.fit.checks: shardwise.plan": "the planner loads only when the memory check runs (memory_check='off' "
                                             "skips it), through the lazy plan package whose plan_run tests replace",
-    "shardwise.torch_private: torch.distributed.elastic.rendezvous.dynamic_rendezvous":
-        "torchelastic's rendezvous, only for `shardwise run` (its absence is tolerated)",
+    "shardwise.torch_private: torch.distributed.elastic.rendezvous.dynamic_rendezvous": (
+        "torchelastic's rendezvous, only for `shardwise run` (its absence is tolerated)"),
     "shardwise.parallel.dp.torch_dp: torch.distributed.optim": "torch.distributed.optim jit-scripts its "
         "functional optimizers on import (about 1 s, with deprecation warnings): only when engine='torch' runs zero1",
     "shardwise.torch_private: torch.distributed.tensor._redistribute": "DTensor (0.55 s) loads only when "

@@ -264,8 +264,14 @@ def _worker(rank: int, device: torch.device, blob: bytes, path: str) -> None:
     for rep in range(job["reps"]):  # rotate which contender goes first
         k = rep % len(contenders)
         for c in contenders[k:] + contenders[:k]:
-            t, mem, sent = measure(lambda c=c: c.build(copy.deepcopy(base), topo, x, y, m), topo,  # type: ignore[misc]
-                                   device.type == "cuda", job["warmup"], job["steps"], cpu=res.cpu[c.key])
+            t, mem, sent = measure(
+                lambda c=c: c.build(copy.deepcopy(base), topo, x, y, m),  # type: ignore[misc]
+                topo,
+                device.type == "cuda",
+                job["warmup"],
+                job["steps"],
+                cpu=res.cpu[c.key],
+            )
             res.times[c.key].append(t)
             res.rss[c.key].append(mem)
             res.sent[c.key].append(sent)

@@ -96,8 +96,16 @@ class SyncBatchNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         use_batch = self.training or self.running_mean is None
         if not use_batch:  # evaluation with running statistics: nothing to synchronise
-            return nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,  # type: ignore[arg-type]
-                                            False, 0.0, self.eps)
+            return nn.functional.batch_norm(
+                x,
+                self.running_mean,  # type: ignore[arg-type]
+                self.running_var,  # type: ignore[arg-type]
+                self.weight,
+                self.bias,
+                False,
+                0.0,
+                self.eps,
+            )
         y, mean, var, n = _SyncBNFunction.apply(x, self.weight, self.bias, self.eps, self.comm)
         if self.training and self.track_running_stats and self.running_mean is not None:
             with torch.no_grad():

@@ -26,6 +26,7 @@ What these engines cannot run of a strategy's options is refused beside them, be
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -88,9 +89,9 @@ def torch_ddp(model: nn.Module, topo: Topology, bucket_cap_mb: float | None = No
     another group that averages gradients (``dp_cp`` under context parallelism); ``cls`` a subclass of torch's
     DDP (a pipeline stage's)."""
     ids = [topo.device.index] if topo.device.type == "cuda" else None
-    extra = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    extra: dict[str, Any] = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
     return cls(model, device_ids=ids, process_group=topo.group(dim), find_unused_parameters=find_unused_parameters,
-               **extra)  # type: ignore[arg-type]
+               **extra)
 
 
 def compress_gradients(ddp: DistributedDataParallel, topo: Topology, reduce_dtype: str | None) -> None:

@@ -177,8 +177,12 @@ class ZeROModule(GradSync, nn.Module):
         if self.offload is None:
             return {"params": params, "grads": grads + self.shard_grads()}  # type: ignore[dict-item]
         # Offloaded: the master rows, gradient shards and optimizer states are host memory.
-        return {"params": params, "grads": grads, "host_params": [b.host for b in self.buckets if b.host is not None],  # type: ignore[dict-item]
-                "host_grads": self.shard_grads()}
+        return {
+            "params": params,  # type: ignore[dict-item]
+            "grads": grads,
+            "host_params": [b.host for b in self.buckets if b.host is not None],
+            "host_grads": self.shard_grads(),
+        }
 
     def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, list[tuple[str, int, Tensor]]]:
         """This rank's optimizer-state pieces of each parameter (the parameters themselves are whole here)."""

@@ -47,6 +47,7 @@ from shardwise.parallel.pp.placement import LOOP, Placement, V
 from shardwise.parallel.pp.timeline import (
     Action,
     Event,
+    Lanes,
     Recorder,
     bubble_fraction,
     gpipe_bubble,
@@ -128,50 +129,6 @@ def zb_h1(stages: int, microbatches: int, stage: int, chunks: int = 1) -> list[A
     return acts + [Action("W", b) for b in held]
 
 
-class _Lanes:
-    """Appends a V schedule's actions, numbering each (kind, chunk) lane's micro-batches in order.
-
-    ``split=False`` on a B is a whole backward (DualPipe's, :attr:`Action.whole`): its W follows at once. A split
-    B's W waits in ``pending`` (oldest first) for :meth:`w_pending` or :meth:`w`."""
-
-    def __init__(self) -> None:
-        self.acts: list[Action] = []
-        self.count: dict[tuple[str, int], int] = {}
-        self.pending: list[tuple[int, int]] = []  # (chunk, micro-batch): B done, W not yet
-
-    def n(self, kind: str, chunk: int) -> int:
-        return self.count.get((kind, chunk), 0)
-
-    def held(self, chunk: int) -> int:
-        return sum(c == chunk for c, _ in self.pending)
-
-    def f(self, chunk: int) -> None:
-        mb = self.n("F", chunk)
-        self.count[("F", chunk)] = mb + 1
-        self.acts.append(Action("F", mb, chunk))
-
-    def b(self, chunk: int, split: bool = True) -> None:
-        mb = self.n("B", chunk)
-        self.count[("B", chunk)] = mb + 1
-        self.acts.append(Action("B", mb, chunk, whole=not split))
-        if split:
-            self.pending.append((chunk, mb))
-        else:
-            self.acts.append(Action("W", mb, chunk))
-
-    def w(self, chunk: int) -> None:
-        """The oldest pending W of ``chunk``."""
-        i = next(i for i, (c, _) in enumerate(self.pending) if c == chunk)
-        c, mb = self.pending.pop(i)
-        self.acts.append(Action("W", mb, c))
-
-    def w_pending(self) -> None:
-        """The oldest pending W of either chunk, if any."""
-        if self.pending:
-            c, mb = self.pending.pop(0)
-            self.acts.append(Action("W", mb, c))
-
-
 def _zbv_order(stages: int, microbatches: int, stage: int, chunks: int = 2) -> list[Action]:
     """ZB-V (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 6): two chunks per rank in a V.
 
@@ -190,7 +147,7 @@ def _zbv_order(stages: int, microbatches: int, stage: int, chunks: int = 2) -> l
     _check(stages, microbatches, stage, chunks, "zbv")
     p, m, r = stages, microbatches, stage
     n = max(m, 2 * p - 1)
-    lane = _Lanes()
+    lane = Lanes()
     for _ in range(2 * (p - r) - 1):
         lane.f(0)
     for _ in range(r):
@@ -242,7 +199,7 @@ def _dualpipev_order(stages: int, microbatches: int, stage: int, chunks: int = 2
     if m < 2 * p:
         raise ValueError(f"dualpipev needs at least 2p = {2 * p} micro-batches for {p} stages (its steady phase "
                          f"runs m - 2p + r + 1 pairs on rank r), got {m}; use microbatches >= {2 * p}")
-    lane = _Lanes()
+    lane = Lanes()
 
     def pair(fwd: int, bwd: int) -> None:  # DualPipe's overlapped F&B, here one after the other
         lane.f(fwd)

@@ -304,8 +304,13 @@ def _input_pass(pairs: Pairs, xs: list[torch.Tensor | None], wanted: list[int],
     dx: list[torch.Tensor | None] = [None] * len(xs)
     try:
         if wanted and pairs:
-            got = torch.autograd.grad([o for o, _ in pairs], [xs[i] for i in wanted], [g for _, g in pairs],  # type: ignore[arg-type]
-                                      retain_graph=True, allow_unused=True)
+            got = torch.autograd.grad(
+                [o for o, _ in pairs],
+                [xs[i] for i in wanted],  # type: ignore[arg-type]
+                [g for _, g in pairs],
+                retain_graph=True,
+                allow_unused=True,
+            )
             for i, t in zip(wanted, got):
                 dx[i] = t
     finally:

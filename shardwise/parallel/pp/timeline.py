@@ -188,5 +188,50 @@ def replay(plans: Sequence[Sequence[Action]], place: Placement, t_f: float = 1.0
     return events
 
 
-__all__ = ["Action", "Event", "Recorder", "bubble_fraction", "gpipe_bubble", "peak_in_flight", "recorded_orders",
-           "replay", "retime"]
+class Lanes:
+    """Appends a schedule's actions, numbering each (kind, chunk) lane's micro-batches in order (the V schedules
+    build their orders with it).
+
+    ``split=False`` on a B is a whole backward (DualPipe's, :attr:`Action.whole`): its W follows at once. A split
+    B's W waits in ``pending`` (oldest first) for :meth:`w_pending` or :meth:`w`."""
+
+    def __init__(self) -> None:
+        self.acts: list[Action] = []
+        self.count: dict[tuple[str, int], int] = {}
+        self.pending: list[tuple[int, int]] = []  # (chunk, micro-batch): B done, W not yet
+
+    def n(self, kind: str, chunk: int) -> int:
+        return self.count.get((kind, chunk), 0)
+
+    def held(self, chunk: int) -> int:
+        return sum(c == chunk for c, _ in self.pending)
+
+    def f(self, chunk: int) -> None:
+        mb = self.n("F", chunk)
+        self.count[("F", chunk)] = mb + 1
+        self.acts.append(Action("F", mb, chunk))
+
+    def b(self, chunk: int, split: bool = True) -> None:
+        mb = self.n("B", chunk)
+        self.count[("B", chunk)] = mb + 1
+        self.acts.append(Action("B", mb, chunk, whole=not split))
+        if split:
+            self.pending.append((chunk, mb))
+        else:
+            self.acts.append(Action("W", mb, chunk))
+
+    def w(self, chunk: int) -> None:
+        """The oldest pending W of ``chunk``."""
+        i = next(i for i, (c, _) in enumerate(self.pending) if c == chunk)
+        c, mb = self.pending.pop(i)
+        self.acts.append(Action("W", mb, c))
+
+    def w_pending(self) -> None:
+        """The oldest pending W of either chunk, if any."""
+        if self.pending:
+            c, mb = self.pending.pop(0)
+            self.acts.append(Action("W", mb, c))
+
+
+__all__ = ["Action", "Event", "Lanes", "Recorder", "bubble_fraction", "gpipe_bubble", "peak_in_flight",
+           "recorded_orders", "replay", "retime"]

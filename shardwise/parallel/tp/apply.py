@@ -176,8 +176,13 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, tp: Comm | 
     skip = count_elsewhere or set()
     counted = [p.grad for p in ps if counts_in_norm(p, tp, skip)]
     device = every[0].device if every else torch.device("cpu")
-    return clip_global_norm(counted, [p.grad for p in ps], max_norm,  # type: ignore[misc,arg-type]
-                            [(tp, "tp.clip"), (pp, "pp.clip")], device)
+    return clip_global_norm(
+        counted,  # type: ignore[arg-type]
+        [p.grad for p in ps],  # type: ignore[misc]
+        max_norm,
+        [(tp, "tp.clip"), (pp, "pp.clip")],
+        device,
+    )
 
 
 __all__ = ["Plan", "SequenceLayout", "Style", "STYLES", "ColumnParallelLinear", "RowParallelLinear",

@@ -53,8 +53,13 @@ class DataParallel(Strategy):
             return super().clip_grad_norm(model, max_norm, topo)
         model.before_step()  # type: ignore[operator]  # reduce now: the norm needs the averaged gradient
         # Each rank holds disjoint pieces over the shard group (HSDP replicas hold equal ones).
-        return zero_clip_grad_norm(model.shard_grads(), max_norm, model.comm,  # type: ignore[operator,arg-type]
-                                   self.clip_label, device=topo.device)
+        return zero_clip_grad_norm(
+            model.shard_grads(),  # type: ignore[operator]
+            max_norm,
+            model.comm,  # type: ignore[arg-type]
+            self.clip_label,
+            device=topo.device,
+        )
 
 
 __all__ = ["DataParallel", "on_meta"]

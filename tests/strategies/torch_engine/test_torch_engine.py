@@ -184,7 +184,8 @@ def test_tp_then_fsdp_and_pp_then_ddp_under_torch_equal_one_device_and_cross_eng
 
 @pytest.mark.parametrize("strategy, kw, message", [
     (sw.DDP(engine="torch"), {"engine": "shardwise"},
-     "Trainer(engine='shardwise') conflicts with the strategy's own engine='torch' (DDP(engine='torch')); give one "
+     "Trainer(engine='shardwise') conflicts with the strategy's "
+     "own engine='torch' (DDP(engine='torch')); give one "
      "of them"),
     ("ddp", {"engine": "pytorch"}, "engine must be 'shardwise' or 'torch', got 'pytorch'"),
     ("ps", {"engine": "torch"}, "engine='torch' has no engine for strategy 'ps': PyTorch has none for a parameter "
@@ -192,7 +193,8 @@ def test_tp_then_fsdp_and_pp_then_ddp_under_torch_equal_one_device_and_cross_eng
     (sw.Parallel(dp=1, ep=2), {"engine": "torch"}, "engine='torch' has no engine for expert parallelism (ep > 1): "
                                                    "PyTorch has none; engine='shardwise' runs it"),
     (sw.Parallel(cp=2, engine="torch"), {}, "engine='torch' runs context parallelism on CUDA only: torch's "
-     "context_parallel runs its ring attention through SDPA's flash, efficient and cuDNN kernels, which are CUDA's, "
+     "context_parallel runs its ring attention through SDPA's "
+     "flash, efficient and cuDNN kernels, which are CUDA's, "
      "and has no sharding strategy for the CPU's (aten._scaled_dot_product_flash_attention_for_cpu); "
      "engine='shardwise' runs it on CPU"),
     (sw.Parallel(pp=2, tp=2, sequence_parallel=True, engine="torch"), {}, "engine='torch' cannot run strategy "
@@ -200,8 +202,10 @@ def test_tp_then_fsdp_and_pp_then_ddp_under_torch_equal_one_device_and_cross_eng
      "sequence region from the embedding to the head within one module (shardwise.parallel.tp.torch_tp), and a "
      "pipeline stage holds only part of it; engine='shardwise' runs it"),
     ("ddp", {"engine": "torch", "sync_batchnorm": True}, "engine='torch' runs sync_batchnorm on CUDA only: torch's "
-     "nn.SyncBatchNorm takes CUDA inputs only (on CPU its forward raises 'SyncBatchNorm expected input tensor to be "
-     "on GPU', and its statistics kernel, batch_norm_stats, has no CPU implementation); engine='shardwise' runs it "
+     "nn.SyncBatchNorm takes CUDA inputs only (on CPU its "
+     "forward raises 'SyncBatchNorm expected input tensor to be "
+     "on GPU', and its statistics kernel, batch_norm_stats, "
+     "has no CPU implementation); engine='shardwise' runs it "
      "on CPU"),
 ])
 def test_what_engine_torch_does_not_run_is_refused_before_start(strategy, kw, message, no_spawn):
@@ -212,14 +216,19 @@ def test_what_engine_torch_does_not_run_is_refused_before_start(strategy, kw, me
 
 @pytest.mark.parametrize("model, strategy, devices, message", [
     ("gpt2", "tp", 2, "engine='torch' cannot run strategy 'tp' on GPT2LMHeadModel: the 'gpt2' plan adjusts module "
-     "attributes to the local widths (fixup, local_attrs), which torch's styles do not; engine='shardwise' runs it"),
+     "attributes to the local widths (fixup, local_attrs), "
+     "which torch's styles do not; engine='shardwise' runs it"),
     ("llama", sw.Parallel(tp=2, sequence_parallel=True), 2,
-     "engine='torch' cannot run strategy 'parallel' on LlamaForCausalLM: the 'llama' plan's sequence-parallel region "
-     "starts at a block's input or ends without a head; engine='torch' runs it only from the embeddings to the head "
+     "engine='torch' cannot run strategy 'parallel' on "
+     "LlamaForCausalLM: the 'llama' plan's sequence-parallel region "
+     "starts at a block's input or ends without a head; "
+     "engine='torch' runs it only from the embeddings to the head "
      "(shardwise's GPT); engine='shardwise' runs it"),
     ("gpt", sw.Parallel(tp=2), 4, "engine='torch' runs strategy 'parallel' with dp > 1 over tp > 1 only with zero=2 "
-     "or 3 (tp, then FSDP2 over dp), not zero=0: torch's DDP refuses tp's DTensor parameters over a process group "
-     "(c10d.broadcast_ has no DTensor sharding strategy), and over a device mesh turns them into plain local tensors "
+     "or 3 (tp, then FSDP2 over dp), not zero=0: torch's DDP "
+     "refuses tp's DTensor parameters over a process group "
+     "(c10d.broadcast_ has no DTensor sharding strategy), and "
+     "over a device mesh turns them into plain local tensors "
      "(torch's interim DDP + tp transform), which hides their tp layout from the checkpoint and the clip; "
      "engine='shardwise' runs it"),
 ])
