@@ -25,8 +25,9 @@ demo: $(STAMP)
 WORKERS ?= 2
 XDIST := -n $(WORKERS)
 
+# The 15 slowest tests close every run's output (CI's log included), so a slow newcomer shows where it lands.
 test: $(STAMP)
-	$(PY) -m pytest -q $(XDIST)
+	$(PY) -m pytest -q $(XDIST) --durations=15
 
 # The edit-run loop (under 2 minutes): the planner's unit tests and one equivalence file per
 # paradigm; CI and the README's `make test` run everything.
