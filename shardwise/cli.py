@@ -201,6 +201,22 @@ def build_parser() -> argparse.ArgumentParser:
                    description="Train the model, dataset, loss and optimizer a YAML file names, with every Trainer "
                                "and fit option from the file or a flag (a flag wins); --print_config prints the "
                                "resolved configuration.")  # main() answers fit --help itself (jsonargparse)
+    _demo_args(sub)
+    _verify_args(sub)
+    bench_args(_verb(sub, "bench", "ours against PyTorch's own implementation, side by side",
+                     "Run each of our implementations next to PyTorch's own (DDP, ZeRO, FSDP, pipeline, "
+                     "tensor parallel...) on the same model and data, alternating repetitions, and print "
+                     "median step times, memory and bytes sent side by side."))
+    plan_args(_verb(sub, "plan", "predict memory, communication and step time of every layout",
+                    "Predict, without running anything, the per-device memory, communication and step time of "
+                    "every data/tensor/pipeline layout of a model on a cluster, and recommend the fastest that "
+                    "fits."))
+    _checkpoint_args(sub)
+    return p
+
+
+def _demo_args(sub: argparse._SubParsersAction[Any]) -> None:
+    """``shardwise demo``: every strategy on the digits classifier."""
     d = _verb(sub, "demo", "train the digits classifier under every strategy and compare",
               "Train the 8x8 digits MLP under every strategy (single, ddp, dp, ps, ZeRO 1-3, fsdp, hsdp, tp, pp, "
               "3d) on CPU processes and print one table: final loss, test accuracy, equality with single-device "
@@ -209,6 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimizer steps of each strategy's run (default: 60)")
     d.add_argument("--plot", dest="plot_dir", default=None, metavar="DIR",
                    help="also write throughput, memory and pipeline-timeline PNGs under DIR")
+
+
+def _verify_args(sub: argparse._SubParsersAction[Any]) -> None:
+    """``shardwise verify``: one strategy against single-device training."""
     v = _verb(sub, "verify", "check a strategy against single-device training",
               "Train the same model under STRATEGY and on one device, measure the noise floor (the one-device "
               "run in float32 against the same run in float64 and with its samples in other orders) and report "
@@ -232,14 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--sync-batchnorm", action="store_true",
                    help="train the strategy's run with Trainer(sync_batchnorm=True): BatchNorm normalises with the "
                         "whole global batch's statistics")
-    bench_args(_verb(sub, "bench", "ours against PyTorch's own implementation, side by side",
-                     "Run each of our implementations next to PyTorch's own (DDP, ZeRO, FSDP, pipeline, "
-                     "tensor parallel...) on the same model and data, alternating repetitions, and print "
-                     "median step times, memory and bytes sent side by side."))
-    plan_args(_verb(sub, "plan", "predict memory, communication and step time of every layout",
-                    "Predict, without running anything, the per-device memory, communication and step time of "
-                    "every data/tensor/pipeline layout of a model on a cluster, and recommend the fastest that "
-                    "fits."))
+
+
+def _checkpoint_args(sub: argparse._SubParsersAction[Any]) -> None:
+    """``shardwise checkpoint ls|export``."""
     c = _verb(sub, "checkpoint", "list checkpoints with their layout, size and integrity; export one")
     cv = c.add_subparsers(dest="verb", required=True)
     ls = _verb(cv, "ls", "one line per checkpoint (exit 1 when the newest is not intact)",
@@ -255,7 +271,6 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--format", choices=["pt", "hf"], default=None,
                     help="pt: torch.save of the plain state dict; hf: save_pretrained (default: hf for a Hugging "
                          "Face model, else pt)")
-    return p
 
 
 def _verb(sub: argparse._SubParsersAction[Any], name: str, help: str,

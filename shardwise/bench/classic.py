@@ -243,25 +243,31 @@ def ps_vs_ddp(a: argparse.Namespace) -> Table:
               "configurations alternating", PS_COLUMNS, rows, wide(a))
     path = plot_path(a, "ps_vs_ddp.png")
     if path:
-        plt = plots.pyplot()
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-        for label, pts in results.items():
-            ws = [p[0] for p in pts]
-            ax1.plot(ws, [p[1] for p in pts], "o-", label=label)
-            ax2.plot(ws, [p[2] / 2**20 for p in pts], "o-", label=label)
-        for ax in (ax1, ax2):
-            ax.set_xlabel("workers W")
-            ax.set_xticks(workers_list)
-            ax.legend(fontsize=8)
-        ax1.set_ylabel("throughput (samples / s)")
-        ax1.set_title("throughput")
-        ax2.set_ylabel("MiB received per step by the busiest rank")
-        ax2.set_title("busiest rank's inbound traffic")
-        fig.suptitle(f"Parameter server vs DDP, 4 x Linear(1024), global batch {a.batch}, {a.accelerator}")
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        _plot_ps_vs_ddp(path, results, workers_list, a)
     return t
+
+
+def _plot_ps_vs_ddp(path: str, results: dict[str, list[tuple[int, float, float]]], workers_list: list[int],
+                    a: argparse.Namespace) -> None:
+    """Throughput and the busiest rank's inbound bytes against the number of workers, one line per series."""
+    plt = plots.pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, pts in results.items():
+        ws = [p[0] for p in pts]
+        ax1.plot(ws, [p[1] for p in pts], "o-", label=label)
+        ax2.plot(ws, [p[2] / 2**20 for p in pts], "o-", label=label)
+    for ax in (ax1, ax2):
+        ax.set_xlabel("workers W")
+        ax.set_xticks(workers_list)
+        ax.legend(fontsize=8)
+    ax1.set_ylabel("throughput (samples / s)")
+    ax1.set_title("throughput")
+    ax2.set_ylabel("MiB received per step by the busiest rank")
+    ax2.set_title("busiest rank's inbound traffic")
+    fig.suptitle(f"Parameter server vs DDP, 4 x Linear(1024), global batch {a.batch}, {a.accelerator}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 # ---- all-reduce algorithms ----------------------------------------------------------------------

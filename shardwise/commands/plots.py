@@ -229,8 +229,6 @@ def timeline_figure(runs: Mapping[str, Sequence[Any]], title: str = "Pipeline sc
     (a step that ends earlier is visibly shorter), each with its legend on the
     right; otherwise they sit in a row, each on its own axis.
     """
-    from matplotlib.patches import Patch
-
     plt = pyplot()
     n, rows = len(runs), _stages(runs)
     if stacked:
@@ -267,13 +265,7 @@ def timeline_figure(runs: Mapping[str, Sequence[Any]], title: str = "Pipeline sc
         if not stacked or ax is panels[-1]:  # stacked, the axis is shared: named once, under the last
             ax.set_xlabel("time in the step (ms)" if ms != 1.0 else "time (model units)")
         ax.set_ylabel("pipeline stage (rank)" if not stacked else "stage (rank)")
-        handles = [Patch(color=_COLORS["F"], label="forward of micro-batch i (Fi)"),
-                   Patch(color=_COLORS["B"], label="backward of micro-batch i (Bi)")]
-        if any(e.kind == "W" for e in events):  # a split backward: B is the input gradient, W the weights'
-            handles[1] = Patch(color=_COLORS["B"], label="input gradient of micro-batch i (Bi)")
-            handles.append(Patch(color=_COLORS["W"], label="weight gradient of micro-batch i (Wi)"))
-            if whole:
-                handles.append(Patch(color=_COLORS["B"], label="both in one pass (BWi)"))
+        handles = _legend_handles(events, bool(whole))
         if stacked:
             # Beside its own row: which kinds a schedule has (split or not) stays next to its boxes.
             ax.legend(handles=handles, fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
@@ -288,6 +280,20 @@ def timeline_figure(runs: Mapping[str, Sequence[Any]], title: str = "Pipeline sc
     fig.tight_layout(rect=(0.0, 0.0, 1.0, 1.0 - 0.25 / fig.get_figheight()) if stacked else None)
     _hide_labels_wider_than_their_box(fig, labelled)
     return fig
+
+
+def _legend_handles(events: Sequence[Any], whole: bool) -> list[Any]:
+    """One schedule's legend: the kinds of box it draws (a split backward has input and weight gradients)."""
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=_COLORS["F"], label="forward of micro-batch i (Fi)"),
+               Patch(color=_COLORS["B"], label="backward of micro-batch i (Bi)")]
+    if any(e.kind == "W" for e in events):  # a split backward: B is the input gradient, W the weights'
+        handles[1] = Patch(color=_COLORS["B"], label="input gradient of micro-batch i (Bi)")
+        handles.append(Patch(color=_COLORS["W"], label="weight gradient of micro-batch i (Wi)"))
+        if whole:
+            handles.append(Patch(color=_COLORS["B"], label="both in one pass (BWi)"))
+    return handles
 
 
 def _hide_labels_wider_than_their_box(fig: Any, labelled: Sequence[tuple[Any, Any]]) -> None:

@@ -150,13 +150,7 @@ def plan_run(model: nn.Module, layout: RunLayout, device_memory_bytes: int, batc
         buffers["unsharded gradients (accumulation)"] = full_grad_bytes(chunks)
     if layout.engine == "torch":
         _torch_engine_buffers(layout, chunks, buffers, notes)
-    host: dict[str, tuple[int, ...]] = {}
-    if checkpoint_async:
-        try:
-            host[STAGING] = tuple(staging_bytes(model, layout, optimizer, steps, tp_plan=tp_plan,
-                                                split_points=split_points))
-        except NotModelled as e:  # the rest of the plan stands: say what it leaves out
-            notes.append(f"{STAGING} not planned: {e}")
+    host = _staging(model, layout, optimizer, steps, tp_plan, split_points, notes) if checkpoint_async else {}
     plan = RunPlan(layout, tuple(ranks), act, buffers, device_memory_bytes, tuple(notes), host=host,
                    host_is_device=host_is_device, params=tuple(params_of(chunks, layout)))
     if plan.fits or not suggest:
@@ -172,6 +166,17 @@ def plan_run(model: nn.Module, layout: RunLayout, device_memory_bytes: int, batc
         return replace(plan, suggestion="activations dominate: try activation checkpointing or a smaller batch "
                                         "per device")
     return replace(plan, suggestion="try more devices, a larger tp/pp, or a smaller model")
+
+
+def _staging(model: nn.Module, layout: RunLayout, optimizer: torch.optim.Optimizer | str, steps: int,
+             tp_plan: Any, split_points: Sequence[str] | None, notes: list[str]) -> dict[str, tuple[int, ...]]:
+    """The host memory each rank stages an asynchronous checkpoint save in, or a note saying it is not planned."""
+    try:
+        return {STAGING: tuple(staging_bytes(model, layout, optimizer, steps, tp_plan=tp_plan,
+                                             split_points=split_points))}
+    except NotModelled as e:  # the rest of the plan stands: say what it leaves out
+        notes.append(f"{STAGING} not planned: {e}")
+        return {}
 
 
 def _torch_engine_buffers(layout: RunLayout, chunks: list[list[list[Param]]], buffers: dict[str, int],

@@ -66,8 +66,14 @@ def parse_shape(text: str) -> tuple[int, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register the planner's flags on ``parser``."""
-    m = parser.add_argument_group("model (one of --model, --params, or a shape)")
+    """Register the planner's flags on ``parser``, one argument group at a time."""
+    _model_arguments(parser.add_argument_group("model (one of --model, --params, or a shape)"))
+    _cluster_arguments(parser.add_argument_group("cluster"))
+    _training_arguments(parser.add_argument_group("training"))
+    _output_arguments(parser.add_argument_group("output"))
+
+
+def _model_arguments(m: argparse._ArgumentGroup) -> None:
     m.add_argument("--model", help=f"known shape ({', '.join(SHAPES)}) or path.py:factory (traced on meta)")
     m.add_argument("--params", type=parse_count, help="parameter count, e.g. 7.5e9 or 7B")
     m.add_argument("--layers", type=int, help="transformer layers (a shape: with --hidden and --heads)")
@@ -83,7 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--moe-ffn-hidden", type=int, default=0, help="one expert's inner size (default --ffn-hidden)")
     m.add_argument("--input-shape", type=parse_shape, help="factory input shape with batch first, e.g. 8,64")
     m.add_argument("--input-dtype", default="float", help="factory input dtype: float, long, bf16...")
-    c = parser.add_argument_group("cluster")
+
+
+def _cluster_arguments(c: argparse._ArgumentGroup) -> None:
     c.add_argument("--gpu", default="h100-80gb", choices=sorted(GPU_PRESETS), help="device preset (default h100-80gb)")
     c.add_argument("--devices", type=int, help="devices in total (default one node)")
     c.add_argument("--devices-per-node", type=int, default=8, help="devices in one node (default 8)")
@@ -97,7 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--efficiency", type=float, help="fraction of peak the matmuls reach (default 0.5)")
     c.add_argument("--reserve", type=parse_bytes, help="memory lost to the CUDA context, NCCL, fragmentation "
                    "(preset: 1GB, at most a tenth of --device-memory)")
-    t = parser.add_argument_group("training")
+
+
+def _training_arguments(t: argparse._ArgumentGroup) -> None:
     t.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: micro-batch x devices)")
     t.add_argument("--micro-batch", type=int, default=1, help="sequences per device per forward (default 1)")
     t.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's, else 2048); long ones "
@@ -120,7 +130,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--checkpoint-async", action="store_true",
                    help="checkpoints saved in the background (Trainer(checkpoint_async=True)): each rank keeps a "
                         "copy of its checkpoint share in host memory, shown as its own line")
-    o = parser.add_argument_group("output")
+
+
+def _output_arguments(o: argparse._ArgumentGroup) -> None:
     o.add_argument("--format", default="table", choices=("table", "json"), help="a table, or JSON for scripts")
     o.add_argument("--strategies", help="comma-separated subset of ddp,zero1,zero2,zero3,fsdp,hsdp")
     o.add_argument("--max-tp", type=int, help="largest tensor-parallel size (default devices per node)")

@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 
+from rich.console import Console
 from rich.table import Table
 
 from shardwise.console import make_console
@@ -125,7 +126,26 @@ def print_table(ests: list[Estimate], best: Estimate | None, model: ModelSpec, c
                 training: TrainingSpec, top: int = 25, width: int | None = None, explain: int = 3) -> None:
     """The readable report: inputs, recommendation, one row per layout, then why the first ones fit or not."""
     con = make_console(width, highlight=False)
-    e0 = ests[0] if ests else None
+    _print_inputs(con, model, cluster, training, ests[0] if ests else None)
+    if not ests:
+        con.print("[red]no valid layout[/] (check the global batch against the device count)")
+        return
+    _print_verdict(con, ests, best, model, training)
+    shown = ests if top <= 0 else ests[:top]
+    con.print(_layout_table(ests, shown, best, cluster))
+    if len(shown) < len(ests):
+        con.print(f"... {len(ests) - len(shown)} more layouts (--top 0 shows all)")
+    if explain > 0:
+        con.print("[bold]why[/] (per device):")
+        for i, e in enumerate(shown[:explain], 1):
+            con.print(f"{i:>3}. {explain_memory(e)}")
+    for note in sorted({n for e in ests for n in e.notes}):
+        con.print(f"note: {note}")
+
+
+def _print_inputs(con: Console, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+                  e0: Estimate | None) -> None:
+    """What was planned: the model (and its trace), the cluster, the training setup."""
     shape = (f", {model.layers} layers, hidden {model.hidden}, {model.heads} heads"
              + (" (guessed)" if model.shape_inferred else "")) if model.is_transformer else ""
     named = "" if model.name.endswith(" params") else f"{model.name}: "  # from --params: the count is the name
@@ -151,9 +171,11 @@ def print_table(ests: list[Estimate], best: Estimate | None, model: ModelSpec, c
                   + (", sequence parallel" if training.sequence_parallel else "")
                   + (", flash attention" if training.flash_attention else
                      ", fused attention (the model's)" if model.fused_attention and model.trace is None else ""))
-    if not ests:
-        con.print("[red]no valid layout[/] (check the global batch against the device count)")
-        return
+
+
+def _print_verdict(con: Console, ests: list[Estimate], best: Estimate | None, model: ModelSpec,
+                   training: TrainingSpec) -> None:
+    """The recommended layout, or the leanest one and what would make it fit."""
     if best is not None:
         con.print(f"[bold green]Recommended: {best.layout.label}[/] - {best.step_time_s:.3g} s/step, "
                   f"{best.tokens_per_s:,.0f} tokens/s, MFU {best.mfu:.0%}, {fmt_bytes(best.total_bytes)} of "
@@ -167,6 +189,10 @@ def print_table(ests: list[Estimate], best: Estimate | None, model: ModelSpec, c
             # Korthikanti et al.'s 5 a s^2 b bytes of scores per layer grow with the square of the sequence.
             con.print(f"The stored attention scores grow with the square of the {least.seq_len}-token sequence: "
                       "--flash-attention (SDPA's flash and memory-efficient kernels on GPUs) stores none of them.")
+
+
+def _layout_table(ests: list[Estimate], shown: list[Estimate], best: Estimate | None, cluster: ClusterSpec) -> Table:
+    """One row per shown layout, the best one in green."""
     # Device memory sets the unit: a layout needing 100x the device still reads in the same unit.
     mem_unit, mem_scale = _unit(cluster.device_memory_bytes)
     comm_unit, comm_scale = _unit(max(e.comm_bytes_per_step for e in ests))
@@ -178,22 +204,13 @@ def print_table(ests: list[Estimate], best: Estimate | None, model: ModelSpec, c
         # A terminal (or COLUMNS) narrower than the table wraps cells onto more lines ("fold") instead of
         # cutting them to "…"; a pipe is wide enough (shardwise.console.make_console).
         table.add_column(col, justify="left" if col in ("layout", "fits") else "right", overflow="fold")
-    shown = ests if top <= 0 else ests[:top]
     for i, e in enumerate(shown, 1):
         table.add_row(str(i), e.layout.label, "yes" if e.fits else f"[red]no[/] ({_SHORT.get(e.largest_term, 'buf.')})",
                       *(f"{v / mem_scale:.1f}" for v in (e.total_bytes, e.params_bytes, e.grads_bytes,
                                                          e.optimizer_bytes, e.activation_bytes, e.buffer_bytes)),
                       f"{e.comm_bytes_per_step / comm_scale:.1f}", f"{e.step_time_s:.3g}", f"{e.mfu:.0%}",
                       style="green" if e is best else None)
-    con.print(table)
-    if len(shown) < len(ests):
-        con.print(f"... {len(ests) - len(shown)} more layouts (--top 0 shows all)")
-    if explain > 0:
-        con.print("[bold]why[/] (per device):")
-        for i, e in enumerate(shown[:explain], 1):
-            con.print(f"{i:>3}. {explain_memory(e)}")
-    for note in sorted({n for e in ests for n in e.notes}):
-        con.print(f"note: {note}")
+    return table
 
 
 _SHORT = {"parameters": "params", "gradients": "grads", "optimizer": "optim.", "activations": "activ."}
