@@ -19,6 +19,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import once_per_run
 from tiny_hf import gpt2, logits_loss
 from torch import nn
 
@@ -56,18 +57,24 @@ _runs: dict[tuple[str, str], tuple[sw.FitResult, str]] = {}
 
 
 def trained(model: str, layout: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[sw.FitResult, str]:
-    """(the run's result, its checkpoint directory), trained once per module; tests copy before damaging it."""
+    """(the run's result, its checkpoint directory), trained once per pytest run (whichever xdist worker asks
+    first); tests copy before damaging it."""
     if (model, layout) not in _runs:
-        make, loss, opt = MODELS[model]
-        strategy, devices, _, _ = LAYOUTS[layout]
-        ckpt = str(tmp_path_factory.mktemp(f"{model}-{layout}"))
-        with warnings.catch_warnings():  # 8 ranks on a 2-core machine: slower, meant
-            warnings.filterwarnings("ignore", message=r"devices=\d+ starts \d+ processes")
-            result = sw.Trainer(strategy(), devices, accelerator="cpu", progress=False, checkpoint_dir=ckpt,
-                                checkpoint_every=EVERY).fit(
-                make(), CharText(stdlib_text(20_000), 16), loss, opt, batch_size=8, max_steps=STEPS)
-        _runs[model, layout] = result, ckpt
+        _runs[model, layout] = once_per_run(f"checkpoint-cli-{model}-{layout}", tmp_path_factory,
+                                            lambda: _train(model, layout, tmp_path_factory))
     return _runs[model, layout]
+
+
+def _train(model: str, layout: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[sw.FitResult, str]:
+    make, loss, opt = MODELS[model]
+    strategy, devices, _, _ = LAYOUTS[layout]
+    ckpt = str(tmp_path_factory.mktemp(f"{model}-{layout}"))
+    with warnings.catch_warnings():  # 8 ranks on a 2-core machine: slower, meant
+        warnings.filterwarnings("ignore", message=r"devices=\d+ starts \d+ processes")
+        result = sw.Trainer(strategy(), devices, accelerator="cpu", progress=False, checkpoint_dir=ckpt,
+                            checkpoint_every=EVERY).fit(
+            make(), CharText(stdlib_text(20_000), 16), loss, opt, batch_size=8, max_steps=STEPS)
+    return result, ckpt
 
 
 def files_bytes(path: str) -> int:
