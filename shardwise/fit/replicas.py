@@ -13,11 +13,14 @@ import dataclasses
 import os
 import pickle
 import sys
+from typing import Any
 
 import torch
 
 from shardwise import launch
+from shardwise.data import GlobalBatches, StreamBatches, as_source
 from shardwise.fit.job import FitResult, Job, pickled
+from shardwise.fit.steps import micro_batches, step_inputs, train_batches
 from shardwise.ft.quorum import Quorum
 from shardwise.ft.replica import Replica, ReplicaShards, ReplicaStep
 from shardwise.ft.supervise import run_replicas
@@ -55,7 +58,7 @@ def spawned_replica_fit(rank: int, device: torch.device, quorum: Quorum, payload
     t = job.options
     assert t.replicas is not None
     replica = Replica(quorum, t.replicas, rank, job.batch_size, job.dataset.dataset, seed=t.seed,
-                      ledger=t.sample_ledger is not None)
+                      ledger=t.sample_ledger is not None, read=ShardReader(job, device))
     size = t.replicas.group_size
     strategy = ReplicaStep(replica=replica) if size == 1 else ReplicaShards(dp=size, zero=3, replica=replica)
     layout = RunLayout(ReplicaStep.name) if size == 1 else strategy.layout(size)
@@ -64,3 +67,24 @@ def spawned_replica_fit(rank: int, device: torch.device, quorum: Quorum, payload
     job.result_from_rank0 = False  # any survivor's result is the fit's: each copies its replica
     result = job.run(device)
     torch.save({f.name: getattr(result, f.name) for f in dataclasses.fields(result)}, f"{path}.{rank}")
+
+
+class ShardReader:
+    """``reader(shard, step)``: the micro-batches of sample shard ``shard`` of ``step``, as the Trainer reads a
+    group's own (a dead group's shard, which a live group takes over). Each shard's batches are opened at the
+    first step read, and again when a step is not the next (a shard that went to another group and came back)."""
+
+    def __init__(self, job: Job, device: torch.device) -> None:
+        self.job, self.device = job, device
+        self.source = as_source(job.dataset)
+        self.opened: dict[int, tuple[GlobalBatches | StreamBatches, int]] = {}  # shard -> (its batches, next step)
+
+    def __call__(self, shard: int, step: int) -> list[tuple[Any, Any]]:
+        batches, next_step = self.opened.get(shard, (None, -1))
+        if batches is None or next_step != step:
+            assert self.job.options.replicas is not None
+            batches = train_batches(self.job, self.source, self.job.options.replicas.replicas, shard, start=step,
+                                    stop=self.job.max_steps)
+        self.opened[shard] = (batches, step + 1)
+        x, y = step_inputs(self.job, self.source, batches.batch(step, self.device))
+        return micro_batches(x, y, self.job.options.accumulate_grad_batches)

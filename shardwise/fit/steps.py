@@ -18,7 +18,7 @@ from torch import nn
 
 from shardwise import precision as precision_mod
 from shardwise.comm.topology import Topology
-from shardwise.data import Kwargs, as_source, leaves
+from shardwise.data import DataSource, GlobalBatches, Kwargs, StreamBatches, as_source, leaves
 from shardwise.dims import CP, DP
 from shardwise.fit import profiler
 from shardwise.fit.options import FitOptions
@@ -43,17 +43,22 @@ from shardwise.strategies.base import HasServers, Strategy
 from shardwise.torch_private import BatchNormBase
 
 
-class StepHost(Protocol):
+class BatchHost(Protocol):
+    """What reading a step's batches needs from the run (:class:`~shardwise.fit.job.Job`)."""
+
+    options: FitOptions
+    training_step: TrainingStep | None  # fit(training_step=): the step's loss instead of loss_fn
+    batch_size: int
+    epoch_len: int | None  # optimizer steps an epoch (Trainer(limit_train_batches=) included); None: no length
+
+
+class StepHost(BatchHost, Protocol):
     """What the loop needs from the run it belongs to (:class:`~shardwise.fit.job.Job`): its options and data,
     and the decision after each step. A protocol, so the loop does not import the job that calls it."""
 
-    options: FitOptions
     dataset: Any
     loss_fn: LossFn
-    training_step: TrainingStep | None  # fit(training_step=): the step's loss instead of loss_fn
-    batch_size: int
     max_steps: int
-    epoch_len: int | None  # optimizer steps an epoch (Trainer(limit_train_batches=) included); None: no length
     schedule: Schedule | None  # the run's lr schedule (fit(lr_scheduler=)), replayed to where a resumed run stands
     stop_reason: str | None
     activation_bytes: int
@@ -78,11 +83,10 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
     """The step loop of a training rank from step ``len(prev)``: data, forward/backward, clip, step; after
     each step :meth:`StepHost.after_step` (callbacks, validation, checkpoints) may end it early."""
     t, strat, device = job.options, job.options.strategy, topo.device
-    shards, shard = strat.data_parallel(topo)
+    shards, shard = strat.train_shards(topo)
     source = as_source(job.dataset)
     end = len(prev) if job.stop_reason is not None else job.max_steps  # a stopped run stays stopped
-    data = source.train_batches(job.batch_size, shards, shard, seed=t.seed, start=len(prev), stop=end,
-                                shuffle=t.shuffle, epoch=job.epoch_len)
+    data = train_batches(job, source, shards, shard, start=len(prev), stop=end)
     losses: list[float] = []  # floats, not tensors: a long run must not accumulate tensor objects
     times: list[float] = []
     state_bytes: dict[str, int] = {}
@@ -108,9 +112,7 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
                 topo.diag.step = step
             job.hook("on_step_start", step, topo, optimizer=opt)
             start = time.perf_counter()
-            batch = data.batch(step, device)
-            # A training_step takes the whole batch: it comes as the target, beside itself as the input.
-            x, y = precision_mod.cast_batch(t.precision, (batch, batch) if job.training_step else source.split(batch))
+            x, y = step_inputs(job, source, data.batch(step, device))
             run = StepRun(t.precision, scaler.scale if scaler is not None else 1.0)
             prof.mark("data")
             loss = forward_backward(job, model, (x, y), t.accumulate_grad_batches, loss_fn, topo, run,
@@ -151,6 +153,27 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
     job.profile = prof.figures
     data.close()
     return losses, times, state_bytes
+
+
+def train_batches(job: BatchHost, source: DataSource, shards: int, shard: int, start: int,
+                  stop: int) -> GlobalBatches | StreamBatches:
+    """Sample shard ``shard`` of ``shards`` of each global batch of steps ``start .. stop - 1``, in the run's
+    order (``Trainer(shuffle=)``, the epoch ``limit_train_batches`` keeps)."""
+    t = job.options
+    return source.train_batches(job.batch_size, shards, shard, seed=t.seed, start=start, stop=stop,
+                                shuffle=t.shuffle, epoch=job.epoch_len)
+
+
+def step_inputs(job: BatchHost, source: DataSource, batch: Any) -> tuple[Any, Any]:
+    """A read batch as the step takes it: (input, target), cast to the run's precision."""
+    # A training_step takes the whole batch: it comes as the target, beside itself as the input.
+    x, y = precision_mod.cast_batch(job.options.precision, (batch, batch) if job.training_step else source.split(batch))
+    return x, y
+
+
+def micro_batches(x: Any, y: Any, k: int) -> list[tuple[Any, Any]]:
+    """``(input, target)`` of each of the ``k`` micro-batches of ``accumulate_grad_batches``."""
+    return list(zip(iter_chunks(x, k), iter_chunks(y, k)))
 
 
 def log_scalars(training_step: TrainingStep) -> None:
@@ -205,7 +228,7 @@ def forward_backward(job: StepHost, model: nn.Module, batch: tuple[Any, Any], k:
     loss. On the ``first`` step of the run it also measures the peak bytes autograd holds for backward
     (activations; the parameters and the batch excluded): ``FitResult.stats["activation_bytes"]``."""
     strat, (x, y) = job.options.strategy, batch
-    micro = list(zip(iter_chunks(x, k), iter_chunks(y, k)))
+    micro = micro_batches(x, y, k)
     if not first:
         return strat.train_step(model, micro, loss_fn, topo, run)
     with track_saved_activations(model.parameters(), leaves(x) + leaves(y)) as saved:

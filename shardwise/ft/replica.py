@@ -32,12 +32,12 @@ from torch import nn
 
 from shardwise.comm.collectives import Comm
 from shardwise.comm.topology import Topology
-from shardwise.data import GlobalBatches, is_stream
+from shardwise.data import GlobalBatches, batch_len, is_stream
 from shardwise.dims import DP
 from shardwise.ft import keys
 from shardwise.ft.options import ReplicaPlan
 from shardwise.ft.quorum import Quorum
-from shardwise.ft.shards import assignment, pieces, rows
+from shardwise.ft.shards import assignment, rows
 from shardwise.loggers.scalars import log
 from shardwise.parallel.dp.fsdp_module import FSDPModule
 from shardwise.precision import widened
@@ -70,8 +70,11 @@ class Replica:
     # A group of several ranks: its reduced gradient shards (the strategy's), and its own communicator.
     shard_grads: Callable[[nn.Module], list[torch.Tensor]] | None = None
     group_comm: Comm | None = None
+    # The micro-batches of sample shard ``shard`` of step ``step`` (a dead group's, taken over): read(shard, step).
+    read: Callable[[int, int], Sequence[tuple[Any, Any]]] | None = None
     grads: GradBuffer | None = None  # a group of one rank: its gradients' flat buffers, made at the first step
     _shards: dict[int, GlobalBatches] = field(default_factory=dict)
+    _taken: dict[int, tuple[int, Sequence[tuple[Any, Any]]]] = field(default_factory=dict)
 
     def step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn, topo: Topology,
              run: StepRun) -> torch.Tensor:
@@ -135,18 +138,26 @@ class Replica:
         return total
 
     def _parts(self, micro_batches: Sequence[tuple[Any, Any]]) -> list[tuple[Any, Any, int]]:
-        """This rank's rows of its group's shards: all of them, or in a group of several ranks, every
-        ``group_size``-th row of each piece from the rank's place on."""
+        """``(input, target, rows)`` of each micro-batch of this group's shards (its own, which the Trainer read,
+        and the dead groups' it took over, which :attr:`read` reads); in a group of several ranks, this rank's
+        every ``group_size``-th row of each from its place on."""
         mine = assignment(self.quorum.members, self.plan.replicas)[self.quorum.group]
-        parts = pieces(micro_batches, mine, self.plan.replicas)
+        micro = [m for s in mine for m in (micro_batches if s == self.quorum.group else self._read(s))]
+        parts = [(x, y, batch_len(y) or batch_len(x)) for x, y in micro]
         size, place = self.quorum.group_size, self.quorum.place
         if size == 1:
             return parts
         if any(n < size for _, _, n in parts):
-            raise ValueError(f"a sample shard's piece of a micro-batch has fewer rows than the {size} ranks of a "
-                             f"replica group: raise batch_size (now {self.batch_size}) or lower "
-                             "accumulate_grad_batches")
+            raise ValueError(f"a sample shard's micro-batch has fewer rows than the {size} ranks of a replica "
+                             f"group: raise batch_size (now {self.batch_size}) or lower accumulate_grad_batches")
         return [(rows(x, place, size), rows(y, place, size), len(range(place, n, size))) for x, y, n in parts]
+
+    def _read(self, shard: int) -> Sequence[tuple[Any, Any]]:
+        """A dead group's shard of this step, read once (a step computed again reads none again)."""
+        if shard not in self._taken or self._taken[shard][0] != self.done:
+            assert self.read is not None
+            self._taken[shard] = (self.done, self.read(shard, self.done))
+        return self._taken[shard][1]
 
     def _record(self) -> None:
         """The committed step's sample indices by group, for the launcher's ledger (every member writes the
@@ -248,8 +259,9 @@ class GradBuffer:
 
 
 class _ReplicaStepping:
-    """What both replica strategies share: the step is :meth:`Replica.step` (which picks this group's rows of the
-    whole global batch every rank reads), so the Trainer deals out no data-parallel shards."""
+    """What both replica strategies share: the step is :meth:`Replica.step`, and the Trainer reads the group's own
+    sample shard of each global batch (the step reads those of dead groups it takes over). The step's loss is
+    already the global batch's: no data-parallel shards to average over."""
 
     replica: Replica | None
 
@@ -261,11 +273,15 @@ class _ReplicaStepping:
     def data_parallel(self, topo: Topology) -> tuple[int, int]:
         return 1, 0
 
+    def train_shards(self, topo: Topology) -> tuple[int, int]:
+        assert self.replica is not None
+        return self.replica.plan.replicas, self.replica.quorum.group
+
 
 @dataclass
 class ReplicaStep(_ReplicaStepping, Single):
     """A replica group of one rank: the whole model on one device (``ddp``'s replica) whose step is
-    :meth:`Replica.step`. Every rank reads the whole global batch; the step picks its shards' rows."""
+    :meth:`Replica.step`. The Trainer reads the group's own sample shard; the step reads those it takes over."""
 
     replica: Replica | None = field(default=None, repr=False, compare=False)
     name: ClassVar[str] = "ddp"
@@ -279,7 +295,7 @@ class ReplicaShards(_ReplicaStepping, Parallel):
     """A replica group of several ranks holding FSDP shards of one copy of the state (``sw.Parallel(dp=G,
     zero=3)`` on the group's own process group), whose step is :meth:`Replica.step`: the ranks of the group
     reduce-scatter as usual, then rank ``i`` of each live group sums its gradient shard with rank ``i`` of the
-    others. Every rank reads the whole global batch; the step picks its rows."""
+    others. Each rank reads its group's sample shards, and computes its rows of them."""
 
     replica: Replica | None = field(default=None, repr=False, compare=False)
 
