@@ -101,9 +101,11 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
     shows = bool(t.progress or t.loggers) and not isinstance(strat, HasServers)
     sent = dict(topo.stats.by_group)  # bytes sent so far, by group: the step log's comm_bytes are differences
     restore_run_state(job, opt, scaler, restored)
-    with opened_log(job, topo, shapes, len(prev)) as log, \
+    with contextlib.ExitStack() as logs, \
             progress_bar(topo.rank == 0 and want_progress(t.progress), job.max_steps) as advance, \
             recording(Scalars()) as logged, prof:
+        log = logs.enter_context(opened_log(job, topo, shapes, len(prev)))
+        row: tuple[Any, ...] | None = None  # the last step row, for a rank that takes the loggers over
         advance.skip(len(prev))
         for step in range(len(prev), end):
             prof.step_start(step)
@@ -117,6 +119,7 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
             prof.mark("data")
             loss = forward_backward(job, model, (x, y), t.accumulate_grad_batches, loss_fn, topo, run,
                                     first=step == len(prev))
+            log = log or take_over_log(job, topo, shapes, logs, step, row)  # the logging rank's group died
             prof.compute()
             if job.training_step is not None:  # its dict's other scalars, each its micro-batches' mean: as sw.log's
                 log_scalars(job.training_step)
@@ -130,8 +133,6 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
             opt.zero_grad(set_to_none=True)
             prof.mark("optimizer")
             lrs = after_update(opt, topo, bn_buffers, job.schedule, step + 1)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
             local = checked_loss(loss, t.on_nonfinite, step, topo)
             losses.append(0.0 if local is None else local)
@@ -140,10 +141,11 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
             advance(shown, times[-1])
             job.hook("on_step_end", step + 1, topo, loss=local, optimizer=opt)  # before the row: its sw.log joins it
             mine = reducer.reduce(logged) if reducer is not None and due else {}
-            if log is not None and due:
+            if due and t.loggers:
                 tokens = batch_tokens(token_ids(x, job.training_step is not None)) * shards
-                log.write(step, shown, times[-1], tokens,
-                          {**step_scalars(lrs, norm, t.clip_norm, topo, sent), **mine})
+                row = (step, shown, times[-1], tokens, {**step_scalars(lrs, norm, t.clip_norm, topo, sent), **mine})
+                if log is not None:
+                    log.write(*row)
             sent = dict(topo.stats.by_group)
             stop = job.after_step(step + 1, model, opt, topo, prev, losses, shapes, scaler, log)
             prof.step_end(step)
@@ -195,12 +197,15 @@ def skipped(on_nonfinite: str, scaler: precision_mod.LossScaler | None, opt: tor
 def after_update(opt: torch.optim.Optimizer, topo: Topology, bn_buffers: list[torch.Tensor],
                  schedule: Schedule | None, done: int) -> dict[int, float]:
     """After optimizer step ``done``: rank 0's BatchNorm running statistics are every replica's (as torch DDP's),
-    and the schedule, when due, sets the next step's lrs. Returns the lrs this step used."""
+    and the schedule, when due, sets the next step's lrs; on CUDA the host waits for the step's kernels (the
+    step's time is theirs). Returns the lrs this step used."""
     for b in bn_buffers:
         topo.comm(DP).broadcast(b, src=0, name="batchnorm.buffers")
     lrs = learning_rates(opt)  # the step's own, before the schedule sets the next step's
     if schedule is not None:
         schedule.stepped(done)
+    if topo.device.type == "cuda":
+        torch.cuda.synchronize(topo.device)
     return lrs
 
 
@@ -257,13 +262,27 @@ def optimizer_step(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, 
     return norm
 
 
+def take_over_log(job: StepHost, topo: Topology, shapes: dict[str, list[int]], logs: contextlib.ExitStack,
+                  step: int, row: tuple[Any, ...] | None) -> StepLog | None:
+    """The loggers opened on this rank if it became the logging rank when the previous one's replica group died
+    (fault tolerance): as a resumed run from its own last step row, written again (the dead rank may have died
+    before it wrote that row). None where this rank does not log."""
+    if not job.options.loggers or not job.options.strategy.logs_here(topo):
+        return None
+    log = logs.enter_context(opened_log(job, topo, shapes, row[0] if row is not None else step))
+    if log is not None and row is not None:
+        log.write(*row)
+    return log
+
+
 @contextlib.contextmanager
 def opened_log(job: StepHost, topo: Topology, shapes: dict[str, list[int]], start: int) -> Iterator[StepLog | None]:
-    """Rank 0's step log over the run's loggers (None elsewhere, or without loggers), their runs opened (a resumed
-    run's reopened) and finalized: ``"success"``, or ``"failed"`` when an exception ends the loop. Where the
-    runs are goes to ``job.logger_refs``, for checkpoints and the result."""
+    """The logging rank's step log over the run's loggers (None elsewhere, or without loggers; see
+    :meth:`Strategy.logs_here`), their runs opened (a resumed run's reopened) and finalized: ``"success"``, or
+    ``"failed"`` when an exception ends the loop. Where the runs are goes to ``job.logger_refs``, for
+    checkpoints and the result."""
     t = job.options
-    if topo.rank != 0 or not t.loggers:
+    if not t.strategy.logs_here(topo) or not t.loggers:
         yield None
         return
     log = StepLog(t.loggers, t.peak_flops, total_numel(shapes), topo.world_size,

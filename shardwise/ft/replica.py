@@ -58,7 +58,7 @@ class Replica:
 
     quorum: Quorum
     plan: ReplicaPlan
-    rank: int  # the launch rank: only rank 0 reports quorum changes
+    rank: int  # the launch rank
     batch_size: int
     dataset: Any = None  # for the ledger's sample indices (a map-style dataset; a stream records positions)
     seed: int = 0
@@ -178,17 +178,25 @@ class Replica:
         return self._shards[shard].indices(self.done)
 
     def _report(self, left: list[int], lost: float) -> None:
-        """A quorum change: counted, logged in the step's row, and told on the progress output by rank 0."""
+        """A quorum change: counted, logged in the step's row (the step, who left, the seconds lost), and told on
+        the progress output by the logging rank."""
         self.failures += len(left)
         self.seconds_lost += lost
         log("ft/failures", float(self.failures), reduce="max")
         log("ft/seconds_lost", lost, reduce="max")
         log("ft/live_groups", float(len(self.quorum.members)), reduce="min")
-        if self.rank == 0:
+        for g in left:
+            log(f"ft/left/group{g}", 1.0, reduce="max")
+        if self.logs_here():
             why = "; ".join(f"group {g}: {self.quorum.why_left(g)}" for g in left)
             print(f"shardwise: step {self.done + 1}: replica group{'s' if len(left) > 1 else ''} "
                   f"{', '.join(map(str, left))} left ({why}); {len(self.quorum.members)} of {self.plan.replicas} "
                   f"groups continue, the step computed again, {lost:.2f} s lost", file=sys.stderr, flush=True)
+
+    def logs_here(self) -> bool:
+        """Whether this rank is the first of the first live group: the one that reports quorum changes and
+        writes the step rows (see :meth:`shardwise.strategies.base.Strategy.logs_here`)."""
+        return self.rank == min(self.quorum.members) * self.quorum.group_size
 
     def stats(self) -> dict[str, Any]:
         return {"failures": self.failures, "steps_recomputed": self.recomputed, "seconds_lost": self.seconds_lost,
@@ -276,6 +284,10 @@ class _ReplicaStepping:
     def train_shards(self, topo: Topology) -> tuple[int, int]:
         assert self.replica is not None
         return self.replica.plan.replicas, self.replica.quorum.group
+
+    def logs_here(self, topo: Topology) -> bool:
+        assert self.replica is not None
+        return self.replica.logs_here()
 
 
 @dataclass

@@ -12,6 +12,7 @@ tolerance.
 """
 from __future__ import annotations
 
+import csv
 import datetime as _dt
 import functools
 import json
@@ -99,7 +100,7 @@ def test_three_faults_end_equal_to_single_device_with_every_sample_once(tmp_path
     kill, hook_kill, stop = faults(seed=58)
     ledger = tmp_path / "ledger.jsonl"
     run = train("ddp", 4, fault_tolerance=sw.FaultTolerance(timeout_s=2.5), timeout_s=60, sample_ledger=ledger,
-                callbacks=[kill, hook_kill, stop])
+                callbacks=[kill, hook_kill, stop], logger=sw.loggers.CSV(tmp_path / "csv"), log_every_n_steps=1)
     assert_same_run(ref, run)
     err = capfd.readouterr().err
     [survivor] = {0, 1, 2, 3} - {kill.rank, hook_kill.rank, stop.rank}
@@ -124,6 +125,19 @@ def test_three_faults_end_equal_to_single_device_with_every_sample_once(tmp_path
     gone = {kill.rank: kill.step, hook_kill.rank: hook_kill.step, stop.rank: stop.step}
     for line in lines:
         assert sorted(line["members"]) == sorted(g for g in range(4) if gone.get(g, STEPS) > line["step"]), line
+    # The loggers live on the first rank of the first live group: when its group dies the next one reopens them
+    # and goes on. Every step has its row; each quorum change is in the row of the step computed again.
+    with open(tmp_path / "csv" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == list(range(STEPS))
+    torch.testing.assert_close([float(r["train/loss"]) for r in rows], ref.losses, rtol=1e-9, atol=0)
+    changes = {int(r["step"]): r for r in rows if r.get("train/ft/seconds_lost")}
+    recomputed = {kill.step: kill.rank, hook_kill.step: hook_kill.rank, stop.step: stop.rank}  # step index: who
+    assert sorted(changes) == sorted(recomputed)
+    for step, who in recomputed.items():
+        assert float(changes[step][f"train/ft/left/group{who}"]) == 1.0
+        assert float(changes[step]["train/ft/live_groups"]) == 4 - sorted(recomputed).index(step) - 1
+        assert float(changes[step]["train/ft/seconds_lost"]) > 0
 
 
 def test_groups_of_two_fsdp_shards_one_killed_whole_group_leaves_and_the_model_equals_single_device(tmp_path, capfd):
