@@ -5,10 +5,12 @@ drawn from a seeded generator: a SIGKILL between steps, a SIGKILL from a
 backward hook (its peers are then inside the step's reduction: the half-applied
 case), and a SIGSTOP found by the missed heartbeats. The last group finishes
 alone, equal to single-device training, and the ledger shows every sample of
-every step used once. The docs' program loses one rank of three. Two launches
-of two ranks take the launcher to its ends: a group lost below ``min_replicas``,
-and a raised exception, which is a bug and ends the job as without fault
-tolerance.
+every step used once; its CSV logger has every step's row, written on by the
+next live rank after rank 0's group dies. The docs' program loses one rank of
+three. Two launches of two ranks take the launcher to its ends: a group lost
+below ``min_replicas``, and a raised exception, which is a bug and ends the job
+as without fault tolerance. The ranks fork from the worker pool's fork server
+(torch imported once), each a new process that the faults really kill.
 """
 from __future__ import annotations
 
