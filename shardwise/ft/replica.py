@@ -25,14 +25,14 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
 
 from shardwise.comm.collectives import Comm
 from shardwise.comm.topology import Topology
-from shardwise.data import GlobalBatches, batch_len, is_stream
+from shardwise.data import batch_len
 from shardwise.dims import DP
 from shardwise.ft import keys
 from shardwise.ft.options import ReplicaPlan
@@ -52,6 +52,17 @@ from shardwise.strategies.parallel import Parallel
 from shardwise.strategies.single import Single
 
 
+class ShardSource(Protocol):
+    """Any sample shard of any step, read as the Trainer reads a group's own (the fit's
+    :class:`shardwise.fit.replicas.ShardReader`)."""
+
+    def __call__(self, shard: int, step: int) -> Sequence[tuple[Any, Any]]:
+        """The shard's micro-batches in ``step``: ``(input, target)`` each."""
+
+    def indices(self, shard: int, step: int) -> list[int]:
+        """The shard's sample indices in ``step`` (a stream's: the shard's positions in the global batch)."""
+
+
 @dataclass
 class Replica:
     """The fault-tolerant step of one replica group's rank, and what it counted (``FitResult.stats``)."""
@@ -60,8 +71,6 @@ class Replica:
     plan: ReplicaPlan
     rank: int  # the launch rank
     batch_size: int
-    dataset: Any = None  # for the ledger's sample indices (a map-style dataset; a stream records positions)
-    seed: int = 0
     ledger: bool = False
     done: int = 0  # committed steps
     failures: int = 0
@@ -70,10 +79,8 @@ class Replica:
     # A group of several ranks: its reduced gradient shards (the strategy's), and its own communicator.
     shard_grads: Callable[[nn.Module], list[torch.Tensor]] | None = None
     group_comm: Comm | None = None
-    # The micro-batches of sample shard ``shard`` of step ``step`` (a dead group's, taken over): read(shard, step).
-    read: Callable[[int, int], Sequence[tuple[Any, Any]]] | None = None
+    read: ShardSource | None = None  # any sample shard of any step: a dead group's, taken over, and the ledger's
     grads: GradBuffer | None = None  # a group of one rank: its gradients' flat buffers, made at the first step
-    _shards: dict[int, GlobalBatches] = field(default_factory=dict)
     _taken: dict[int, tuple[int, Sequence[tuple[Any, Any]]]] = field(default_factory=dict)
 
     def step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn, topo: Topology,
@@ -163,19 +170,11 @@ class Replica:
         """The committed step's sample indices by group, for the launcher's ledger (every member writes the
         same value: the line survives any one of them)."""
         owned = assignment(self.quorum.members, self.plan.replicas)
-        samples = {g: sorted(i for s in shards for i in self._samples(s)) for g, shards in owned.items()}
+        assert self.read is not None
+        samples = {g: sorted(i for s in shards for i in self.read.indices(s, self.done)) for g, shards in owned.items()}
         line = {"epoch": self.quorum.epoch, "members": self.quorum.members,
                 "shards": {str(g): s for g, s in owned.items()}, "samples": {str(g): s for g, s in samples.items()}}
         self.quorum.store.set(keys.committed(self.done), json.dumps(line))
-
-    def _samples(self, shard: int) -> list[int]:
-        """Shard ``shard``'s sample indices in this step (its positions in the global batch, for a stream)."""
-        if self.dataset is None or is_stream(self.dataset):
-            return list(range(shard, self.batch_size, self.plan.replicas))
-        if shard not in self._shards:
-            self._shards[shard] = GlobalBatches(self.dataset, self.batch_size, self.plan.replicas, shard,
-                                                seed=self.seed)
-        return self._shards[shard].indices(self.done)
 
     def _report(self, left: list[int], lost: float) -> None:
         """A quorum change: counted, logged in the step's row (the step, who left, the seconds lost), and told on
