@@ -6,7 +6,8 @@ backward hook (its peers are then inside the step's reduction: the half-applied
 case), and a SIGSTOP found by the missed heartbeats. The last group finishes
 alone, equal to single-device training, and the ledger shows every sample of
 every step used once; its CSV logger has every step's row, written on by the
-next live rank after rank 0's group dies. The docs' program loses one rank of
+next live rank after rank 0's group dies. Under ``ddp`` on 3 ranks, one SIGKILL
+after a seeded step, for three seeds. The docs' program loses one rank of
 three. Two launches of two ranks take the launcher to its ends: a group lost
 below ``min_replicas``, and a raised exception, which is a bug and ends the job
 as without fault tolerance. The ranks fork from the worker pool's fork server
@@ -140,6 +141,26 @@ def test_three_faults_end_equal_to_single_device_with_every_sample_once(tmp_path
         assert float(changes[step][f"train/ft/left/group{who}"]) == 1.0
         assert float(changes[step]["train/ft/live_groups"]) == 4 - sorted(recomputed).index(step) - 1
         assert float(changes[step]["train/ft/seconds_lost"]) > 0
+
+
+def test_a_kill_after_a_seeded_step_three_seeds_under_ddp_x3_each_equal_to_single_device(tmp_path):
+    """One group of three killed by SIGKILL after a seeded random step, for three seeds: each run equals the one
+    single-device reference, and its ledger has every sample of every step once, the victim's group in the steps
+    before the kill only."""
+    ref = train()
+    for seed in (58, 59, 60):  # victims 2, 0, 1 after steps 4, 2, 5
+        rng = random.Random(seed)
+        victim, after = rng.randrange(3), rng.randrange(1, STEPS)
+        ledger = tmp_path / f"ledger{seed}.jsonl"
+        run = train("ddp", 3, fault_tolerance=sw.FaultTolerance(timeout_s=20.0), timeout_s=60, sample_ledger=ledger,
+                    callbacks=[Fault(victim, after)])
+        assert_same_run(ref, run)
+        lines = [json.loads(line) for line in ledger.read_text().splitlines()]
+        live = [g for g in range(3) if g != victim]
+        assert [line["members"] for line in lines] == [[0, 1, 2]] * after + [live] * (STEPS - after), seed
+        for line in lines:
+            used = sorted(i for samples in line["samples"].values() for i in samples)
+            assert used == global_batch(line["step"]), (seed, line)
 
 
 def test_groups_of_two_fsdp_shards_one_killed_whole_group_leaves_and_the_model_equals_single_device(tmp_path, capfd):
