@@ -13,11 +13,14 @@ import dataclasses
 import os
 import pickle
 import sys
+from typing import Any
 
 import torch
 
 from shardwise import launch
+from shardwise.data import GlobalBatches, StreamBatches, as_source
 from shardwise.fit.job import FitResult, Job, pickled
+from shardwise.fit.steps import micro_batches, step_inputs, train_batches
 from shardwise.ft.quorum import Quorum
 from shardwise.ft.replica import Replica, ReplicaShards, ReplicaStep
 from shardwise.ft.supervise import run_replicas
@@ -54,8 +57,8 @@ def spawned_replica_fit(rank: int, device: torch.device, quorum: Quorum, payload
     job: Job = pickle.loads(payload)
     t = job.options
     assert t.replicas is not None
-    replica = Replica(quorum, t.replicas, rank, job.batch_size, job.dataset.dataset, seed=t.seed,
-                      ledger=t.sample_ledger is not None)
+    replica = Replica(quorum, t.replicas, rank, job.batch_size, ledger=t.sample_ledger is not None,
+                      read=ShardReader(job, device))
     size = t.replicas.group_size
     strategy = ReplicaStep(replica=replica) if size == 1 else ReplicaShards(dp=size, zero=3, replica=replica)
     layout = RunLayout(ReplicaStep.name) if size == 1 else strategy.layout(size)
@@ -64,3 +67,38 @@ def spawned_replica_fit(rank: int, device: torch.device, quorum: Quorum, payload
     job.result_from_rank0 = False  # any survivor's result is the fit's: each copies its replica
     result = job.run(device)
     torch.save({f.name: getattr(result, f.name) for f in dataclasses.fields(result)}, f"{path}.{rank}")
+
+
+class ShardReader:
+    """Any sample shard of any step, as the Trainer reads a group's own: ``reader(shard, step)``, its
+    micro-batches (a dead group's shard, which a live group takes over), and ``reader.indices(shard, step)``, its
+    sample indices (for the ledger). A shard's batches are opened at the first step read, and again when a step
+    is not the next (a shard that went to another group and came back)."""
+
+    def __init__(self, job: Job, device: torch.device) -> None:
+        self.job, self.device = job, device
+        self.source = as_source(job.dataset)
+        assert job.options.replicas is not None
+        self.replicas = job.options.replicas.replicas
+        self.opened: dict[int, tuple[GlobalBatches | StreamBatches, int]] = {}  # shard -> (its batches, next step)
+        self.orders: dict[int, GlobalBatches | StreamBatches] = {}  # shard -> its batches, for their indices
+
+    def __call__(self, shard: int, step: int) -> list[tuple[Any, Any]]:
+        batches, next_step = self.opened.get(shard, (None, -1))
+        if batches is None or next_step != step:
+            batches = self._open(shard, step)
+        self.opened[shard] = (batches, step + 1)
+        x, y = step_inputs(self.job, self.source, batches.batch(step, self.device))
+        return micro_batches(x, y, self.job.options.accumulate_grad_batches)
+
+    def indices(self, shard: int, step: int) -> list[int]:
+        if self.source.streaming:
+            return list(range(shard, self.job.batch_size, self.replicas))
+        if shard not in self.orders:
+            self.orders[shard] = self._open(shard, 0)
+        order = self.orders[shard]
+        assert isinstance(order, GlobalBatches)
+        return order.indices(step)
+
+    def _open(self, shard: int, start: int) -> GlobalBatches | StreamBatches:
+        return train_batches(self.job, self.source, self.replicas, shard, start=start, stop=self.job.max_steps)

@@ -18,7 +18,7 @@ from torch import nn
 
 from shardwise import precision as precision_mod
 from shardwise.comm.topology import Topology
-from shardwise.data import Kwargs, as_source, leaves
+from shardwise.data import DataSource, GlobalBatches, Kwargs, StreamBatches, as_source, leaves
 from shardwise.dims import CP, DP
 from shardwise.fit import profiler
 from shardwise.fit.options import FitOptions
@@ -43,17 +43,22 @@ from shardwise.strategies.base import HasServers, Strategy
 from shardwise.torch_private import BatchNormBase
 
 
-class StepHost(Protocol):
+class BatchHost(Protocol):
+    """What reading a step's batches needs from the run (:class:`~shardwise.fit.job.Job`)."""
+
+    options: FitOptions
+    training_step: TrainingStep | None  # fit(training_step=): the step's loss instead of loss_fn
+    batch_size: int
+    epoch_len: int | None  # optimizer steps an epoch (Trainer(limit_train_batches=) included); None: no length
+
+
+class StepHost(BatchHost, Protocol):
     """What the loop needs from the run it belongs to (:class:`~shardwise.fit.job.Job`): its options and data,
     and the decision after each step. A protocol, so the loop does not import the job that calls it."""
 
-    options: FitOptions
     dataset: Any
     loss_fn: LossFn
-    training_step: TrainingStep | None  # fit(training_step=): the step's loss instead of loss_fn
-    batch_size: int
     max_steps: int
-    epoch_len: int | None  # optimizer steps an epoch (Trainer(limit_train_batches=) included); None: no length
     schedule: Schedule | None  # the run's lr schedule (fit(lr_scheduler=)), replayed to where a resumed run stands
     stop_reason: str | None
     activation_bytes: int
@@ -78,11 +83,10 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
     """The step loop of a training rank from step ``len(prev)``: data, forward/backward, clip, step; after
     each step :meth:`StepHost.after_step` (callbacks, validation, checkpoints) may end it early."""
     t, strat, device = job.options, job.options.strategy, topo.device
-    shards, shard = strat.data_parallel(topo)
+    shards, shard = strat.train_shards(topo)
     source = as_source(job.dataset)
     end = len(prev) if job.stop_reason is not None else job.max_steps  # a stopped run stays stopped
-    data = source.train_batches(job.batch_size, shards, shard, seed=t.seed, start=len(prev), stop=end,
-                                shuffle=t.shuffle, epoch=job.epoch_len)
+    data = train_batches(job, source, shards, shard, start=len(prev), stop=end)
     losses: list[float] = []  # floats, not tensors: a long run must not accumulate tensor objects
     times: list[float] = []
     state_bytes: dict[str, int] = {}
@@ -97,9 +101,11 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
     shows = bool(t.progress or t.loggers) and not isinstance(strat, HasServers)
     sent = dict(topo.stats.by_group)  # bytes sent so far, by group: the step log's comm_bytes are differences
     restore_run_state(job, opt, scaler, restored)
-    with opened_log(job, topo, shapes, len(prev)) as log, \
+    with contextlib.ExitStack() as logs, \
             progress_bar(topo.rank == 0 and want_progress(t.progress), job.max_steps) as advance, \
             recording(Scalars()) as logged, prof:
+        log = logs.enter_context(opened_log(job, topo, shapes, len(prev)))
+        row: tuple[Any, ...] | None = None  # the last step row, for a rank that takes the loggers over
         advance.skip(len(prev))
         for step in range(len(prev), end):
             prof.step_start(step)
@@ -108,13 +114,12 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
                 topo.diag.step = step
             job.hook("on_step_start", step, topo, optimizer=opt)
             start = time.perf_counter()
-            batch = data.batch(step, device)
-            # A training_step takes the whole batch: it comes as the target, beside itself as the input.
-            x, y = precision_mod.cast_batch(t.precision, (batch, batch) if job.training_step else source.split(batch))
+            x, y = step_inputs(job, source, data.batch(step, device))
             run = StepRun(t.precision, scaler.scale if scaler is not None else 1.0)
             prof.mark("data")
             loss = forward_backward(job, model, (x, y), t.accumulate_grad_batches, loss_fn, topo, run,
                                     first=step == len(prev))
+            log = log or take_over_log(job, topo, shapes, logs, step, row)  # the logging rank's group died
             prof.compute()
             if job.training_step is not None:  # its dict's other scalars, each its micro-batches' mean: as sw.log's
                 log_scalars(job.training_step)
@@ -128,8 +133,6 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
             opt.zero_grad(set_to_none=True)
             prof.mark("optimizer")
             lrs = after_update(opt, topo, bn_buffers, job.schedule, step + 1)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
             local = checked_loss(loss, t.on_nonfinite, step, topo)
             losses.append(0.0 if local is None else local)
@@ -138,10 +141,11 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
             advance(shown, times[-1])
             job.hook("on_step_end", step + 1, topo, loss=local, optimizer=opt)  # before the row: its sw.log joins it
             mine = reducer.reduce(logged) if reducer is not None and due else {}
-            if log is not None and due:
+            if due and t.loggers:
                 tokens = batch_tokens(token_ids(x, job.training_step is not None)) * shards
-                log.write(step, shown, times[-1], tokens,
-                          {**step_scalars(lrs, norm, t.clip_norm, topo, sent), **mine})
+                row = (step, shown, times[-1], tokens, {**step_scalars(lrs, norm, t.clip_norm, topo, sent), **mine})
+                if log is not None:
+                    log.write(*row)
             sent = dict(topo.stats.by_group)
             stop = job.after_step(step + 1, model, opt, topo, prev, losses, shapes, scaler, log)
             prof.step_end(step)
@@ -151,6 +155,27 @@ def train_loop(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, topo
     job.profile = prof.figures
     data.close()
     return losses, times, state_bytes
+
+
+def train_batches(job: BatchHost, source: DataSource, shards: int, shard: int, start: int,
+                  stop: int) -> GlobalBatches | StreamBatches:
+    """Sample shard ``shard`` of ``shards`` of each global batch of steps ``start .. stop - 1``, in the run's
+    order (``Trainer(shuffle=)``, the epoch ``limit_train_batches`` keeps)."""
+    t = job.options
+    return source.train_batches(job.batch_size, shards, shard, seed=t.seed, start=start, stop=stop,
+                                shuffle=t.shuffle, epoch=job.epoch_len)
+
+
+def step_inputs(job: BatchHost, source: DataSource, batch: Any) -> tuple[Any, Any]:
+    """A read batch as the step takes it: (input, target), cast to the run's precision."""
+    # A training_step takes the whole batch: it comes as the target, beside itself as the input.
+    x, y = precision_mod.cast_batch(job.options.precision, (batch, batch) if job.training_step else source.split(batch))
+    return x, y
+
+
+def micro_batches(x: Any, y: Any, k: int) -> list[tuple[Any, Any]]:
+    """``(input, target)`` of each of the ``k`` micro-batches of ``accumulate_grad_batches``."""
+    return list(zip(iter_chunks(x, k), iter_chunks(y, k)))
 
 
 def log_scalars(training_step: TrainingStep) -> None:
@@ -172,12 +197,15 @@ def skipped(on_nonfinite: str, scaler: precision_mod.LossScaler | None, opt: tor
 def after_update(opt: torch.optim.Optimizer, topo: Topology, bn_buffers: list[torch.Tensor],
                  schedule: Schedule | None, done: int) -> dict[int, float]:
     """After optimizer step ``done``: rank 0's BatchNorm running statistics are every replica's (as torch DDP's),
-    and the schedule, when due, sets the next step's lrs. Returns the lrs this step used."""
+    and the schedule, when due, sets the next step's lrs; on CUDA the host waits for the step's kernels (the
+    step's time is theirs). Returns the lrs this step used."""
     for b in bn_buffers:
         topo.comm(DP).broadcast(b, src=0, name="batchnorm.buffers")
     lrs = learning_rates(opt)  # the step's own, before the schedule sets the next step's
     if schedule is not None:
         schedule.stepped(done)
+    if topo.device.type == "cuda":
+        torch.cuda.synchronize(topo.device)
     return lrs
 
 
@@ -205,7 +233,7 @@ def forward_backward(job: StepHost, model: nn.Module, batch: tuple[Any, Any], k:
     loss. On the ``first`` step of the run it also measures the peak bytes autograd holds for backward
     (activations; the parameters and the batch excluded): ``FitResult.stats["activation_bytes"]``."""
     strat, (x, y) = job.options.strategy, batch
-    micro = list(zip(iter_chunks(x, k), iter_chunks(y, k)))
+    micro = micro_batches(x, y, k)
     if not first:
         return strat.train_step(model, micro, loss_fn, topo, run)
     with track_saved_activations(model.parameters(), leaves(x) + leaves(y)) as saved:
@@ -234,13 +262,27 @@ def optimizer_step(job: StepHost, model: nn.Module, opt: torch.optim.Optimizer, 
     return norm
 
 
+def take_over_log(job: StepHost, topo: Topology, shapes: dict[str, list[int]], logs: contextlib.ExitStack,
+                  step: int, row: tuple[Any, ...] | None) -> StepLog | None:
+    """The loggers opened on this rank if it became the logging rank when the previous one's replica group died
+    (fault tolerance): as a resumed run from its own last step row, written again (the dead rank may have died
+    before it wrote that row). None where this rank does not log."""
+    if not job.options.loggers or not job.options.strategy.logs_here(topo):
+        return None
+    log = logs.enter_context(opened_log(job, topo, shapes, row[0] if row is not None else step))
+    if log is not None and row is not None:
+        log.write(*row)
+    return log
+
+
 @contextlib.contextmanager
 def opened_log(job: StepHost, topo: Topology, shapes: dict[str, list[int]], start: int) -> Iterator[StepLog | None]:
-    """Rank 0's step log over the run's loggers (None elsewhere, or without loggers), their runs opened (a resumed
-    run's reopened) and finalized: ``"success"``, or ``"failed"`` when an exception ends the loop. Where the
-    runs are goes to ``job.logger_refs``, for checkpoints and the result."""
+    """The logging rank's step log over the run's loggers (None elsewhere, or without loggers; see
+    :meth:`Strategy.logs_here`), their runs opened (a resumed run's reopened) and finalized: ``"success"``, or
+    ``"failed"`` when an exception ends the loop. Where the runs are goes to ``job.logger_refs``, for
+    checkpoints and the result."""
     t = job.options
-    if topo.rank != 0 or not t.loggers:
+    if not t.strategy.logs_here(topo) or not t.loggers:
         yield None
         return
     log = StepLog(t.loggers, t.peak_flops, total_numel(shapes), topo.world_size,

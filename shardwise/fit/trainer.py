@@ -165,12 +165,13 @@ class Trainer:
         profile_steps: the steps profiled, ``range(start, stop)`` or ``(start, stop)``; by default every step
             for ``"simple"`` and steps 1 and 2 for ``"pytorch"``.
         profiler_dir: where the traces go (default ``<checkpoint_dir>/profiles``, else ``./shardwise_profiles``).
-        logger: where rank 0 writes the run's hyperparameters (strategy, sizes, global batch, precision, optimizer
-            and its groups, seed, max_steps) and its scalars (those of ``metrics_path``, as ``train/<name>``, and
-            each validation's, as ``val/<name>``): a name (``"csv"``, ``"tensorboard"``, ``"mlflow"``,
-            ``"wandb"``, writing under ``<checkpoint_dir>/logs``, else ``./shardwise_logs``), a logger object
-            (:mod:`shardwise.loggers`: ``CSV``, ``TensorBoard``, ``JSONL``, ``MLflow``, ``WandB``, or your own of
-            the ``Logger`` protocol; pickled into spawned ranks), or a list of them (None or False: none).
+        logger: where rank 0 (under ``fault_tolerance``, the first rank of the first live replica group, which
+            reopens the loggers when rank 0's group dies) writes the run's hyperparameters (strategy, sizes, global
+            batch, precision, optimizer and its groups, seed, max_steps) and its scalars (those of ``metrics_path``,
+            as ``train/<name>``, and each validation's, as ``val/<name>``): a name (``"csv"``, ``"tensorboard"``,
+            ``"mlflow"``, ``"wandb"``, writing under ``<checkpoint_dir>/logs``, else ``./shardwise_logs``), a logger
+            object (:mod:`shardwise.loggers`: ``CSV``, ``TensorBoard``, ``JSONL``, ``MLflow``, ``WandB``, or your
+            own of the ``Logger`` protocol; pickled into spawned ranks), or a list of them (None or False: none).
             ``result.loggers`` says where each run is (the MLflow run id, the W&B run directory); checkpoints keep
             it, and a resumed run logs into the same tracker run.
         log_every_n_steps: log the step scalars of every n-th optimizer step (steps n-1, 2n-1, ... and the last);

@@ -25,19 +25,19 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
 
 from shardwise.comm.collectives import Comm
 from shardwise.comm.topology import Topology
-from shardwise.data import GlobalBatches, is_stream
+from shardwise.data import batch_len
 from shardwise.dims import DP
 from shardwise.ft import keys
 from shardwise.ft.options import ReplicaPlan
 from shardwise.ft.quorum import Quorum
-from shardwise.ft.shards import assignment, pieces, rows
+from shardwise.ft.shards import assignment, rows
 from shardwise.loggers.scalars import log
 from shardwise.parallel.dp.fsdp_module import FSDPModule
 from shardwise.precision import widened
@@ -52,16 +52,25 @@ from shardwise.strategies.parallel import Parallel
 from shardwise.strategies.single import Single
 
 
+class ShardSource(Protocol):
+    """Any sample shard of any step, read as the Trainer reads a group's own (the fit's
+    :class:`shardwise.fit.replicas.ShardReader`)."""
+
+    def __call__(self, shard: int, step: int) -> Sequence[tuple[Any, Any]]:
+        """The shard's micro-batches in ``step``: ``(input, target)`` each."""
+
+    def indices(self, shard: int, step: int) -> list[int]:
+        """The shard's sample indices in ``step`` (a stream's: the shard's positions in the global batch)."""
+
+
 @dataclass
 class Replica:
     """The fault-tolerant step of one replica group's rank, and what it counted (``FitResult.stats``)."""
 
     quorum: Quorum
     plan: ReplicaPlan
-    rank: int  # the launch rank: only rank 0 reports quorum changes
+    rank: int  # the launch rank
     batch_size: int
-    dataset: Any = None  # for the ledger's sample indices (a map-style dataset; a stream records positions)
-    seed: int = 0
     ledger: bool = False
     done: int = 0  # committed steps
     failures: int = 0
@@ -70,8 +79,9 @@ class Replica:
     # A group of several ranks: its reduced gradient shards (the strategy's), and its own communicator.
     shard_grads: Callable[[nn.Module], list[torch.Tensor]] | None = None
     group_comm: Comm | None = None
+    read: ShardSource | None = None  # any sample shard of any step: a dead group's, taken over, and the ledger's
     grads: GradBuffer | None = None  # a group of one rank: its gradients' flat buffers, made at the first step
-    _shards: dict[int, GlobalBatches] = field(default_factory=dict)
+    _taken: dict[int, tuple[int, Sequence[tuple[Any, Any]]]] = field(default_factory=dict)
 
     def step(self, model: nn.Module, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn, topo: Topology,
              run: StepRun) -> torch.Tensor:
@@ -135,49 +145,57 @@ class Replica:
         return total
 
     def _parts(self, micro_batches: Sequence[tuple[Any, Any]]) -> list[tuple[Any, Any, int]]:
-        """This rank's rows of its group's shards: all of them, or in a group of several ranks, every
-        ``group_size``-th row of each piece from the rank's place on."""
+        """``(input, target, rows)`` of each micro-batch of this group's shards (its own, which the Trainer read,
+        and the dead groups' it took over, which :attr:`read` reads); in a group of several ranks, this rank's
+        every ``group_size``-th row of each from its place on."""
         mine = assignment(self.quorum.members, self.plan.replicas)[self.quorum.group]
-        parts = pieces(micro_batches, mine, self.plan.replicas)
+        micro = [m for s in mine for m in (micro_batches if s == self.quorum.group else self._read(s))]
+        parts = [(x, y, batch_len(y) or batch_len(x)) for x, y in micro]
         size, place = self.quorum.group_size, self.quorum.place
         if size == 1:
             return parts
         if any(n < size for _, _, n in parts):
-            raise ValueError(f"a sample shard's piece of a micro-batch has fewer rows than the {size} ranks of a "
-                             f"replica group: raise batch_size (now {self.batch_size}) or lower "
-                             "accumulate_grad_batches")
+            raise ValueError(f"a sample shard's micro-batch has fewer rows than the {size} ranks of a replica "
+                             f"group: raise batch_size (now {self.batch_size}) or lower accumulate_grad_batches")
         return [(rows(x, place, size), rows(y, place, size), len(range(place, n, size))) for x, y, n in parts]
+
+    def _read(self, shard: int) -> Sequence[tuple[Any, Any]]:
+        """A dead group's shard of this step, read once (a step computed again reads none again)."""
+        if shard not in self._taken or self._taken[shard][0] != self.done:
+            assert self.read is not None
+            self._taken[shard] = (self.done, self.read(shard, self.done))
+        return self._taken[shard][1]
 
     def _record(self) -> None:
         """The committed step's sample indices by group, for the launcher's ledger (every member writes the
         same value: the line survives any one of them)."""
         owned = assignment(self.quorum.members, self.plan.replicas)
-        samples = {g: sorted(i for s in shards for i in self._samples(s)) for g, shards in owned.items()}
+        assert self.read is not None
+        samples = {g: sorted(i for s in shards for i in self.read.indices(s, self.done)) for g, shards in owned.items()}
         line = {"epoch": self.quorum.epoch, "members": self.quorum.members,
                 "shards": {str(g): s for g, s in owned.items()}, "samples": {str(g): s for g, s in samples.items()}}
         self.quorum.store.set(keys.committed(self.done), json.dumps(line))
 
-    def _samples(self, shard: int) -> list[int]:
-        """Shard ``shard``'s sample indices in this step (its positions in the global batch, for a stream)."""
-        if self.dataset is None or is_stream(self.dataset):
-            return list(range(shard, self.batch_size, self.plan.replicas))
-        if shard not in self._shards:
-            self._shards[shard] = GlobalBatches(self.dataset, self.batch_size, self.plan.replicas, shard,
-                                                seed=self.seed)
-        return self._shards[shard].indices(self.done)
-
     def _report(self, left: list[int], lost: float) -> None:
-        """A quorum change: counted, logged in the step's row, and told on the progress output by rank 0."""
+        """A quorum change: counted, logged in the step's row (the step, who left, the seconds lost), and told on
+        the progress output by the logging rank."""
         self.failures += len(left)
         self.seconds_lost += lost
         log("ft/failures", float(self.failures), reduce="max")
         log("ft/seconds_lost", lost, reduce="max")
         log("ft/live_groups", float(len(self.quorum.members)), reduce="min")
-        if self.rank == 0:
+        for g in left:
+            log(f"ft/left/group{g}", 1.0, reduce="max")
+        if self.logs_here():
             why = "; ".join(f"group {g}: {self.quorum.why_left(g)}" for g in left)
             print(f"shardwise: step {self.done + 1}: replica group{'s' if len(left) > 1 else ''} "
                   f"{', '.join(map(str, left))} left ({why}); {len(self.quorum.members)} of {self.plan.replicas} "
                   f"groups continue, the step computed again, {lost:.2f} s lost", file=sys.stderr, flush=True)
+
+    def logs_here(self) -> bool:
+        """Whether this rank is the first of the first live group: the one that reports quorum changes and
+        writes the step rows (see :meth:`shardwise.strategies.base.Strategy.logs_here`)."""
+        return self.rank == min(self.quorum.members) * self.quorum.group_size
 
     def stats(self) -> dict[str, Any]:
         return {"failures": self.failures, "steps_recomputed": self.recomputed, "seconds_lost": self.seconds_lost,
@@ -248,8 +266,9 @@ class GradBuffer:
 
 
 class _ReplicaStepping:
-    """What both replica strategies share: the step is :meth:`Replica.step` (which picks this group's rows of the
-    whole global batch every rank reads), so the Trainer deals out no data-parallel shards."""
+    """What both replica strategies share: the step is :meth:`Replica.step`, and the Trainer reads the group's own
+    sample shard of each global batch (the step reads those of dead groups it takes over). The step's loss is
+    already the global batch's: no data-parallel shards to average over."""
 
     replica: Replica | None
 
@@ -261,11 +280,19 @@ class _ReplicaStepping:
     def data_parallel(self, topo: Topology) -> tuple[int, int]:
         return 1, 0
 
+    def train_shards(self, topo: Topology) -> tuple[int, int]:
+        assert self.replica is not None
+        return self.replica.plan.replicas, self.replica.quorum.group
+
+    def logs_here(self, topo: Topology) -> bool:
+        assert self.replica is not None
+        return self.replica.logs_here()
+
 
 @dataclass
 class ReplicaStep(_ReplicaStepping, Single):
     """A replica group of one rank: the whole model on one device (``ddp``'s replica) whose step is
-    :meth:`Replica.step`. Every rank reads the whole global batch; the step picks its shards' rows."""
+    :meth:`Replica.step`. The Trainer reads the group's own sample shard; the step reads those it takes over."""
 
     replica: Replica | None = field(default=None, repr=False, compare=False)
     name: ClassVar[str] = "ddp"
@@ -279,7 +306,7 @@ class ReplicaShards(_ReplicaStepping, Parallel):
     """A replica group of several ranks holding FSDP shards of one copy of the state (``sw.Parallel(dp=G,
     zero=3)`` on the group's own process group), whose step is :meth:`Replica.step`: the ranks of the group
     reduce-scatter as usual, then rank ``i`` of each live group sums its gradient shard with rank ``i`` of the
-    others. Every rank reads the whole global batch; the step picks its rows."""
+    others. Each rank reads its group's sample shards, and computes its rows of them."""
 
     replica: Replica | None = field(default=None, repr=False, compare=False)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from shardwise.data import Kwargs, batch_len
+from shardwise.data import Kwargs
 
 
 def assignment(members: Sequence[int], replicas: int) -> dict[int, list[int]]:
@@ -39,23 +39,3 @@ def rows(x: Any, start: int, every: int) -> Any:
         kind = Kwargs if isinstance(x, Kwargs) else dict
         return kind((k, rows(v, start, every)) for k, v in x.items())
     raise TypeError(f"cannot cut a batch of type {type(x).__name__} into sample shards")
-
-
-def pieces(micro_batches: Sequence[tuple[Any, Any]], shards: Sequence[int],
-           replicas: int) -> list[tuple[Any, Any, int]]:
-    """``(input, target, samples)`` of each of ``shards`` in each micro-batch of the step's global batch.
-
-    The micro-batches are consecutive parts of the global batch, so a row's position in the global batch is
-    its micro-batch's offset plus its own; shard ``s`` holds the positions equal to ``s`` modulo ``replicas``.
-    """
-    out: list[tuple[Any, Any, int]] = []
-    for s in shards:
-        offset = 0
-        for x, y in micro_batches:
-            n = batch_len(y) or batch_len(x)
-            start = (s - offset) % replicas
-            count = len(range(start, n, replicas))
-            if count:
-                out.append((rows(x, start, replicas), rows(y, start, replicas), count))
-            offset += n
-    return out

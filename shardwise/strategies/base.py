@@ -151,6 +151,17 @@ class Strategy:
         """(number of data shards, this rank's shard): which part of each global batch this rank reads."""
         return topo.size(DP), topo.coord(DP)
 
+    def logs_here(self, topo: Topology) -> bool:
+        """Whether this rank writes the step rows to the loggers: rank 0 (under fault tolerance, the first rank of
+        the first live replica group, which takes over when rank 0's group dies)."""
+        return topo.rank == 0
+
+    def train_shards(self, topo: Topology) -> tuple[int, int]:
+        """(number of data shards, this rank's shard) of each global batch the training loop reads for the step:
+        :meth:`data_parallel`'s, unless the step reads further shards itself (a fault-tolerant replica group
+        reads its own shard here, and those of dead groups in its step)."""
+        return self.data_parallel(topo)
+
 
     # ---- a model built on the meta device (init_from) ----
     def materialises_meta(self) -> bool:

@@ -7,10 +7,9 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 import shardwise as sw
-from shardwise.ft.shards import assignment, pieces
+from shardwise.ft.shards import assignment
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -83,18 +82,3 @@ def test_every_shard_computed_once_whatever_the_live_groups():
             assert all(g in owned[g] for g in members)  # a live group keeps its own shard
             sizes = [len(s) for s in owned.values()]
             assert max(sizes) - min(sizes) <= 1 or replicas - len(members) < len(members)
-
-
-@pytest.mark.parametrize("batch, k, replicas", [(24, 2, 4), (12, 3, 4), (10, 1, 3), (6, 3, 3)])
-def test_pieces_cover_the_global_batch_rows_once_each_as_the_replica_reads_them(batch, k, replicas):
-    x = torch.arange(batch).unsqueeze(1)
-    y = {"labels": torch.arange(batch) * 10, "names": [f"s{i}" for i in range(batch)]}
-    micro = list(zip(x.chunk(k), [{"labels": t, "names": y["names"][i * (batch // k):(i + 1) * (batch // k)]}
-                                  for i, t in enumerate(y["labels"].chunk(k))]))
-    for s in range(replicas):
-        parts = pieces(micro, [s], replicas)
-        rows = torch.cat([px[:, 0] for px, _, _ in parts]).tolist()
-        assert sorted(rows) == list(range(s, batch, replicas))  # replica s's rows of the global batch
-        assert sum(n for _, _, n in parts) == len(rows)
-        assert all(py["labels"].tolist() == [10 * r for r in px[:, 0].tolist()] for px, py, _ in parts)
-        assert all(py["names"] == [f"s{r}" for r in px[:, 0].tolist()] for px, py, _ in parts)

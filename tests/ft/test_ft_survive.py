@@ -5,13 +5,17 @@ drawn from a seeded generator: a SIGKILL between steps, a SIGKILL from a
 backward hook (its peers are then inside the step's reduction: the half-applied
 case), and a SIGSTOP found by the missed heartbeats. The last group finishes
 alone, equal to single-device training, and the ledger shows every sample of
-every step used once. The docs' program loses one rank of three. Two launches
-of two ranks take the launcher to its ends: a group lost below ``min_replicas``,
-and a raised exception, which is a bug and ends the job as without fault
-tolerance.
+every step used once; its CSV logger has every step's row, written on by the
+next live rank after rank 0's group dies. Under ``ddp`` on 3 ranks, one SIGKILL
+after a seeded step, for three seeds. The docs' program loses one rank of
+three. Two launches of two ranks take the launcher to its ends: a group lost
+below ``min_replicas``, and a raised exception, which is a bug and ends the job
+as without fault tolerance. The ranks fork from the worker pool's fork server
+(torch imported once), each a new process that the faults really kill.
 """
 from __future__ import annotations
 
+import csv
 import datetime as _dt
 import functools
 import json
@@ -90,8 +94,8 @@ def faults(seed: int) -> list[Fault]:
             Fault(victims[2], third, sig=signal.SIGSTOP)]
 
 
-def global_batch(step: int) -> list[int]:
-    return sorted(GlobalBatches(dataset(), BATCH, 1, 0, seed=0).indices(step))
+def global_batch(step: int, **order) -> list[int]:
+    return sorted(GlobalBatches(dataset(), BATCH, 1, 0, seed=0, **order).indices(step))
 
 
 def test_three_faults_end_equal_to_single_device_with_every_sample_once(tmp_path, capfd):
@@ -99,7 +103,7 @@ def test_three_faults_end_equal_to_single_device_with_every_sample_once(tmp_path
     kill, hook_kill, stop = faults(seed=58)
     ledger = tmp_path / "ledger.jsonl"
     run = train("ddp", 4, fault_tolerance=sw.FaultTolerance(timeout_s=2.5), timeout_s=60, sample_ledger=ledger,
-                callbacks=[kill, hook_kill, stop])
+                callbacks=[kill, hook_kill, stop], logger=sw.loggers.CSV(tmp_path / "csv"), log_every_n_steps=1)
     assert_same_run(ref, run)
     err = capfd.readouterr().err
     [survivor] = {0, 1, 2, 3} - {kill.rank, hook_kill.rank, stop.rank}
@@ -124,16 +128,51 @@ def test_three_faults_end_equal_to_single_device_with_every_sample_once(tmp_path
     gone = {kill.rank: kill.step, hook_kill.rank: hook_kill.step, stop.rank: stop.step}
     for line in lines:
         assert sorted(line["members"]) == sorted(g for g in range(4) if gone.get(g, STEPS) > line["step"]), line
+    # The loggers live on the first rank of the first live group: when its group dies the next one reopens them
+    # and goes on. Every step has its row; each quorum change is in the row of the step computed again.
+    with open(tmp_path / "csv" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == list(range(STEPS))
+    torch.testing.assert_close([float(r["train/loss"]) for r in rows], ref.losses, rtol=1e-9, atol=0)
+    changes = {int(r["step"]): r for r in rows if r.get("train/ft/seconds_lost")}
+    recomputed = {kill.step: kill.rank, hook_kill.step: hook_kill.rank, stop.step: stop.rank}  # step index: who
+    assert sorted(changes) == sorted(recomputed)
+    for step, who in recomputed.items():
+        assert float(changes[step][f"train/ft/left/group{who}"]) == 1.0
+        assert float(changes[step]["train/ft/live_groups"]) == 4 - sorted(recomputed).index(step) - 1
+        assert float(changes[step]["train/ft/seconds_lost"]) > 0
+
+
+def test_a_kill_after_a_seeded_step_three_seeds_under_ddp_x3_each_equal_to_single_device(tmp_path):
+    """One group of three killed by SIGKILL after a seeded random step, for three seeds: each run equals the one
+    single-device reference, and its ledger has every sample of every step once, the victim's group in the steps
+    before the kill only."""
+    ref = train()
+    for seed in (58, 59, 60):  # victims 2, 0, 1 after steps 4, 2, 5
+        rng = random.Random(seed)
+        victim, after = rng.randrange(3), rng.randrange(1, STEPS)
+        ledger = tmp_path / f"ledger{seed}.jsonl"
+        run = train("ddp", 3, fault_tolerance=sw.FaultTolerance(timeout_s=20.0), timeout_s=60, sample_ledger=ledger,
+                    callbacks=[Fault(victim, after)])
+        assert_same_run(ref, run)
+        lines = [json.loads(line) for line in ledger.read_text().splitlines()]
+        live = [g for g in range(3) if g != victim]
+        assert [line["members"] for line in lines] == [[0, 1, 2]] * after + [live] * (STEPS - after), seed
+        for line in lines:
+            used = sorted(i for samples in line["samples"].values() for i in samples)
+            assert used == global_batch(line["step"]), (seed, line)
 
 
 def test_groups_of_two_fsdp_shards_one_killed_whole_group_leaves_and_the_model_equals_single_device(tmp_path, capfd):
     """sw.Parallel(dp=4, replicate=2, zero=3) on 4 ranks: 2 replica groups of 2 shards. A SIGKILL of one rank takes
-    its whole group out; the other group computes both sample shards from then on."""
-    ref = train()
+    its whole group out; the other group computes both sample shards from then on, read in the run's order (the
+    dataset's own, epochs of 2 global batches) from the middle of an epoch."""
+    order = {"shuffle": False, "limit_train_batches": 2}
+    ref = train(**order)
     victim, after = random.Random(5).choice([(1, 2), (3, 4), (2, 3)])
     ledger = tmp_path / "ledger.jsonl"
     run = train(sw.Parallel(dp=4, replicate=2, zero=3), 4, fault_tolerance=sw.FaultTolerance(timeout_s=20.0),
-                timeout_s=60, sample_ledger=ledger, callbacks=[Fault(victim, after)])
+                timeout_s=60, sample_ledger=ledger, callbacks=[Fault(victim, after)], **order)
     assert_same_run(ref, run)
     group = victim // 2
     assert f"shardwise: replica group {group} left: rank {victim} killed by signal SIGKILL; 1 of 2 groups " \
@@ -143,7 +182,8 @@ def test_groups_of_two_fsdp_shards_one_killed_whole_group_leaves_and_the_model_e
     lines = [json.loads(line) for line in ledger.read_text().splitlines()]
     assert [line["members"] for line in lines] == [[0, 1]] * after + [[1 - group]] * (STEPS - after)
     for line in lines:
-        assert sorted(i for samples in line["samples"].values() for i in samples) == global_batch(line["step"])
+        used = sorted(i for samples in line["samples"].values() for i in samples)
+        assert used == global_batch(line["step"], shuffle=False, epoch=2)
 
 
 def test_the_docs_program_survives_a_kill_and_its_ledger_uses_every_sample_once(tmp_path, monkeypatch, capfd):
