@@ -330,57 +330,22 @@ class Trainer:
         checkpoint in ``checkpoint_dir`` to resume wins over ``init_from``.
 
         ``return_state_dict=False``: no rank gathers the full state dict at the end; ``result.state_dict`` is
-        empty, ``model`` is left as it was, and the trained weights are in the run's checkpoints.
-
-        ``hparams``: your hyperparameters (nested allowed), logged by every logger beside the run's own.
+        empty, ``model`` is left as it was, and the trained weights are in the run's checkpoints. ``hparams``:
+        your hyperparameters (nested allowed), logged by every logger beside the run's own.
         """
         model = given_model(model, loss_fn, optimizer, training_step)
         step = check_step(self.options, loss_fn, training_step, optimizer, batch_size, val_dataset)
+        assert optimizer is not None and batch_size is not None  # check_step refused None: typed from here
         data = self._source(dataset, inputs, num_workers, collate_fn, pin_memory)
-        max_steps = 1 if self.options.fast_dev_run else run_steps(self.options, max_steps, data, batch_size)  # type: ignore[arg-type]
-        info, groups, when = validate(
-            self.options,
-            model,
-            data,
-            batch_size,  # type: ignore[arg-type]
-            max_steps,
-            optimizer,  # type: ignore[arg-type]
-            loss_fn,
-            lr_scheduler,
-            param_groups,
-        )
+        max_steps = 1 if self.options.fast_dev_run else run_steps(self.options, max_steps, data, batch_size)
+        info, groups, when = validate(self.options, model, data, batch_size, max_steps, optimizer, loss_fn,
+                                      lr_scheduler, param_groups)
         init = InitFrom.checked(init_from, init_allow_missing, model)
-        val = check_fit_options(
-            self.options,
-            model,
-            loss_fn,
-            data,
-            batch_size,  # type: ignore[arg-type]
-            val_dataset,
-            val_every,
-            val_metrics,
-            val_batch_size,
-            checkpoint_best,
-            step,
-        )
-        check_schedule(when, val and val.names, self.options.epoch_steps(dataset, batch_size))  # type: ignore[arg-type]
-        job = Job(
-            self.options,
-            model,
-            data,
-            loss_fn,
-            optimizer,  # type: ignore[arg-type]
-            batch_size,  # type: ignore[arg-type]
-            max_steps,
-            info,
-            lr_scheduler,
-            val,
-            groups,
-            step,
-            init,
-            return_state_dict,
-            hparams=check_hparams(hparams),
-        )
+        val = check_fit_options(self.options, model, loss_fn, data, batch_size, val_dataset, val_every, val_metrics,
+                                val_batch_size, checkpoint_best, step)
+        check_schedule(when, val.names if val is not None else None, self.options.epoch_steps(dataset, batch_size))
+        job = Job(self.options, model, data, loss_fn, optimizer, batch_size, max_steps, info, lr_scheduler, val,
+                  groups, step, init, return_state_dict, hparams=check_hparams(hparams))
         return self._trained(job, model)
 
     def _source(self, dataset: Any, inputs: Any, num_workers: int | None,
