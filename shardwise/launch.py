@@ -314,23 +314,10 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), accel
     check_main_module()
     store = job_store(timeout)
     ctx = mp.get_context(start_method())
-    procs = [
-        ctx.Process(  # type: ignore[attr-defined]
-            target=_worker,
-            args=(
-                r,
-                fn,
-                nprocs,
-                store.port,
-                accelerator,
-                timeout.total_seconds(),
-                args,
-                default_dtype_name(),
-            ),
-            name=f"shardwise-rank{r}",
-        )
-        for r in range(nprocs)
-    ]
+    procs = [ctx.Process(target=_worker, name=f"shardwise-rank{r}",  # type: ignore[attr-defined]
+                         args=(r, fn, nprocs, store.port, accelerator, timeout.total_seconds(), args,
+                               default_dtype_name()))
+             for r in range(nprocs)]
     for p in procs:
         p.start()
     try:

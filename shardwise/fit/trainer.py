@@ -446,18 +446,8 @@ class Trainer:
         returning the batch's mean, or a torchmetrics ``Metric`` (any object with ``update(output, target)``
         and ``compute()``), updated on the ranks that hold each sample and synced over them, so F1 or AUC equal
         one device's on the whole set. See :mod:`shardwise.fit.infer`."""
-        return self._infer(  # type: ignore[no-any-return]
-            "validate",
-            model,
-            dataset,
-            batch_size,
-            loss_fn,
-            metrics,
-            ckpt_path,
-            inputs,
-            num_workers,
-            collate_fn,
-        )
+        return self._infer("validate", model, dataset, batch_size, loss_fn, metrics,  # type: ignore[no-any-return]
+                           ckpt_path, inputs, num_workers, collate_fn)
 
     def test(self, model: nn.Module, dataset: Any, loss_fn: LossFn | None = None,
              metrics: dict[str, Any] | None = None, batch_size: int = 32, *,
@@ -465,18 +455,8 @@ class Trainer:
              num_workers: int | None = None, collate_fn: Callable[[list[Any]], Any] | None = None
              ) -> dict[str, float]:
         """:meth:`validate` on a test set: the loss is ``test_loss``."""
-        return self._infer(  # type: ignore[no-any-return]
-            "test",
-            model,
-            dataset,
-            batch_size,
-            loss_fn,
-            metrics,
-            ckpt_path,
-            inputs,
-            num_workers,
-            collate_fn,
-        )
+        return self._infer("test", model, dataset, batch_size, loss_fn, metrics,  # type: ignore[no-any-return]
+                           ckpt_path, inputs, num_workers, collate_fn)
 
     def _infer(self, kind: str, model: nn.Module, dataset: Any, batch_size: int, loss_fn: LossFn | None,
                metrics: dict[str, Any] | None, ckpt_path: str | os.PathLike[str] | None, inputs: Any,

@@ -64,24 +64,10 @@ def run_replicas(fn: RankFn, plan: ReplicaPlan, args: tuple[Any, ...] = (), acce
     store.set(keys.members(0), keys.encode(list(range(plan.replicas))))
     ctx = rank_context()
     world = plan.replicas * plan.group_size
-    procs = [
-        ctx.Process(  # type: ignore[attr-defined]
-            target=_rank,
-            args=(
-                r,
-                fn,
-                plan,
-                world,
-                store.port,
-                accelerator,
-                timeout.total_seconds(),
-                args,
-                default_dtype_name(),
-            ),
-            name=f"shardwise-rank{r}",
-        )
-        for r in range(world)
-    ]
+    procs = [ctx.Process(target=_rank, name=f"shardwise-rank{r}",  # type: ignore[attr-defined]
+                         args=(r, fn, plan, world, store.port, accelerator, timeout.total_seconds(), args,
+                               default_dtype_name()))
+             for r in range(world)]
     for p in procs:
         p.start()
     try:

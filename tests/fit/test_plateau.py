@@ -2,29 +2,17 @@
 a plateau, equal under ddp, resumed exactly), and Lightning's per-epoch intervals and frequencies."""
 from __future__ import annotations
 
-import functools
 import json
 
 import pytest
 import torch
+from test_debug_runs import SGD, model, points
 from torch import nn
 from torch.optim import lr_scheduler
 
 import shardwise as sw
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.float64]
-SGD = functools.partial(torch.optim.SGD, lr=0.1)
-
-
-def points(n: int = 40) -> torch.utils.data.TensorDataset:
-    g = torch.Generator().manual_seed(0)
-    return torch.utils.data.TensorDataset(torch.randn(n, 4, generator=g, dtype=torch.float64),
-                                          torch.randn(n, 1, generator=g, dtype=torch.float64))
-
-
-def model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
 
 
 def plateau(opt: torch.optim.Optimizer) -> lr_scheduler.ReduceLROnPlateau:
