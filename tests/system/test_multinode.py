@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import once_per_run
 
 # Every rank here is a fresh process started by a command (torchrun, a script), never the pool.
 pytestmark = [pytest.mark.timeout(300), pytest.mark.fresh_processes]
@@ -87,7 +88,12 @@ def _single():
 
 @pytest.fixture(scope="module")
 def two_node_runs(two_hosts, tmp_path_factory):
-    """Both strategies (those in this build) trained by one two-node launch; (folder, each node's exit and log)."""
+    """Both strategies (those in this build) trained by one two-node launch; (folder, each node's exit and log).
+    Once per pytest run: the xdist worker that asks second reads the first one's result."""
+    return once_per_run("two-node-runs", tmp_path_factory, lambda: _launch_two_nodes(two_hosts, tmp_path_factory))
+
+
+def _launch_two_nodes(two_hosts, tmp_path_factory):
     from shardwise.strategies.registry import available_strategies
 
     folder = tmp_path_factory.mktemp("two_nodes")
