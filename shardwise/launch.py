@@ -63,7 +63,7 @@ under_torchrun = under_launcher  # its former name, from when torchrun's variabl
 def follower() -> bool:
     """True in every rank but rank 0 of a job already running: one a launcher started, or a process group this
     process has joined. Checks whose verdict every rank would reach alike run on rank 0 alone (see
-    :func:`shardwise.fit.checks.validate`); the launcher ends the other ranks when rank 0 refuses the run."""
+    :func:`shardwise.fit.prestart.checks.validate`); the launcher ends the other ranks when rank 0 refuses the run."""
     if dist.is_initialized():
         return dist.get_rank() != 0
     return under_launcher() and os.environ["RANK"] != "0"

@@ -44,7 +44,7 @@ from torch import nn
 from shardwise.comm.topology import Topology
 from shardwise.data import DataSource, batch_len, eval_batches, leaves, to_device
 from shardwise.dims import DP_CP
-from shardwise.fit import preflight
+from shardwise.fit.prestart import preflight
 from shardwise.precision import cast_batch
 from shardwise.step import LossFn, StepRun
 from shardwise.strategies.base import HasServers, Strategy

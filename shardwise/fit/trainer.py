@@ -23,16 +23,6 @@ from shardwise import launch
 from shardwise.checkpoint import store as checkpoint
 from shardwise.comm.topology import pick_device, teardown
 from shardwise.data import DataSource, loader_options
-from shardwise.fit import preflight
-from shardwise.fit.checks import (
-    check_fit_options,
-    check_step,
-    given_model,
-    parse_inputs,
-    run_steps,
-    uncompiled,
-    validate,
-)
 from shardwise.fit.infer import Inference, check_inference, resolve_checkpoint, spawned_inference
 from shardwise.fit.job import (
     FitResult,
@@ -43,6 +33,16 @@ from shardwise.fit.job import (
     spawned_fit,
 )
 from shardwise.fit.options import FitOptions, lightning_arguments
+from shardwise.fit.prestart import preflight
+from shardwise.fit.prestart.checks import (
+    check_fit_options,
+    check_step,
+    given_model,
+    parse_inputs,
+    run_steps,
+    uncompiled,
+    validate,
+)
 from shardwise.fit.replicas import fit_replicas
 from shardwise.fit.schedule import check_schedule
 from shardwise.ft.options import FaultTolerance

@@ -121,8 +121,9 @@ LOCAL_IMPORTS: dict[str, str] = {
     "shardwise.loggers.trackers: mlflow.tracking": "mlflow is optional: only when its logger opens (rank 0)",
     "shardwise.loggers.trackers: wandb": "wandb is optional: only when its logger opens (rank 0)",
     "shardwise.fit.progress: rich.progress": "rich.progress loads only when a progress bar is drawn",
-    "shardwise.fit.checks: shardwise.plan": "the planner loads only when the memory check runs (memory_check='off' "
-                                            "skips it), through the lazy plan package whose plan_run tests replace",
+    "shardwise.fit.prestart.checks: shardwise.plan": "the planner loads only when the memory check runs "
+                                                     "(memory_check='off' skips it), through the lazy plan package "
+                                                     "whose plan_run tests replace",
     "shardwise.torch_private: torch.distributed.elastic.rendezvous.dynamic_rendezvous": (
         "torchelastic's rendezvous, only for `shardwise run` (its absence is tolerated)"),
     "shardwise.parallel.dp.torch_dp: torch.distributed.optim": "torch.distributed.optim jit-scripts its "

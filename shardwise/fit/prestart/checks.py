@@ -23,13 +23,13 @@ from shardwise.checkpoint import resume
 from shardwise.checkpoint import store as checkpoint
 from shardwise.comm.topology import backend_for
 from shardwise.data import DataSource, Kwargs
-from shardwise.fit import preflight
 from shardwise.fit.callbacks import check_picklable
 from shardwise.fit.evaluate import Validation, check_validation, make_validation
 from shardwise.fit.options import RESUME_MODES, FitOptions
+from shardwise.fit.prestart import preflight
+from shardwise.fit.prestart.tp_check import check_plan
 from shardwise.fit.progress import want_progress
 from shardwise.fit.schedule import SchedulerFactory, When, unpack
-from shardwise.fit.tp_check import check_plan
 from shardwise.optim.param_groups import GroupPlan, ParamGroupsFn, check_whole, plan_groups, splits_parameters
 from shardwise.parallel.cp.apply import check_context_parallel, shard_batch
 from shardwise.parallel.dp.sync_bn import batchnorm_layers

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from shardwise.dims import TP
-from shardwise.fit.preflight import _to_meta
+from shardwise.fit.prestart.preflight import _to_meta
 from shardwise.parallel.tp.apply import apply_tp
 from shardwise.parallel.tp.plans import Plan, Style
 from shardwise.plan.trace import meta_copy
