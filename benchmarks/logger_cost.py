@@ -20,20 +20,14 @@ import time
 from typing import Any
 
 import torch
+
+# The model and data of the fault-tolerance cost benchmark beside it (run as a script, this folder is on sys.path):
+# both benchmarks time the same step.
+from ft_cost import data, mlp
 from torch import nn
 
 import shardwise as sw
 from shardwise.fit import progress
-
-
-def mlp(width: int = 1024) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(width, width), nn.ReLU())])
-
-
-def data(width: int = 1024) -> torch.utils.data.TensorDataset:
-    g = torch.Generator().manual_seed(0)
-    return torch.utils.data.TensorDataset(torch.randn(1024, width, generator=g), torch.randn(1024, width, generator=g))
 
 
 class Inline:
