@@ -222,3 +222,36 @@ class WorkerPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class KeptRanks:
+    """The rank processes one owner (a :class:`~shardwise.Trainer`) keeps between its calls.
+
+    A script that calls ``fit``, then ``validate``, ``test`` or ``predict``, starts its ranks once: the first call
+    starts a :class:`WorkerPool` of its size, and every later call of as many ranks or fewer runs on the same
+    processes, each in a fresh process group. A call that needs more ranks replaces the pool; a failed call
+    retires the workers it used, as in any pool. Where ranks are forked from the calling process (a notebook,
+    stdin: :func:`shardwise.launch.start_method`), they see its objects only as they are at that call, so each
+    call starts fresh ones. The workers stop when :meth:`close` is called, when the owner is garbage-collected,
+    or at exit.
+    """
+
+    def __init__(self) -> None:
+        self._pool: WorkerPool | None = None
+
+    def spawn(self, fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), accelerator: str = "cpu",
+              timeout: _dt.timedelta = _dt.timedelta(minutes=5)) -> None:
+        """Run ``fn(rank, device, *args)`` on ``nprocs`` ranks, as :func:`shardwise.launch.spawn` does."""
+        if launch.start_method() != "spawn":
+            launch.spawn(fn, nprocs, args, accelerator, timeout)
+            return
+        if self._pool is None or self._pool.size < nprocs:
+            self.close()
+            self._pool = WorkerPool(nprocs)
+        self._pool.spawn(fn, nprocs, args, accelerator, timeout)
+
+    def close(self) -> None:
+        """Stop the kept processes (a later call starts new ones)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None

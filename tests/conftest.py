@@ -20,7 +20,7 @@ import torch
 
 from shardwise import launch
 from shardwise.ft import supervise
-from shardwise.pool import PRELOAD, WorkerPool
+from shardwise.pool import PRELOAD, KeptRanks, WorkerPool
 
 # Tests run ranks as processes on a small machine: one thread each keeps them
 # from fighting over cores (the library divides cores itself; this only makes
@@ -179,7 +179,10 @@ def worker_pool():
 @pytest.fixture(autouse=True)
 def _ranks_from_the_pool(request, monkeypatch):
     """Route every ``launch.spawn`` of this test to the session's pool, and start a fault-tolerant run's ranks from
-    the pool's fork server (new processes that do not import torch again), unless marked ``fresh_processes``."""
+    the pool's fork server (new processes that do not import torch again), unless marked ``fresh_processes``.
+    A Trainer's kept ranks (shardwise.pool.KeptRanks) start through ``launch.spawn`` too, so each test's calls run
+    where that test sends them (tests/fit/test_kept_ranks.py runs the kept ranks themselves, in a script)."""
+    monkeypatch.setattr(KeptRanks, "spawn", lambda self, *args, **kwargs: launch.spawn(*args, **kwargs))
     if request.node.get_closest_marker("fresh_processes") or os.environ.get("SHARDWISE_TEST_POOL") == "0":
         return
     pool = request.getfixturevalue("worker_pool")

@@ -12,6 +12,7 @@ import inspect
 import os
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -49,6 +50,7 @@ from shardwise.ft.options import FaultTolerance
 from shardwise.init_from import InitFrom, OwnInit, materialize
 from shardwise.loggers import Logger, check_hparams
 from shardwise.optim.param_groups import ParamGroupsFn
+from shardwise.pool import KeptRanks
 from shardwise.step import LossFn, OptimizerFactory, StepFn
 from shardwise.strategies.base import OwnDevices, Strategy
 from shardwise.strategies.single import Single
@@ -251,6 +253,9 @@ class Trainer:
             fast_dev_run=fast_dev_run, limit_val_batches=limit_val_batches, detect_anomaly=detect_anomaly,
             limit_train_batches=limit_train_batches, overfit_batches=overfit_batches, max_steps=max_steps,
             benchmark=benchmark, enable_model_summary=enable_model_summary)
+        # The ranks a call starts here serve this Trainer's later calls too (fit, then validate, predict).
+        self._ranks = KeptRanks()
+        weakref.finalize(self, self._ranks.close)
         o = self.options
         if o.devices == 1 and not isinstance(o.strategy, (Single, OwnDevices)):
             # Trainer("ddp") alone used to run one process without a word: nothing is split then.
@@ -403,8 +408,8 @@ class Trainer:
         with launch.result_dir() as tmp:
             path = os.path.join(tmp, "result.pt")
             try:
-                launch.spawn(spawned_fit, nprocs, args=(payload, path), accelerator=self.options.rank_accelerator,
-                             timeout=self.timeout)
+                self._ranks.spawn(spawned_fit, nprocs, args=(payload, path),
+                                  accelerator=self.options.rank_accelerator, timeout=self.timeout)
             except launch.WorkerFailed as e:
                 # The cause first, before the traceback that ends in this many-line message.
                 print(f"shardwise: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
@@ -482,8 +487,8 @@ class Trainer:
         payload = launch.pickled_for_ranks(job, lambda: {f"{job.kind}'s {k}": v for k, v in sent.items()})
         with launch.result_dir() as tmp:
             out = os.path.join(tmp, "result.pt")
-            launch.spawn(spawned_inference, self.layout.processes, args=(payload, out),
-                         accelerator=self.options.rank_accelerator, timeout=self.timeout)
+            self._ranks.spawn(spawned_inference, self.layout.processes, args=(payload, out),
+                              accelerator=self.options.rank_accelerator, timeout=self.timeout)
             return torch.load(out, weights_only=True)["result"]
 
 
