@@ -15,6 +15,7 @@ import shutil
 
 import pytest
 import torch
+from conftest import mlflow_db
 from torch.utils.data import Subset
 
 import shardwise as sw
@@ -114,8 +115,8 @@ LAYOUTS = {"ddp": ("ddp", 2), "fsdp": ("fsdp", 2), "dp2-tp2-zero3": (sw.Parallel
 
 @pytest.fixture(scope="module")
 def db(tmp_path_factory) -> str:
-    """One MLflow database for the module's runs: a new one spends 1.6 s creating its schema."""
-    return f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
+    """One MLflow database for the module's runs (tests/conftest.py's mlflow_db)."""
+    return mlflow_db(tmp_path_factory, tmp_path_factory.mktemp("mlflow"))
 
 
 def test_every_logger_reads_back_with_its_own_tool(tmp_path, db):

@@ -24,7 +24,7 @@ import types
 import numpy as np
 import pytest
 import torch
-from conftest import assert_same_run
+from conftest import assert_same_run, mlflow_db
 from torch.utils.data import TensorDataset
 
 import shardwise as sw
@@ -124,9 +124,9 @@ def result(path: str) -> types.SimpleNamespace:
     return types.SimpleNamespace(losses=got["losses"], state_dict=got["state"], lr=got["lr"])
 
 
-def test_a_loop_killed_between_saves_resumes_as_the_uninterrupted_loop(tmp_path):
+def test_a_loop_killed_between_saves_resumes_as_the_uninterrupted_loop(tmp_path, tmp_path_factory):
     t = str(tmp_path)
-    ddp_ck, fsdp_ck, db = f"{t}/ddp_ck", f"{t}/fsdp_ck", sw.loggers.sqlite_uri(f"{t}/mlflow.db")
+    ddp_ck, fsdp_ck, db = f"{t}/ddp_ck", f"{t}/fsdp_ck", mlflow_db(tmp_path_factory, t)
     loggers = [sw.loggers.CSV(f"{t}/csv"), sw.loggers.MLflow(tracking_uri=db, experiment="loop")]
     with pytest.raises(Exception, match="died"):
         launch.spawn(job, 2, args=([
