@@ -218,7 +218,7 @@ def mlflow_db(tmp_path_factory: Any, folder: Any) -> str:
     def make() -> str:
         from mlflow.tracking import MlflowClient
 
-        template = tmp_path_factory.getbasetemp().parent / "mlflow-template.db"
+        template = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
         MlflowClient(f"sqlite:///{template}").search_experiments()  # creates the schema
         return str(template)
     path = os.path.join(folder, "mlflow.db")
