@@ -55,7 +55,7 @@ def fit(work: str, model: nn.Module, strategy: object, devices: int = 2, init_fr
     data, loss = WORK[work]
     return sw.Trainer(strategy, devices, accelerator="cpu", progress=False, accumulate_grad_batches=2,
                       gradient_clip_val=0.05, memory_check="off", **kw).fit(
-        model, data(), loss, ADAMW, batch_size=8, max_steps=3, param_groups=no_decay_for_vectors,
+        model, data(), loss, ADAMW, batch_size=8, max_steps=2, param_groups=no_decay_for_vectors,
         init_from=init_from)
 
 
