@@ -116,11 +116,11 @@ def _new_rows(rank: int, device: torch.device, folder: str) -> None:
     """zero1, zero2, hsdp and tp under torch's engines (and sw.Parallel split by dp alone, as zero=3 and zero=1),
     and tp with sequence parallelism (sw.Parallel split by
     tp alone), in one 2-rank launch; hsdp runs as 2 replicas of 1 shard (the 2-D mesh). Llama runs tp (its own
-    plan under torch's styles; its sequence parallelism is refused); under zero1, zero2 and hsdp torch wraps
-    Llama's blocks as under fsdp (test_torch_engines_equal_one_device_and_ours_and_checkpoints_cross_engines) and
-    shards or reduces whatever the model, so GPT runs those rows. Checkpoints cross
-    engines: ZeroRedundancyOptimizer's states (saved by the rank that owns each) into our FSDP, and our
-    sequence-parallel tp slices into torch's DTensors and back."""
+    plan under torch's styles; its sequence parallelism is refused); the other rows run on GPT alone: zero1
+    (torch's DDP and ZeroRedundancyOptimizer) treats every model alike, and zero2 and hsdp wrap Llama's blocks
+    in FSDP2 as fsdp does (test_torch_engines_equal_one_device_and_ours_and_checkpoints_cross_engines).
+    Checkpoints cross engines: ZeroRedundancyOptimizer's states (saved by the rank that owns each) into our FSDP,
+    and our sequence-parallel tp slices into torch's DTensors and back."""
     out: dict[str, sw.FitResult] = {}
     for model, strategy in [("gpt", sw.ZeRO2()), ("gpt", sw.HSDP(shard_size=1)), ("gpt", sw.Parallel(dp=2, zero=3)),
                             ("gpt", sw.Parallel(dp=2, zero=1)), ("llama", sw.TP())]:
