@@ -10,6 +10,14 @@ targets (another layout, another world size) resumes to 2K. Losses and final
 weights must equal one uninterrupted single-process run. Every source has at
 least two targets and every target at least two sources, 8 ranks -> 1 and
 1 -> 8 included (checked by ``test_the_matrix_covers_every_layout``).
+
+GPT-2 runs the pairs where its own layout matters: those with tensor
+parallelism (its fused q|k|v split, its Conv1D weights), a pipeline (its
+``lm_head`` tied across the stages) or context parallelism (its attention
+reached through transformers' registry) on either side. Between the purely
+data-parallel layouts (single, ddp, ZeRO, hsdp, the parameter server) every
+parameter is kept, sharded or flattened whole, whatever the model: the
+project's GPT runs those pairs alone.
 """
 from __future__ import annotations
 
@@ -32,7 +40,7 @@ from shardwise.workloads import CharText, stdlib_text
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.float64]
 
-K = 2  # steps before the checkpoint; resumed runs go to 2K
+K = 1  # steps before the checkpoint (Adam's moments and step count are then saved); resumed runs go to 2K
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 ADAMW_HF = functools.partial(torch.optim.AdamW, lr=1e-4)  # as tests/strategies/test_hf_models.py
 
@@ -69,6 +77,9 @@ MATRIX = {
     "dp2-cp2-zero3-ulysses": ["cp2-ring", "zero3", "single"],
 }
 PAIRS = [(s, t) for s, ts in MATRIX.items() for t in ts]
+DATA_PARALLEL = {"single", "ddp", "zero1", "zero3", "hsdp", "ps-sync-2"}
+CASES = [(s, t, model) for s, t in PAIRS for model in ("gpt", "gpt2")
+         if model == "gpt" or not {s, t} <= DATA_PARALLEL]
 
 
 def tied_gpt() -> nn.Module:
@@ -132,8 +143,7 @@ def test_the_matrix_covers_every_layout():
     assert (8, 1) in sizes and (1, 8) in sizes
 
 
-@pytest.mark.parametrize("model", list(MODELS))
-@pytest.mark.parametrize("source,target", PAIRS, ids=[f"{s}->{t}" for s, t in PAIRS])
+@pytest.mark.parametrize("source,target,model", CASES, ids=[f"{s}->{t}-{m}" for s, t, m in CASES])
 def test_resume_under_another_layout_equals_one_uninterrupted_run(model, source, target, tmp_path,
                                                                   tmp_path_factory, same_run):
     ckpt = str(tmp_path / "ck")

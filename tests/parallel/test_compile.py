@@ -1,5 +1,5 @@
-"""Compiled blocks (``compile=``) under every strategy: the same training as eager, and checkpoints that resume
-either way.
+"""Compiled blocks (``compile=``) under each family of strategy: the same training as eager, and checkpoints that
+resume either way.
 
 Every run uses the ``aot_eager`` backend: dynamo captures each block (with the strategy's layers in it, its
 communication left outside the graphs) and AOTAutograd builds the joint forward/backward graph, exactly what
@@ -8,6 +8,11 @@ cache: 17.5 s for this model on one process, measured). The claim here is the ca
 it, so that is what each strategy runs (float64 throughout); inductor itself, ``compile=True``, runs in
 tests/gpu/test_gpu_compile.py and in ``shardwise bench --pairs compile``. All of it is one test, so that the
 ranks of the pool compile one model after another.
+
+One strategy of each mechanism runs compiled: gradient hooks that reduce buckets while backward runs (``ddp``;
+``zero1``'s hooks reduce-scatter the same buckets and its sharded step is outside the graph), FSDP's gathers around
+each block (``fsdp``), the tensor-parallel layers and their collectives (``Parallel(dp=2, tp=2, zero=3)``, which
+applies the same plan as ``tp`` alone, with FSDP over it) and a pipeline's stages (``PP``).
 """
 from __future__ import annotations
 
@@ -24,9 +29,9 @@ from shardwise.workloads import gpt
 pytestmark = [pytest.mark.timeout(300), pytest.mark.float64]
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
-STEPS = 4
-STRATEGIES = [("single", 1), ("ddp", 2), ("zero1", 2), ("fsdp", 2), ("tp", 2),
-              (sw.PP(schedule="1f1b", microbatches=2), 2), (sw.Parallel(dp=2, tp=2, zero=3), 4)]
+STEPS = 3  # a checkpoint at step 2 and one step after it
+STRATEGIES = [("single", 1), ("ddp", 2), ("fsdp", 2), (sw.PP(schedule="1f1b", microbatches=2), 2),
+              (sw.Parallel(dp=2, tp=2, zero=3), 4)]
 
 
 def fit(strategy, devices, compile=False, ckpt=None, every=None):
@@ -43,12 +48,13 @@ def resumable(src, dst):
     return dst
 
 
-def test_compiled_training_equals_eager_under_every_strategy_and_checkpoints_resume_either_way(tmp_path, same_run):
+def test_compiled_training_equals_eager_under_each_strategy_family_and_checkpoints_resume_either_way(tmp_path,
+                                                                                                  same_run):
     eager = fit("single", 1, ckpt=str(tmp_path / "eager"), every=2)
     for strategy, devices in STRATEGIES:
         name = getattr(strategy, "name", strategy)
         ckpt = every = None
-        if name == "tp":  # an eager run's checkpoint, resumed compiled
+        if name == "parallel":  # an eager run's checkpoint, resumed compiled (tp slices, FSDP shards)
             ckpt = resumable(str(tmp_path / "eager"), str(tmp_path / "to-compiled"))
         elif name == "ddp":  # a compiled run's checkpoint, resumed eager below
             ckpt, every = str(tmp_path / "compiled"), 2

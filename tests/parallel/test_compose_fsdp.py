@@ -47,7 +47,7 @@ def fit(strategy, devices: int, make) -> sw.FitResult:
     return sw.Trainer(strategy, devices, accelerator="cpu", progress=False, gradient_clip_val=CLIP,
                       accumulate_grad_batches=2).fit(
         make(), CharText(stdlib_text(20_000), 16), logits_loss if hf else lm_loss, ADAMW_HF if hf else ADAMW,
-        batch_size=8, max_steps=3)
+        batch_size=8, max_steps=2)
 
 
 _refs: dict[str, sw.FitResult] = {}

@@ -33,14 +33,14 @@ class Seen(sw.Callback):
 
 
 def _fit_with_validation(strategy: sw.Strategy, folder: str) -> dict:
-    """3 steps with validation after every step, a callback and a JSONL logger; then predict and validate."""
+    """2 steps with validation after every step, a callback and a JSONL logger; then predict and validate."""
     text = CharText(stdlib_text(6_000), 16)
     val = CharText(stdlib_text(2_000), 16)
     seen = Seen()
     trainer = sw.Trainer(strategy, 2, accelerator="cpu", progress=False, callbacks=[seen],
                          logger=sw.loggers.JSONL(os.path.join(folder, "log.jsonl")), log_every_n_steps=1)
     model = gpt()
-    run = trainer.fit(model, text, lm_loss, ADAMW, batch_size=8, max_steps=3, val_dataset=val, val_every=1)
+    run = trainer.fit(model, text, lm_loss, ADAMW, batch_size=8, max_steps=2, val_dataset=val, val_every=1)
     logged = [json.loads(line) for line in open(os.path.join(folder, "log.jsonl"))] if \
         torch.distributed.get_rank() == 0 else []
     return {"losses": run.losses, "val_metrics": run.val_metrics, "steps": seen.steps, "vals": seen.vals,
@@ -95,9 +95,9 @@ def test_validation_callbacks_logger_predict_and_nonfinite_under_torch_equal_our
     runs = torch.load(tmp_path / "runs.pt", weights_only=False)
     for name in ("fsdp", "pp"):
         ours, theirs = runs[name, "shardwise"], runs[name, "torch"]
-        assert theirs["steps"] == [1, 2, 3]  # the callbacks saw every step and each validation's metrics
+        assert theirs["steps"] == [1, 2]  # the callbacks saw every step and each validation's metrics
         assert theirs["vals"] == [{k: v for k, v in m.items() if k != "step"} for m in theirs["val_metrics"]]
-        assert {"val_loss"} <= set(theirs["val_metrics"][0]) and len(theirs["logged"]) >= 3
+        assert {"val_loss"} <= set(theirs["val_metrics"][0]) and len(theirs["logged"]) >= 2
         assert theirs["predict"].shape[0] == len(CharText(stdlib_text(2_000), 16))
         _close(ours, theirs)
     for name in ("ddp", "fsdp"):

@@ -51,11 +51,11 @@ WORK = {"gpt": (text, lm_loss), "mlp": (regression, F.mse_loss), "mlp-scaled": (
 
 
 def fit(work: str, model: nn.Module, strategy: object, devices: int = 2, init_from: str | None = None,
-        **kw: object) -> sw.FitResult:
+        steps: int = 2, **kw: object) -> sw.FitResult:
     data, loss = WORK[work]
     return sw.Trainer(strategy, devices, accelerator="cpu", progress=False, accumulate_grad_batches=2,
                       gradient_clip_val=0.05, memory_check="off", **kw).fit(
-        model, data(), loss, ADAMW, batch_size=8, max_steps=3, param_groups=no_decay_for_vectors,
+        model, data(), loss, ADAMW, batch_size=8, max_steps=steps, param_groups=no_decay_for_vectors,
         init_from=init_from)
 
 
@@ -92,8 +92,9 @@ def _every_case(rank: int, device: torch.device, folder: str, saved: str) -> Non
         "gpt fsdp offload": fit("gpt", gpt(), sw.FSDP(offload="all", engine="torch")),
         "gpt fsdp param_init_fn": fit("gpt", meta, sw.FSDP(param_init_fn=copy_from(meta, gpt()), engine="torch")),
         "gpt fsdp compiled": fit("gpt", gpt(), sw.FSDP(engine="torch"), compile="aot_eager"),
-        "mlp ddp fp16-hook": fit("mlp-scaled", mlp(), sw.DDP(reduce_dtype="float16", engine="torch")),
-        "mlp ddp fp16-ours": fit("mlp-scaled", mlp(), sw.DDP(reduce_dtype="float16")),
+        # 3 steps: float16's rounding then moves a weight by more than 1e-6 (the test's check that it rounded).
+        "mlp ddp fp16-hook": fit("mlp-scaled", mlp(), sw.DDP(reduce_dtype="float16", engine="torch"), steps=3),
+        "mlp ddp fp16-ours": fit("mlp-scaled", mlp(), sw.DDP(reduce_dtype="float16"), steps=3),
         "mlp ddp meta": fit("mlp", on_meta(mlp), sw.DDP(engine="torch")),
         "mlp hsdp meta offload": fit("mlp", on_meta(mlp), sw.HSDP(shard_size=1, offload="all", engine="torch")),
     }
@@ -131,7 +132,7 @@ def test_options_around_torch_engines_equal_one_device(tmp_path, saved, same_run
     # Gradients sent in float16: torch's hook casts, then halves; ours halves, then casts. With every gradient in
     # float16's normal range (the loss scaled by 2**12) both round once, to the same numbers.
     same_run(hooked["mlp ddp fp16-ours"], hooked["mlp ddp fp16-hook"])
-    wide = fit("mlp-scaled", mlp(), "single", 1).state_dict  # and float16 rounded them: not the float64 run
+    wide = fit("mlp-scaled", mlp(), "single", 1, steps=3).state_dict  # and float16 rounded them: not the float64 run
     assert max((wide[k] - v).abs().max().item() for k, v in hooked["mlp ddp fp16-hook"].state_dict.items()) > 1e-6
 
 
