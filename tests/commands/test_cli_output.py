@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from shardwise import __version__
-from shardwise.cli import RUN_HELP, build_parser
+from shardwise.cli import RUN_HELP, build_parser, main
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -234,10 +234,10 @@ def test_timeline_labels_fit_their_boxes():
     assert all(t.get_visible() for t in fig.axes[1].texts)
 
 
-def test_a_narrow_console_wraps_the_plan_table_instead_of_cutting_it():
-    r = subprocess.run([sys.executable, "-m", "shardwise", "plan", "--params", "7e9", "--devices", "8"], cwd=ROOT,
-                       env={**os.environ, "PYTHONPATH": ROOT, "COLUMNS": "80"}, capture_output=True, text=True,
-                       timeout=100)
-    assert r.returncode == 0, r.stderr
-    assert "…" not in r.stdout
-    assert max(len(line) for line in r.stdout.splitlines() if line.startswith(("┃", "│"))) <= 80
+def test_a_narrow_console_wraps_the_plan_table_instead_of_cutting_it(monkeypatch, capsys):
+    # The command's own process is test_a_piped_table_is_not_cut's; the width is read from COLUMNS at each print.
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["plan", "--params", "7e9", "--devices", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out
+    assert max(len(line) for line in out.splitlines() if line.startswith(("┃", "│"))) <= 80

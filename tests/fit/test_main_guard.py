@@ -3,6 +3,7 @@ re-import (stdin, a notebook) gets forked ranks."""
 from __future__ import annotations
 
 import os
+import runpy
 import subprocess
 import sys
 
@@ -28,13 +29,17 @@ def python(args, stdin=None):
                           capture_output=True, text=True, timeout=100)
 
 
-def test_a_script_that_trains_at_top_level_is_refused(tmp_path):
+def test_a_script_that_trains_at_top_level_is_refused(tmp_path, monkeypatch):
+    # Run as the main script in this process (runpy makes it ``__main__``, with its file, as `python noguard.py`
+    # does): the refusal is raised before any process starts, so no interpreter is needed to see it. The real
+    # `python script.py` runs are the two tests below.
     script = tmp_path / "noguard.py"
     script.write_text(BODY + "train()\n")
-    r = python([str(script)])
-    assert r.returncode != 0
-    assert r.stderr.strip().splitlines()[-1] == (
-        f"RuntimeError: {script}, line 10, starts rank processes from the top level of the script: each rank imports "
+    monkeypatch.setattr(sys, "argv", [str(script)])
+    with pytest.raises(RuntimeError) as e:
+        runpy.run_path(str(script), run_name="__main__")
+    assert str(e.value) == (
+        f"{script}, line 10, starts rank processes from the top level of the script: each rank imports "
         "the script again (the 'spawn' start method) and would run this code too. Put it under "
         "`if __name__ == \"__main__\":` (or launch with `shardwise run`)")
 

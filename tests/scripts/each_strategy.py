@@ -7,7 +7,9 @@ configured by its own flags). Under torchrun every rank does the same, so each r
 `shardwise run` with that strategy, joining a new process group as a second ``fit`` in a script does. One
 launch instead of one per (example, strategy) pair: the launcher, the ranks' interpreters and their imports
 (torch, transformers) are paid once. Rank 0 prints ``each_strategy: EXAMPLE S ok`` after each run, so a
-failure names the example and strategy it happened in.
+failure names the example and strategy it happened in. S written ``ps!`` is a pair the example must refuse
+before its ranks meet (a check every rank makes alone): every rank expects the exception, rank 0 prints
+``each_strategy: EXAMPLE S refused: TYPE: MESSAGE``, and a run that does not raise fails the launch.
 
 Run as plain python (one process, no torchrun), each run is the example as a script: ``--devices N``
 spawns its own ranks, which import the example again, as they would from ``python EXAMPLE``; the
@@ -36,6 +38,18 @@ def groups(argv: list[str]) -> list[tuple[str, list[str], list[str]]]:
     return out
 
 
+def refused(example: str, name: str, rest: list[str]) -> None:
+    """Run ``example`` under strategy ``name``, which it must refuse with an exception, and print that."""
+    sys.argv = [example, "--strategy", name, *rest]
+    try:
+        runpy.run_path(example, run_name="__main__")
+    except Exception as e:  # noqa: BLE001 - whichever it raises is printed whole, its type included
+        if os.environ.get("RANK", "0") == "0":
+            print(f"each_strategy: {example} {name} refused: {type(e).__name__}: {e}", flush=True)
+        return
+    raise AssertionError(f"{example} ran under {name}, which it should have refused")
+
+
 def main() -> int:
     argv = sys.argv[1:]
     keep_going = argv[:1] == ["--keep-going"]
@@ -45,6 +59,9 @@ def main() -> int:
     failed = False
     for example, names, rest in groups(argv):
         for name in names:
+            if name.endswith("!"):
+                refused(example, name[:-1], rest)
+                continue
             if os.environ.get("RANK", "0") == "0":
                 print(f"each_strategy: {example} {name} starts", flush=True)
             sys.argv = [example, *(["--strategy", name] if name != "-" else []), *rest]

@@ -312,11 +312,18 @@ def listen():
 if __name__ == "__main__":
     # Several modes, comma-separated, run in turn in this process (a new group each, as a script with several
     # trainings), each from the environment the scheduler gave: none sees what joining the last one exported.
+    # MODE@LAUNCHER runs MODE from another launcher's whole environment for this task instead, read from the
+    # JSON file that JOB_ENV_LAUNCHER names (one pair of processes then stands for two launchers' jobs).
     given = dict(os.environ)
     for mode in sys.argv[1].split(","):
+        name, _, other = mode.partition("@")
+        env = given
+        if other:
+            with open(given[f"JOB_ENV_{other.upper()}"]) as f:
+                env = json.load(f)
         os.environ.clear()
-        os.environ.update(given)
-        out = {"fit": fit, "loop": loop, "listen": listen}[mode]()
+        os.environ.update(env)
+        out = {"fit": fit, "loop": loop, "listen": listen}[name]()
         out["source"] = os.environ.get("SHARDWISE_CLUSTER")
         print(f"RESULT {mode} " + json.dumps(out), flush=True)
 '''
@@ -342,12 +349,6 @@ def _free_port_in(lo: int, hi: int) -> int:
                 continue
             return port
     raise RuntimeError(f"no free port in [{lo}, {hi})")
-
-
-def _run_ranks(tmp_path, mode: str, envs: list[dict[str, str]], timeout: float = 100, args=()) -> list[dict]:
-    """Start one process per environment on the script, wait for all, kill them all on any failure; each rank's
-    result of ``mode``."""
-    return _results(_start_ranks(tmp_path, mode, envs, timeout, args), mode)
 
 
 def _results(ranks: list[tuple[int | None, str]], mode: str, exited: bool = True) -> list[dict]:
@@ -424,17 +425,28 @@ def _assert_one_job(results, reference, source):
                                torch.tensor(reference, dtype=torch.float64), rtol=1e-10, atol=1e-12)
 
 
-# The three srun jobs share one pair of tasks: fit, then the hand-written loop, then the listening sockets, each
-# joining a group of its own from the scheduler's variables (the script restores them between modes). The
-# tasks' start-up (torch) is paid once; each test reads its own mode's result.
-SRUN_MODES = "fit,loop,listen"
+# The three srun jobs and the mpirun job share one pair of processes: fit, then fit again from only what
+# `mpirun -np 2` sets (Open MPI's variables, none of SLURM's), then the hand-written loop, then the listening
+# sockets, each joining a group of its own from its launcher's variables (the script sets them afresh for each
+# mode). The processes' start-up (torch) is paid once; each test reads its own mode's result.
+SRUN_MODES = "fit,fit@openmpi,loop,listen"
+
+
+def _mpirun_task(rank: int, port: int) -> dict[str, str]:
+    """What `mpirun -np 2 python job.py` (Open MPI) sets in process ``rank`` on one node, with the port given."""
+    return _clean_env(OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_LOCAL_RANK=str(rank),
+                      OMPI_COMM_WORLD_LOCAL_SIZE="2", MASTER_PORT=str(port))
 
 
 @pytest.fixture(scope="module")
 def srun_job(tmp_path_factory):
     folder = tmp_path_factory.mktemp("srun")
-    job_id = _slurm_job_id()
-    return folder, _start_ranks(folder, SRUN_MODES, [_slurm_task(r, job_id) for r in (0, 1)], timeout=100,
+    job_id, port = _slurm_job_id(), _free_port_in(30000, 32000)
+    envs = []
+    for r in (0, 1):
+        (folder / f"openmpi-{r}.json").write_text(json.dumps(_mpirun_task(r, port)))
+        envs.append({**_slurm_task(r, job_id), "JOB_ENV_OPENMPI": str(folder / f"openmpi-{r}.json")})
+    return folder, _start_ranks(folder, SRUN_MODES, envs, timeout=100,
                                 args=(os.pathsep.join([os.path.dirname(os.path.abspath(__file__)),
                                                     os.path.join(ROOT, "tests")]),))
 
@@ -448,11 +460,8 @@ def test_srun_tasks_form_one_job(srun_job, tmp_path):
 
 
 @pytest.mark.fresh_processes
-def test_mpirun_processes_form_one_job(tmp_path):
-    port = _free_port_in(30000, 32000)
-    envs = [_clean_env(OMPI_COMM_WORLD_RANK=str(r), OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_LOCAL_RANK=str(r),
-                       OMPI_COMM_WORLD_LOCAL_SIZE="2", MASTER_PORT=str(port)) for r in (0, 1)]
-    results = _run_ranks(tmp_path, "fit", envs)
+def test_mpirun_processes_form_one_job(srun_job, tmp_path):
+    results = _results(srun_job[1], "fit@openmpi", exited=False)
     _assert_one_job(results, _reference(tmp_path), "openmpi")
     assert results[0]["local"] != results[1]["local"]
 

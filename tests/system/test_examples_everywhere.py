@@ -1,7 +1,8 @@
 """Every example under every strategy it accepts exits 0 under `shardwise run --nproc 2`.
 
 One launch runs every example under each strategy in turn, in the same ranks
-(tests/scripts/each_strategy.py); a pair an example refuses is launched alone.
+(tests/scripts/each_strategy.py); a pair an example refuses runs in that launch
+too, expected to raise in every rank before the ranks meet.
 
 The strategies are every registered name that runs as one process per
 device (one-process strategies, `single` and `dp`, do not belong under a
@@ -32,7 +33,9 @@ EXAMPLES = {
     "setup_loop.py": ("--epochs", "1"),
 }
 # A hand-written loop cannot drive a parameter server (its servers run their own loop): sw.setup refuses it.
-REFUSED = {("setup_loop.py", "ps")}
+REFUSED = {("setup_loop.py", "ps"): (
+    "ValueError: strategy 'ps' cannot run in a hand-written loop: its server ranks hold no model replica and run a "
+    "serving loop of their own while the workers train; use sw.Trainer('ps', devices=N).fit(...)")}
 MULTI_PROCESS = [n for n in available_strategies() if n != "single" and resolve(n).processes(2) == 2]
 
 
@@ -53,10 +56,13 @@ def accepted(example: str) -> list[str]:
 def every_run(tmp_path_factory) -> subprocess.CompletedProcess:
     """One launch runs every example under every strategy it accepts, in turn, in the same two ranks
     (tests/scripts/each_strategy.py): the same runs as one launch per pair, with the launcher's and the
-    ranks' start-up (torch, transformers) paid once."""
+    ranks' start-up (torch, transformers) paid once. The refused pairs come last, each written ``S!``: the
+    example must raise in every rank, and rank 0 prints what it raised."""
     argv: list[str] = []
     for example, flags in EXAMPLES.items():
         argv += [*(["++"] if argv else []), f"examples/{example}", ",".join(accepted(example)), "--", *flags]
+    for example, strategy in sorted(REFUSED):
+        argv += ["++", f"examples/{example}", f"{strategy}!", "--", *EXAMPLES[example]]
     return once_per_run("examples-everywhere", tmp_path_factory,
                         lambda: shardwise_run("tests/scripts/each_strategy.py", *argv))
 
@@ -76,7 +82,14 @@ def test_example_exits_0_under_shardwise_run_with_every_strategy(every_run, exam
     assert r.returncode == 0, r.stderr[-4000:]
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("example,strategy", sorted(REFUSED))
-def test_a_refused_pair_fails_at_once_with_the_reason(example, strategy):
-    r = shardwise_run(f"examples/{example}", "--strategy", strategy, *EXAMPLES[example])
-    assert r.returncode != 0 and "cannot run in a hand-written loop" in r.stderr, r.stderr[-3000:]
+def test_a_refused_pair_fails_at_once_with_the_reason(every_run, example, strategy):
+    # In the shared launch's ranks, under `shardwise run --nproc 2`: sw.setup refuses the pair before the ranks
+    # meet, in each rank alone (each_strategy fails the launch if any rank goes on). That a rank's exception
+    # fails a `shardwise run` job, its message first on stderr, is tests/system/test_fail_fast.py's claim.
+    r = every_run
+    said = [line for line in r.stdout.splitlines() if line.startswith(f"each_strategy: examples/{example} {strategy} ")]
+    assert said == [f"each_strategy: examples/{example} {strategy} refused: {REFUSED[example, strategy]}"], (
+        r.stdout[-2000:] + r.stderr[-4000:])
+    assert r.returncode == 0, r.stderr[-4000:]
