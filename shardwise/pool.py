@@ -36,9 +36,11 @@ from shardwise import launch
 from shardwise.precision import default_dtype_name
 
 
-def _serve(conn: Connection) -> None:
-    """A pooled worker: run one rank of each job it is sent, until told to stop."""
+def _serve(conn: Connection, owner: int) -> None:
+    """A pooled worker: run one rank of each job it is sent, until told to stop, or until ``owner`` (the process
+    that made the pool) ends."""
     launch.die_with_parent()
+    launch.die_with(owner)
     while True:
         try:
             message = conn.recv_bytes()
@@ -80,7 +82,7 @@ class _Unpickled:
 class _Worker:
     def __init__(self, ctx: Any, index: int) -> None:
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child,), name=f"shardwise-pool{index}")
+        self.proc = ctx.Process(target=_serve, args=(child, os.getpid()), name=f"shardwise-pool{index}")
         self.proc.start()
         child.close()
 

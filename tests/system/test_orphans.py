@@ -23,21 +23,23 @@ SCRIPT = os.path.join(ROOT, "tests", "scripts", "train_long.py")
 
 
 def ranks_of(pid: int) -> list[int]:
-    """Child processes of ``pid`` started by multiprocessing's spawn (the ranks, not its resource tracker)."""
-    out = []
+    """The rank processes ``pid`` started: its children started by multiprocessing's spawn, and the workers its
+    fork server forked (a Trainer's kept ranks, shardwise.pool.KeptRanks), not the fork server itself nor the
+    resource tracker."""
+    parent, cmdline = {}, {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
         try:
             with open(f"/proc/{d}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{d}/cmdline", "rb") as f:
-                cmd = f.read()
+                cmdline[int(d)] = f.read()
         except OSError:
             continue
-        if ppid == pid and b"spawn_main" in cmd:
-            out.append(int(d))
-    return out
+    servers = {p for p, pp in parent.items() if pp == pid and b"forkserver" in cmdline.get(p, b"")}
+    return [p for p, pp in parent.items()
+            if (pp == pid and b"spawn_main" in cmdline.get(p, b"")) or pp in servers]
 
 
 def alive(pid: int) -> bool:
