@@ -257,36 +257,6 @@ def die_with_parent() -> None:
     threading.Thread(target=watch, name="shardwise-parent-watch", daemon=True).start()
 
 
-def die_with(pid: int) -> None:
-    """End this process when process ``pid`` ends, for a process whose parent is not the one it serves.
-
-    A pool's worker (:mod:`shardwise.pool`) is forked by multiprocessing's fork server, and the fork server
-    outlives a killed owner as long as any worker holds the pipe that tells it its clients are gone: without
-    this, the workers of a SIGKILLed script would keep training. A daemon thread checks every 0.5 s.
-    """
-    def watch() -> None:
-        while _alive(pid):
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="shardwise-owner-watch", daemon=True).start()
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: ask the kernel whether the id exists
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
-
 def _worker(rank: int, fn: Callable[..., Any], world: int, port: int, accelerator: str,
             timeout_s: float, args: tuple[Any, ...], default_dtype: str = "float32") -> None:
     die_with_parent()

@@ -21,6 +21,7 @@ import gc
 import os
 import pickle
 import sys
+import threading
 from collections.abc import Callable
 from multiprocessing import util as mp_util
 from multiprocessing.connection import Connection
@@ -36,11 +37,11 @@ from shardwise import launch
 from shardwise.precision import default_dtype_name
 
 
-def _serve(conn: Connection, owner: int) -> None:
-    """A pooled worker: run one rank of each job it is sent, until told to stop, or until ``owner`` (the process
-    that made the pool) ends."""
+def _serve(conn: Connection, owner: Connection) -> None:
+    """A pooled worker: run one rank of each job it is sent, until told to stop, or until the process that made
+    the pool ends (``owner`` then reads end-of-file)."""
     launch.die_with_parent()
-    launch.die_with(owner)
+    _die_with_owner(owner)
     while True:
         try:
             message = conn.recv_bytes()
@@ -68,6 +69,23 @@ def _serve(conn: Connection, owner: int) -> None:
         conn.send_bytes(b"1" if ok else b"0")
 
 
+def _die_with_owner(owner: Connection) -> None:
+    """End this worker the moment the pool's owner ends, whatever killed it (SIGKILL included).
+
+    The worker's parent is multiprocessing's fork server, not the owner, and the fork server outlives a killed
+    owner as long as any of its workers lives: without this, the kept ranks of a SIGKILLed script would keep
+    training and writing checkpoints. Only the owner holds the other end of ``owner``, so end-of-file there means
+    it is gone; a daemon thread waits for it."""
+    def watch() -> None:
+        try:
+            while True:
+                owner.recv_bytes()
+        except (EOFError, OSError):
+            os._exit(1)
+
+    threading.Thread(target=watch, name="shardwise-owner-watch", daemon=True).start()
+
+
 class _Unpickled:
     """Unpickles ``(fn, args)`` inside the rank, so an import error is reported like any other error."""
 
@@ -82,9 +100,11 @@ class _Unpickled:
 class _Worker:
     def __init__(self, ctx: Any, index: int) -> None:
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, os.getpid()), name=f"shardwise-pool{index}")
+        owner, self.owner = ctx.Pipe(duplex=False)  # the worker reads; this process alone holds the writing end
+        self.proc = ctx.Process(target=_serve, args=(child, owner), name=f"shardwise-pool{index}")
         self.proc.start()
         child.close()
+        owner.close()
 
     def alive(self) -> bool:
         return self.proc.exitcode is None
@@ -131,6 +151,7 @@ def _retire(workers: list[_Worker | None], indices: range, ask_first: bool = Fal
         w = workers[i]
         if w is not None:
             w.conn.close()
+            w.owner.close()
             workers[i] = None
 
 
