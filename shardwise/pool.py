@@ -37,11 +37,11 @@ from shardwise import launch
 from shardwise.precision import default_dtype_name
 
 
-def _serve(conn: Connection, owner: Connection) -> None:
+def _serve(conn: Connection, lifeline: Connection) -> None:
     """A pooled worker: run one rank of each job it is sent, until told to stop, or until the process that made
-    the pool ends (``owner`` then reads end-of-file)."""
+    the pool ends (``lifeline`` then reads end-of-file)."""
     launch.die_with_parent()
-    _die_with_owner(owner)
+    _die_with_owner(lifeline)
     while True:
         try:
             message = conn.recv_bytes()
@@ -69,17 +69,17 @@ def _serve(conn: Connection, owner: Connection) -> None:
         conn.send_bytes(b"1" if ok else b"0")
 
 
-def _die_with_owner(owner: Connection) -> None:
+def _die_with_owner(lifeline: Connection) -> None:
     """End this worker the moment the pool's owner ends, whatever killed it (SIGKILL included).
 
     The worker's parent is multiprocessing's fork server, not the owner, and the fork server outlives a killed
     owner as long as any of its workers lives: without this, the kept ranks of a SIGKILLed script would keep
-    training and writing checkpoints. Only the owner holds the other end of ``owner``, so end-of-file there means
+    training and writing checkpoints. Only the owner holds the other end of ``lifeline``, so end-of-file there means
     it is gone; a daemon thread waits for it."""
     def watch() -> None:
         try:
             while True:
-                owner.recv_bytes()
+                lifeline.recv_bytes()
         except (EOFError, OSError):
             os._exit(1)
 
@@ -100,11 +100,12 @@ class _Unpickled:
 class _Worker:
     def __init__(self, ctx: Any, index: int) -> None:
         self.conn, child = ctx.Pipe()
-        owner, self.owner = ctx.Pipe(duplex=False)  # the worker reads; this process alone holds the writing end
-        self.proc = ctx.Process(target=_serve, args=(child, owner), name=f"shardwise-pool{index}")
+        # The worker reads its end of the lifeline; this process alone holds the writing end (_die_with_owner).
+        lifeline, self.lifeline = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_serve, args=(child, lifeline), name=f"shardwise-pool{index}")
         self.proc.start()
         child.close()
-        owner.close()
+        lifeline.close()
 
     def alive(self) -> bool:
         return self.proc.exitcode is None
@@ -151,7 +152,7 @@ def _retire(workers: list[_Worker | None], indices: range, ask_first: bool = Fal
         w = workers[i]
         if w is not None:
             w.conn.close()
-            w.owner.close()
+            w.lifeline.close()
             workers[i] = None
 
 

@@ -21,6 +21,7 @@ import torch
 
 from shardwise import launch
 from shardwise.ft import supervise
+from shardwise.loggers import sqlite_uri
 from shardwise.pool import PRELOAD, KeptRanks, WorkerPool
 
 # Tests run ranks as processes on a small machine: one thread each keeps them
@@ -218,12 +219,12 @@ def mlflow_db(tmp_path_factory: Any, folder: Any) -> str:
     def make() -> str:
         from mlflow.tracking import MlflowClient
 
-        template = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
-        MlflowClient(f"sqlite:///{template}").search_experiments()  # creates the schema
-        return str(template)
+        template = str(tmp_path_factory.mktemp("mlflow-template") / "mlflow.db")
+        MlflowClient(sqlite_uri(template)).search_experiments()  # creates the schema
+        return template
     path = os.path.join(folder, "mlflow.db")
     shutil.copyfile(once_per_run("mlflow-template", tmp_path_factory, make), path)
-    return f"sqlite:///{path}"
+    return sqlite_uri(path)
 
 
 # ---- one `shardwise run --nproc 2` for the tests that only need a script to run under torchrun -----------------
